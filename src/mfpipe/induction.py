@@ -1,0 +1,135 @@
+"""Induction-head scores (paper Sec. 6.1 Exp. 3; TransformerLens convention).
+
+Test sequences are ``[BOS, r1..rk, r1..rk]`` with ``r`` drawn uniformly from the vocabulary
+minus the special tokens. For each query position ``i`` in the second copy the induction target
+is the position right after the first occurrence of the same token, ``i - k + 1``; a head's score
+is its attention weight on that target, averaged over the ``k`` second-copy positions and over
+sequences. Sequences are never longer than the context length: ``k = (context_length - 1) // 2``
+(``context_length // 2`` when there is no BOS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+__all__ = ["induction_scores", "induction_targets", "repeated_random_tokens"]
+
+
+def _allowed_ids(vocab_size: int, special_ids: Iterable[int] | None) -> np.ndarray:
+    special = {int(s) for s in (special_ids or []) if s is not None}
+    allowed = np.array([t for t in range(int(vocab_size)) if t not in special], dtype=np.int64)
+    if allowed.size == 0:
+        raise ValueError("no non-special token ids to draw from")
+    return allowed
+
+
+def repeated_random_tokens(
+    n_sequences: int,
+    k: int,
+    vocab_size: int,
+    special_ids: Iterable[int] | None = None,
+    bos_id: int | None = None,
+    seed: int | np.random.Generator = 0,
+) -> np.ndarray:
+    """Return int64 ``[n_sequences, (bos_id is not None) + 2k]`` rows ``[BOS, r, r]``.
+
+    ``r`` (length ``k``) is drawn uniformly (with replacement) from ``range(vocab_size)`` minus
+    ``special_ids``. Without a ``bos_id`` the rows are ``[r, r]``.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    allowed = _allowed_ids(vocab_size, special_ids)
+    r = allowed[rng.integers(0, allowed.size, size=(int(n_sequences), int(k)))]
+    parts = [r, r]
+    if bos_id is not None:
+        parts.insert(0, np.full((int(n_sequences), 1), int(bos_id), dtype=np.int64))
+    return np.concatenate(parts, axis=1)
+
+
+def induction_targets(k: int, offset: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Query positions of the second copy and their induction targets (``i - k + 1``).
+
+    ``offset`` is the number of tokens before the first copy (1 with BOS, 0 without).
+    """
+    q = np.arange(offset + k, offset + 2 * k)
+    return q, q - k + 1
+
+
+def _default_bos(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    bos = getattr(cfg, "bos_token_id", None)
+    if isinstance(bos, (list, tuple)):
+        bos = bos[0] if bos else None
+    return None if bos is None else int(bos)
+
+
+def induction_scores(
+    model,
+    vocab_size: int,
+    special_ids: Iterable[int] | None,
+    context_length: int,
+    n_sequences: int = 64,
+    seed: int = 0,
+    *,
+    bos_id: int | None | str = "auto",
+    batch_size: int = 16,
+) -> np.ndarray:
+    """Induction score of every head: float64 ``[n_layer, n_head]``.
+
+    Works for any HF causal LM that returns attentions (load or build it with
+    ``attn_implementation="eager"``). ``vocab_size`` is the number of ids to draw from (the
+    tokenizer's, which may be smaller than the embedding matrix); ``special_ids`` are excluded.
+    ``bos_id="auto"`` takes ``model.config.bos_token_id`` (and also excludes it from the draw);
+    ``None`` means no BOS prefix. The same ``seed`` gives the same test sequences, so scores at
+    different checkpoints are comparable.
+    """
+    import torch
+
+    if bos_id == "auto":
+        bos_id = _default_bos(model)
+    offset = 0 if bos_id is None else 1
+    k = (int(context_length) - offset) // 2
+    if k < 2:
+        raise ValueError(f"context_length {context_length} too short for induction sequences")
+    specials = set(int(s) for s in (special_ids or []) if s is not None)
+    if bos_id is not None:
+        specials.add(int(bos_id))
+    tokens = repeated_random_tokens(n_sequences, k, vocab_size, specials, bos_id, seed)
+    q_np, tgt_np = induction_targets(k, offset)
+    q, tgt = torch.as_tensor(q_np), torch.as_tensor(tgt_np)
+
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:  # pragma: no cover
+        device = torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    total = None
+    try:
+        with torch.no_grad():
+            for start in range(0, tokens.shape[0], int(batch_size)):
+                ids = torch.from_numpy(tokens[start : start + int(batch_size)]).to(device)
+                out = model(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    output_attentions=True,
+                    use_cache=False,
+                )
+                atts = out.attentions
+                if atts is None or any(a is None for a in atts):
+                    raise RuntimeError(
+                        "model returned no attention weights; load it with attn_implementation='eager'"
+                    )
+                # [n_layer, batch, head, q, k] -> values at (q, target)
+                per_layer = []
+                for a in atts:
+                    a = a.float()
+                    per_layer.append(a[:, :, q, tgt].sum(dim=(0, 2)).double().cpu().numpy())
+                batch_sum = np.stack(per_layer)  # [n_layer, n_head]
+                total = batch_sum if total is None else total + batch_sum
+    finally:
+        model.train(was_training)
+    return total / (tokens.shape[0] * k)

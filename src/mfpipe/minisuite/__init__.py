@@ -1,0 +1,26 @@
+"""Offline "mini model suite": a byte-level BPE tokenizer and tiny GPT-2 / GPT-NeoX models
+trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniature Pythia suite).
+
+- :func:`mfpipe.minisuite.tokenizer.train_tokenizer`
+- :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.train.build_model`,
+  :func:`~mfpipe.minisuite.train.checkpoint_steps`
+"""
+
+from mfpipe.minisuite.tokenizer import BOS_TOKEN, train_tokenizer
+from mfpipe.minisuite.train import (
+    DEFAULT_CONFIG,
+    build_model,
+    checkpoint_steps,
+    resolve_config,
+    train_mini_model,
+)
+
+__all__ = [
+    "BOS_TOKEN",
+    "DEFAULT_CONFIG",
+    "build_model",
+    "checkpoint_steps",
+    "resolve_config",
+    "train_mini_model",
+    "train_tokenizer",
+]

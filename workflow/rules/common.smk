@@ -1,0 +1,63 @@
+# Shared helpers: config cross-checks, model specs, paths, code dependencies.
+import sys
+from pathlib import Path
+
+SRC = Path(workflow.basedir) / "src"
+sys.path.insert(0, str(SRC))  # the workflow always runs the library of its own checkout
+
+from mfpipe.config import ConfigError, check_config, minimodel, resolve_revisions  # noqa: E402
+
+try:
+    check_config(config)
+except ConfigError as e:
+    raise WorkflowError(str(e))
+
+R = "results"
+CORPUS = config["corpus"]["name"]
+MODELS = {m["name"]: m for m in config["models"]}
+MINI = {m["name"]: m for m in config.get("minisuite", {}).get("models", [])}
+REVISIONS = {name: resolve_revisions(config, m) for name, m in MODELS.items()}
+HALVES = ["stats", "eval"]
+
+
+def code(*modules):
+    """Library modules a rule's result depends on: editing one reruns the rule."""
+    return [str(SRC / "mfpipe" / m) for m in ("__init__.py",) + modules]
+
+
+def tokenizer_input(wildcards):
+    """Mini-suite models tokenize with the suite's tokenizer, which must exist first."""
+    if MODELS[wildcards.model]["source"] == "minisuite":
+        return [f"{R}/minisuite/tokenizer"]
+    return []
+
+
+def model_input(wildcards):
+    """What a corpus pass over (model, revision) depends on: the checkpoint, for the mini suite."""
+    if MODELS[wildcards.model]["source"] == "minisuite":
+        return [f"{R}/minisuite/{wildcards.model}/checkpoints"]
+    return []
+
+
+def model_spec(wildcards):
+    return MODELS[wildcards.model]
+
+
+def all_targets():
+    targets = []
+    mini_used = sorted({m for m, spec in MODELS.items() if spec["source"] == "minisuite"})
+    for m in mini_used:
+        targets.append(f"{R}/minisuite/{m}/induction.csv")
+    if mini_used:
+        targets.append(f"{R}/tables/induction.md")
+    for m in MODELS:
+        targets.append(f"{R}/corpus/{CORPUS}/{m}/tracked.json")
+    targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
+    return targets
+
+
+wildcard_constraints:
+    model="|".join(MODELS) if MODELS else "NONE",
+    mini="|".join(MINI) if MINI else "NONE",
+    corpus=CORPUS,
+    half="stats|eval",

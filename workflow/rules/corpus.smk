@@ -1,0 +1,50 @@
+# Corpus stage: documents -> stats/eval halves -> BOS-led windows in fixed-size shards (a checkpoint:
+# the number of shards is known only once the corpus is tokenized), then the tracked type set.
+
+
+checkpoint corpus_shards:
+    input:
+        tokenizer=tokenizer_input,
+        code=code("corpus.py", "io.py", "models/loader.py"),
+    output:
+        directory(f"{R}/corpus/{{corpus}}/{{model}}/shards"),
+    params:
+        corpus=config["corpus"],
+        model=model_spec,
+        results=R,
+    log:
+        "logs/corpus/{corpus}/{model}/shards.log",
+    script:
+        "../scripts/corpus_shards.py"
+
+
+rule tracked_types:
+    input:
+        shards=f"{R}/corpus/{{corpus}}/{{model}}/shards",
+        tokenizer=tokenizer_input,
+        code=code("tracked.py", "corpus.py", "io.py"),
+    output:
+        f"{R}/corpus/{{corpus}}/{{model}}/tracked.json",
+    params:
+        n_types=config["tracked"]["n_types"],
+        model=model_spec,
+        results=R,
+    log:
+        "logs/corpus/{corpus}/{model}/tracked.log",
+    script:
+        "../scripts/tracked_types.py"
+
+
+rule coverage_table:
+    input:
+        tracked=expand(f"{R}/corpus/{CORPUS}/{{model}}/tracked.json", model=list(MODELS)),
+        code=code("tables.py"),
+    output:
+        csv=f"{R}/tables/coverage_positions.csv",
+        md=f"{R}/tables/coverage_positions.md",
+    params:
+        models=list(MODELS),
+    log:
+        "logs/tables/coverage_positions.log",
+    script:
+        "../scripts/coverage_table.py"
