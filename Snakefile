@@ -18,6 +18,7 @@ validate(config, "workflow/schemas/config.schema.yaml")
 include: "workflow/rules/common.smk"
 include: "workflow/rules/minisuite.smk"
 include: "workflow/rules/corpus.smk"
+include: "workflow/rules/stats.smk"
 
 
 rule all:

@@ -52,6 +52,8 @@ def all_targets():
         targets.append(f"{R}/tables/induction.md")
     for m in MODELS:
         targets.append(f"{R}/corpus/{CORPUS}/{m}/tracked.json")
+        for rev in REVISIONS[m]:
+            targets += [f"{R}/stats/{m}/{rev}/{half}.zarr" for half in HALVES]
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
     return targets
 
@@ -61,3 +63,5 @@ wildcard_constraints:
     mini="|".join(MINI) if MINI else "NONE",
     corpus=CORPUS,
     half="stats|eval",
+    revision="[A-Za-z0-9._-]+",
+    i="[0-9]+",

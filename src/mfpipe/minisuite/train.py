@@ -276,13 +276,18 @@ def _make_optimizer(model, cfg: dict):
 
 
 def _lm_loss(model, rows, mask):
+    """Mean next-token cross entropy over target positions ``j >= 1`` with ``mask[:, j]``.
+
+    Runs the base model and applies the LM head only to the positions that are targets, which
+    avoids materialising (and back-propagating through) the full ``[B, T, V]`` logits.
+    """
     import torch.nn.functional as F
 
-    logits = model(input_ids=rows, use_cache=False).logits
-    targets = rows[:, 1:].masked_fill(~mask[:, 1:], -100)
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100
-    )
+    hidden = model.base_model(input_ids=rows, use_cache=False).last_hidden_state
+    sel = mask[:, 1:]
+    h = hidden[:, :-1][sel]
+    logits = model.get_output_embeddings()(h)
+    return F.cross_entropy(logits.float(), rows[:, 1:][sel])
 
 
 def _commit(tmp: Path, out: Path, names: Sequence[str]) -> None:

@@ -36,8 +36,6 @@ Conventions shared by all adapters
 from __future__ import annotations
 
 import functools
-import math
-import weakref
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -102,30 +100,25 @@ def _no_grad(fn):
     return wrapper
 
 
-# Cache of nnsight wrappers per HF model, so several adapters of one model share one envoy tree.
-_ENVOYS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
-
-
-def _envoy_for(model: nn.Module):
-    envoy = _ENVOYS.get(model)
-    if envoy is None:
-        from nnsight import NNsight
-
-        envoy = NNsight(model)
-        _ENVOYS[model] = envoy
-    return envoy
+def _base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack of an HF model (``model.base_model``; the model itself if already bare)."""
+    base = getattr(model, "base_model", None)
+    return model if base is None else base
 
 
 class Adapter:
     """Architecture adapter for one loaded HF causal LM. Build it with :func:`get_adapter`.
 
-    Subclasses set the module paths (relative to the HF model root for ``LAYERS`` / ``FINAL_NORM`` /
+    Attributes: ``model`` (the HF model given), ``base`` (its decoder stack, ``model.base_model``:
+    ``GPT2Model`` / ``GPTNeoXModel`` / ``LlamaModel`` ...), ``config``, and the shape fields below.
+
+    Subclasses set the module paths (relative to the base model for ``LAYERS`` / ``FINAL_NORM`` /
     ``EMBED``, relative to one block otherwise) and override the few methods whose weights are laid
     out differently (fused QKV, Conv1D).
     """
 
     model_type: ClassVar[str]
-    # paths from the HF *ForCausalLM root
+    # paths from the base model (model.base_model)
     LAYERS: ClassVar[str]
     EMBED: ClassVar[str]
     FINAL_NORM: ClassVar[str]
@@ -141,6 +134,7 @@ class Adapter:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.base: nn.Module = _base_model(model)
         cfg = model.config
         self.config = cfg
         self.n_layers: int = int(cfg.num_hidden_layers)
@@ -152,7 +146,8 @@ class Adapter:
         self.has_post_attn_norm: bool = self.POST_ATTN_NORM is not None
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        self._layer_modules = _get_path(model, self.LAYERS)
+        self._layer_modules = _get_path(self.base, self.LAYERS)
+        self._envoy = None  # nnsight wrapper of self.base, built on the first capture
         if len(self._layer_modules) != self.n_layers:
             raise ValueError(
                 f"{self.model_type}: config says {self.n_layers} layers, model has {len(self._layer_modules)}"
@@ -182,7 +177,7 @@ class Adapter:
 
     # ------------------------------------------------------------------ module access
     def _embedding(self) -> nn.Module:
-        return _get_path(self.model, self.EMBED)
+        return _get_path(self.base, self.EMBED)
 
     def _block(self, layer: int) -> nn.Module:
         return self._layer_modules[layer]
@@ -212,7 +207,7 @@ class Adapter:
                 f"Adapter.capture needs eager attention (got attn_implementation={impl!r}); load the model "
                 "with mfpipe.models.loader.load_model or call model.set_attn_implementation('eager')"
             )
-        if self.model.training:
+        if self.model.training or self.base.training:
             raise ValueError("Adapter.capture needs the model in eval mode (dropout); call model.eval()")
 
     def _capture_layer(self, layer_env, layer: int) -> LayerCapture:
@@ -251,27 +246,33 @@ class Adapter:
         on_layer: Callable[[LayerCapture], None],
         on_final: Callable[[Tensor], None] | None = None,
     ) -> None:
-        """ONE nnsight-traced forward pass over ``input_ids`` [B,T] (no padding, no attention mask).
+        """ONE nnsight-traced forward pass over ``input_ids`` [B,T] (no padding, no attention mask;
+        any integer tensor or array, e.g. a shard's int32 tokens).
 
         Calls ``on_layer(LayerCapture)`` once per layer, in layer order, from inside the trace with
         real float32 tensors (views of the model's own activations when the model is float32: do not
-        modify them in place), then ``on_final(final residual before the last norm [B,T,d])``. The
-        forward stops right after the final residual is read: the final norm and LM head never run.
-        Runs under ``torch.no_grad()``. Exceptions raised by the callbacks propagate unchanged.
+        modify them in place), then ``on_final(final residual before the last norm [B,T,d])``. Only
+        the decoder stack (``model.base_model``) runs: the LM head is never computed. Runs under
+        ``torch.no_grad()``. Exceptions raised by the callbacks propagate unchanged.
         """
         self._check_capturable()
-        envoy = _envoy_for(self.model)
-        ids = input_ids.to(self.device)
+        if self._envoy is None:
+            from nnsight import NNsight
+
+            self._envoy = NNsight(self.base)
+        envoy = self._envoy
+        ids = torch.as_tensor(input_ids).to(device=self.device, dtype=torch.long)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
         layers_env = _get_path(envoy, self.LAYERS)
         final_env = _get_path(envoy, self.FINAL_NORM)
         n_layers = self.n_layers
         with torch.no_grad():
-            with envoy.trace(ids, use_cache=False) as tracer:
+            with envoy.trace(ids, use_cache=False):
                 for layer in range(n_layers):
                     on_layer(self._capture_layer(layers_env[layer], layer))
                 if on_final is not None:
                     on_final(final_env.input.float())
-                tracer.stop()
 
     # ------------------------------------------------------------------ block pieces
     @_no_grad
@@ -328,15 +329,15 @@ class Adapter:
 
     @_no_grad
     def final_norm(self, x: Tensor) -> Tensor:
-        return _get_path(self.model, self.FINAL_NORM)(self._in(x)).to(x.dtype)
+        return _get_path(self.base, self.FINAL_NORM)(self._in(x)).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- GPT-2
 class GPT2Adapter(Adapter):
     model_type = "gpt2"
-    LAYERS = "transformer.h"
-    EMBED = "transformer.wte"
-    FINAL_NORM = "transformer.ln_f"
+    LAYERS = "h"
+    EMBED = "wte"
+    FINAL_NORM = "ln_f"
     ATTN = "attn"
     V_SRC = "attn.c_attn"  # Conv1D d -> 3d, [q | k | v]
     O_PROJ = "attn.c_proj"  # Conv1D, weight [d_in, d_out]
@@ -367,7 +368,7 @@ class GPT2Adapter(Adapter):
 
     @_no_grad
     def position_offset(self, context_length: int | None = None) -> Tensor | None:
-        wpe = self.model.transformer.wpe.weight
+        wpe = self.base.wpe.weight
         n = wpe.shape[0] if context_length is None else int(context_length)
         if not 0 < n <= wpe.shape[0]:
             raise ValueError(f"context_length={context_length} outside 1..{wpe.shape[0]}")
@@ -377,9 +378,9 @@ class GPT2Adapter(Adapter):
 # ------------------------------------------------------------------------------------ GPT-NeoX / Pythia
 class GPTNeoXAdapter(Adapter):
     model_type = "gpt_neox"
-    LAYERS = "gpt_neox.layers"
-    EMBED = "gpt_neox.embed_in"
-    FINAL_NORM = "gpt_neox.final_layer_norm"
+    LAYERS = "layers"
+    EMBED = "embed_in"
+    FINAL_NORM = "final_layer_norm"
     ATTN = "attention"
     V_SRC = "attention.query_key_value"  # Linear d -> 3d, laid out per head: [H, (q|k|v), dh]
     O_PROJ = "attention.dense"
@@ -409,9 +410,9 @@ class GPTNeoXAdapter(Adapter):
 # ------------------------------------------------------------------------------- Llama-style blocks
 class LlamaAdapter(Adapter):
     model_type = "llama"
-    LAYERS = "model.layers"
-    EMBED = "model.embed_tokens"
-    FINAL_NORM = "model.norm"
+    LAYERS = "layers"
+    EMBED = "embed_tokens"
+    FINAL_NORM = "norm"
     ATTN = "self_attn"
     V_SRC = "self_attn.v_proj"
     O_PROJ = "self_attn.o_proj"
@@ -448,7 +449,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_ADAPTERS)
 
 
 def get_adapter(model: nn.Module) -> Adapter:
-    """The adapter for a loaded HF causal LM (``*ForCausalLM`` / ``GPT2LMHeadModel``).
+    """The adapter for a loaded HF causal LM (``*ForCausalLM`` / ``GPT2LMHeadModel``) or its base model.
 
     Raises :class:`UnsupportedArchitectureError` for a ``config.model_type`` outside
     :data:`SUPPORTED_MODEL_TYPES`.
@@ -459,10 +460,10 @@ def get_adapter(model: nn.Module) -> Adapter:
     if cls is None:
         raise UnsupportedArchitectureError(model_type)
     try:
-        _get_path(model, cls.LAYERS)
+        _get_path(_base_model(model), cls.LAYERS)
     except AttributeError as exc:
         raise ValueError(
-            f"{type(model).__name__} (model_type={model_type!r}) has no `{cls.LAYERS}`: pass the causal-LM "
-            "model (e.g. AutoModelForCausalLM), not a bare base model"
+            f"{type(model).__name__} (model_type={model_type!r}) has no `{cls.LAYERS}` in its base model: "
+            "pass a transformers causal LM (e.g. from AutoModelForCausalLM) or its base model"
         ) from exc
     return cls(model)

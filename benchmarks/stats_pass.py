@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Benchmark: the statistics corpus pass against a bare forward pass, on the same batches, in one run.
+
+Prints tokens/s of (a) the bare forward (the model body, eager attention, no LM head — the capture stops
+before the final norm/LM head too), (b) the nnsight capture with no-op callbacks (tracing overhead
+alone) and (c) the full statistics pass (capture + all reductions), their ratios to (a) (goal: stats ≤ 1.3×),
+and peak memory (process RSS; CUDA peak on GPU).
+
+    python benchmarks/stats_pass.py --model gpt2-small-random --n-tracked 1000 --context-length 512 \
+        --batch-size 4 --batches 4 --device cpu
+    python benchmarks/stats_pass.py --model results/minisuite/<name>/checkpoints/<step>
+
+Tokens are Zipf-distributed over the vocabulary (about two thirds of positions tracked at N=1000, like
+real text) unless ``--shard`` gives a corpus shard (.npz); the tracked set is the top-N types of the
+benchmark tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def build_model(name: str, device: str):
+    import transformers
+
+    if name == "gpt2-small-random":
+        cfg = transformers.GPT2Config()  # 12 layers, 12 heads, 768 wide, vocab 50257
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        model.config._attn_implementation = "eager"
+        model.eval().requires_grad_(False)
+        return model.to(device)
+    from mfpipe.models.loader import load_model
+
+    p = Path(name)
+    if not p.is_dir():
+        sys.exit(f"--model: {name!r} is neither 'gpt2-small-random' nor a checkpoint folder")
+    return load_model({"name": p.name, "source": "local", "path": str(p)}, None, "float32", device)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-small-random")
+    ap.add_argument("--n-tracked", type=int, default=1000)
+    ap.add_argument("--context-length", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batches", type=int, default=4, help="timed batches (after one warm-up batch)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--shard", default=None, help="a corpus shard .npz to take windows from")
+    ap.add_argument("--flush-every", type=int, default=8)
+    ap.add_argument("--save-partial", default=None, help="also time writing the partial (.npz) to this path")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.stats.accumulate import Accumulator, bucket_luts, window_buckets
+    from mfpipe.tracked import TrackedSet
+
+    dev = torch.device(args.device)
+    model = build_model(args.model, args.device)
+    adapter = get_adapter(model)
+    V = model.config.vocab_size
+    B, T, nb = args.batch_size, args.context_length, args.batches + 1
+    bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
+    if args.shard:
+        toks = np.load(args.shard)["tokens"][: nb * B]
+        if toks.shape[0] < nb * B:
+            sys.exit(f"--shard has {toks.shape[0]} windows, need {nb * B}")
+        T = toks.shape[1]
+        bos = int(toks[0, 0])
+    else:
+        rng = np.random.default_rng(0)
+        p = 1.0 / np.arange(1, V + 1) ** 1.0
+        p /= p.sum()
+        toks = rng.permutation(V)[rng.choice(V, size=(nb * B, T), p=p)]
+        toks[:, 0] = bos
+    counts = np.bincount(toks[:, 1:].ravel(), minlength=V)
+    counts[bos] = 0
+    order = np.lexsort((np.arange(V), -counts))
+    ids_top = [int(i) for i in order[: args.n_tracked] if counts[i] > 0]
+    tracked = TrackedSet(type_ids=np.asarray(ids_top), strings=[str(i) for i in ids_top], counts=counts[ids_top],
+                         bos_id=int(bos), vocab_size=V)
+    key_lut, query_lut, n, _ = bucket_luts(tracked)
+    batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
+    cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def bare(ids):
+        with torch.no_grad():
+            model.base_model(ids, use_cache=False)
+
+    def noop(ids):
+        adapter.capture(ids, lambda c: None, lambda x: None)
+
+    # baseline memory: model + one bare forward
+    ids0 = torch.as_tensor(batches[0].astype(np.int64), device=dev)
+    bare(ids0)
+    gc.collect()
+    rss_bare_peak = peak_rss_mb()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        bare(ids0)
+        sync()
+        cuda_bare = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+
+    acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
+                      flush_every=args.flush_every)
+    acc_mb = sum(t.numel() * t.element_size() for t in vars(acc).values() if isinstance(t, torch.Tensor)) / 2**20
+
+    def stats(ids, chunk):
+        kb, qt = window_buckets(chunk, key_lut, query_lut, n)
+        acc.add_batch(adapter, ids, kb, qt)
+
+    times = {"bare": 0.0, "capture": 0.0, "stats": 0.0}
+    for i, chunk in enumerate(batches):
+        ids = torch.as_tensor(chunk.astype(np.int64), device=dev)
+        for name, fn in (("bare", lambda: bare(ids)), ("capture", lambda: noop(ids)), ("stats", lambda: stats(ids, chunk))):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i > 0:  # batch 0 is the warm-up
+                times[name] += time.perf_counter() - t0
+    sync()
+    t0 = time.perf_counter()
+    sums = acc.sums()
+    t_sums = time.perf_counter() - t0
+    times["stats"] += t_sums  # the final flush + copy to host belongs to the stats pass
+    ntok = args.batches * B * T
+    part_mb = sum(np.asarray(v).nbytes for v in sums.values()) / 2**20
+    row = sums["P_sum"].sum(-1) / np.maximum(sums["query_count"], 1)[None, None, :]  # rows sum to (#batches)
+    print(f"model {args.model} ({adapter.model_type}, L={adapter.n_layers}, H={adapter.n_heads}, d={adapter.d_model}); "
+          f"device {dev}; torch threads {torch.get_num_threads()}")
+    print(f"N={n} tracked (position coverage {cover:.3f}), T={T}, batch {B}, {args.batches} timed batches = {ntok} tokens")
+    for name in ("bare", "capture", "stats"):
+        print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
+    print(f"  ratio stats / bare forward: {times['stats'] / times['bare']:.3f}  (goal <= 1.3)")
+    print(f"  final flush + device->host copy: {t_sums:.2f} s")
+    print(f"memory: accumulators {acc_mb:.0f} MiB on {dev}; partial (float64 sums) {part_mb:.0f} MiB; "
+          f"peak RSS after model + bare forward {rss_bare_peak:.0f} MiB, peak RSS overall {peak_rss_mb():.0f} MiB")
+    if dev.type == "cuda":
+        print(f"CUDA peak: bare forward {cuda_bare:.0f} MiB, stats pass {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+    if args.save_partial:
+        import os
+
+        from mfpipe.stats import load_partial, save_partial
+
+        t0 = time.perf_counter()
+        save_partial(args.save_partial, sums, {"benchmark": True})
+        t_save = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        load_partial(args.save_partial)
+        t_load = time.perf_counter() - t0
+        print(f"partial file: {os.path.getsize(args.save_partial) / 2**20:.0f} MiB on disk (deflate level 1), "
+              f"write {t_save:.1f} s, read {t_load:.1f} s")
+    ok = np.abs(row[:, :, sums["query_count"] > 0] - 1.0).max()
+    print(f"check: max |row sum of P - 1| = {ok:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,530 @@
+"""Corpus pass: additive per-shard sums of every mean-field statistic (paper Sec. 3.1-3.2, App. A, D, E, K).
+
+Definitions (shared with the whole pipeline, see docs/conventions.md). A window is ``[BOS, t1 … t(T-1)]``.
+Every position ``j ≥ 1`` whose type is tracked is one *context*: query ``x_j``, causal prefix = positions
+``0..j`` inclusive. Key buckets: tracked types ``0..N-1`` (frequency rank), ``<bos>`` = ``N`` (position 0
+only), ``<other>`` = ``N+1`` (positions ≥ 1 of an untracked type). ``K = N + 2``.
+
+One forward pass per batch (:meth:`Adapter.capture`) feeds all layers' callbacks; each callback reduces its
+layer's tensors at once into sums, so only one layer's ``[B,H,T,T]`` attention is ever alive. Everything is
+vectorized (scatter / index_add over buckets and query types); the only Python loop is over the windows of a
+batch. The attention kernel is accumulated in float32 on the model device and flushed into a float64
+accumulator every ``flush_every`` batches; every other sum is accumulated in float64 directly. Partials
+(one per shard) are float64 and merge by addition (:func:`merge_sums`).
+
+Sums returned by :func:`accumulate_shard` (``L`` layers, ``H`` heads, ``d`` width, ``dh`` head width,
+``T`` context length)::
+
+    n_windows, n_tokens                 int64 []          windows / tokens (incl. BOS) seen
+    query_count                         int64 [N]         n_s: number of type-s queries (contexts)
+    key_count                           int64 [K]         positions per bucket (bucket N = n_windows)
+    position_count                      int64 [T]         tracked-query positions per position index
+    P_sum                               f64 [L,H,N,K]     sum over type-s queries of A_st (eq:P)
+    nbar_sum                            f64 [N,K]         sum over type-s queries of n_t(X) (App. A)
+    context_count                       int64 [N,K]       C_st: type-s queries with n_t(X) >= 1 (App. E)
+    cooc                                int64 [N,K]       keys of bucket t within ±cooc_window of a type-s
+                                                          query (excluding itself; Sec. 4.2 `cooc`)
+    resid_sum, resid_sq_sum             f64 [L+1,K,d]     residual entering block l (l = L: final residual
+                                                          before the last norm) and its square, by bucket
+    attn_out_sum, resid_mid_sum,
+    mlp_out_sum                         f64 [L,K,d]       attention / MLP branch outputs and post-attention
+                                                          residual by bucket (App. K MLP gap)
+    value_sum                           f64 [L,H,K,dh]    per-head values by key bucket (-> mu_t)
+    read_sum                            f64 [L,H,K,dh]    per-head reads by the position's bucket (-> zbar_s)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+PARTIAL_FORMAT = 1
+COOC_WINDOW = 5
+
+# name -> (dtype kind, merge) ; all sums merge by addition
+INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "context_count", "cooc")
+FLOAT_KEYS = (
+    "P_sum",
+    "nbar_sum",
+    "resid_sum",
+    "resid_sq_sum",
+    "attn_out_sum",
+    "resid_mid_sum",
+    "mlp_out_sum",
+    "value_sum",
+    "read_sum",
+)
+SUM_KEYS = INT_KEYS + FLOAT_KEYS
+
+
+class StatsError(ValueError):
+    """Inconsistent input to the statistics pass, with a message that says what to change."""
+
+
+# ----------------------------------------------------------------------------------------- lookups
+def bucket_luts(tracked) -> tuple[np.ndarray, np.ndarray, int, int | None]:
+    """(key-bucket LUT, query LUT, N, bos_id) from a :class:`mfpipe.tracked.TrackedSet`, or from a mapping
+    ``{"key_lut": ..., "query_lut": ..., "n": N, "bos_id": optional}`` (plain lookup tables, for tests)."""
+    if isinstance(tracked, Mapping):
+        key = np.asarray(tracked["key_lut"], dtype=np.int64)
+        query = np.asarray(tracked["query_lut"], dtype=np.int64)
+        n = int(tracked["n"])
+        bos = tracked.get("bos_id")
+    else:
+        key = np.asarray(tracked.key_bucket_lut(), dtype=np.int64)
+        query = np.asarray(tracked.query_bucket_lut(), dtype=np.int64)
+        n = int(tracked.n)
+        bos = getattr(tracked, "bos_id", None)
+    if key.shape != query.shape:
+        raise StatsError("key and query lookup tables must have the same length (the vocabulary size)")
+    if key.size and (key.min() < 0 or key.max() > n + 1):
+        raise StatsError(f"key lookup table has buckets outside 0..{n + 1}")
+    return key, query, n, (None if bos is None else int(bos))
+
+
+def window_buckets(tokens: np.ndarray, key_lut: np.ndarray, query_lut: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Key buckets ``[B,T]`` (position 0 -> ``<bos>`` = N) and query types ``[B,T]`` (-1: not a query)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= len(key_lut)):
+        raise StatsError(f"token id outside the vocabulary of {len(key_lut)} of the tracked set")
+    kb = key_lut[tokens]
+    qt = query_lut[tokens]
+    kb[:, 0] = n
+    qt[:, 0] = -1
+    return kb, qt
+
+
+# ----------------------------------------------------------------------------------------- accumulator
+@dataclass
+class _Window:
+    """Per-window compaction shared by every layer of one batch."""
+
+    b: int
+    jq: torch.Tensor  # [Mb] query positions (tracked, >= 1)
+    invq: torch.Tensor  # [Mb] -> index into uq
+    uq: torch.Tensor  # [nq] distinct query types in the window
+    inv: torch.Tensor  # [T] -> index into u
+    u: torch.Tensor  # [nu] distinct key buckets in the window
+    tgt: torch.Tensor  # [H*nq*nu] flat index into the [H,N,K] kernel accumulator
+
+
+class Accumulator:
+    """Accumulates the sums of one shard (or any set of batches) on ``device``.
+
+    Use :meth:`add_batch` with an adapter, or drive it yourself: :meth:`begin_batch` with the batch's
+    buckets, then :meth:`on_layer` per layer and :meth:`on_final` (exactly the adapter callbacks).
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_heads: int,
+        d_model: int,
+        d_head: int,
+        n_tracked: int,
+        context_length: int,
+        device: str | torch.device = "cpu",
+        flush_every: int = 8,
+        cooc_window: int = COOC_WINDOW,
+        cpu_threads: int | None = 1,
+    ):
+        self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
+        self.N = int(n_tracked)
+        self.K = self.N + 2
+        self.T = int(context_length)
+        self.device = torch.device(device)
+        self.flush_every = max(1, int(flush_every))
+        self.cooc_window = int(cooc_window)
+        # The reductions are scatter / index_add dominated and gain nothing from intra-op threads on CPU;
+        # on a busy machine OpenMP barriers make small parallel ops 10-100x slower. So on CPU they run on
+        # `cpu_threads` threads (the model's forward keeps its own setting); None leaves torch alone.
+        self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
+        f64 = dict(dtype=torch.float64, device=dev)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.P64 = torch.zeros(L, H * N * K, **f64)
+        self.P32 = torch.zeros(L, H * N * K, dtype=torch.float32, device=dev)
+        self.nbar = torch.zeros(N * K, **f64)
+        self.ctx = torch.zeros(N * K, **i64)
+        self.cooc = torch.zeros(N * K, **i64)
+        self.query_count = torch.zeros(N, **i64)
+        self.key_count = torch.zeros(K, **i64)
+        self.position_count = torch.zeros(T, **i64)
+        self.resid = torch.zeros(L + 1, K, d, **f64)
+        self.resid_sq = torch.zeros(L + 1, K, d, **f64)
+        self.attn_out = torch.zeros(L, K, d, **f64)
+        self.resid_mid = torch.zeros(L, K, d, **f64)
+        self.mlp_out = torch.zeros(L, K, d, **f64)
+        self.values = torch.zeros(L, K, H * dh, **f64)
+        self.reads = torch.zeros(L, K, H * dh, **f64)
+        self.n_windows = 0
+        self.n_tokens = 0
+        self._batches_since_flush = 0
+        self._windows: list[_Window] = []
+        self._kb_flat: torch.Tensor | None = None
+        self._layers_seen: set[int] = set()
+        self._final_seen = False
+
+    @contextmanager
+    def _threads(self):
+        n = torch.get_num_threads()
+        if self.cpu_threads is None or n == self.cpu_threads:
+            yield
+            return
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+
+    # ------------------------------------------------------------------ per batch, model-free
+    def begin_batch(self, kb: np.ndarray | torch.Tensor, qt: np.ndarray | torch.Tensor) -> None:
+        """Register a batch's key buckets / query types ``[B,T]`` and add its model-free counts."""
+        with self._threads():
+            self._begin_batch(kb, qt)
+
+    def _begin_batch(self, kb, qt) -> None:
+        kb = torch.as_tensor(kb, dtype=torch.int64).to(self.device)
+        qt = torch.as_tensor(qt, dtype=torch.int64).to(self.device)
+        B, T = kb.shape
+        if T != self.T:
+            raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
+        N, K, H = self.N, self.K, self.H
+        self._kb_flat = kb.reshape(-1)
+        self._layers_seen = set()
+        self._final_seen = False
+        self.n_windows += B
+        self.n_tokens += B * T
+        qmask = qt >= 0
+        self.query_count += torch.bincount(qt[qmask], minlength=N)
+        self.key_count += torch.bincount(self._kb_flat, minlength=K)
+        self.position_count += qmask.sum(0)
+        hoff = (torch.arange(H, device=self.device) * N)[:, None, None]
+        arangeT = torch.arange(T, device=self.device)
+        windows = []
+        for b in range(B):
+            jq = torch.nonzero(qmask[b]).reshape(-1)
+            u, inv = torch.unique(kb[b], return_inverse=True)
+            uq, invq = torch.unique(qt[b, jq], return_inverse=True)
+            if jq.numel():
+                tgt = ((hoff + uq[None, :, None]) * K + u[None, None, :]).reshape(-1)
+                # n_t(X) over the inclusive prefix: cumulative one-hot counts of the window's buckets
+                onehot = torch.zeros(T, u.numel(), dtype=torch.float64, device=self.device)
+                onehot[arangeT, inv] = 1.0
+                cnt = torch.cumsum(onehot, 0)[jq]  # [Mb, nu]
+                agg = torch.zeros(uq.numel(), u.numel(), dtype=torch.float64, device=self.device)
+                agg.index_add_(0, invq, cnt)
+                pres = torch.zeros(uq.numel(), u.numel(), dtype=torch.int64, device=self.device)
+                pres.index_add_(0, invq, (cnt > 0).to(torch.int64))
+                flat = (uq[:, None] * K + u[None, :]).reshape(-1)
+                self.nbar.index_add_(0, flat, agg.reshape(-1))
+                self.ctx.index_add_(0, flat, pres.reshape(-1))
+            else:
+                tgt = torch.zeros(0, dtype=torch.int64, device=self.device)
+            windows.append(_Window(b, jq, invq, uq, inv, u, tgt))
+        self._windows = windows
+        # ±w co-occurrence: for each query position j (tracked, j >= 1), the buckets at j±1..j±w in the window
+        for off in range(1, min(self.cooc_window, T - 1) + 1):
+            for q, k in ((qt[:, :-off], kb[:, off:]), (qt[:, off:], kb[:, :-off])):
+                m = q >= 0
+                self.cooc.index_add_(0, q[m] * K + k[m], torch.ones_like(k[m]))
+
+    # ------------------------------------------------------------------ adapter callbacks
+    def on_layer(self, cap) -> None:
+        """Reduce one layer's :class:`~mfpipe.models.adapters.LayerCapture` into the sums."""
+        with self._threads():
+            self._on_layer(cap)
+
+    def _on_layer(self, cap) -> None:
+        l = int(cap.layer)
+        if self._kb_flat is None:
+            raise StatsError("Accumulator.on_layer called before begin_batch")
+        H, T, dh, K = self.H, self.T, self.dh, self.K
+        probs = cap.attn_probs
+        B = probs.shape[0]
+        if tuple(probs.shape) != (B, H, T, T):
+            raise StatsError(f"layer {l}: attention probabilities have shape {tuple(probs.shape)}, expected {(B, H, T, T)}")
+        acc = self.P32[l]
+        for w in self._windows:
+            if w.jq.numel() == 0:
+                continue
+            src = probs[w.b][:, w.jq].to(torch.float32)  # [H, Mb, T] rows of tracked queries
+            nq = w.uq.numel()
+            if nq < w.jq.numel():  # pool repeated query types of the window first
+                pooled = torch.zeros(H, nq, T, dtype=torch.float32, device=src.device)
+                pooled.index_add_(1, w.invq, src)
+                src = pooled
+            byk = torch.zeros(H, nq, w.u.numel(), dtype=torch.float32, device=src.device)
+            byk.index_add_(2, w.inv, src)  # keys -> the window's distinct buckets
+            acc.index_add_(0, w.tgt, byk.reshape(-1))
+        kbf = self._kb_flat
+        BT = kbf.numel()
+        f64 = torch.float64
+        x = cap.resid_in.reshape(BT, self.d).to(f64)
+        self.resid[l].index_add_(0, kbf, x)
+        self.resid_sq[l].index_add_(0, kbf, x * x)
+        self.attn_out[l].index_add_(0, kbf, cap.attn_out.reshape(BT, self.d).to(f64))
+        self.resid_mid[l].index_add_(0, kbf, cap.resid_mid.reshape(BT, self.d).to(f64))
+        self.mlp_out[l].index_add_(0, kbf, cap.mlp_out.reshape(BT, self.d).to(f64))
+        self.values[l].index_add_(0, kbf, cap.values.permute(0, 2, 1, 3).reshape(BT, H * dh).to(f64))
+        self.reads[l].index_add_(0, kbf, cap.reads.reshape(BT, H * dh).to(f64))
+        self._layers_seen.add(l)
+
+    def on_final(self, resid: torch.Tensor) -> None:
+        with self._threads():
+            self._on_final(resid)
+
+    def _on_final(self, resid: torch.Tensor) -> None:
+        kbf = self._kb_flat
+        x = resid.reshape(kbf.numel(), self.d).to(torch.float64)
+        self.resid[self.L].index_add_(0, kbf, x)
+        self.resid_sq[self.L].index_add_(0, kbf, x * x)
+        self._final_seen = True
+
+    def end_batch(self) -> None:
+        if len(self._layers_seen) != self.L or not self._final_seen:
+            raise StatsError(
+                f"the capture delivered layers {sorted(self._layers_seen)} and final={self._final_seen}; "
+                f"expected all {self.L} layers and the final residual"
+            )
+        self._windows = []
+        self._kb_flat = None
+        self._batches_since_flush += 1
+        if self._batches_since_flush >= self.flush_every:
+            self.flush()
+
+    def add_batch(self, adapter, input_ids: torch.Tensor, kb, qt) -> None:
+        """One traced forward of ``input_ids`` [B,T] with all layers reduced into the sums."""
+        self.begin_batch(kb, qt)
+        adapter.capture(input_ids, self.on_layer, self.on_final)
+        self.end_batch()
+
+    def flush(self) -> None:
+        self.P64 += self.P32
+        self.P32.zero_()
+        self._batches_since_flush = 0
+
+    # ------------------------------------------------------------------ output
+    def sums(self) -> dict[str, np.ndarray]:
+        """Float64 / int64 numpy sums (see the module docstring)."""
+        self.flush()
+        L, H, N, K, dh, d = self.L, self.H, self.N, self.K, self.dh, self.d
+
+        def np_(t):
+            return t.detach().cpu().numpy()
+
+        return {
+            "n_windows": np.asarray(self.n_windows, dtype=np.int64),
+            "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
+            "query_count": np_(self.query_count),
+            "key_count": np_(self.key_count),
+            "position_count": np_(self.position_count),
+            "context_count": np_(self.ctx).reshape(N, K),
+            "cooc": np_(self.cooc).reshape(N, K),
+            "P_sum": np_(self.P64).reshape(L, H, N, K),
+            "nbar_sum": np_(self.nbar).reshape(N, K),
+            "resid_sum": np_(self.resid),
+            "resid_sq_sum": np_(self.resid_sq),
+            "attn_out_sum": np_(self.attn_out),
+            "resid_mid_sum": np_(self.resid_mid),
+            "mlp_out_sum": np_(self.mlp_out),
+            "value_sum": np_(self.values).reshape(L, K, H, dh).transpose(0, 2, 1, 3).copy(),
+            "read_sum": np_(self.reads).reshape(L, K, H, dh).transpose(0, 2, 1, 3).copy(),
+        }
+
+
+# ----------------------------------------------------------------------------------------- one shard
+def _progress(iterable, total: int, enabled: bool, desc: str):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="batch", dynamic_ncols=True, mininterval=1.0)
+
+
+def accumulate_shard(
+    model,
+    adapter,
+    tokens: np.ndarray,
+    tracked,
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    flush_every: int = 8,
+    desc: str = "stats",
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Additive float64 sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
+
+    ``model`` is the loaded HF model (only its device is used), ``adapter`` its
+    :class:`~mfpipe.models.adapters.Adapter`; ``tracked`` a TrackedSet (or plain lookup tables, see
+    :func:`bucket_luts`). Position 0 of every window must hold the tracked set's BOS id. ``device`` defaults
+    to the model's device. ``on_batch(i)`` is called after each batch (progress hooks, tests).
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise StatsError(f"tokens must be [n_windows, T], got shape {tokens.shape}")
+    key_lut, query_lut, n, bos = bucket_luts(tracked)
+    if bos is not None and tokens.shape[0] and not np.all(tokens[:, 0] == bos):
+        bad = int(np.nonzero(tokens[:, 0] != bos)[0][0])
+        raise StatsError(
+            f"window {bad} starts with token {int(tokens[bad, 0])}, not the BOS id {bos} of the tracked set; "
+            "windows must be [BOS, t1 … t(T-1)] (rebuild the corpus shards)"
+        )
+    if device is None:
+        device = getattr(adapter, "device", None) or next(model.parameters()).device
+    device = torch.device(device)
+    batch_size = max(1, int(batch_size))
+    acc = Accumulator(
+        adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
+        device=device, flush_every=flush_every,
+    )
+    n_batches = (tokens.shape[0] + batch_size - 1) // batch_size
+    for i in _progress(range(n_batches), n_batches, progress, desc):
+        chunk = tokens[i * batch_size : (i + 1) * batch_size]
+        kb, qt = window_buckets(chunk, key_lut, query_lut, n)
+        ids = torch.as_tensor(chunk.astype(np.int64), device=device)
+        acc.add_batch(adapter, ids, kb, qt)
+        if on_batch is not None:
+            on_batch(i)
+    return acc.sums()
+
+
+# ----------------------------------------------------------------------------------------- merge
+def merge_sums(partials: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Element-wise float64 / int64 sum of partial sums (shapes must agree)."""
+    out: dict[str, np.ndarray] | None = None
+    for k, p in enumerate(partials):
+        missing = [key for key in SUM_KEYS if key not in p]
+        if missing:
+            raise StatsError(f"partial #{k} lacks {missing}; recompute it with this version of mfpipe")
+        if out is None:
+            out = {key: np.array(p[key], dtype=np.int64 if key in INT_KEYS else np.float64, copy=True) for key in SUM_KEYS}
+            continue
+        for key in SUM_KEYS:
+            a = np.asarray(p[key])
+            if a.shape != out[key].shape:
+                raise StatsError(
+                    f"partial #{k}: {key} has shape {a.shape}, earlier partials {out[key].shape} — partials from "
+                    "different models, tracked sets or context lengths cannot be merged"
+                )
+            out[key] += a
+    if out is None:
+        raise StatsError("merge_sums: no partials given")
+    return out
+
+
+# ----------------------------------------------------------------------------------------- partial I/O
+def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None, compress: bool = True) -> None:
+    """Write a partial as ``.npz`` atomically (temp file in the same folder, then rename).
+
+    ``meta`` (JSON-able) is stored under ``__meta__``. Members are deflated at level 1 (fast; the kernel
+    sums are mostly zeros at large N) unless ``compress=False``.
+    """
+    from numpy.lib import format as npformat
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"partial_format": PARTIAL_FORMAT, **dict(meta or {})}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+        with zipfile.ZipFile(tmp, "w", compression=mode, compresslevel=1 if compress else None, allowZip64=True) as zf:
+            items = dict(sums)
+            items["__meta__"] = np.asarray(json.dumps(meta, sort_keys=True))
+            for key, arr in items.items():
+                with zf.open(f"{key}.npy", "w", force_zip64=True) as fh:
+                    npformat.write_array(fh, np.asanyarray(arr), allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_partial(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
+    """(sums, meta) of a partial written by :func:`save_partial`."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            sums = {k: z[k] for k in z.files if k != "__meta__"}
+            meta = json.loads(str(z["__meta__"])) if "__meta__" in z.files else {}
+    except FileNotFoundError:
+        raise FileNotFoundError(f"statistics partial {path} does not exist; rerun the stats_shard step") from None
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise StatsError(f"statistics partial {path} is unreadable ({e}); delete it and rerun the stats_shard step") from e
+    return sums, meta
+
+
+def tokens_fingerprint(tokens: np.ndarray) -> str:
+    import hashlib
+
+    a = np.ascontiguousarray(tokens)
+    h = hashlib.sha256(str(a.shape).encode())
+    h.update(a.astype(np.int64).tobytes())
+    return h.hexdigest()[:16]
+
+
+def partial_meta(tracked, tokens: np.ndarray, extra: Mapping[str, Any] | None = None) -> dict:
+    """What a partial records about its inputs; :func:`run_shards` recomputes partials whose meta differs."""
+    meta = {
+        "tracked_fingerprint": getattr(tracked, "fingerprint", None),
+        "n_tracked": bucket_luts(tracked)[2],
+        "context_length": int(np.asarray(tokens).shape[1]),
+        "n_windows": int(np.asarray(tokens).shape[0]),
+        "shard_fingerprint": tokens_fingerprint(tokens),
+    }
+    meta.update(dict(extra or {}))
+    return meta
+
+
+def run_shards(
+    model,
+    adapter,
+    shard_paths: Sequence[str | Path],
+    partial_paths: Sequence[str | Path],
+    tracked,
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    meta: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[Path]:
+    """Library-level driver: one partial per shard, skipping shards whose partial already exists with
+    matching meta (same shard tokens, tracked set and ``meta``), so an interrupted run resumes where it
+    stopped. Returns the list of partials computed in this call."""
+    from mfpipe.corpus import read_shard
+
+    if len(shard_paths) != len(partial_paths):
+        raise StatsError("run_shards: one partial path per shard is needed")
+    done = []
+    for sp, pp in zip(shard_paths, partial_paths):
+        tokens = read_shard(sp).tokens
+        want = partial_meta(tracked, tokens, meta)
+        pp = Path(pp)
+        if pp.exists():
+            try:
+                _, have = load_partial(pp)
+            except StatsError:
+                have = None
+            if have is not None and all(have.get(k) == v for k, v in want.items()):
+                if log:
+                    log(f"{pp.name}: up to date, skipped")
+                continue
+        t0 = time.perf_counter()
+        sums = accumulate_shard(model, adapter, tokens, tracked, batch_size, device, progress, desc=Path(sp).name)
+        save_partial(pp, sums, want)
+        done.append(pp)
+        if log:
+            log(f"{pp.name}: {tokens.size} tokens in {time.perf_counter() - t0:.1f} s")
+    return done

@@ -1,0 +1,252 @@
+"""Read side of the statistics store: :func:`open_stats` (lazy, provenance-checked) and accessors.
+
+Example::
+
+    from mfpipe.stats import open_stats
+    st = open_stats("results/stats/gpt2-small/main/stats.zarr",
+                    expect={"model": "gpt2-small", "revision": "main", "tracked_fingerprint": ts.fingerprint})
+    P1 = st.P(layer=1)                      # (head, query, key), loaded
+    W = st.W(min_count=20)                  # P / nbar, 0 where C_st < 20
+    c = st.centroids()                      # (depth, query, dim)
+    mu_resid = st.mu(layer=3, out_proj_slices=adapter.out_proj_slices)   # (head, key, dim)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import xarray as xr
+
+from .store import DEFAULT_MIN_COUNT, PROVENANCE_KEYS
+
+# accepted spellings of provenance keys in `expect`
+ALIASES = {
+    "N": "n_tracked",
+    "n": "n_tracked",
+    "n_types": "n_tracked",
+    "tracked_hash": "tracked_fingerprint",
+    "tracked": "tracked_fingerprint",
+    "corpus_hash": "corpus_fingerprint",
+    "T": "context_length",
+    "seq_len": "context_length",
+}
+
+
+class ProvenanceError(ValueError):
+    """A statistics store was computed for something else than what the caller expects."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return int(a) == int(b)
+    if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return False
+    return str(a) == str(b) if (a is not None and b is not None) else a is b
+
+
+def check_provenance(attrs: Mapping[str, Any], expect: Mapping[str, Any] | None, path: str | Path = "") -> None:
+    """Raise :class:`ProvenanceError` naming the first key whose stored value differs from ``expect``."""
+    for key, want in dict(expect or {}).items():
+        name = ALIASES.get(key, key)
+        if name not in attrs:
+            raise ProvenanceError(
+                f"statistics store {path} records no {name!r} (expected {want!r}); it was written by an older or "
+                f"different mfpipe — delete it and rerun the stats stage (snakemake recreates it)"
+            )
+        have = attrs[name]
+        if not _same(have, want):
+            raise ProvenanceError(
+                f"statistics store {path} does not match: {name} is {have!r}, expected {want!r}. It was computed for "
+                f"another {name.replace('_', ' ')}; point to the store for {want!r} or delete {path} and rerun the "
+                f"stats stage so it is recomputed from the current inputs"
+            )
+
+
+def _as_numpy(w) -> np.ndarray:
+    if hasattr(w, "detach"):
+        w = w.detach().float().cpu().numpy()
+    return np.asarray(w, dtype=np.float64)
+
+
+class MeanFieldStats:
+    """A lazily opened statistics store. ``ds`` is the raw :class:`xarray.Dataset` (backed by zarr; values
+    are read on access). Accessors return :class:`xarray.DataArray`; passing ``layer`` / ``depth`` selects
+    one layer (one chunk) and loads it."""
+
+    def __init__(self, ds: xr.Dataset, path: str | Path | None = None):
+        self.ds = ds
+        self.path = None if path is None else Path(path)
+        a = ds.attrs
+        self.attrs = dict(a)
+        self.n = int(a.get("n_tracked", ds.sizes["query"]))
+        self.n_layers = int(ds.sizes["layer"])
+        self.n_heads = int(ds.sizes["head"])
+        self.d_model = int(ds.sizes["dim"])
+        self.d_head = int(ds.sizes["head_dim"])
+        self.bos_bucket = self.n
+        self.other_bucket = self.n + 1
+
+    def __repr__(self) -> str:
+        a = self.attrs
+        return (
+            f"MeanFieldStats({a.get('model')!r}@{a.get('revision')!r} {a.get('half')!r}: N={self.n}, "
+            f"L={self.n_layers}, H={self.n_heads}, T={a.get('context_length')}, tokens={a.get('n_tokens')})"
+        )
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _sel(da: xr.DataArray, dim: str, idx) -> xr.DataArray:
+        return da if idx is None else da.isel({dim: idx}).load()
+
+    @property
+    def query_labels(self) -> list[str]:
+        return [str(s) for s in self.ds["query_str"].values]
+
+    @property
+    def key_labels(self) -> list[str]:
+        return [str(s) for s in self.ds["key_str"].values]
+
+    # ------------------------------------------------------------------ counts, model-free
+    def query_count(self) -> xr.DataArray:
+        return self.ds["query_count"].load()
+
+    def key_count(self) -> xr.DataArray:
+        return self.ds["key_count"].load()
+
+    def nbar(self) -> xr.DataArray:
+        """(query, key): mean number of bucket-t positions in a type-s causal prefix (incl. the query)."""
+        return self.ds["nbar"].load()
+
+    def context_count(self) -> xr.DataArray:
+        """(query, key): C_st, type-s contexts with at least one bucket-t position in the prefix."""
+        return self.ds["context_count"].load()
+
+    def cooc(self) -> xr.DataArray:
+        """(query, key): counts of bucket t within ±cooc_window of a type-s query (Sec. 4.2 `cooc`)."""
+        return self.ds["cooc"].load()
+
+    def position_coverage(self) -> float:
+        """Share of positions >= 1 whose type is tracked (App. F)."""
+        kc = self.key_count().values
+        return float(kc[: self.n].sum() / max(1, kc[: self.n].sum() + kc[self.other_bucket]))
+
+    # ------------------------------------------------------------------ kernels
+    def P(self, layer: int | None = None) -> xr.DataArray:
+        """(layer, head, query, key) corpus attention mean field; rows sum to 1 over ``key``."""
+        return self._sel(self.ds["P"], "layer", layer)
+
+    def W(self, min_count: int | None = None, layer: int | None = None) -> xr.DataArray:
+        """Per-key kernel ``W = P / nbar`` (App. A), 0 where ``C_st < min_count`` (App. E; default: the
+        store's ``min_count``, 20) or where bucket t never occurs; NaN rows for types with no query."""
+        mc = int(self.attrs.get("min_count", DEFAULT_MIN_COUNT) if min_count is None else min_count)
+        P = self.P(layer)
+        nbar = self.nbar()
+        keep = self.context_count() >= max(mc, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            W = xr.where(keep, P / nbar.where(keep), 0.0)
+        has_q = self.query_count() > 0
+        W = W.where(has_q).transpose(*P.dims)
+        W.attrs["min_count"] = mc
+        return W
+
+    # ------------------------------------------------------------------ residual stream
+    def centroids(self, depth: int | None = None, buckets: bool = False) -> xr.DataArray:
+        """Type centroids c[depth, s] (residual entering block ``depth``; depth L = final residual before
+        the last norm) as (depth, query, dim); ``buckets=True`` keeps all K buckets along ``key``."""
+        c = self._sel(self.ds["centroid"], "depth", depth)
+        return c if buckets else self._tracked_rows(c)
+
+    def bos(self, depth: int | None = None) -> xr.DataArray:
+        """BOS representation b[depth] at position 0, (depth, dim)."""
+        return self._sel(self.ds["centroid"], "depth", depth).isel(key=self.bos_bucket, drop=True)
+
+    def other_centroid(self, depth: int | None = None) -> xr.DataArray:
+        """Measured mean residual of untracked positions (the rollout uses its own running mean instead)."""
+        return self._sel(self.ds["centroid"], "depth", depth).isel(key=self.other_bucket, drop=True)
+
+    def resid_var(self, depth: int | None = None, buckets: bool = False) -> xr.DataArray:
+        """Within-type per-dimension variance of the residual (App. D), (depth, query, dim)."""
+        v = self._sel(self.ds["resid_var"], "depth", depth)
+        return v if buckets else self._tracked_rows(v)
+
+    def mlp_gap(self, layer: int | None = None) -> xr.Dataset:
+        """App. K: per query type, the mean post-attention residual ``m`` and the occurrence-mean MLP branch
+        output ``mlp_out`` (compare with ``adapter.mlp(layer, m)``), plus ``attn_out``."""
+        ds = xr.Dataset(
+            {
+                "m": self._sel(self.ds["resid_mid_mean"], "layer", layer),
+                "mlp_out": self._sel(self.ds["mlp_out_mean"], "layer", layer),
+                "attn_out": self._sel(self.ds["attn_out_mean"], "layer", layer),
+            }
+        )
+        return self._tracked_rows(ds)
+
+    # ------------------------------------------------------------------ head space
+    def mu(self, layer: int | None = None, out_proj_slices: Callable[[int], Any] | Any = None) -> xr.DataArray:
+        """Mean value vector mu_t of each head per key bucket (incl. ``<bos>``, ``<other>``):
+        (layer, head, key, head_dim); with ``out_proj_slices`` (``layer -> [H, dh, d]``, e.g.
+        ``adapter.out_proj_slices`` or the adapter itself) mapped to the residual stream through W_O^h:
+        (layer, head, key, dim), output-projection bias not included."""
+        return self._map(self._sel(self.ds["mu"], "layer", layer), layer, out_proj_slices)
+
+    def zbar(self, layer: int | None = None, out_proj_slices: Callable[[int], Any] | Any = None) -> xr.DataArray:
+        """Measured mean read of each head over type-s queries (eq:exact-contribution, teacher-forced):
+        (layer, head, query, head_dim), or mapped through W_O^h: (layer, head, query, dim)."""
+        z = self._tracked_rows(self._sel(self.ds["zbar"], "layer", layer))
+        return self._map(z, layer, out_proj_slices)
+
+    def zhat(self, layer: int | None = None, out_proj_slices: Callable[[int], Any] | Any = None) -> xr.DataArray:
+        """Mean-field contribution with measured values, ``sum_t P_st mu_t`` (Sec. 3.2), same dims as
+        :meth:`zbar`; compare with it for the teacher-forced attention check."""
+        P = self.P(layer)
+        mu = self._sel(self.ds["mu"], "layer", layer)
+        z = xr.dot(P, mu, dim="key")
+        return self._map(z, layer, out_proj_slices)
+
+    def _map(self, x: xr.DataArray, layer: int | None, out_proj_slices) -> xr.DataArray:
+        if out_proj_slices is None:
+            return x
+        fn = getattr(out_proj_slices, "out_proj_slices", out_proj_slices)
+        layers = [layer] if layer is not None else list(range(self.n_layers))
+        outs = []
+        for l in layers:
+            w = _as_numpy(fn(int(l)))  # [H, dh, d]
+            if w.shape != (self.n_heads, self.d_head, self.d_model):
+                raise ValueError(
+                    f"out_proj_slices({l}) has shape {w.shape}, expected {(self.n_heads, self.d_head, self.d_model)}"
+                )
+            xl = x if layer is not None else x.isel(layer=l)
+            wda = xr.DataArray(w, dims=("head", "head_dim", "dim"), coords={"dim": np.arange(self.d_model)})
+            outs.append(xr.dot(xl.astype(np.float64), wda, dim="head_dim").astype(x.dtype))
+        if layer is not None:
+            return outs[0]
+        return xr.concat(outs, dim="layer").assign_coords(layer=x["layer"])
+
+    def _tracked_rows(self, x):
+        sub = x.isel(key=slice(0, self.n))
+        sub = sub.rename({"key": "query", "key_str": "query_str", "key_token_id": "query_token_id"})
+        return sub
+
+
+def open_stats(path: str | Path, expect: Mapping[str, Any] | None = None) -> MeanFieldStats:
+    """Open a statistics store lazily and check its provenance.
+
+    ``expect``: attribute values the caller requires (any of ``model``, ``revision``, ``half``,
+    ``corpus_fingerprint``, ``tracked_fingerprint``, ``n_tracked``, ``context_length`` or any other stored
+    attribute; aliases ``N``, ``tracked_hash``, ``T`` accepted). A mismatch raises :class:`ProvenanceError`
+    naming the key, the expected and the found value, and what to do.
+    """
+    path = Path(path)
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(f"statistics store {path} does not exist or is incomplete; run the stats stage")
+    ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+    check_provenance(ds.attrs, expect, path)
+    return MeanFieldStats(ds, path)
+
+
+__all__ = ["open_stats", "MeanFieldStats", "ProvenanceError", "check_provenance", "PROVENANCE_KEYS"]

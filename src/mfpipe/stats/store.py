@@ -1,0 +1,237 @@
+"""The statistics store: merged sums -> labelled means (xarray) -> one zarr store per (model, revision, half).
+
+``results/stats/<model>/<revision>/<half>.zarr`` holds (``L`` layers, ``H`` heads, ``N`` tracked types,
+``K = N + 2`` buckets, ``d`` width, ``dh`` head width, ``T`` context length):
+
+=====================  ===============================  ===============================================
+variable               dims                             meaning
+=====================  ===============================  ===============================================
+``P``                  layer, head, query, key          mean attention of type-s queries on bucket t (eq:P);
+                                                        rows sum to 1 over the K buckets
+``nbar``               query, key                       mean n_t(X) over type-s contexts (App. A)
+``context_count``      query, key                       C_st: type-s contexts with n_t(X) >= 1 (App. E)
+``cooc``               query, key                       keys of bucket t within ±5 of a type-s query (Sec. 4.2)
+``query_count``        query                            n_s, number of type-s contexts
+``key_count``          key                              positions per bucket (``<bos>``: n_windows)
+``position_count``     position                         tracked-query positions per position index
+``centroid``           depth, key, dim                  mean residual entering block ``depth`` over positions of
+                                                        the bucket (depth L: final residual before the last
+                                                        norm); ``key=N`` is the BOS representation b
+``resid_var``          depth, key, dim                  within-bucket per-dimension variance (App. D)
+``mu``                 layer, head, key, head_dim       mean value vector of the head over the bucket's positions
+``zbar``               layer, head, key, head_dim       mean read of the head (input of the output projection)
+                                                        over the bucket's positions = per query type for
+                                                        ``key < N`` (eq:exact-contribution, measured)
+``attn_out_mean``      layer, key, dim                  mean attention-branch output (what joins the residual)
+``resid_mid_mean``     layer, key, dim                  mean post-attention residual m (App. K)
+``mlp_out_mean``       layer, key, dim                  mean MLP-branch output (App. K)
+=====================  ===============================  ===============================================
+
+Per-position statistics are grouped by the position's bucket along ``key`` (so ``P`` contracts with ``mu``
+and ``centroid`` along ``key``); tracked rows ``key < N`` are the query types. Coordinates: ``query`` and
+``key`` are bucket ranks (``query`` = ``key`` = s for tracked type s) with ``query_str`` / ``key_str``
+(``<bos>``, ``<other>``) and ``query_token_id`` / ``key_token_id`` (``<other>``: -1). Means with no
+observation are NaN (never 0 or inf). The ``layer`` and ``depth`` dims are chunked by 1: one layer per
+chunk; unwritten chunks read as NaN. Provenance lives in the attributes (see :data:`PROVENANCE_KEYS`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import xarray as xr
+
+from .accumulate import COOC_WINDOW, SUM_KEYS, StatsError, bucket_luts
+
+STORE_FORMAT = 1
+DEFAULT_MIN_COUNT = 20
+# what open_stats(expect=...) compares; `model`, `revision`, `half` and `corpus_fingerprint` come from the caller
+PROVENANCE_KEYS = (
+    "model",
+    "revision",
+    "half",
+    "corpus_fingerprint",
+    "tracked_fingerprint",
+    "n_tracked",
+    "context_length",
+)
+
+
+def _mfpipe_version() -> str:
+    try:
+        from mfpipe import __version__
+
+        return str(__version__)
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def _mean(total: np.ndarray, count: np.ndarray, axis_shape: tuple[int, ...]) -> np.ndarray:
+    """total / count broadcast as ``axis_shape``; NaN where count == 0."""
+    c = np.asarray(count, dtype=np.float64).reshape(axis_shape)
+    out = np.full(np.broadcast_shapes(total.shape, c.shape), np.nan, dtype=np.float64)
+    np.divide(total, c, out=out, where=np.broadcast_to(c > 0, out.shape))
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return float(v)
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _labels(tracked, n: int) -> tuple[list[str], np.ndarray, int]:
+    strings = getattr(tracked, "strings", None)
+    ids = getattr(tracked, "type_ids", None)
+    if isinstance(tracked, Mapping):
+        strings = tracked.get("strings")
+        ids = tracked.get("type_ids")
+    if strings is None:
+        strings = [f"t{i}" for i in range(n)]
+    if ids is None:
+        ids = np.full(n, -1, dtype=np.int64)
+    return [str(s) for s in strings], np.asarray(ids, dtype=np.int64), n
+
+
+def finalize(
+    sums: Mapping[str, np.ndarray],
+    tracked,
+    meta: Mapping[str, Any] | None = None,
+    dtype: Any = np.float32,
+    min_count: int = DEFAULT_MIN_COUNT,
+) -> xr.Dataset:
+    """Turn merged sums (:func:`~mfpipe.stats.accumulate.merge_sums`) into the labelled dataset.
+
+    ``meta``: provenance for the attributes — ``model``, ``revision``, ``half``, ``corpus_fingerprint``
+    (and anything else JSON-able, e.g. ``model_type``, ``dtype``, ``corpus``). ``tracked_fingerprint``,
+    ``n_tracked``, ``context_length``, ``n_tokens``, ``n_windows`` and ``mfpipe_version`` are filled in.
+    Large means are stored as ``dtype`` (float32); ``nbar`` stays float64.
+    """
+    missing = [k for k in SUM_KEYS if k not in sums]
+    if missing:
+        raise StatsError(f"finalize: sums lack {missing}")
+    _, _, n, bos = bucket_luts(tracked)
+    L, H, N, K = sums["P_sum"].shape
+    if N != n:
+        raise StatsError(f"finalize: sums are for N={N} tracked types, the tracked set has N={n}")
+    d = sums["resid_sum"].shape[-1]
+    dh = sums["value_sum"].shape[-1]
+    T = sums["position_count"].shape[0]
+    qc = np.asarray(sums["query_count"], dtype=np.int64)
+    kc = np.asarray(sums["key_count"], dtype=np.int64)
+    strings, ids, _ = _labels(tracked, n)
+    key_str = strings + ["<bos>", "<other>"]
+    key_ids = np.concatenate([ids, [-1 if bos is None else bos, -1]]).astype(np.int64)
+
+    P = _mean(sums["P_sum"], qc, (1, 1, N, 1))
+    nbar = _mean(sums["nbar_sum"], qc, (N, 1))
+    centroid = _mean(sums["resid_sum"], kc, (1, K, 1))
+    ex2 = _mean(sums["resid_sq_sum"], kc, (1, K, 1))
+    with np.errstate(invalid="ignore"):
+        resid_var = np.maximum(ex2 - centroid * centroid, 0.0, where=~np.isnan(ex2), out=np.full_like(ex2, np.nan))
+    mu = _mean(sums["value_sum"], kc, (1, 1, K, 1))
+    zbar = _mean(sums["read_sum"], kc, (1, 1, K, 1))
+    attn_out = _mean(sums["attn_out_sum"], kc, (1, K, 1))
+    resid_mid = _mean(sums["resid_mid_sum"], kc, (1, K, 1))
+    mlp_out = _mean(sums["mlp_out_sum"], kc, (1, K, 1))
+
+    f = np.dtype(dtype)
+    data_vars = {
+        "P": (("layer", "head", "query", "key"), P.astype(f)),
+        "nbar": (("query", "key"), nbar),
+        "context_count": (("query", "key"), np.asarray(sums["context_count"], dtype=np.int64)),
+        "cooc": (("query", "key"), np.asarray(sums["cooc"], dtype=np.int64)),
+        "query_count": (("query",), qc),
+        "key_count": (("key",), kc),
+        "position_count": (("position",), np.asarray(sums["position_count"], dtype=np.int64)),
+        "centroid": (("depth", "key", "dim"), centroid.astype(f)),
+        "resid_var": (("depth", "key", "dim"), resid_var.astype(f)),
+        "mu": (("layer", "head", "key", "head_dim"), mu.astype(f)),
+        "zbar": (("layer", "head", "key", "head_dim"), zbar.astype(f)),
+        "attn_out_mean": (("layer", "key", "dim"), attn_out.astype(f)),
+        "resid_mid_mean": (("layer", "key", "dim"), resid_mid.astype(f)),
+        "mlp_out_mean": (("layer", "key", "dim"), mlp_out.astype(f)),
+    }
+    coords = {
+        "layer": np.arange(L),
+        "depth": np.arange(L + 1),
+        "head": np.arange(H),
+        "query": np.arange(N),
+        "key": np.arange(K),
+        "dim": np.arange(d),
+        "head_dim": np.arange(dh),
+        "position": np.arange(T),
+        "query_str": ("query", np.asarray(strings, dtype=object)),
+        "query_token_id": ("query", ids),
+        "key_str": ("key", np.asarray(key_str, dtype=object)),
+        "key_token_id": ("key", key_ids),
+    }
+    attrs = {k: _jsonable(v) for k, v in dict(meta or {}).items()}
+    attrs.update(
+        {
+            "store_format": STORE_FORMAT,
+            "tracked_fingerprint": getattr(tracked, "fingerprint", None) if not isinstance(tracked, Mapping) else tracked.get("fingerprint"),
+            "n_tracked": int(N),
+            "context_length": int(T),
+            "n_tokens": int(sums["n_tokens"]),
+            "n_windows": int(sums["n_windows"]),
+            "n_layers": int(L),
+            "n_heads": int(H),
+            "d_model": int(d),
+            "d_head": int(dh),
+            "bos_id": None if bos is None else int(bos),
+            "min_count": int(min_count),
+            "cooc_window": int(attrs.get("cooc_window", COOC_WINDOW)),
+            "mfpipe_version": _mfpipe_version(),
+        }
+    )
+    attrs = {k: v for k, v in attrs.items() if v is not None}
+    ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
+    ds["P"].attrs["description"] = "mean attention of type-s queries on key bucket t (eq:P)"
+    ds["centroid"].attrs["description"] = "mean residual entering block `depth` (depth L: final, before the last norm)"
+    return ds
+
+
+def _encoding(ds: xr.Dataset) -> dict:
+    enc = {}
+    for name, var in ds.data_vars.items():
+        chunks = tuple(1 if dim in ("layer", "depth") else size for dim, size in zip(var.dims, var.shape))
+        e: dict[str, Any] = {"chunks": chunks}
+        if np.issubdtype(var.dtype, np.floating):
+            e["_FillValue"] = np.nan
+        enc[name] = e
+    return enc
+
+
+def write_store(ds: xr.Dataset, path: str | Path) -> Path:
+    """Write ``ds`` as a zarr (v3) store at ``path``, atomically: everything goes to a temporary sibling
+    folder which is renamed into place only once complete, so an interrupted write leaves no store (only a
+    hidden ``.<name>.tmp-*`` folder that the next write ignores). One layer per chunk."""
+    from mfpipe.io import atomic_dir
+
+    path = Path(path)
+    with atomic_dir(path) as tmp:
+        ds.to_zarr(tmp, mode="w", encoding=_encoding(ds), zarr_format=3, consolidated=False)
+    return path
+
+
+def read_attrs(path: str | Path) -> dict:
+    """The store's attributes without opening it with xarray."""
+    meta = Path(path) / "zarr.json"
+    try:
+        return dict(json.loads(meta.read_text()).get("attributes", {}))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"statistics store {path} does not exist (no zarr.json); run the stats stage") from None

@@ -1,0 +1,387 @@
+"""Per-architecture adapters: capture vs an independent HF/torch-hook path, and block pieces vs the real forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from mfpipe.models.adapters import (
+    SUPPORTED_MODEL_TYPES,
+    Adapter,
+    LayerCapture,
+    UnsupportedArchitectureError,
+    get_adapter,
+)
+from tiny_models import TINY_MODEL_TYPES, make_tiny_model, random_ids
+
+ATOL = 1e-5
+B, T = 2, 16
+
+# (model_type, config overrides): the six architectures plus variants that exercise the optional paths
+CASES = [(mt, {}) for mt in TINY_MODEL_TYPES] + [
+    ("gpt_neox", {"use_parallel_residual": False}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"num_key_value_heads": 4}),  # no GQA
+    ("qwen3", {"num_key_value_heads": 1, "attention_bias": True}),  # MQA + biases
+    ("gemma2", {"sliding_window": 4}),  # window shorter than T
+]
+
+
+def _case_id(case):
+    mt, ov = case
+    return mt + "".join(f"-{k}={v}" for k, v in ov.items())
+
+
+def _get(root, path):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+# --------------------------------------------------------------------------------------------------
+# Independent reference: HF output_attentions / output_hidden_states + plain torch forward hooks.
+# Module paths and value layouts are written out here again on purpose (not taken from the adapter).
+def _values_gpt2(out, cfg):
+    d, H = cfg.n_embd, cfg.n_head
+    v = out[..., 2 * d : 3 * d]
+    return v.reshape(*v.shape[:2], H, d // H).permute(0, 2, 1, 3)
+
+
+def _values_neox(out, cfg):
+    H = cfg.num_attention_heads
+    dh = cfg.hidden_size // H
+    qkv = out.reshape(*out.shape[:2], H, 3, dh)  # per head: [q | k | v]
+    return qkv[..., 2, :].permute(0, 2, 1, 3)
+
+
+def _values_vproj(out, cfg):
+    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
+    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    v = out.reshape(*out.shape[:2], KV, dh).permute(0, 2, 1, 3)  # [B,KV,T,dh]
+    return torch.stack([v[:, h // (H // KV)] for h in range(H)], dim=1)
+
+
+_LLAMA_REF = dict(
+    layers="model.layers",
+    v=("self_attn.v_proj", _values_vproj),
+    o="self_attn.o_proj",
+    attn="self_attn",
+    attn_out=None,
+    mlp_out="mlp",
+    final="model.norm",
+)
+REF = {
+    "gpt2": dict(
+        layers="transformer.h",
+        v=("attn.c_attn", _values_gpt2),
+        o="attn.c_proj",
+        attn="attn",
+        attn_out=None,
+        mlp_out="mlp",
+        final="transformer.ln_f",
+    ),
+    "gpt_neox": dict(
+        layers="gpt_neox.layers",
+        v=("attention.query_key_value", _values_neox),
+        o="attention.dense",
+        attn="attention",
+        attn_out=None,
+        mlp_out="mlp",
+        final="gpt_neox.final_layer_norm",
+    ),
+    "llama": _LLAMA_REF,
+    "qwen3": _LLAMA_REF,
+    "gemma2": dict(_LLAMA_REF, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+    "olmo2": dict(_LLAMA_REF, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+}
+
+
+def reference_run(model, ids):
+    """Per-layer activations from HF outputs + forward hooks (independent of mfpipe.models.adapters)."""
+    spec = REF[model.config.model_type]
+    rec: dict = {}
+    handles = []
+
+    def out_hook(key):
+        def hook(mod, args, kwargs, out):
+            rec[key] = out
+        return hook
+
+    def in_hook(key):
+        def hook(mod, args, kwargs):
+            rec[key] = args[0] if args else next(iter(kwargs.values()))
+        return hook
+
+    layers = _get(model, spec["layers"])
+    for l, blk in enumerate(layers):
+        vpath, vfn = spec["v"]
+        handles.append(_get(blk, vpath).register_forward_hook(out_hook(("v", l)), with_kwargs=True))
+        handles.append(_get(blk, spec["o"]).register_forward_pre_hook(in_hook(("reads", l)), with_kwargs=True))
+        handles.append(_get(blk, spec["o"]).register_forward_hook(out_hook(("o_out", l)), with_kwargs=True))
+        handles.append(_get(blk, spec["attn"]).register_forward_hook(out_hook(("attn", l)), with_kwargs=True))
+        if spec["attn_out"]:
+            handles.append(_get(blk, spec["attn_out"]).register_forward_hook(out_hook(("attn_out", l)), with_kwargs=True))
+        handles.append(_get(blk, spec["mlp_out"]).register_forward_hook(out_hook(("mlp_out", l)), with_kwargs=True))
+    fin = _get(model, spec["final"])
+    handles.append(fin.register_forward_pre_hook(in_hook("final"), with_kwargs=True))
+    handles.append(fin.register_forward_hook(out_hook("final_normed"), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True, output_hidden_states=True, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    cfg = model.config
+    H = cfg.num_attention_heads
+    per_layer = []
+    for l in range(len(layers)):
+        reads = rec[("reads", l)]
+        per_layer.append(
+            dict(
+                resid_in=out.hidden_states[l],
+                probs=out.attentions[l],
+                values=spec["v"][1](rec[("v", l)], cfg),
+                reads=reads.reshape(*reads.shape[:2], H, -1),
+                o_out=rec[("o_out", l)],
+                attn_block_out=rec[("attn", l)][0],
+                attn_out=rec[("attn_out", l)] if spec["attn_out"] else rec[("attn", l)][0],
+                mlp_out=rec[("mlp_out", l)],
+            )
+        )
+    return dict(layers=per_layer, final=rec["final"], final_normed=rec["final_normed"], logits=out.logits)
+
+
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add sync overhead (and stall badly on a loaded machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+def case(request):
+    mt, overrides = request.param
+    model = make_tiny_model(mt, **overrides)
+    ids = random_ids(B, T, seed=1, bos=1)
+    adapter = get_adapter(model)
+    caps: list[LayerCapture] = []
+    finals: list[torch.Tensor] = []
+    adapter.capture(ids, caps.append, finals.append)
+    return dict(model=model, ids=ids, adapter=adapter, caps=caps, finals=finals, ref=reference_run(model, ids))
+
+
+def _close(a, b, atol=ATOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= atol, f"max abs err {err:.3g} > {atol}"
+
+
+def test_supported_list():
+    assert set(SUPPORTED_MODEL_TYPES) == set(TINY_MODEL_TYPES)
+
+
+def test_adapter_fields(case):
+    a, cfg = case["adapter"], case["model"].config
+    assert isinstance(a, Adapter)
+    assert a.model_type == cfg.model_type
+    assert a.n_layers == 2 and a.d_model == 64 and a.n_heads == 4 and a.d_head == 16
+    assert a.n_kv_heads == getattr(cfg, "num_key_value_heads", 4)
+    assert a.parallel_residual == (cfg.model_type == "gpt_neox" and cfg.use_parallel_residual)
+    assert a.has_post_attn_norm == (cfg.model_type in ("gemma2", "olmo2"))
+
+
+def test_capture_matches_reference(case):
+    a, caps, ref = case["adapter"], case["caps"], case["ref"]
+    assert [c.layer for c in caps] == list(range(a.n_layers))
+    assert len(case["finals"]) == 1
+    for c, r in zip(caps, ref["layers"]):
+        _close(c.resid_in, r["resid_in"])
+        _close(c.attn_probs, r["probs"])
+        _close(c.values, r["values"])
+        _close(c.reads, r["reads"])
+        _close(c.attn_out, r["attn_out"])
+        _close(c.resid_mid, r["resid_in"] + r["attn_out"])
+        _close(c.mlp_out, r["mlp_out"])
+        for t in (c.resid_in, c.attn_probs, c.values, c.reads, c.attn_out, c.resid_mid, c.mlp_out):
+            assert t.dtype == torch.float32
+    _close(case["finals"][0], ref["final"])
+    # sanity of the reference itself: probabilities are rows of a distribution, reads = P @ V
+    for r in ref["layers"]:
+        _close(r["probs"].sum(-1), torch.ones_like(r["probs"][..., 0]))
+        _close(torch.einsum("bhqk,bhkd->bqhd", r["probs"], r["values"]), r["reads"])
+
+
+def test_out_proj_slices_recompose(case):
+    a, caps, ref = case["adapter"], case["caps"], case["ref"]
+    for c, r in zip(caps, ref["layers"]):
+        W = a.out_proj_slices(c.layer)
+        assert W.shape == (a.n_heads, a.d_head, a.d_model)
+        bias = a.out_proj_bias(c.layer)
+        o = torch.einsum("bthk,hkd->btd", c.reads, W)
+        if bias is not None:
+            assert bias.shape == (a.d_model,)
+            o = o + bias
+        _close(o, r["o_out"])
+        if not a.has_post_attn_norm:
+            _close(o, r["attn_block_out"])
+        _close(a.post_attn_norm(c.layer, o), r["attn_out"])
+
+
+def test_block_pieces_recompose_forward(case):
+    a, caps, ref, ids = case["adapter"], case["caps"], case["ref"], case["ids"]
+    # embeddings (+ mean position offset for GPT-2)
+    e = a.embed(ids)
+    if a.model_type == "gpt2":
+        wpe = case["model"].transformer.wpe.weight
+        _close(e + wpe[:T], caps[0].resid_in)
+        _close(a.position_offset(T), wpe[:T].mean(0))
+        _close(a.position_offset(), wpe.mean(0))
+    else:
+        assert a.position_offset(T) is None
+        _close(e, caps[0].resid_in)
+    nxt = [c.resid_in for c in caps[1:]] + [case["finals"][0]]
+    for c, r, x_next in zip(caps, ref["layers"], nxt):
+        l = c.layer
+        v = a.value_map(l, c.resid_in)  # [B,T,H,dh]
+        _close(v.transpose(1, 2), c.values)
+        # attention branch from the captured probabilities and the value map
+        reads = torch.einsum("bhqk,bkhd->bqhd", c.attn_probs, v)
+        o = torch.einsum("bthk,hkd->btd", reads, a.out_proj_slices(l))
+        if a.out_proj_bias(l) is not None:
+            o = o + a.out_proj_bias(l)
+        mid = c.resid_in + a.post_attn_norm(l, o)
+        _close(mid, c.resid_mid)
+        # the pre-attention norm is what the value projection sees
+        h = a.attn_input_norm(l, c.resid_in)
+        assert h.shape == c.resid_in.shape
+        if a.model_type == "olmo2":
+            _close(h, c.resid_in, atol=0)
+        if a.parallel_residual:
+            m = a.mlp(l, c.resid_in)
+            _close(m, c.mlp_out)
+            _close(c.resid_in + c.attn_out + m, x_next)
+        else:
+            m = a.mlp(l, c.resid_mid)
+            _close(m, c.mlp_out)
+            _close(c.resid_mid + m, x_next)
+    _close(a.final_norm(case["finals"][0]), ref["final_normed"])
+
+
+def test_block_pieces_shapes_and_grad_free(case):
+    a = case["adapter"]
+    x = torch.randn(5, a.d_model)  # e.g. a batch of centroids
+    assert a.value_map(0, x).shape == (5, a.n_heads, a.d_head)
+    assert a.mlp(1, x).shape == (5, a.d_model)
+    assert a.attn_input_norm(0, x).shape == (5, a.d_model)
+    assert a.post_attn_norm(0, x).shape == (5, a.d_model)
+    assert a.final_norm(x).shape == (5, a.d_model)
+    assert not a.mlp(0, x).requires_grad and not a.out_proj_slices(0).requires_grad
+
+
+def test_capture_leaves_model_untouched(case):
+    model, ids = case["model"], case["ids"]
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+    assert torch.equal(logits, case["ref"]["logits"])
+
+
+# --------------------------------------------------------------------------------------------------
+def test_capture_callback_errors_propagate_and_optional_final():
+    model = make_tiny_model("llama")
+    a = get_adapter(model)
+
+    class Boom(RuntimeError):
+        pass
+
+    def bad(cap):
+        if cap.layer == 1:
+            raise Boom("stop here")
+
+    with pytest.raises(Boom):
+        a.capture(random_ids(), bad)
+    seen = []
+    a.capture(random_ids(), lambda c: seen.append(c.layer))  # works again after an error, no on_final
+    assert seen == [0, 1]
+
+
+def test_capture_one_layer_alive_at_a_time():
+    import weakref
+
+    model = make_tiny_model("gpt2", n_layer=4)
+    refs = []
+    alive = []
+
+    def cb(c):
+        alive.append(sum(r() is not None for r in refs))
+        refs.append(weakref.ref(c.attn_probs))
+
+    get_adapter(model).capture(random_ids(), cb)
+    assert alive == [0, 0, 0, 0]
+    assert all(r() is None for r in refs)
+
+
+def test_capture_requires_eager_and_eval():
+    model = make_tiny_model("qwen3")
+    a = get_adapter(model)
+    model.train()
+    with pytest.raises(ValueError, match="eval"):
+        a.capture(random_ids(), lambda c: None)
+    model.eval()
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="eager"):
+        a.capture(random_ids(), lambda c: None)
+
+
+def test_capture_accepts_int32_numpy_and_releases_model():
+    import gc
+    import weakref
+
+    model = make_tiny_model("gpt_neox")
+    a = get_adapter(model)
+    ids = random_ids()
+    ref, got = [], []
+    a.capture(ids, ref.append)
+    a.capture(ids.numpy().astype("int32"), got.append)
+    assert all(torch.equal(r.resid_mid, g.resid_mid) for r, g in zip(ref, got))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        a.capture(ids[0], lambda c: None)
+    r_model, r_base = weakref.ref(model), weakref.ref(model.base_model)
+    del model, a, ref, got
+    gc.collect()
+    assert r_model() is None and r_base() is None
+
+
+def test_get_adapter_accepts_base_model():
+    model = make_tiny_model("olmo2")
+    a = get_adapter(model.model)
+    caps = []
+    a.capture(random_ids(), caps.append)
+    assert len(caps) == 2 and a.model_type == "olmo2"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.BertConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+        ),
+        transformers.OPTConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+            max_position_embeddings=64,
+        ),
+    ],
+    ids=["bert", "opt"],
+)
+def test_unsupported_architecture(config):
+    model = transformers.AutoModel.from_config(config)
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        get_adapter(model)
+    msg = str(info.value)
+    assert repr(config.model_type) in msg
+    for name in SUPPORTED_MODEL_TYPES:
+        assert name in msg
+    assert isinstance(info.value, ValueError)

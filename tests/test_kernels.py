@@ -1,0 +1,115 @@
+import numpy as np
+import pytest
+import torch
+
+from mfpipe import kernels as K
+
+L, H, N = 3, 2, 6
+
+
+def _P(seed=0, L=L, H=H, N=N):
+    rng = np.random.default_rng(seed)
+    return rng.dirichlet(np.ones(N + 2), size=(L, H, N))
+
+
+def _C(seed=0):
+    rng = np.random.default_rng(seed)
+    c = rng.integers(0, 20, size=(N, N))
+    c = c + c.T
+    np.fill_diagonal(c, 0)
+    return c
+
+
+@pytest.mark.parametrize("name", ["mean_field", "cooc", "meanq", "uniform", "rowshuffle", "P0only", "Pavg"])
+def test_kernels_row_stochastic(name):
+    P = _P()
+    Kr = K.build_kernel(name, P, cooc_counts=_C(), seed=3)
+    assert Kr.shape == P.shape
+    K.check_row_stochastic(Kr)
+
+
+def test_check_row_stochastic_rejects():
+    P = _P()
+    P[0, 0, 0, 0] += 0.1
+    with pytest.raises(ValueError):
+        K.check_row_stochastic(P)
+    with pytest.raises(ValueError):
+        K.check_row_stochastic(np.zeros((2, 3)))
+
+
+def test_meanq_uniform_semantics():
+    P = _P(1)
+    mq = K.meanq(P)
+    np.testing.assert_allclose(mq, np.broadcast_to(P.mean(2, keepdims=True), P.shape))
+    w = np.arange(1, N + 1, dtype=float)
+    mqw = K.meanq(P, weights=w)
+    np.testing.assert_allclose(mqw[0, 0, 3], (P[0, 0] * (w / w.sum())[:, None]).sum(0))
+    u = K.uniform(P)
+    np.testing.assert_allclose(u[..., N:], P[..., N:])
+    np.testing.assert_allclose(u[..., :N], np.broadcast_to(P[..., :N].sum(-1, keepdims=True) / N, u[..., :N].shape))
+
+
+def test_rowshuffle_is_seeded_derangement_per_head():
+    P = _P(2)
+    a, b, c = K.rowshuffle(P, seed=5), K.rowshuffle(P, seed=5), K.rowshuffle(P, seed=6)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    perms = set()
+    for l in range(L):
+        for h in range(H):
+            # each output row is some other row of the same (l, h)
+            match = [(np.abs(P[l, h] - a[l, h, s]).sum(-1) < 1e-12).nonzero()[0] for s in range(N)]
+            pi = np.array([m[0] for m in match])
+            assert sorted(pi) == list(range(N)) and not (pi == np.arange(N)).any()
+            perms.add(tuple(pi))
+    assert len(perms) > 1  # independent permutations across heads / layers
+
+
+def test_p0only_pavg_substitute():
+    P = _P(3)
+    p0 = K.p0only(P)
+    for l in range(L):
+        np.testing.assert_array_equal(p0[l], P[0])
+    pa = K.pavg(P)
+    np.testing.assert_allclose(pa[2, 1], P[:, 1].mean(0))
+    sub = K.substitute_layers(P, pa, [0])
+    np.testing.assert_array_equal(sub[0], pa[0])
+    np.testing.assert_array_equal(sub[1:], P[1:])
+
+
+def test_cooc_hand_case():
+    P = np.array([[[[0.2, 0.3, 0.4, 0.1], [0.5, 0.1, 0.2, 0.2]]]])  # L=H=1, N=2: tracked mass 0.5, 0.6
+    C = np.array([[0, 3], [1, 1]])
+    Kc = K.cooc(P, C)
+    np.testing.assert_allclose(Kc[0, 0, 0], [0.0, 0.5, 0.4, 0.1])
+    np.testing.assert_allclose(Kc[0, 0, 1], [0.3, 0.3, 0.2, 0.2])
+    # extra columns of C (e.g. [N, N+2] counts) are ignored; an empty row spreads uniformly
+    Kc2 = K.cooc(P, np.array([[0, 0, 5, 5], [1, 1, 0, 0]]))
+    np.testing.assert_allclose(Kc2[0, 0, 0], [0.25, 0.25, 0.4, 0.1])
+    with pytest.raises(ValueError):
+        K.cooc(P, np.array([[0, 0], [1, 1]]), empty_rows="raise")
+
+
+def test_self_kernel():
+    s = K.self_kernel(2, 3, 4)
+    K.check_row_stochastic(s)
+    assert s[1, 2, 3, 3] == 1.0
+
+
+def test_context_free_kernel_on_tiny_model():
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama")
+    ids = np.array([5, 9, 17])
+    cf = K.context_free(model, ids, bos_id=1, batch_size=2)
+    cfg = model.config
+    assert cf.shape == (cfg.num_hidden_layers, cfg.num_attention_heads, 3, 5)
+    K.check_row_stochastic(cf, atol=1e-5)
+    mask = np.zeros((3, 5), bool)
+    mask[np.arange(3), np.arange(3)] = True
+    mask[:, 3] = True
+    assert (cf[..., ~mask] == 0).all()
+    with torch.no_grad():
+        att = model(torch.tensor([[1, 9]]), output_attentions=True).attentions
+    np.testing.assert_allclose(cf[1, :, 1, 3], att[1][0, :, 1, 0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(cf[1, :, 1, 1], att[1][0, :, 1, 1].numpy(), atol=1e-6)

@@ -1,0 +1,352 @@
+"""The statistics engine against a per-position brute-force reference, on tiny random models of all six
+architectures.
+
+The reference never touches the adapter: it reads the tensors through an independent path (HF
+``output_attentions`` / ``output_hidden_states`` and plain torch forward hooks on the HF modules) and computes
+every statistic with Python loops over windows, positions, keys and heads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mfpipe.models.adapters import get_adapter
+from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize, merge_sums
+from mfpipe.tracked import TrackedSet
+from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
+
+N_TRACKED = 20
+T = 16
+BOS = VOCAB - 1
+
+
+# ---------------------------------------------------------------------------------------------- data
+def zipf_windows(n_windows: int, T: int = T, seed: int = 0, bos: int = BOS, vocab: int = VOCAB) -> np.ndarray:
+    """[BOS, t1 … t(T-1)] windows with Zipfian tokens (some types repeat within a window, many are untracked).
+    The BOS id also appears at positions >= 1 now and then (it must land in `<other>`)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1) ** 1.05
+    p /= p.sum()
+    toks = rng.permutation(vocab)[rng.choice(vocab, size=(n_windows, T), p=p)]
+    toks[:, 0] = bos
+    return toks.astype(np.int32)
+
+
+def tracked_for(tokens: np.ndarray, n: int = N_TRACKED, bos: int = BOS, vocab: int = VOCAB) -> TrackedSet:
+    counts = np.bincount(tokens[:, 1:].ravel(), minlength=vocab)
+    counts[bos] = 0
+    order = np.lexsort((np.arange(vocab), -counts))[:n]
+    return TrackedSet(
+        type_ids=order, strings=[f"tok{i}" for i in order], counts=counts[order], bos_id=bos, vocab_size=vocab
+    )
+
+
+# ------------------------------------------------------------------------------- reference capture
+_PATHS = {
+    # root of blocks, value source, output projection, attention module, post-attn norm, mlp output module, final norm
+    "gpt2": ("transformer.h", "attn.c_attn", "attn.c_proj", "attn", None, "mlp", "transformer.ln_f"),
+    "gpt_neox": ("gpt_neox.layers", "attention.query_key_value", "attention.dense", "attention", None, "mlp",
+                 "gpt_neox.final_layer_norm"),
+    "llama": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm"),
+    "qwen3": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm"),
+    "gemma2": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
+               "post_feedforward_layernorm", "model.norm"),
+    "olmo2": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
+              "post_feedforward_layernorm", "model.norm"),
+}
+
+
+def _mod(root, path):
+    for p in path.split("."):
+        root = getattr(root, p)
+    return root
+
+
+def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per-layer tensors from HF outputs and torch hooks (float64 numpy):
+    probs [L,B,H,T,T], values [L,B,H,T,dh], reads [L,B,T,H,dh], resid [L+1,B,T,d], attn_out / mlp_out [L,B,T,d]."""
+    mt = model.config.model_type
+    blocks_p, vsrc_p, oproj_p, attn_p, post_attn_p, mlp_p, final_p = _PATHS[mt]
+    cfg = model.config
+    H = cfg.num_attention_heads
+    KV = getattr(cfg, "num_key_value_heads", None) or H
+    d = cfg.hidden_size
+    dh = getattr(cfg, "head_dim", None) or d // H
+    blocks = _mod(model, blocks_p)
+    got: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("v", "r", "a", "m")}
+    final = {}
+    hooks = []
+
+    def vhook(l):
+        def f(mod, inp, out):
+            B, T_ = out.shape[:2]
+            if mt == "gpt2":
+                v = out[..., 2 * d : 3 * d].reshape(B, T_, H, dh)
+            elif mt == "gpt_neox":
+                v = out.reshape(B, T_, H, 3 * dh)[..., 2 * dh :]
+            else:
+                v = out.reshape(B, T_, KV, dh).repeat_interleave(H // KV, dim=2)
+            got["v"][l] = v.permute(0, 2, 1, 3).detach().clone()
+        return f
+
+    def rhook(l):
+        def f(mod, args):
+            x = args[0]
+            got["r"][l] = x.reshape(x.shape[0], x.shape[1], H, dh).detach().clone()
+        return f
+
+    def ahook(l):
+        def f(mod, inp, out):
+            got["a"][l] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+        return f
+
+    def mhook(l):
+        def f(mod, inp, out):
+            got["m"][l] = out.detach().clone()
+        return f
+
+    for l, blk in enumerate(blocks):
+        hooks.append(_mod(blk, vsrc_p).register_forward_hook(vhook(l)))
+        hooks.append(_mod(blk, oproj_p).register_forward_pre_hook(rhook(l)))
+        hooks.append(_mod(blk, post_attn_p or attn_p).register_forward_hook(ahook(l)))
+        hooks.append(_mod(blk, mlp_p).register_forward_hook(mhook(l)))
+    hooks.append(_mod(model, final_p).register_forward_pre_hook(lambda mod, args: final.update(x=args[0].detach().clone())))
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True, output_hidden_states=True, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    L = len(blocks)
+    f64 = lambda t: t.double().numpy()  # noqa: E731
+    resid = [f64(out.hidden_states[l]) for l in range(L)] + [f64(final["x"])]
+    return {
+        "probs": np.stack([f64(a) for a in out.attentions]),
+        "values": np.stack([f64(got["v"][l]) for l in range(L)]),
+        "reads": np.stack([f64(got["r"][l]) for l in range(L)]),
+        "resid": np.stack(resid),
+        "attn_out": np.stack([f64(got["a"][l]) for l in range(L)]),
+        "mlp_out": np.stack([f64(got["m"][l]) for l in range(L)]),
+        "parallel": bool(getattr(cfg, "use_parallel_residual", False)),
+    }
+
+
+def reference_stats(model, tokens: np.ndarray, tracked: TrackedSet, batch: int = 4) -> dict[str, np.ndarray]:
+    """Brute force: Python loops over windows, positions, keys and heads."""
+    N = tracked.n
+    K = N + 2
+    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
+
+    def bucket(w, j):
+        if j == 0:
+            return N
+        return rank.get(int(tokens[w, j]), N + 1)
+
+    caps = []
+    for s in range(0, tokens.shape[0], batch):
+        caps.append(reference_capture(model, torch.as_tensor(tokens[s : s + batch].astype(np.int64))))
+    cap = {k: np.concatenate([c[k] for c in caps], axis=1) for k in ("probs", "values", "reads", "resid", "attn_out", "mlp_out")}
+    L, nW, H, Tn, _ = cap["probs"].shape
+    d = cap["resid"].shape[-1]
+    dh = cap["values"].shape[-1]
+
+    P = np.zeros((L, H, N, K))
+    nbar = np.zeros((N, K))
+    C = np.zeros((N, K), dtype=np.int64)
+    cooc = np.zeros((N, K), dtype=np.int64)
+    qn = np.zeros(N, dtype=np.int64)
+    kn = np.zeros(K, dtype=np.int64)
+    pos = np.zeros(Tn, dtype=np.int64)
+    members: dict[int, list[tuple[int, int]]] = {t: [] for t in range(K)}
+    for w in range(nW):
+        for j in range(Tn):
+            b = bucket(w, j)
+            kn[b] += 1
+            members[b].append((w, j))
+            if j == 0 or b >= N:
+                continue
+            s = b
+            qn[s] += 1
+            pos[j] += 1
+            counts = np.zeros(K, dtype=np.int64)
+            for k in range(j + 1):
+                counts[bucket(w, k)] += 1
+            for t in range(K):
+                nbar[s, t] += counts[t]
+                if counts[t] >= 1:
+                    C[s, t] += 1
+            for k in range(max(0, j - 5), min(Tn, j + 6)):
+                if k != j:
+                    cooc[s, bucket(w, k)] += 1
+            for l in range(L):
+                for h in range(H):
+                    for k in range(j + 1):
+                        P[l, h, s, bucket(w, k)] += cap["probs"][l, w, h, j, k]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        P = P / qn[None, None, :, None]
+        nbar = nbar / qn[:, None]
+
+    def bucket_mean(arr_fn, shape):
+        out = np.full((K,) + shape, np.nan)
+        for t in range(K):
+            if members[t]:
+                out[t] = np.mean([arr_fn(w, j) for (w, j) in members[t]], axis=0)
+        return out
+
+    centroid = np.stack([bucket_mean(lambda w, j: cap["resid"][l, w, j], (d,)) for l in range(L + 1)])
+    resid_var = np.stack(
+        [
+            np.stack(
+                [
+                    np.mean([(cap["resid"][l, w, j] - centroid[l, t]) ** 2 for (w, j) in members[t]], axis=0)
+                    if members[t] else np.full(d, np.nan)
+                    for t in range(K)
+                ]
+            )
+            for l in range(L + 1)
+        ]
+    )
+    mu = np.zeros((L, H, K, dh))
+    zbar = np.zeros((L, H, K, dh))
+    for l in range(L):
+        for h in range(H):
+            mu[l, h] = bucket_mean(lambda w, j: cap["values"][l, w, h, j], (dh,))
+            zbar[l, h] = bucket_mean(lambda w, j: cap["reads"][l, w, j, h], (dh,))
+    attn_out = np.stack([bucket_mean(lambda w, j: cap["attn_out"][l, w, j], (d,)) for l in range(L)])
+    resid_mid = np.stack([bucket_mean(lambda w, j: cap["resid"][l, w, j] + cap["attn_out"][l, w, j], (d,)) for l in range(L)])
+    mlp_out = np.stack([bucket_mean(lambda w, j: cap["mlp_out"][l, w, j], (d,)) for l in range(L)])
+    return dict(
+        P=P, nbar=nbar, context_count=C, cooc=cooc, query_count=qn, key_count=kn, position_count=pos,
+        centroid=centroid, resid_var=resid_var, mu=mu, zbar=zbar, attn_out_mean=attn_out,
+        resid_mid_mean=resid_mid, mlp_out_mean=mlp_out, _cap=cap,
+    )
+
+
+def assert_close(name, got, want, rtol=1e-5):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.array_equal(np.isnan(got), np.isnan(want)), f"{name}: NaN pattern differs"
+    scale = np.nanmax(np.abs(want)) if np.isfinite(want).any() else 1.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, equal_nan=True, err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def windows():
+    return zipf_windows(6, seed=1)
+
+
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+def test_every_statistic_matches_bruteforce(model_type, windows):
+    model = make_tiny_model(model_type, seed=3)
+    tracked = tracked_for(windows)
+    ref = reference_stats(model, windows, tracked, batch=4)
+    cap = ref["_cap"]
+
+    # the independent capture is self-consistent (so it is a valid reference)
+    np.testing.assert_allclose(
+        np.einsum("lbhqk,lbhkd->lbqhd", cap["probs"], cap["values"]), cap["reads"], rtol=1e-4, atol=1e-5
+    )
+    nxt = cap["resid"][:-1] + cap["attn_out"] + cap["mlp_out"]
+    np.testing.assert_allclose(nxt, cap["resid"][1:], rtol=1e-4, atol=1e-4)
+
+    adapter = get_adapter(model)
+    sums = accumulate_shard(model, adapter, windows, tracked, batch_size=4, device="cpu", progress=False)
+    ds = finalize(sums, tracked, {"model": model_type}, dtype=np.float64)
+    for name in ("P", "nbar", "context_count", "cooc", "query_count", "key_count", "position_count", "centroid",
+                 "resid_var", "mu", "zbar", "attn_out_mean", "resid_mid_mean", "mlp_out_mean"):
+        # resid_var = E[x²] - c² loses a few digits to cancellation; measure it against the spread itself
+        assert_close(name, ds[name].values, ref[name], rtol=1e-4 if name == "resid_var" else 1e-5)
+    # rows of P sum to 1 over the K buckets, for every type that has queries
+    rows = ds["P"].sum("key").values
+    np.testing.assert_allclose(rows, 1.0, atol=1e-5)
+    # the BOS column is the BOS position's attention; nbar has exactly one BOS per prefix
+    np.testing.assert_allclose(ds["nbar"].values[:, tracked.n], 1.0)
+    assert int(ds["key_count"].values[tracked.n]) == windows.shape[0]
+    assert ds.attrs["n_tokens"] == windows.size and ds.attrs["n_windows"] == windows.shape[0]
+
+
+def test_zero_query_types_are_nan(windows):
+    """A tracked type that never occurs has NaN rows (not 0, not inf)."""
+    model = make_tiny_model("gpt2", seed=0)
+    tracked = tracked_for(windows)
+    absent = next(i for i in range(VOCAB) if i != BOS and i not in set(windows.ravel().tolist()))
+    ts = TrackedSet(
+        type_ids=np.concatenate([tracked.type_ids, [absent]]), strings=tracked.strings + ["absent"],
+        counts=np.concatenate([tracked.counts, [0]]), bos_id=BOS, vocab_size=VOCAB,
+    )
+    sums = accumulate_shard(model, get_adapter(model), windows, ts, batch_size=8, device="cpu", progress=False)
+    ds = finalize(sums, ts, {})
+    s = ts.n - 1
+    assert int(ds["query_count"][s]) == 0
+    for name in ("P", "nbar"):
+        assert np.isnan(ds[name].sel(query=s).values).all(), name
+    for name in ("centroid", "mu", "zbar", "mlp_out_mean"):
+        assert np.isnan(ds[name].sel(key=s).values).all(), name
+    others = ds["P"].isel(query=slice(0, s)).values
+    assert np.isfinite(others).all()
+    # the key column of the absent type is exactly 0 (attention to a type that is never there)
+    assert (ds["P"].sel(key=s).isel(query=slice(0, s)).values == 0).all()
+
+
+def test_one_shard_equals_four_shards():
+    model = make_tiny_model("llama", seed=5)
+    tokens = zipf_windows(16, seed=2)
+    tracked = tracked_for(tokens)
+    adapter = get_adapter(model)
+    one = accumulate_shard(model, adapter, tokens, tracked, batch_size=2, device="cpu", progress=False)
+    parts = [accumulate_shard(model, adapter, tokens[i : i + 4], tracked, batch_size=2, device="cpu", progress=False)
+             for i in range(0, 16, 4)]
+    merged = merge_sums(parts)
+    for k in one:
+        if np.issubdtype(np.asarray(one[k]).dtype, np.integer):
+            assert np.array_equal(one[k], merged[k]), k
+        else:
+            np.testing.assert_allclose(merged[k], one[k], rtol=1e-6, atol=1e-9, err_msg=k)
+    a = finalize(one, tracked, {"model": "m"})
+    b = finalize(merged, tracked, {"model": "m"})
+    for name in a.data_vars:
+        np.testing.assert_allclose(a[name].values, b[name].values, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert a.attrs == b.attrs
+
+
+def test_expected_normalizer_is_near_one():
+    """App. ccmf-analysis, Table `tab:ahat-empirical-bias`: E_s[N_X] = E_s[sum_t n_t(X) W_st] with the C >= 20 mask.
+
+    Brute force over contexts; it equals sum of P_st over the unmasked support (exactly, by the definition
+    W = P / nbar), is exactly 1 without the mask, and within a few percent of 1 with it."""
+    model = make_tiny_model("gpt2", seed=7)
+    tokens = zipf_windows(600, T=32, seed=3)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(model, get_adapter(model), tokens, tracked, batch_size=100, device="cpu", progress=False)
+    ds = finalize(sums, tracked, {}, dtype=np.float64)
+    P, nbar, C = ds["P"].values, ds["nbar"].values, ds["context_count"].values
+    N, K = tracked.n, tracked.n + 2
+    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
+    for min_count in (0, 20):
+        keep = C >= max(min_count, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            W = np.where(keep, P / np.where(keep, nbar, 1.0), 0.0)  # [L,H,N,K]
+        EN = np.zeros(W.shape[:3])
+        for w in range(tokens.shape[0]):
+            counts = np.zeros(K)
+            counts[N] = 1
+            for j in range(1, tokens.shape[1]):
+                b = rank.get(int(tokens[w, j]), N + 1)
+                counts[b] += 1
+                if b < N:
+                    EN[:, :, b] += W[:, :, b, :] @ counts  # N_X for this context, every head
+        EN /= ds["query_count"].values[None, None, :]
+        closed = np.where(keep[None, None], P, 0.0).sum(-1)
+        np.testing.assert_allclose(EN, closed, rtol=1e-9)
+        if min_count == 0:
+            np.testing.assert_allclose(EN, 1.0, rtol=1e-5)
+        else:
+            assert (~keep).any()  # the mask is not vacuous on this corpus …
+            api_W = MeanFieldStats(ds).W(min_count=20).values
+            np.testing.assert_allclose(api_W, W, rtol=1e-12)
+            assert (EN <= 1 + 1e-6).all()
+            assert abs(EN.mean() - 1.0) < 0.05, EN.mean()  # … and E_s[N_X] stays within a few percent of 1
