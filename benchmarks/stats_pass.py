@@ -40,8 +40,12 @@ def peak_rss_mb() -> float:
 def build_model(name: str, device: str):
     import transformers
 
-    if name == "gpt2-small-random":
-        cfg = transformers.GPT2Config()  # 12 layers, 12 heads, 768 wide, vocab 50257
+    if name in ("gpt2-small-random", "mini-gpt2-random"):
+        if name == "gpt2-small-random":
+            cfg = transformers.GPT2Config()  # 12 layers, 12 heads, 768 wide, vocab 50257
+        else:  # the shape of config/config.yaml's mini-gpt2 (2 layers, 128 wide, 8 heads, vocab 4096)
+            cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=8, n_inner=64, vocab_size=4096, n_positions=64,
+                                         bos_token_id=0, eos_token_id=0)
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(cfg)
         model.config._attn_implementation = "eager"
@@ -51,13 +55,14 @@ def build_model(name: str, device: str):
 
     p = Path(name)
     if not p.is_dir():
-        sys.exit(f"--model: {name!r} is neither 'gpt2-small-random' nor a checkpoint folder")
+        sys.exit(f"--model: {name!r} is neither gpt2-small-random / mini-gpt2-random nor a checkpoint folder")
     return load_model({"name": p.name, "source": "local", "path": str(p)}, None, "float32", device)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2-small-random")
+    ap.add_argument("--model", default="gpt2-small-random",
+                    help="gpt2-small-random, mini-gpt2-random, or a checkpoint folder (e.g. a mini-suite step)")
     ap.add_argument("--n-tracked", type=int, default=1000)
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -66,6 +71,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--shard", default=None, help="a corpus shard .npz to take windows from")
     ap.add_argument("--flush-every", type=int, default=8)
+    ap.add_argument("--p-mode", default="auto", choices=["auto", "flat", "window"])
     ap.add_argument("--save-partial", default=None, help="also time writing the partial (.npz) to this path")
     args = ap.parse_args(argv)
     if args.threads:
@@ -127,7 +133,7 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats()
 
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
-                      flush_every=args.flush_every)
+                      flush_every=args.flush_every, p_mode=args.p_mode)
     acc_mb = sum(t.numel() * t.element_size() for t in vars(acc).values() if isinstance(t, torch.Tensor)) / 2**20
 
     def stats(ids, chunk):
@@ -154,11 +160,13 @@ def main(argv=None) -> None:
     row = sums["P_sum"].sum(-1) / np.maximum(sums["query_count"], 1)[None, None, :]  # rows sum to (#batches)
     print(f"model {args.model} ({adapter.model_type}, L={adapter.n_layers}, H={adapter.n_heads}, d={adapter.d_model}); "
           f"device {dev}; torch threads {torch.get_num_threads()}")
+    print(f"kernel reduction mode: {acc._mode}")
     print(f"N={n} tracked (position coverage {cover:.3f}), T={T}, batch {B}, {args.batches} timed batches = {ntok} tokens")
     for name in ("bare", "capture", "stats"):
         print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
     print(f"  ratio stats / bare forward: {times['stats'] / times['bare']:.3f}  (goal <= 1.3)")
-    print(f"  final flush + device->host copy: {t_sums:.2f} s")
+    print(f"  of which the once-per-shard final flush + device->host copy: {t_sums:.2f} s "
+          f"(ratio without it: {(times['stats'] - t_sums) / times['bare']:.3f})")
     print(f"memory: accumulators {acc_mb:.0f} MiB on {dev}; partial (float64 sums) {part_mb:.0f} MiB; "
           f"peak RSS after model + bare forward {rss_bare_peak:.0f} MiB, peak RSS overall {peak_rss_mb():.0f} MiB")
     if dev.type == "cuda":
@@ -174,7 +182,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         load_partial(args.save_partial)
         t_load = time.perf_counter() - t0
-        print(f"partial file: {os.path.getsize(args.save_partial) / 2**20:.0f} MiB on disk (deflate level 1), "
+        print(f"partial file: {os.path.getsize(args.save_partial) / 2**20:.0f} MiB on disk (uncompressed npz), "
               f"write {t_save:.1f} s, read {t_load:.1f} s")
     ok = np.abs(row[:, :, sums["query_count"] > 0] - 1.0).max()
     print(f"check: max |row sum of P - 1| = {ok:.2e}")

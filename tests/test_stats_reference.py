@@ -45,16 +45,19 @@ def tracked_for(tokens: np.ndarray, n: int = N_TRACKED, bos: int = BOS, vocab: i
 
 # ------------------------------------------------------------------------------- reference capture
 _PATHS = {
-    # root of blocks, value source, output projection, attention module, post-attn norm, mlp output module, final norm
-    "gpt2": ("transformer.h", "attn.c_attn", "attn.c_proj", "attn", None, "mlp", "transformer.ln_f"),
+    # root of blocks, value source, output projection, attention module, post-attn norm, mlp output module, final
+    # norm, attention-input norm (None: the attention reads the residual itself)
+    "gpt2": ("transformer.h", "attn.c_attn", "attn.c_proj", "attn", None, "mlp", "transformer.ln_f", "ln_1"),
     "gpt_neox": ("gpt_neox.layers", "attention.query_key_value", "attention.dense", "attention", None, "mlp",
-                 "gpt_neox.final_layer_norm"),
-    "llama": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm"),
-    "qwen3": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm"),
+                 "gpt_neox.final_layer_norm", "input_layernorm"),
+    "llama": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm",
+              "input_layernorm"),
+    "qwen3": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm",
+              "input_layernorm"),
     "gemma2": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
-               "post_feedforward_layernorm", "model.norm"),
+               "post_feedforward_layernorm", "model.norm", "input_layernorm"),
     "olmo2": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
-              "post_feedforward_layernorm", "model.norm"),
+              "post_feedforward_layernorm", "model.norm", None),
 }
 
 
@@ -68,14 +71,14 @@ def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
     """Per-layer tensors from HF outputs and torch hooks (float64 numpy):
     probs [L,B,H,T,T], values [L,B,H,T,dh], reads [L,B,T,H,dh], resid [L+1,B,T,d], attn_out / mlp_out [L,B,T,d]."""
     mt = model.config.model_type
-    blocks_p, vsrc_p, oproj_p, attn_p, post_attn_p, mlp_p, final_p = _PATHS[mt]
+    blocks_p, vsrc_p, oproj_p, attn_p, post_attn_p, mlp_p, final_p, ln_p = _PATHS[mt]
     cfg = model.config
     H = cfg.num_attention_heads
     KV = getattr(cfg, "num_key_value_heads", None) or H
     d = cfg.hidden_size
     dh = getattr(cfg, "head_dim", None) or d // H
     blocks = _mod(model, blocks_p)
-    got: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("v", "r", "a", "m")}
+    got: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("v", "r", "a", "m", "n")}
     final = {}
     hooks = []
 
@@ -102,9 +105,9 @@ def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
             got["a"][l] = (out[0] if isinstance(out, tuple) else out).detach().clone()
         return f
 
-    def mhook(l):
+    def mhook(l, key="m"):
         def f(mod, inp, out):
-            got["m"][l] = out.detach().clone()
+            got[key][l] = out.detach().clone()
         return f
 
     for l, blk in enumerate(blocks):
@@ -112,6 +115,8 @@ def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
         hooks.append(_mod(blk, oproj_p).register_forward_pre_hook(rhook(l)))
         hooks.append(_mod(blk, post_attn_p or attn_p).register_forward_hook(ahook(l)))
         hooks.append(_mod(blk, mlp_p).register_forward_hook(mhook(l)))
+        if ln_p is not None:
+            hooks.append(_mod(blk, ln_p).register_forward_hook(mhook(l, "n")))
     hooks.append(_mod(model, final_p).register_forward_pre_hook(lambda mod, args: final.update(x=args[0].detach().clone())))
     try:
         with torch.no_grad():
@@ -129,6 +134,7 @@ def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
         "resid": np.stack(resid),
         "attn_out": np.stack([f64(got["a"][l]) for l in range(L)]),
         "mlp_out": np.stack([f64(got["m"][l]) for l in range(L)]),
+        "ln_in": np.stack([f64(got["n"][l]) if ln_p else resid[l] for l in range(L)]),
         "parallel": bool(getattr(cfg, "use_parallel_residual", False)),
     }
 
@@ -147,7 +153,7 @@ def reference_stats(model, tokens: np.ndarray, tracked: TrackedSet, batch: int =
     caps = []
     for s in range(0, tokens.shape[0], batch):
         caps.append(reference_capture(model, torch.as_tensor(tokens[s : s + batch].astype(np.int64))))
-    cap = {k: np.concatenate([c[k] for c in caps], axis=1) for k in ("probs", "values", "reads", "resid", "attn_out", "mlp_out")}
+    cap = {k: np.concatenate([c[k] for c in caps], axis=1) for k in ("probs", "values", "reads", "resid", "attn_out", "mlp_out", "ln_in")}
     L, nW, H, Tn, _ = cap["probs"].shape
     d = cap["resid"].shape[-1]
     dh = cap["values"].shape[-1]
@@ -217,10 +223,11 @@ def reference_stats(model, tokens: np.ndarray, tracked: TrackedSet, batch: int =
     attn_out = np.stack([bucket_mean(lambda w, j: cap["attn_out"][l, w, j], (d,)) for l in range(L)])
     resid_mid = np.stack([bucket_mean(lambda w, j: cap["resid"][l, w, j] + cap["attn_out"][l, w, j], (d,)) for l in range(L)])
     mlp_out = np.stack([bucket_mean(lambda w, j: cap["mlp_out"][l, w, j], (d,)) for l in range(L)])
+    ln_in = np.stack([bucket_mean(lambda w, j: cap["ln_in"][l, w, j], (d,)) for l in range(L)])
     return dict(
         P=P, nbar=nbar, context_count=C, cooc=cooc, query_count=qn, key_count=kn, position_count=pos,
         centroid=centroid, resid_var=resid_var, mu=mu, zbar=zbar, attn_out_mean=attn_out,
-        resid_mid_mean=resid_mid, mlp_out_mean=mlp_out, _cap=cap,
+        resid_mid_mean=resid_mid, mlp_out_mean=mlp_out, ln_in_mean=ln_in, _cap=cap,
     )
 
 
@@ -254,10 +261,12 @@ def test_every_statistic_matches_bruteforce(model_type, windows):
     np.testing.assert_allclose(nxt, cap["resid"][1:], rtol=1e-4, atol=1e-4)
 
     adapter = get_adapter(model)
-    sums = accumulate_shard(model, adapter, windows, tracked, batch_size=4, device="cpu", progress=False)
+    # both reductions of the attention kernel are checked: per window on half of the architectures, flat on the rest
+    p_mode = "window" if TINY_MODEL_TYPES.index(model_type) % 2 else "flat"
+    sums = accumulate_shard(model, adapter, windows, tracked, batch_size=4, device="cpu", progress=False, p_mode=p_mode)
     ds = finalize(sums, tracked, {"model": model_type}, dtype=np.float64)
     for name in ("P", "nbar", "context_count", "cooc", "query_count", "key_count", "position_count", "centroid",
-                 "resid_var", "mu", "zbar", "attn_out_mean", "resid_mid_mean", "mlp_out_mean"):
+                 "resid_var", "mu", "zbar", "attn_out_mean", "resid_mid_mean", "mlp_out_mean", "ln_in_mean"):
         # resid_var = E[x²] - c² loses a few digits to cancellation; measure it against the spread itself
         assert_close(name, ds[name].values, ref[name], rtol=1e-4 if name == "resid_var" else 1e-5)
     # rows of P sum to 1 over the K buckets, for every type that has queries
@@ -290,6 +299,28 @@ def test_zero_query_types_are_nan(windows):
     assert np.isfinite(others).all()
     # the key column of the absent type is exactly 0 (attention to a type that is never there)
     assert (ds["P"].sel(key=s).isel(query=slice(0, s)).values == 0).all()
+
+
+def test_kernel_reductions_agree():
+    """The flat and the per-window reductions (and chunked pair enumeration) give the same sums."""
+    import mfpipe.stats.accumulate as acc_mod
+
+    model = make_tiny_model("qwen3", seed=4)
+    adapter = get_adapter(model)
+    tokens = zipf_windows(10, T=24, seed=6)
+    tracked = tracked_for(tokens)
+    flat = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False, p_mode="flat")
+    old = acc_mod.PAIR_CHUNK
+    acc_mod.PAIR_CHUNK = 37  # force many pair chunks
+    try:
+        win = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False, p_mode="window")
+    finally:
+        acc_mod.PAIR_CHUNK = old
+    for k in flat:
+        if np.issubdtype(np.asarray(flat[k]).dtype, np.integer):
+            assert np.array_equal(flat[k], win[k]), k
+        else:
+            np.testing.assert_allclose(win[k], flat[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 def test_one_shard_equals_four_shards():

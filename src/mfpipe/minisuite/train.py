@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mfpipe.induction import induction_scores
+from mfpipe.induction import induction_metrics
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +290,21 @@ def _lm_loss(model, rows, mask):
     return F.cross_entropy(logits.float(), rows[:, 1:][sel])
 
 
+def _save_quietly(model, tok, d: Path) -> None:
+    """``save_pretrained`` (safetensors) of model and tokenizer without transformers' per-save
+    progress bar, which would drown the training bar."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(d))
+        tok.save_pretrained(str(d))
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _commit(tmp: Path, out: Path, names: Sequence[str]) -> None:
     """Move the finished outputs from ``tmp`` to ``out`` (an atomic rename when ``out`` is absent
     or empty; otherwise each output is replaced, ``training.json`` last)."""
@@ -373,7 +388,7 @@ def train_mini_model(
             model.eval()
             with torch.no_grad():
                 text_loss = float(_lm_loss(model, eval_rows, eval_mask))
-            scores = induction_scores(
+            scores, icl_loss = induction_metrics(
                 model,
                 vocab_size,
                 special_ids,
@@ -384,8 +399,7 @@ def train_mini_model(
             )
             model.train()
             d = ckpt_dir / f"step{step}"
-            model.save_pretrained(str(d))
-            tok.save_pretrained(str(d))
+            _save_quietly(model, tok, d)
             for layer in range(scores.shape[0]):
                 for head in range(scores.shape[1]):
                     ind_rows.append((c["name"], step, layer, head, float(scores[layer, head])))
@@ -394,6 +408,7 @@ def train_mini_model(
                 "step": step,
                 "train_loss": float(np.mean(window_losses)) if window_losses else None,
                 "text_loss": text_loss,
+                "induction_loss": icl_loss,
                 "max_induction": float(scores.max()),
                 "max_induction_layer": int(li),
                 "max_induction_head": int(hi),
@@ -402,8 +417,8 @@ def train_mini_model(
             window_losses.clear()
             records.append(rec)
             log.info(
-                "%s step %d: train_loss %s text_loss %.3f max induction %.3f (L%dH%d)",
-                c["name"], step, rec["train_loss"], text_loss, rec["max_induction"], li, hi,
+                "%s step %d: train_loss %s text_loss %.3f induction_loss %.3f max induction %.3f (L%dH%d)",
+                c["name"], step, rec["train_loss"], text_loss, icl_loss, rec["max_induction"], li, hi,
             )
 
         checkpoint(0)

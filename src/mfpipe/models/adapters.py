@@ -31,6 +31,18 @@ Conventions shared by all adapters
   mlp_out`` with ``mlp_out = mlp(l, resid_in)``. :meth:`Adapter.mlp` takes the residual stream the
   MLP branch reads (``resid_mid`` for sequential blocks, ``resid_in`` for parallel ones) and applies
   the branch's own pre-/post-norms.
+
+nnsight 0.8 notes (checked here with nnsight 0.8.1, transformers 5.23)
+---------------------------------------------------------------------
+* The trace body runs in a greenlet interleaved with the forward; ``.input`` / ``.output`` give real
+  tensors, and helper functions *called from* the body (``_capture_layer``) may read envoys too.
+* Reads must follow forward-execution order; reading a module the forward already passed raises
+  ``nnsight.intervention.interleaver.OutOfOrderError``.
+* We trace the decoder stack (``model.base_model``) rather than using ``tracer.stop()`` to skip the LM
+  head: ``stop()`` raises an exception whose traceback keeps the last layer's activations alive in a
+  reference cycle until the next garbage collection.
+* Wrapping a model with ``NNsight`` leaves its plain forward bit-identical; several wrappers of one
+  model coexist.
 """
 
 from __future__ import annotations

@@ -7,10 +7,16 @@ only), ``<other>`` = ``N+1`` (positions ≥ 1 of an untracked type). ``K = N + 2
 
 One forward pass per batch (:meth:`Adapter.capture`) feeds all layers' callbacks; each callback reduces its
 layer's tensors at once into sums, so only one layer's ``[B,H,T,T]`` attention is ever alive. Everything is
-vectorized (scatter / index_add over buckets and query types); the only Python loop is over the windows of a
-batch. The attention kernel is accumulated in float32 on the model device and flushed into a float64
-accumulator every ``flush_every`` batches; every other sum is accumulated in float64 directly. Partials
-(one per shard) are float64 and merge by addition (:func:`merge_sums`).
+vectorized (gather / index_add / bincount over buckets and query types), no per-position Python loop.
+
+The attention kernel has two reductions (same sums; ``p_mode``): "flat" enumerates every (query, key <= query)
+pair of the batch once per batch and, per layer, gathers all heads' probabilities of those pairs and
+index_adds them straight into the float64 sums (a few large ops: best for short windows / small batches);
+"window" loops over the batch's windows, pools repeated query types and compacts keys to the window's
+distinct buckets, accumulates in float32 on the model device (one addition per cell per window) and flushes
+into float64 every ``flush_every`` batches (fewer elements: best for long windows). "auto" picks flat while a
+layer's (pair, head) elements stay <= ``FLAT_MAX_ELEMENTS``. Counts are int64, all other sums float64 on the
+model device. Partials (one per shard) are float64 / int64 and merge by addition (:func:`merge_sums`).
 
 Sums returned by :func:`accumulate_shard` (``L`` layers, ``H`` heads, ``d`` width, ``dh`` head width,
 ``T`` context length)::
@@ -20,7 +26,7 @@ Sums returned by :func:`accumulate_shard` (``L`` layers, ``H`` heads, ``d`` widt
     key_count                           int64 [K]         positions per bucket (bucket N = n_windows)
     position_count                      int64 [T]         tracked-query positions per position index
     P_sum                               f64 [L,H,N,K]     sum over type-s queries of A_st (eq:P)
-    nbar_sum                            f64 [N,K]         sum over type-s queries of n_t(X) (App. A)
+    nbar_sum                            int64 [N,K]       sum over type-s queries of n_t(X) (App. A)
     context_count                       int64 [N,K]       C_st: type-s queries with n_t(X) >= 1 (App. E)
     cooc                                int64 [N,K]       keys of bucket t within ±cooc_window of a type-s
                                                           query (excluding itself; Sec. 4.2 `cooc`)
@@ -29,6 +35,8 @@ Sums returned by :func:`accumulate_shard` (``L`` layers, ``H`` heads, ``d`` widt
     attn_out_sum, resid_mid_sum,
     mlp_out_sum                         f64 [L,K,d]       attention / MLP branch outputs and post-attention
                                                           residual by bucket (App. K MLP gap)
+    ln_in_sum                           f64 [L,K,d]       attention-input norm of the residual, ln1(x), by bucket
+                                                          (App. D value-map Jensen gap); NaN without a norm fn
     value_sum                           f64 [L,H,K,dh]    per-head values by key bucket (-> mu_t)
     read_sum                            f64 [L,H,K,dh]    per-head reads by the position's bucket (-> zbar_s)
 """
@@ -50,17 +58,19 @@ import torch
 
 PARTIAL_FORMAT = 1
 COOC_WINDOW = 5
+PAIR_CHUNK = 1 << 22  # (query, key) pairs enumerated at once for nbar / C
+FLAT_MAX_ELEMENTS = 1 << 23  # "auto" uses the flat kernel reduction up to this many (pair, head) elements per layer
 
 # name -> (dtype kind, merge) ; all sums merge by addition
-INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "context_count", "cooc")
+INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count", "cooc")
 FLOAT_KEYS = (
     "P_sum",
-    "nbar_sum",
     "resid_sum",
     "resid_sq_sum",
     "attn_out_sum",
     "resid_mid_sum",
     "mlp_out_sum",
+    "ln_in_sum",
     "value_sum",
     "read_sum",
 )
@@ -137,6 +147,8 @@ class Accumulator:
         flush_every: int = 8,
         cooc_window: int = COOC_WINDOW,
         cpu_threads: int | None = 1,
+        attn_input_norm: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        p_mode: str = "auto",
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -149,12 +161,21 @@ class Accumulator:
         # on a busy machine OpenMP barriers make small parallel ops 10-100x slower. So on CPU they run on
         # `cpu_threads` threads (the model's forward keeps its own setting); None leaves torch alone.
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
+        # Attention-kernel reduction: "flat" = one gather + one index_add over every (query, key <= query) pair of
+        # the batch (few large ops: best for short windows); "window" = per window, pool repeated query types and
+        # compact keys to the window's distinct buckets first (fewer elements: best for long windows).
+        if p_mode not in ("auto", "flat", "window"):
+            raise StatsError(f"p_mode must be 'auto', 'flat' or 'window', got {p_mode!r}")
+        self.p_mode = p_mode
+        self._flat = None
+        self._mode = None
         L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
         f64 = dict(dtype=torch.float64, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
         self.P64 = torch.zeros(L, H * N * K, **f64)
-        self.P32 = torch.zeros(L, H * N * K, dtype=torch.float32, device=dev)
-        self.nbar = torch.zeros(N * K, **f64)
+        self.P32: torch.Tensor | None = None  # float32 staging for "window" mode, allocated on first use
+        self.nbar = torch.zeros(N * K, **i64)
         self.ctx = torch.zeros(N * K, **i64)
         self.cooc = torch.zeros(N * K, **i64)
         self.query_count = torch.zeros(N, **i64)
@@ -165,6 +186,7 @@ class Accumulator:
         self.attn_out = torch.zeros(L, K, d, **f64)
         self.resid_mid = torch.zeros(L, K, d, **f64)
         self.mlp_out = torch.zeros(L, K, d, **f64)
+        self.ln_in = torch.zeros(L, K, d, **f64) if attn_input_norm is not None else torch.full((L, K, d), float("nan"), **f64)
         self.values = torch.zeros(L, K, H * dh, **f64)
         self.reads = torch.zeros(L, K, H * dh, **f64)
         self.n_windows = 0
@@ -199,7 +221,7 @@ class Accumulator:
         B, T = kb.shape
         if T != self.T:
             raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
-        N, K, H = self.N, self.K, self.H
+        N, K, H, dev = self.N, self.K, self.H, self.device
         self._kb_flat = kb.reshape(-1)
         self._layers_seen = set()
         self._final_seen = False
@@ -209,35 +231,67 @@ class Accumulator:
         self.query_count += torch.bincount(qt[qmask], minlength=N)
         self.key_count += torch.bincount(self._kb_flat, minlength=K)
         self.position_count += qmask.sum(0)
-        hoff = (torch.arange(H, device=self.device) * N)[:, None, None]
-        arangeT = torch.arange(T, device=self.device)
-        windows = []
-        for b in range(B):
-            jq = torch.nonzero(qmask[b]).reshape(-1)
-            u, inv = torch.unique(kb[b], return_inverse=True)
-            uq, invq = torch.unique(qt[b, jq], return_inverse=True)
-            if jq.numel():
-                tgt = ((hoff + uq[None, :, None]) * K + u[None, None, :]).reshape(-1)
-                # n_t(X) over the inclusive prefix: cumulative one-hot counts of the window's buckets
-                onehot = torch.zeros(T, u.numel(), dtype=torch.float64, device=self.device)
-                onehot[arangeT, inv] = 1.0
-                cnt = torch.cumsum(onehot, 0)[jq]  # [Mb, nu]
-                agg = torch.zeros(uq.numel(), u.numel(), dtype=torch.float64, device=self.device)
-                agg.index_add_(0, invq, cnt)
-                pres = torch.zeros(uq.numel(), u.numel(), dtype=torch.int64, device=self.device)
-                pres.index_add_(0, invq, (cnt > 0).to(torch.int64))
-                flat = (uq[:, None] * K + u[None, :]).reshape(-1)
-                self.nbar.index_add_(0, flat, agg.reshape(-1))
-                self.ctx.index_add_(0, flat, pres.reshape(-1))
-            else:
-                tgt = torch.zeros(0, dtype=torch.int64, device=self.device)
-            windows.append(_Window(b, jq, invq, uq, inv, u, tgt))
-        self._windows = windows
+        arangeT = torch.arange(T, device=dev)
+
+        # n_t(X) and C_st from the (query j, key k <= j) pairs of the batch: nbar[s,t] counts the pairs with a
+        # type-s query and a bucket-t key; C[s,t] the same over the first key of each bucket in its window.
+        # The pairs are enumerated in chunks of <= PAIR_CHUNK; in "flat" mode they are kept for the kernel.
+        firstpos = torch.full((B, K), T, dtype=torch.int64, device=dev)
+        firstpos.scatter_reduce_(1, kb, arangeT.expand(B, T), reduce="amin")
+        first = firstpos.gather(1, kb) == arangeT  # [B,T]: first position of its bucket in the window
+        bq, jq = torch.nonzero(qmask, as_tuple=True)
+        lengths = jq + 1
+        ends = torch.cumsum(lengths, 0)
+        total = int(ends[-1]) if ends.numel() else 0
+        mode = self.p_mode
+        if mode == "auto":
+            mode = "flat" if total * H <= FLAT_MAX_ELEMENTS else "window"
+        self._mode = mode
+        self._flat = None
+        if total:
+            keep = mode == "flat"
+            step = total if keep else PAIR_CHUNK
+            bounds = []
+            if step < total:
+                marks = torch.arange(step, total, step, device=dev)
+                bounds = torch.searchsorted(ends, marks, right=True).tolist()
+            r0 = 0
+            for r1 in bounds + [bq.numel()]:
+                if r1 <= r0:
+                    continue
+                ln = lengths[r0:r1]
+                row = torch.repeat_interleave(torch.arange(r0, r1, device=dev), ln)
+                offs = torch.cumsum(ln, 0) - ln
+                kk = torch.arange(row.numel(), device=dev) - torch.repeat_interleave(offs, ln)
+                bb, jj = bq[row], jq[row]
+                base = qt[bb, jj] * K + kb[bb, kk]
+                self.nbar += torch.bincount(base, minlength=N * K)
+                self.ctx += torch.bincount(base[first[bb, kk]], minlength=N * K)
+                if keep:  # flat gather / scatter indices for all heads: [H, pairs]
+                    hh = torch.arange(H, device=dev)[:, None]
+                    gidx = ((bb * H) * T + jj) * T + kk
+                    self._flat = (gidx[None, :] + hh * (T * T), base[None, :] + hh * (N * K))
+                r0 = r1
+
         # ±w co-occurrence: for each query position j (tracked, j >= 1), the buckets at j±1..j±w in the window
         for off in range(1, min(self.cooc_window, T - 1) + 1):
             for q, k in ((qt[:, :-off], kb[:, off:]), (qt[:, off:], kb[:, :-off])):
                 m = q >= 0
                 self.cooc.index_add_(0, q[m] * K + k[m], torch.ones_like(k[m]))
+
+        # per-window plan for the attention kernel ("window" mode), shared by all layers of the batch
+        windows = []
+        if mode == "window":
+            hoff = (torch.arange(H, device=dev) * N)[:, None, None]
+            for b in range(B):
+                jqb = torch.nonzero(qmask[b]).reshape(-1)
+                if jqb.numel() == 0:
+                    continue
+                u, inv = torch.unique(kb[b], return_inverse=True)
+                uq, invq = torch.unique(qt[b, jqb], return_inverse=True)
+                tgt = ((hoff + uq[None, :, None]) * K + u[None, None, :]).reshape(-1)
+                windows.append(_Window(b, jqb, invq, uq, inv, u, tgt))
+        self._windows = windows
 
     # ------------------------------------------------------------------ adapter callbacks
     def on_layer(self, cap) -> None:
@@ -254,10 +308,15 @@ class Accumulator:
         B = probs.shape[0]
         if tuple(probs.shape) != (B, H, T, T):
             raise StatsError(f"layer {l}: attention probabilities have shape {tuple(probs.shape)}, expected {(B, H, T, T)}")
-        acc = self.P32[l]
+        if self._flat is not None:
+            # every (head, query, key <= query) probability straight into the float64 kernel sums
+            gidx, tgt = self._flat
+            vals = probs.reshape(-1)[gidx.reshape(-1)].to(torch.float64)
+            self.P64[l].index_add_(0, tgt.reshape(-1), vals)
+        if self._windows and self.P32 is None:
+            self.P32 = torch.zeros_like(self.P64, dtype=torch.float32)
+        acc = self.P32[l] if self.P32 is not None else None
         for w in self._windows:
-            if w.jq.numel() == 0:
-                continue
             src = probs[w.b][:, w.jq].to(torch.float32)  # [H, Mb, T] rows of tracked queries
             nq = w.uq.numel()
             if nq < w.jq.numel():  # pool repeated query types of the window first
@@ -276,6 +335,9 @@ class Accumulator:
         self.attn_out[l].index_add_(0, kbf, cap.attn_out.reshape(BT, self.d).to(f64))
         self.resid_mid[l].index_add_(0, kbf, cap.resid_mid.reshape(BT, self.d).to(f64))
         self.mlp_out[l].index_add_(0, kbf, cap.mlp_out.reshape(BT, self.d).to(f64))
+        if self.attn_input_norm is not None:
+            y = self.attn_input_norm(l, cap.resid_in)
+            self.ln_in[l].index_add_(0, kbf, y.reshape(BT, self.d).to(f64))
         self.values[l].index_add_(0, kbf, cap.values.permute(0, 2, 1, 3).reshape(BT, H * dh).to(f64))
         self.reads[l].index_add_(0, kbf, cap.reads.reshape(BT, H * dh).to(f64))
         self._layers_seen.add(l)
@@ -298,6 +360,7 @@ class Accumulator:
                 f"expected all {self.L} layers and the final residual"
             )
         self._windows = []
+        self._flat = None
         self._kb_flat = None
         self._batches_since_flush += 1
         if self._batches_since_flush >= self.flush_every:
@@ -310,8 +373,9 @@ class Accumulator:
         self.end_batch()
 
     def flush(self) -> None:
-        self.P64 += self.P32
-        self.P32.zero_()
+        if self.P32 is not None:
+            self.P64 += self.P32
+            self.P32.zero_()
         self._batches_since_flush = 0
 
     # ------------------------------------------------------------------ output
@@ -338,6 +402,7 @@ class Accumulator:
             "attn_out_sum": np_(self.attn_out),
             "resid_mid_sum": np_(self.resid_mid),
             "mlp_out_sum": np_(self.mlp_out),
+            "ln_in_sum": np_(self.ln_in),
             "value_sum": np_(self.values).reshape(L, K, H, dh).transpose(0, 2, 1, 3).copy(),
             "read_sum": np_(self.reads).reshape(L, K, H, dh).transpose(0, 2, 1, 3).copy(),
         }
@@ -363,13 +428,15 @@ def accumulate_shard(
     flush_every: int = 8,
     desc: str = "stats",
     on_batch: Callable[[int], None] | None = None,
+    p_mode: str = "auto",
 ) -> dict[str, np.ndarray]:
     """Additive float64 sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
 
     ``model`` is the loaded HF model (only its device is used), ``adapter`` its
     :class:`~mfpipe.models.adapters.Adapter`; ``tracked`` a TrackedSet (or plain lookup tables, see
     :func:`bucket_luts`). Position 0 of every window must hold the tracked set's BOS id. ``device`` defaults
-    to the model's device. ``on_batch(i)`` is called after each batch (progress hooks, tests).
+    to the model's device. ``on_batch(i)`` is called after each batch (progress hooks, tests). ``p_mode``
+    picks the attention-kernel reduction (see :class:`Accumulator`; same sums either way).
     """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
@@ -387,7 +454,8 @@ def accumulate_shard(
     batch_size = max(1, int(batch_size))
     acc = Accumulator(
         adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
-        device=device, flush_every=flush_every,
+        device=device, flush_every=flush_every, attn_input_norm=getattr(adapter, "attn_input_norm", None),
+        p_mode=p_mode,
     )
     n_batches = (tokens.shape[0] + batch_size - 1) // batch_size
     for i in _progress(range(n_batches), n_batches, progress, desc):
@@ -425,11 +493,12 @@ def merge_sums(partials: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.nda
 
 
 # ----------------------------------------------------------------------------------------- partial I/O
-def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None, compress: bool = True) -> None:
+def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None, compress: bool = False) -> None:
     """Write a partial as ``.npz`` atomically (temp file in the same folder, then rename).
 
-    ``meta`` (JSON-able) is stored under ``__meta__``. Members are deflated at level 1 (fast; the kernel
-    sums are mostly zeros at large N) unless ``compress=False``.
+    ``meta`` (JSON-able) is stored under ``__meta__``. Stored uncompressed by default: zlib runs at ~30 MB/s
+    (a GPT-2-small partial at N=1000 is 1.6 GB: ~50 s to deflate to ~0.5 GB, vs. a few seconds raw);
+    ``compress=True`` deflates at level 1.
     """
     from numpy.lib import format as npformat
 

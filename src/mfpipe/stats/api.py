@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -186,6 +187,12 @@ class MeanFieldStats:
         )
         return self._tracked_rows(ds)
 
+    def ln_in(self, layer: int | None = None, buckets: bool = False) -> xr.DataArray:
+        """App. D: occurrence mean of the attention-input norm, E[ln1(x)] per type, (layer, query, dim).
+        The value-map Jensen gap is its distance to ``adapter.attn_input_norm(layer, c)`` at the centroid."""
+        v = self._sel(self.ds["ln_in_mean"], "layer", layer)
+        return v if buckets else self._tracked_rows(v)
+
     # ------------------------------------------------------------------ head space
     def mu(self, layer: int | None = None, out_proj_slices: Callable[[int], Any] | Any = None) -> xr.DataArray:
         """Mean value vector mu_t of each head per key bucket (incl. ``<bos>``, ``<other>``):
@@ -244,7 +251,10 @@ def open_stats(path: str | Path, expect: Mapping[str, Any] | None = None) -> Mea
     path = Path(path)
     if not (path / "zarr.json").is_file():
         raise FileNotFoundError(f"statistics store {path} does not exist or is incomplete; run the stats stage")
-    ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+    with warnings.catch_warnings():
+        # Snakemake drops a `.snakemake_timestamp` file into directory outputs; zarr warns about it
+        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+        ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
     check_provenance(ds.attrs, expect, path)
     return MeanFieldStats(ds, path)
 

@@ -25,6 +25,8 @@ variable               dims                             meaning
 ``attn_out_mean``      layer, key, dim                  mean attention-branch output (what joins the residual)
 ``resid_mid_mean``     layer, key, dim                  mean post-attention residual m (App. K)
 ``mlp_out_mean``       layer, key, dim                  mean MLP-branch output (App. K)
+``ln_in_mean``         layer, key, dim                  mean attention-input norm output E[ln1(x)] (App. D Jensen
+                                                        gap: compare with ln1(centroid))
 =====================  ===============================  ===============================================
 
 Per-position statistics are grouped by the position's bucket along ``key`` (so ``P`` contracts with ``mu``
@@ -136,7 +138,10 @@ def finalize(
     key_str = strings + ["<bos>", "<other>"]
     key_ids = np.concatenate([ids, [-1 if bos is None else bos, -1]]).astype(np.int64)
 
-    P = _mean(sums["P_sum"], qc, (1, 1, N, 1))
+    f = np.dtype(dtype)
+    P = np.empty((L, H, N, K), dtype=f)
+    for l in range(L):  # layer by layer: the float64 kernel sums can be > 1 GB
+        P[l] = _mean(sums["P_sum"][l], qc, (1, N, 1))
     nbar = _mean(sums["nbar_sum"], qc, (N, 1))
     centroid = _mean(sums["resid_sum"], kc, (1, K, 1))
     ex2 = _mean(sums["resid_sq_sum"], kc, (1, K, 1))
@@ -147,10 +152,10 @@ def finalize(
     attn_out = _mean(sums["attn_out_sum"], kc, (1, K, 1))
     resid_mid = _mean(sums["resid_mid_sum"], kc, (1, K, 1))
     mlp_out = _mean(sums["mlp_out_sum"], kc, (1, K, 1))
+    ln_in = _mean(sums["ln_in_sum"], kc, (1, K, 1))
 
-    f = np.dtype(dtype)
     data_vars = {
-        "P": (("layer", "head", "query", "key"), P.astype(f)),
+        "P": (("layer", "head", "query", "key"), P),
         "nbar": (("query", "key"), nbar),
         "context_count": (("query", "key"), np.asarray(sums["context_count"], dtype=np.int64)),
         "cooc": (("query", "key"), np.asarray(sums["cooc"], dtype=np.int64)),
@@ -164,6 +169,7 @@ def finalize(
         "attn_out_mean": (("layer", "key", "dim"), attn_out.astype(f)),
         "resid_mid_mean": (("layer", "key", "dim"), resid_mid.astype(f)),
         "mlp_out_mean": (("layer", "key", "dim"), mlp_out.astype(f)),
+        "ln_in_mean": (("layer", "key", "dim"), ln_in.astype(f)),
     }
     coords = {
         "layer": np.arange(L),

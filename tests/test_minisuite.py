@@ -1,0 +1,209 @@
+"""Mini suite: tokenizer, model building, checkpoint schedule, and a tiny training run that learns
+an induction head (pure repeated random sequences over a small vocabulary)."""
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mfpipe.minisuite import build_model, checkpoint_steps, resolve_config, train_mini_model, train_tokenizer
+from mfpipe.minisuite import train as train_mod
+
+pytestmark = pytest.mark.slow
+
+TEXT = (
+    "Who's there?\nNay, answer me: stand, and unfold yourself.\nLong live the king!\n"
+    "You come most carefully upon your hour.\n'Tis now struck twelve; get thee to bed, Francisco.\n"
+    "For this relief much thanks: 'tis bitter cold,\nAnd I am sick at heart.\n"
+) * 20
+TEXTS = [TEXT[i : i + 500] for i in range(0, len(TEXT), 500)]
+
+# Learns an induction head in a few hundred CPU steps: every row is [BOS, r, r, text...] with
+# r drawn from a 300-token vocabulary, rotary on all head dims, a high learning rate.
+INDUCTION_CFG = dict(
+    name="tiny-induction",
+    architecture="gpt_neox",
+    n_layer=2,
+    d_model=64,
+    n_head=4,
+    d_mlp=64,
+    context_length=32,
+    rotary_pct=1.0,
+    steps=256,
+    batch_size=32,
+    lr=1e-2,
+    warmup_steps=20,
+    repeat_fraction=1.0,
+    repeat_min=4,
+    repeat_max=15,
+    mask_first_copy=True,
+    seed=0,
+    induction_sequences=32,
+    eval_rows=8,
+)
+
+MICRO_CFG = dict(
+    name="micro",
+    architecture="gpt2",
+    n_layer=1,
+    d_model=16,
+    n_head=2,
+    d_mlp=16,
+    context_length=16,
+    steps=5,
+    batch_size=4,
+    lr=1e-3,
+    warmup_steps=2,
+    repeat_min=2,
+    repeat_max=7,
+    induction_sequences=4,
+    eval_rows=2,
+)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tok") / "tokenizer"
+    train_tokenizer(TEXTS, vocab_size=300, min_frequency=2, out_dir=d)
+    return d
+
+
+def test_checkpoint_steps():
+    assert checkpoint_steps(0) == [0]
+    assert checkpoint_steps(1) == [0, 1]
+    assert checkpoint_steps(2) == [0, 1, 2]
+    assert checkpoint_steps(5) == [0, 1, 2, 4, 5]
+    assert checkpoint_steps(8) == [0, 1, 2, 4, 8]
+    assert checkpoint_steps(2400) == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 2400]
+    with pytest.raises(ValueError):
+        checkpoint_steps(-1)
+
+
+def test_tokenizer_roundtrip_bos_and_determinism(tok_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    assert len(tok) == 300
+    assert tok.bos_token == tok.eos_token == tok.unk_token == "<|endoftext|>"
+    assert tok.bos_token_id == tok.eos_token_id == 0
+    assert tok.convert_ids_to_tokens(0) == "<|endoftext|>"
+    s = "Who's there?  Nay, answer me — ünïcödé ☃\n"
+    ids = tok(s, add_special_tokens=False)["input_ids"]
+    assert 0 not in ids
+    assert tok.decode(ids) == s
+    again = tmp_path / "again"
+    train_tokenizer(TEXTS, 300, 2, again)
+    assert (again / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+
+
+def test_build_model_architectures():
+    m = build_model(dict(MICRO_CFG), vocab_size=300)
+    assert m.config.model_type == "gpt2"
+    assert m.config._attn_implementation == "eager"
+    assert m.config.n_positions == 16 and m.config.bos_token_id == 0 and m.config.eos_token_id == 0
+    n = build_model(dict(MICRO_CFG, architecture="gpt_neox", rotary_pct=0.5), vocab_size=300, bos_id=0)
+    assert n.config.model_type == "gpt_neox"
+    assert n.config._attn_implementation == "eager"
+    assert n.config.use_parallel_residual and not n.config.tie_word_embeddings
+    assert n.config.max_position_embeddings == 16
+    assert n.config.rope_parameters["partial_rotary_factor"] == 0.5
+    out = n(torch.zeros(1, 16, dtype=torch.long), output_attentions=True)
+    assert out.logits.shape == (1, 16, 300) and out.attentions[0].shape == (1, 2, 16, 16)
+
+
+def test_unsupported_architecture_and_bad_keys():
+    with pytest.raises(ValueError, match="unsupported architecture 'llama'"):
+        build_model(dict(MICRO_CFG, architecture="llama"), vocab_size=300)
+    with pytest.raises(ValueError, match="unknown mini-model config keys"):
+        resolve_config(dict(MICRO_CFG, n_layers=2))
+    with pytest.raises(ValueError, match="context_length"):
+        resolve_config(dict(MICRO_CFG, repeat_max=8))
+
+
+def _weights(step_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / "model.safetensors"))
+
+
+def test_training_is_deterministic(tok_dir, tmp_path):
+    a = train_mini_model(MICRO_CFG, tok_dir, TEXTS, tmp_path / "a", threads=1, progress=False)
+    b = train_mini_model(MICRO_CFG, tok_dir, TEXTS, tmp_path / "b", threads=1, progress=False)
+    c = train_mini_model(dict(MICRO_CFG, seed=1), tok_dir, TEXTS, tmp_path / "c", threads=1, progress=False)
+    wa, wb, wc = (_weights(tmp_path / x / "checkpoints" / "step5") for x in "abc")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+    assert [r["text_loss"] for r in a["checkpoints"]] == [r["text_loss"] for r in b["checkpoints"]]
+    assert a["checkpoints"] != c["checkpoints"]
+    assert torch.get_num_threads() >= 1
+
+
+def test_atomic_output_on_failure(tok_dir, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = train_mod.induction_metrics
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "induction_metrics", flaky)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="boom"):
+        train_mini_model(MICRO_CFG, tok_dir, TEXTS, out, threads=1, progress=False)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary sibling left behind
+
+
+def test_outputs_replace_existing(tok_dir, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step999").mkdir(parents=True)
+    (out / "other.txt").write_text("kept")
+    train_mini_model(dict(MICRO_CFG, steps=2), tok_dir, TEXTS, out, threads=1, progress=False)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step0", "step1", "step2"]
+    assert (out / "other.txt").read_text() == "kept"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_tiny_model_learns_induction(tok_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "tiny"
+    summary = train_mini_model(INDUCTION_CFG, tok_dir, TEXTS, out, threads=None, progress=False)
+    steps = checkpoint_steps(INDUCTION_CFG["steps"])
+    assert sorted(int(p.name[4:]) for p in (out / "checkpoints").iterdir()) == steps
+
+    with open(out / "induction.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["model", "step", "layer", "head", "score"]
+    assert len(rows) == len(steps) * 2 * 4
+    assert {r["model"] for r in rows} == {"tiny-induction"}
+    by_step: dict[int, float] = {}
+    for r in rows:
+        by_step[int(r["step"])] = max(by_step.get(int(r["step"]), 0.0), float(r["score"]))
+    assert by_step[0] < 0.1
+    assert by_step[steps[-1]] >= 0.3, by_step
+
+    info = json.loads((out / "training.json").read_text())
+    assert info["cfg"]["architecture"] == "gpt_neox"
+    assert [c["step"] for c in info["checkpoints"]] == steps
+    assert info["checkpoints"][0]["train_loss"] is None
+    assert all(np.isfinite(c["text_loss"]) for c in info["checkpoints"])
+    assert info["final_max_induction"] == pytest.approx(by_step[steps[-1]], abs=1e-6)
+    assert info["wall_time_s"] > 0 and summary["model"] == "tiny-induction"
+
+    # each checkpoint is a standalone HF model dir that reproduces the recorded scores
+    from mfpipe.induction import induction_scores
+
+    final = out / "checkpoints" / f"step{steps[-1]}"
+    model = AutoModelForCausalLM.from_pretrained(str(final), attn_implementation="eager")
+    tok = AutoTokenizer.from_pretrained(str(final))
+    assert tok.bos_token_id == 0 and model.config.bos_token_id == 0
+    s = induction_scores(model, len(tok), tok.all_special_ids, 32, n_sequences=32)
+    assert s.max() == pytest.approx(by_step[steps[-1]], abs=1e-4)
