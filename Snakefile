@@ -19,6 +19,8 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/minisuite.smk"
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/stats.smk"
+include: "workflow/rules/rollout.smk"
+include: "workflow/rules/figures.smk"
 
 
 rule all:

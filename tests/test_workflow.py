@@ -94,3 +94,15 @@ def test_training_option_change_retrains_only_that_model(built, tmp_path):
     rules = {r for r, _ in jobs}
     assert "minisuite_tokenizer" not in rules and "corpus_shards" not in rules
     assert not [w for r, w in jobs if "mini-gpt2" in w], jobs
+
+
+def test_deleting_a_figure_reruns_only_its_plotting_job(built):
+    figs = sorted((built / "results" / "figures").glob("rollout_mini-gpt2_*.png"))
+    assert figs, "the ci DAG builds the rollout figure"
+    png = figs[0]
+    png.unlink()
+    jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n")) if r != "all"]
+    assert [r for r, _ in jobs] == ["figure_rollout"] and "model=mini-gpt2" in jobs[0][1], jobs
+    snakemake(built, "--cores", "1", str(png.relative_to(built)))
+    assert png.is_file() and png.stat().st_size > 0
+    assert planned_jobs(snakemake(built, "-n")) == []

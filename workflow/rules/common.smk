@@ -1,9 +1,11 @@
 # Shared helpers: config cross-checks, model specs, paths, code dependencies.
+import os
 import sys
 from pathlib import Path
 
 SRC = Path(workflow.basedir) / "src"
-sys.path.insert(0, str(SRC))  # the workflow always runs the library of its own checkout
+sys.path.insert(0, str(SRC))  # the workflow always runs the library of its own checkout,
+os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # its jobs too
 
 from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions  # noqa: E402
 
@@ -68,6 +70,7 @@ def all_targets():
         for rev in REVISIONS[m]:
             targets += [f"{R}/stats/{m}/{rev}/{ds}.zarr" for c in CORPORA for ds in datasets(c)]
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
+    targets += rollout_targets()  # workflow/rules/rollout.smk
     return targets
 
 

@@ -59,7 +59,7 @@ import torch
 PARTIAL_FORMAT = 1
 COOC_WINDOW = 5
 PAIR_CHUNK = 1 << 22  # (query, key) pairs enumerated at once for nbar / C
-FLAT_MAX_ELEMENTS = 1 << 23  # "auto" uses the flat kernel reduction up to this many (pair, head) elements per layer
+FLAT_MAX_ELEMENTS = 1 << 24  # "auto" uses the flat kernel reduction up to this many (pair, head) elements per layer
 
 # name -> (dtype kind, merge) ; all sums merge by addition
 INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count", "cooc")

@@ -1,0 +1,259 @@
+"""The rollout glue (mfpipe.analysis) and its figures on real statistics stores of tiny random models:
+provenance refusal, Table 1 shape and standard error, coverage rows, the cross-corpus diagonal, the error
+accounting tables, pinning, types absent from a statistics half, and the figure files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mfpipe import analysis as A
+from mfpipe import figures as F
+from mfpipe import kernels as K
+from mfpipe import metrics as M
+from mfpipe import rollout as R
+from mfpipe.models.adapters import get_adapter
+from mfpipe.stats import ProvenanceError, accumulate_shard, finalize, open_stats, write_store
+from test_stats_reference import BOS, tracked_for, zipf_windows
+from tiny_models import make_tiny_model
+
+N_WINDOWS = 24
+
+
+def _store(model, adapter, tokens, tracked, path, half, corpus="zipf", fp="fp-zipf", name="tiny"):
+    sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=8, device="cpu", progress=False)
+    meta = {"model": name, "revision": "r1", "half": half, "corpus": corpus, "corpus_fingerprint": fp,
+            "model_type": adapter.model_type}
+    return write_store(finalize(sums, tracked, meta), path)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "gpt_neox"])
+def stores(request, tmp_path_factory):
+    """stats / eval halves of a primary corpus and of a second corpus in which two tracked types never occur."""
+    mt = request.param
+    model = make_tiny_model(mt, seed=7)
+    ad = get_adapter(model)
+    root = tmp_path_factory.mktemp(f"stores-{mt}")
+    st_tok = zipf_windows(N_WINDOWS, seed=1)
+    tracked = tracked_for(st_tok)
+    ev_tok = zipf_windows(N_WINDOWS, seed=2)
+    # the second corpus: another Zipf law (another seed permutes the ranks) without tracked types 3 and 5
+    x_st, x_ev = zipf_windows(N_WINDOWS, seed=11), zipf_windows(N_WINDOWS, seed=12)
+    untracked = np.setdiff1d(np.arange(BOS), tracked.type_ids)[0]
+    for tok in (x_st, x_ev):
+        tok[np.isin(tok, tracked.type_ids[[3, 5]])] = untracked
+    paths = {
+        "stats": _store(model, ad, st_tok, tracked, root / "stats.zarr", "stats"),
+        "eval": _store(model, ad, ev_tok, tracked, root / "eval.zarr", "eval"),
+        "x/stats": _store(model, ad, x_st, tracked, root / "x" / "stats.zarr", "stats", "other", "fp-other"),
+        "x/eval": _store(model, ad, x_ev, tracked, root / "x" / "eval.zarr", "eval", "other", "fp-other"),
+    }
+    other = tracked_for(ev_tok, n=tracked.n - 1)  # a different tracked set
+    paths["eval_other_tracked"] = _store(model, ad, ev_tok, other, root / "eval_o.zarr", "eval")
+    paths["eval_other_model"] = _store(model, ad, ev_tok, tracked, root / "eval_m.zarr", "eval", name="other-model")
+    return mt, model, ad, paths, tracked
+
+
+@pytest.fixture(scope="module")
+def scores(stores):
+    mt, model, ad, p, _ = stores
+    return A.run_rollouts(model, ad, p["stats"], p["eval"], seed=3, model_name="tiny", revision="r1")
+
+
+# ------------------------------------------------------------------------------------------ provenance
+def test_provenance_refusal(stores):
+    mt, model, ad, p, _ = stores
+    st, ev = A.open_pair(p["stats"], p["eval"], model="tiny", revision="r1")
+    assert st.attrs["half"] == "stats" and ev.attrs["half"] == "eval"
+    with pytest.raises(ProvenanceError, match="half"):
+        A.open_pair(p["eval"], p["eval"])  # an eval half as statistics
+    with pytest.raises(ProvenanceError, match="half"):
+        A.open_pair(p["stats"], p["stats"])  # the statistics half as truth
+    with pytest.raises(ProvenanceError, match="model"):
+        A.open_pair(p["stats"], p["eval"], model="gpt2-small")
+    with pytest.raises(ProvenanceError, match="revision"):
+        A.open_pair(p["stats"], p["eval"], revision="main")
+    with pytest.raises(ProvenanceError, match="n_tracked|tracked_fingerprint"):
+        A.open_pair(p["stats"], p["eval_other_tracked"])
+    with pytest.raises(ProvenanceError, match="model"):
+        A.open_pair(p["stats"], p["eval_other_model"])
+    with pytest.raises(ProvenanceError, match="corpus_fingerprint"):
+        A.open_pair(p["stats"], p["x/eval"])  # truth of another corpus is only allowed in the cross matrix
+    A.open_pair(p["stats"], p["x/eval"], same_corpus=False)
+    other = get_adapter(make_tiny_model("gpt_neox" if mt == "gpt2" else "gpt2", seed=1))
+    with pytest.raises(ProvenanceError, match="model_type"):
+        A.check_model(other, st)
+    with pytest.raises(ProvenanceError):
+        A.run_rollouts(model, ad, p["stats"], p["eval_other_tracked"], kernels=["mean_field"])
+
+
+# ------------------------------------------------------------------------------------------- rollout
+def test_scores_table_and_mean_field_matches_direct_rollout(stores, scores):
+    mt, model, ad, p, _ = stores
+    L = ad.n_layers
+    assert set(scores["kernel"]) == set(K.KERNEL_NAMES)
+    assert len(scores) == len(K.KERNEL_NAMES) * L * len(M.METRICS)
+    assert sorted(scores["depth"].unique()) == list(range(1, L + 1))
+    assert np.isfinite(scores["value"]).all()
+    assert not scores["pinned"].any()
+    # the mean_field rows are Alg. 1 with the stored P from the embeddings, scored against the eval centroids
+    st, ev = open_stats(p["stats"]), open_stats(p["eval"])
+    ids = st.ds["query_token_id"].values
+    pred = R.rollout(ad, st.P().values, R.bos_residuals(ad, int(st.attrs["bos_id"])), type_ids=ids,
+                     context_length=int(st.attrs["context_length"]))
+    types = A.eval_types(st, ev)
+    want = M.score_layers(pred[1:, types], ev.centroids().values[1:, types])
+    got = scores[scores["kernel"] == "mean_field"].pivot(index="depth", columns="metric", values="value")
+    for m in M.METRICS:
+        np.testing.assert_allclose(got[m].to_numpy(), want[m], rtol=1e-6, atol=1e-7)
+
+
+def test_summary_shape_and_standard_error(scores):
+    s = A.rollout_summary(scores)
+    assert list(s["kernel"]) == list(K.KERNEL_NAMES)  # paper order
+    for m in M.METRICS:
+        assert f"{m}_se" in s
+    for k in ("mean_field", "cooc"):
+        for m in M.METRICS:
+            v = scores[(scores["kernel"] == k) & (scores["metric"] == m)].sort_values("depth")["value"].to_numpy()
+            row = s[s["kernel"] == k].iloc[0]
+            assert row[m] == pytest.approx(v.mean())
+            assert row[f"{m}_se"] == pytest.approx(v.std(ddof=1) / np.sqrt(v.size))
+    md = A.summary_markdown(s, title="t")
+    assert md.count("\n| ") == len(K.KERNEL_NAMES) + 1 and "Mean field" in md and "best on both metrics" in md
+
+
+def test_summary_se_on_known_values():
+    rows = []
+    for k, vals in (("mean_field", [0.9, 0.8, 0.7]), ("meanq", [0.5, 0.5, 0.5])):
+        for d, v in enumerate(vals, start=1):
+            for m in M.METRICS:
+                rows.append({"kernel": k, "pinned": False, "depth": d, "metric": m, "value": v, "n_types": 10})
+    s = A.rollout_summary(pd.DataFrame(rows)).set_index("kernel")
+    assert s.loc["mean_field", "cosine"] == pytest.approx(0.8)
+    assert s.loc["mean_field", "cosine_se"] == pytest.approx(0.1 / np.sqrt(3))
+    assert s.loc["meanq", "cosine_se"] == pytest.approx(0.0)
+    assert s.loc["mean_field", "n_layers"] == 3
+
+
+def test_claim_check():
+    def summ(vals):
+        return pd.DataFrame([{"kernel": k, "pinned": False, "cosine": c, "rel_error": e} for k, (c, e) in vals.items()])
+
+    ok = A.claim_check(summ({"mean_field": (0.9, 0.4), "cooc": (0.8, 0.5), "P0only": (0.9, 0.4)}))
+    assert ok["holds"] and ok["cosine"]["ties"] == ["P0only"] and ok["cosine"]["best_baseline"] == "cooc"
+    bad = A.claim_check(summ({"mean_field": (0.9, 0.6), "cooc": (0.8, 0.5)}))
+    assert bad["cosine"]["holds"] and not bad["rel_error"]["holds"] and not bad["holds"]
+    assert bad["rel_error"]["best_baseline"] == "cooc"
+
+
+def test_pinning_adds_pinned_rows(stores):
+    mt, model, ad, p, _ = stores
+    df = A.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field", "meanq"], pin=True, rogue_factor=1.5)
+    pinned = df[df["pinned"]]
+    assert len(pinned) == len(df) // 2 and (pinned["n_pinned"] > 0).all()
+    assert np.isfinite(df["value"]).all()
+    s = A.rollout_summary(df)
+    assert len(s) == 4 and "(pinned, " in A.summary_markdown(s)
+    none = A.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field"], pin=True, rogue_factor=1e9)
+    assert not none["pinned"].any()  # no rogue dimension: no duplicate rows
+
+
+def test_every_kernel_keeps_rows_stochastic_on_store(stores):
+    mt, model, ad, p, _ = stores
+    st, ev = A.open_pair(p["x/stats"], p["x/eval"])
+    setup = A.prepare(ad, st, ev)
+    for name in K.KERNEL_NAMES:
+        K.check_row_stochastic(A.build_kernel(name, setup, model=model, seed=1), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ coverage
+def test_attention_coverage_rows_sum_to_one(stores):
+    mt, model, ad, p, _ = stores
+    df = A.attention_coverage([p["stats"], p["x/stats"]], expect={"half": "stats"})
+    assert len(df) == 2
+    np.testing.assert_allclose(df[["tracked", "position0", "other"]].sum(axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(df["tracked_share_nonsink"], df["tracked"] / (df["tracked"] + df["other"]))
+    with pytest.raises(ProvenanceError):
+        A.attention_coverage([p["eval"]], expect={"half": "stats"})
+
+
+# ------------------------------------------------------------------------------------------ cross-corpus
+def test_cross_corpus_diagonal_equals_plain_rollout(stores, scores):
+    mt, model, ad, p, tracked = stores
+    corpora = {"zipf": (p["stats"], p["eval"]), "other": (p["x/stats"], p["x/eval"])}
+    df = A.cross_corpus(model, ad, corpora, "zipf", model_name="tiny", revision="r1")
+    assert set(df["stats_corpus"]) == {"zipf", "other", "context-free"}
+    assert np.isfinite(df["value"]).all()
+    for kernel, row in (("mean_field", "zipf"), ("context_free", "context-free")):
+        diag = df[(df["stats_corpus"] == row) & (df["eval_corpus"] == "zipf")].sort_values(["metric", "depth"])
+        plain = scores[scores["kernel"] == kernel].sort_values(["metric", "depth"])
+        np.testing.assert_allclose(diag["value"].to_numpy(), plain["value"].to_numpy(), rtol=1e-6, atol=1e-7)
+    # the two tracked types absent from the second corpus are never scored where it is involved
+    n = df.groupby(["stats_corpus", "eval_corpus"])["n_types"].max()
+    assert n[("zipf", "zipf")] == A.eval_types(open_stats(p["stats"]), open_stats(p["eval"])).size
+    assert n[("other", "zipf")] <= n[("zipf", "zipf")] - 2 and n[("zipf", "other")] <= n[("zipf", "zipf")] - 2
+    s = A.cross_corpus_summary(df)
+    assert len(s) == 3 * 2
+    md = A.matrix_markdown(s)
+    assert "**" in md and "context-free" in md
+    with pytest.raises(ProvenanceError):
+        A.cross_corpus(model, ad, {**corpora, "bad": (p["eval"], p["eval"])}, "zipf")
+
+
+# ------------------------------------------------------------------------------------ error accounting
+def test_error_accounting_tables(stores):
+    mt, model, ad, p, _ = stores
+    L = ad.n_layers
+    st, ev = A.open_pair(p["stats"], p["eval"])
+    setup = A.prepare(ad, st, ev)
+    tf = A.teacher_forced_table(ad, setup)
+    assert sorted(tf["layer"].unique()) == list(range(L)) and np.isfinite(tf["value"]).all()
+    ed = A.error_decomposition_table(ad, setup)
+    assert set(ed["estimator"]) == {"a", "b", "c"} and len(ed) == 3 * L * len(M.METRICS)
+    assert np.isfinite(ed["value"]).all()
+    wide = A.long_to_wide(ed, "layer", by="estimator")
+    assert list(wide.columns[-4:]) == list(M.METRICS)
+    mg = A.mlp_gap_table(ad, ev)
+    assert len(mg) == L and np.isfinite(mg[list(M.METRICS)].to_numpy()).all()
+    cl = A.clustering_table(ad, ev)
+    assert len(cl) == L + 1
+    assert ((cl["eta2"] >= -1e-9) & (cl["eta2"] <= 1 + 1e-9)).all()
+    assert np.isfinite(cl.loc[cl["depth"] < L, "jensen_rel_median"]).all()
+    assert np.isnan(cl.loc[cl["depth"] == L, "jensen_rel_median"]).all()
+    an = A.anisotropy_table(ev)
+    np.testing.assert_allclose(an["ratio"], an["mean_dist"] / an["norm_mean"])
+    if mt == "gpt_neox":  # rotary: a type's layer-0 residual is its embedding, identical at every occurrence
+        assert cl.loc[0, "rel_rms_median"] == pytest.approx(0.0, abs=1e-6)
+        assert mg.loc[0, "cosine"] == pytest.approx(1.0, abs=1e-5)  # parallel MLP reads the block input
+
+
+# ------------------------------------------------------------------------------------------- figures
+def _is_png(path):
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_figures_write_pdf_and_png(stores, scores, tmp_path):
+    mt, model, ad, p, _ = stores
+    if mt != "gpt2":
+        pytest.skip("the figures depend only on the tables; one architecture suffices")
+    st, ev = A.open_pair(p["stats"], p["eval"])
+    setup = A.prepare(ad, st, ev)
+    corpora = {"zipf": (p["stats"], p["eval"]), "other": (p["x/stats"], p["x/eval"])}
+    tables = {
+        "rollout": scores,
+        "teacher_forced": A.teacher_forced_table(ad, setup),
+        "error_decomposition": A.error_decomposition_table(ad, setup),
+        "clustering": A.clustering_table(ad, ev),
+        "cross_corpus": A.cross_corpus_summary(A.cross_corpus(model, ad, corpora, "zipf", context_free=False)),
+    }
+    fns = {"rollout": F.rollout_figure, "teacher_forced": F.teacher_forced_figure,
+           "error_decomposition": F.error_decomposition_figure, "clustering": F.clustering_figure,
+           "cross_corpus": F.cross_corpus_figure}
+    for name, fn in fns.items():
+        csv = tmp_path / f"{name}.csv"
+        tables[name].to_csv(csv, index=False)  # figures are drawn from the CSV tables
+        pdf, png = fn(csv, tmp_path / "figs" / name)
+        assert pdf.read_bytes()[:5] == b"%PDF-" and _is_png(png), name
+    assert not [f for f in (tmp_path / "figs").iterdir() if f.name.startswith(".")]  # no temporary left

@@ -1,0 +1,68 @@
+"""Snakemake script: the error accounting of Sec. 4.3 and App. D, H, K for one (model, revision):
+teacher-forced attention, the nested estimators (a)(b)(c), the MLP gap, within-type clustering with the
+value-map Jensen gap, and anisotropy -> one CSV (+ Markdown) each under results/tables/."""
+import torch
+
+from mfpipe import analysis as A
+from mfpipe.logs import setup_logging
+from mfpipe.models.adapters import get_adapter
+from mfpipe.models.loader import load_model
+
+sm = snakemake  # noqa: F821
+log = setup_logging(sm.log[0])
+
+
+def main() -> None:
+    if sm.threads:
+        torch.set_num_threads(int(sm.threads))
+    p = sm.params
+    tag = f"{p.model_spec['name']} @ {p.revision}"
+    model = load_model(dict(p.model_spec), p.revision, dtype=p.dtype, device=p.device, results_dir=p.results)
+    adapter = get_adapter(model)
+    st, ev = A.open_pair(sm.input.stats, sm.input.eval, model=p.model_spec["name"], revision=p.revision)
+    setup = A.prepare(adapter, st, ev, min_count=int(p.min_count))
+    diag = ev if p.diagnostics_half == "eval" else st
+
+    tf = A.teacher_forced_table(adapter, setup)
+    A.write_csv(tf, sm.output.teacher_forced)
+    A.write_text(A.wide_markdown(A.long_to_wide(tf, "layer"), "layer", ["frac_depth", "cosine", "rsa", "rel_error",
+                 "norm_ratio"], title=f"Teacher-forced attention (sum_h zhat vs measured sum_h zbar): {tag}"),
+                 sm.output.teacher_forced_md)
+
+    ed = A.error_decomposition_table(adapter, setup)
+    A.write_csv(ed, sm.output.error_decomposition)
+    wide = A.long_to_wide(ed, "layer", by="estimator")
+    md = A.wide_markdown(wide, "estimator", ["layer", "cosine", "rsa", "rel_error", "norm_ratio"],
+                         title=f"Per-layer error accounting, estimators (a)(b)(c) vs held-out c^(l+1): {tag}")
+    md += "\n" + A.wide_markdown(A.per_layer_summary(ed, "estimator"), "estimator",
+                                 ["cosine", "cosine_se", "rel_error", "rel_error_se"],
+                                 title="Cross-layer mean (SE over layers)")
+    A.write_text(md, sm.output.error_decomposition_md)
+
+    mg = A.mlp_gap_table(adapter, diag, min_count=int(p.min_count))
+    A.write_csv(mg, sm.output.mlp_gap)
+    A.write_text(A.wide_markdown(mg, "layer", ["cosine", "rel_error", "rsa", "norm_ratio"],
+                                 title=f"MLP gap (MLP at the mean input vs occurrence-mean MLP), {p.diagnostics_half} "
+                                       f"half: {tag}"), sm.output.mlp_gap_md)
+
+    cl = A.clustering_table(adapter, diag, min_count=int(p.min_count))
+    A.write_csv(cl, sm.output.clustering)
+    A.write_text(A.wide_markdown(cl, "depth", ["rel_rms_median", "eta2", "eta2_z", "jensen_rel_median",
+                                               "jensen_dir_median"], digits=4,
+                                 title=f"Within-type clustering and value-map Jensen gap, {p.diagnostics_half} half: "
+                                       f"{tag}"), sm.output.clustering_md)
+
+    an = A.anisotropy_table(diag, min_count=int(p.min_count))
+    A.write_csv(an, sm.output.anisotropy)
+    A.write_text(A.wide_markdown(an, "depth", ["norm_mean", "mean_dist", "ratio"],
+                                 title=f"Anisotropy of the type-centroid cloud, {p.diagnostics_half} half: {tag}"),
+                 sm.output.anisotropy_md)
+    log.info("teacher-forced:\n%s", A.long_to_wide(tf, "layer").to_string())
+    log.info("error decomposition:\n%s", wide.to_string())
+
+
+try:
+    main()
+except BaseException:
+    log.exception("failed")
+    raise

@@ -1,0 +1,35 @@
+"""Snakemake script: Alg. 1 with every configured kernel for one (model, revision), scored per depth against
+the held-out centroids -> results/rollout/<model>/<revision>/scores.csv (long table)."""
+import time
+
+import torch
+
+from mfpipe import analysis as A
+from mfpipe.logs import setup_logging
+from mfpipe.models.adapters import get_adapter
+from mfpipe.models.loader import load_model
+
+sm = snakemake  # noqa: F821 (injected by Snakemake)
+log = setup_logging(sm.log[0])
+
+
+def main() -> None:
+    if sm.threads:
+        torch.set_num_threads(int(sm.threads))
+    p = sm.params
+    model = load_model(dict(p.model_spec), p.revision, dtype=p.dtype, device=p.device, results_dir=p.results)
+    adapter = get_adapter(model)
+    t0 = time.perf_counter()
+    df = A.run_rollouts(model, adapter, sm.input.stats, sm.input.eval, kernels=list(p.kernels), seed=int(p.seed),
+                        pin=bool(p.pin_rogue), rogue_factor=float(p.rogue_factor), init=str(p.init),
+                        min_count=int(p.min_count), model_name=p.model_spec["name"], revision=p.revision)
+    log.info("%d kernels%s in %.1f s", len(p.kernels), " (+ pinned)" if p.pin_rogue else "", time.perf_counter() - t0)
+    A.write_csv(df, sm.output[0])
+    log.info("\n%s", A.summary_markdown(A.rollout_summary(df)))
+
+
+try:
+    main()
+except BaseException:
+    log.exception("failed")
+    raise
