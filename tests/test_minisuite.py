@@ -214,6 +214,8 @@ def test_tiny_model_learns_induction(char_tok_dir, tmp_path):
     assert info["cfg"]["architecture"] == "gpt_neox"
     assert [c["step"] for c in info["checkpoints"]] == steps
     assert info["checkpoints"][0]["train_loss"] is None
+    curve_steps = [p["step"] for p in info["induction_curve"]]
+    assert curve_steps == sorted(set(steps) | {100, 200, 300, 400, 500})
     # a real in-context mechanism: the second copy becomes predictable (log 36 ≈ 3.58 nats at init)
     assert info["checkpoints"][0]["induction_loss"] > 3.0
     assert info["checkpoints"][-1]["induction_loss"] < 2.0

@@ -251,7 +251,7 @@ def test_interrupted_run_resumes_missing_shards_only(tmp_path, hard_kill):
             """
         )
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
         assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     else:
         ad = CountingAdapter(get_adapter(model), fail_at_call=6)

@@ -13,7 +13,7 @@ CI_CONFIG = REPO / "config" / "ci.yaml"
 pytestmark = pytest.mark.slow
 
 
-def snakemake(workdir: Path, *args: str, configfiles=(CI_CONFIG,), timeout=900) -> str:
+def snakemake(workdir: Path, *args: str, configfiles=(CI_CONFIG,), timeout=1800) -> str:
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
            "--configfile", *map(str, configfiles), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -33,6 +33,8 @@ repeat_min/max      k is uniform in ``repeat_min..repeat_max`` (inclusive); r is
 mask_first_copy     if true, the (unpredictable) first copy r1..rk is not a loss target
 seed                seeds ``torch.manual_seed`` (init) and a numpy Generator (data)
 induction_sequences number of test sequences for the per-checkpoint induction score
+induction_every     also record max induction score / induction loss every this many steps
+                    (``induction_curve`` in training.json, no checkpoint saved; 0: off)
 eval_rows           fixed plain-text rows for the per-checkpoint ``text_loss``
 ==================  =========================================================================
 
@@ -94,6 +96,7 @@ DEFAULT_CONFIG: dict = {
     "mask_first_copy": True,
     "seed": 0,
     "induction_sequences": 64,
+    "induction_every": 100,
     "eval_rows": 32,
 }
 
@@ -350,8 +353,9 @@ def train_mini_model(
     ``train_tokens``, ``threads``, ``checkpoint_steps``, ``checkpoints``: per checkpoint
     ``step``, ``train_loss`` (mean training loss since the previous checkpoint; None at step 0),
     ``text_loss`` (fixed plain-text rows), ``induction_loss`` (second-copy loss on the induction
-    test sequences), ``max_induction`` (+ its layer/head), ``elapsed_s``; then
-    ``final_max_induction``, ``wall_time_s``, ``cpu_time_s``).
+    test sequences), ``max_induction`` (+ its layer/head), ``elapsed_s``; ``induction_curve``:
+    ``step``, ``max_induction``, ``induction_loss`` at every checkpoint and every
+    ``induction_every`` steps; then ``final_max_induction``, ``wall_time_s``, ``cpu_time_s``).
 
     Everything is written into a temporary sibling directory first and moved into place only on
     success (one rename when ``out_dir`` is absent or empty; if it holds other files, only the
@@ -403,10 +407,9 @@ def train_mini_model(
         ind_rows: list[tuple] = []
         window_losses: list[float] = []
 
-        def checkpoint(step: int) -> None:
-            model.eval()
-            with torch.no_grad():
-                text_loss = float(_lm_loss(model, eval_rows, eval_mask))
+        curve: list[dict] = []
+
+        def probe(step: int) -> tuple[np.ndarray, float]:
             scores, icl_loss = induction_metrics(
                 model,
                 vocab_size,
@@ -417,6 +420,14 @@ def train_mini_model(
                 bos_id=bos_id,
             )
             model.train()
+            curve.append({"step": step, "max_induction": float(scores.max()), "induction_loss": icl_loss})
+            return scores, icl_loss
+
+        def checkpoint(step: int) -> None:
+            model.eval()
+            with torch.no_grad():
+                text_loss = float(_lm_loss(model, eval_rows, eval_mask))
+            scores, icl_loss = probe(step)
             d = ckpt_dir / f"step{step}"
             _save_quietly(model, tok, d)
             for layer in range(scores.shape[0]):
@@ -472,6 +483,8 @@ def train_mini_model(
                 opt = _make_optimizer(model, c)
             if step in ckpt_steps:
                 checkpoint(step)
+            elif c["induction_every"] and step % int(c["induction_every"]) == 0:
+                probe(step)
         bar.close()
 
         with open(tmp / "induction.csv", "w") as f:
@@ -488,6 +501,7 @@ def train_mini_model(
             "threads": n_threads,
             "checkpoint_steps": ckpt_steps,
             "checkpoints": records,
+            "induction_curve": curve,
             "final_max_induction": records[-1]["max_induction"],
             "wall_time_s": round(wall, 3),
             "cpu_time_s": round(time.process_time() - cpu_start, 3),
