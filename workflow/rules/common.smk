@@ -14,6 +14,21 @@ try:
 except ConfigError as e:
     raise WorkflowError(str(e))
 
+
+def _canonical(value):
+    """The same settings in key-sorted order: Snakemake compares params by their text, so a config file
+    that lists the same keys in another order (or a layered `--configfile`) must not look like a change."""
+    if isinstance(value, dict):
+        return {k: _canonical(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+_sorted_config = _canonical(dict(config))
+config.clear()
+config.update(_sorted_config)
+
 R = "results"
 CORPUS = config["corpus"]["name"]
 CORPORA = corpora(config)  # primary first, then cross corpora (App. G)
