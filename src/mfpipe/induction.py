@@ -66,18 +66,9 @@ def _default_bos(model) -> int | None:
     return None if bos is None else int(bos)
 
 
-def induction_scores(
-    model,
-    vocab_size: int,
-    special_ids: Iterable[int] | None,
-    context_length: int,
-    n_sequences: int = 64,
-    seed: int = 0,
-    *,
-    bos_id: int | None | str = "auto",
-    batch_size: int = 16,
-) -> np.ndarray:
-    """Induction score of every head: float64 ``[n_layer, n_head]``.
+def induction_scores(*args, **kwargs) -> np.ndarray:
+    """Induction score of every head: float64 ``[n_layer, n_head]``; the arguments are
+    :func:`induction_metrics`'s.
 
     Works for any HF causal LM that returns attentions (load or build it with
     ``attn_implementation="eager"``). ``vocab_size`` is the number of ids to draw from (the
@@ -86,10 +77,7 @@ def induction_scores(
     ``None`` means no BOS prefix. The same ``seed`` gives the same test sequences, so scores at
     different checkpoints are comparable.
     """
-    scores, _ = induction_metrics(
-        model, vocab_size, special_ids, context_length, n_sequences, seed, bos_id=bos_id, batch_size=batch_size
-    )
-    return scores
+    return induction_metrics(*args, **kwargs)[0]
 
 
 def induction_metrics(

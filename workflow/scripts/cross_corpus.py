@@ -1,22 +1,16 @@
 """Snakemake script: App. G cross-corpus matrix for one (model, revision): the mean-field rollout with each
 corpus's statistics scored against each corpus's held-out centroids (+ the context-free baseline)."""
-import torch
-
 from mfpipe import analysis as A
+from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.models.adapters import get_adapter
-from mfpipe.models.loader import load_model
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    if sm.threads:
-        torch.set_num_threads(int(sm.threads))
     p = sm.params
-    model = load_model(dict(p.model_spec), p.revision, dtype=p.dtype, device=p.device, results_dir=p.results)
-    adapter = get_adapter(model)
+    model, adapter = load_job_model(p, sm.threads)
     stats, evals = list(sm.input.stats), list(sm.input.eval)
     corpora = {c: (s, e) for c, s, e in zip(p.corpora, stats, evals)}
     df = A.cross_corpus(model, adapter, corpora, p.primary, init=str(p.init), min_count=int(p.min_count),
@@ -31,8 +25,4 @@ def main() -> None:
     log.info("\n%s", md)
 
 
-try:
-    main()
-except BaseException:
-    log.exception("failed")
-    raise
+run_logged(main, log)

@@ -1,24 +1,18 @@
 """Snakemake script: the error accounting of Sec. 4.3 and App. D, H, K for one (model, revision):
 teacher-forced attention, the nested estimators (a)(b)(c), the MLP gap, within-type clustering with the
 value-map Jensen gap, and anisotropy -> one CSV (+ Markdown) each under results/tables/."""
-import torch
-
 from mfpipe import analysis as A
+from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.models.adapters import get_adapter
-from mfpipe.models.loader import load_model
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    if sm.threads:
-        torch.set_num_threads(int(sm.threads))
     p = sm.params
     tag = f"{p.model_spec['name']} @ {p.revision}"
-    model = load_model(dict(p.model_spec), p.revision, dtype=p.dtype, device=p.device, results_dir=p.results)
-    adapter = get_adapter(model)
+    model, adapter = load_job_model(p, sm.threads)
     st, ev = A.open_pair(sm.input.stats, sm.input.eval, model=p.model_spec["name"], revision=p.revision)
     setup = A.prepare(adapter, st, ev, min_count=int(p.min_count))
     diag = ev if p.diagnostics_half == "eval" else st
@@ -61,8 +55,4 @@ def main() -> None:
     log.info("error decomposition:\n%s", wide.to_string())
 
 
-try:
-    main()
-except BaseException:
-    log.exception("failed")
-    raise
+run_logged(main, log)

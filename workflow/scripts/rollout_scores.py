@@ -2,23 +2,17 @@
 the held-out centroids -> results/rollout/<model>/<revision>/scores.csv (long table)."""
 import time
 
-import torch
-
 from mfpipe import analysis as A
+from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.models.adapters import get_adapter
-from mfpipe.models.loader import load_model
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    if sm.threads:
-        torch.set_num_threads(int(sm.threads))
     p = sm.params
-    model = load_model(dict(p.model_spec), p.revision, dtype=p.dtype, device=p.device, results_dir=p.results)
-    adapter = get_adapter(model)
+    model, adapter = load_job_model(p, sm.threads)
     t0 = time.perf_counter()
     df = A.run_rollouts(model, adapter, sm.input.stats, sm.input.eval, kernels=list(p.kernels), seed=int(p.seed),
                         pin=bool(p.pin_rogue), rogue_factor=float(p.rogue_factor), init=str(p.init),
@@ -28,8 +22,4 @@ def main() -> None:
     log.info("\n%s", A.summary_markdown(A.rollout_summary(df)))
 
 
-try:
-    main()
-except BaseException:
-    log.exception("failed")
-    raise
+run_logged(main, log)

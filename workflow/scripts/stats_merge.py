@@ -3,6 +3,7 @@ layer-chunked zarr statistics store (written atomically), with provenance attrib
 import json
 from pathlib import Path
 
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.stats import StatsError, finalize, load_partial, merge_sums, write_store
 from mfpipe.tracked import TrackedSet
@@ -58,8 +59,4 @@ def main() -> None:
              len(partials))
 
 
-try:
-    main()
-except BaseException:
-    log.exception("failed")
-    raise
+run_logged(main, log)

@@ -5,6 +5,7 @@ import time
 import torch
 
 from mfpipe.corpus import read_shard
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.models.adapters import get_adapter
 from mfpipe.models.loader import load_model
@@ -42,8 +43,4 @@ def main() -> None:
              tokens.size, dt, tokens.size / max(dt, 1e-9), int(sums["query_count"].sum()), sm.output[0])
 
 
-try:
-    main()
-except BaseException:
-    log.exception("failed")
-    raise
+run_logged(main, log)
