@@ -1,6 +1,5 @@
 """Statistics store: layout, NaN fill of unwritten chunks, provenance refusal, atomic writes, partials, and
 resuming an interrupted (killed) stats run."""
-
 from __future__ import annotations
 
 import json
@@ -9,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +74,10 @@ def test_store_layout_and_roundtrip(store, tiny):
     assert st.attrs["tracked_fingerprint"] == tracked.fingerprint
     assert st.attrs["n_tokens"] == tiny[1].size
     xr.testing.assert_identical(st.ds.load(), ds)
+    with warnings.catch_warnings():  # what a researcher types opens it quietly, with its coords
+        warnings.simplefilter("error")
+        plain = xr.open_zarr(path)
+    assert plain.attrs["model"] == st.attrs["model"] and "key_str" in plain.coords
     # accessors
     P1 = st.P(layer=1)
     assert P1.dims == ("head", "query", "key")

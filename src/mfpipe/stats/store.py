@@ -40,6 +40,7 @@ chunk; unwritten chunks read as NaN. Provenance lives in the attributes (see :da
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -229,8 +230,11 @@ def write_store(ds: xr.Dataset, path: str | Path) -> Path:
     from mfpipe.io import atomic_dir
 
     path = Path(path)
-    with atomic_dir(path) as tmp:
-        ds.to_zarr(tmp, mode="w", encoding=_encoding(ds), zarr_format=3, consolidated=False)
+    with atomic_dir(path) as tmp, warnings.catch_warnings():
+        # consolidated metadata lets a plain `xr.open_zarr(path)` open the store quietly and in one read;
+        # zarr 3 warns that it is an extension of the v3 format (readers without it still open the store)
+        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+        ds.to_zarr(tmp, mode="w", encoding=_encoding(ds), zarr_format=3, consolidated=True)
     return path
 
 
