@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .io import publish_mode
+
 __all__ = [
     "save_figure",
     "rollout_figure",
@@ -88,6 +90,7 @@ def save_figure(fig, pdf: str | Path, png: str | Path, dpi: int = 150) -> None:
         os.close(fd)
         try:
             fig.savefig(tmp, format=path.suffix[1:], **kw)
+            publish_mode(tmp)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

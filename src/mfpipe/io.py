@@ -12,6 +12,22 @@ from typing import Iterator
 import numpy as np
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def publish_mode(path: str | Path) -> None:
+    """Give a temporary file or folder the permissions a plain open()/mkdir() would have had.
+
+    mkstemp/mkdtemp create them private (0600 / 0700). Renamed into place as they are, results on a shared
+    cluster filesystem could not be read by collaborators."""
+    path = Path(path)
+    mode = (0o777 if path.is_dir() else 0o666) & ~_umask()
+    os.chmod(path, mode)
+
+
 def _tmp_sibling(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
@@ -47,6 +63,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = _tmp_sibling(path)
     try:
         yield tmp
+        publish_mode(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

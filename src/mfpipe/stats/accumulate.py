@@ -56,6 +56,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ..io import publish_mode
+
 PARTIAL_FORMAT = 1
 COOC_WINDOW = 5
 PAIR_CHUNK = 1 << 22  # (query, key) pairs enumerated at once for nbar / C
@@ -515,6 +517,7 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
             for key, arr in items.items():
                 with zf.open(f"{key}.npy", "w", force_zip64=True) as fh:
                     npformat.write_array(fh, np.asanyarray(arr), allow_pickle=False)
+        publish_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
