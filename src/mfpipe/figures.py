@@ -113,6 +113,16 @@ def _integer_ticks(ax, values) -> None:
         ax.set_xticks(v)
 
 
+def _style_axis(ax, metric: str, xkey: str, xvalues, frac: bool, ylabel_suffix: str = "") -> None:
+    """The labels, title and grid every per-layer metric panel shares (integer ticks unless fractional depth)."""
+    ax.set_xlabel(_xlabel(xkey, frac))
+    ax.set_ylabel(METRIC_LABELS[metric] + ylabel_suffix)
+    ax.set_title(METRIC_LABELS[metric])
+    ax.grid(alpha=0.3)
+    if not frac:
+        _integer_ticks(ax, xvalues)
+
+
 def rollout_figure(scores, out, png=None, title: str | None = None, frac: bool = False,
                    kernels: Sequence[str] | None = None) -> tuple[Path, Path]:
     """Four panels (centred cosine, RSA, centred relative error, centred norm ratio) against depth, one line
@@ -141,12 +151,7 @@ def rollout_figure(scores, out, png=None, title: str | None = None, frac: bool =
             ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
         if metric == "rel_error":
             ax.axhline(0.0, color="gray", linestyle=":", linewidth=1)
-        ax.set_xlabel(_xlabel("depth", frac))
-        ax.set_ylabel(METRIC_LABELS[metric])
-        ax.set_title(METRIC_LABELS[metric])
-        ax.grid(alpha=0.3)
-        if not frac:
-            _integer_ticks(ax, sub["depth"])
+        _style_axis(ax, metric, "depth", sub["depth"], frac)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(4, max(1, len(labels))), frameon=False)
     fig.suptitle(title or "Open-loop mean-field rollout vs alternative kernels (held-out centroids)")
@@ -166,12 +171,7 @@ def teacher_forced_figure(table, out, png=None, title: str | None = None, frac: 
             d = g[g["metric"] == metric].sort_values("layer")
             ax.plot(_x(d, "layer", frac), d["value"], marker="o", linewidth=1.6, label=name or "mean field")
         ax.axhline(ideal, color="gray", linestyle=":", linewidth=1)
-        ax.set_xlabel(_xlabel("layer", frac))
-        ax.set_ylabel(METRIC_LABELS[metric])
-        ax.set_title(METRIC_LABELS[metric])
-        ax.grid(alpha=0.3)
-        if not frac:
-            _integer_ticks(ax, df["layer"])
+        _style_axis(ax, metric, "layer", df["layer"], frac)
     if len(groups) > 1:
         axes[0, 0].legend()
     fig.suptitle(title or r"Teacher-forced $\sum_h \hat z_s^{h}$ vs measured $\sum_h \bar z_s^{h}$")
@@ -195,12 +195,7 @@ def error_decomposition_figure(table, out, png=None, title: str | None = None, f
             ax.plot(_x(d, "layer", frac), d["value"], marker="os^"["abc".index(est)], color=colors[est],
                     linewidth=1.6, label=ESTIMATOR_LABELS[est])
         ax.axhline(1.0 if metric == "cosine" else 0.0, color="gray", linestyle=":", linewidth=1)
-        ax.set_xlabel(_xlabel("layer", frac))
-        ax.set_ylabel(METRIC_LABELS[metric] + r" vs $c^{\ell+1}$")
-        ax.set_title(METRIC_LABELS[metric])
-        ax.grid(alpha=0.3)
-        if not frac:
-            _integer_ticks(ax, df["layer"])
+        _style_axis(ax, metric, "layer", df["layer"], frac, ylabel_suffix=r" vs $c^{\ell+1}$")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=3, frameon=False)
     fig.suptitle(title or "Per-layer error accounting (teacher-forced from the true centroids)")
