@@ -86,3 +86,80 @@ def test_snakemake_stops_on_a_bad_key_with_its_name(tmp_path):
     )
     assert out.returncode != 0
     assert "context_lenght" in out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------------------ schema defaults
+# Options with no default on purpose: required where they appear, or their absence means something
+# (a cross corpus inherits the primary's window layout; a model's dtype falls back to runtime.dtype).
+NO_DEFAULT_BY_DESIGN = {
+    "corpus_fields": {"name", "source", "document_unit", "path", "hf_name", "hf_config", "reserve_train_every",
+                      "context_length", "tokens_per_half", "shard_windows"},
+    "model": {"name", "source", "hub_id", "path", "revisions", "bos_token", "dtype"},
+}
+
+
+def test_every_optional_option_has_its_default_in_the_schema():
+    from mfpipe.config import load_schema
+
+    schema = load_schema()
+    missing = []
+
+    def walk(node, where, skip=frozenset()):
+        required = set(node.get("required", []))
+        for key, sub in (node.get("properties") or {}).items():
+            if sub.get("type") == "object" or "properties" in sub:
+                walk(sub, f"{where}.{key}")
+            elif key not in required and key not in skip and "default" not in sub:
+                missing.append(f"{where}.{key}")
+
+    for name, d in schema["definitions"].items():
+        if "properties" in d:
+            walk(d, f"definitions.{name}", NO_DEFAULT_BY_DESIGN.get(name, frozenset()))
+    for key in ("tracked", "runtime", "minisuite", "rollout"):
+        walk(schema["properties"][key], key)
+    assert not missing, f"options without a schema default: {missing}"
+
+
+def test_defaults_come_from_the_schema_once():
+    from mfpipe.config import apply_defaults
+    from mfpipe.minisuite.train import DEFAULT_CONFIG
+
+    cfg = default_config()
+    assert cfg["rollout"] == {}, "config.yaml sets no rollout value: the schema holds the defaults"
+    del cfg["rollout"]
+    validate_schema(cfg)  # fills the defaults
+    assert cfg["rollout"]["kernels"][0] == "mean_field" and cfg["rollout"]["diagnostics_half"] == "eval"
+    assert cfg["rollout"]["min_count"] == 1 and cfg["rollout"]["pin_rogue"] is False
+    mm = cfg["minisuite"]["models"][0]
+    assert mm["induction_every"] == DEFAULT_CONFIG["induction_every"] == 100
+    assert cfg["minisuite"]["tokenizer"]["min_frequency"] == 2
+    # a value the user sets is kept
+    user = {"rollout": {"seed": 7}}
+    apply_defaults(user)
+    assert user["rollout"]["seed"] == 7 and user["rollout"]["init"] == "embed"
+
+
+def test_induction_every_is_a_settable_option():
+    cfg = default_config()
+    cfg["minisuite"]["models"][0]["induction_every"] = 50
+    validate_schema(cfg)
+    assert cfg["minisuite"]["models"][0]["induction_every"] == 50
+    cfg["minisuite"]["models"][0]["induction_every"] = -1
+    with pytest.raises(ConfigError, match="induction_every"):
+        validate_schema(cfg)
+
+
+def test_revisions_are_named_in_one_place(tmp_path):
+    from mfpipe.models.loader import resolve_location
+    from mfpipe.revisions import checkpoint_steps, minisuite_checkpoint_dir, resolve_minisuite_revision
+
+    steps = checkpoint_steps(20)
+    assert resolve_minisuite_revision("final", steps) == "step20"
+    assert resolve_minisuite_revision("step4", steps) == "step4"
+    with pytest.raises(ValueError, match="step3"):
+        resolve_minisuite_revision("step3", steps, "m")
+    for k in (0, 8, 20):
+        (tmp_path / "minisuite" / "m" / "checkpoints" / f"step{k}").mkdir(parents=True)
+    assert minisuite_checkpoint_dir(tmp_path, "m", "final").name == "step20"
+    path, rev = resolve_location({"name": "m", "source": "minisuite"}, None, results_dir=tmp_path)
+    assert Path(path).name == "step20" and rev is None

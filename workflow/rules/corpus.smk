@@ -5,7 +5,7 @@
 checkpoint corpus_shards:
     input:
         tokenizer=tokenizer_input,
-        code=code("corpus.py", "io.py", "models/loader.py"),
+        code=code("corpus_shards.py"),
     output:
         directory(f"{R}/corpus/{{corpus}}/{{model}}/shards"),
     params:
@@ -22,7 +22,7 @@ rule tracked_types:
     input:
         shards=f"{R}/corpus/{{corpus}}/{{model}}/shards",
         tokenizer=tokenizer_input,
-        code=code("tracked.py", "corpus.py", "io.py"),
+        code=code("tracked_types.py"),
     output:
         f"{R}/corpus/{{corpus}}/{{model}}/tracked.json",
     params:
@@ -38,7 +38,7 @@ rule tracked_types:
 rule coverage_table:
     input:
         tracked=expand(f"{R}/corpus/{CORPUS}/{{model}}/tracked.json", model=list(MODELS)),
-        code=code("tables.py"),
+        code=code("coverage_table.py"),
     output:
         csv=f"{R}/tables/coverage_positions.csv",
         md=f"{R}/tables/coverage_positions.md",

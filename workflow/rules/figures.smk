@@ -24,7 +24,7 @@ for _fig, (_table, _title) in FIGURES.items():
             f"figure_{_fig}"
         input:
             table=_table,
-            code=code("figures.py"),
+            code=code("plot_figure.py"),
         output:
             pdf=f"{R}/figures/{_fig}_{{model}}_{{revision}}.pdf",
             png=f"{R}/figures/{_fig}_{{model}}_{{revision}}.png",

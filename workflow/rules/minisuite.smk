@@ -4,12 +4,12 @@
 
 rule minisuite_tokenizer:
     input:
-        code=code("minisuite/__init__.py", "minisuite/tokenizer.py", "corpus.py"),
+        code=code("train_tokenizer.py"),
     output:
         directory(f"{R}/minisuite/tokenizer"),
     params:
         vocab_size=config["minisuite"]["tokenizer"]["vocab_size"] if "minisuite" in config else None,
-        min_frequency=config["minisuite"]["tokenizer"].get("min_frequency", 2) if "minisuite" in config else None,
+        min_frequency=config["minisuite"]["tokenizer"]["min_frequency"] if "minisuite" in config else None,
         corpus=config.get("minisuite", {}).get("corpus"),
     log:
         "logs/minisuite/tokenizer.log",
@@ -20,7 +20,7 @@ rule minisuite_tokenizer:
 rule minisuite_train:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
-        code=code("minisuite/__init__.py", "minisuite/train.py", "induction.py", "corpus.py", "io.py"),
+        code=code("train_mini_model.py"),
     output:
         checkpoints=directory(f"{R}/minisuite/{{mini}}/checkpoints"),
         induction=f"{R}/minisuite/{{mini}}/induction.csv",
@@ -38,7 +38,7 @@ rule minisuite_train:
 rule induction_table:
     input:
         induction=expand(f"{R}/minisuite/{{mini}}/induction.csv", mini=sorted(MINI.keys() & MODELS.keys())),
-        code=code("tables.py"),
+        code=code("induction_table.py"),
     output:
         f"{R}/tables/induction.md",
     log:

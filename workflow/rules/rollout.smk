@@ -3,33 +3,11 @@
 # coverage of App. F and the cross-corpus matrix of App. G. Statistics come from the `stats` half, the truth
 # from the `eval` half (results/stats/<model>/<revision>/{stats,eval}.zarr).
 
-ROLLOUT_DEFAULTS = {
-    "kernels": ["mean_field", "context_free", "cooc", "meanq", "uniform", "rowshuffle", "P0only", "Pavg"],
-    "seed": 0,
-    "pin_rogue": False,
-    "rogue_factor": 15.0,
-    "init": "embed",
-    "min_count": 1,
-    "diagnostics_half": "eval",
-}
-ROLLOUT = {**ROLLOUT_DEFAULTS, **(config.get("rollout") or {})}
-
-ROLLOUT_CODE = ("analysis.py", "jobs.py", "rollout.py", "kernels.py", "metrics.py", "io.py", "models/adapters.py",
-                "models/loader.py", "stats/__init__.py", "stats/api.py", "stats/store.py")
+ROLLOUT = config["rollout"]  # defaults filled from the schema (common.smk)
 
 
 def stats_store(dataset):
     return f"{R}/stats/{{model}}/{{revision}}/{dataset}.zarr"
-
-
-def model_params():
-    return dict(
-        model_spec=model_spec,
-        revision="{revision}",
-        dtype=lambda wc: MODELS[wc.model].get("dtype", config["runtime"]["dtype"]),
-        device=config["runtime"]["device"],
-        results=R,
-    )
 
 
 def rollout_targets():
@@ -51,7 +29,7 @@ rule rollout_scores:
         stats=stats_store("stats"),
         eval=stats_store("eval"),
         model=model_input,
-        code=code(*ROLLOUT_CODE),
+        code=code("rollout_scores.py"),
     output:
         f"{R}/rollout/{{model}}/{{revision}}/scores.csv",
     params:
@@ -72,7 +50,7 @@ rule rollout_scores:
 rule rollout_table:
     input:
         scores=f"{R}/rollout/{{model}}/{{revision}}/scores.csv",
-        code=code("analysis.py", "metrics.py", "io.py"),
+        code=code("rollout_table.py"),
     output:
         csv=f"{R}/tables/rollout_{{model}}_{{revision}}.csv",
         md=f"{R}/tables/rollout_{{model}}_{{revision}}.md",
@@ -91,7 +69,7 @@ rule error_accounting:
         stats=stats_store("stats"),
         eval=stats_store("eval"),
         model=model_input,
-        code=code(*ROLLOUT_CODE, "diagnostics.py"),
+        code=code("error_accounting.py"),
     output:
         teacher_forced=_acc("teacher_forced") + ".csv",
         teacher_forced_md=_acc("teacher_forced") + ".md",
@@ -117,7 +95,7 @@ rule error_accounting:
 rule attention_coverage:
     input:
         stats=[f"{R}/stats/{m}/{rev}/stats.zarr" for m in MODELS for rev in REVISIONS[m]],
-        code=code("analysis.py", "stats/__init__.py", "stats/api.py", "stats/store.py", "tables.py", "io.py"),
+        code=code("attention_coverage.py"),
     output:
         csv=f"{R}/tables/coverage_attention.csv",
         md=f"{R}/tables/coverage_attention.md",
@@ -132,7 +110,7 @@ rule cross_corpus:
         stats=[stats_store(ds) for c in CORPORA for ds in datasets(c) if ds.endswith("stats")],
         eval=[stats_store(ds) for c in CORPORA for ds in datasets(c) if ds.endswith("eval")],
         model=model_input,
-        code=code(*ROLLOUT_CODE),
+        code=code("cross_corpus.py"),
     output:
         scores=f"{R}/rollout/{{model}}/{{revision}}/cross_corpus_scores.csv",
         csv=f"{R}/tables/cross_corpus_{{model}}_{{revision}}.csv",

@@ -31,16 +31,12 @@ rule stats_shard:
         shard=dataset_shard,
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        code=code("stats/__init__.py", "stats/accumulate.py", "models/adapters.py", "models/loader.py", "corpus.py", "tracked.py"),
+        code=code("stats_shard.py"),
     output:
         f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/shard-{{i}}.npz",
     params:
-        model_spec=model_spec,
-        revision="{revision}",
-        dtype=lambda wc: MODELS[wc.model].get("dtype", config["runtime"]["dtype"]),
-        device=config["runtime"]["device"],
         batch_size=config["runtime"]["batch_size"],
-        results=R,
+        **model_params(),
     threads: workflow.cores
     resources:
         gpu=lambda wc: 0 if config["runtime"]["device"] == "cpu" else 1,
@@ -55,7 +51,7 @@ rule stats_merge:
         partials=stats_partials,
         shards=dataset_shards_dir,
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
-        code=code("stats/__init__.py", "stats/accumulate.py", "stats/store.py"),
+        code=code("stats_merge.py"),
     output:
         directory(f"{R}/stats/{{model}}/{{revision}}/{{dataset}}.zarr"),
     params:

@@ -1,9 +1,16 @@
 """Snakemake script: App. F position-coverage table over the configured models."""
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import coverage_table, to_markdown, write_table
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
-df = coverage_table(sm.input.tracked, sm.params.models)
-write_table(df, csv=sm.output.csv, md=sm.output.md)
-log.info("\n%s", to_markdown(df))
+
+
+def main() -> None:
+    df = coverage_table(sm.input.tracked, sm.params.models)
+    write_table(df, csv=sm.output.csv, md=sm.output.md)
+    log.info("\n%s", to_markdown(df))
+
+
+run_logged(main, log)

@@ -1,9 +1,16 @@
 """Snakemake script: induction-score curve (max over heads) per mini-suite model and checkpoint."""
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import induction_summary, to_markdown, write_table
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
-df = induction_summary(sm.input.induction)
-write_table(df, md=sm.output[0])
-log.info("\n%s", to_markdown(df))
+
+
+def main() -> None:
+    df = induction_summary(sm.input.induction)
+    write_table(df, md=sm.output[0])
+    log.info("\n%s", to_markdown(df))
+
+
+run_logged(main, log)

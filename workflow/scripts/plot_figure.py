@@ -1,5 +1,6 @@
 """Snakemake script: one figure (PDF + PNG) from its result table; `params.kind` names the figure function."""
 from mfpipe import figures as F
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 
 sm = snakemake  # noqa: F821
@@ -11,10 +12,12 @@ FUNCS = {
     "clustering": F.clustering_figure,
     "cross_corpus": F.cross_corpus_figure,
 }
-try:
+
+
+def main() -> None:
     fn = FUNCS[sm.params.kind]
     fn(sm.input.table, sm.output.pdf, sm.output.png, title=sm.params.title)
     log.info("wrote %s and %s", sm.output.pdf, sm.output.png)
-except BaseException:
-    log.exception("failed")
-    raise
+
+
+run_logged(main, log)

@@ -2,16 +2,19 @@
 import pandas as pd
 
 from mfpipe import analysis as A
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
-try:
+
+
+def main() -> None:
     summary = A.rollout_summary(pd.read_csv(sm.input.scores))
     A.write_csv(summary, sm.output.csv)
     md = A.summary_markdown(summary, title=f"Rollout fidelity: {sm.wildcards.model} @ {sm.wildcards.revision}")
     A.write_text(md, sm.output.md)
     log.info("\n%s", md)
-except BaseException:
-    log.exception("failed")
-    raise
+
+
+run_logged(main, log)

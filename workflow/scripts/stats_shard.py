@@ -2,13 +2,9 @@
 layers at once) -> one partial `.npz`, written atomically."""
 import time
 
-import torch
-
 from mfpipe.corpus import read_shard
-from mfpipe.jobs import run_logged
+from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.models.adapters import get_adapter
-from mfpipe.models.loader import load_model
 from mfpipe.stats import accumulate_shard, partial_meta, save_partial
 from mfpipe.tracked import TrackedSet
 
@@ -17,15 +13,12 @@ log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    if sm.threads:
-        torch.set_num_threads(int(sm.threads))
     spec = dict(sm.params.model_spec)
     revision = str(sm.params.revision)
     dtype = str(sm.params.dtype)
     tracked = TrackedSet.load(sm.input.tracked)
     tokens = read_shard(sm.input.shard).tokens
-    model = load_model(spec, revision, dtype=dtype, device=sm.params.device, results_dir=getattr(sm.params, "results", "results"))
-    adapter = get_adapter(model)
+    model, adapter = load_job_model(sm.params, sm.threads)
     log.info("%s @ %s (%r, %s on %s): shard %s, %d windows x T=%d, N=%d tracked, batch %d",
              spec["name"], revision, adapter, dtype, adapter.device, sm.input.shard, tokens.shape[0], tokens.shape[1],
              tracked.n, int(sm.params.batch_size))

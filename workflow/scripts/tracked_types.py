@@ -3,25 +3,32 @@ import json
 from pathlib import Path
 
 from mfpipe.corpus import list_shards, read_shard
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.models.loader import load_tokenizer
 from mfpipe.tracked import count_types, select_tracked
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
-shards = Path(sm.input.shards)
-info = json.loads((shards / "fingerprint.json").read_text())
-spec = sm.params.model
-revision = (spec.get("revisions") or [None])[0] if spec["source"] == "hub" else None
-tokenizer = load_tokenizer(spec, revision, results_dir=sm.params.results)
-counts = count_types((read_shard(p).tokens for p in list_shards(shards / "stats")), info["vocab_size"])
-tracked = select_tracked(
-    counts, int(sm.params.n_types), info["bos_id"],
-    decode=lambda i: tokenizer.decode([i]),
-    meta={"model": spec["name"], "corpus": info["corpus"], "corpus_fingerprint": info["fingerprint"],
-          "context_length": info["context_length"]},
-)
-if tracked.n < int(sm.params.n_types):
-    log.warning("only %d types occur on the stats half; tracking all of them (asked for %d)", tracked.n, sm.params.n_types)
-tracked.save(sm.output[0])
-log.info("tracked %d types, position coverage %.4f, fingerprint %s", tracked.n, tracked.coverage, tracked.fingerprint)
+
+
+def main() -> None:
+    shards = Path(sm.input.shards)
+    info = json.loads((shards / "fingerprint.json").read_text())
+    spec = sm.params.model
+    revision = (spec.get("revisions") or [None])[0] if spec["source"] == "hub" else None
+    tokenizer = load_tokenizer(spec, revision, results_dir=sm.params.results)
+    counts = count_types((read_shard(p).tokens for p in list_shards(shards / "stats")), info["vocab_size"])
+    tracked = select_tracked(
+        counts, int(sm.params.n_types), info["bos_id"],
+        decode=lambda i: tokenizer.decode([i]),
+        meta={"model": spec["name"], "corpus": info["corpus"], "corpus_fingerprint": info["fingerprint"],
+              "context_length": info["context_length"]},
+    )
+    if tracked.n < int(sm.params.n_types):
+        log.warning("only %d types occur on the stats half; tracking all of them (asked for %d)", tracked.n, sm.params.n_types)
+    tracked.save(sm.output[0])
+    log.info("tracked %d types, position coverage %.4f, fingerprint %s", tracked.n, tracked.coverage, tracked.fingerprint)
+
+
+run_logged(main, log)

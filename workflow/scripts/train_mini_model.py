@@ -3,18 +3,25 @@ log-spaced steps, induction score of every head at every checkpoint)."""
 from pathlib import Path
 
 from mfpipe.corpus import load_documents, split_documents
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.minisuite.train import train_mini_model
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
-cfg, corpus = dict(sm.params.cfg), dict(sm.params.corpus)
-out_dir = Path(sm.output.checkpoints).parent
-for name in ("induction", "summary"):
-    if Path(getattr(sm.output, name)).parent != out_dir:
-        raise ValueError(f"output.{name} must live in {out_dir} beside output.checkpoints")
-docs = load_documents(corpus)
-texts = [d.text for d in split_documents(docs, int(corpus["reserve_train_every"]))["train"]]
-log.info("%s: %d training documents (train split of %d), %d threads", cfg["name"], len(texts), len(docs), sm.threads)
-summary = train_mini_model(cfg, sm.input.tokenizer, texts, out_dir, threads=sm.threads)
-log.info("%s: %.0f s, final max induction score %.3f", cfg["name"], summary["wall_time_s"], summary["final_max_induction"])
+
+
+def main() -> None:
+    cfg, corpus = dict(sm.params.cfg), dict(sm.params.corpus)
+    out_dir = Path(sm.output.checkpoints).parent
+    for name in ("induction", "summary"):
+        if Path(getattr(sm.output, name)).parent != out_dir:
+            raise ValueError(f"output.{name} must live in {out_dir} beside output.checkpoints")
+    docs = load_documents(corpus)
+    texts = [d.text for d in split_documents(docs, int(corpus["reserve_train_every"]))["train"]]
+    log.info("%s: %d training documents (train split of %d), %d threads", cfg["name"], len(texts), len(docs), sm.threads)
+    summary = train_mini_model(cfg, sm.input.tokenizer, texts, out_dir, threads=sm.threads)
+    log.info("%s: %.0f s, final max induction score %.3f", cfg["name"], summary["wall_time_s"], summary["final_max_induction"])
+
+
+run_logged(main, log)

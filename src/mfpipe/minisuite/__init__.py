@@ -3,7 +3,7 @@ trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniatu
 
 - :func:`mfpipe.minisuite.tokenizer.train_tokenizer`
 - :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.train.build_model`,
-  :func:`~mfpipe.minisuite.train.checkpoint_steps`
+  :func:`mfpipe.revisions.checkpoint_steps`
 """
 
 from mfpipe.minisuite.tokenizer import BOS_TOKEN, train_tokenizer

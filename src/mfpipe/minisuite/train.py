@@ -62,12 +62,16 @@ from pathlib import Path
 
 import numpy as np
 
+from mfpipe.config import schema_defaults
 from mfpipe.induction import induction_metrics
+from mfpipe.revisions import checkpoint_steps, step_name
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("gpt2", "gpt_neox")
 
+# The options the workflow requires (config/config.yaml sets them), with the library's own defaults for callers
+# that build a mini model without the workflow; every other option's default lives in the config schema.
 DEFAULT_CONFIG: dict = {
     "name": "mini",
     "architecture": "gpt2",
@@ -76,45 +80,11 @@ DEFAULT_CONFIG: dict = {
     "n_head": 8,
     "d_mlp": 64,
     "context_length": 64,
-    "rotary_pct": 1.0,
-    "rotary_base": 10000.0,
-    "tie_embeddings": None,
     "steps": 1500,
     "batch_size": 64,
     "lr": 3e-3,
-    "weight_decay": 0.01,
-    "warmup_steps": 100,
-    "lr_schedule": "constant",
-    "min_lr_ratio": 0.1,
-    "beta1": 0.9,
-    "beta2": 0.95,
-    "grad_clip": 1.0,
-    "optimizer_restarts": [],
-    "repeat_fraction": 0.75,
-    "repeat_min": 8,
-    "repeat_max": 31,
-    "mask_first_copy": True,
-    "seed": 0,
-    "induction_sequences": 64,
-    "induction_every": 100,
-    "eval_rows": 32,
+    **schema_defaults("minimodel"),
 }
-
-
-def checkpoint_steps(total_steps: int) -> list[int]:
-    """Log-spaced checkpoint steps: ``0, 1, 2, 4, 8, ...`` (powers of two below ``total_steps``),
-    then ``total_steps``. ``checkpoint_steps(0) == [0]``."""
-    total = int(total_steps)
-    if total < 0:
-        raise ValueError(f"total_steps must be >= 0, got {total_steps}")
-    steps = [0]
-    p = 1
-    while p < total:
-        steps.append(p)
-        p *= 2
-    if total > 0:
-        steps.append(total)
-    return steps
 
 
 def resolve_config(cfg: dict) -> dict:
@@ -428,7 +398,7 @@ def train_mini_model(
             with torch.no_grad():
                 text_loss = float(_lm_loss(model, eval_rows, eval_mask))
             scores, icl_loss = probe(step)
-            d = ckpt_dir / f"step{step}"
+            d = ckpt_dir / step_name(step)
             _save_quietly(model, tok, d)
             for layer in range(scores.shape[0]):
                 for head in range(scores.shape[1]):

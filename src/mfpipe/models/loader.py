@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..revisions import minisuite_checkpoint_dir
+
 SOURCES = ("hub", "local", "minisuite")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -31,10 +33,6 @@ def find_spec(models: list[dict], name: str) -> dict:
             return m
     known = ", ".join(m.get("name", "?") for m in models) or "(none)"
     raise ModelLoadError(f"unknown model {name!r}: the config defines {known}. Add it under `models:` in the config.")
-
-
-def minisuite_checkpoint_dir(results_dir: str | Path, name: str, revision: str) -> Path:
-    return Path(results_dir) / "minisuite" / name / "checkpoints" / revision
 
 
 def _describe(spec: dict, revision: str | None) -> str:
@@ -61,7 +59,7 @@ def resolve_location(spec: dict, revision: str | None = None, results_dir: str |
                 "Point `path` at a folder with config.json and model.safetensors (save_pretrained output)."
             )
         return str(path), None
-    path = minisuite_checkpoint_dir(results_dir, spec["name"], revision or "final")
+    path = minisuite_checkpoint_dir(results_dir, spec["name"], revision)
     if not path.is_dir():
         raise ModelLoadError(
             f"{_describe(spec, revision)}: mini-suite checkpoint {str(path)!r} does not exist. "
