@@ -108,13 +108,13 @@ def bench(arch: str | None, args) -> float:
 
 
 def main() -> None:
-    from mfpipe.kernels import KERNEL_NAMES
+    from mfpipe.analysis import DEFAULT_KERNELS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["gpt2", "gpt_neox", "both"], default="both")
     ap.add_argument("--n", type=int, default=1000, help="tracked types (synthetic stores)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kernels", nargs="+", default=list(KERNEL_NAMES))
+    ap.add_argument("--kernels", nargs="+", default=list(DEFAULT_KERNELS))
     ap.add_argument("--pin", action="store_true", help="also the rogue-pinned rollouts")
     ap.add_argument("--model", help="an HF checkpoint folder instead of a random mini model")
     ap.add_argument("--stats", help="a real statistics store (stats half) instead of a synthetic one")

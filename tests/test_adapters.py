@@ -238,8 +238,9 @@ def test_block_pieces_recompose_forward(case):
     if a.model_type == "gpt2":
         wpe = case["model"].transformer.wpe.weight
         _close(e + wpe[:T], caps[0].resid_in)
-        _close(a.position_offset(T), wpe[:T].mean(0))
-        _close(a.position_offset(), wpe.mean(0))
+        # the start's offset: what the forward adds on average at the query positions 1..T-1 (not BOS's wpe[0])
+        _close(a.position_offset(T), (caps[0].resid_in - e)[:, 1:].mean((0, 1)))
+        _close(a.position_offset(), wpe[1:].mean(0))
     else:
         assert a.position_offset(T) is None
         _close(e, caps[0].resid_in)

@@ -1,12 +1,14 @@
 """The rollout glue (mfpipe.analysis) and its figures on real statistics stores of tiny random models:
-provenance refusal, Table 1 shape and standard error, coverage rows, the cross-corpus diagonal, the error
-accounting tables, pinning, types absent from a statistics half, and the figure files."""
+provenance refusal, Table 1 against independent references (an HF-only slow rollout, the plain ``[BOS, t]``
+forward), standard errors, coverage rows, the cross-corpus diagonal, the error accounting tables against
+per-occurrence references, pinning, types absent from a statistics half, and the figure files."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from mfpipe import analysis as A
 from mfpipe import figures as F
@@ -15,6 +17,7 @@ from mfpipe import metrics as M
 from mfpipe import rollout as R
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import ProvenanceError, accumulate_shard, finalize, open_stats, write_store
+from test_rollout import Ref, estimators_reference, forward_residuals
 from test_stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
@@ -89,29 +92,41 @@ def test_provenance_refusal(stores):
 
 
 # ------------------------------------------------------------------------------------------- rollout
-def test_scores_table_and_mean_field_matches_direct_rollout(stores, scores):
+def test_scores_match_independent_references(stores, scores):
+    """The mean_field rows are Alg. 1 with the stored P (an HF-only slow rollout from the embedding plus, for
+    GPT-2, the position-count-weighted mean of wpe), the context_free rows the plain forward of [BOS, t]; both
+    scored against the evaluation centroids."""
     mt, model, ad, p, _ = stores
     L = ad.n_layers
-    assert set(scores["kernel"]) == set(K.KERNEL_NAMES)
-    assert len(scores) == len(K.KERNEL_NAMES) * L * len(M.METRICS)
+    assert set(scores["kernel"]) == set(A.DEFAULT_KERNELS)
+    assert len(scores) == len(A.DEFAULT_KERNELS) * L * len(M.METRICS)
     assert sorted(scores["depth"].unique()) == list(range(1, L + 1))
     assert np.isfinite(scores["value"]).all()
     assert not scores["pinned"].any()
-    # the mean_field rows are Alg. 1 with the stored P from the embeddings, scored against the eval centroids
     st, ev = open_stats(p["stats"]), open_stats(p["eval"])
     ids = st.ds["query_token_id"].values
-    pred = R.rollout(ad, st.P().values, R.bos_residuals(ad, int(st.attrs["bos_id"])), type_ids=ids,
-                     context_length=int(st.attrs["context_length"]))
+    bos_id = int(st.attrs["bos_id"])
+    ref = Ref(model)
+    with torch.no_grad():
+        start = model.get_input_embeddings()(torch.as_tensor(ids)).numpy()
+        if mt == "gpt2":
+            pc = st.ds["position_count"].values.astype(np.float64)
+            start = start + pc @ model.transformer.wpe.weight[: pc.size].numpy() / pc.sum()
+    b = forward_residuals(ref, [[bos_id]])[:, 0, 0]
     types = A.eval_types(st, ev)
-    want = M.score_layers(pred[1:, types], ev.centroids().values[1:, types])
-    got = scores[scores["kernel"] == "mean_field"].pivot(index="depth", columns="metric", values="value")
-    for m in M.METRICS:
-        np.testing.assert_allclose(got[m].to_numpy(), want[m], rtol=1e-6, atol=1e-7)
+    truth = ev.centroids().values
+    preds = {"mean_field": ref.rollout(st.P().values, start, b),
+             "context_free": forward_residuals(ref, [[bos_id, int(t)] for t in ids])[:, :, 1]}
+    for kernel, pred in preds.items():
+        want = M.score_layers(pred[1:, types], truth[1:, types])
+        got = scores[scores["kernel"] == kernel].pivot(index="depth", columns="metric", values="value")
+        for m in M.METRICS:
+            np.testing.assert_allclose(got[m].to_numpy(), want[m], rtol=1e-4, atol=1e-5, err_msg=f"{kernel} {m}")
 
 
 def test_summary_shape_and_standard_error(scores):
     s = A.rollout_summary(scores)
-    assert list(s["kernel"]) == list(K.KERNEL_NAMES)  # paper order
+    assert list(s["kernel"]) == list(A.DEFAULT_KERNELS)  # paper order
     for m in M.METRICS:
         assert f"{m}_se" in s
     for k in ("mean_field", "cooc"):
@@ -121,7 +136,7 @@ def test_summary_shape_and_standard_error(scores):
             assert row[m] == pytest.approx(v.mean())
             assert row[f"{m}_se"] == pytest.approx(v.std(ddof=1) / np.sqrt(v.size))
     md = A.summary_markdown(s, title="t")
-    assert md.count("\n| ") == len(K.KERNEL_NAMES) + 1 and "Mean field" in md and "best on both metrics" in md
+    assert md.count("\n| ") == len(A.DEFAULT_KERNELS) + 1 and "Mean field" in md and "best on both metrics" in md
 
 
 def test_summary_se_on_known_values():
@@ -204,17 +219,50 @@ def test_cross_corpus_diagonal_equals_plain_rollout(stores, scores):
 
 # ------------------------------------------------------------------------------------ error accounting
 def test_error_accounting_tables(stores):
-    mt, model, ad, p, _ = stores
+    """Values, not shapes: (a)(b)(c) and the teacher-forced attention from per-occurrence / HF-only references
+    on the statistics windows, anisotropy from its definition, all scored against the evaluation half."""
+    mt, model, ad, p, tracked = stores
     L = ad.n_layers
     st, ev = A.open_pair(p["stats"], p["eval"])
     setup = A.prepare(ad, st, ev)
-    tf = A.teacher_forced_table(ad, setup)
-    assert sorted(tf["layer"].unique()) == list(range(L)) and np.isfinite(tf["value"]).all()
+    types = setup.types
+    truth = ev.centroids().values
+    ref = Ref(model)
+
+    def check(table, key, pred, meas, label):
+        want = M.score_layers(pred[:, types], meas[:, types])
+        for m in M.METRICS:
+            got = table[table["metric"] == m].sort_values("layer")["value"].to_numpy()
+            np.testing.assert_allclose(got, want[m], rtol=1e-4, atol=1e-5, err_msg=f"{label} {m}")
+
     ed = A.error_decomposition_table(ad, setup)
-    assert set(ed["estimator"]) == {"a", "b", "c"} and len(ed) == 3 * L * len(M.METRICS)
-    assert np.isfinite(ed["value"]).all()
-    wide = A.long_to_wide(ed, "layer", by="estimator")
-    assert list(wide.columns[-4:]) == list(M.METRICS)
+    assert len(ed) == 3 * L * len(M.METRICS) and np.isfinite(ed["value"]).all()
+    want = estimators_reference(ref, zipf_windows(N_WINDOWS, seed=1).astype(np.int64), tracked)  # the stats windows
+    for k in "abc":
+        sub = ed[ed["estimator"] == k]
+        assert set(sub["label"]) == {A.ESTIMATORS[k]}
+        check(sub, "layer", want[k], truth[1:], k)
+    assert "unconditional value means" in A.error_decomposition_markdown(ed, "t")
+
+    # teacher-forced: sum_h (sum_t P_st v_h(c_t)) W_O^h from the stats half vs sum_h zbar^h W_O^h of the eval half,
+    # both without the output-projection bias (o_proj(reads) - o_proj(0))
+    c, P, zev = st.centroids().values, st.P().values, ev.zbar().values
+    b = forward_residuals(ref, [[int(st.attrs["bos_id"])]])[:, 0, 0]
+    n = tracked.n
+    pred, meas = np.zeros((L, n, ad.d_model)), np.zeros((L, n, ad.d_model))
+    with torch.no_grad():
+        for l in range(L):
+            o = ref.o_proj_module(l)
+            o0 = o(torch.zeros(ref.H * ref.dh))
+            keys = [torch.as_tensor(c[l, t]) for t in range(n)] + [torch.as_tensor(b[l]), torch.as_tensor(c[l].mean(0))]
+            V = [[ref.value_head(l, kx, h) for kx in keys] for h in range(ref.H)]
+            for s in range(n):
+                z = [sum(float(P[l, h, s, t]) * V[h][t] for t in range(n + 2)) for h in range(ref.H)]
+                pred[l, s] = (o(torch.cat(z).float()) - o0).numpy()
+                meas[l, s] = (o(torch.as_tensor(np.nan_to_num(zev[l, :, s]).reshape(-1)).float()) - o0).numpy()
+    tf = A.teacher_forced_table(ad, setup)
+    check(tf, "layer", pred, meas, "teacher-forced")
+
     mg = A.mlp_gap_table(ad, ev)
     assert len(mg) == L and np.isfinite(mg[list(M.METRICS)].to_numpy()).all()
     cl = A.clustering_table(ad, ev)
@@ -223,7 +271,10 @@ def test_error_accounting_tables(stores):
     assert np.isfinite(cl.loc[cl["depth"] < L, "jensen_rel_median"]).all()
     assert np.isnan(cl.loc[cl["depth"] == L, "jensen_rel_median"]).all()
     an = A.anisotropy_table(ev)
-    np.testing.assert_allclose(an["ratio"], an["mean_dist"] / an["norm_mean"])
+    ce = ev.centroids().values[:, ev.query_count().values >= 1].astype(np.float64)
+    cbar = ce.mean(1)
+    np.testing.assert_allclose(an["norm_mean"], np.linalg.norm(cbar, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(an["mean_dist"], np.linalg.norm(ce - cbar[:, None], axis=-1).mean(1), rtol=1e-5)
     if mt == "gpt_neox":  # rotary: a type's layer-0 residual is its embedding, identical at every occurrence
         assert cl.loc[0, "rel_rms_median"] == pytest.approx(0.0, abs=1e-6)
         assert mg.loc[0, "cosine"] == pytest.approx(1.0, abs=1e-5)  # parallel MLP reads the block input

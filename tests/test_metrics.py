@@ -145,34 +145,61 @@ def test_anisotropy_hand_case():
 
 
 def test_gap_diagnostics_on_tiny_model():
+    """The MLP gap and both Jensen gaps against the HF modules of a tiny GPT-2, with per-type loops."""
     import torch
     from tiny_models import make_tiny_model
 
     from mfpipe.models.adapters import get_adapter
 
-    ad = get_adapter(make_tiny_model("gpt2"))
+    model = make_tiny_model("gpt2")
+    ad = get_adapter(model)
+    blocks = model.transformer.h
     L, d, H = ad.n_layers, ad.d_model, ad.n_heads
+    dh = d // H
     rng = np.random.default_rng(0)
     x = torch.as_tensor(rng.normal(size=(L, 3, 2, d)) * 2, dtype=torch.float32)  # 3 types x 2 occurrences
     cent = x.mean(2)
-    # MLP gap: one occurrence per type -> exact; two -> a real (small) gap
-    one = D.mlp_gap(ad, x[:, :, 0], torch.stack([ad.mlp(l, x[l, :, 0]) for l in range(L)]))
-    np.testing.assert_allclose(one["cosine"], 1.0, atol=1e-6)
-    np.testing.assert_allclose(one["rel_error"], 0.0, atol=1e-5)
-    two = D.mlp_gap(ad, cent, torch.stack([ad.mlp(l, x[l]).mean(1) for l in range(L)]))
-    assert (two["rel_error"] > 1e-4).all() and two["at_mean"].shape == (L, 3, d)
-    # value-map Jensen gap, on ln_1 and on the values; zero for a single occurrence
-    nm = torch.stack([ad.attn_input_norm(l, x[l]).mean(1) for l in range(L)])
-    g = D.value_jensen_gap(ad, nm, cent)
-    assert g["rel"].shape == (L, 3) and (g["rel"] > 0).all() and (g["dir"] > -1e-6).all()
-    lc = torch.stack([ad.attn_input_norm(l, cent[l]) for l in range(L)])
-    want = (nm - lc).norm(dim=-1) / lc.norm(dim=-1)
-    np.testing.assert_allclose(g["rel"], want.numpy(), rtol=1e-5)
-    mu = torch.stack([ad.value_map(l, x[l]).mean(1).transpose(0, 1) for l in range(L)])  # [L, H, N, dh]
-    gm = D.value_jensen_gap_mu(ad, mu, cent)
-    assert gm["rel"].shape == (L, H, 3) and (gm["rel"] > 0).all()
-    g0 = D.value_jensen_gap_mu(ad, torch.stack([ad.value_map(l, x[l, :, 0]).transpose(0, 1) for l in range(L)]), x[:, :, 0])
-    np.testing.assert_allclose(g0["rel"], 0.0, atol=1e-5)
-    s = D.gap_summary(g["rel"])
-    assert s["median"].shape == (L,)
-    assert D.mlp_input_means(ad, cent, resid_mid_mean=cent + 1).mean() == pytest.approx(float(cent.mean()) + 1, rel=1e-5)
+
+    def cos_rel(a, b):  # (1 - cos, ||a - b|| / ||b||) of two vectors
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return 1 - a @ b / np.linalg.norm(a) / np.linalg.norm(b), np.linalg.norm(a - b) / np.linalg.norm(b)
+
+    with torch.no_grad():
+        mlp = lambda l, v: blocks[l].mlp(blocks[l].ln_2(v))  # noqa: E731  (GPT-2: the branch the residual gets)
+        val = lambda l, v: blocks[l].attn.c_attn(blocks[l].ln_1(v))[..., 2 * d:].reshape(*v.shape[:-1], H, dh)  # noqa: E731
+        # MLP gap: at the mean input vs the occurrence mean; one occurrence per type -> exact
+        occ_mean = torch.stack([mlp(l, x[l]).mean(1) for l in range(L)])
+        two = D.mlp_gap(ad, cent, occ_mean)
+        for l in range(L):
+            for t in range(3):
+                np.testing.assert_allclose(two["at_mean"][l, t], mlp(l, cent[l, t]).numpy(), rtol=1e-5, atol=1e-6)
+        want = M.score_layers(two["at_mean"], occ_mean.numpy())
+        for m in M.METRICS:
+            np.testing.assert_allclose(two[m], want[m], rtol=1e-6)
+        assert (two["rel_error"] > 1e-4).all()
+        one = D.mlp_gap(ad, x[:, :, 0], torch.stack([mlp(l, x[l, :, 0]) for l in range(L)]))
+        np.testing.assert_allclose(one["cosine"], 1.0, atol=1e-6)
+        np.testing.assert_allclose(one["rel_error"], 0.0, atol=1e-5)
+        # Jensen gap of ln_1: E[ln_1 x] vs ln_1(c), per layer and type
+        g = D.value_jensen_gap(ad, torch.stack([blocks[l].ln_1(x[l]).mean(1) for l in range(L)]), cent)
+        # ... and of the values: mu_t (mean value over occurrences) vs v(c_t), per layer, head and type
+        mu = torch.stack([val(l, x[l]).mean(1).transpose(0, 1) for l in range(L)])  # [L, H, N, dh]
+        gm = D.value_jensen_gap_mu(ad, mu, cent)
+        for l in range(L):
+            for t in range(3):
+                want_dir, want_rel = cos_rel(blocks[l].ln_1(x[l, t]).mean(0), blocks[l].ln_1(cent[l, t]))
+                assert g["rel"][l, t] == pytest.approx(want_rel, rel=1e-4) and want_rel > 1e-3
+                assert g["dir"][l, t] == pytest.approx(want_dir, rel=1e-3, abs=1e-7)
+                for h in range(H):
+                    want_dir, want_rel = cos_rel(val(l, x[l, t])[:, h].mean(0), val(l, cent[l, t])[h])
+                    assert gm["rel"][l, h, t] == pytest.approx(want_rel, rel=1e-4)
+                    assert gm["dir"][l, h, t] == pytest.approx(want_dir, rel=1e-3, abs=1e-7)
+        g0 = D.value_jensen_gap_mu(ad, torch.stack([val(l, x[l, :, 0]).transpose(0, 1) for l in range(L)]), x[:, :, 0])
+        np.testing.assert_allclose(g0["rel"], 0.0, atol=1e-5)
+    s = D.gap_summary(np.array([[1.0, 2.0, 3.0, 4.0, 5.0]]))
+    assert s["median"][0] == 3.0 and s["q25"][0] == 2.0 and s["q75"][0] == 4.0
+    # the MLP reads the post-attention residual (sequential) or the block input (GPT-NeoX parallel residual)
+    mid = cent.numpy() + 1
+    np.testing.assert_array_equal(D.mlp_input_means(ad, cent, resid_mid_mean=mid), mid)
+    neox = get_adapter(make_tiny_model("gpt_neox"))
+    np.testing.assert_array_equal(D.mlp_input_means(neox, cent, resid_mid_mean=mid), cent.numpy())

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_KERNELS",
+    "ROLLOUT_NAMES",
     "BASELINE_LABELS",
     "open_pair",
     "check_model",
@@ -50,12 +51,15 @@ __all__ = [
     "prepare",
     "retarget",
     "build_kernel",
+    "context_free_prediction",
     "run_rollouts",
     "rollout_summary",
     "claim_check",
     "summary_markdown",
     "teacher_forced_table",
+    "error_decomposition_predictions",
     "error_decomposition_table",
+    "error_decomposition_markdown",
     "mlp_gap_table",
     "clustering_table",
     "anisotropy_table",
@@ -66,11 +70,20 @@ __all__ = [
     "ProvenanceError",
 ]
 
-DEFAULT_KERNELS: tuple[str, ...] = K.KERNEL_NAMES
+#: Table 1 rows in paper order. ``context_free`` is no kernel: it is the model's own residual at position 1 of
+#: ``[BOS, t]`` (:func:`mfpipe.rollout.context_free_residuals`), scored like a rollout's prediction.
+DEFAULT_KERNELS: tuple[str, ...] = ("mean_field", "context_free", "cooc", "meanq", "uniform", "rowshuffle", "P0only",
+                                    "Pavg")
+#: every name :func:`run_rollouts` accepts: the Table 1 rows plus the optional ``context_free_kernel`` ablation
+#: (the ``[BOS, t]`` attention rolled out from the mean-field start, :mod:`mfpipe.kernels`). It is not a default
+#: row: on rotary models it reproduces ``context_free`` (the start is the same embedding) and on GPT-2 it differs
+#: from it only by the start's position offset, so it would add a near-duplicate row the paper does not have.
+ROLLOUT_NAMES: tuple[str, ...] = (*DEFAULT_KERNELS, *(k for k in K.KERNEL_NAMES if k not in DEFAULT_KERNELS))
 #: display names (paper spelling)
 BASELINE_LABELS: dict[str, str] = {
     "mean_field": "Mean field",
     "context_free": "Context-free",
+    "context_free_kernel": "Context-free kernel, mean-field start",
     "cooc": "cooc",
     "meanq": "meanq",
     "uniform": "uniform",
@@ -185,8 +198,8 @@ class RolloutSetup:
 def prepare(adapter, st: MeanFieldStats, ev: MeanFieldStats, *, init: str = "embed", min_count: int = 1,
             bos: np.ndarray | None = None) -> RolloutSetup:
     """Load the kernel, start and truth of a rollout (``init``: ``"embed"`` = input embeddings, Alg. 1,
-    plus GPT-2's mean positional offset over the window; ``"stats"`` = the statistics half's layer-0 centroids,
-    as App. G initialises the cross-corpus runs)."""
+    plus GPT-2's mean positional offset over the positions the statistics half's tracked queries occupy;
+    ``"stats"`` = the statistics half's layer-0 centroids, as App. G initialises the cross-corpus runs)."""
     check_model(adapter, st)
     check_model(adapter, ev)
     if "bos_id" not in st.attrs:
@@ -200,7 +213,8 @@ def prepare(adapter, st: MeanFieldStats, ev: MeanFieldStats, *, init: str = "emb
     if bos is None:
         bos = R.bos_residuals(adapter, bos_id)
     if init == "embed":
-        x0 = R.initial_centroids(adapter, type_ids, context_length=T)
+        x0 = R.initial_centroids(adapter, type_ids, context_length=T,
+                                 position_count=st.ds["position_count"].values)
     elif init == "stats":
         x0 = c_st[0].astype(np.float32)
     else:
@@ -231,11 +245,21 @@ def retarget(setup: RolloutSetup, ev: MeanFieldStats, min_count: int = 1) -> Rol
 def build_kernel(name: str, setup: RolloutSetup, model=None, seed: int = 0) -> np.ndarray:
     """Kernel ``name`` (:data:`mfpipe.kernels.KERNEL_NAMES`) from the statistics half of ``setup``."""
     if name == "context_free":
+        raise ValueError("context_free is not a kernel but the [BOS, t] forward itself: use "
+                         "context_free_prediction (or the context_free_kernel ablation)")
+    if name == "context_free_kernel":
         if model is None:
-            raise ValueError("the context_free kernel needs the model")
-        return K.context_free(model, setup.type_ids, setup.bos_id)
+            raise ValueError("the context_free_kernel ablation needs the model")
+        return K.context_free_kernel(model, setup.type_ids, setup.bos_id)
     cooc = setup.st.cooc().values if name == "cooc" else None
     return K.build_kernel(name, setup.P, cooc_counts=cooc, seed=seed)
+
+
+def context_free_prediction(adapter, setup: RolloutSetup) -> np.ndarray:
+    """The paper's context-free baseline for the tracked types of ``setup``: ``[L+1, N, d]`` residuals at
+    position 1 of ``[BOS, t]`` (:func:`mfpipe.rollout.context_free_residuals`), in the centroids' convention.
+    Corpus-independent: it depends on the model and the tracked set only."""
+    return R.context_free_residuals(adapter, setup.type_ids, setup.bos_id)
 
 
 def _score_rows(pred: np.ndarray, truth: np.ndarray, types: np.ndarray, depths: Sequence[int], n_layers: int,
@@ -270,14 +294,16 @@ def run_rollouts(model, adapter, stats_store, eval_store, kernels: Sequence[str]
                  ) -> pd.DataFrame:
     """Alg. 1 with every kernel in ``kernels``, scored per depth ``1..L`` against the evaluation half.
 
-    Returns a long table: ``kernel, pinned, n_pinned, depth, frac_depth, metric, value, n_types`` (+ ``model``,
-    ``revision``). With ``pin`` every kernel is also run with the rogue dimensions (App. I: per-dim RMS over
-    the statistics-half centroids above ``rogue_factor`` x the layer median at some depth) held at the
-    statistics half's all-type centroid (``pinned=True`` rows, ``n_pinned`` dims; none when no dimension
-    qualifies, which is logged)."""
-    unknown = [k for k in kernels if k not in K.KERNEL_NAMES]
+    ``context_free`` is scored the same way but is no rollout: its prediction is the ``[BOS, t]`` forward
+    (:func:`context_free_prediction`). Returns a long table: ``kernel, pinned, n_pinned, depth, frac_depth,
+    metric, value, n_types`` (+ ``model``, ``revision``). With ``pin`` every kernel is also run with the rogue
+    dimensions (App. I: per-dim RMS over the statistics-half centroids above ``rogue_factor`` x the layer median
+    at some depth) held at the statistics half's all-type centroid (``pinned=True`` rows, ``n_pinned`` dims;
+    none when no dimension qualifies, which is logged). ``context_free`` gets no pinned row: pinning acts
+    inside a rollout, and the baseline is the model's own forward."""
+    unknown = [k for k in kernels if k not in ROLLOUT_NAMES]
     if unknown:
-        raise ValueError(f"unknown kernel(s) {unknown}; known: {K.KERNEL_NAMES}")
+        raise ValueError(f"unknown kernel(s) {unknown}; known: {ROLLOUT_NAMES}")
     if setup is None:
         st, ev = open_pair(stats_store, eval_store, model=model_name, revision=revision)
         setup = prepare(adapter, st, ev, init=init, min_count=min_count)
@@ -293,13 +319,18 @@ def run_rollouts(model, adapter, stats_store, eval_store, kernels: Sequence[str]
             log.warning("no rogue dimension at factor %g: the pinned rollouts would equal the plain ones; skipped",
                         rogue_factor)
     rows: list[dict] = []
+    labels = dict(model=setup.meta["model"], revision=setup.meta["revision"])
     for name in kernels:
+        if name == "context_free":
+            pred = context_free_prediction(adapter, setup)
+            rows += _score_rows(pred[1:], setup.truth[1:], setup.types, range(1, L + 1), L, **labels, kernel=name,
+                                pinned=False, n_pinned=0)
+            continue
         Kr = build_kernel(name, setup, model=model, seed=seed)
         K.check_row_stochastic(Kr, atol=1e-4)
         for p in pins:
             pred = _rollout_one(adapter, setup, Kr, p)
-            rows += _score_rows(pred[1:], setup.truth[1:], setup.types, range(1, L + 1), L,
-                                model=setup.meta["model"], revision=setup.meta["revision"], kernel=name,
+            rows += _score_rows(pred[1:], setup.truth[1:], setup.types, range(1, L + 1), L, **labels, kernel=name,
                                 pinned=p is not None, n_pinned=0 if p is None else int(p[0].size))
         del Kr
     return pd.DataFrame(rows)
@@ -446,23 +477,51 @@ def teacher_forced_table(adapter, setup: RolloutSetup) -> pd.DataFrame:
                                     model=setup.meta["model"], revision=setup.meta["revision"]))
 
 
-ESTIMATORS = {"a": "(a) exact attention, MLP at centroid", "b": "(b) + value map at centroid",
+#: Sec. 4.3 estimators; (b) is labelled for what it computes (unconditional mu_t for E_s[vbar_t])
+ESTIMATORS = {"a": "(a) exact attention, MLP at centroid",
+              "b": "(b) + value map at centroid, unconditional value means mu_t",
               "c": "(c) full mean field"}
 
 
-def error_decomposition_table(adapter, setup: RolloutSetup) -> pd.DataFrame:
-    """Fig. error-decomp: the nested estimators (a)(b)(c) of Sec. 4.3 from the statistics half's true
-    centroids ``c^l``, reads ``zbar`` and values ``mu``, each scored against the evaluation half's
-    ``c^{l+1}``. Long table ``estimator, layer, frac_depth, metric, value, n_types``."""
-    L = adapter.n_layers
+def error_decomposition_predictions(adapter, setup: RolloutSetup) -> dict[str, np.ndarray]:
+    """The nested estimators (a)(b)(c) of Sec. 4.3 (:func:`mfpipe.rollout.error_decomposition`), ``{"a", "b",
+    "c"} -> [L, N, d]`` (entry ``l`` predicts ``c^{l+1}``). Every input comes from the STATISTICS half: the kernel
+    ``P``, the true centroids ``c^l`` the block is applied at (also valuing ``v(c_t)`` and ``<other>``'s
+    ``cbar``), the measured reads ``zbar`` (a, b) and the value means ``mu`` (b); ``b^l`` is weight-derived.
+    Only the truth they are scored against, ``c^{l+1}``, comes from the evaluation half."""
     st = setup.st
-    out = R.error_decomposition(adapter, setup.P, setup.stats_centroids, setup.bos, _nan0(st.zbar().values),
-                                _nan0(st.mu().values))
+    return R.error_decomposition(adapter, setup.P, setup.stats_centroids, setup.bos, _nan0(st.zbar().values),
+                                 _nan0(st.mu().values))
+
+
+def error_decomposition_table(adapter, setup: RolloutSetup) -> pd.DataFrame:
+    """Fig. error-decomp: the estimators of :func:`error_decomposition_predictions` (statistics half), each
+    scored against the evaluation half's ``c^{l+1}``. Long table ``estimator, label, layer, frac_depth,
+    metric, value, n_types`` (``label``: :data:`ESTIMATORS`)."""
+    L = adapter.n_layers
+    out = error_decomposition_predictions(adapter, setup)
     rows = []
     for k in ("a", "b", "c"):
         rows += _score_rows(out[k], setup.truth[1:], setup.types, range(L), L, per_block=True,
-                            model=setup.meta["model"], revision=setup.meta["revision"], estimator=k)
+                            model=setup.meta["model"], revision=setup.meta["revision"], estimator=k,
+                            label=ESTIMATORS[k])
     return pd.DataFrame(rows)
+
+
+def error_decomposition_markdown(ed: pd.DataFrame, tag: str) -> str:
+    """The per-layer and cross-layer tables of :func:`error_decomposition_table`, estimators by label."""
+    wide = long_to_wide(ed, "layer", by="estimator")
+    wide["estimator"] = wide["estimator"].map(ESTIMATORS)
+    md = wide_markdown(wide, "estimator", ["layer", "cosine", "rsa", "rel_error", "norm_ratio"],
+                       title=f"Per-layer error accounting, estimators (a)(b)(c) vs held-out c^(l+1): {tag}")
+    summ = per_layer_summary(ed, "estimator")
+    summ["estimator"] = summ["estimator"].map(ESTIMATORS)
+    md += "\n" + wide_markdown(summ, "estimator", ["cosine", "cosine_se", "rel_error", "rel_error_se"],
+                               title="Cross-layer mean (SE over layers)")
+    md += ("\nInputs (P, c^l, zbar, mu) from the statistics half; truth c^(l+1) from the evaluation half. (b) uses "
+           "the unconditional value means mu_t in place of E_s[vbar_t] (the paper's (b)), so it also assumes "
+           "value-query independence.\n")
+    return md
 
 
 def _store_types(store: MeanFieldStats, min_count: int = 1) -> np.ndarray:
@@ -568,10 +627,12 @@ def cross_corpus(model, adapter, corpora: Mapping[str, tuple], primary: str, *, 
     ``(stats_store, eval_store)``), the mean-field rollout with X's statistics scored per depth against Y's
     evaluation centroids, over the types occurring ``>= min_count`` times in X's statistics half and Y's
     evaluation half. Every store must share the primary corpus's model, revision, tracked set and context
-    length. With ``context_free`` the corpus-independent context-free baseline (the primary's start) is
-    scored against every Y too (``stats_corpus = "context-free"``). Long table ``stats_corpus, eval_corpus,
-    depth, frac_depth, metric, value, n_types``; the cell (primary, primary) is exactly the plain rollout's
-    ``mean_field`` score."""
+    length. With ``context_free`` the context-free baseline (the ``[BOS, t]`` forward: no corpus statistic, so
+    one set of residuals serves every column) is scored against every Y too (``stats_corpus =
+    "context-free"``). Long table ``stats_corpus, eval_corpus, depth, frac_depth, metric, value, n_types``; the
+    cell (primary, primary) is exactly the plain rollout's ``mean_field`` score and the context-free cell of
+    the primary column the plain rollout's ``context_free`` score. ``model`` (the HF model) is not needed any
+    more -- the adapter runs every forward -- and is kept for the scripts' call signature."""
     if primary not in corpora:
         raise ValueError(f"primary corpus {primary!r} not among {list(corpora)}")
     L = adapter.n_layers
@@ -591,7 +652,7 @@ def cross_corpus(model, adapter, corpora: Mapping[str, tuple], primary: str, *, 
                                 revision=sy.meta["revision"], stats_corpus=x, eval_corpus=y)
     if context_free:
         base = setups[primary]
-        pred = _rollout_one(adapter, base, build_kernel("context_free", base, model=model))
+        pred = context_free_prediction(adapter, base)
         for y, (_, evy) in opened.items():
             sy = retarget(base, evy, min_count)
             rows += _score_rows(pred[1:], sy.truth[1:], sy.types, range(1, L + 1), L, model=sy.meta["model"],

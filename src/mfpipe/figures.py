@@ -39,7 +39,8 @@ METRIC_LABELS = {
     "norm_ratio": "centered norm ratio",
 }
 KERNEL_ORDER = ("mean_field", "context_free", "cooc", "meanq", "uniform", "rowshuffle", "P0only", "Pavg")
-KERNEL_LABELS = {"mean_field": "mean field", "context_free": "context-free"}
+KERNEL_LABELS = {"mean_field": "mean field", "context_free": "context-free",
+                 "context_free_kernel": "context-free kernel, MF start"}
 KERNEL_STYLE = {  # color, marker
     "mean_field": ("#000000", "o"),
     "context_free": ("#1f77b4", "s"),
@@ -52,7 +53,7 @@ KERNEL_STYLE = {  # color, marker
 }
 ESTIMATOR_LABELS = {
     "a": "(a) exact attention, MLP at centroid",
-    "b": "(b) + value map at centroid",
+    "b": r"(b) + value map at centroid, unconditional $\mu_t$",
     "c": "(c) full mean field",
 }
 plt_rc = {"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 8,

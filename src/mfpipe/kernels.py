@@ -9,8 +9,13 @@ keeps rows stochastic (:func:`check_row_stochastic`).
 Kernel variants (paper names; :data:`KERNEL_NAMES`, :func:`build_kernel`):
 
 * ``mean_field`` -- ``P`` itself.
-* ``context_free`` -- each type propagated alone as ``[BOS, t]``: the real attention of position 1 on BOS
-  and on itself, per layer and head (:func:`context_free`; needs the model).
+* ``context_free_kernel`` -- an ablation, NOT the paper's context-free baseline: the real attention of
+  position 1 on BOS and on itself when the model runs on ``[BOS, t]`` alone (:func:`context_free_kernel`;
+  needs the model), rolled out by Alg. 1 from the mean-field start. Rolled out from the ``[BOS, t]``
+  layer-0 residual it reproduces that forward exactly; from the mean-field start it differs only by the start
+  (GPT-2: the mean position offset instead of ``wpe[1]``; rotary models: identical to the baseline). The
+  paper's ``context-free`` baseline (the ``[BOS, t]`` residuals themselves) is
+  :func:`mfpipe.rollout.context_free_residuals`, a prediction rather than a kernel.
 * ``cooc`` -- the Sec. 4.2 footnote: ``C~_st = C_st / sum_t' C_st'`` (symmetric ±5 co-occurrence counts over
   tracked types, row-normalised), scaled by the tracked row mass ``T_s = sum_{t<N} P_st`` of each (l, h):
   ``K_st = T_s C~_st``. The ``<bos>`` and ``<other>`` columns keep ``P``'s masses (the footnote only replaces
@@ -38,7 +43,7 @@ __all__ = [
     "KERNEL_NAMES",
     "check_row_stochastic",
     "mean_field",
-    "context_free",
+    "context_free_kernel",
     "cooc",
     "meanq",
     "uniform",
@@ -50,7 +55,8 @@ __all__ = [
     "build_kernel",
 ]
 
-KERNEL_NAMES: tuple[str, ...] = ("mean_field", "context_free", "cooc", "meanq", "uniform", "rowshuffle", "P0only", "Pavg")
+KERNEL_NAMES: tuple[str, ...] = ("mean_field", "cooc", "meanq", "uniform", "rowshuffle", "P0only", "Pavg",
+                                 "context_free_kernel")
 
 
 def _as_kernel(P) -> np.ndarray:
@@ -79,13 +85,14 @@ def mean_field(P) -> np.ndarray:
 
 
 @torch.no_grad()
-def context_free(model, type_ids, bos_id: int, batch_size: int = 256) -> np.ndarray:
+def context_free_kernel(model, type_ids, bos_id: int, batch_size: int = 256) -> np.ndarray:
     """``[L, H, N, N+2]``: attention of position 1 on BOS (column ``N``) and on itself (column ``s``) when the
     model runs on ``[BOS, t_s]`` alone (eager attention, ``output_attentions=True``); all other columns 0.
 
     ``model`` is the HF causal LM (eager attention, eval mode); ``type_ids`` the tracked token ids ``[N]``
     in bucket order. Rolling this kernel out from ``embed(t) (+ the position-1 embedding for learned
-    positions)`` reproduces the model's residual at position 1 of ``[BOS, t]`` exactly (tests/test_rollout).
+    positions)`` reproduces the model's residual at position 1 of ``[BOS, t]`` exactly (tests/test_rollout);
+    the pipeline rolls it out from the mean-field start (the ``context_free_kernel`` ablation, module doc).
     """
     ids = torch.as_tensor(np.asarray(type_ids), dtype=torch.long).reshape(-1)
     n = ids.numel()
@@ -233,15 +240,15 @@ def build_kernel(
 ) -> np.ndarray:
     """Build kernel ``name`` (one of :data:`KERNEL_NAMES`) from the mean field ``P [L, H, N, N+2]``.
 
-    ``cooc`` needs ``cooc_counts [N, N(+2)]``; ``context_free`` needs ``model``, ``type_ids`` and ``bos_id``;
+    ``cooc`` needs ``cooc_counts [N, N(+2)]``; ``context_free_kernel`` needs ``model``, ``type_ids`` and ``bos_id``;
     ``rowshuffle`` uses ``seed``; ``meanq`` optional ``meanq_weights``.
     """
     if name == "mean_field":
         return mean_field(P)
-    if name == "context_free":
+    if name == "context_free_kernel":
         if model is None or type_ids is None or bos_id is None:
-            raise ValueError("context_free needs model=, type_ids= and bos_id=")
-        return context_free(model, type_ids, bos_id)
+            raise ValueError("context_free_kernel needs model=, type_ids= and bos_id=")
+        return context_free_kernel(model, type_ids, bos_id)
     if name == "cooc":
         if cooc_counts is None:
             raise ValueError("cooc needs cooc_counts=")

@@ -13,10 +13,14 @@ One rollout step at layer ``l`` for all ``N`` tracked types at once (``K = kerne
 ``v_l`` is the adapter's ``value_map`` (pre-attention norm, value projection and bias, GQA expanded),
 ``post_attn_norm`` is the identity except on Gemma-2 / OLMo-2, and ``MLP_l`` is the adapter's ``mlp`` (the
 branch with its own pre-/post-norms). The start is the input embedding (GPT-2: plus the mean learned
-positional embedding over the window, ``adapter.position_offset(T)``). ``b^l`` is the residual entering
+positional embedding over the positions tracked queries occupy, ``adapter.position_offset``). ``b^l`` is the
+residual entering
 block ``l`` at position 0 when the model runs on ``[BOS]`` alone (weight-derived, :func:`bos_residuals`);
 the ``<other>`` column is valued at the running mean of the predicted tracked centroids. Nothing measured
 is consulted after layer 0 (except the optional rogue-dimension pinning of App. I).
+
+The context-free baseline of Sec. 4.2 / App. G (:func:`context_free_residuals`) is no rollout: it is the
+model's own residual at position 1 of the two-token input ``[BOS, t]``, scored like a rollout's prediction.
 
 Shapes: ``L`` layers, ``H`` query heads, ``dh`` head width, ``d`` model width, ``N`` tracked types.
 Centroids are ``[L+1, N, d]``: index ``l < L`` is the residual entering block ``l``, index ``L`` the final
@@ -33,6 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "bos_residuals",
+    "context_free_residuals",
     "initial_centroids",
     "head_reads",
     "attention_output",
@@ -83,12 +88,43 @@ def bos_residuals(adapter, bos_id: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def initial_centroids(adapter, type_ids, context_length: int | None = None) -> np.ndarray:
+def context_free_residuals(adapter, type_ids, bos_id: int, batch_size: int = 256) -> np.ndarray:
+    """The context-free baseline (Sec. 4.2 ``context-free``, App. G ``tab:matrix``): ``[L+1, N, d]``, the residual
+    at position 1 when the model runs on the two-token input ``[BOS, t]`` alone, for every ``t`` in ``type_ids``,
+    in the centroids' convention (index ``l < L``: the residual entering block ``l``; index ``L``: the final
+    residual before the last norm).
+
+    A prediction of the centroids, scored exactly like a rollout (depths ``1..L``); index 0 is the layer-0
+    residual of ``[BOS, t]`` (embedding, GPT-2: plus ``wpe[1]``). It uses no corpus statistic, so one set serves
+    every evaluation corpus. One traced forward per batch of ``batch_size`` types through ``adapter.capture``.
+    """
+    ids = torch.as_tensor(np.asarray(type_ids), dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("context_free_residuals needs at least one type id")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    parts: list[Tensor] = []
+    for start in range(0, ids.numel(), batch_size):
+        t = ids[start : start + batch_size]
+        per_depth: list[Tensor] = []
+        adapter.capture(torch.stack([torch.full_like(t, int(bos_id)), t], dim=1),
+                        lambda cap: per_depth.append(cap.resid_in[:, 1].clone()),
+                        lambda f: per_depth.append(f[:, 1].clone()))
+        parts.append(torch.stack(per_depth))  # [L+1, B, d]
+    return _np(torch.cat(parts, dim=1))
+
+
+@torch.no_grad()
+def initial_centroids(adapter, type_ids, context_length: int | None = None, position_count=None) -> np.ndarray:
     """``[N, d]`` layer-0 start of Alg. 1: input embeddings of ``type_ids`` plus, for learned absolute
-    positions (GPT-2), the mean positional embedding over positions ``0..context_length-1``."""
+    positions (GPT-2), the mean positional embedding over the positions tracked queries occupy
+    (``adapter.position_offset``: weighted by ``position_count [T]`` when given -- the statistics half's
+    tracked-query count per position -- else uniform over positions ``1..context_length-1``)."""
     ids = torch.as_tensor(np.asarray(type_ids), dtype=torch.long).reshape(-1)
     c = adapter.embed(ids).float()
-    off = adapter.position_offset(context_length)
+    off = adapter.position_offset(context_length)  # None: no learned positions (rotary), nothing to weight
+    if off is not None and position_count is not None:
+        off = adapter.position_offset(context_length, position_count=position_count)
     if off is not None:
         c = c + off.float().to(c.device)
     return _np(c)
@@ -152,6 +188,7 @@ def rollout(
     type_ids=None,
     init=None,
     context_length: int | None = None,
+    position_count=None,
     pin_dims: Sequence[int] | np.ndarray | None = None,
     pin_values=None,
 ) -> np.ndarray:
@@ -161,7 +198,7 @@ def rollout(
     ``kernel [L, H, N, N+2]`` (any of :mod:`mfpipe.kernels`; indexed one layer at a time, so a lazily loaded
     array works); ``bos_resid [L(+1), d]`` the ``b^l`` (:func:`bos_residuals`, or the stats store's ``b``).
     Start: ``init [N, d]`` if given, else :func:`initial_centroids` of ``type_ids`` (needs ``type_ids``;
-    ``context_length`` = the window length T for GPT-2's mean positional offset).
+    ``context_length`` = the window length T, ``position_count`` optional, for GPT-2's mean positional offset).
     Rogue-dimension pinning (App. I): ``pin_dims`` (e.g. :func:`rogue_dimensions`) are held at
     ``pin_values`` -- ``[L+1, d]`` (one corpus value per layer) or ``[L+1, N, d]`` (per type) -- at every layer,
     including the start (:func:`pin_values`).
@@ -170,7 +207,7 @@ def rollout(
     if init is None:
         if type_ids is None:
             raise ValueError("rollout needs type_ids= (or init=)")
-        init = initial_centroids(adapter, type_ids, context_length)
+        init = initial_centroids(adapter, type_ids, context_length, position_count)
     c = _t(adapter, init)
     if c.ndim != 2 or c.shape[1] != adapter.d_model:
         raise ValueError(f"init must be [N, d={adapter.d_model}]; got {tuple(c.shape)}")
@@ -225,18 +262,28 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str,
     """Fig. ``error-decomp``: three nested teacher-forced predictions of ``c^{l+1}`` from the true ``c^l``,
     each ending with the block's own output projection, post-attention norm and the MLP applied once at the
     resulting centroid (:func:`block_update`). Returns ``{"a", "b", "c"}`` -> ``[L, N, d]`` (entry ``l``
-    predicts ``centroids[l+1]``; score against the held-out true ``c^{1..L}``).
+    predicts ``centroids[l+1]``; score against the held-out true ``c^{1..L}``). Per head, the read of a
+    type-``s`` query is
 
-    * (a) exact attention: the measured mean read ``zbar_s`` (eq:exact-contribution-by-type);
-      only the MLP (and, Gemma-2 / OLMo-2, the post-attention norm) is taken at the centroid.
-    * (b) value map at the centroid, covariance kept: ``zbar_s + sum_t P_st (v(c_t) - mu_t)`` -- the measured
-      key-type mean value ``mu_t`` stands in for ``E_s[vbar_t]`` (what the stats pass stores); the covariance
-      (and any query dependence of the values) stays inside ``zbar_s - sum_t P_st mu_t``.
-    * (c) the full mean field (eq:mean-field): ``sum_t P_st v(c_t)``.
+    * (a) exact attention: the measured mean read ``zbar_s`` (eq:exact-contribution-by-type); only the MLP
+      (and, Gemma-2 / OLMo-2, the post-attention norm) is taken at the centroid.
+    * (b) with unconditional value means: ``zbar_s + sum_{t<N} P_st (v(c_t) - mu_t)``. The paper's (b) swaps
+      ``E_s[vbar_t]`` (the attention-weighted mean value of type-``t`` keys in the contexts of type-``s``
+      queries) for ``v(c_t)`` and keeps the covariance; the statistics store holds only the unconditional
+      ``mu_t`` (mean value over all type-``t`` positions), which stands in for ``E_s[vbar_t]``. So this (b)
+      also assumes value-query independence; the covariance and any query dependence of the values stay in
+      ``zbar_s - sum_t P_st mu_t``. The paper's own (b) needs ``sum_t P_st E_s[vbar_t]`` per (layer, head,
+      s), computed in a second corpus pass (pass 2 of the deviation issue), never as a stored
+      ``[L, H, N, N, dh]`` array. Only the tracked columns change: ``<bos>`` is one deterministic position
+      (``E_s[vbar_bos] = v(b^l)`` exactly) and ``<other>`` is no type with a centroid, so both stay as
+      measured inside ``zbar_s``.
+    * (c) the full mean field (eq:mean-field with App. E's two extra columns, as Alg. 1 values them):
+      ``sum_{t<N} P_st v(c_t) + P_s<bos> v(b^l) + P_s<other> v(cbar^l)``, ``cbar^l`` the mean of the ``N``
+      true tracked centroids. This is the only estimator in which ``<other>`` is valued at a centroid.
 
-    For the ``<bos>`` / ``<other>`` columns ``v`` is taken at ``b^l`` / the mean of the true tracked centroids,
-    as in the rollout. ``P [L, H, N, N+2]``; ``centroids [L(+1), N, d]``; ``bos_resid [L(+1), d]``;
-    ``zbar [L, H, N, dh]``; ``mu [L, H, N+2, dh]`` (``value_sum / key_count``).
+    ``P [L, H, N, N+2]``; ``centroids [L(+1), N, d]``; ``bos_resid [L(+1), d]``; ``zbar [L, H, N, dh]``;
+    ``mu [L, H, N(+2), dh]`` (``value_sum / key_count``; only the tracked columns are read). All from one
+    half (the caller's choice: the statistics half, :func:`mfpipe.analysis.error_decomposition_predictions`).
     """
     L = adapter.n_layers
     n = np.asarray(centroids[0]).shape[0]
@@ -248,11 +295,11 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str,
         K = _t(adapter, np.asarray(P[layer]))
         keys = torch.cat([c, b_all[layer][None], c.mean(0, keepdim=True)], dim=0)
         V = adapter.value_map(layer, keys).float()  # [N+2, H, dh]
-        M = _t(adapter, mu[layer]).transpose(0, 1)  # [N+2, H, dh]
+        M = _t(adapter, np.asarray(mu[layer])[:, :n]).transpose(0, 1)  # [N, H, dh]
         zb = _t(adapter, zbar[layer]).transpose(0, 1)  # [N, H, dh]
         reads = {
             "a": zb,
-            "b": zb + torch.einsum("hst,thd->shd", K, V - M),
+            "b": zb + torch.einsum("hst,thd->shd", K[..., :n], V[:n] - M),
             "c": torch.einsum("hst,thd->shd", K, V),
         }
         for k, r in reads.items():

@@ -25,13 +25,7 @@ def main() -> None:
 
     ed = A.error_decomposition_table(adapter, setup)
     A.write_csv(ed, sm.output.error_decomposition)
-    wide = A.long_to_wide(ed, "layer", by="estimator")
-    md = A.wide_markdown(wide, "estimator", ["layer", "cosine", "rsa", "rel_error", "norm_ratio"],
-                         title=f"Per-layer error accounting, estimators (a)(b)(c) vs held-out c^(l+1): {tag}")
-    md += "\n" + A.wide_markdown(A.per_layer_summary(ed, "estimator"), "estimator",
-                                 ["cosine", "cosine_se", "rel_error", "rel_error_se"],
-                                 title="Cross-layer mean (SE over layers)")
-    A.write_text(md, sm.output.error_decomposition_md)
+    A.write_text(A.error_decomposition_markdown(ed, tag), sm.output.error_decomposition_md)
 
     mg = A.mlp_gap_table(adapter, diag, min_count=int(p.min_count))
     A.write_csv(mg, sm.output.mlp_gap)
@@ -52,7 +46,7 @@ def main() -> None:
                                  title=f"Anisotropy of the type-centroid cloud, {p.diagnostics_half} half: {tag}"),
                  sm.output.anisotropy_md)
     log.info("teacher-forced:\n%s", A.long_to_wide(tf, "layer").to_string())
-    log.info("error decomposition:\n%s", wide.to_string())
+    log.info("error decomposition:\n%s", A.long_to_wide(ed, "layer", by="estimator").to_string())
 
 
 run_logged(main, log)

@@ -379,12 +379,31 @@ class GPT2Adapter(Adapter):
         return w.detach().reshape(self.n_heads, self.d_head, self.d_model)
 
     @_no_grad
-    def position_offset(self, context_length: int | None = None) -> Tensor | None:
-        wpe = self.base.wpe.weight
+    def position_offset(self, context_length: int | None = None, position_count=None) -> Tensor | None:
+        """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1``
+        (position 0 holds BOS, never a query, so ``wpe[0]`` is left out).
+
+        A type's true layer-0 centroid is its embedding plus the mean of ``wpe`` over ITS occurrences; one
+        offset shared by all types comes closest to those (occurrence-weighted squared error) when it is the
+        mean over all tracked-query occurrences, i.e. ``wpe`` weighted by ``position_count [T]`` (the
+        statistics half's tracked-query count per position; it is 0 at position 0). Without it: uniform over
+        ``1..T-1``, which is what packed full windows give. ``context_length`` T defaults to
+        ``len(position_count)``, else to the whole learned table.
+        """
+        wpe = self.base.wpe.weight.detach()
+        if position_count is not None:
+            w = torch.as_tensor(position_count, dtype=torch.float64).reshape(-1)
+            if context_length is not None and int(context_length) != w.numel():
+                raise ValueError(f"position_count has {w.numel()} positions, context_length is {context_length}")
+            if not 1 < w.numel() <= wpe.shape[0] or (w < 0).any() or w[1:].sum() <= 0:
+                raise ValueError(f"position_count must be [T] with 1 < T <= {wpe.shape[0]}, non-negative, with "
+                                 "tracked queries at positions >= 1")
+            w[0] = 0.0  # BOS's own position, never a query
+            return ((w / w.sum()).to(wpe.dtype).to(wpe.device) @ wpe[: w.numel()]).to(wpe.dtype)
         n = wpe.shape[0] if context_length is None else int(context_length)
-        if not 0 < n <= wpe.shape[0]:
-            raise ValueError(f"context_length={context_length} outside 1..{wpe.shape[0]}")
-        return wpe[:n].detach().mean(0)
+        if not 1 < n <= wpe.shape[0]:
+            raise ValueError(f"context_length={context_length} outside 2..{wpe.shape[0]} (queries need positions >= 1)")
+        return wpe[1:n].mean(0)
 
 
 # ------------------------------------------------------------------------------------ GPT-NeoX / Pythia
@@ -439,10 +458,20 @@ class Qwen3Adapter(LlamaAdapter):
 
 class Gemma2Adapter(LlamaAdapter):
     model_type = "gemma2"
-    # embed_tokens is Gemma2TextScaledWordEmbedding: it multiplies by sqrt(d) (cast to the weight dtype)
     POST_ATTN_NORM = "post_attention_layernorm"
     MLP_NORM = "pre_feedforward_layernorm"
     POST_MLP_NORM = "post_feedforward_layernorm"
+
+    @_no_grad
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token embedding times sqrt(d), rounded to the embedding dtype as the model does. Where the scale
+        lives moved between transformers releases: recent ones use ``Gemma2TextScaledWordEmbedding`` (the module
+        scales, it has ``embed_scale``); 4.x used a plain ``nn.Embedding`` and ``Gemma2Model.forward``
+        multiplied by ``torch.tensor(hidden_size**0.5, dtype=hidden_states.dtype)``."""
+        e = super().embed(ids)
+        if hasattr(self._embedding(), "embed_scale"):
+            return e
+        return e * torch.tensor(self.config.hidden_size**0.5, dtype=e.dtype)
 
 
 class Olmo2Adapter(LlamaAdapter):
