@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark: every rollout kernel (Sec. 4.2) for N tracked types on the mini models -- kernel construction,
-Alg. 1 and the four metrics per layer, as ``mfpipe.analysis.run_rollouts`` does them. Goal: all kernels for
+Alg. 1 and the four metrics per layer, as ``mfpipe.analysis.rollouts.run_rollouts`` does them. Goal: all kernels for
 N = 1000 on the mini models in < 60 s on 2 cores.
 
     python benchmarks/rollout_kernels.py                      # both mini architectures, random weights, N=1000
@@ -74,7 +74,8 @@ def synthetic_store(model, adapter, n: int, T: int, half: str, path: Path, seed:
 
 
 def bench(arch: str | None, args) -> float:
-    from mfpipe import analysis as A
+    from mfpipe.analysis import rollouts as RO
+    from mfpipe.analysis import stores as S
     from mfpipe.models.adapters import get_adapter
     from mfpipe.models.loader import load_model
 
@@ -92,14 +93,14 @@ def bench(arch: str | None, args) -> float:
             stats = synthetic_store(model, ad, args.n, T, "stats", Path(tmp) / "stats.zarr", 1)
             evl = synthetic_store(model, ad, args.n, T, "eval", Path(tmp) / "eval.zarr", 2)
         t0 = time.perf_counter()
-        st, ev = A.open_pair(stats, evl)
-        setup = A.prepare(ad, st, ev)
+        st, ev = S.open_pair(stats, evl)
+        setup = RO.prepare(ad, st, ev)
         print(f"{ad.model_type}: L={ad.n_layers} H={ad.n_heads} d={ad.d_model} N={st.n}  "
               f"setup (load P, b^l, start) {time.perf_counter() - t0:6.2f} s")
         total = time.perf_counter() - t0
         for k in args.kernels:
             t = time.perf_counter()
-            A.run_rollouts(model, ad, None, None, kernels=[k], seed=0, setup=setup, pin=args.pin)
+            RO.run_rollouts(model, ad, None, None, kernels=[k], seed=0, setup=setup, pin=args.pin)
             dt = time.perf_counter() - t
             total += dt
             print(f"  {k:<13} {dt:6.2f} s")
@@ -108,7 +109,7 @@ def bench(arch: str | None, args) -> float:
 
 
 def main() -> None:
-    from mfpipe.analysis import DEFAULT_KERNELS
+    from mfpipe.tables import DEFAULT_KERNELS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["gpt2", "gpt_neox", "both"], default="both")

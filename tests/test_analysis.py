@@ -9,17 +9,25 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
-from mfpipe import analysis as A
-from mfpipe import figures as F
-from mfpipe import kernels as K
-from mfpipe import metrics as M
-from mfpipe import rollout as R
-from mfpipe.models.adapters import get_adapter
-from mfpipe.stats import ProvenanceError, accumulate_shard, finalize, open_stats, write_store
 from test_rollout import Ref, estimators_reference, forward_residuals
 from test_stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
+
+from mfpipe import figures as F
+from mfpipe import kernels as K
+from mfpipe import metrics as M
+from mfpipe import tables as T
+from mfpipe.analysis import accounting as AC
+from mfpipe.analysis import rollouts as RO
+from mfpipe.analysis import stores as S
+from mfpipe.models.adapters import get_adapter
+from mfpipe.stats import (
+    ProvenanceError,
+    accumulate_shard,
+    finalize,
+    open_stats,
+    write_store,
+)
 
 N_WINDOWS = 24
 
@@ -61,34 +69,34 @@ def stores(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def scores(stores):
     mt, model, ad, p, _ = stores
-    return A.run_rollouts(model, ad, p["stats"], p["eval"], seed=3, model_name="tiny", revision="r1")
+    return RO.run_rollouts(model, ad, p["stats"], p["eval"], seed=3, model_name="tiny", revision="r1")
 
 
 # ------------------------------------------------------------------------------------------ provenance
 def test_provenance_refusal(stores):
     mt, model, ad, p, _ = stores
-    st, ev = A.open_pair(p["stats"], p["eval"], model="tiny", revision="r1")
+    st, ev = S.open_pair(p["stats"], p["eval"], model="tiny", revision="r1")
     assert st.attrs["half"] == "stats" and ev.attrs["half"] == "eval"
     with pytest.raises(ProvenanceError, match="half"):
-        A.open_pair(p["eval"], p["eval"])  # an eval half as statistics
+        S.open_pair(p["eval"], p["eval"])  # an eval half as statistics
     with pytest.raises(ProvenanceError, match="half"):
-        A.open_pair(p["stats"], p["stats"])  # the statistics half as truth
+        S.open_pair(p["stats"], p["stats"])  # the statistics half as truth
     with pytest.raises(ProvenanceError, match="model"):
-        A.open_pair(p["stats"], p["eval"], model="gpt2-small")
+        S.open_pair(p["stats"], p["eval"], model="gpt2-small")
     with pytest.raises(ProvenanceError, match="revision"):
-        A.open_pair(p["stats"], p["eval"], revision="main")
+        S.open_pair(p["stats"], p["eval"], revision="main")
     with pytest.raises(ProvenanceError, match="n_tracked|tracked_fingerprint"):
-        A.open_pair(p["stats"], p["eval_other_tracked"])
+        S.open_pair(p["stats"], p["eval_other_tracked"])
     with pytest.raises(ProvenanceError, match="model"):
-        A.open_pair(p["stats"], p["eval_other_model"])
+        S.open_pair(p["stats"], p["eval_other_model"])
     with pytest.raises(ProvenanceError, match="corpus_fingerprint"):
-        A.open_pair(p["stats"], p["x/eval"])  # truth of another corpus is only allowed in the cross matrix
-    A.open_pair(p["stats"], p["x/eval"], same_corpus=False)
+        S.open_pair(p["stats"], p["x/eval"])  # truth of another corpus is only allowed in the cross matrix
+    S.open_pair(p["stats"], p["x/eval"], same_corpus=False)
     other = get_adapter(make_tiny_model("gpt_neox" if mt == "gpt2" else "gpt2", seed=1))
     with pytest.raises(ProvenanceError, match="model_type"):
-        A.check_model(other, st)
+        S.check_model(other, st)
     with pytest.raises(ProvenanceError):
-        A.run_rollouts(model, ad, p["stats"], p["eval_other_tracked"], kernels=["mean_field"])
+        RO.run_rollouts(model, ad, p["stats"], p["eval_other_tracked"], kernels=["mean_field"])
 
 
 # ------------------------------------------------------------------------------------------- rollout
@@ -98,8 +106,8 @@ def test_scores_match_independent_references(stores, scores):
     scored against the evaluation centroids."""
     mt, model, ad, p, _ = stores
     L = ad.n_layers
-    assert set(scores["kernel"]) == set(A.DEFAULT_KERNELS)
-    assert len(scores) == len(A.DEFAULT_KERNELS) * L * len(M.METRICS)
+    assert set(scores["kernel"]) == set(T.DEFAULT_KERNELS)
+    assert len(scores) == len(T.DEFAULT_KERNELS) * L * len(M.METRICS)
     assert sorted(scores["depth"].unique()) == list(range(1, L + 1))
     assert np.isfinite(scores["value"]).all()
     assert not scores["pinned"].any()
@@ -113,7 +121,7 @@ def test_scores_match_independent_references(stores, scores):
             pc = st.ds["position_count"].values.astype(np.float64)
             start = start + pc @ model.transformer.wpe.weight[: pc.size].numpy() / pc.sum()
     b = forward_residuals(ref, [[bos_id]])[:, 0, 0]
-    types = A.eval_types(st, ev)
+    types = S.eval_types(st, ev)
     truth = ev.centroids().values
     preds = {"mean_field": ref.rollout(st.P().values, start, b),
              "context_free": forward_residuals(ref, [[bos_id, int(t)] for t in ids])[:, :, 1]}
@@ -125,8 +133,8 @@ def test_scores_match_independent_references(stores, scores):
 
 
 def test_summary_shape_and_standard_error(scores):
-    s = A.rollout_summary(scores)
-    assert list(s["kernel"]) == list(A.DEFAULT_KERNELS)  # paper order
+    s = T.rollout_summary(scores)
+    assert list(s["kernel"]) == list(T.DEFAULT_KERNELS)  # paper order
     for m in M.METRICS:
         assert f"{m}_se" in s
     for k in ("mean_field", "cooc"):
@@ -135,8 +143,8 @@ def test_summary_shape_and_standard_error(scores):
             row = s[s["kernel"] == k].iloc[0]
             assert row[m] == pytest.approx(v.mean())
             assert row[f"{m}_se"] == pytest.approx(v.std(ddof=1) / np.sqrt(v.size))
-    md = A.summary_markdown(s, title="t")
-    assert md.count("\n| ") == len(A.DEFAULT_KERNELS) + 1 and "Mean field" in md and "best on both metrics" in md
+    md = T.summary_markdown(s, title="t")
+    assert md.count("\n| ") == len(T.DEFAULT_KERNELS) + 1 and "Mean field" in md and "best on both metrics" in md
 
 
 def test_summary_se_on_known_values():
@@ -145,7 +153,7 @@ def test_summary_se_on_known_values():
         for d, v in enumerate(vals, start=1):
             for m in M.METRICS:
                 rows.append({"kernel": k, "pinned": False, "depth": d, "metric": m, "value": v, "n_types": 10})
-    s = A.rollout_summary(pd.DataFrame(rows)).set_index("kernel")
+    s = T.rollout_summary(pd.DataFrame(rows)).set_index("kernel")
     assert s.loc["mean_field", "cosine"] == pytest.approx(0.8)
     assert s.loc["mean_field", "cosine_se"] == pytest.approx(0.1 / np.sqrt(3))
     assert s.loc["meanq", "cosine_se"] == pytest.approx(0.0)
@@ -156,49 +164,49 @@ def test_claim_check():
     def summ(vals):
         return pd.DataFrame([{"kernel": k, "pinned": False, "cosine": c, "rel_error": e} for k, (c, e) in vals.items()])
 
-    ok = A.claim_check(summ({"mean_field": (0.9, 0.4), "cooc": (0.8, 0.5), "P0only": (0.9, 0.4)}))
+    ok = T.claim_check(summ({"mean_field": (0.9, 0.4), "cooc": (0.8, 0.5), "P0only": (0.9, 0.4)}))
     assert ok["holds"] and ok["cosine"]["ties"] == ["P0only"] and ok["cosine"]["best_baseline"] == "cooc"
-    bad = A.claim_check(summ({"mean_field": (0.9, 0.6), "cooc": (0.8, 0.5)}))
+    bad = T.claim_check(summ({"mean_field": (0.9, 0.6), "cooc": (0.8, 0.5)}))
     assert bad["cosine"]["holds"] and not bad["rel_error"]["holds"] and not bad["holds"]
     assert bad["rel_error"]["best_baseline"] == "cooc"
 
 
 def test_pinning_adds_pinned_rows(stores):
     mt, model, ad, p, _ = stores
-    df = A.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field", "meanq"], pin=True, rogue_factor=1.5)
+    df = RO.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field", "meanq"], pin=True, rogue_factor=1.5)
     pinned = df[df["pinned"]]
     assert len(pinned) == len(df) // 2 and (pinned["n_pinned"] > 0).all()
     assert np.isfinite(df["value"]).all()
-    s = A.rollout_summary(df)
-    assert len(s) == 4 and "(pinned, " in A.summary_markdown(s)
-    none = A.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field"], pin=True, rogue_factor=1e9)
+    s = T.rollout_summary(df)
+    assert len(s) == 4 and "(pinned, " in T.summary_markdown(s)
+    none = RO.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field"], pin=True, rogue_factor=1e9)
     assert not none["pinned"].any()  # no rogue dimension: no duplicate rows
 
 
 def test_every_kernel_keeps_rows_stochastic_on_store(stores):
     mt, model, ad, p, _ = stores
-    st, ev = A.open_pair(p["x/stats"], p["x/eval"])
-    setup = A.prepare(ad, st, ev)
+    st, ev = S.open_pair(p["x/stats"], p["x/eval"])
+    setup = RO.prepare(ad, st, ev)
     for name in K.KERNEL_NAMES:
-        K.check_row_stochastic(A.build_kernel(name, setup, model=model, seed=1), atol=1e-5)
+        K.check_row_stochastic(RO.build_kernel(name, setup, model=model, seed=1), atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ coverage
 def test_attention_coverage_rows_sum_to_one(stores):
     mt, model, ad, p, _ = stores
-    df = A.attention_coverage([p["stats"], p["x/stats"]], expect={"half": "stats"})
+    df = AC.attention_coverage([p["stats"], p["x/stats"]], expect={"half": "stats"})
     assert len(df) == 2
     np.testing.assert_allclose(df[["tracked", "position0", "other"]].sum(axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(df["tracked_share_nonsink"], df["tracked"] / (df["tracked"] + df["other"]))
     with pytest.raises(ProvenanceError):
-        A.attention_coverage([p["eval"]], expect={"half": "stats"})
+        AC.attention_coverage([p["eval"]], expect={"half": "stats"})
 
 
 # ------------------------------------------------------------------------------------------ cross-corpus
 def test_cross_corpus_diagonal_equals_plain_rollout(stores, scores):
     mt, model, ad, p, tracked = stores
     corpora = {"zipf": (p["stats"], p["eval"]), "other": (p["x/stats"], p["x/eval"])}
-    df = A.cross_corpus(model, ad, corpora, "zipf", model_name="tiny", revision="r1")
+    df = RO.cross_corpus(model, ad, corpora, "zipf", model_name="tiny", revision="r1")
     assert set(df["stats_corpus"]) == {"zipf", "other", "context-free"}
     assert np.isfinite(df["value"]).all()
     for kernel, row in (("mean_field", "zipf"), ("context_free", "context-free")):
@@ -207,14 +215,14 @@ def test_cross_corpus_diagonal_equals_plain_rollout(stores, scores):
         np.testing.assert_allclose(diag["value"].to_numpy(), plain["value"].to_numpy(), rtol=1e-6, atol=1e-7)
     # the two tracked types absent from the second corpus are never scored where it is involved
     n = df.groupby(["stats_corpus", "eval_corpus"])["n_types"].max()
-    assert n[("zipf", "zipf")] == A.eval_types(open_stats(p["stats"]), open_stats(p["eval"])).size
+    assert n[("zipf", "zipf")] == S.eval_types(open_stats(p["stats"]), open_stats(p["eval"])).size
     assert n[("other", "zipf")] <= n[("zipf", "zipf")] - 2 and n[("zipf", "other")] <= n[("zipf", "zipf")] - 2
-    s = A.cross_corpus_summary(df)
+    s = T.cross_corpus_summary(df)
     assert len(s) == 3 * 2
-    md = A.matrix_markdown(s)
+    md = T.matrix_markdown(s)
     assert "**" in md and "context-free" in md
     with pytest.raises(ProvenanceError):
-        A.cross_corpus(model, ad, {**corpora, "bad": (p["eval"], p["eval"])}, "zipf")
+        RO.cross_corpus(model, ad, {**corpora, "bad": (p["eval"], p["eval"])}, "zipf")
 
 
 # ------------------------------------------------------------------------------------ error accounting
@@ -223,8 +231,8 @@ def test_error_accounting_tables(stores):
     on the statistics windows, anisotropy from its definition, all scored against the evaluation half."""
     mt, model, ad, p, tracked = stores
     L = ad.n_layers
-    st, ev = A.open_pair(p["stats"], p["eval"])
-    setup = A.prepare(ad, st, ev)
+    st, ev = S.open_pair(p["stats"], p["eval"])
+    setup = RO.prepare(ad, st, ev)
     types = setup.types
     truth = ev.centroids().values
     ref = Ref(model)
@@ -235,14 +243,14 @@ def test_error_accounting_tables(stores):
             got = table[table["metric"] == m].sort_values("layer")["value"].to_numpy()
             np.testing.assert_allclose(got, want[m], rtol=1e-4, atol=1e-5, err_msg=f"{label} {m}")
 
-    ed = A.error_decomposition_table(ad, setup)
+    ed = AC.error_decomposition_table(ad, setup)
     assert len(ed) == 3 * L * len(M.METRICS) and np.isfinite(ed["value"]).all()
     want = estimators_reference(ref, zipf_windows(N_WINDOWS, seed=1).astype(np.int64), tracked)  # the stats windows
     for k in "abc":
         sub = ed[ed["estimator"] == k]
-        assert set(sub["label"]) == {A.ESTIMATORS[k]}
+        assert set(sub["label"]) == {T.ESTIMATORS[k]}
         check(sub, "layer", want[k], truth[1:], k)
-    assert "unconditional value means" in A.error_decomposition_markdown(ed, "t")
+    assert "unconditional value means" in T.error_decomposition_markdown(ed, "t")
 
     # teacher-forced: sum_h (sum_t P_st v_h(c_t)) W_O^h from the stats half vs sum_h zbar^h W_O^h of the eval half,
     # both without the output-projection bias (o_proj(reads) - o_proj(0))
@@ -260,17 +268,17 @@ def test_error_accounting_tables(stores):
                 z = [sum(float(P[l, h, s, t]) * V[h][t] for t in range(n + 2)) for h in range(ref.H)]
                 pred[l, s] = (o(torch.cat(z).float()) - o0).numpy()
                 meas[l, s] = (o(torch.as_tensor(np.nan_to_num(zev[l, :, s]).reshape(-1)).float()) - o0).numpy()
-    tf = A.teacher_forced_table(ad, setup)
+    tf = AC.teacher_forced_table(ad, setup)
     check(tf, "layer", pred, meas, "teacher-forced")
 
-    mg = A.mlp_gap_table(ad, ev)
+    mg = AC.mlp_gap_table(ad, ev)
     assert len(mg) == L and np.isfinite(mg[list(M.METRICS)].to_numpy()).all()
-    cl = A.clustering_table(ad, ev)
+    cl = AC.clustering_table(ad, ev)
     assert len(cl) == L + 1
     assert ((cl["eta2"] >= -1e-9) & (cl["eta2"] <= 1 + 1e-9)).all()
     assert np.isfinite(cl.loc[cl["depth"] < L, "jensen_rel_median"]).all()
     assert np.isnan(cl.loc[cl["depth"] == L, "jensen_rel_median"]).all()
-    an = A.anisotropy_table(ev)
+    an = AC.anisotropy_table(ev)
     ce = ev.centroids().values[:, ev.query_count().values >= 1].astype(np.float64)
     cbar = ce.mean(1)
     np.testing.assert_allclose(an["norm_mean"], np.linalg.norm(cbar, axis=-1), rtol=1e-5)
@@ -289,15 +297,15 @@ def test_figures_write_pdf_and_png(stores, scores, tmp_path):
     mt, model, ad, p, _ = stores
     if mt != "gpt2":
         pytest.skip("the figures depend only on the tables; one architecture suffices")
-    st, ev = A.open_pair(p["stats"], p["eval"])
-    setup = A.prepare(ad, st, ev)
+    st, ev = S.open_pair(p["stats"], p["eval"])
+    setup = RO.prepare(ad, st, ev)
     corpora = {"zipf": (p["stats"], p["eval"]), "other": (p["x/stats"], p["x/eval"])}
     tables = {
         "rollout": scores,
-        "teacher_forced": A.teacher_forced_table(ad, setup),
-        "error_decomposition": A.error_decomposition_table(ad, setup),
-        "clustering": A.clustering_table(ad, ev),
-        "cross_corpus": A.cross_corpus_summary(A.cross_corpus(model, ad, corpora, "zipf", context_free=False)),
+        "teacher_forced": AC.teacher_forced_table(ad, setup),
+        "error_decomposition": AC.error_decomposition_table(ad, setup),
+        "clustering": AC.clustering_table(ad, ev),
+        "cross_corpus": T.cross_corpus_summary(RO.cross_corpus(model, ad, corpora, "zipf", context_free=False)),
     }
     fns = {"rollout": F.rollout_figure, "teacher_forced": F.teacher_forced_figure,
            "error_decomposition": F.error_decomposition_figure, "clustering": F.clustering_figure,

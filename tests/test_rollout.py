@@ -22,10 +22,11 @@ import pytest
 import torch
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe import analysis as A
 from mfpipe import kernels as K
 from mfpipe import metrics as M
 from mfpipe import rollout as R
+from mfpipe.analysis import accounting as AC
+from mfpipe.analysis import rollouts as RO
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
 from mfpipe.tracked import TrackedSet
@@ -341,8 +342,8 @@ def test_error_decomposition_matches_per_occurrence_reference(tiny):
     st = MeanFieldStats(finalize(sums, tracked, {"model": mt, "half": "stats"}, dtype=np.float64))
     assert (st.query_count().values > 1).all() and st.key_count().values[-1] > 0  # repeats and <other>
     assert st.P().values[..., -1].mean() > 0.05  # <other> takes attention: a leak into (b) would show
-    setup = A.prepare(ad, st, st)
-    got = A.error_decomposition_predictions(ad, setup)
+    setup = RO.prepare(ad, st, st)
+    got = AC.error_decomposition_predictions(ad, setup)
     want = estimators_reference(ref, toks, tracked)
     for k in "abc":
         scale = np.abs(want[k]).max()

@@ -283,7 +283,7 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str,
 
     ``P [L, H, N, N+2]``; ``centroids [L(+1), N, d]``; ``bos_resid [L(+1), d]``; ``zbar [L, H, N, dh]``;
     ``mu [L, H, N(+2), dh]`` (``value_sum / key_count``; only the tracked columns are read). All from one
-    half (the caller's choice: the statistics half, :func:`mfpipe.analysis.error_decomposition_predictions`).
+    half (the caller's choice: the statistics half, :func:`mfpipe.analysis.accounting.error_decomposition_predictions`).
     """
     L = adapter.n_layers
     n = np.asarray(centroids[0]).shape[0]

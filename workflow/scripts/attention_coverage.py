@@ -1,6 +1,7 @@
 """Snakemake script: App. F attention-mass coverage (tracked / position 0 / other, tracked share of non-sink
 attention) from each model's statistics-half kernel P."""
-from mfpipe import analysis as A
+from mfpipe import tables as T
+from mfpipe.analysis import accounting as AC
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import to_markdown
@@ -10,10 +11,10 @@ log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    df = A.attention_coverage(list(sm.input.stats), expect={"half": "stats"})
-    A.write_csv(df, sm.output.csv)
+    df = AC.attention_coverage(list(sm.input.stats), expect={"half": "stats"})
+    T.write_csv(df, sm.output.csv)
     md = "**Attention-mass coverage (App. F): mean over layers, heads and tracked query types**\n\n" + to_markdown(df)
-    A.write_text(md, sm.output.md)
+    T.write_text(md, sm.output.md)
     log.info("\n%s", md)
 
 

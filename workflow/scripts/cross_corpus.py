@@ -1,6 +1,7 @@
 """Snakemake script: App. G cross-corpus matrix for one (model, revision): the mean-field rollout with each
 corpus's statistics scored against each corpus's held-out centroids (+ the context-free baseline)."""
-from mfpipe import analysis as A
+from mfpipe import tables as T
+from mfpipe.analysis import rollouts as RO
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 
@@ -13,15 +14,15 @@ def main() -> None:
     model, adapter = load_job_model(p, sm.threads)
     stats, evals = list(sm.input.stats), list(sm.input.eval)
     corpora = {c: (s, e) for c, s, e in zip(p.corpora, stats, evals)}
-    df = A.cross_corpus(model, adapter, corpora, p.primary, init=str(p.init), min_count=int(p.min_count),
+    df = RO.cross_corpus(model, adapter, corpora, p.primary, init=str(p.init), min_count=int(p.min_count),
                         model_name=p.model_spec["name"], revision=p.revision)
-    A.write_csv(df, sm.output.scores)
-    summary = A.cross_corpus_summary(df)
-    A.write_csv(summary, sm.output.csv)
+    T.write_csv(df, sm.output.scores)
+    summary = T.cross_corpus_summary(df)
+    T.write_csv(summary, sm.output.csv)
     tag = f"{p.model_spec['name']} @ {p.revision}"
-    md = A.matrix_markdown(summary, "cosine", title=f"Cross-corpus matrix, centered cosine: {tag}")
-    md += "\n" + A.matrix_markdown(summary, "rel_error", title=f"Cross-corpus matrix, centered rel. error: {tag}")
-    A.write_text(md, sm.output.md)
+    md = T.matrix_markdown(summary, "cosine", title=f"Cross-corpus matrix, centered cosine: {tag}")
+    md += "\n" + T.matrix_markdown(summary, "rel_error", title=f"Cross-corpus matrix, centered rel. error: {tag}")
+    T.write_text(md, sm.output.md)
     log.info("\n%s", md)
 
 

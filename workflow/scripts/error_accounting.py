@@ -1,7 +1,10 @@
 """Snakemake script: the error accounting of Sec. 4.3 and App. D, H, K for one (model, revision):
 teacher-forced attention, the nested estimators (a)(b)(c), the MLP gap, within-type clustering with the
 value-map Jensen gap, and anisotropy -> one CSV (+ Markdown) each under results/tables/."""
-from mfpipe import analysis as A
+from mfpipe import tables as T
+from mfpipe.analysis import accounting as AC
+from mfpipe.analysis import rollouts as RO
+from mfpipe.analysis import stores as S
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 
@@ -13,40 +16,40 @@ def main() -> None:
     p = sm.params
     tag = f"{p.model_spec['name']} @ {p.revision}"
     model, adapter = load_job_model(p, sm.threads)
-    st, ev = A.open_pair(sm.input.stats, sm.input.eval, model=p.model_spec["name"], revision=p.revision)
-    setup = A.prepare(adapter, st, ev, min_count=int(p.min_count))
+    st, ev = S.open_pair(sm.input.stats, sm.input.eval, model=p.model_spec["name"], revision=p.revision)
+    setup = RO.prepare(adapter, st, ev, min_count=int(p.min_count))
     diag = ev if p.diagnostics_half == "eval" else st
 
-    tf = A.teacher_forced_table(adapter, setup)
-    A.write_csv(tf, sm.output.teacher_forced)
-    A.write_text(A.wide_markdown(A.long_to_wide(tf, "layer"), "layer", ["frac_depth", "cosine", "rsa", "rel_error",
+    tf = AC.teacher_forced_table(adapter, setup)
+    T.write_csv(tf, sm.output.teacher_forced)
+    T.write_text(T.wide_markdown(T.long_to_wide(tf, "layer"), "layer", ["frac_depth", "cosine", "rsa", "rel_error",
                  "norm_ratio"], title=f"Teacher-forced attention (sum_h zhat vs measured sum_h zbar): {tag}"),
                  sm.output.teacher_forced_md)
 
-    ed = A.error_decomposition_table(adapter, setup)
-    A.write_csv(ed, sm.output.error_decomposition)
-    A.write_text(A.error_decomposition_markdown(ed, tag), sm.output.error_decomposition_md)
+    ed = AC.error_decomposition_table(adapter, setup)
+    T.write_csv(ed, sm.output.error_decomposition)
+    T.write_text(T.error_decomposition_markdown(ed, tag), sm.output.error_decomposition_md)
 
-    mg = A.mlp_gap_table(adapter, diag, min_count=int(p.min_count))
-    A.write_csv(mg, sm.output.mlp_gap)
-    A.write_text(A.wide_markdown(mg, "layer", ["cosine", "rel_error", "rsa", "norm_ratio"],
+    mg = AC.mlp_gap_table(adapter, diag, min_count=int(p.min_count))
+    T.write_csv(mg, sm.output.mlp_gap)
+    T.write_text(T.wide_markdown(mg, "layer", ["cosine", "rel_error", "rsa", "norm_ratio"],
                                  title=f"MLP gap (MLP at the mean input vs occurrence-mean MLP), {p.diagnostics_half} "
                                        f"half: {tag}"), sm.output.mlp_gap_md)
 
-    cl = A.clustering_table(adapter, diag, min_count=int(p.min_count))
-    A.write_csv(cl, sm.output.clustering)
-    A.write_text(A.wide_markdown(cl, "depth", ["rel_rms_median", "eta2", "eta2_z", "jensen_rel_median",
+    cl = AC.clustering_table(adapter, diag, min_count=int(p.min_count))
+    T.write_csv(cl, sm.output.clustering)
+    T.write_text(T.wide_markdown(cl, "depth", ["rel_rms_median", "eta2", "eta2_z", "jensen_rel_median",
                                                "jensen_dir_median"], digits=4,
                                  title=f"Within-type clustering and value-map Jensen gap, {p.diagnostics_half} half: "
                                        f"{tag}"), sm.output.clustering_md)
 
-    an = A.anisotropy_table(diag, min_count=int(p.min_count))
-    A.write_csv(an, sm.output.anisotropy)
-    A.write_text(A.wide_markdown(an, "depth", ["norm_mean", "mean_dist", "ratio"],
+    an = AC.anisotropy_table(diag, min_count=int(p.min_count))
+    T.write_csv(an, sm.output.anisotropy)
+    T.write_text(T.wide_markdown(an, "depth", ["norm_mean", "mean_dist", "ratio"],
                                  title=f"Anisotropy of the type-centroid cloud, {p.diagnostics_half} half: {tag}"),
                  sm.output.anisotropy_md)
-    log.info("teacher-forced:\n%s", A.long_to_wide(tf, "layer").to_string())
-    log.info("error decomposition:\n%s", A.long_to_wide(ed, "layer", by="estimator").to_string())
+    log.info("teacher-forced:\n%s", T.long_to_wide(tf, "layer").to_string())
+    log.info("error decomposition:\n%s", T.long_to_wide(ed, "layer", by="estimator").to_string())
 
 
 run_logged(main, log)

@@ -2,7 +2,8 @@
 the held-out centroids -> results/rollout/<model>/<revision>/scores.csv (long table)."""
 import time
 
-from mfpipe import analysis as A
+from mfpipe import tables as T
+from mfpipe.analysis import rollouts as RO
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 
@@ -14,12 +15,12 @@ def main() -> None:
     p = sm.params
     model, adapter = load_job_model(p, sm.threads)
     t0 = time.perf_counter()
-    df = A.run_rollouts(model, adapter, sm.input.stats, sm.input.eval, kernels=list(p.kernels), seed=int(p.seed),
+    df = RO.run_rollouts(model, adapter, sm.input.stats, sm.input.eval, kernels=list(p.kernels), seed=int(p.seed),
                         pin=bool(p.pin_rogue), rogue_factor=float(p.rogue_factor), init=str(p.init),
                         min_count=int(p.min_count), model_name=p.model_spec["name"], revision=p.revision)
     log.info("%d kernels%s in %.1f s", len(p.kernels), " (+ pinned)" if p.pin_rogue else "", time.perf_counter() - t0)
-    A.write_csv(df, sm.output[0])
-    log.info("\n%s", A.summary_markdown(A.rollout_summary(df)))
+    T.write_csv(df, sm.output[0])
+    log.info("\n%s", T.summary_markdown(T.rollout_summary(df)))
 
 
 run_logged(main, log)

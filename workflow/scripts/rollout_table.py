@@ -1,7 +1,7 @@
 """Snakemake script: Table 1 (cross-layer mean and SE over layers per kernel) from one rollout's scores."""
 import pandas as pd
 
-from mfpipe import analysis as A
+from mfpipe import tables as T
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 
@@ -10,10 +10,10 @@ log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    summary = A.rollout_summary(pd.read_csv(sm.input.scores))
-    A.write_csv(summary, sm.output.csv)
-    md = A.summary_markdown(summary, title=f"Rollout fidelity: {sm.wildcards.model} @ {sm.wildcards.revision}")
-    A.write_text(md, sm.output.md)
+    summary = T.rollout_summary(pd.read_csv(sm.input.scores))
+    T.write_csv(summary, sm.output.csv)
+    md = T.summary_markdown(summary, title=f"Rollout fidelity: {sm.wildcards.model} @ {sm.wildcards.revision}")
+    T.write_text(md, sm.output.md)
     log.info("\n%s", md)
 
 
