@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def mini_model(arch: str):
-    from mfpipe.minisuite.train import build_model
+    from mfpipe.minisuite.model import build_model
 
     cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     entry = next(m for m in cfg["minisuite"]["models"] if m["architecture"] == arch)

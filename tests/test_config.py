@@ -122,7 +122,7 @@ def test_every_optional_option_has_its_default_in_the_schema():
 
 def test_defaults_come_from_the_schema_once():
     from mfpipe.config import apply_defaults
-    from mfpipe.minisuite.train import DEFAULT_CONFIG
+    from mfpipe.minisuite.model import DEFAULT_CONFIG
 
     cfg = default_config()
     assert cfg["rollout"] == {}, "config.yaml sets no rollout value: the schema holds the defaults"

@@ -2,18 +2,14 @@
 trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniature Pythia suite).
 
 - :func:`mfpipe.minisuite.tokenizer.train_tokenizer`
-- :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.train.build_model`,
+- :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.model.build_model`,
   :func:`mfpipe.revisions.checkpoint_steps`
 """
 
+from mfpipe.minisuite.model import DEFAULT_CONFIG, build_model, resolve_config
 from mfpipe.minisuite.tokenizer import BOS_TOKEN, train_tokenizer
-from mfpipe.minisuite.train import (
-    DEFAULT_CONFIG,
-    build_model,
-    checkpoint_steps,
-    resolve_config,
-    train_mini_model,
-)
+from mfpipe.minisuite.train import train_mini_model
+from mfpipe.revisions import checkpoint_steps
 
 __all__ = [
     "BOS_TOKEN",

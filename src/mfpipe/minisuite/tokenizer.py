@@ -26,7 +26,14 @@ def train_tokenizer(
     Training is deterministic for a given list of texts (BPE merges are chosen by count with
     deterministic tie-breaking; the trainer does not sample).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     if not texts:

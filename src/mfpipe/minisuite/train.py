@@ -1,42 +1,6 @@
 """Train tiny GPT-2 / GPT-NeoX models on CPU with log-spaced HF checkpoints.
 
-Model config (a plain dict; :data:`DEFAULT_CONFIG` holds the defaults, unknown keys are an error):
-
-==================  =========================================================================
-key                 meaning
-==================  =========================================================================
-name                model name written into ``induction.csv`` / ``training.json``
-architecture        ``"gpt2"`` or ``"gpt_neox"`` (Pythia: parallel residual, rotary, untied)
-n_layer             number of transformer blocks
-d_model             residual width
-n_head              attention heads per layer (``d_model % n_head == 0``)
-d_mlp               MLP hidden width
-context_length      training context T (also ``max_position_embeddings``); rows are T tokens
-rotary_pct          gpt_neox only: fraction of each head's dims that get rotary (1.0 = all)
-rotary_base         gpt_neox only: rope theta
-tie_embeddings      tie input and output embeddings (None: the architecture's default, i.e.
-                    tied for gpt2, untied for gpt_neox as in Pythia)
-steps               optimizer steps; checkpoints at :func:`checkpoint_steps` ``(steps)``
-batch_size          rows per step
-lr                  peak AdamW learning rate
-weight_decay        AdamW weight decay (applied to matrices only, not to biases/LayerNorms)
-warmup_steps        linear warm-up steps from 0 to ``lr``
-lr_schedule         ``"constant"`` (after warm-up) or ``"cosine"`` (decay to ``min_lr_ratio*lr``)
-min_lr_ratio        floor of the cosine schedule, as a fraction of ``lr``
-beta1, beta2        AdamW betas
-grad_clip           max global gradient norm (0 / None: no clipping)
-optimizer_restarts  steps after which the AdamW state is re-initialised (list, default none)
-repeat_fraction     fraction of rows that are ``[BOS, r1..rk, r1..rk, text...]``; the rest are
-                    ``[BOS, text...]`` windows at random offsets of the training stream
-repeat_min/max      k is uniform in ``repeat_min..repeat_max`` (inclusive); r is drawn uniformly
-                    from the whole vocabulary minus special tokens
-mask_first_copy     if true, the (unpredictable) first copy r1..rk is not a loss target
-seed                seeds ``torch.manual_seed`` (init) and a numpy Generator (data)
-induction_sequences number of test sequences for the per-checkpoint induction score
-induction_every     also record max induction score / induction loss every this many steps
-                    (``induction_curve`` in training.json, no checkpoint saved; 0: off)
-eval_rows           fixed plain-text rows for the per-checkpoint ``text_loss``
-==================  =========================================================================
+The model config and its keys: :mod:`mfpipe.minisuite.model`; the training rows: :mod:`mfpipe.minisuite.data`.
 
 Documents are tokenised without special tokens and joined into one stream with
 ``<|endoftext|>`` between documents; every row starts with BOS (docs/conventions.md).
@@ -50,7 +14,6 @@ induction by step 1100 (max 0.02); lr 1e-3 with beta2 0.999 needed a restart nea
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -62,168 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from mfpipe.config import schema_defaults
 from mfpipe.induction import induction_metrics
+from mfpipe.minisuite.data import RowSampler, token_stream
+from mfpipe.minisuite.model import (
+    build_model,
+    resolve_config,
+)
 from mfpipe.revisions import checkpoint_steps, step_name
 
 log = logging.getLogger(__name__)
-
-ARCHITECTURES = ("gpt2", "gpt_neox")
-
-# The options the workflow requires (config/config.yaml sets them), with the library's own defaults for callers
-# that build a mini model without the workflow; every other option's default lives in the config schema.
-DEFAULT_CONFIG: dict = {
-    "name": "mini",
-    "architecture": "gpt2",
-    "n_layer": 2,
-    "d_model": 128,
-    "n_head": 8,
-    "d_mlp": 64,
-    "context_length": 64,
-    "steps": 1500,
-    "batch_size": 64,
-    "lr": 3e-3,
-    **schema_defaults("minimodel"),
-}
-
-
-def resolve_config(cfg: dict) -> dict:
-    """Defaults merged with ``cfg``, validated. Raises ValueError on bad or unknown keys."""
-    unknown = sorted(set(cfg) - set(DEFAULT_CONFIG))
-    if unknown:
-        raise ValueError(f"unknown mini-model config keys: {unknown}; known: {sorted(DEFAULT_CONFIG)}")
-    out = copy.deepcopy(DEFAULT_CONFIG)
-    out.update(copy.deepcopy(dict(cfg)))
-    arch = out["architecture"]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; expected one of {list(ARCHITECTURES)}")
-    if out["d_model"] % out["n_head"]:
-        raise ValueError(f"d_model {out['d_model']} not divisible by n_head {out['n_head']}")
-    T = int(out["context_length"])
-    if not 1 <= out["repeat_min"] <= out["repeat_max"]:
-        raise ValueError("need 1 <= repeat_min <= repeat_max")
-    if out["repeat_fraction"] > 0 and 1 + 2 * out["repeat_max"] > T:
-        raise ValueError(f"1 + 2*repeat_max = {1 + 2 * out['repeat_max']} exceeds context_length {T}")
-    if not 0.0 <= out["repeat_fraction"] <= 1.0:
-        raise ValueError("repeat_fraction must be in [0, 1]")
-    if out["lr_schedule"] not in ("constant", "cosine"):
-        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {out['lr_schedule']!r}")
-    out["optimizer_restarts"] = sorted(int(s) for s in (out["optimizer_restarts"] or []))
-    return out
-
-
-def build_model(cfg: dict, vocab_size: int, bos_id: int = 0, eos_id: int | None = None):
-    """Fresh (randomly initialised, in the current torch RNG state) model for ``cfg``.
-
-    ``architecture`` "gpt2" → ``GPT2LMHeadModel`` (tied embeddings), "gpt_neox" →
-    ``GPTNeoXForCausalLM`` (parallel residual, rotary on ``rotary_pct`` of head dims, untied, as
-    Pythia). All dropout is 0, attention is eager, max positions = ``context_length``.
-    """
-    from transformers import AutoModelForCausalLM, GPT2Config, GPTNeoXConfig
-
-    arch = cfg.get("architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; expected one of {list(ARCHITECTURES)}")
-    c = resolve_config(cfg)
-    eos_id = bos_id if eos_id is None else eos_id
-    if arch == "gpt2":
-        conf = GPT2Config(
-            vocab_size=int(vocab_size),
-            n_positions=int(c["context_length"]),
-            n_embd=int(c["d_model"]),
-            n_layer=int(c["n_layer"]),
-            n_head=int(c["n_head"]),
-            n_inner=int(c["d_mlp"]),
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=int(bos_id),
-            eos_token_id=int(eos_id),
-            tie_word_embeddings=True if c["tie_embeddings"] is None else bool(c["tie_embeddings"]),
-        )
-    else:
-        conf = GPTNeoXConfig(
-            vocab_size=int(vocab_size),
-            hidden_size=int(c["d_model"]),
-            num_hidden_layers=int(c["n_layer"]),
-            num_attention_heads=int(c["n_head"]),
-            intermediate_size=int(c["d_mlp"]),
-            max_position_embeddings=int(c["context_length"]),
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": float(c["rotary_base"]),
-                "partial_rotary_factor": float(c["rotary_pct"]),
-            },
-            use_parallel_residual=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            classifier_dropout=0.0,
-            bos_token_id=int(bos_id),
-            eos_token_id=int(eos_id),
-            tie_word_embeddings=False if c["tie_embeddings"] is None else bool(c["tie_embeddings"]),
-        )
-    conf._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(conf, attn_implementation="eager")
-    model.config.use_cache = False
-    return model
-
-
-# ----------------------------------------------------------------------------------------- data
-
-
-class RowSampler:
-    """Draws training rows (int64 ``[batch, T]``) and loss masks from a token stream."""
-
-    def __init__(self, stream: np.ndarray, cfg: dict, vocab_size: int, special_ids, bos_id: int, rng):
-        self.stream = stream
-        self.T = int(cfg["context_length"])
-        if stream.size < self.T:
-            raise ValueError(f"training stream has {stream.size} tokens, fewer than context_length {self.T}")
-        self.cfg = cfg
-        special = {int(s) for s in special_ids}
-        self.allowed = np.array([t for t in range(vocab_size) if t not in special], dtype=np.int64)
-        self.bos = int(bos_id)
-        self.rng = rng
-
-    def text_rows(self, n: int, rng=None) -> np.ndarray:
-        rng = self.rng if rng is None else rng
-        L = self.T - 1
-        starts = rng.integers(0, self.stream.size - L + 1, size=n)
-        rows = np.empty((n, self.T), dtype=np.int64)
-        rows[:, 0] = self.bos
-        rows[:, 1:] = self.stream[starts[:, None] + np.arange(L)[None, :]]
-        return rows
-
-    def sample(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        cfg, rng, T = self.cfg, self.rng, self.T
-        rows = self.text_rows(n)
-        mask = np.ones((n, T), dtype=bool)  # mask[:, j]: token j is a loss target
-        mask[:, 0] = False
-        is_rep = rng.random(n) < float(cfg["repeat_fraction"])
-        ks = rng.integers(int(cfg["repeat_min"]), int(cfg["repeat_max"]) + 1, size=n)
-        for i in np.flatnonzero(is_rep):
-            k = int(ks[i])
-            r = self.allowed[rng.integers(0, self.allowed.size, size=k)]
-            # keep the text tail: shift the text right by 2k and put [r, r] in front
-            rows[i, 1 + 2 * k :] = rows[i, 1 : T - 2 * k]
-            rows[i, 1 : 1 + k] = r
-            rows[i, 1 + k : 1 + 2 * k] = r
-            if cfg["mask_first_copy"]:
-                mask[i, 1 : 1 + k] = False
-        return rows, mask
-
-
-def _token_stream(tokenizer, texts: Sequence[str], sep_id: int) -> np.ndarray:
-    enc = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    parts = []
-    for ids in enc:
-        if ids:
-            parts.append(np.asarray(ids, dtype=np.int32))
-            parts.append(np.array([sep_id], dtype=np.int32))
-    if not parts:
-        raise ValueError("no training tokens")
-    return np.concatenate(parts)
-
 
 # ------------------------------------------------------------------------------------ training
 
@@ -357,7 +167,7 @@ def train_mini_model(
         eos_id = tok.eos_token_id if tok.eos_token_id is not None else bos_id
         special_ids = sorted(set(tok.all_special_ids) | {bos_id, eos_id})
 
-        stream = _token_stream(tok, train_texts, eos_id)
+        stream = token_stream(tok, train_texts, eos_id)
         log.info("%s: %d training tokens from %d texts", c["name"], stream.size, len(train_texts))
 
         torch.manual_seed(int(c["seed"]))
