@@ -13,15 +13,13 @@ used through :class:`matplotlib.figure.Figure` with the Agg canvas -- no pyplot,
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from .io import publish_mode
+from .io import atomic_file
 from .tables import DEFAULT_KERNELS
 
 __all__ = [
@@ -87,16 +85,8 @@ def _outputs(out, png=None) -> tuple[Path, Path]:
 def save_figure(fig, pdf: str | Path, png: str | Path, dpi: int = 150) -> None:
     """Write ``fig`` to ``pdf`` and ``png``, each atomically (temporary sibling, then rename)."""
     for path, kw in ((Path(pdf), {"metadata": {"CreationDate": None}}), (Path(png), {"dpi": dpi})):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=path.suffix, dir=path.parent)
-        os.close(fd)
-        try:
+        with atomic_file(path) as tmp:
             fig.savefig(tmp, format=path.suffix[1:], **kw)
-            publish_mode(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
 def _x(df: pd.DataFrame, key: str, frac: bool):

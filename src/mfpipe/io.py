@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -33,37 +33,52 @@ def _tmp_sibling(path: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path (same folder, same suffix) to write ``path`` through; on success it is published
+    with umask permissions and renamed onto ``path`` in one step; on any error (or a kill) nothing is left
+    that Snakemake or a reader could take for the output. The one way mfpipe writes a file."""
     path = Path(path)
     tmpdir = _tmp_sibling(path)
     try:
         tmp = tmpdir / path.name
-        tmp.write_text(text)
+        yield tmp
+        publish_mode(tmp)
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
 
 
 def atomic_savez(path: str | Path, **arrays: np.ndarray) -> None:
-    path = Path(path)
-    tmpdir = _tmp_sibling(path)
-    try:
-        tmp = tmpdir / path.name
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
 
 
 @contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling directory; on success it replaces `path` in one rename."""
+def atomic_dir(path: str | Path, entries: Sequence[str] | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling directory; on success it replaces ``path`` in one rename.
+
+    With ``entries`` (names inside the directory) a ``path`` that already holds other files keeps them: only
+    ``entries`` are replaced, one rename each, in the order given (put the file that marks completion last)."""
     path = Path(path)
     tmp = _tmp_sibling(path)
     try:
         yield tmp
         publish_mode(tmp)
+        if entries is not None and path.is_dir() and any(path.iterdir()):
+            for name in entries:
+                src, dst = tmp / name, path / name
+                if dst.is_dir() and not dst.is_symlink():
+                    shutil.rmtree(dst)
+                elif dst.exists() or dst.is_symlink():
+                    dst.unlink()
+                os.replace(src, dst)
+            return
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mfpipe.induction import induction_metrics
+from mfpipe.io import atomic_dir
 from mfpipe.minisuite.data import RowSampler, token_stream
 from mfpipe.minisuite.model import (
     build_model,
@@ -97,24 +97,6 @@ def _save_quietly(model, tok, d: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _commit(tmp: Path, out: Path, names: Sequence[str]) -> None:
-    """Move the finished outputs from ``tmp`` to ``out`` (an atomic rename when ``out`` is absent
-    or empty; otherwise each output is replaced, ``training.json`` last)."""
-    if out.exists() and out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    for name in names:
-        src, dst = tmp / name, out / name
-        if dst.is_dir() and not dst.is_symlink():
-            shutil.rmtree(dst)
-        elif dst.exists() or dst.is_symlink():
-            dst.unlink()
-        os.replace(src, dst)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 def train_mini_model(
     cfg: dict,
     tokenizer_dir: str | os.PathLike,
@@ -138,24 +120,26 @@ def train_mini_model(
     ``induction_every`` steps; then ``final_max_induction``, ``wall_time_s``, ``cpu_time_s``).
 
     Everything is written into a temporary sibling directory first and moved into place only on
-    success (one rename when ``out_dir`` is absent or empty; if it holds other files, only the
-    three outputs are replaced). ``threads`` sets ``torch.set_num_threads`` for the run (default:
+    success (:func:`mfpipe.io.atomic_dir`: one rename when ``out_dir`` is absent or empty; if it holds other
+    files, only the three outputs are replaced, ``training.json`` last). ``threads`` sets ``torch.set_num_threads`` for the run (default:
     all cores; restored afterwards). Training is deterministic given ``cfg["seed"]`` and the
     thread count. Returns the ``training.json`` dict.
     """
-    import torch
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
     c = resolve_config(cfg)
     t_start = time.perf_counter()
     cpu_start = time.process_time()
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    with atomic_dir(out, entries=("checkpoints", "induction.csv", "training.json")) as tmp:
+        return _train(c, tokenizer_dir, train_texts, tmp, threads, progress, t_start, cpu_start)
+
+
+def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, threads, progress: bool, t_start: float,
+           cpu_start: float) -> dict:
+    """The training run of :func:`train_mini_model`, writing into the temporary folder ``tmp``."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
 
     prev_threads = torch.get_num_threads()
     n_threads = int(threads) if threads else (os.cpu_count() or 1)
@@ -288,11 +272,7 @@ def train_mini_model(
         }
         with open(tmp / "training.json", "w") as f:
             json.dump(summary, f, indent=2)
-        _commit(tmp, out, ["checkpoints", "induction.csv", "training.json"])
         log.info("%s: done in %.1f s, final max induction %.3f", c["name"], wall, summary["final_max_induction"])
         return summary
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         torch.set_num_threads(prev_threads)
