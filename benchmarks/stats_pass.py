@@ -78,7 +78,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
 
     from mfpipe.models.adapters import get_adapter
-    from mfpipe.stats.accumulate import Accumulator, bucket_luts, window_buckets
+    from mfpipe.stats.buckets import bucket_luts, window_buckets
+    from mfpipe.stats.pass1 import Accumulator
     from mfpipe.tracked import TrackedSet
 
     dev = torch.device(args.device)
@@ -138,7 +139,9 @@ def main(argv=None) -> None:
 
     def stats(ids, chunk):
         kb, qt = window_buckets(chunk, key_lut, query_lut, n)
-        acc.add_batch(adapter, ids, kb, qt)
+        acc.begin_batch(kb, qt)
+        adapter.capture(ids, acc.on_layer, acc.on_final)
+        acc.end_batch()
 
     times = {"bare": 0.0, "capture": 0.0, "stats": 0.0}
     for i, chunk in enumerate(batches):

@@ -303,7 +303,7 @@ def test_zero_query_types_are_nan(windows):
 
 def test_kernel_reductions_agree():
     """The flat and the per-window reductions (and chunked pair enumeration) give the same sums."""
-    import mfpipe.stats.accumulate as acc_mod
+    import mfpipe.stats.pass1 as acc_mod
 
     model = make_tiny_model("qwen3", seed=4)
     adapter = get_adapter(model)

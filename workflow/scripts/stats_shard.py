@@ -5,7 +5,8 @@ import time
 from mfpipe.corpus import read_shard
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.stats import accumulate_shard, partial_meta, save_partial
+from mfpipe.stats.partials import partial_meta, save_partial
+from mfpipe.stats.shards import accumulate_shard
 from mfpipe.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

@@ -47,7 +47,9 @@ from typing import Any, Mapping
 import numpy as np
 import xarray as xr
 
-from .accumulate import COOC_WINDOW, SUM_KEYS, StatsError, bucket_luts
+from .buckets import COOC_WINDOW, bucket_luts
+from .errors import StatsError
+from .partials import SUM_KEYS
 
 STORE_FORMAT = 1
 DEFAULT_MIN_COUNT = 20
@@ -116,7 +118,7 @@ def finalize(
     dtype: Any = np.float32,
     min_count: int = DEFAULT_MIN_COUNT,
 ) -> xr.Dataset:
-    """Turn merged sums (:func:`~mfpipe.stats.accumulate.merge_sums`) into the labelled dataset.
+    """Turn merged sums (:func:`~mfpipe.stats.partials.merge_sums`) into the labelled dataset.
 
     ``meta``: provenance for the attributes — ``model``, ``revision``, ``half``, ``corpus_fingerprint``
     (and anything else JSON-able, e.g. ``model_type``, ``dtype``, ``corpus``). ``tracked_fingerprint``,

@@ -1,4 +1,5 @@
-"""Corpus pass: additive per-shard sums of every mean-field statistic (paper Sec. 3.1-3.2, App. A, D, E, K).
+"""Pass 1, the statistics reducer: additive per-shard sums of every mean-field statistic (paper Sec. 3.1-3.2,
+App. A, D, E, K).
 
 Definitions (shared with the whole pipeline, see docs/conventions.md). A window is ``[BOS, t1 … t(T-1)]``.
 Every position ``j ≥ 1`` whose type is tracked is one *context*: query ``x_j``, causal prefix = positions
@@ -16,9 +17,9 @@ index_adds them straight into the float64 sums (a few large ops: best for short 
 distinct buckets, accumulates in float32 on the model device (one addition per cell per window) and flushes
 into float64 every ``flush_every`` batches (fewer elements: best for long windows). "auto" picks flat while a
 layer's (pair, head) elements stay <= ``FLAT_MAX_ELEMENTS``. Counts are int64, all other sums float64 on the
-model device. Partials (one per shard) are float64 / int64 and merge by addition (:func:`merge_sums`).
+model device. Partials (one per shard) are float64 / int64 and merge by addition (:mod:`mfpipe.stats.partials`).
 
-Sums returned by :func:`accumulate_shard` (``L`` layers, ``H`` heads, ``d`` width, ``dh`` head width,
+Sums returned by :meth:`Accumulator.sums` (the shard loop: :func:`mfpipe.stats.shards.accumulate_shard`) (``L`` layers, ``H`` heads, ``d`` width, ``dh`` head width,
 ``T`` context length)::
 
     n_windows, n_tokens                 int64 []          windows / tokens (incl. BOS) seen
@@ -43,80 +44,19 @@ Sums returned by :func:`accumulate_shard` (``L`` layers, ``H`` heads, ``d`` widt
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import time
-import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
 
-from ..io import publish_mode
+from .buckets import COOC_WINDOW, PAIR_CHUNK, causal_pairs, n_pairs
+from .errors import StatsError
 
-PARTIAL_FORMAT = 1
-COOC_WINDOW = 5
-PAIR_CHUNK = 1 << 22  # (query, key) pairs enumerated at once for nbar / C
 FLAT_MAX_ELEMENTS = 1 << 24  # "auto" uses the flat kernel reduction up to this many (pair, head) elements per layer
 
-# name -> (dtype kind, merge) ; all sums merge by addition
-INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count", "cooc")
-FLOAT_KEYS = (
-    "P_sum",
-    "resid_sum",
-    "resid_sq_sum",
-    "attn_out_sum",
-    "resid_mid_sum",
-    "mlp_out_sum",
-    "ln_in_sum",
-    "value_sum",
-    "read_sum",
-)
-SUM_KEYS = INT_KEYS + FLOAT_KEYS
 
-
-class StatsError(ValueError):
-    """Inconsistent input to the statistics pass, with a message that says what to change."""
-
-
-# ----------------------------------------------------------------------------------------- lookups
-def bucket_luts(tracked) -> tuple[np.ndarray, np.ndarray, int, int | None]:
-    """(key-bucket LUT, query LUT, N, bos_id) from a :class:`mfpipe.tracked.TrackedSet`, or from a mapping
-    ``{"key_lut": ..., "query_lut": ..., "n": N, "bos_id": optional}`` (plain lookup tables, for tests)."""
-    if isinstance(tracked, Mapping):
-        key = np.asarray(tracked["key_lut"], dtype=np.int64)
-        query = np.asarray(tracked["query_lut"], dtype=np.int64)
-        n = int(tracked["n"])
-        bos = tracked.get("bos_id")
-    else:
-        key = np.asarray(tracked.key_bucket_lut(), dtype=np.int64)
-        query = np.asarray(tracked.query_bucket_lut(), dtype=np.int64)
-        n = int(tracked.n)
-        bos = getattr(tracked, "bos_id", None)
-    if key.shape != query.shape:
-        raise StatsError("key and query lookup tables must have the same length (the vocabulary size)")
-    if key.size and (key.min() < 0 or key.max() > n + 1):
-        raise StatsError(f"key lookup table has buckets outside 0..{n + 1}")
-    return key, query, n, (None if bos is None else int(bos))
-
-
-def window_buckets(tokens: np.ndarray, key_lut: np.ndarray, query_lut: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Key buckets ``[B,T]`` (position 0 -> ``<bos>`` = N) and query types ``[B,T]`` (-1: not a query)."""
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= len(key_lut)):
-        raise StatsError(f"token id outside the vocabulary of {len(key_lut)} of the tracked set")
-    kb = key_lut[tokens]
-    qt = query_lut[tokens]
-    kb[:, 0] = n
-    qt[:, 0] = -1
-    return kb, qt
-
-
-# ----------------------------------------------------------------------------------------- accumulator
 @dataclass
 class _Window:
     """Per-window compaction shared by every layer of one batch."""
@@ -130,7 +70,7 @@ class _Window:
     tgt: torch.Tensor  # [H*nq*nu] flat index into the [H,N,K] kernel accumulator
 
 
-class Accumulator:
+class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     """Accumulates the sums of one shard (or any set of batches) on ``device``.
 
     Use :meth:`add_batch` with an adapter, or drive it yourself: :meth:`begin_batch` with the batch's
@@ -235,45 +175,26 @@ class Accumulator:
         self.position_count += qmask.sum(0)
         arangeT = torch.arange(T, device=dev)
 
-        # n_t(X) and C_st from the (query j, key k <= j) pairs of the batch: nbar[s,t] counts the pairs with a
-        # type-s query and a bucket-t key; C[s,t] the same over the first key of each bucket in its window.
-        # The pairs are enumerated in chunks of <= PAIR_CHUNK; in "flat" mode they are kept for the kernel.
+        # n_t(X) and C_st from the (query j, key k <= j) pairs of the batch (mfpipe.stats.buckets): nbar[s,t] counts
+        # the pairs with a type-s query and a bucket-t key; C[s,t] the same over the first key of each bucket in its
+        # window. In "window" mode they come in chunks of <= PAIR_CHUNK; in "flat" mode they are kept for the kernel.
         firstpos = torch.full((B, K), T, dtype=torch.int64, device=dev)
         firstpos.scatter_reduce_(1, kb, arangeT.expand(B, T), reduce="amin")
         first = firstpos.gather(1, kb) == arangeT  # [B,T]: first position of its bucket in the window
-        bq, jq = torch.nonzero(qmask, as_tuple=True)
-        lengths = jq + 1
-        ends = torch.cumsum(lengths, 0)
-        total = int(ends[-1]) if ends.numel() else 0
         mode = self.p_mode
         if mode == "auto":
-            mode = "flat" if total * H <= FLAT_MAX_ELEMENTS else "window"
+            mode = "flat" if n_pairs(qt) * H <= FLAT_MAX_ELEMENTS else "window"
         self._mode = mode
         self._flat = None
-        if total:
-            keep = mode == "flat"
-            step = total if keep else PAIR_CHUNK
-            bounds = []
-            if step < total:
-                marks = torch.arange(step, total, step, device=dev)
-                bounds = torch.searchsorted(ends, marks, right=True).tolist()
-            r0 = 0
-            for r1 in bounds + [bq.numel()]:
-                if r1 <= r0:
-                    continue
-                ln = lengths[r0:r1]
-                row = torch.repeat_interleave(torch.arange(r0, r1, device=dev), ln)
-                offs = torch.cumsum(ln, 0) - ln
-                kk = torch.arange(row.numel(), device=dev) - torch.repeat_interleave(offs, ln)
-                bb, jj = bq[row], jq[row]
-                base = qt[bb, jj] * K + kb[bb, kk]
-                self.nbar += torch.bincount(base, minlength=N * K)
-                self.ctx += torch.bincount(base[first[bb, kk]], minlength=N * K)
-                if keep:  # flat gather / scatter indices for all heads: [H, pairs]
-                    hh = torch.arange(H, device=dev)[:, None]
-                    gidx = ((bb * H) * T + jj) * T + kk
-                    self._flat = (gidx[None, :] + hh * (T * T), base[None, :] + hh * (N * K))
-                r0 = r1
+        keep = mode == "flat"
+        for bb, jj, kk in causal_pairs(qt, chunk=None if keep else PAIR_CHUNK):
+            base = qt[bb, jj] * K + kb[bb, kk]
+            self.nbar += torch.bincount(base, minlength=N * K)
+            self.ctx += torch.bincount(base[first[bb, kk]], minlength=N * K)
+            if keep:  # flat gather / scatter indices for all heads: [H, pairs]
+                hh = torch.arange(H, device=dev)[:, None]
+                gidx = ((bb * H) * T + jj) * T + kk
+                self._flat = (gidx[None, :] + hh * (T * T), base[None, :] + hh * (N * K))
 
         # ±w co-occurrence: for each query position j (tracked, j >= 1), the buckets at j±1..j±w in the window
         for off in range(1, min(self.cooc_window, T - 1) + 1):
@@ -305,7 +226,7 @@ class Accumulator:
         l = int(cap.layer)
         if self._kb_flat is None:
             raise StatsError("Accumulator.on_layer called before begin_batch")
-        H, T, dh, K = self.H, self.T, self.dh, self.K
+        H, T, dh = self.H, self.T, self.dh
         probs = cap.attn_probs
         B = probs.shape[0]
         if tuple(probs.shape) != (B, H, T, T):
@@ -368,12 +289,6 @@ class Accumulator:
         if self._batches_since_flush >= self.flush_every:
             self.flush()
 
-    def add_batch(self, adapter, input_ids: torch.Tensor, kb, qt) -> None:
-        """One traced forward of ``input_ids`` [B,T] with all layers reduced into the sums."""
-        self.begin_batch(kb, qt)
-        adapter.capture(input_ids, self.on_layer, self.on_final)
-        self.end_batch()
-
     def flush(self) -> None:
         if self.P32 is not None:
             self.P64 += self.P32
@@ -384,7 +299,7 @@ class Accumulator:
     def sums(self) -> dict[str, np.ndarray]:
         """Float64 / int64 numpy sums (see the module docstring)."""
         self.flush()
-        L, H, N, K, dh, d = self.L, self.H, self.N, self.K, self.dh, self.d
+        L, H, N, K, dh = self.L, self.H, self.N, self.K, self.dh
 
         def np_(t):
             return t.detach().cpu().numpy()
@@ -408,195 +323,3 @@ class Accumulator:
             "value_sum": np_(self.values).reshape(L, K, H, dh).transpose(0, 2, 1, 3).copy(),
             "read_sum": np_(self.reads).reshape(L, K, H, dh).transpose(0, 2, 1, 3).copy(),
         }
-
-
-# ----------------------------------------------------------------------------------------- one shard
-def _progress(iterable, total: int, enabled: bool, desc: str):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit="batch", dynamic_ncols=True, mininterval=1.0)
-
-
-def accumulate_shard(
-    model,
-    adapter,
-    tokens: np.ndarray,
-    tracked,
-    batch_size: int = 8,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    flush_every: int = 8,
-    desc: str = "stats",
-    on_batch: Callable[[int], None] | None = None,
-    p_mode: str = "auto",
-) -> dict[str, np.ndarray]:
-    """Additive float64 sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
-
-    ``model`` is the loaded HF model (only its device is used), ``adapter`` its
-    :class:`~mfpipe.models.adapters.Adapter`; ``tracked`` a TrackedSet (or plain lookup tables, see
-    :func:`bucket_luts`). Position 0 of every window must hold the tracked set's BOS id. ``device`` defaults
-    to the model's device. ``on_batch(i)`` is called after each batch (progress hooks, tests). ``p_mode``
-    picks the attention-kernel reduction (see :class:`Accumulator`; same sums either way).
-    """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2:
-        raise StatsError(f"tokens must be [n_windows, T], got shape {tokens.shape}")
-    key_lut, query_lut, n, bos = bucket_luts(tracked)
-    if bos is not None and tokens.shape[0] and not np.all(tokens[:, 0] == bos):
-        bad = int(np.nonzero(tokens[:, 0] != bos)[0][0])
-        raise StatsError(
-            f"window {bad} starts with token {int(tokens[bad, 0])}, not the BOS id {bos} of the tracked set; "
-            "windows must be [BOS, t1 … t(T-1)] (rebuild the corpus shards)"
-        )
-    if device is None:
-        device = getattr(adapter, "device", None) or next(model.parameters()).device
-    device = torch.device(device)
-    batch_size = max(1, int(batch_size))
-    acc = Accumulator(
-        adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
-        device=device, flush_every=flush_every, attn_input_norm=getattr(adapter, "attn_input_norm", None),
-        p_mode=p_mode,
-    )
-    n_batches = (tokens.shape[0] + batch_size - 1) // batch_size
-    for i in _progress(range(n_batches), n_batches, progress, desc):
-        chunk = tokens[i * batch_size : (i + 1) * batch_size]
-        kb, qt = window_buckets(chunk, key_lut, query_lut, n)
-        ids = torch.as_tensor(chunk.astype(np.int64), device=device)
-        acc.add_batch(adapter, ids, kb, qt)
-        if on_batch is not None:
-            on_batch(i)
-    return acc.sums()
-
-
-# ----------------------------------------------------------------------------------------- merge
-def merge_sums(partials: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Element-wise float64 / int64 sum of partial sums (shapes must agree)."""
-    out: dict[str, np.ndarray] | None = None
-    for k, p in enumerate(partials):
-        missing = [key for key in SUM_KEYS if key not in p]
-        if missing:
-            raise StatsError(f"partial #{k} lacks {missing}; recompute it with this version of mfpipe")
-        if out is None:
-            out = {key: np.array(p[key], dtype=np.int64 if key in INT_KEYS else np.float64, copy=True) for key in SUM_KEYS}
-            continue
-        for key in SUM_KEYS:
-            a = np.asarray(p[key])
-            if a.shape != out[key].shape:
-                raise StatsError(
-                    f"partial #{k}: {key} has shape {a.shape}, earlier partials {out[key].shape} — partials from "
-                    "different models, tracked sets or context lengths cannot be merged"
-                )
-            out[key] += a
-    if out is None:
-        raise StatsError("merge_sums: no partials given")
-    return out
-
-
-# ----------------------------------------------------------------------------------------- partial I/O
-def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None, compress: bool = False) -> None:
-    """Write a partial as ``.npz`` atomically (temp file in the same folder, then rename).
-
-    ``meta`` (JSON-able) is stored under ``__meta__``. Stored uncompressed by default: zlib runs at ~30 MB/s
-    (a GPT-2-small partial at N=1000 is 1.6 GB: ~50 s to deflate to ~0.5 GB, vs. a few seconds raw);
-    ``compress=True`` deflates at level 1.
-    """
-    from numpy.lib import format as npformat
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"partial_format": PARTIAL_FORMAT, **dict(meta or {})}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-        with zipfile.ZipFile(tmp, "w", compression=mode, compresslevel=1 if compress else None, allowZip64=True) as zf:
-            items = dict(sums)
-            items["__meta__"] = np.asarray(json.dumps(meta, sort_keys=True))
-            for key, arr in items.items():
-                with zf.open(f"{key}.npy", "w", force_zip64=True) as fh:
-                    npformat.write_array(fh, np.asanyarray(arr), allow_pickle=False)
-        publish_mode(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load_partial(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
-    """(sums, meta) of a partial written by :func:`save_partial`."""
-    path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            sums = {k: z[k] for k in z.files if k != "__meta__"}
-            meta = json.loads(str(z["__meta__"])) if "__meta__" in z.files else {}
-    except FileNotFoundError:
-        raise FileNotFoundError(f"statistics partial {path} does not exist; rerun the stats_shard step") from None
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise StatsError(f"statistics partial {path} is unreadable ({e}); delete it and rerun the stats_shard step") from e
-    return sums, meta
-
-
-def tokens_fingerprint(tokens: np.ndarray) -> str:
-    import hashlib
-
-    a = np.ascontiguousarray(tokens)
-    h = hashlib.sha256(str(a.shape).encode())
-    h.update(a.astype(np.int64).tobytes())
-    return h.hexdigest()[:16]
-
-
-def partial_meta(tracked, tokens: np.ndarray, extra: Mapping[str, Any] | None = None) -> dict:
-    """What a partial records about its inputs; :func:`run_shards` recomputes partials whose meta differs."""
-    meta = {
-        "tracked_fingerprint": getattr(tracked, "fingerprint", None),
-        "n_tracked": bucket_luts(tracked)[2],
-        "context_length": int(np.asarray(tokens).shape[1]),
-        "n_windows": int(np.asarray(tokens).shape[0]),
-        "shard_fingerprint": tokens_fingerprint(tokens),
-    }
-    meta.update(dict(extra or {}))
-    return meta
-
-
-def run_shards(
-    model,
-    adapter,
-    shard_paths: Sequence[str | Path],
-    partial_paths: Sequence[str | Path],
-    tracked,
-    batch_size: int = 8,
-    device: str | torch.device | None = None,
-    progress: bool = True,
-    meta: Mapping[str, Any] | None = None,
-    log: Callable[[str], None] | None = None,
-) -> list[Path]:
-    """Library-level driver: one partial per shard, skipping shards whose partial already exists with
-    matching meta (same shard tokens, tracked set and ``meta``), so an interrupted run resumes where it
-    stopped. Returns the list of partials computed in this call."""
-    from mfpipe.corpus import read_shard
-
-    if len(shard_paths) != len(partial_paths):
-        raise StatsError("run_shards: one partial path per shard is needed")
-    done = []
-    for sp, pp in zip(shard_paths, partial_paths):
-        tokens = read_shard(sp).tokens
-        want = partial_meta(tracked, tokens, meta)
-        pp = Path(pp)
-        if pp.exists():
-            try:
-                _, have = load_partial(pp)
-            except StatsError:
-                have = None
-            if have is not None and all(have.get(k) == v for k, v in want.items()):
-                if log:
-                    log(f"{pp.name}: up to date, skipped")
-                continue
-        t0 = time.perf_counter()
-        sums = accumulate_shard(model, adapter, tokens, tracked, batch_size, device, progress, desc=Path(sp).name)
-        save_partial(pp, sums, want)
-        done.append(pp)
-        if log:
-            log(f"{pp.name}: {tokens.size} tokens in {time.perf_counter() - t0:.1f} s")
-    return done

@@ -1,0 +1,94 @@
+"""The shard loop of a corpus pass, generic over a reducer: one traced forward per batch (all layers at once)
+through the adapter's read site, each layer handed to the reducer while the forward runs.
+
+A reducer has the adapter-callback protocol (:class:`Reducer`): ``begin_batch(kb, qt)`` with the batch's key
+buckets and query types ``[B, T]`` (:func:`mfpipe.stats.buckets.window_buckets`), ``on_layer(LayerCapture)``
+per layer in order, ``on_final(resid)`` with the final residual before the last norm, ``end_batch()``, and
+``sums()`` -> the additive numpy sums of everything seen. Pass 1 is :class:`mfpipe.stats.pass1.Accumulator`;
+a second corpus pass (e.g. the mean-field deviation of Sec. 6) is another reducer over the same loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .buckets import bucket_luts, window_buckets
+from .errors import StatsError
+from .pass1 import Accumulator
+
+
+class Reducer(Protocol):
+    def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None: ...
+    def on_layer(self, cap) -> None: ...
+    def on_final(self, resid: torch.Tensor) -> None: ...
+    def end_batch(self) -> None: ...
+    def sums(self) -> dict[str, np.ndarray]: ...
+
+
+def _progress(iterable, total: int, enabled: bool, desc: str):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="batch", dynamic_ncols=True, mininterval=1.0)
+
+
+def accumulate_shard(
+    model,
+    adapter,
+    tokens: np.ndarray,
+    tracked,
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    flush_every: int = 8,
+    desc: str = "stats",
+    p_mode: str = "auto",
+    reducer: Callable[..., Reducer] | None = None,
+) -> dict[str, np.ndarray]:
+    """Additive float64 sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
+
+    ``model`` is the loaded HF model (only its device is used), ``adapter`` its
+    :class:`~mfpipe.models.adapters.Adapter`; ``tracked`` a TrackedSet (or plain lookup tables, see
+    :func:`bucket_luts`). Position 0 of every window must hold the tracked set's BOS id. ``device`` defaults
+    to the model's device. ``p_mode`` picks pass 1's attention-kernel reduction (see :class:`Accumulator`; same
+    sums either way). ``reducer(adapter, n_tracked, context_length, device)`` builds another pass's reducer
+    (default: pass 1's :class:`Accumulator`).
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise StatsError(f"tokens must be [n_windows, T], got shape {tokens.shape}")
+    key_lut, query_lut, n, bos = bucket_luts(tracked)
+    if bos is not None and tokens.shape[0] and not np.all(tokens[:, 0] == bos):
+        bad = int(np.nonzero(tokens[:, 0] != bos)[0][0])
+        raise StatsError(
+            f"window {bad} starts with token {int(tokens[bad, 0])}, not the BOS id {bos} of the tracked set; "
+            "windows must be [BOS, t1 … t(T-1)] (rebuild the corpus shards)"
+        )
+    if device is None:
+        device = getattr(adapter, "device", None) or next(model.parameters()).device
+    device = torch.device(device)
+    batch_size = max(1, int(batch_size))
+    if reducer is None:
+        acc: Reducer = Accumulator(
+            adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
+            device=device, flush_every=flush_every, attn_input_norm=getattr(adapter, "attn_input_norm", None),
+            p_mode=p_mode,
+        )
+    else:
+        acc = reducer(adapter, n, tokens.shape[1], device)
+    n_batches = (tokens.shape[0] + batch_size - 1) // batch_size
+    for i in _progress(range(n_batches), n_batches, progress, desc):
+        chunk = tokens[i * batch_size : (i + 1) * batch_size]
+        kb, qt = window_buckets(chunk, key_lut, query_lut, n)
+        ids = torch.as_tensor(chunk.astype(np.int64), device=device)
+        acc.begin_batch(kb, qt)
+        adapter.capture(ids, acc.on_layer, acc.on_final)
+        acc.end_batch()
+    return acc.sums()
+
+

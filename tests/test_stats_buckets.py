@@ -1,0 +1,78 @@
+"""Key buckets and the per-position prefix counts n_t(X_j), in their two forms, against a brute-force loop;
+and the read side of the statistics stage without torch."""
+
+import subprocess
+import sys
+
+import numpy as np
+import torch
+from test_stats_reference import BOS, tracked_for, zipf_windows
+
+from mfpipe.stats.buckets import causal_pairs, n_pairs, prefix_counts, window_buckets
+
+
+def brute_counts(kb: np.ndarray, K: int) -> np.ndarray:
+    B, T = kb.shape
+    out = np.zeros((B, T, K), dtype=np.int64)
+    for b in range(B):
+        for j in range(T):
+            for k in range(j + 1):
+                out[b, j, kb[b, k]] += 1
+    return out
+
+
+def buckets(seed=0, n_windows=5, T=19):
+    tokens = zipf_windows(n_windows, T=T, seed=seed)
+    tracked = tracked_for(tokens)
+    kb, qt = window_buckets(tokens, tracked.key_bucket_lut(), tracked.query_bucket_lut(), tracked.n)
+    return tokens, tracked, kb, qt
+
+
+def test_window_buckets_follow_the_conventions():
+    tokens, tracked, kb, qt = buckets()
+    N = tracked.n
+    assert (kb[:, 0] == N).all() and (qt[:, 0] == -1).all()  # position 0: <bos>, never a query
+    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
+    for b, j in np.ndindex(tokens.shape):
+        if j == 0:
+            continue
+        t = int(tokens[b, j])
+        assert kb[b, j] == rank.get(t, N + 1)  # BOS id at j >= 1 lands in <other>
+        assert qt[b, j] == rank.get(t, -1)
+    assert BOS not in rank
+
+
+def test_prefix_counts_equal_a_brute_force_loop():
+    _, tracked, kb, _ = buckets(seed=3)
+    K = tracked.n + 2
+    got = prefix_counts(torch.as_tensor(kb), K).numpy()
+    np.testing.assert_array_equal(got, brute_counts(kb, K))
+    assert got.dtype == np.int32
+
+
+def test_causal_pairs_are_the_prefix_counts_at_each_query():
+    _, tracked, kb, qt = buckets(seed=5)
+    K = tracked.n + 2
+    dense = brute_counts(kb, K)
+    for chunk in (None, 7, 1000):
+        counts = {}
+        for bb, jj, kk in causal_pairs(torch.as_tensor(qt), chunk=chunk):
+            for b, j, k in zip(bb.tolist(), jj.tolist(), kk.tolist()):
+                assert k <= j and qt[b, j] >= 0
+                counts.setdefault((b, j), np.zeros(K, dtype=np.int64))[kb[b, k]] += 1
+        queries = {(int(b), int(j)) for b, j in zip(*np.nonzero(qt >= 0))}
+        assert set(counts) == queries
+        for (b, j), c in counts.items():
+            np.testing.assert_array_equal(c, dense[b, j])
+    assert n_pairs(torch.as_tensor(qt)) == sum(j + 1 for _, j in queries)
+
+
+def test_read_side_does_not_import_torch():
+    code = ("import sys\n"
+            "import mfpipe.stats, mfpipe.stats.api, mfpipe.stats.store, mfpipe.stats.partials, mfpipe.stats.buckets\n"
+            "from mfpipe.stats import open_stats, merge_sums, load_partial\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+            "from mfpipe.stats import accumulate_shard  # the pass itself loads torch when asked for\n"
+            "assert 'torch' in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
