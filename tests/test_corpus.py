@@ -4,16 +4,18 @@ import numpy as np
 import pytest
 
 from mfpipe.corpus import (
-    CorpusError,
-    Document,
-    assign_split,
     build_halves,
-    iter_documents,
     list_shards,
     pack_windows,
     read_shard,
-    split_documents,
     write_corpus,
+)
+from mfpipe.documents import (
+    CorpusError,
+    Document,
+    assign_split,
+    iter_documents,
+    split_documents,
 )
 
 

@@ -2,7 +2,7 @@
 log-spaced steps, induction score of every head at every checkpoint)."""
 from pathlib import Path
 
-from mfpipe.corpus import load_documents, split_documents
+from mfpipe.documents import load_documents, split_documents
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.minisuite.train import train_mini_model

@@ -1,5 +1,5 @@
 """Snakemake script: train the mini suite's byte-level BPE tokenizer on the corpus's train split."""
-from mfpipe.corpus import load_documents, split_documents
+from mfpipe.documents import load_documents, split_documents
 from mfpipe.io import atomic_dir
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
