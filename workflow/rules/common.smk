@@ -44,6 +44,10 @@ def code(*modules):
     return [str(SRC / "mfpipe" / m) for m in ("__init__.py",) + modules]
 
 
+# the adapters package (module paths, the traced read/patch site, the per-architecture classes)
+ADAPTERS_CODE = tuple(f"models/adapters/{m}.py" for m in ("__init__", "base", "site", "architectures"))
+
+
 def tokenizer_input(wildcards):
     """Mini-suite models tokenize with the suite's tokenizer, which must exist first."""
     if MODELS[wildcards.model]["source"] == "minisuite":

@@ -20,7 +20,7 @@ rule minisuite_tokenizer:
 rule minisuite_train:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
-        code=code("minisuite/__init__.py", "minisuite/train.py", "induction.py", "corpus.py", "io.py"),
+        code=code("minisuite/__init__.py", "minisuite/train.py", "induction.py", *ADAPTERS_CODE, "corpus.py", "io.py"),
     output:
         checkpoints=directory(f"{R}/minisuite/{{mini}}/checkpoints"),
         induction=f"{R}/minisuite/{{mini}}/induction.csv",

@@ -14,7 +14,7 @@ ROLLOUT_DEFAULTS = {
 }
 ROLLOUT = {**ROLLOUT_DEFAULTS, **(config.get("rollout") or {})}
 
-ROLLOUT_CODE = ("analysis.py", "jobs.py", "rollout.py", "kernels.py", "metrics.py", "io.py", "models/adapters.py",
+ROLLOUT_CODE = ("analysis.py", "jobs.py", "rollout.py", "kernels.py", "metrics.py", "io.py", *ADAPTERS_CODE,
                 "models/loader.py", "stats/__init__.py", "stats/api.py", "stats/store.py")
 
 

@@ -31,7 +31,7 @@ rule stats_shard:
         shard=dataset_shard,
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        code=code("stats/__init__.py", "stats/accumulate.py", "models/adapters.py", "models/loader.py", "corpus.py", "tracked.py"),
+        code=code("stats/__init__.py", "stats/accumulate.py", *ADAPTERS_CODE, "models/loader.py", "corpus.py", "tracked.py"),
     output:
         f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/shard-{{i}}.npz",
     params:
