@@ -367,6 +367,8 @@ def train_mini_model(
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
+    from mfpipe.models.adapters import get_adapter
+
     c = resolve_config(cfg)
     t_start = time.perf_counter()
     cpu_start = time.process_time()
@@ -393,6 +395,8 @@ def train_mini_model(
         torch.manual_seed(int(c["seed"]))
         model = build_model(c, vocab_size, bos_id=bos_id, eos_id=eos_id)
         model.train()
+        # one adapter for every probe: the induction probe reads attention through its traced site
+        adapter = get_adapter(model)
         n_params = sum(p.numel() for p in model.parameters())
         data_rng = np.random.default_rng(int(c["seed"]))
         sampler = RowSampler(stream, c, vocab_size, special_ids, bos_id, data_rng)
@@ -411,7 +415,7 @@ def train_mini_model(
 
         def probe(step: int) -> tuple[np.ndarray, float]:
             scores, icl_loss = induction_metrics(
-                model,
+                adapter,
                 vocab_size,
                 special_ids,
                 int(c["context_length"]),
