@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_reference import patched_reads, reference_run
-from mfpipe.models.adapters import CAPTURE_FIELDS, RunResult, get_adapter
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model, random_ids
+
+from mfpipe.models.adapters import CAPTURE_FIELDS, RunResult, get_adapter
 
 B, T = 2, 16
 LAYER, HEAD = 1, 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_reference import reference_run
+from tiny_models import TINY_MODEL_TYPES, make_tiny_model, random_ids
 
 from mfpipe.models.adapters import (
     SUPPORTED_MODEL_TYPES,
@@ -14,8 +16,6 @@ from mfpipe.models.adapters import (
     UnsupportedArchitectureError,
     get_adapter,
 )
-from hf_reference import reference_run
-from tiny_models import TINY_MODEL_TYPES, make_tiny_model, random_ids
 
 ATOL = 1e-5
 B, T = 2, 16

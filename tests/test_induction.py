@@ -5,11 +5,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from hf_reference import reference_run
-from mfpipe.induction import induction_metrics, induction_scores, induction_targets, repeated_random_tokens
-from mfpipe.models.adapters import Adapter, LayerCapture, RunResult
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
+
+from mfpipe.induction import (
+    induction_metrics,
+    induction_scores,
+    induction_targets,
+    repeated_random_tokens,
+)
+from mfpipe.models.adapters import Adapter, LayerCapture, RunResult
 
 
 def test_repeated_random_tokens_layout():

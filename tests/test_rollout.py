@@ -12,9 +12,9 @@ Exact identities used:
 * all mass on the type itself: rolling out reproduces the residual of the one-token input ``[t]``.
 """
 
+import hf_reference
 import numpy as np
 import pytest
-import hf_reference
 import torch
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 

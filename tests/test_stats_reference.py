@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import reference_run
+from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize, merge_sums
 from mfpipe.tracked import TrackedSet
-from hf_reference import reference_run
-from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
 N_TRACKED = 20
 T = 16

@@ -266,12 +266,12 @@ class TracedSite:
             attn_out = attn_out.float()
             if "attn_out" in sel:
                 cap.attn_out = attn_out
+        if "mlp_out" in sel:
+            cap.mlp_out = _get_path(layer_env, self.POST_MLP_NORM or self.MLP).output.float()
         if "resid_in" in sel:
             cap.resid_in = resid_in
         if "resid_mid" in sel:
             cap.resid_mid = resid_in + attn_out
-        if "mlp_out" in sel:
-            cap.mlp_out = _get_path(layer_env, self.POST_MLP_NORM or self.MLP).output.float()
         return cap
 
     def _patched_input(self, new: Tensor, flat: Tensor, layer: int) -> Tensor:
