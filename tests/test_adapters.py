@@ -1,10 +1,13 @@
-"""Per-architecture adapters: capture vs an independent HF/torch-hook path, and block pieces vs the real forward."""
+"""Per-architecture adapters: capture vs the independent HF/torch-hook reference (tests/hf_reference.py), and block
+pieces vs the real forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import transformers
+from hf_reference import reference_run
+from tiny_models import TINY_MODEL_TYPES, make_tiny_model, random_ids
 
 from mfpipe.models.adapters import (
     SUPPORTED_MODEL_TYPES,
@@ -13,7 +16,6 @@ from mfpipe.models.adapters import (
     UnsupportedArchitectureError,
     get_adapter,
 )
-from tiny_models import TINY_MODEL_TYPES, make_tiny_model, random_ids
 
 ATOL = 1e-5
 B, T = 2, 16
@@ -31,125 +33,6 @@ CASES = [(mt, {}) for mt in TINY_MODEL_TYPES] + [
 def _case_id(case):
     mt, ov = case
     return mt + "".join(f"-{k}={v}" for k, v in ov.items())
-
-
-def _get(root, path):
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
-
-
-# --------------------------------------------------------------------------------------------------
-# Independent reference: HF output_attentions / output_hidden_states + plain torch forward hooks.
-# Module paths and value layouts are written out here again on purpose (not taken from the adapter).
-def _values_gpt2(out, cfg):
-    d, H = cfg.n_embd, cfg.n_head
-    v = out[..., 2 * d : 3 * d]
-    return v.reshape(*v.shape[:2], H, d // H).permute(0, 2, 1, 3)
-
-
-def _values_neox(out, cfg):
-    H = cfg.num_attention_heads
-    dh = cfg.hidden_size // H
-    qkv = out.reshape(*out.shape[:2], H, 3, dh)  # per head: [q | k | v]
-    return qkv[..., 2, :].permute(0, 2, 1, 3)
-
-
-def _values_vproj(out, cfg):
-    H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
-    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    v = out.reshape(*out.shape[:2], KV, dh).permute(0, 2, 1, 3)  # [B,KV,T,dh]
-    return torch.stack([v[:, h // (H // KV)] for h in range(H)], dim=1)
-
-
-_LLAMA_REF = dict(
-    layers="model.layers",
-    v=("self_attn.v_proj", _values_vproj),
-    o="self_attn.o_proj",
-    attn="self_attn",
-    attn_out=None,
-    mlp_out="mlp",
-    final="model.norm",
-)
-REF = {
-    "gpt2": dict(
-        layers="transformer.h",
-        v=("attn.c_attn", _values_gpt2),
-        o="attn.c_proj",
-        attn="attn",
-        attn_out=None,
-        mlp_out="mlp",
-        final="transformer.ln_f",
-    ),
-    "gpt_neox": dict(
-        layers="gpt_neox.layers",
-        v=("attention.query_key_value", _values_neox),
-        o="attention.dense",
-        attn="attention",
-        attn_out=None,
-        mlp_out="mlp",
-        final="gpt_neox.final_layer_norm",
-    ),
-    "llama": _LLAMA_REF,
-    "qwen3": _LLAMA_REF,
-    "gemma2": dict(_LLAMA_REF, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
-    "olmo2": dict(_LLAMA_REF, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
-}
-
-
-def reference_run(model, ids):
-    """Per-layer activations from HF outputs + forward hooks (independent of mfpipe.models.adapters)."""
-    spec = REF[model.config.model_type]
-    rec: dict = {}
-    handles = []
-
-    def out_hook(key):
-        def hook(mod, args, kwargs, out):
-            rec[key] = out
-        return hook
-
-    def in_hook(key):
-        def hook(mod, args, kwargs):
-            rec[key] = args[0] if args else next(iter(kwargs.values()))
-        return hook
-
-    layers = _get(model, spec["layers"])
-    for l, blk in enumerate(layers):
-        vpath, vfn = spec["v"]
-        handles.append(_get(blk, vpath).register_forward_hook(out_hook(("v", l)), with_kwargs=True))
-        handles.append(_get(blk, spec["o"]).register_forward_pre_hook(in_hook(("reads", l)), with_kwargs=True))
-        handles.append(_get(blk, spec["o"]).register_forward_hook(out_hook(("o_out", l)), with_kwargs=True))
-        handles.append(_get(blk, spec["attn"]).register_forward_hook(out_hook(("attn", l)), with_kwargs=True))
-        if spec["attn_out"]:
-            handles.append(_get(blk, spec["attn_out"]).register_forward_hook(out_hook(("attn_out", l)), with_kwargs=True))
-        handles.append(_get(blk, spec["mlp_out"]).register_forward_hook(out_hook(("mlp_out", l)), with_kwargs=True))
-    fin = _get(model, spec["final"])
-    handles.append(fin.register_forward_pre_hook(in_hook("final"), with_kwargs=True))
-    handles.append(fin.register_forward_hook(out_hook("final_normed"), with_kwargs=True))
-    try:
-        with torch.no_grad():
-            out = model(ids, output_attentions=True, output_hidden_states=True, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    cfg = model.config
-    H = cfg.num_attention_heads
-    per_layer = []
-    for l in range(len(layers)):
-        reads = rec[("reads", l)]
-        per_layer.append(
-            dict(
-                resid_in=out.hidden_states[l],
-                probs=out.attentions[l],
-                values=spec["v"][1](rec[("v", l)], cfg),
-                reads=reads.reshape(*reads.shape[:2], H, -1),
-                o_out=rec[("o_out", l)],
-                attn_block_out=rec[("attn", l)][0],
-                attn_out=rec[("attn_out", l)] if spec["attn_out"] else rec[("attn", l)][0],
-                mlp_out=rec[("mlp_out", l)],
-            )
-        )
-    return dict(layers=per_layer, final=rec["final"], final_normed=rec["final_normed"], logits=out.logits)
 
 
 # --------------------------------------------------------------------------------------------------

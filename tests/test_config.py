@@ -151,7 +151,11 @@ def test_induction_every_is_a_settable_option():
 
 def test_revisions_are_named_in_one_place(tmp_path):
     from mfpipe.models.loader import resolve_location
-    from mfpipe.revisions import checkpoint_steps, minisuite_checkpoint_dir, resolve_minisuite_revision
+    from mfpipe.revisions import (
+        checkpoint_steps,
+        minisuite_checkpoint_dir,
+        resolve_minisuite_revision,
+    )
 
     steps = checkpoint_steps(20)
     assert resolve_minisuite_revision("final", steps) == "step20"

@@ -1,13 +1,20 @@
-"""Induction scores: exact values on hand-built attention patterns, and shapes on tiny HF models."""
+"""Induction scores: exact values on hand-built attention patterns, the HF reference and shapes on tiny HF models."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-
-from mfpipe.induction import induction_scores, induction_targets, repeated_random_tokens
+from hf_reference import reference_run
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
+
+from mfpipe.induction import (
+    induction_metrics,
+    induction_scores,
+    induction_targets,
+    repeated_random_tokens,
+)
+from mfpipe.models.adapters import Adapter, LayerCapture, RunResult
 
 
 def test_repeated_random_tokens_layout():
@@ -32,18 +39,22 @@ def test_induction_targets():
     np.testing.assert_array_equal(t, [1, 2, 3])
 
 
-class PatternModel(torch.nn.Module):
-    """Fake causal LM whose attentions are fixed patterns, per layer:
-    head 0 = perfect induction, head 1 = uniform causal, head 2 = previous token, head 3 = BOS."""
+class PatternModel(Adapter):
+    """Fake adapter whose attention probabilities are fixed patterns, per layer:
+    head 0 = perfect induction, head 1 = uniform causal, head 2 = previous token, head 3 = BOS.
+    (Stands in for a model's adapter: induction scores read attention only through ``Adapter.run``.)"""
+
+    has_lm_head = False
 
     def __init__(self, n_layer=2):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.n_layer = n_layer
-        self.config = SimpleNamespace(bos_token_id=0)
+        self.model = torch.nn.Linear(1, 1)  # only its train/eval mode is used
+        self.model.config = SimpleNamespace(bos_token_id=0)
+        self.n_layers, self.n_heads = n_layer, 4
         self.seen_lengths = []
 
-    def forward(self, input_ids, attention_mask=None, output_attentions=False, use_cache=False):
+    def run(self, input_ids, *, select="all", on_layer=None, logits=False, **kwargs):
+        assert tuple(select) == ("attn_probs",) and not logits and not kwargs
+        assert not self.model.training
         B, L = input_ids.shape
         self.seen_lengths.append(L)
         k = (L - 1) // 2
@@ -58,7 +69,9 @@ class PatternModel(torch.nn.Module):
         uni = torch.tril(torch.ones(L, L))
         uni = uni / uni.sum(-1, keepdim=True)
         pat = torch.stack([ind, uni, prev, bos])[None].expand(B, 4, L, L)
-        return SimpleNamespace(attentions=tuple(pat.clone() for _ in range(self.n_layer)))
+        for layer in range(self.n_layers):
+            on_layer(LayerCapture(layer=layer, attn_probs=pat.clone()))
+        return RunResult()
 
 
 def test_scores_on_hand_built_patterns():
@@ -82,12 +95,28 @@ def test_scores_on_hand_built_patterns():
 
 
 def test_missing_attentions_is_a_clear_error():
-    class NoAtt(PatternModel):
-        def forward(self, input_ids, **kw):
-            return SimpleNamespace(attentions=None)
+    """Without eager attention the probabilities are never materialised: a clear error, mode restored."""
+    model = make_tiny_model("llama")
+    model.set_attn_implementation("sdpa")
+    model.train()
+    with pytest.raises(ValueError, match="eager"):
+        induction_scores(model, 50, [0], 21, n_sequences=2)
+    assert model.training
 
-    with pytest.raises(RuntimeError, match="eager"):
-        induction_scores(NoAtt(), 50, [0], 21, n_sequences=2)
+
+def test_scores_and_loss_match_hf_reference():
+    """Through the adapter's site == HF output_attentions / logits (the shared reference, no mfpipe code)."""
+    model = make_tiny_model("gemma2", seed=4)
+    T, k = 21, 10
+    scores, loss = induction_metrics(model, 128, [0, 1, 2], T, n_sequences=5, batch_size=2)
+    tokens = repeated_random_tokens(5, k, 128, [0, 1, 2], 1, seed=0)
+    ref = reference_run(model, torch.as_tensor(tokens))
+    q, tgt = induction_targets(k)
+    want = np.stack([r["probs"][:, :, q, tgt].double().mean(dim=(0, 2)).numpy() for r in ref["layers"]])
+    np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-7)
+    lp = torch.log_softmax(ref["logits"].double(), -1)
+    nll = [-lp[b, i, tokens[b, i + 1]].item() for b in range(5) for i in q[:-1]]
+    assert loss == pytest.approx(np.mean(nll), rel=1e-5)
 
 
 @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from mfpipe.minisuite import build_model, checkpoint_steps, resolve_config, train_mini_model, train_tokenizer
+from mfpipe.minisuite import (
+    build_model,
+    checkpoint_steps,
+    resolve_config,
+    train_mini_model,
+    train_tokenizer,
+)
 from mfpipe.minisuite import train as train_mod
 
 pytestmark = pytest.mark.slow

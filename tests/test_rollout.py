@@ -17,6 +17,7 @@ estimators (a)(b)(c) are checked against a slow per-occurrence reference of thei
 which types repeat and untracked types take attention.
 """
 
+import hf_reference
 import numpy as np
 import pytest
 import torch
@@ -42,12 +43,7 @@ class Ref:
         self.m = model
         self.cfg = cfg = model.config
         self.mt = cfg.model_type
-        if self.mt == "gpt2":
-            self.blocks, self.final = model.transformer.h, model.transformer.ln_f
-        elif self.mt == "gpt_neox":
-            self.blocks, self.final = model.gpt_neox.layers, model.gpt_neox.final_layer_norm
-        else:
-            self.blocks, self.final = model.model.layers, model.model.norm
+        self.blocks, self.final = hf_reference.blocks(model), hf_reference.final_norm(model)
         self.L = cfg.num_hidden_layers
         self.H = cfg.num_attention_heads
         self.d = cfg.hidden_size
@@ -55,8 +51,7 @@ class Ref:
         self.kv = getattr(cfg, "num_key_value_heads", None) or self.H
 
     def o_proj_module(self, l):
-        b = self.blocks[l]
-        return {"gpt2": lambda: b.attn.c_proj, "gpt_neox": lambda: b.attention.dense}.get(self.mt, lambda: b.self_attn.o_proj)()
+        return hf_reference.o_proj(self.m, l)
 
     def value_head(self, l, x, h):
         b, d, dh = self.blocks[l], self.d, self.dh

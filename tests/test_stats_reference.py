@@ -1,8 +1,9 @@
 """The statistics engine against a per-position brute-force reference, on tiny random models of all six
 architectures.
 
-The reference never touches the adapter: it reads the tensors through an independent path (HF
-``output_attentions`` / ``output_hidden_states`` and plain torch forward hooks on the HF modules) and computes
+The reference never touches the adapter: it reads the tensors through an independent path (the shared HF
+reference in ``tests/hf_reference.py``: ``output_attentions`` / ``output_hidden_states`` and plain torch
+forward hooks on the HF modules) and computes
 every statistic with Python loops over windows, positions, keys and heads.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import reference_run
+from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize, merge_sums
 from mfpipe.tracked import TrackedSet
-from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
 N_TRACKED = 20
 T = 16
@@ -44,98 +46,23 @@ def tracked_for(tokens: np.ndarray, n: int = N_TRACKED, bos: int = BOS, vocab: i
 
 
 # ------------------------------------------------------------------------------- reference capture
-_PATHS = {
-    # root of blocks, value source, output projection, attention module, post-attn norm, mlp output module, final
-    # norm, attention-input norm (None: the attention reads the residual itself)
-    "gpt2": ("transformer.h", "attn.c_attn", "attn.c_proj", "attn", None, "mlp", "transformer.ln_f", "ln_1"),
-    "gpt_neox": ("gpt_neox.layers", "attention.query_key_value", "attention.dense", "attention", None, "mlp",
-                 "gpt_neox.final_layer_norm", "input_layernorm"),
-    "llama": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm",
-              "input_layernorm"),
-    "qwen3": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", None, "mlp", "model.norm",
-              "input_layernorm"),
-    "gemma2": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
-               "post_feedforward_layernorm", "model.norm", "input_layernorm"),
-    "olmo2": ("model.layers", "self_attn.v_proj", "self_attn.o_proj", "self_attn", "post_attention_layernorm",
-              "post_feedforward_layernorm", "model.norm", None),
-}
-
-
-def _mod(root, path):
-    for p in path.split("."):
-        root = getattr(root, p)
-    return root
-
-
 def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per-layer tensors from HF outputs and torch hooks (float64 numpy):
-    probs [L,B,H,T,T], values [L,B,H,T,dh], reads [L,B,T,H,dh], resid [L+1,B,T,d], attn_out / mlp_out [L,B,T,d]."""
-    mt = model.config.model_type
-    blocks_p, vsrc_p, oproj_p, attn_p, post_attn_p, mlp_p, final_p, ln_p = _PATHS[mt]
-    cfg = model.config
-    H = cfg.num_attention_heads
-    KV = getattr(cfg, "num_key_value_heads", None) or H
-    d = cfg.hidden_size
-    dh = getattr(cfg, "head_dim", None) or d // H
-    blocks = _mod(model, blocks_p)
-    got: dict[str, dict[int, torch.Tensor]] = {k: {} for k in ("v", "r", "a", "m", "n")}
-    final = {}
-    hooks = []
-
-    def vhook(l):
-        def f(mod, inp, out):
-            B, T_ = out.shape[:2]
-            if mt == "gpt2":
-                v = out[..., 2 * d : 3 * d].reshape(B, T_, H, dh)
-            elif mt == "gpt_neox":
-                v = out.reshape(B, T_, H, 3 * dh)[..., 2 * dh :]
-            else:
-                v = out.reshape(B, T_, KV, dh).repeat_interleave(H // KV, dim=2)
-            got["v"][l] = v.permute(0, 2, 1, 3).detach().clone()
-        return f
-
-    def rhook(l):
-        def f(mod, args):
-            x = args[0]
-            got["r"][l] = x.reshape(x.shape[0], x.shape[1], H, dh).detach().clone()
-        return f
-
-    def ahook(l):
-        def f(mod, inp, out):
-            got["a"][l] = (out[0] if isinstance(out, tuple) else out).detach().clone()
-        return f
-
-    def mhook(l, key="m"):
-        def f(mod, inp, out):
-            got[key][l] = out.detach().clone()
-        return f
-
-    for l, blk in enumerate(blocks):
-        hooks.append(_mod(blk, vsrc_p).register_forward_hook(vhook(l)))
-        hooks.append(_mod(blk, oproj_p).register_forward_pre_hook(rhook(l)))
-        hooks.append(_mod(blk, post_attn_p or attn_p).register_forward_hook(ahook(l)))
-        hooks.append(_mod(blk, mlp_p).register_forward_hook(mhook(l)))
-        if ln_p is not None:
-            hooks.append(_mod(blk, ln_p).register_forward_hook(mhook(l, "n")))
-    hooks.append(_mod(model, final_p).register_forward_pre_hook(lambda mod, args: final.update(x=args[0].detach().clone())))
-    try:
-        with torch.no_grad():
-            out = model(ids, output_attentions=True, output_hidden_states=True, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    L = len(blocks)
+    """Per-layer tensors from the shared HF/torch-hook reference (tests/hf_reference.py), as float64 numpy:
+    probs [L,B,H,T,T], values [L,B,H,T,dh], reads [L,B,T,H,dh], resid [L+1,B,T,d], attn_out / mlp_out / ln_in
+    [L,B,T,d]."""
+    ref = reference_run(model, ids)
+    layers = ref["layers"]
     f64 = lambda t: t.double().numpy()  # noqa: E731
-    resid = [f64(out.hidden_states[l]) for l in range(L)] + [f64(final["x"])]
+    stack = lambda key: np.stack([f64(r[key]) for r in layers])  # noqa: E731
     return {
-        "probs": np.stack([f64(a) for a in out.attentions]),
-        "values": np.stack([f64(got["v"][l]) for l in range(L)]),
-        "reads": np.stack([f64(got["r"][l]) for l in range(L)]),
-        "resid": np.stack(resid),
-        "attn_out": np.stack([f64(got["a"][l]) for l in range(L)]),
-        "mlp_out": np.stack([f64(got["m"][l]) for l in range(L)]),
-        "ln_in": np.stack([f64(got["n"][l]) if ln_p else resid[l] for l in range(L)]),
-        "parallel": bool(getattr(cfg, "use_parallel_residual", False)),
+        "probs": stack("probs"),
+        "values": stack("values"),
+        "reads": stack("reads"),
+        "resid": np.stack([f64(r["resid_in"]) for r in layers] + [f64(ref["final"])]),
+        "attn_out": stack("attn_out"),
+        "mlp_out": stack("mlp_out"),
+        "ln_in": stack("ln_in"),
+        "parallel": bool(getattr(model.config, "use_parallel_residual", False)),
     }
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
+from test_stats_reference import BOS, tracked_for, zipf_windows
+from tiny_models import make_tiny_model
 
 from mfpipe.corpus import Shard, write_shards
 from mfpipe.models.adapters import get_adapter
@@ -28,8 +30,6 @@ from mfpipe.stats import (
     save_partial,
     write_store,
 )
-from test_stats_reference import BOS, tracked_for, zipf_windows
-from tiny_models import make_tiny_model
 
 TESTS = Path(__file__).resolve().parent
 META = {"model": "tiny-gpt2", "revision": "step100", "half": "stats", "corpus_fingerprint": "abc123"}

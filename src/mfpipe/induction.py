@@ -70,12 +70,12 @@ def induction_scores(*args, **kwargs) -> np.ndarray:
     """Induction score of every head: float64 ``[n_layer, n_head]``; the arguments are
     :func:`induction_metrics`'s.
 
-    Works for any HF causal LM that returns attentions (load or build it with
-    ``attn_implementation="eager"``). ``vocab_size`` is the number of ids to draw from (the
-    tokenizer's, which may be smaller than the embedding matrix); ``special_ids`` are excluded.
-    ``bos_id="auto"`` takes ``model.config.bos_token_id`` (and also excludes it from the draw);
-    ``None`` means no BOS prefix. The same ``seed`` gives the same test sequences, so scores at
-    different checkpoints are comparable.
+    Works for any supported HF causal LM with eager attention (load or build it with
+    ``attn_implementation="eager"``), or its :class:`~mfpipe.models.adapters.Adapter`.
+    ``vocab_size`` is the number of ids to draw from (the tokenizer's, which may be smaller than the
+    embedding matrix); ``special_ids`` are excluded. ``bos_id="auto"`` takes
+    ``model.config.bos_token_id`` (and also excludes it from the draw); ``None`` means no BOS prefix.
+    The same ``seed`` gives the same test sequences, so scores at different checkpoints are comparable.
     """
     return induction_metrics(*args, **kwargs)[0]
 
@@ -93,9 +93,20 @@ def induction_metrics(
 ) -> tuple[np.ndarray, float]:
     """:func:`induction_scores` plus the in-context loss on the same sequences: the mean
     next-token cross entropy (nats) of predicting ``r2..rk`` inside the second copy, which only an
-    in-context (induction) mechanism can bring below ``log(#allowed ids)``."""
+    in-context (induction) mechanism can bring below ``log(#allowed ids)``.
+
+    ``model`` is an HF causal LM or its adapter (pass the adapter when calling repeatedly, e.g. during
+    training, so the model is wrapped for tracing once). The attention probabilities are read through
+    the adapter's site (:meth:`~mfpipe.models.adapters.Adapter.run`, only ``attn_probs`` selected);
+    the loss is NaN when the adapter has no LM head (built on a bare base model). The model is put in
+    eval mode for the measurement and returned to its previous mode.
+    """
     import torch
 
+    from mfpipe.models.adapters import Adapter, get_adapter
+
+    adapter = model if isinstance(model, Adapter) else get_adapter(model)
+    model = adapter.model
     if bos_id == "auto":
         bos_id = _default_bos(model)
     offset = 0 if bos_id is None else 1
@@ -111,40 +122,24 @@ def induction_metrics(
     # positions of the second copy that predict a token of the second copy (r2..rk)
     pred_pos = torch.as_tensor(q_np[:-1])
 
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:  # pragma: no cover
-        device = torch.device("cpu")
+    total = np.zeros((adapter.n_layers, adapter.n_heads))
+    loss_sum = 0.0
+
+    def score_layer(cap) -> None:
+        # [batch, head, q, k] -> attention on the induction target, summed over sequences and queries
+        total[cap.layer] += cap.attn_probs[:, :, q, tgt].sum(dim=(0, 2)).double().cpu().numpy()
+
     was_training = model.training
     model.eval()
-    total = None
-    loss_sum, have_logits = 0.0, False
     try:
-        with torch.no_grad():
-            for start in range(0, tokens.shape[0], int(batch_size)):
-                ids = torch.from_numpy(tokens[start : start + int(batch_size)]).to(device)
-                out = model(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    output_attentions=True,
-                    use_cache=False,
-                )
-                atts = out.attentions
-                if atts is None or any(a is None for a in atts):
-                    raise RuntimeError(
-                        "model returned no attention weights; load it with attn_implementation='eager'"
-                    )
-                # [n_layer, batch, head, q, k] -> values at (q, target)
-                per_layer = [a.float()[:, :, q, tgt].sum(dim=(0, 2)).double().cpu().numpy() for a in atts]
-                batch_sum = np.stack(per_layer)  # [n_layer, n_head]
-                total = batch_sum if total is None else total + batch_sum
-                logits = getattr(out, "logits", None)
-                if logits is not None:
-                    have_logits = True
-                    lp = torch.log_softmax(logits[:, pred_pos].float(), dim=-1)
-                    nxt = ids[:, pred_pos + 1]
-                    loss_sum += float(-lp.gather(-1, nxt[..., None]).sum())
+        for start in range(0, tokens.shape[0], int(batch_size)):
+            ids = torch.from_numpy(tokens[start : start + int(batch_size)])
+            res = adapter.run(ids, select=("attn_probs",), on_layer=score_layer, logits=adapter.has_lm_head)
+            if res.logits is not None:
+                lp = torch.log_softmax(res.logits[:, pred_pos], dim=-1)
+                nxt = ids.to(lp.device)[:, pred_pos + 1]
+                loss_sum += float(-lp.gather(-1, nxt[..., None]).sum())
     finally:
         model.train(was_training)
-    loss = loss_sum / (tokens.shape[0] * (k - 1)) if have_logits else float("nan")
+    loss = loss_sum / (tokens.shape[0] * (k - 1)) if adapter.has_lm_head else float("nan")
     return total / (tokens.shape[0] * k), loss

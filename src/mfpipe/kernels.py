@@ -85,27 +85,30 @@ def mean_field(P) -> np.ndarray:
 
 
 @torch.no_grad()
-def context_free_kernel(model, type_ids, bos_id: int, batch_size: int = 256) -> np.ndarray:
+def context_free_kernel(model_or_adapter, type_ids, bos_id: int, batch_size: int = 256) -> np.ndarray:
     """``[L, H, N, N+2]``: attention of position 1 on BOS (column ``N``) and on itself (column ``s``) when the
-    model runs on ``[BOS, t_s]`` alone (eager attention, ``output_attentions=True``); all other columns 0.
+    model runs on ``[BOS, t_s]`` alone; all other columns 0. The attention is read through the adapter's site
+    (:meth:`mfpipe.models.adapters.Adapter.run`, probabilities only), one forward per batch of types.
 
-    ``model`` is the HF causal LM (eager attention, eval mode); ``type_ids`` the tracked token ids ``[N]``
-    in bucket order. Rolling this kernel out from ``embed(t) (+ the position-1 embedding for learned
-    positions)`` reproduces the model's residual at position 1 of ``[BOS, t]`` exactly (tests/test_rollout);
-    the pipeline rolls it out from the mean-field start (the ``context_free_kernel`` ablation, module doc).
+    ``model_or_adapter``: an :class:`~mfpipe.models.adapters.Adapter` or the HF causal LM (eager attention, eval
+    mode); ``type_ids`` the tracked token ids ``[N]`` in bucket order. Rolling this kernel out from ``embed(t)
+    (+ the position-1 embedding for learned positions)`` reproduces the model's residual at position 1 of
+    ``[BOS, t]`` exactly (tests/test_rollout); the pipeline rolls it out from the mean-field start (the
+    ``context_free_kernel`` ablation, module doc).
     """
+    from .models.adapters import Adapter, get_adapter
+
+    adapter = model_or_adapter if isinstance(model_or_adapter, Adapter) else get_adapter(model_or_adapter)
     ids = torch.as_tensor(np.asarray(type_ids), dtype=torch.long).reshape(-1)
     n = ids.numel()
-    device = next(model.parameters()).device
     rows: list[np.ndarray] = []
     for start in range(0, n, batch_size):
         t = ids[start : start + batch_size]
-        inp = torch.stack([torch.full_like(t, int(bos_id)), t], dim=1).to(device)
-        out = model(inp, output_attentions=True, use_cache=False)
-        if out.attentions is None or any(a is None for a in out.attentions):
-            raise ValueError("the model returned no attention probabilities; load it with attn_implementation='eager'")
-        # each [B, H, 2, 2] -> position-1 row [B, H, 2] (key 0 = BOS, key 1 = self)
-        rows.append(torch.stack([a[:, :, 1, :].float() for a in out.attentions], dim=0).cpu().double().numpy())
+        inp = torch.stack([torch.full_like(t, int(bos_id)), t], dim=1)
+        per_layer: list[torch.Tensor] = []
+        # each layer's [B, H, 2, 2] -> position-1 row [B, H, 2] (key 0 = BOS, key 1 = self)
+        adapter.run(inp, select=("attn_probs",), on_layer=lambda cap: per_layer.append(cap.attn_probs[:, :, 1, :].clone()))
+        rows.append(torch.stack(per_layer, dim=0).cpu().double().numpy())
     a = np.concatenate(rows, axis=1)  # [L, N, H, 2]
     L, _, H, _ = a.shape
     K = np.zeros((L, H, n, n + 2))

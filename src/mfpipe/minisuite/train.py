@@ -141,6 +141,8 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
+    from mfpipe.models.adapters import get_adapter
+
     prev_threads = torch.get_num_threads()
     n_threads = int(threads) if threads else (os.cpu_count() or 1)
     torch.set_num_threads(n_threads)
@@ -157,6 +159,8 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
         torch.manual_seed(int(c["seed"]))
         model = build_model(c, vocab_size, bos_id=bos_id, eos_id=eos_id)
         model.train()
+        # one adapter for every probe: the induction probe reads attention through its traced site
+        adapter = get_adapter(model)
         n_params = sum(p.numel() for p in model.parameters())
         data_rng = np.random.default_rng(int(c["seed"]))
         sampler = RowSampler(stream, c, vocab_size, special_ids, bos_id, data_rng)
@@ -175,7 +179,7 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
 
         def probe(step: int) -> tuple[np.ndarray, float]:
             scores, icl_loss = induction_metrics(
-                model,
+                adapter,
                 vocab_size,
                 special_ids,
                 int(c["context_length"]),

@@ -1,0 +1,286 @@
+"""The read/patch site: ONE nnsight-traced forward that reads, replaces and scores.
+
+:meth:`TracedSite.run` is the only code in mfpipe that touches activations inside a forward pass.
+Per layer it can
+
+* **read** the :class:`LayerCapture` fields named by ``select`` (like TransformerLens' ``names_filter``):
+  a field that is not selected is never read from the forward, converted or copied;
+* **replace** every head's read at the output projection's input (``patch_reads``), written back in
+  the model's dtype *before* the output projection runs, so on post-attention-norm blocks (Gemma-2,
+  OLMo-2) the replacement also passes through that norm;
+
+and after the last layer it hands over the final residual (``on_final``) and, when asked, runs the LM
+head for the logits and the next-token loss.
+
+nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/design/nnsight-notes.md``)
+-------------------------------------------------------------------------------------------------------
+* The trace body runs in a greenlet interleaved with the forward; ``.input`` / ``.output`` give real
+  tensors, and helper methods *called from* the body (``_trace_body``, ``_layer_site``) may read and
+  write envoys too. Plain names assigned in the body do not reach the caller (only ``.save()`` does),
+  so results leave through objects created outside (:class:`RunResult`, the callbacks).
+* Reads must follow forward-execution order; touching a module the forward already passed raises
+  ``nnsight.intervention.interleaver.OutOfOrderError``. :meth:`TracedSite._layer_site` therefore reads
+  in block order: block input, value source, output projection input, attention output, post-attention
+  norm, MLP branch.
+* Without logits we trace the decoder stack (``model.base_model``) rather than the causal LM with
+  ``tracer.stop()`` to skip the LM head: ``stop()`` raises an exception whose traceback keeps the last
+  layer's activations alive in a reference cycle until the next garbage collection.
+* Assigning ``envoy.input = tensor`` replaces the module's first positional input; writing back the
+  module's own input leaves the logits bit-identical.
+* Wrapping a model with ``NNsight`` leaves its plain forward bit-identical; several wrappers of one
+  model coexist (we keep one of the decoder stack and, once logits are asked for, one of the causal LM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+__all__ = ["CAPTURE_FIELDS", "LayerCapture", "RunResult", "TracedSite", "resolve_select"]
+
+
+@dataclass
+class LayerCapture:
+    """One layer's activations from :meth:`TracedSite.run` / ``capture`` (float32; do not modify in
+    place: for float32 models they are views of the model's own activations).
+
+    Shapes: B batch, T positions, H query heads, dh head width, d model width. A field that was not
+    selected is ``None``. Under ``patch_reads``, ``reads`` is what attention computed (before the
+    replacement); every field downstream of the output projection (``attn_out``, ``resid_mid``,
+    ``mlp_out``, later layers) reflects the patched forward.
+    """
+
+    layer: int
+    resid_in: Tensor | None = None  # [B,T,d] residual stream entering block `layer`
+    attn_probs: Tensor | None = None  # [B,H,T,T] attention probabilities (query, key)
+    values: Tensor | None = None  # [B,H,T,dh] per-head values (head space, before the output projection), GQA expanded
+    reads: Tensor | None = None  # [B,T,H,dh] per-head read = input of the output projection, split by head
+    attn_out: Tensor | None = None  # [B,T,d] what the attention branch adds to the residual (after post-attn norm if any)
+    resid_mid: Tensor | None = None  # [B,T,d] resid_in + attn_out
+    mlp_out: Tensor | None = None  # [B,T,d] what the MLP branch adds to the residual (after post-ff norm if any)
+
+
+CAPTURE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LayerCapture) if f.name != "layer")
+
+
+@dataclass
+class RunResult:
+    """What :meth:`TracedSite.run` returns (float32 tensors; ``None`` where not asked for)."""
+
+    logits: Tensor | None = None  # [B,T,V] (logits=True)
+    loss: Tensor | None = None  # scalar: mean next-token cross entropy (nats) over the B*(T-1) predictions
+    token_loss: Tensor | None = None  # [B,T-1]: cross entropy of predicting ids[:, i+1] at position i
+
+
+Select = str | Iterable[str] | Callable[[str], bool] | None
+PatchReads = Callable[[int, Tensor], Tensor | None]
+
+
+def resolve_select(select: Select) -> frozenset[str]:
+    """``"all"`` → every field of :class:`LayerCapture`; ``None`` or ``()`` → none; an iterable of field
+    names → those; a predicate ``name -> bool`` → the fields it accepts."""
+    if select is None:
+        return frozenset()
+    if isinstance(select, str):
+        if select == "all":
+            return frozenset(CAPTURE_FIELDS)
+        select = (select,)
+    if callable(select):
+        return frozenset(name for name in CAPTURE_FIELDS if select(name))
+    chosen = frozenset(select)
+    unknown = sorted(chosen - set(CAPTURE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"unknown LayerCapture field(s) {unknown} in select; choose from {list(CAPTURE_FIELDS)} or 'all'"
+        )
+    return chosen
+
+
+def _get_path(root, path: str):
+    """``root.a.b.c`` for ``path="a.b.c"`` (works on modules and on nnsight envoys)."""
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class TracedSite:
+    """Mixin of :class:`~mfpipe.models.adapters.Adapter`: the traced read/patch site.
+
+    Uses the adapter's module paths (``LAYERS``, ``FINAL_NORM``, ``V_SRC``, ``O_PROJ``, ``ATTN``,
+    ``POST_ATTN_NORM``, ``MLP``, ``POST_MLP_NORM``), its shapes and ``_values_from_src``.
+    """
+
+    _envoy = None  # nnsight wrapper of the decoder stack, built on the first run without logits
+    _lm_envoy = None  # nnsight wrapper of the causal LM, built on the first run with logits / loss
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether :meth:`run` can return logits (False when the adapter was built on a bare base model)."""
+        return self.model is not self.base
+
+    def _check_capturable(self) -> None:
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl != "eager":
+            raise ValueError(
+                f"Adapter.run/capture needs eager attention (got attn_implementation={impl!r}); load the model "
+                "with mfpipe.models.loader.load_model or call model.set_attn_implementation('eager')"
+            )
+        if self.model.training or self.base.training:
+            raise ValueError("Adapter.run/capture needs the model in eval mode (dropout); call model.eval()")
+
+    def _trace_roots(self, with_lm_head: bool):
+        """(envoy to trace, envoy of the decoder stack inside it)."""
+        from nnsight import NNsight
+
+        if not with_lm_head:
+            if self._envoy is None:
+                self._envoy = NNsight(self.base)
+            return self._envoy, self._envoy
+        if not self.has_lm_head:
+            raise ValueError(
+                f"logits/loss need the causal LM, but this adapter wraps the bare {type(self.base).__name__}: "
+                "build it with get_adapter(model) on the *ForCausalLM / *LMHeadModel"
+            )
+        if self._lm_envoy is None:
+            self._lm_envoy = NNsight(self.model)
+        return self._lm_envoy, _get_path(self._lm_envoy, self.model.base_model_prefix)
+
+    def run(
+        self,
+        input_ids,
+        *,
+        select: Select = "all",
+        on_layer: Callable[[LayerCapture], None] | None = None,
+        patch_reads: PatchReads | None = None,
+        on_final: Callable[[Tensor], None] | None = None,
+        logits: bool = False,
+        loss: bool = False,
+    ) -> RunResult:
+        """ONE nnsight-traced forward pass over ``input_ids`` [B,T] (no padding, no attention mask; any
+        integer tensor or array), under ``torch.no_grad()``.
+
+        * ``select``: which :class:`LayerCapture` fields to materialise (see :func:`resolve_select`);
+          unselected fields stay ``None`` and cost nothing.
+        * ``on_layer(LayerCapture)``: called once per layer, in layer order, from inside the trace, after
+          the layer's last selected tensor exists (real float32 tensors; views of the model's own
+          activations when the model is float32: do not modify them in place).
+        * ``patch_reads(layer, reads)``: called once per layer, in layer order, at the output projection's
+          input, with that layer's per-head reads [B,T,H,dh] (float32; do not modify in place). Return the
+          replacement [B,T,H,dh] (any float dtype; cast to the model's dtype and written back before the
+          output projection runs), or ``None`` to leave the layer untouched. Called before that layer's
+          ``on_layer``; ``LayerCapture.reads`` stays the unpatched read.
+        * ``on_final(final residual before the last norm [B,T,d], float32)``.
+        * ``logits``: run the full causal LM (LM head included) and return ``RunResult.logits`` [B,T,V]
+          float32. ``loss``: return ``RunResult.loss`` / ``token_loss`` (next-token cross entropy of the
+          float32 logits; needs T >= 2). Without either, only the decoder stack runs (no LM head).
+
+        Exceptions raised by the callbacks propagate unchanged.
+        """
+        self._check_capturable()
+        sel = resolve_select(select)
+        ids = torch.as_tensor(input_ids).to(device=self.device, dtype=torch.long)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(ids.shape)}")
+        if loss and ids.shape[1] < 2:
+            raise ValueError(f"loss needs at least 2 positions per row, got input_ids of shape {tuple(ids.shape)}")
+        root, base_env = self._trace_roots(with_lm_head=logits or loss)
+        result = RunResult()
+        # nested, not one `with a, b:` — nnsight captures the trace's own `with` block from the source
+        with torch.no_grad():  # noqa: SIM117
+            with root.trace(ids, use_cache=False):
+                self._trace_body(root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result)
+        return result
+
+    def capture(
+        self,
+        input_ids,
+        on_layer: Callable[[LayerCapture], None],
+        on_final: Callable[[Tensor], None] | None = None,
+    ) -> None:
+        """Every field of every layer: ``run(input_ids, select="all", on_layer=..., on_final=...)``.
+
+        Only the decoder stack (``model.base_model``) runs: the LM head is never computed.
+        """
+        self.run(input_ids, select="all", on_layer=on_layer, on_final=on_final)
+
+    # ------------------------------------------------------------------ inside the trace
+    def _trace_body(self, root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result) -> None:
+        """Runs in the nnsight worker, interleaved with the forward pass."""
+        layers_env = _get_path(base_env, self.LAYERS)
+        for layer in range(self.n_layers):
+            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads)
+            if on_layer is not None:
+                on_layer(cap)
+        if on_final is not None:
+            on_final(_get_path(base_env, self.FINAL_NORM).input.float())
+        if logits or loss:
+            out = root.output
+            lg = (out.logits if hasattr(out, "logits") else out[0]).float()
+            if logits:
+                result.logits = lg
+            if loss:
+                B, T, V = lg.shape
+                tl = torch.nn.functional.cross_entropy(
+                    lg[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none"
+                )
+                result.token_loss = tl.view(B, T - 1)
+                result.loss = tl.mean()
+
+    def _layer_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None) -> LayerCapture:
+        """One block: read the selected tensors and patch the reads, in forward-execution order.
+
+        Each ``.input`` / ``.output`` access parks until the forward pass reaches that module and returns
+        the real tensor; nothing is read that ``sel`` (and the patch) does not need.
+        """
+        need_resid_in = "resid_in" in sel or "resid_mid" in sel
+        need_attn_out = "attn_out" in sel or "resid_mid" in sel
+        cap = LayerCapture(layer=layer)
+        resid_in = layer_env.input.float() if need_resid_in else None
+        if "values" in sel:
+            cap.values = self._values_from_src(_get_path(layer_env, self.V_SRC).output).float()
+        if "reads" in sel or patch_reads is not None:
+            o_env = _get_path(layer_env, self.O_PROJ)
+            flat = o_env.input  # [B,T,H*dh]
+            B, T = flat.shape[:2]
+            reads = flat.view(B, T, self.n_heads, self.d_head).float()
+            if "reads" in sel:
+                cap.reads = reads
+            if patch_reads is not None:
+                new = patch_reads(layer, reads)
+                if new is not None:
+                    o_env.input = self._patched_input(new, flat, layer)
+        attn_out = None
+        if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None):
+            attn_res = _get_path(layer_env, self.ATTN).output
+            if "attn_probs" in sel:
+                cap.attn_probs = attn_res[1].float()
+            if need_attn_out and self.POST_ATTN_NORM is None:
+                attn_out = attn_res[0]
+        if need_attn_out and self.POST_ATTN_NORM is not None:
+            attn_out = _get_path(layer_env, self.POST_ATTN_NORM).output
+        if need_attn_out:
+            attn_out = attn_out.float()
+            if "attn_out" in sel:
+                cap.attn_out = attn_out
+        if "mlp_out" in sel:
+            cap.mlp_out = _get_path(layer_env, self.POST_MLP_NORM or self.MLP).output.float()
+        if "resid_in" in sel:
+            cap.resid_in = resid_in
+        if "resid_mid" in sel:
+            cap.resid_mid = resid_in + attn_out
+        return cap
+
+    def _patched_input(self, new: Tensor, flat: Tensor, layer: int) -> Tensor:
+        """The replacement reads as the output projection's input: [B,T,H*dh] in the model's dtype/device."""
+        want = (*flat.shape[:2], self.n_heads, self.d_head)
+        if not isinstance(new, Tensor) or tuple(new.shape) != want:
+            got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+            raise ValueError(
+                f"patch_reads(layer={layer}) returned {got}; return the replacement reads as a tensor of shape "
+                f"[B,T,H,dh] = {list(want)} (or None to leave the layer unpatched)"
+            )
+        return new.to(device=flat.device, dtype=flat.dtype).reshape(flat.shape)

@@ -1,0 +1,197 @@
+"""The ONE independent HF reference the tests compare mfpipe against.
+
+Module paths and value layouts are written out here again on purpose: nothing is taken from
+``mfpipe.models.adapters`` (that is the code under test). Activations come from HF's own
+``output_attentions`` / ``output_hidden_states`` and plain torch forward (pre-)hooks on the HF modules;
+head reads are patched with a plain ``forward_pre_hook`` on the output projection (no nnsight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+# Per HF model_type, paths from the causal LM (layers, final) or from one block (the rest):
+#   v_src: module whose output holds the values; o_proj: output projection (its input = the per-head reads);
+#   attn: attention module (output[0] = o_proj output, output[1] = probabilities);
+#   attn_norm: pre-attention norm (None: attention reads the residual itself);
+#   attn_out: module whose output is what attention adds to the residual (None: the attention module's);
+#   mlp_out: module whose output is what the MLP branch adds to the residual.
+_LLAMA = dict(
+    layers="model.layers",
+    final="model.norm",
+    v_src="self_attn.v_proj",
+    o_proj="self_attn.o_proj",
+    attn="self_attn",
+    attn_norm="input_layernorm",
+    attn_out=None,
+    mlp_out="mlp",
+)
+PATHS: dict[str, dict] = {
+    "gpt2": dict(
+        layers="transformer.h",
+        final="transformer.ln_f",
+        v_src="attn.c_attn",
+        o_proj="attn.c_proj",
+        attn="attn",
+        attn_norm="ln_1",
+        attn_out=None,
+        mlp_out="mlp",
+    ),
+    "gpt_neox": dict(
+        layers="gpt_neox.layers",
+        final="gpt_neox.final_layer_norm",
+        v_src="attention.query_key_value",
+        o_proj="attention.dense",
+        attn="attention",
+        attn_norm="input_layernorm",
+        attn_out=None,
+        mlp_out="mlp",
+    ),
+    "llama": _LLAMA,
+    "qwen3": _LLAMA,
+    "gemma2": dict(_LLAMA, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+    "olmo2": dict(_LLAMA, attn_norm=None, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+}
+
+
+def module(root, path: str):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def spec(model) -> dict:
+    return PATHS[model.config.model_type]
+
+
+def blocks(model):
+    return module(model, spec(model)["layers"])
+
+
+def final_norm(model):
+    return module(model, spec(model)["final"])
+
+
+def o_proj(model, layer: int):
+    return module(blocks(model)[layer], spec(model)["o_proj"])
+
+
+def shape(model) -> tuple[int, int, int]:
+    """(H query heads, KV heads, head width)."""
+    cfg = model.config
+    H = cfg.num_attention_heads
+    KV = getattr(cfg, "num_key_value_heads", None) or H
+    dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    return H, KV, dh
+
+
+def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
+    """Output of the value source [B,T,*] -> per-query-head values [B,H,T,dh] (KV head h // (H // KV))."""
+    mt = model.config.model_type
+    H, KV, dh = shape(model)
+    B, T = out.shape[:2]
+    if mt == "gpt2":  # Conv1D d -> 3d laid out [q | k | v]
+        d = model.config.hidden_size
+        v = out[..., 2 * d : 3 * d].reshape(B, T, H, dh)
+    elif mt == "gpt_neox":  # fused, per head [q | k | v]
+        v = out.reshape(B, T, H, 3, dh)[..., 2, :]
+    else:
+        kv = out.reshape(B, T, KV, dh)
+        v = torch.stack([kv[:, :, h // (H // KV)] for h in range(H)], dim=2)
+    return v.permute(0, 2, 1, 3)
+
+
+PatchFn = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+@contextmanager
+def patched_reads(model, patch: PatchFn):
+    """Replace head reads with a plain forward_pre_hook on each layer's output projection:
+    ``patch(layer, reads [B,T,H,dh]) -> new reads`` (or None: unchanged)."""
+    H, _, dh = shape(model)
+
+    def hook_for(layer):
+        def hook(mod, args):
+            x = args[0]
+            new = patch(layer, x.reshape(*x.shape[:2], H, dh))
+            if new is None:
+                return None
+            return (new.to(x.dtype).reshape(x.shape), *args[1:])
+
+        return hook
+
+    handles = [o_proj(model, l).register_forward_pre_hook(hook_for(l)) for l in range(len(blocks(model)))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dict:
+    """One HF forward with hooks; per layer (tensors in the model's dtype, cloned):
+
+    ``resid_in`` [B,T,d], ``probs`` [B,H,T,T], ``values`` [B,H,T,dh], ``reads`` [B,T,H,dh] (before any patch),
+    ``o_out`` (output projection output), ``attn_block_out`` (attention module output[0]), ``attn_out`` (what
+    attention adds to the residual), ``mlp_out``, ``ln_in`` (pre-attention norm output, the residual where
+    there is none); plus ``final`` (input of the last norm), ``final_normed`` and ``logits``. ``patch`` is
+    applied as in :func:`patched_reads`.
+    """
+    sp = spec(model)
+    H, _, dh = shape(model)
+    rec: dict = {}
+    handles = []
+
+    def out_hook(key):
+        def hook(mod, args, out):
+            rec[key] = (out if isinstance(out, torch.Tensor) else out[0]).detach().clone()
+
+        return hook
+
+    def in_hook(key):
+        def hook(mod, args):
+            rec[key] = args[0].detach().clone()
+
+        return hook
+
+    layers = blocks(model)
+    for l, blk in enumerate(layers):
+        handles.append(module(blk, sp["v_src"]).register_forward_hook(out_hook(("v", l))))
+        handles.append(module(blk, sp["o_proj"]).register_forward_pre_hook(in_hook(("reads", l))))
+        handles.append(module(blk, sp["o_proj"]).register_forward_hook(out_hook(("o_out", l))))
+        handles.append(module(blk, sp["attn"]).register_forward_hook(out_hook(("attn", l))))
+        if sp["attn_out"]:
+            handles.append(module(blk, sp["attn_out"]).register_forward_hook(out_hook(("attn_out", l))))
+        if sp["attn_norm"]:
+            handles.append(module(blk, sp["attn_norm"]).register_forward_hook(out_hook(("ln_in", l))))
+        handles.append(module(blk, sp["mlp_out"]).register_forward_hook(out_hook(("mlp_out", l))))
+    fin = final_norm(model)
+    handles.append(fin.register_forward_pre_hook(in_hook("final")))
+    handles.append(fin.register_forward_hook(out_hook("final_normed")))
+    try:
+        with torch.no_grad(), patched_reads(model, patch or (lambda layer, reads: None)):
+            out = model(torch.as_tensor(ids), output_attentions=True, output_hidden_states=True, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer = []
+    for l in range(len(layers)):
+        reads = rec[("reads", l)]
+        resid_in = out.hidden_states[l]
+        per_layer.append(
+            dict(
+                resid_in=resid_in,
+                probs=out.attentions[l],
+                values=values_from_src(model, rec[("v", l)]),
+                reads=reads.reshape(*reads.shape[:2], H, dh),
+                o_out=rec[("o_out", l)],
+                attn_block_out=rec[("attn", l)],
+                attn_out=rec[("attn_out", l)] if sp["attn_out"] else rec[("attn", l)],
+                mlp_out=rec[("mlp_out", l)],
+                ln_in=rec[("ln_in", l)] if sp["attn_norm"] else resid_in,
+            )
+        )
+    return dict(layers=per_layer, final=rec["final"], final_normed=rec["final_normed"], logits=out.logits)
