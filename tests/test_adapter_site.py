@@ -17,11 +17,8 @@ POSITIONS = [3, 7, 8, 15]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=TINY_MODEL_TYPES)

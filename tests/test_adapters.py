@@ -37,12 +37,8 @@ def _case_id(case):
 
 # --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add sync overhead (and stall badly on a loaded machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=_case_id)
