@@ -4,7 +4,7 @@
 #   snakemake --profile profiles/default      # the same with the project's default options
 #   snakemake -n                              # what would run, and why
 
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("8.0")
 
@@ -12,7 +12,11 @@ min_version("8.0")
 configfile: "config/config.yaml"
 
 
-validate(config, "workflow/schemas/config.schema.yaml")
+# the config is validated against workflow/schemas/config.schema.yaml in workflow/rules/common.smk, with
+# one-line messages that name the key
+
+
+report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"

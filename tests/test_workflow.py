@@ -194,3 +194,127 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
                               f"by {sorted(importers)}); stale although not importing it: {sorted(stale_others)}")
     assert not mismatches, "\n".join(mismatches)
     assert planned_jobs(snakemake(built, "-n")) == []
+
+
+# ------------------------------------------------------------------------------------ SLURM (issue 12)
+SLURM_UP = REPO / ".ci" / "slurm-up"
+
+
+def slurm_available() -> str | None:
+    """None when a SLURM cluster answers (bringing up the single-node one of .ci/slurm-up if need be), else why not.
+    Under .ci/run (MFPIPE_SLURM=required) a cluster that does not answer is a failure, not a skip."""
+    if os.environ.get("MFPIPE_SLURM") != "required" and not shutil.which("sinfo"):
+        return "no SLURM here (sinfo not found); .ci/run brings up a single-node cluster with .ci/slurm-up"
+    out = subprocess.run([str(SLURM_UP)], capture_output=True, text=True, timeout=900)
+    if out.returncode == 0:
+        return None
+    reason = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+    assert out.returncode == 3 and os.environ.get("MFPIPE_SLURM") != "required", f".ci/slurm-up failed: {out.stderr[-3000:]}"
+    return reason
+
+
+def slurm_test_profile(dest: Path) -> Path:
+    """profiles/slurm as shipped, plus what this cluster needs: squeue for job status (the plugin's default,
+    sacct, needs slurmdbd and would wait forever), no account (none exists without slurmdbd), and short polls."""
+    cfg = yaml.safe_load((REPO / "profiles" / "slurm" / "config.v8+.yaml").read_text())
+    assert cfg["executor"] == "slurm"
+    cfg.update({"slurm-status-command": "squeue", "slurm-no-account": True,
+                "slurm-init-seconds-before-status-checks": 2, "seconds-between-status-checks": 3})
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.v8+.yaml").write_text(yaml.safe_dump(cfg))
+    return dest
+
+
+def result_files(root: Path) -> dict[str, Path]:
+    """Every result file by path relative to ``root``; a Zarr store counts as one entry."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if any(part.endswith(".zarr") for part in p.relative_to(root).parts[:-1]):
+            continue
+        if p.is_file() or p.suffix == ".zarr":
+            out[str(p.relative_to(root))] = p
+    return out
+
+
+def same_result(a: Path, b: Path) -> bool:
+    """Equal results: Zarr stores and .npz partials by their arrays and attributes (their containers carry
+    write times), JSON without its timings, figures by existence (a PDF carries its creation date; its numbers are in the compared table),
+    every other file byte for byte."""
+    import numpy as np
+
+    if a.suffix == ".zarr":
+        import xarray as xr
+
+        da, db = xr.open_zarr(a, consolidated=False).load(), xr.open_zarr(b, consolidated=False).load()
+        return da.identical(db)
+    if a.suffix == ".npz":
+        with np.load(a, allow_pickle=False) as x, np.load(b, allow_pickle=False) as y:
+            return sorted(x.files) == sorted(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
+    if a.suffix in (".pdf", ".png"):
+        return b.stat().st_size > 0
+    if a.suffix == ".json":
+        import json
+
+        return without_timings(json.loads(a.read_text())) == without_timings(json.loads(b.read_text()))
+    return a.read_bytes() == b.read_bytes()
+
+
+TIMINGS = {"elapsed_s", "wall_time_s", "cpu_time_s"}  # training.json records how long training took, not a result
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):
+    """Issue 12: the ci config through `--profile profiles/slurm` on a real (single-node) SLURM completes,
+    submits its forward-pass jobs to SLURM, and gives the same results as the local run of `built`."""
+    reason = slurm_available()
+    if reason:
+        pytest.skip(reason)
+    wd = clone(tmp_path_factory.mktemp("slurm"))
+    profile = slurm_test_profile(tmp_path_factory.mktemp("profile") / "slurm")
+    text = snakemake(wd, "--profile", str(profile))
+    ids = re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+)/", text)
+    report = os.environ.get("MFPIPE_SLURM_REPORT")
+    if report:
+        Path(report).write_text("SLURM profile run of the ci config, submitted jobs (SLURM jobid rule):\n"
+                                + "".join(f"  {j} {r}\n" for j, r in ids))
+    rules = {r for _, r in ids}
+    assert {"minisuite_train", "corpus_shards", "stats_shard", "rollout_scores", "error_accounting"} <= rules, ids
+    assert not rules & {"stats_merge", "rollout_table", "coverage_table"} and not any(
+        r.startswith("figure_") for r in rules), f"cheap rules stay local: {sorted(rules)}"
+    local, remote = result_files(built / "results"), result_files(wd / "results")
+    assert sorted(remote) == sorted(local)
+    differ = [k for k in local if not same_result(local[k], remote[k])]
+    assert not differ, f"the SLURM run differs from the local run in {differ}"
+
+
+# ------------------------------------------------------------------------------------ report (issue 12)
+def test_report_collects_every_figure_and_table_with_captions_and_the_config(built, tmp_path):
+    """`snakemake --report report.zip` from the ci run: every figure target (PDF and PNG) and every result table
+    is in the archive, with its caption (workflow/report/*.rst), and the run's configuration is recorded."""
+    import zipfile
+
+    figures = sorted(p.name for p in (built / "results" / "figures").iterdir())
+    assert len(figures) == 5 * 2 * 2, figures  # 5 figures x 2 models x (pdf, png) in the ci DAG
+    out = tmp_path / "report.zip"
+    snakemake(built, "--report", str(out))
+    with zipfile.ZipFile(out) as z:
+        names = z.namelist()
+        html = "\n".join(z.read(n).decode("utf-8", "replace") for n in names if n.endswith((".html", ".js")))
+    in_zip = {Path(n).name for n in names}
+    assert not [f for f in figures if f not in in_zip], sorted(in_zip)
+    tables = ["rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy", "cross_corpus"]
+    want_tables = [f"{t}_{m}_step20.csv" for t in tables for m in ("mini-gpt2", "mini-neox")]
+    want_tables += ["coverage_positions.csv", "coverage_attention.csv", "induction.md"]
+    assert not [t for t in want_tables if t not in in_zip], sorted(in_zip)
+    for fig in ("rollout", "teacher_forced", "error_decomposition", "clustering", "cross_corpus"):
+        caption = (REPO / "workflow" / "report" / f"figure_{fig}.rst").read_text().split(":")[0]
+        first = caption.split("{{")[0].strip()
+        assert first and first in html, f"caption of {fig} missing from the report"
+    assert "shakespeare-ci" in html and "tokens_per_half" in html, "the run's configuration is in the report"

@@ -36,7 +36,9 @@ def validate_schema(config: dict, schema_path: str | Path = SCHEMA_PATH) -> None
         for e in errors:
             where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
             lines.append(f"config key {where}: {e.message}")
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+        # one line: a console shows it last, where a user looks first
+        raise ConfigError("; ".join(lines) + " (fix it in your config file; every key, its allowed values and "
+                          "default: workflow/schemas/config.schema.yaml)")
     apply_defaults(config)
 
 

@@ -1,15 +1,21 @@
 """What every analysis job script does before its own work: use the job's threads, load the (model,
-revision) a rule names with its adapter, and log a failure to the rule's log before re-raising."""
+revision) a rule names with its adapter, and report a failure where users look."""
 
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 from typing import Any, Callable
+
+# The prefix of the one line that states a failed job's cause; the workflow's `onerror` handler finds it in the
+# rule logs and repeats it as the last console output (workflow/rules/common.smk).
+CAUSE_PREFIX = "mfpipe error: "
 
 
 def load_job_model(params: Any, threads: int | None = None):
     """(model, adapter) for a rule whose params carry ``model_spec``, ``revision``, ``dtype``, ``device``
-    and ``results`` (see ``model_params()`` in workflow/rules/rollout.smk)."""
+    and ``results`` (see ``model_params()`` in workflow/rules/common.smk)."""
     import torch
 
     from mfpipe.models.adapters import get_adapter
@@ -22,11 +28,34 @@ def load_job_model(params: Any, threads: int | None = None):
     return model, get_adapter(model)
 
 
+def one_line_cause(exc: BaseException) -> str:
+    """The exception as one line: its type and message (messages of mfpipe's errors already carry the advice)."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def run_logged(main: Callable[[], None], log: logging.Logger) -> None:
-    """Run a job's ``main``; an exception goes to the rule's log with its traceback, then propagates so
-    Snakemake marks the job failed and removes its outputs."""
+    """Run a job's ``main``. On failure the rule's log gets the one-line cause and, below it, the traceback;
+    stderr gets only the cause, as its last line (a traceback there buries the advice under screens of frames).
+    The job then exits non-zero, so Snakemake marks it failed and removes its outputs."""
     try:
         main()
-    except BaseException:
-        log.exception("failed")
+    except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseException as e:
+        cause = CAUSE_PREFIX + one_line_cause(e)
+        tb = traceback.format_exc()
+        files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+        for h in files:
+            h.acquire()
+            try:
+                h.stream.write(f"{cause}\n{tb}")
+                h.flush()
+            finally:
+                h.release()
+        if not files:  # no log file to hold it: the traceback must not be lost
+            sys.stderr.write(tb)
+        sys.stderr.flush()
+        sys.stderr.write(cause + "\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None

@@ -1,20 +1,26 @@
-# Shared helpers: config cross-checks, model specs, paths, code dependencies.
-import os
+# Every helper of the workflow's rule modules, kept apart from the rules as snakemake --lint asks. Config
+# cross-checks, model specs, paths, code dependencies, what a job asks a cluster for.
 import sys
 from pathlib import Path
 
 SRC = Path(workflow.basedir) / "src"
-sys.path.insert(0, str(SRC))  # the workflow always runs the library of its own checkout,
-os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # its jobs too
+# The workflow always runs the library of its own checkout. Its jobs do too, without PYTHONPATH (which a conda
+# environment blocks): each job script first imports workflow/scripts/_mfpipe_checkout.py, which puts SRC first.
+sys.path.insert(0, str(SRC))
 
 from mfpipe.codedeps import script_dependencies  # noqa: E402
-from mfpipe.config import ConfigError, apply_defaults, check_config, corpora, minimodel, resolve_revisions  # noqa: E402
+from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions, validate_schema  # noqa: E402
+from mfpipe.preflight import check_inputs  # noqa: E402
 
-apply_defaults(config)  # every option's default lives in the schema, once
+# Everything that can be checked before a job runs is checked here, when the DAG is built: the schema (every
+# option's default lives there, once, and is filled in), the cross-checks, then the inputs themselves (model
+# architectures, corpus files, N against each vocabulary, revisions). Each failure is one line naming the key.
 try:
+    validate_schema(config)
     check_config(config)
+    check_inputs(config)
 except ConfigError as e:
-    raise WorkflowError(str(e))
+    raise WorkflowError(str(e)) from None
 
 
 def _canonical(value):
@@ -31,7 +37,7 @@ _sorted_config = _canonical(dict(config))
 config.clear()
 config.update(_sorted_config)
 
-R = "results"
+R = config["results"]  # the one key every output path derives from
 CORPUS = config["corpus"]["name"]
 CORPORA = corpora(config)  # primary first, then cross corpora (App. G)
 CROSS = [c for c in CORPORA if c != CORPUS]
@@ -45,7 +51,7 @@ SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
 
 def code(script):
-    """The library files job script `script` imports, directly or not (mfpipe.codedeps): a rule lists them as
+    """The library files job script `script` imports, directly or not (mfpipe.codedeps). Rules list them as
     inputs, so editing a module reruns exactly the jobs that run it, and no hand-written list can drift."""
     return script_dependencies(SRC, SCRIPTS / script)
 
@@ -79,14 +85,20 @@ def model_spec(wildcards):
     return MODELS[wildcards.model]
 
 
+def results_dir(wildcards):
+    """The results folder, for jobs that resolve mini-suite paths under it (a function, not the literal
+    prefix: `--lint` rightly flags hard-coded output prefixes in params)."""
+    return R
+
+
 def model_params():
-    """Params of a rule that loads (model, revision): read by mfpipe.jobs.load_job_model."""
+    """Params of every job that loads (model, revision), read by mfpipe.jobs.load_job_model."""
     return dict(
         model_spec=model_spec,
         revision="{revision}",
         dtype=lambda wc: MODELS[wc.model].get("dtype", config["runtime"]["dtype"]),
         device=config["runtime"]["device"],
-        results=R,
+        results=results_dir,
     )
 
 
@@ -106,6 +118,86 @@ def all_targets():
     return targets
 
 
+
+# ------------------------------------------------------------------ statistics (workflow/rules/stats.smk)
+def shard_ids(wildcards):
+    """Shard numbers of a dataset, known once the corpus checkpoint has run."""
+    corpus, half = dataset_parts(wildcards.dataset)
+    shards = checkpoints.corpus_shards.get(corpus=corpus, model=wildcards.model).output[0]
+    return sorted(Path(p).name[len("shard-") : -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
+
+
+def stats_partials(wildcards):
+    return [
+        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/shard-{i}.npz"
+        for i in shard_ids(wildcards)
+    ]
+
+
+def dataset_shard(wildcards):
+    corpus, half = dataset_parts(wildcards.dataset)
+    return f"{R}/corpus/{corpus}/{wildcards.model}/shards/{half}/shard-{wildcards.i}.npz"
+
+
+def dataset_shards_dir(wildcards):
+    return f"{R}/corpus/{dataset_parts(wildcards.dataset)[0]}/{wildcards.model}/shards"
+
+
+# ----------------------------------------------------------------- rollout (workflow/rules/rollout.smk)
+def stats_store(dataset):
+    return f"{R}/stats/{{model}}/{{revision}}/{dataset}.zarr"
+
+
+def table_stem(name):
+    """results/tables/<name>_{model}_{revision}: one table of the error accounting (CSV + Markdown)."""
+    return f"{R}/tables/{name}_{{model}}_{{revision}}"
+
+
+def rollout_targets():
+    """Every output of the rollout stage for the configured models and revisions."""
+    t = [f"{R}/tables/coverage_attention.csv", f"{R}/tables/coverage_attention.md"]
+    for m in MODELS:
+        for rev in REVISIONS[m]:
+            t.append(f"{R}/rollout/{m}/{rev}/scores.csv")
+            for name in ("rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy",
+                         "cross_corpus"):
+                t += [f"{R}/tables/{name}_{m}_{rev}.csv", f"{R}/tables/{name}_{m}_{rev}.md"]
+            t += figure_targets(m, rev)
+    return t
+
+
+def figure_targets(model, revision):
+    return [f"{R}/figures/{fig}_{model}_{revision}.{ext}" for fig in FIGURES for ext in ("pdf", "png")]
+
+
+# ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)
+ENV = "../envs/mfpipe.yaml"  # one software environment for every rule (`--sdm conda`), relative to the rule files
+
+
+def cluster_resources(kind):
+    """What a submitted job of kind `forward` (a forward pass or training: GPU, many cores) or `cpu` (the
+    corpus stage) asks for. Names are those of snakemake-executor-plugin-slurm (`mem_mb`, `runtime` in
+    minutes, `gpu`, `gpu_model`, `slurm_partition`, `slurm_account`); on a workstation only `gpu` counts, and
+    only against an explicit `--resources gpu=N`."""
+    c = config["cluster"]
+    k = c[kind]
+    res = dict(mem_mb=k["mem_mb"], runtime=k["runtime"])
+    if kind == "forward" and config["runtime"]["device"] != "cpu" and k["gpus"]:
+        res["gpu"] = k["gpus"]
+        if k["gpu_model"]:
+            res["gpu_model"] = k["gpu_model"]
+    if c["partition"]:
+        res["slurm_partition"] = c["partition"]
+    if c["account"]:
+        res["slurm_account"] = c["account"]
+    return res
+
+
+def cluster_threads(kind):
+    """Threads of a job of that kind: `cluster.<kind>.cpus` (a workstation's --cores caps them)."""
+    return config["cluster"][kind]["cpus"]
+
+
 wildcard_constraints:
     model="|".join(MODELS) if MODELS else "NONE",
     mini="|".join(MINI) if MINI else "NONE",
@@ -114,3 +206,12 @@ wildcard_constraints:
     dataset="(?:(?:" + "|".join(CROSS or ["NONE"]) + ")/)?(?:stats|eval)",
     revision="[A-Za-z0-9._-]+",
     i="[0-9]+",
+
+
+# ------------------------------------------------------------------ report (snakemake --report report.zip)
+TABLE_CAPTION = "../report/table.rst"
+
+
+def table_report(path, name):
+    """`path` (a result CSV) as a report item with the shared table caption."""
+    return report(path, caption=TABLE_CAPTION, category="Tables", subcategory=name)

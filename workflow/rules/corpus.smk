@@ -11,7 +11,12 @@ checkpoint corpus_shards:
     params:
         corpus=lambda wc: CORPORA[wc.corpus],
         model=model_spec,
-        results=R,
+        results=results_dir,
+    threads: cluster_threads("cpu")
+    resources:
+        **cluster_resources("cpu"),
+    conda:
+        ENV
     log:
         "logs/corpus/{corpus}/{model}/shards.log",
     script:
@@ -28,7 +33,10 @@ rule tracked_types:
     params:
         n_types=config["tracked"]["n_types"],
         model=model_spec,
-        results=R,
+        results=results_dir,
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/corpus/{corpus}/{model}/tracked.log",
     script:
@@ -40,10 +48,13 @@ rule coverage_table:
         tracked=expand(f"{R}/corpus/{CORPUS}/{{model}}/tracked.json", model=list(MODELS)),
         code=code("coverage_table.py"),
     output:
-        csv=f"{R}/tables/coverage_positions.csv",
+        csv=table_report(f"{R}/tables/coverage_positions.csv", "coverage"),
         md=f"{R}/tables/coverage_positions.md",
     params:
         models=list(MODELS),
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/tables/coverage_positions.log",
     script:

@@ -26,11 +26,16 @@ for _fig, (_table, _title) in FIGURES.items():
             table=_table,
             code=code("plot_figure.py"),
         output:
-            pdf=f"{R}/figures/{_fig}_{{model}}_{{revision}}.pdf",
-            png=f"{R}/figures/{_fig}_{{model}}_{{revision}}.png",
+            pdf=report(f"{R}/figures/{_fig}_{{model}}_{{revision}}.pdf", caption=f"../report/figure_{_fig}.rst",
+                       category="Figures", subcategory="{model} @ {revision}"),
+            png=report(f"{R}/figures/{_fig}_{{model}}_{{revision}}.png", caption=f"../report/figure_{_fig}.rst",
+                       category="Figures", subcategory="{model} @ {revision}"),
         params:
             kind=_fig,
             title=_title,
+        localrule: True
+        conda:
+            ENV
         log:
             f"logs/figures/{_fig}_{{model}}_{{revision}}.log",
         script:

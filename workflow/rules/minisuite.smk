@@ -11,6 +11,9 @@ rule minisuite_tokenizer:
         vocab_size=config["minisuite"]["tokenizer"]["vocab_size"] if "minisuite" in config else None,
         min_frequency=config["minisuite"]["tokenizer"]["min_frequency"] if "minisuite" in config else None,
         corpus=config.get("minisuite", {}).get("corpus"),
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/minisuite/tokenizer.log",
     script:
@@ -28,7 +31,11 @@ rule minisuite_train:
     params:
         cfg=lambda wc: MINI[wc.mini],
         corpus=config.get("minisuite", {}).get("corpus"),
-    threads: workflow.cores
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
     log:
         "logs/minisuite/{mini}.log",
     script:
@@ -40,7 +47,10 @@ rule induction_table:
         induction=expand(f"{R}/minisuite/{{mini}}/induction.csv", mini=sorted(MINI.keys() & MODELS.keys())),
         code=code("induction_table.py"),
     output:
-        f"{R}/tables/induction.md",
+        table_report(f"{R}/tables/induction.md", "induction"),
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/tables/induction.log",
     script:

@@ -6,24 +6,6 @@
 ROLLOUT = config["rollout"]  # defaults filled from the schema (common.smk)
 
 
-def stats_store(dataset):
-    return f"{R}/stats/{{model}}/{{revision}}/{dataset}.zarr"
-
-
-def rollout_targets():
-    """Every output of the rollout stage for the configured models and revisions."""
-    t = [f"{R}/tables/coverage_attention.csv", f"{R}/tables/coverage_attention.md"]
-    for m in MODELS:
-        for rev in REVISIONS[m]:
-            t.append(f"{R}/rollout/{m}/{rev}/scores.csv")
-            for name in ("rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy",
-                         "cross_corpus"):
-                t += [f"{R}/tables/{name}_{m}_{rev}.csv", f"{R}/tables/{name}_{m}_{rev}.md"]
-            for fig in FIGURES:
-                t += [f"{R}/figures/{fig}_{m}_{rev}.pdf", f"{R}/figures/{fig}_{m}_{rev}.png"]
-    return t
-
-
 rule rollout_scores:
     input:
         stats=stats_store("stats"),
@@ -40,7 +22,11 @@ rule rollout_scores:
         init=ROLLOUT["init"],
         min_count=ROLLOUT["min_count"],
         **model_params(),
-    threads: workflow.cores
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
     log:
         "logs/rollout/{model}/{revision}/scores.log",
     script:
@@ -52,16 +38,15 @@ rule rollout_table:
         scores=f"{R}/rollout/{{model}}/{{revision}}/scores.csv",
         code=code("rollout_table.py"),
     output:
-        csv=f"{R}/tables/rollout_{{model}}_{{revision}}.csv",
+        csv=table_report(f"{R}/tables/rollout_{{model}}_{{revision}}.csv", "rollout"),
         md=f"{R}/tables/rollout_{{model}}_{{revision}}.md",
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/rollout/{model}/{revision}/table.log",
     script:
         "../scripts/rollout_table.py"
-
-
-def _acc(name):
-    return f"{R}/tables/{name}_{{model}}_{{revision}}"
 
 
 rule error_accounting:
@@ -71,21 +56,25 @@ rule error_accounting:
         model=model_input,
         code=code("error_accounting.py"),
     output:
-        teacher_forced=_acc("teacher_forced") + ".csv",
-        teacher_forced_md=_acc("teacher_forced") + ".md",
-        error_decomposition=_acc("error_decomposition") + ".csv",
-        error_decomposition_md=_acc("error_decomposition") + ".md",
-        mlp_gap=_acc("mlp_gap") + ".csv",
-        mlp_gap_md=_acc("mlp_gap") + ".md",
-        clustering=_acc("clustering") + ".csv",
-        clustering_md=_acc("clustering") + ".md",
-        anisotropy=_acc("anisotropy") + ".csv",
-        anisotropy_md=_acc("anisotropy") + ".md",
+        teacher_forced=table_report(table_stem("teacher_forced") + ".csv", "teacher_forced"),
+        teacher_forced_md=table_stem("teacher_forced") + ".md",
+        error_decomposition=table_report(table_stem("error_decomposition") + ".csv", "error_decomposition"),
+        error_decomposition_md=table_stem("error_decomposition") + ".md",
+        mlp_gap=table_report(table_stem("mlp_gap") + ".csv", "mlp_gap"),
+        mlp_gap_md=table_stem("mlp_gap") + ".md",
+        clustering=table_report(table_stem("clustering") + ".csv", "clustering"),
+        clustering_md=table_stem("clustering") + ".md",
+        anisotropy=table_report(table_stem("anisotropy") + ".csv", "anisotropy"),
+        anisotropy_md=table_stem("anisotropy") + ".md",
     params:
         min_count=ROLLOUT["min_count"],
         diagnostics_half=ROLLOUT["diagnostics_half"],
         **model_params(),
-    threads: workflow.cores
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
     log:
         "logs/rollout/{model}/{revision}/error_accounting.log",
     script:
@@ -97,8 +86,11 @@ rule attention_coverage:
         stats=[f"{R}/stats/{m}/{rev}/stats.zarr" for m in MODELS for rev in REVISIONS[m]],
         code=code("attention_coverage.py"),
     output:
-        csv=f"{R}/tables/coverage_attention.csv",
+        csv=table_report(f"{R}/tables/coverage_attention.csv", "coverage"),
         md=f"{R}/tables/coverage_attention.md",
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/tables/coverage_attention.log",
     script:
@@ -113,7 +105,7 @@ rule cross_corpus:
         code=code("cross_corpus.py"),
     output:
         scores=f"{R}/rollout/{{model}}/{{revision}}/cross_corpus_scores.csv",
-        csv=f"{R}/tables/cross_corpus_{{model}}_{{revision}}.csv",
+        csv=table_report(f"{R}/tables/cross_corpus_{{model}}_{{revision}}.csv", "cross_corpus"),
         md=f"{R}/tables/cross_corpus_{{model}}_{{revision}}.md",
     params:
         corpora=list(CORPORA),
@@ -121,7 +113,11 @@ rule cross_corpus:
         init=ROLLOUT["init"],
         min_count=ROLLOUT["min_count"],
         **model_params(),
-    threads: workflow.cores
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
     log:
         "logs/rollout/{model}/{revision}/cross_corpus.log",
     script:

@@ -2,28 +2,7 @@
 # sums; a merge per (model, revision, dataset) writes the labelled, layer-chunked Zarr store.
 # A dataset is a half of the primary corpus (`stats`, `eval`) or of a cross corpus (`<name>/stats`).
 
-
-def shard_ids(wildcards):
-    """Shard numbers of a dataset, known once the corpus checkpoint has run."""
-    corpus, half = dataset_parts(wildcards.dataset)
-    shards = checkpoints.corpus_shards.get(corpus=corpus, model=wildcards.model).output[0]
-    return sorted(Path(p).name[len("shard-") : -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
-
-
-def stats_partials(wildcards):
-    return [
-        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/shard-{i}.npz"
-        for i in shard_ids(wildcards)
-    ]
-
-
-def dataset_shard(wildcards):
-    corpus, half = dataset_parts(wildcards.dataset)
-    return f"{R}/corpus/{corpus}/{wildcards.model}/shards/{half}/shard-{wildcards.i}.npz"
-
-
-def dataset_shards_dir(wildcards):
-    return f"{R}/corpus/{dataset_parts(wildcards.dataset)[0]}/{wildcards.model}/shards"
+# (helpers: shard_ids, stats_partials, dataset_shard(s_dir) in common.smk)
 
 
 rule stats_shard:
@@ -37,9 +16,11 @@ rule stats_shard:
     params:
         batch_size=config["runtime"]["batch_size"],
         **model_params(),
-    threads: workflow.cores
+    threads: cluster_threads("forward")
     resources:
-        gpu=lambda wc: 0 if config["runtime"]["device"] == "cpu" else 1,
+        **cluster_resources("forward"),
+    conda:
+        ENV
     log:
         "logs/stats/{model}/{revision}/{dataset}/shard-{i}.log",
     script:
@@ -59,6 +40,9 @@ rule stats_merge:
         revision="{revision}",
         half=lambda wc: dataset_parts(wc.dataset)[1],
         hub_id=lambda wc: MODELS[wc.model].get("hub_id") or MODELS[wc.model].get("path") or wc.model,
+    localrule: True
+    conda:
+        ENV
     log:
         "logs/stats/{model}/{revision}/{dataset}/merge.log",
     script:

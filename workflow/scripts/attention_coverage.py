@@ -1,5 +1,6 @@
 """Snakemake script: App. F attention-mass coverage (tracked / position 0 / other, tracked share of non-sink
 attention) from each model's statistics-half kernel P."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe import tables as T
 from mfpipe.analysis import accounting as AC
 from mfpipe.jobs import run_logged

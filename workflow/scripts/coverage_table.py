@@ -1,4 +1,5 @@
 """Snakemake script: App. F position-coverage table over the configured models."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import coverage_table, to_markdown, write_table

@@ -1,5 +1,6 @@
 """Snakemake script: App. G cross-corpus matrix for one (model, revision): the mean-field rollout with each
 corpus's statistics scored against each corpus's held-out centroids (+ the context-free baseline)."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe import tables as T
 from mfpipe.analysis import rollouts as RO
 from mfpipe.jobs import load_job_model, run_logged

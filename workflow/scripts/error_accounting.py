@@ -1,6 +1,7 @@
 """Snakemake script: the error accounting of Sec. 4.3 and App. D, H, K for one (model, revision):
 teacher-forced attention, the nested estimators (a)(b)(c), the MLP gap, within-type clustering with the
 value-map Jensen gap, and anisotropy -> one CSV (+ Markdown) each under results/tables/."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe import tables as T
 from mfpipe.analysis import accounting as AC
 from mfpipe.analysis import rollouts as RO

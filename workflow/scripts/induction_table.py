@@ -1,4 +1,5 @@
 """Snakemake script: induction-score curve (max over heads) per mini-suite model and checkpoint."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import induction_summary, to_markdown, write_table

@@ -1,5 +1,6 @@
 """Snakemake script: Alg. 1 with every configured kernel for one (model, revision), scored per depth against
 the held-out centroids -> results/rollout/<model>/<revision>/scores.csv (long table)."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
 from mfpipe import tables as T

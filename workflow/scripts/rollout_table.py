@@ -1,4 +1,5 @@
 """Snakemake script: Table 1 (cross-layer mean and SE over layers per kernel) from one rollout's scores."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import pandas as pd
 
 from mfpipe import tables as T

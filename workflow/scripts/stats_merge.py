@@ -1,5 +1,6 @@
 """Snakemake script: merge the per-shard partials of one (model, revision, half) into the labelled,
 layer-chunked zarr statistics store (written atomically), with provenance attributes."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import json
 from pathlib import Path
 

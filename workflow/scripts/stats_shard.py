@@ -1,5 +1,6 @@
 """Snakemake script: the additive statistics sums of one corpus shard (one traced forward per batch, all
 layers at once) -> one partial `.npz`, written atomically."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
 from mfpipe.corpus import read_shard

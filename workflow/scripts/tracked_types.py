@@ -1,4 +1,5 @@
 """Snakemake script: the top-N tracked types on the stats half, with position coverage (App. F)."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import json
 from pathlib import Path
 

@@ -1,5 +1,6 @@
 """Snakemake script: train one mini-suite model on the corpus's train split (checkpoints at
 log-spaced steps, induction score of every head at every checkpoint)."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from pathlib import Path
 
 from mfpipe.documents import load_documents, split_documents

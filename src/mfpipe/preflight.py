@@ -1,0 +1,108 @@
+"""Checks of a config that need more than the config itself, run when Snakemake builds the DAG (common.smk),
+so a bad input stops the run before any job, with one line naming the key, file or model and what to do:
+every model's architecture is supported (read from its config.json: the local folder, or the Hugging Face
+cache when it holds it), an offline hub model is in the cache, corpus files exist, the tracked-type count N fits
+each vocabulary, and revisions are well-formed. Nothing here loads weights, tokenizes or downloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from .config import ConfigError, corpora
+
+REVISION_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # the workflow's `revision` wildcard: used in paths
+
+
+def _supported_model_types() -> tuple[str, ...]:
+    from .models.adapters import SUPPORTED_MODEL_TYPES
+
+    return tuple(SUPPORTED_MODEL_TYPES)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_config(hub_id: str, revision: str) -> Path | None:
+    """config.json of ``hub_id`` at ``revision`` from the local Hugging Face cache, or None if not cached."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return None
+    found = try_to_load_from_cache(hub_id, "config.json", revision=revision)
+    return Path(found) if isinstance(found, str) else None
+
+
+def model_config(spec: dict, revision: str) -> tuple[dict | None, str]:
+    """(config.json contents or None when it cannot be read before the run, where it was looked for)."""
+    if spec["source"] == "local":
+        folder = Path(spec["path"])
+        if revision not in ("main", None) and (folder / revision).is_dir():
+            folder = folder / revision
+        if not folder.is_dir():
+            raise ConfigError(
+                f"models: {spec['name']!r} has source 'local' but path {str(folder)!r} is not a folder; point `path` "
+                "at a folder with config.json and model.safetensors (save_pretrained output)"
+            )
+        cfg = folder / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"models: {spec['name']!r}: {str(cfg)!r} does not exist; `path` must hold a "
+                              "save_pretrained folder (config.json and model.safetensors)")
+        return json.loads(cfg.read_text()), str(cfg)
+    if spec["source"] == "hub":
+        cfg = _hub_config(spec["hub_id"], revision)
+        if cfg is None:
+            if _offline():
+                raise ConfigError(
+                    f"models: {spec['name']!r} ({spec['hub_id']}, revision {revision!r}) is not in the local Hugging "
+                    f"Face cache and HF_HUB_OFFLINE=1 forbids downloading it: pre-download it on a machine with "
+                    f"network (`hf download {spec['hub_id']} --revision {revision}`) and copy the cache (HF_HOME) here"
+                )
+            return None, "the hub (not cached yet: checked when its job downloads it)"
+        return json.loads(cfg.read_text()), str(cfg)
+    return None, "the mini suite"
+
+
+def check_inputs(config: dict) -> None:
+    """Raise :class:`ConfigError` (one line) for the first input that would fail a job later."""
+    n_types = config["tracked"]["n_types"]
+    for c in corpora(config).values():
+        if c["source"] == "files" and not Path(c["path"]).exists():
+            raise ConfigError(
+                f"corpus {c['name']!r}: path {c['path']!r} does not exist (relative paths are from the working "
+                "directory); point `path` at a .txt/.jsonl/.parquet file or a folder of them"
+            )
+    supported = None
+    mini = {m["name"]: m for m in (config.get("minisuite") or {}).get("models", [])}
+    for spec in config["models"]:
+        for rev in spec.get("revisions") or []:
+            if not REVISION_RE.match(str(rev)):
+                raise ConfigError(
+                    f"models: {spec['name']!r} revision {rev!r} is not a well-formed revision name (letters, digits, "
+                    "'.', '_', '-'; a branch, tag, commit hash or stepN); fix `revisions` in the config"
+                )
+        if spec["source"] == "minisuite":
+            vocab = config["minisuite"]["tokenizer"]["vocab_size"] if spec["name"] in mini else None
+            where = "minisuite.tokenizer.vocab_size"
+        else:
+            supported = supported or _supported_model_types()
+            vocab, where = None, ""
+            for rev in spec.get("revisions") or ["main"]:
+                cfg, where = model_config(spec, rev if spec["source"] == "hub" else rev)
+                if cfg is None:
+                    continue
+                model_type = cfg.get("model_type")
+                if model_type not in supported:
+                    raise ConfigError(
+                        f"models: {spec['name']!r} has model_type {model_type!r} ({where}), which mfpipe has no adapter "
+                        f"for; use a model of a supported architecture ({', '.join(supported)})"
+                    )
+                vocab = cfg.get("vocab_size") or vocab
+        if vocab is not None and n_types >= vocab:
+            raise ConfigError(
+                f"tracked.n_types {n_types} does not fit the vocabulary of model {spec['name']!r} ({vocab} tokens, "
+                f"{where}; BOS is never tracked): set tracked.n_types below {vocab}"
+            )

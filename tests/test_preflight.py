@@ -1,0 +1,119 @@
+"""Issue 12: bad inputs stop the run when the DAG is built, with one line naming the key/file/model and what to do;
+a failing job puts its one-line cause in its rule log (above the traceback) and as the last line on stderr."""
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mfpipe.config import ConfigError, apply_defaults, check_config, validate_schema
+from mfpipe.preflight import check_inputs
+from tests.test_config import REPO
+
+
+def ci_config():
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg.update(yaml.safe_load((REPO / "config" / "ci.yaml").read_text()))
+    return apply_defaults(cfg)
+
+
+def one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text, text
+    return text
+
+
+def preflight(cfg):
+    validate_schema(cfg)
+    check_config(cfg)
+    check_inputs(cfg)
+
+
+def test_unknown_architecture_is_refused_before_any_job(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000}))
+    cfg = ci_config()
+    cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / "m")})
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "'mine'" in msg and "'mistral'" in msg and "gpt2" in msg and "supported architecture" in msg
+
+
+def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
+    cfg = ci_config()
+    cfg["corpus"].update(source="files", path=str(tmp_path / "nope.txt"))
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "shakespeare-ci" in msg and "nope.txt" in msg and "point `path`" in msg
+
+
+def test_n_larger_than_the_vocabulary():
+    cfg = ci_config()
+    cfg["tracked"]["n_types"] = 600
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "tracked.n_types 600" in msg and "512" in msg and "set tracked.n_types below 512" in msg
+
+
+def test_unknown_kernel_name():
+    cfg = ci_config()
+    cfg["rollout"]["kernels"] = ["mean_field", "nosuch"]
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "rollout.kernels.1" in msg and "'nosuch'" in msg and "config.schema.yaml" in msg
+
+
+@pytest.mark.parametrize("tokens", [0, -5])
+def test_zero_or_negative_token_count(tokens):
+    cfg = ci_config()
+    cfg["corpus"]["tokens_per_half"] = tokens
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert "corpus.tokens_per_half" in one_line(e)
+
+
+def test_offline_uncached_hub_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    cfg = ci_config()
+    cfg["models"].append({"name": "gpt2-small", "source": "hub", "hub_id": "openai-community/gpt2", "revisions": ["main"]})
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "'gpt2-small'" in msg and "hf download openai-community/gpt2 --revision main" in msg
+
+
+def test_malformed_revision():
+    cfg = ci_config()
+    cfg["models"].append({"name": "p", "source": "hub", "hub_id": "EleutherAI/pythia-160m", "revisions": ["step 1"]})
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)
+    assert "'step 1'" in one_line(e) and "fix `revisions`" in one_line(e)
+
+
+def test_failing_job_puts_its_cause_in_its_log_above_the_traceback_and_last_on_stderr(tmp_path):
+    log = tmp_path / "job.log"
+    code = (
+        "from mfpipe.logs import setup_logging\nfrom mfpipe.jobs import run_logged\n"
+        "from mfpipe.models.loader import ModelLoadError\n"
+        f"log = setup_logging({str(log)!r})\n"
+        "def main():\n    raise ModelLoadError('model x: not cached; run hf download x')\n"
+        "run_logged(main, log)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO / "src")})
+    assert out.returncode == 1
+    cause = "mfpipe error: ModelLoadError: model x: not cached; run hf download x"
+    assert out.stderr.strip().splitlines()[-1] == cause
+    assert "Traceback" not in out.stderr
+    text = log.read_text()
+    assert text.index(cause) < text.index("Traceback") and "in main" in text
