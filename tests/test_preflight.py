@@ -117,3 +117,70 @@ def test_failing_job_puts_its_cause_in_its_log_above_the_traceback_and_last_on_s
     assert "Traceback" not in out.stderr
     text = log.read_text()
     assert text.index(cause) < text.index("Traceback") and "in main" in text
+
+
+# ------------------------------------------------------------------ the same inputs through a real `snakemake -n`
+def dry_run_last_line(tmp_path, edit, env=None) -> str:
+    """The last line `snakemake -n` prints (stdout and stderr) for the ci config edited by ``edit(cfg, tmp_path)``,
+    run from the checkout's Snakefile in an empty working directory: it must fail, with that one line as its end."""
+    import os
+
+    cfg = yaml.safe_load((REPO / "config" / "ci.yaml").read_text())
+    edit(cfg, tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--directory", str(work),
+         "--configfile", str(REPO / "config" / "ci.yaml"), str(bad)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    assert out.returncode != 0, out.stdout + out.stderr
+    # stdout (Snakemake's profile notice) is written before the failure: the end of the output is stderr's end
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    assert out.stderr.strip() and lines[-1] == out.stderr.strip().splitlines()[-1]
+    assert lines[-1].startswith("mfpipe error: "), lines[-8:]
+    assert sum(ln.startswith("mfpipe error: ") for ln in lines) == 1, lines[-8:]
+    return lines[-1]
+
+
+def _mistral(cfg, tmp):
+    (tmp / "m").mkdir()
+    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000}))
+    cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp / "m")})
+
+
+def _offline(cfg, tmp):
+    cfg["models"].append({"name": "gpt2-small", "source": "hub", "hub_id": "openai-community/gpt2",
+                          "revisions": ["main"]})
+
+
+DAG_CASES = {
+    "unknown architecture": (_mistral, None, ["'mine'", "'mistral'", "supported architecture"]),
+    "missing corpus file": (lambda c, t: c["corpus"].update(source="files", path=str(t / "nope.txt")), None,
+                            ["corpus 'shakespeare-ci'", "nope.txt", "point `path`"]),
+    "N above the vocabulary": (lambda c, t: c["tracked"].update(n_types=600), None,
+                               ["tracked.n_types 600", "set tracked.n_types below 512"]),
+    "unknown kernel": (lambda c, t: c.setdefault("rollout", {}).update(kernels=["mean_field", "nosuch"]), None,
+                       ["rollout.kernels.1", "'nosuch'"]),
+    "zero tokens": (lambda c, t: c["corpus"].update(tokens_per_half=0), None, ["corpus.tokens_per_half"]),
+    "negative tokens": (lambda c, t: c["corpus"].update(tokens_per_half=-5), None, ["corpus.tokens_per_half"]),
+    "offline uncached hub model": (_offline, "empty-cache", ["'gpt2-small'",
+                                                             "hf download openai-community/gpt2 --revision main"]),
+    "malformed revision": (lambda c, t: c["models"].append({"name": "p", "source": "hub",
+                                                            "hub_id": "EleutherAI/pythia-160m",
+                                                            "revisions": ["step 1"]}), None,
+                           ["models.2.revisions.0", "'step 1'", "fix it in your config file"]),
+}
+
+
+@pytest.mark.parametrize("case", list(DAG_CASES))
+def test_bad_input_ends_a_dry_run_with_its_one_actionable_line(case, tmp_path):
+    """Issue 12: through a real `snakemake -n`, each bad input stops the run before any job and the last line of
+    the console output is its one-line cause (not a Snakemake traceback frame below it)."""
+    edit, env, want = DAG_CASES[case]
+    if env == "empty-cache":  # HF_HUB_OFFLINE with an empty hub cache: the model cannot be had
+        (tmp_path / "hub").mkdir()
+        env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "hf")}
+    line = dry_run_last_line(tmp_path, edit, env)
+    assert all(w in line for w in want), line

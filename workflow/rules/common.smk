@@ -10,17 +10,20 @@ sys.path.insert(0, str(SRC))
 
 from mfpipe.codedeps import script_dependencies  # noqa: E402
 from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions, validate_schema  # noqa: E402
+from mfpipe.jobs import CAUSE_PREFIX  # noqa: E402
 from mfpipe.preflight import check_inputs  # noqa: E402
 
 # Everything that can be checked before a job runs is checked here, when the DAG is built: the schema (every
 # option's default lives there, once, and is filled in), the cross-checks, then the inputs themselves (model
-# architectures, corpus files, N against each vocabulary, revisions). Each failure is one line naming the key.
+# architectures, corpus files, N against each vocabulary, revisions). Each failure is one line naming the key,
+# and it is the LAST line of the console output: a WorkflowError would be followed by Snakemake's
+# `File "common.smk", line N` frame, so the run exits with the message instead (SystemExit prints it to stderr).
 try:
     validate_schema(config)
     check_config(config)
     check_inputs(config)
 except ConfigError as e:
-    raise WorkflowError(str(e)) from None
+    raise SystemExit(CAUSE_PREFIX + str(e)) from None
 
 
 def _canonical(value):
