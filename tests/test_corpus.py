@@ -126,3 +126,22 @@ def test_write_corpus_shards_and_fingerprint(tmp_path):
     assert write_corpus(cfg3, CharTokenizer(), 0, tmp_path / "smaller", "char", documents=docs)["fingerprint"] != info["fingerprint"]
     with pytest.raises(CorpusError, match="no complete window"):
         write_corpus(dict(cfg, context_length=10_000), CharTokenizer(), 0, tmp_path / "x", "char", documents=docs)
+
+
+def test_a_damaged_shard_is_refused_naming_it_and_what_to_do(tmp_path):
+    """Issue 12: a shard truncated on disk, or overwritten with other (valid) windows, is refused on read with one
+    line naming it, checked against the per-shard checksum fingerprint.json records."""
+    docs = [Document(f"d{i}", f"d{i}", "abcdefghij" * 7) for i in range(20)]
+    cfg = {"name": "t", "source": "files", "context_length": 8, "tokens_per_half": 200, "shard_windows": 10}
+    info = write_corpus(cfg, CharTokenizer(), 0, tmp_path, "char", documents=docs)
+    assert sorted(info["shards"]) == [f"{h}/shard-0000{i}.npz" for h in ("eval", "stats") for i in range(3)]
+    first, second = tmp_path / "stats" / "shard-00000.npz", tmp_path / "stats" / "shard-00001.npz"
+    read_shard(second)
+    second.write_bytes(first.read_bytes())  # a readable file: only the checksum can tell
+    with pytest.raises(CorpusError) as e:
+        read_shard(second)
+    assert str(e.value) == (f"corpus shard {second} is corrupt (its checksum differs from the one recorded in "
+                            f"{tmp_path / 'fingerprint.json'}): delete the folder {tmp_path} and rerun, which rebuilds it")
+    first.write_bytes(first.read_bytes()[:100])
+    with pytest.raises(CorpusError, match=f"corpus shard {first} is corrupt \\(unreadable: .*delete the folder"):
+        read_shard(first)

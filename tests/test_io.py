@@ -47,3 +47,23 @@ def test_figures_get_umask_permissions(tmp_path, umask_022):
     save_figure(fig, tmp_path / "f.pdf", tmp_path / "f.png")
     plt.close(fig)
     assert mode(tmp_path / "f.pdf") == 0o644 and mode(tmp_path / "f.png") == 0o644
+
+
+def test_a_killed_writers_temporary_folder_is_removed_by_the_next_writer_a_live_ones_is_kept(tmp_path):
+    """Issue 12: a SIGKILLed job leaves its temporary sibling (never taken for the output); the next write of the
+    same output removes it, but not one of a process still running, nor one of another host."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    stale = tmp_path / f".a.txt.tmp-{host}.{int(dead.stdout)}.abc"
+    live = tmp_path / f".a.txt.tmp-{host}.{os.getpid()}.def"
+    other = tmp_path / f".a.txt.tmp-elsewhere.{int(dead.stdout)}.ghi"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "a.txt").write_text("half")
+    atomic_write_text(tmp_path / "a.txt", "x")
+    assert (tmp_path / "a.txt").read_text() == "x"
+    assert not stale.exists() and live.is_dir() and other.is_dir()

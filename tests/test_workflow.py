@@ -318,3 +318,189 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
         first = caption.split("{{")[0].strip()
         assert first and first in html, f"caption of {fig} missing from the report"
     assert "shakespeare-ci" in html and "tokens_per_half" in html, "the run's configuration is in the report"
+
+
+# ------------------------------------------------------------------------------------ faults (issue 12, item 4)
+# All on the built clone, one output at a time (no whole-DAG rerun): each test deletes a single output, runs
+# Snakemake for it alone and kills the run -- SIGKILL to its whole process group -- at the moment its job has
+# written the output completely into the temporary sibling but not yet renamed it into place (the
+# MFPIPE_STALL_BEFORE_PUBLISH seam of mfpipe.io), then reruns it as a user would (`--unlock`, rerun).
+def kill_while_publishing(workdir: Path, target: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    mark = tmp_path / f"stalled-{target.name}"
+    env = {**os.environ, "MFPIPE_STALL_BEFORE_PUBLISH": str(target.relative_to(workdir)), "MFPIPE_STALL_MARK": str(mark)}
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(CI_CONFIG), "--cores", "1", str(target.relative_to(workdir))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not mark.exists():
+            assert proc.poll() is None, f"the run ended before writing {target}: {proc.stdout.read().decode()[-3000:]}"
+            assert time.monotonic() < deadline, f"{target} was never written"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not target.exists(), f"a killed job left {target}, which a rerun would take as done"
+    assert list(target.parent.glob(f".{target.name}.tmp-*")), "the kill came after the rename: nothing was tested"
+    snakemake(workdir, "--unlock")
+
+
+def rerun_cleanly(workdir: Path, target: Path) -> None:
+    snakemake(workdir, "--cores", "1", str(target.relative_to(workdir)))
+    assert target.exists()
+    assert not list(target.parent.glob(f".{target.name}.tmp-*")), "the rerun left the killed job's temporary folder"
+
+
+def files_bytes(root: Path) -> dict[str, bytes]:
+    """Every file of a store by relative path, except Snakemake's completion stamp (a write time)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".snakemake_timestamp"}
+
+
+def partial_arrays(path: Path) -> dict:
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
+
+
+def arrays_equal(a: dict, b: dict) -> bool:
+    import numpy as np
+
+    return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def failing_run(workdir: Path, *args: str, n_causes: int = 1) -> tuple[str, str]:
+    """(stdout+stderr, the first mfpipe error line) of a Snakemake run that must fail with ``n_causes`` such lines
+    (one per failed job)."""
+    out = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory",
+                          str(workdir), "--configfile", str(CI_CONFIG), *args], capture_output=True, text=True, timeout=900)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    # each failed job's cause, as its stderr's last line and again where the profile shows the failed rule log
+    causes = sorted({ln for ln in text.splitlines() if ln.startswith("mfpipe error: ")})
+    assert len(causes) == n_causes, text[-3000:]
+    return text, causes[0]
+
+
+def test_killed_figure_shard_and_merge_jobs_leave_nothing_half_written_and_resume_bit_identically(built, tmp_path):
+    stats = built / "results" / "stats" / "mini-gpt2" / "step20"
+    # a figure
+    fig = sorted((built / "results" / "figures").glob("clustering_mini-gpt2_*.png"))[0]
+    fig.unlink()
+    kill_while_publishing(built, fig, tmp_path)
+    rerun_cleanly(built, fig)
+    assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and fig.read_bytes()[-8:-4] == b"IEND"
+    # a statistics shard
+    part = stats / "partials" / "stats" / "shard-00000.npz"
+    want_part = partial_arrays(part)
+    part.unlink()
+    kill_while_publishing(built, part, tmp_path)
+    rerun_cleanly(built, part)
+    assert arrays_equal(partial_arrays(part), want_part)
+    # the merge (the store now also holds the rebuilt partial): bit-identical to the uninterrupted run's store
+    store = stats / "stats.zarr"
+    want_store = files_bytes(store)
+    shutil.rmtree(store)
+    kill_while_publishing(built, store, tmp_path)
+    rerun_cleanly(built, store)
+    assert files_bytes(store) == want_store
+    # what consumes the rebuilt (identical) store is up to date: mark it so instead of recomputing it
+    snakemake(built, "--cores", "1", "--touch")
+    assert planned_jobs(snakemake(built, "-n")) == []
+
+
+def test_a_damaged_partial_is_refused_deleted_and_rebuilt_not_merged(built):
+    """A truncated partial (the stats half) and a partial of another shard in a partial's place (the eval half:
+    readable, right shapes, wrong windows) are each refused by the merge with one line naming the file, deleted,
+    and rebuilt by the rerun; the stores then equal the uninterrupted run's, bit for bit."""
+    stats = built / "results" / "stats" / "mini-gpt2" / "step20"
+    truncated = stats / "partials" / "stats" / "shard-00001.npz"
+    swapped = stats / "partials" / "eval" / "shard-00001.npz"
+    stores = [stats / "stats.zarr", stats / "eval.zarr"]
+    want = {s: files_bytes(s) for s in stores}
+    for p, data in ((truncated, truncated.read_bytes()[: truncated.stat().st_size // 2]),
+                    (swapped, (swapped.parent / "shard-00000.npz").read_bytes())):
+        st = p.stat()
+        p.write_bytes(data)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # as old as before: Snakemake sees nothing to redo
+    for s in stores:
+        shutil.rmtree(s)
+    text, _ = failing_run(built, "--cores", "1", "--keep-going", *(str(s.relative_to(built)) for s in stores),
+                          n_causes=2)
+    lines = [ln for ln in (built / "logs").rglob("merge.log") for ln in ln.read_text().splitlines()
+             if ln.startswith("mfpipe error: ")]
+    rel = lambda p: str(p.relative_to(built))  # noqa: E731
+    assert any(rel(truncated) in ln and "is unreadable" in ln and "rerun to rebuild it" in ln for ln in lines), lines
+    assert any(rel(swapped) in ln and "was not computed from corpus shard" in ln and "rerun to rebuild it" in ln
+               for ln in lines), lines
+    assert not truncated.exists() and not swapped.exists(), "a damaged partial must not stay to be merged again"
+    snakemake(built, "--cores", "1", *(rel(s) for s in stores))
+    assert all(files_bytes(s) == want[s] for s in stores)
+    snakemake(built, "--cores", "1", "--touch")
+    assert planned_jobs(snakemake(built, "-n")) == []
+
+
+def test_a_corrupted_corpus_shard_is_refused_with_one_line_naming_it(built):
+    """A corpus shard whose contents differ from the checksum fingerprint.json recorded is refused by the job
+    that reads it (its statistics would otherwise be merged as valid), with one line naming it and what to do."""
+    import numpy as np
+
+    shards = built / "results" / "corpus" / "shakespeare-ci" / "mini-gpt2" / "shards"
+    shard = shards / "stats" / "shard-00001.npz"
+    part = built / "results" / "stats" / "mini-gpt2" / "step20" / "partials" / "stats" / "shard-00001.npz"
+    original, st, part_copy = shard.read_bytes(), shard.stat(), part.read_bytes()
+    part_st = part.stat()
+    with np.load(shard) as z:
+        tokens, doc_ids = z["tokens"].copy(), z["doc_ids"]
+    tokens[3, 5] = (tokens[3, 5] + 1) % 512  # a valid file with one token changed: only the checksum can tell
+    with open(shard, "wb") as fh:
+        np.savez(fh, tokens=tokens, doc_ids=doc_ids)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    part.unlink()
+    try:
+        text, cause = failing_run(built, "--cores", "1", str(part.relative_to(built)))
+        assert cause.startswith(f"mfpipe error: CorpusError: corpus shard {shard.relative_to(built)} is corrupt")
+        assert f"delete the folder {shards.relative_to(built)} and rerun" in cause
+        log = (built / "logs" / "stats" / "mini-gpt2" / "step20" / "stats" / "shard-00001.log").read_text()
+        assert cause in log and log.index(cause) < log.index("Traceback")
+    finally:  # put back what the test broke, as old as it was (rebuilding the corpus would rerun the whole DAG)
+        shard.write_bytes(original)
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        part.write_bytes(part_copy)
+        os.utime(part, ns=(part_st.st_atime_ns, part_st.st_mtime_ns))
+    snakemake(built, "--cores", "1", "--touch")
+    assert planned_jobs(snakemake(built, "-n")) == []
+
+
+def test_a_store_of_another_model_is_refused_with_one_line_in_the_rule_log_and_on_stderr(built):
+    """Issue 12, item 3: a rollout job given mini-neox's statistics store for mini-gpt2 fails with one line naming
+    the store and what to do, above the traceback in its rule log and on stderr, and nothing else."""
+    stats = built / "results" / "stats"
+    store = stats / "mini-gpt2" / "step20" / "stats.zarr"
+    aside = store.with_name("stats.zarr.aside")
+    target = built / "results" / "tables" / "teacher_forced_mini-gpt2_step20.csv"
+    outputs = sorted(target.parent.glob("*_mini-gpt2_step20.*"))
+    saved = {p: (p.read_bytes(), p.stat()) for p in outputs}
+    store.rename(aside)
+    shutil.copytree(stats / "mini-neox" / "step20" / "stats.zarr", store)
+    try:
+        text, cause = failing_run(built, "--cores", "1", "--allowed-rules", "error_accounting", "--forcerun",
+                                  "error_accounting", str(target.relative_to(built)))
+        assert cause.startswith(f"mfpipe error: ProvenanceError: statistics store {store.relative_to(built)} does not "
+                                "match: model is 'mini-neox', expected 'mini-gpt2'"), cause
+        assert "delete" in cause and "rerun the stats stage" in cause
+        assert "Traceback" not in text, "the traceback belongs in the rule log, not on the console"
+        log = (built / "logs" / "rollout" / "mini-gpt2" / "step20" / "error_accounting.log").read_text()
+        assert cause in log and log.index(cause) < log.index("Traceback")
+    finally:
+        shutil.rmtree(store)
+        aside.rename(store)
+        for p, (data, st) in saved.items():
+            p.write_bytes(data)
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    snakemake(built, "--cores", "1", "--touch")
+    assert planned_jobs(snakemake(built, "-n")) == []

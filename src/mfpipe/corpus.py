@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -152,12 +153,34 @@ def write_shards(windows: Shard, out_dir: str | Path, shard_windows: int) -> lis
     return paths
 
 
-def read_shard(path: str | Path) -> Shard:
+def shard_fingerprint(shard: Shard) -> str:
+    """Checksum of one shard's contents, recorded per shard in `fingerprint.json` and checked on every read."""
+    return fingerprint_arrays([shard.tokens, shard.doc_ids])
+
+
+def _corrupt(path: Path, why: str) -> CorpusError:
+    shards = path.parent.parent
+    return CorpusError(f"corpus shard {path} is corrupt ({why}): delete the folder {shards} and rerun, which rebuilds it")
+
+
+def read_shard(path: str | Path, verify: bool = True) -> Shard:
+    """One shard of windows. With ``verify``, a shard that cannot be read, or whose contents differ from the
+    checksum `fingerprint.json` recorded when it was written (truncated, overwritten, corrupted on disk), is refused
+    with one line naming it and what to do -- statistics of a damaged shard would be merged as if valid."""
+    path = Path(path)
     try:
         with np.load(path) as z:
-            return Shard(z["tokens"], z["doc_ids"])
+            shard = Shard(z["tokens"], z["doc_ids"])
     except FileNotFoundError:
         raise FileNotFoundError(f"corpus shard {path} does not exist; rerun the corpus stage") from None
+    except (zipfile.BadZipFile, ValueError, OSError, KeyError, EOFError) as e:
+        raise _corrupt(path, f"unreadable: {e}") from None
+    info_path = path.parent.parent / "fingerprint.json"
+    if verify and info_path.is_file():
+        want = json.loads(info_path.read_text()).get("shards", {}).get(f"{path.parent.name}/{path.name}")
+        if want is not None and shard_fingerprint(shard) != want:
+            raise _corrupt(path, f"its checksum differs from the one recorded in {info_path}")
+    return shard
 
 
 def list_shards(half_dir: str | Path) -> list[Path]:
@@ -204,6 +227,7 @@ def write_corpus(
         "shard_windows": int(cfg["shard_windows"]),
         "reserve_train_every": int(cfg.get("reserve_train_every", 0)),
         "halves": {},
+        "shards": {},  # "<half>/shard-NNNNN.npz" -> shard_fingerprint: read_shard refuses a damaged shard
     }
     for h in HALVES:
         w = halves[h]["windows"]
@@ -213,6 +237,8 @@ def write_corpus(
                 "use a larger corpus or a smaller context_length"
             )
         paths = write_shards(w, out_dir / h, int(cfg["shard_windows"]))
+        for p in paths:
+            info["shards"][f"{h}/{p.name}"] = shard_fingerprint(read_shard(p, verify=False))
         info["halves"][h] = {
             "n_windows": int(w.tokens.shape[0]),
             "n_tokens": int(w.tokens.size),

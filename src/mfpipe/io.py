@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -28,9 +30,50 @@ def publish_mode(path: str | Path) -> None:
     os.chmod(path, mode)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def _tmp_sibling(path: Path) -> Path:
+    """A fresh temporary folder next to ``path``, named after it, this host and this process.
+
+    A writer killed before publishing (SIGKILL, node failure) leaves its temporary folder behind: never taken
+    for the output (a hidden name Snakemake does not know), but possibly gigabytes. The next writer of the same
+    output removes those whose process is gone -- only this host's, as a PID means nothing on another node of a
+    shared filesystem, and never a live one (Snakemake's lock keeps two runs from writing one output at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    host = socket.gethostname()
+    stem = f".{path.name}.tmp-"
+    for old in path.parent.glob(f"{stem}*"):
+        owner, _, rest = old.name[len(stem):].rpartition(".")  # "<host>.<pid>.<random>" -> "<host>.<pid>", ...
+        old_host, _, pid = owner.rpartition(".")
+        if old_host == host and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{stem}{host}.{os.getpid()}.", dir=path.parent))
+
+
+STALL_ENV, STALL_MARK_ENV = "MFPIPE_STALL_BEFORE_PUBLISH", "MFPIPE_STALL_MARK"
+
+
+def _stall_point(path: Path) -> None:
+    """Fault-injection seam for the kill-and-resume tests (tests/test_workflow.py): when ``MFPIPE_STALL_BEFORE_PUBLISH``
+    is a substring of ``path``, the writer, its output complete in the temporary folder but not yet renamed into
+    place -- the moment a kill is most likely to leave something half-done -- creates the file named by
+    ``MFPIPE_STALL_MARK`` and waits to be killed. Unset (always, outside those tests) it costs one lookup."""
+    pattern = os.environ.get(STALL_ENV)
+    if not pattern or pattern not in str(path):
+        return
+    mark = os.environ.get(STALL_MARK_ENV)
+    if mark:
+        Path(mark).write_text(str(path))
+    while True:
+        time.sleep(60)
 
 
 @contextmanager
@@ -43,6 +86,7 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     try:
         tmp = tmpdir / path.name
         yield tmp
+        _stall_point(path)
         publish_mode(tmp)
         os.replace(tmp, path)
     finally:
@@ -69,6 +113,7 @@ def atomic_dir(path: str | Path, entries: Sequence[str] | None = None) -> Iterat
     tmp = _tmp_sibling(path)
     try:
         yield tmp
+        _stall_point(path)
         publish_mode(tmp)
         if entries is not None and path.is_dir() and any(path.iterdir()):
             for name in entries:
