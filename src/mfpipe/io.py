@@ -51,7 +51,7 @@ def _tmp_sibling(path: Path) -> Path:
     host = socket.gethostname()
     stem = f".{path.name}.tmp-"
     for old in path.parent.glob(f"{stem}*"):
-        owner, _, rest = old.name[len(stem):].rpartition(".")  # "<host>.<pid>.<random>" -> "<host>.<pid>", ...
+        owner, _, _ = old.name[len(stem):].rpartition(".")  # "<host>.<pid>.<random>" -> "<host>.<pid>", ...
         old_host, _, pid = owner.rpartition(".")
         if old_host == host and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
