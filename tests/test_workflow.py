@@ -496,6 +496,8 @@ def test_a_store_of_another_model_is_refused_with_one_line_in_the_rule_log_and_o
         # the job's own output ends with the cause; below it the profile's show-failed-logs repeats the rule log
         job_output = text.split("Logfile logs/rollout/")[0]
         assert cause in job_output and "Traceback" not in job_output, "the traceback belongs in the rule log"
+        # and the workflow's onerror handler repeats it as the last console line, after Snakemake's summary
+        assert text.rstrip().splitlines()[-1] == cause, text[-1500:]
         log = (built / "logs" / "rollout" / "mini-gpt2" / "step20" / "error_accounting.log").read_text()
         assert cause in log and log.index(cause) < log.index("Traceback")
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 # The prefix of the one line that states a failed job's cause; the workflow's `onerror` handler finds it in the
@@ -26,6 +27,25 @@ def load_job_model(params: Any, threads: int | None = None):
     model = load_model(dict(params.model_spec), params.revision, dtype=params.dtype, device=params.device,
                        results_dir=params.results)
     return model, get_adapter(model)
+
+
+def failed_job_causes(log_dir: str | Path, since: float) -> list[str]:
+    """The one-line causes (``CAUSE_PREFIX …``) in the rule logs under ``log_dir`` written since ``since`` (epoch
+    seconds), oldest first: what the workflow repeats as the last console lines of a failed run."""
+    found = []
+    for path in Path(log_dir).rglob("*.log"):
+        try:
+            st = path.stat()
+            if st.st_mtime < since:
+                continue
+            with open(path, errors="replace") as fh:
+                for line in fh:
+                    if line.startswith(CAUSE_PREFIX):
+                        found.append((st.st_mtime, line.rstrip("\n")))
+                        break
+        except OSError:
+            continue
+    return [line for _, line in sorted(found)]
 
 
 def one_line_cause(exc: BaseException) -> str:

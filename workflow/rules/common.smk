@@ -1,6 +1,7 @@
 # Every helper of the workflow's rule modules, kept apart from the rules as snakemake --lint asks. Config
 # cross-checks, model specs, paths, code dependencies, what a job asks a cluster for.
 import sys
+import time
 from pathlib import Path
 
 SRC = Path(workflow.basedir) / "src"
@@ -10,7 +11,7 @@ sys.path.insert(0, str(SRC))
 
 from mfpipe.codedeps import script_dependencies  # noqa: E402
 from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions, validate_schema  # noqa: E402
-from mfpipe.jobs import CAUSE_PREFIX  # noqa: E402
+from mfpipe.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.preflight import check_inputs  # noqa: E402
 
 # Everything that can be checked before a job runs is checked here, when the DAG is built: the schema (every
@@ -24,6 +25,21 @@ try:
     check_inputs(config)
 except ConfigError as e:
     raise SystemExit(CAUSE_PREFIX + str(e)) from None
+
+_RUN_STARTED = time.time()
+
+
+# A failed job's one-line cause is the last line of its own stderr, but Snakemake prints its summary after it and,
+# with show-failed-logs, the whole rule log with the traceback. So when a run fails, the causes found in the rule
+# logs written during this run are repeated as the last console lines (after the log-file hint), and the run
+# exits non-zero right there.
+onerror:
+    causes = failed_job_causes("logs", since=_RUN_STARTED)
+    if causes:
+        logs = log if isinstance(log, (list, tuple)) else [log]
+        print("Complete log: " + ", ".join(map(str, logs)), file=sys.stderr)
+        print("\n".join(causes), file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _canonical(value):
