@@ -1,0 +1,238 @@
+"""Mean-field substitution (paper Sec. 5.1, eq:excess-loss, eq:dmf): the loss the model gives up when every
+head's read is replaced by its context-conditional mean field ẑ_sX, and how far the reads are from it.
+
+Per batch of held-out windows (the ``eval`` half, disjoint from the statistics half that gives W and μ):
+
+1. ẑ for every layer from the window's token types alone (:func:`mfpipe.ccmf.ccmf_reads`);
+2. the clean forward (:meth:`Adapter.run`, reads selected, loss): ``L_model`` per prediction, and per
+   substituted position and head ``1 - cos(z, ẑ)`` (D of eq:dmf, on the model's own reads);
+3. the substituted forward: at every layer, the read of every head at every substituted position (tracked
+   query type with a valid Â row, :mod:`mfpipe.ccmf`) is replaced by ẑ at the output projection's input,
+   through the same adapter site that reads the statistics (before the post-attention norm on Gemma-2 and
+   OLMo-2); every other position keeps the model's own computation. ``L_MF`` per prediction.
+
+Both losses are next-token cross entropies averaged over every prediction of the evaluation windows
+(``B (T-1)`` per batch), so ``ΔL = L_MF - L_model`` is a paired difference on the same predictions.
+``D_MF`` averages ``D_sX = mean_{l,h} (1 - cos)`` over the substituted positions; the per-head deviation
+averages over the same positions. Sums are float64 and additive over batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..ccmf import ccmf_reads
+from ..stats.buckets import window_buckets
+
+__all__ = ["MeanFieldKernel", "SubstitutionSums", "Replacement", "substitution_batch", "substitution_pass",
+           "mean_field_replacement", "own_reads_replacement", "kernel_from_store", "result_dataset"]
+
+# replacement(layer, reads [B,T,H,dh], zhat [B,T,H,dh], substituted [B,T]) -> the reads to write back
+Replacement = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def mean_field_replacement(layer: int, reads: Tensor, zhat: Tensor, substituted: Tensor) -> Tensor:
+    """The substitution of Sec. 5.1: ẑ at substituted positions, the model's own read elsewhere."""
+    return torch.where(substituted[:, :, None, None], zhat.to(reads.dtype), reads)
+
+
+def own_reads_replacement(layer: int, reads: Tensor, zhat: Tensor, substituted: Tensor) -> Tensor:
+    """Writes the model's own reads back through the same intervention (the identity check: ΔL = 0)."""
+    return reads
+
+
+@dataclass
+class MeanFieldKernel:
+    """What the substitution needs from the statistics half: per layer ``W [L,H,N,K]`` (or the calibrated U of
+    App. B) and the heads' mean values ``mu [L,H,K,dh]``, with the tracked set's bucket lookup tables."""
+
+    W: Tensor
+    mu: Tensor
+    key_lut: np.ndarray
+    query_lut: np.ndarray
+    n: int
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.W.shape[0])
+
+    def to(self, device, dtype=torch.float32) -> "MeanFieldKernel":
+        return MeanFieldKernel(self.W.to(device=device, dtype=dtype), self.mu.to(device=device, dtype=dtype),
+                               self.key_lut, self.query_lut, self.n, dict(self.attrs))
+
+    def buckets(self, tokens) -> tuple[Tensor, Tensor]:
+        kb, qt = window_buckets(np.asarray(tokens), self.key_lut, self.query_lut, self.n)
+        return torch.from_numpy(kb), torch.from_numpy(qt)
+
+    def zhat(self, kb: Tensor, qt: Tensor) -> tuple[list[Tensor], Tensor]:
+        """ẑ per layer ``[B,T,H,dh]`` and the substituted positions ``[B,T]`` (valid in every layer)."""
+        dev = self.W.device
+        kb, qt = kb.to(dev), qt.to(dev)
+        zs, valid = [], None
+        for l in range(self.n_layers):
+            z, v = ccmf_reads(self.W[l], self.mu[l], kb, qt)
+            zs.append(z)
+            valid = v if valid is None else valid & v
+        return zs, valid
+
+
+def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrated=None) -> MeanFieldKernel:
+    """The substitution kernel of a statistics store (:class:`~mfpipe.stats.api.MeanFieldStats`, the ``stats``
+    half): ``W`` on the ``C_st >= min_count`` support (store default 20) or, with ``calibrated`` (an
+    xarray ``U`` from :func:`mfpipe.calibration.load_calibrated`, same dims as ``W``), U instead; μ from the
+    store. ``tracked`` is the :class:`~mfpipe.tracked.TrackedSet` whose fingerprint the store records."""
+    from ..stats.buckets import bucket_luts
+
+    if stats.attrs.get("tracked_fingerprint") not in (None, tracked.fingerprint):
+        from ..stats.api import ProvenanceError
+
+        raise ProvenanceError(
+            f"statistics store {stats.path} was computed with another tracked set "
+            f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {tracked.fingerprint!r}); rerun the stats stage")
+    Wda = stats.W(min_count=min_count) if calibrated is None else calibrated
+    Wda = Wda.transpose("layer", "head", "query", "key")
+    mu = stats.mu().transpose("layer", "head", "key", "head_dim")
+    key_lut, query_lut, n, _ = bucket_luts(tracked)
+    attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "tracked_fingerprint", "corpus_fingerprint",
+                                            "n_tracked", "context_length", "n_tokens", "code_version")}
+    attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
+    attrs["min_count"] = int(Wda.attrs.get("min_count", stats.attrs.get("min_count", 20)))
+    return MeanFieldKernel(torch.from_numpy(np.asarray(Wda.values, dtype=np.float64)),
+                           torch.from_numpy(np.asarray(mu.values, dtype=np.float64)), key_lut, query_lut, n, attrs)
+
+
+@dataclass
+class SubstitutionSums:
+    """Additive sums of the substitution (float64)."""
+
+    n_layers: int
+    n_heads: int
+    n_windows: int = 0
+    n_predictions: int = 0
+    n_query_positions: int = 0  # positions >= 1 whose type is tracked
+    n_substituted: int = 0  # of which substituted (valid Â row in every layer)
+    loss_model: float = 0.0  # sums over predictions
+    loss_mf: float = 0.0
+    loss_model_sub: float = 0.0  # sums over the predictions made at substituted positions
+    loss_mf_sub: float = 0.0
+    deviation: float = 0.0  # sum over substituted positions of D_sX
+    head_deviation: np.ndarray | None = None  # [L, H] sums over substituted positions of 1 - cos
+
+    def __post_init__(self):
+        if self.head_deviation is None:
+            self.head_deviation = np.zeros((self.n_layers, self.n_heads))
+
+    def add(self, other: "SubstitutionSums") -> "SubstitutionSums":
+        for k in ("n_windows", "n_predictions", "n_query_positions", "n_substituted", "loss_model", "loss_mf",
+                  "loss_model_sub", "loss_mf_sub", "deviation"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.head_deviation = self.head_deviation + other.head_deviation
+        return self
+
+    def summary(self) -> dict:
+        npred, nsub = max(self.n_predictions, 1), max(self.n_substituted, 1)
+        out = {
+            "L_model": self.loss_model / npred,
+            "L_MF": self.loss_mf / npred,
+            "D_MF": self.deviation / nsub if self.n_substituted else float("nan"),
+            "n_windows": self.n_windows,
+            "n_predictions": self.n_predictions,
+            "n_query_positions": self.n_query_positions,
+            "n_substituted": self.n_substituted,
+            "substituted_share": self.n_substituted / npred,
+            "L_model_substituted": self.loss_model_sub / nsub if self.n_substituted else float("nan"),
+            "L_MF_substituted": self.loss_mf_sub / nsub if self.n_substituted else float("nan"),
+        }
+        out["delta_L"] = (self.loss_mf - self.loss_model) / npred
+        out["delta_L_substituted"] = out["L_MF_substituted"] - out["L_model_substituted"]
+        return out
+
+
+def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Replacement = mean_field_replacement
+                       ) -> tuple[SubstitutionSums, dict]:
+    """One batch of windows ``tokens [B,T]``: both forwards, the sums, and per-position detail
+    (``token_loss_model``/``token_loss_mf [B,T-1]``, ``deviation [B,T]`` (NaN where not substituted),
+    ``substituted [B,T]``)."""
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    B, T = ids.shape
+    L, H = adapter.n_layers, adapter.n_heads
+    kb, qt = kernel.buckets(ids.numpy())
+    zhat, sub = kernel.zhat(kb, qt)
+    dev = adapter.device
+    zhat = [z.to(dev) for z in zhat]
+    sub_d = sub.to(dev)
+    head_dev = torch.zeros(L, H, dtype=torch.float64)
+    pos_dev = torch.zeros(B, T, dtype=torch.float64)
+
+    def on_layer(cap):
+        z = cap.reads  # [B,T,H,dh], the model's own
+        cos = torch.nn.functional.cosine_similarity(z, zhat[cap.layer].to(z.dtype), dim=-1, eps=1e-12)  # [B,T,H]
+        d = (1.0 - cos).to(torch.float64) * sub_d[:, :, None]
+        head_dev[cap.layer] = d.sum((0, 1)).cpu()
+        pos_dev.add_(d.sum(-1).cpu())
+
+    clean = adapter.run(ids, select=("reads",), on_layer=on_layer, loss=True)
+
+    def patch(layer, reads):
+        return replacement(layer, reads, zhat[layer], sub_d)
+
+    patched = adapter.run(ids, select=(), patch_reads=patch, loss=True)
+    tl_model = clean.token_loss.double().cpu()
+    tl_mf = patched.token_loss.double().cpu()
+    # the prediction made at position i (of token i+1) is substituted when position i is
+    sub_pred = sub[:, :-1].cpu()
+    pos_dev = pos_dev / (L * H)
+    s = SubstitutionSums(L, H)
+    s.n_windows = B
+    s.n_predictions = B * (T - 1)
+    s.n_query_positions = int((qt >= 0).sum())
+    s.n_substituted = int(sub.sum())
+    s.loss_model = float(tl_model.sum())
+    s.loss_mf = float(tl_mf.sum())
+    s.loss_model_sub = float(tl_model[sub_pred].sum())
+    s.loss_mf_sub = float(tl_mf[sub_pred].sum())
+    s.deviation = float(pos_dev[sub.cpu()].sum())
+    s.head_deviation = head_dev.numpy()
+    detail = {"token_loss_model": tl_model, "token_loss_mf": tl_mf,
+              "deviation": torch.where(sub.cpu(), pos_dev, torch.full_like(pos_dev, float("nan"))),
+              "substituted": sub.cpu()}
+    return s, detail
+
+
+def substitution_pass(adapter, kernel: MeanFieldKernel, tokens, batch_size: int = 8,
+                      replacement: Replacement = mean_field_replacement, progress: bool = False,
+                      desc: str = "substitution") -> SubstitutionSums:
+    """:func:`substitution_batch` over every window of ``tokens [n,T]`` in batches; additive sums."""
+    from tqdm.auto import tqdm
+
+    tokens = np.asarray(tokens)
+    k = kernel.to(adapter.device)
+    if k.W.shape[:2] != (adapter.n_layers, adapter.n_heads):
+        raise ValueError(f"the kernel has (layers, heads) = {tuple(k.W.shape[:2])}, the model "
+                         f"({adapter.n_layers}, {adapter.n_heads}): the statistics belong to another model")
+    total = SubstitutionSums(adapter.n_layers, adapter.n_heads)
+    starts = range(0, tokens.shape[0], int(batch_size))
+    for b0 in tqdm(starts, desc=desc, disable=not progress, mininterval=2.0, dynamic_ncols=True):
+        s, _ = substitution_batch(adapter, k, tokens[b0 : b0 + int(batch_size)], replacement)
+        total.add(s)
+    return total
+
+
+def result_dataset(sums: SubstitutionSums, attrs: dict):
+    """The labelled result: scalars (0-d variables) and the per-head mean deviation (layer, head)."""
+    import xarray as xr
+
+    summ = sums.summary()
+    data = {k: ((), float(v)) for k, v in summ.items()}
+    nsub = max(sums.n_substituted, 1)
+    data["head_deviation"] = (("layer", "head"), sums.head_deviation / nsub if sums.n_substituted
+                              else np.full_like(sums.head_deviation, np.nan))
+    ds = xr.Dataset(data, coords={"layer": np.arange(sums.n_layers), "head": np.arange(sums.n_heads)})
+    ds.attrs.update({k: v for k, v in attrs.items() if v is not None})
+    return ds

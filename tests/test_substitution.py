@@ -1,0 +1,231 @@
+"""The context-conditional mean field and the substitution forward (issue 10) on statistics stores of tiny random
+models of every architecture: Â and ẑ against a per-position loop, Δẑ_perm = 0, writing the model's own reads back
+leaves the loss unchanged, and the substitution against a reference that patches one position at a time with
+plain torch hooks (no nnsight)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import patched_reads, reference_run
+from test_stats_reference import tracked_for, zipf_windows
+from tiny_models import TINY_MODEL_TYPES, make_tiny_model
+
+from mfpipe.analysis import substitution as SU
+from mfpipe.ccmf import ccmf_reads, pair_kernel, type_kernel
+from mfpipe.models.adapters import get_adapter
+from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+from mfpipe.stats.buckets import prefix_counts
+
+N_STATS, N_EVAL = 24, 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module", params=TINY_MODEL_TYPES)
+def setup(request, tmp_path_factory):
+    mt = request.param
+    model = make_tiny_model(mt, seed=5)
+    ad = get_adapter(model)
+    st_tok = zipf_windows(N_STATS, seed=1)
+    tracked = tracked_for(st_tok)
+    sums = accumulate_shard(model, ad, st_tok, tracked, batch_size=8, device="cpu", progress=False)
+    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp",
+            "model_type": ad.model_type}
+    path = write_store(finalize(sums, tracked, meta), tmp_path_factory.mktemp(f"sub-{mt}") / "stats.zarr")
+    st = open_stats(path)
+    # min_count 1: the tiny corpus is far too small for the default C >= 20 support
+    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    ev_tok = zipf_windows(N_EVAL, seed=2)
+    return mt, model, ad, kernel, ev_tok
+
+
+# ------------------------------------------------------------------ slow references
+def slow_zhat(kernel, tokens):
+    """ẑ per layer [L,B,T,H,dh] and substituted [B,T] with loops over windows, positions, heads and keys
+    (eq:w-def-appendix, eq:ccmf), float64."""
+    W = kernel.W.double().numpy()
+    mu = kernel.mu.double().numpy()
+    L, H, N, K = W.shape
+    dh = mu.shape[-1]
+    B, T = tokens.shape
+    out = np.zeros((L, B, T, H, dh))
+    sub = np.zeros((B, T), dtype=bool)
+    for b in range(B):
+        for j in range(1, T):
+            s = kernel.query_lut[tokens[b, j]]
+            if s < 0:
+                continue
+            buckets = [kernel.n] + [int(kernel.key_lut[tokens[b, k]]) for k in range(1, j + 1)]
+            counts = {t: buckets.count(t) for t in set(buckets)}
+            ok = True
+            for l in range(L):
+                for h in range(H):
+                    norm = sum(n * W[l, h, s, t] for t, n in counts.items())
+                    if not np.isfinite(norm) or norm <= 0:
+                        ok = False
+                        continue
+                    for t, n in counts.items():
+                        out[l, b, j, h] += n * W[l, h, s, t] / norm * mu[l, h, t]
+            sub[b, j] = ok
+    out[:, ~sub] = 0.0
+    return out, sub
+
+
+def test_zhat_and_kernel_match_per_position_loop(setup):
+    """Acceptance: the vectorized Â and ẑ equal a per-position reference (1e-5), every architecture."""
+    mt, model, ad, kernel, ev = setup
+    ref, ref_sub = slow_zhat(kernel, ev)
+    kb, qt = kernel.buckets(ev)
+    zs, sub = kernel.zhat(kb, qt)
+    assert sub.numpy().tolist() == ref_sub.tolist() and ref_sub.sum() > 10
+    for l in range(kernel.n_layers):
+        np.testing.assert_allclose(zs[l].double().numpy(), ref[l], atol=1e-5, rtol=1e-5)
+        # the per-type form: Â_stX rows sum to 1, n_t W_st / N_X by definition, and Σ_t Â μ_t = ẑ
+        A, valid = type_kernel(kernel.W[l].double(), prefix_counts(kb, kernel.n + 2), qt)
+        assert torch.equal(valid, sub)
+        np.testing.assert_allclose(A.sum(-1)[valid].numpy(), 1.0, atol=1e-12)
+        z2 = torch.einsum("bthk,hkd->bthd", A, kernel.mu[l].double())
+        np.testing.assert_allclose(z2.numpy(), ref[l], atol=1e-5, rtol=1e-5)
+    # Â itself at one position against its definition with hand-counted multiplicities
+    b, j = map(int, np.argwhere(ref_sub)[-1])
+    s = int(kernel.query_lut[ev[b, j]])
+    buckets = [kernel.n] + [int(kernel.key_lut[x]) for x in ev[b, 1 : j + 1]]
+    W0 = kernel.W[0].double().numpy()
+    A, _ = type_kernel(kernel.W[0].double(), prefix_counts(kb, kernel.n + 2), qt)
+    for h in range(W0.shape[0]):
+        n_t = np.bincount(buckets, minlength=kernel.n + 2)
+        want = n_t * W0[h, s] / (n_t * W0[h, s]).sum()
+        np.testing.assert_allclose(A[b, j, h].numpy(), want, atol=1e-12)
+
+
+def test_zhat_is_invariant_to_permuting_the_context(setup):
+    """Acceptance: Δẑ_perm < 1e-6 (relative): ẑ at a query depends on the multiset of its prefix only."""
+    mt, model, ad, kernel, ev = setup
+    rng = np.random.default_rng(0)
+    kb, qt = kernel.buckets(ev)
+    zs, sub = kernel.zhat(kb, qt)
+    perm = ev.copy()
+    T = ev.shape[1]
+    for b in range(ev.shape[0]):
+        perm[b, 1 : T - 1] = ev[b, 1 + rng.permutation(T - 2)]  # keep BOS and the last query in place
+    assert (perm != ev).any()
+    kb2, qt2 = kernel.buckets(perm)
+    zs2, sub2 = kernel.zhat(kb2, qt2)
+    assert torch.equal(sub[:, -1], sub2[:, -1]) and sub[:, -1].any()
+    for l in range(kernel.n_layers):
+        a, b_ = zs[l][:, -1][sub[:, -1]], zs2[l][:, -1][sub[:, -1]]
+        rel = ((a - b_).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12)).max().item()
+        assert rel < 1e-6
+        # and it is not invariant to changing the multiset: the check can fail
+    other = ev.copy()
+    other[:, 1] = ev[:, -1]
+    kb3, qt3 = kernel.buckets(other)
+    zs3, _ = kernel.zhat(kb3, qt3)
+    assert (zs3[0][:, -1] - zs[0][:, -1]).abs().max() > 1e-4
+
+
+def test_own_reads_written_back_leave_the_loss_unchanged(setup):
+    """Acceptance: the same intervention writing the model's own reads back: |ΔL| < 1e-6, every architecture."""
+    mt, model, ad, kernel, ev = setup
+    s = SU.substitution_pass(ad, kernel, ev, batch_size=4, replacement=SU.own_reads_replacement)
+    summ = s.summary()
+    assert summ["n_substituted"] > 10
+    assert abs(summ["delta_L"]) < 1e-6, summ
+    # and the mean-field substitution does change it (the intervention is live)
+    s2 = SU.substitution_pass(ad, kernel, ev, batch_size=4).summary()
+    assert abs(s2["delta_L"]) > 1e-4 and s2["L_model"] == pytest.approx(summ["L_model"], abs=1e-9)
+
+
+def test_untracked_and_unseen_query_types_keep_their_own_reads(setup):
+    """A query type with no row (never a query in the statistics half: NaN) is not substituted; with every row
+    NaN nothing is, and the loss is exactly the model's."""
+    mt, model, ad, kernel, ev = setup
+    k2 = SU.MeanFieldKernel(kernel.W.clone(), kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
+    k2.W[:, :, 0] = float("nan")  # type 0 unseen
+    kb, qt = k2.buckets(ev)
+    _, sub = k2.zhat(kb, qt)
+    assert not sub[qt == 0].any() and sub[qt > 0].any()
+    k2.W[:] = float("nan")
+    s = SU.substitution_pass(ad, k2, ev, batch_size=6).summary()
+    assert s["n_substituted"] == 0 and s["delta_L"] == 0.0
+
+
+@pytest.mark.parametrize("mt", ["gpt2", "gemma2"])
+def test_substitution_equals_torch_hook_reference(setup, mt):
+    """Acceptance: L_model, L_MF, D_MF and the per-head deviation equal a reference that patches one position at
+    a time with plain torch forward_pre_hooks on the output projection (no nnsight), with ẑ from the loop."""
+    mt_, model, ad, kernel, ev = setup
+    if mt_ != mt:
+        pytest.skip(f"reference run on {mt} only")
+    zref, sub = slow_zhat(kernel, ev)
+    ids = torch.as_tensor(ev, dtype=torch.long)
+    B, T = ids.shape
+
+    def patch(layer, reads):
+        new = reads.clone()
+        for b in range(B):
+            for j in range(T):
+                if sub[b, j]:
+                    new[b, j] = torch.as_tensor(zref[layer, b, j], dtype=new.dtype)
+        return new
+
+    def loss_of(logits):
+        lp = torch.log_softmax(logits.double(), -1)
+        tl = -lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        return tl.mean().item()
+
+    with torch.no_grad():
+        L_model = loss_of(model(ids, use_cache=False).logits)
+        with patched_reads(model, patch):
+            L_mf = loss_of(model(ids, use_cache=False).logits)
+    clean = reference_run(model, ids)
+    L, H = kernel.n_layers, ad.n_heads
+    head_dev = np.zeros((L, H))
+    pos_dev = []
+    for b in range(B):
+        for j in range(T):
+            if not sub[b, j]:
+                continue
+            d = 0.0
+            for l in range(L):
+                for h in range(H):
+                    z = clean["layers"][l]["reads"][b, j, h].double().numpy()
+                    zh = zref[l, b, j, h]
+                    c = 1.0 - z @ zh / (np.linalg.norm(z) * np.linalg.norm(zh))
+                    head_dev[l, h] += c
+                    d += c
+            pos_dev.append(d / (L * H))
+    got = SU.substitution_pass(ad, kernel, ev, batch_size=4)
+    summ = got.summary()
+    assert summ["L_model"] == pytest.approx(L_model, abs=1e-5)
+    assert summ["L_MF"] == pytest.approx(L_mf, abs=1e-5)
+    assert summ["delta_L"] == pytest.approx(L_mf - L_model, abs=1e-5)
+    assert summ["n_substituted"] == int(sub.sum())
+    assert summ["D_MF"] == pytest.approx(float(np.mean(pos_dev)), abs=1e-5)
+    np.testing.assert_allclose(got.head_deviation / sub.sum(), head_dev / sub.sum(), atol=1e-5)
+
+
+def test_pair_kernel_is_causal_and_normalised():
+    """The pair form: zero above the diagonal, rows of substituted queries sum to 1, N_X = Σ_t n_t W_st."""
+    g = torch.Generator().manual_seed(0)
+    H, N, K, B, T = 2, 4, 6, 3, 7
+    W = torch.rand(H, N, K, generator=g, dtype=torch.float64)
+    kb = torch.randint(0, K, (B, T), generator=g)
+    kb[:, 0] = N
+    qt = torch.where(kb < N, kb, -1)
+    qt[:, 0] = -1
+    a, nx, valid = pair_kernel(W, kb, qt)
+    assert torch.all(a.triu(1) == 0)
+    np.testing.assert_allclose(a.sum(-1)[:, valid].numpy(), 1.0, atol=1e-12)
+    counts = prefix_counts(kb, K).double()
+    want = (W[:, qt.clamp(min=0)] * counts[None]).sum(-1)
+    np.testing.assert_allclose(nx[:, valid].numpy(), want[:, valid].numpy(), atol=1e-12)
+    mu = torch.randn(H, K, 5, generator=g, dtype=torch.float64)
+    z1, _ = ccmf_reads(W, mu, kb, qt)
+    z2, _ = ccmf_reads(W, mu, kb, qt, max_elements=1)  # one window per chunk
+    assert torch.allclose(z1, z2, atol=1e-14)
