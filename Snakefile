@@ -24,6 +24,7 @@ include: "workflow/rules/minisuite.smk"
 include: "workflow/rules/corpus.smk"
 include: "workflow/rules/stats.smk"
 include: "workflow/rules/rollout.smk"
+include: "workflow/rules/substitution.smk"
 include: "workflow/rules/figures.smk"
 
 

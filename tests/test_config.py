@@ -77,6 +77,27 @@ def test_cross_checks():
     assert resolve_revisions(cfg, cfg["models"][0])[-1] == f"step{cfg['minisuite']['models'][0]['steps']}"
 
 
+def test_revisions_sweep_and_rollout_revisions():
+    """`checkpoints` expands to every saved step (log-spaced + linear + last) in training order; the rollout
+    stage takes the last one unless `rollout_revisions` says otherwise; `checkpoints` is refused for hub models."""
+    from mfpipe.config import resolve_rollout_revisions
+
+    cfg = default_config()
+    mm = cfg["minisuite"]["models"][0]
+    m = dict(cfg["models"][0], revisions=["checkpoints"])
+    mm["linear_checkpoints"] = {"start": 1000, "stop": 1500, "every": 100}
+    revs = resolve_revisions(cfg, m)
+    steps = [int(r[4:]) for r in revs]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == mm["steps"]
+    assert {1100, 1200, 1300, 1400} <= set(steps) and 1024 in steps
+    assert resolve_rollout_revisions(cfg, m) == [f"step{mm['steps']}"]
+    m2 = dict(m, revisions=["step0", "final", "step0"], rollout_revisions=["step1024"])
+    assert resolve_revisions(cfg, m2) == ["step0", f"step{mm['steps']}"]  # duplicates dropped
+    assert resolve_rollout_revisions(cfg, m2) == ["step1024"]
+    with pytest.raises(ConfigError, match="mini-suite models only"):
+        resolve_revisions(cfg, {"name": "p", "source": "hub", "hub_id": "x/y", "revisions": ["checkpoints"]})
+
+
 def test_snakemake_stops_on_a_bad_key_with_its_name(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("corpus:\n  context_lenght: 64\n")

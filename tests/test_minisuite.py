@@ -104,6 +104,11 @@ def test_checkpoint_steps():
     assert checkpoint_steps(2400) == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 2400]
     with pytest.raises(ValueError):
         checkpoint_steps(-1)
+    # linear checkpoints inside a transition, strictly between start and min(stop, total), merged and sorted
+    lin = {"start": 1024, "stop": 1500, "every": 64}
+    assert checkpoint_steps(1500, lin) == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1088, 1152, 1216, 1280,
+                                           1344, 1408, 1472, 1500]
+    assert checkpoint_steps(10, {"start": 0, "stop": 100, "every": 3}) == [0, 1, 2, 3, 4, 6, 8, 9, 10]
 
 
 def test_tokenizer_roundtrip_bos_and_determinism(tok_dir, tmp_path):

@@ -78,6 +78,38 @@ def test_ci_dag_builds_everything(built):
     assert list((built / "logs").rglob("*.log"))
 
 
+def test_training_sweep_outputs(built):
+    """Issue 10: one substitution result per sweep revision, the sweep table in training order, the figure."""
+    import pandas as pd
+
+    r = built / "results"
+    df = pd.read_csv(r / "tables" / "substitution_mini-gpt2.csv")
+    assert df["revision"].tolist() == ["step4", "step20"] and df["step"].tolist() == [4, 20]
+    assert (df["substituted_share"] > 0.1).all() and df[["L_model", "L_MF", "D_MF"]].notna().all().all()
+    assert ((df["L_MF"] - df["L_model"] - df["delta_L"]).abs() < 1e-9).all()
+    assert (r / "substitution" / "mini-gpt2" / "step4" / "substitution.zarr" / "zarr.json").is_file()
+    heads = pd.read_csv(r / "tables" / "substitution_heads_mini-gpt2.csv")
+    assert len(heads) == 2 * 1 * 2 and heads["deviation"].between(0, 2).all()  # revisions x layers x heads
+    for m in ("mini-gpt2", "mini-neox"):
+        assert (r / "figures" / f"waypoint_{m}.png").stat().st_size > 0
+    # the rollout stage analyses the last revision only
+    assert not (r / "rollout" / "mini-gpt2" / "step4").exists() and (r / "rollout" / "mini-gpt2" / "step20").is_dir()
+
+
+def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
+    """Issue 10: a new revision in the sweep adds its statistics, substitution and kernel jobs and the per-model
+    tables and figures that gather every revision; nothing of the revisions already built reruns."""
+    cfg = variant(tmp_path, "rev", lambda c: c["models"][0].update(revisions=["step4", "step8", "final"]))
+    jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg))) if r != "all"]
+    per_revision = {(r, w) for r, w in jobs if "revision=" in w}
+    assert per_revision and all("revision=step8" in w and "model=mini-gpt2" in w for _, w in per_revision), jobs
+    assert {"stats_shard", "stats_merge", "substitution"} <= {r for r, _ in per_revision}, jobs
+    assert sum(r == "stats_merge" for r, _ in per_revision) == 1 and sum(r == "substitution" for r, _ in per_revision) == 1
+    others = {(r, w) for r, w in jobs if "revision=" not in w}
+    assert all("model=mini-gpt2" in w for _, w in others) and {r for r, _ in others} <= {
+        "substitution_table", "figure_waypoint", "kernel_dynamics"}, others
+
+
 def test_second_run_does_nothing(built):
     text = snakemake(built, "-n")
     assert planned_jobs(text) == [], text[-3000:]
@@ -285,8 +317,9 @@ def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):
         Path(report).write_text("SLURM profile run of the ci config, submitted jobs (SLURM jobid rule):\n"
                                 + "".join(f"  {j} {r}\n" for j, r in ids))
     rules = {r for _, r in ids}
-    assert {"minisuite_train", "corpus_shards", "stats_shard", "rollout_scores", "error_accounting"} <= rules, ids
-    assert not rules & {"stats_merge", "rollout_table", "coverage_table"} and not any(
+    assert {"minisuite_train", "corpus_shards", "stats_shard", "rollout_scores", "error_accounting",
+            "substitution"} <= rules, ids
+    assert not rules & {"stats_merge", "rollout_table", "coverage_table", "substitution_table"} and not any(
         r.startswith("figure_") for r in rules), f"cheap rules stay local: {sorted(rules)}"
     local, remote = result_files(built / "results"), result_files(wd / "results")
     assert sorted(remote) == sorted(local)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from .revisions import checkpoint_steps, resolve_minisuite_revision
+from .revisions import ALL_CHECKPOINTS, checkpoint_steps, resolve_minisuite_revision, step_name
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -91,16 +91,44 @@ def minimodel(config: dict, name: str) -> dict:
     raise ConfigError(f"models: {name!r} has source 'minisuite' but minisuite.models defines no model of that name (it has {known})")
 
 
+def minimodel_steps(mm: dict) -> list[int]:
+    """The steps a mini model saves checkpoints at (log-spaced, its ``linear_checkpoints``, the last)."""
+    return checkpoint_steps(int(mm["steps"]), mm.get("linear_checkpoints"))
+
+
+def _unique(revs: list[str]) -> list[str]:
+    return list(dict.fromkeys(revs))
+
+
 def resolve_revisions(config: dict, model: dict) -> list[str]:
-    """Concrete revision names; for mini-suite models `final` becomes `step<total>`."""
+    """Concrete revision names of a model's ``revisions`` (the training sweep: statistics, substitution and
+    kernel per revision), in training order as listed; for mini-suite models ``final`` becomes
+    ``step<total>`` and ``checkpoints`` every saved step."""
     revs = model.get("revisions") or (["final"] if model["source"] == "minisuite" else ["main"])
     if model["source"] != "minisuite":
-        return list(revs)
-    steps = checkpoint_steps(minimodel(config, model["name"])["steps"])
+        if ALL_CHECKPOINTS in revs:
+            raise ConfigError(f"models: {model['name']!r}: {ALL_CHECKPOINTS!r} (every saved checkpoint) exists for "
+                              "mini-suite models only; list the hub revisions, e.g. [step0, step1000, step143000]")
+        return _unique(list(revs))
+    steps = minimodel_steps(minimodel(config, model["name"]))
+    out: list[str] = []
     try:
-        return [resolve_minisuite_revision(r, steps, model["name"]) for r in revs]
+        for r in revs:
+            if r == ALL_CHECKPOINTS:
+                out += [step_name(k) for k in steps]
+            else:
+                out.append(resolve_minisuite_revision(r, steps, model["name"]))
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return _unique(out)
+
+
+def resolve_rollout_revisions(config: dict, model: dict) -> list[str]:
+    """Revisions the rollout stage (Sec. 4, App. D-K, G) analyses: the model's ``rollout_revisions``, by default
+    the last of its ``revisions`` (the trained model)."""
+    if model.get("rollout_revisions"):
+        return resolve_revisions(config, dict(model, revisions=model["rollout_revisions"]))
+    return resolve_revisions(config, model)[-1:]
 
 
 INHERITED_CORPUS_KEYS = ("context_length", "tokens_per_half", "shard_windows")
@@ -153,6 +181,7 @@ def check_config(config: dict) -> None:
                     f"Set corpus.context_length <= {mm['context_length']}."
                 )
             resolve_revisions(config, m)
+            resolve_rollout_revisions(config, m)
     ms = config.get("minisuite")
     if ms:
         mnames = [m["name"] for m in ms["models"]]

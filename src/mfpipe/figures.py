@@ -9,6 +9,7 @@ used through :class:`matplotlib.figure.Figure` with the Agg canvas -- no pyplot,
 * :func:`error_decomposition_figure` -- ``fig:error-decomp``: estimators (a)(b)(c) per block
 * :func:`clustering_figure`      -- ``fig:clustering``: relative RMS, eta^2 / eta^2_z, value-map Jensen gap
 * :func:`cross_corpus_figure`    -- ``fig:heat``: statistics corpus x evaluation corpus, cross-layer cosine
+* :func:`waypoint_figure`        -- ``fig:mfgap``: L_model / L_MF, ΔL and D_MF across training checkpoints
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "error_decomposition_figure",
     "clustering_figure",
     "cross_corpus_figure",
+    "waypoint_figure",
 ]
 
 METRIC_LABELS = {
@@ -272,6 +274,49 @@ def cross_corpus_figure(summary, out, png=None, title: str | None = None, metric
     ax.set_ylabel("corpus of the mean-field statistics")
     fig.colorbar(im, ax=ax, label=f"cross-layer mean {METRIC_LABELS.get(metric, metric)}")
     ax.set_title(title or "Mean-field rollout across corpora")
+    pdf, png = _outputs(out, png)
+    save_figure(fig, pdf, png)
+    return pdf, png
+
+
+# ------------------------------------------------------------------ training sweep (Sec. 5)
+def _step_axis(ax, steps) -> None:
+    """Training steps on a log axis that keeps step 0 (symlog, linear below 1)."""
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("training step")
+
+
+def _shade(ax, window) -> None:
+    if window:
+        ax.axvspan(float(window[0]), float(window[1]), color="#f2d600", alpha=0.25, lw=0, label="induction window")
+
+
+def waypoint_figure(table, out, png=None, window=None, title: str | None = None) -> tuple[Path, Path]:
+    """``fig:mfgap``: top, L_model and L_MF over training steps; bottom, ΔL (left axis) and D_MF (right axis);
+    the induction window ``(start, stop)`` shaded. ``table``: :func:`mfpipe.analysis.substitution.sweep_table`."""
+    df = _table(table).sort_values("step")
+    if df["step"].isna().any():
+        raise ValueError("the waypoint figure needs a training step for every revision (revisions named step<k>)")
+    fig, axes = _figure(1, 2, w=5.2, h=2.6)
+    top, bottom = axes[0, 0], axes[1, 0]
+    x = df["step"].to_numpy(float)
+    top.plot(x, df["L_model"], "-o", color="#1f77b4", ms=3, label=r"$L_\mathrm{model}$")
+    top.plot(x, df["L_MF"], "-o", color="#d62728", ms=3, label=r"$L_\mathrm{MF}$")
+    top.set_ylabel("next-token loss (nats)")
+    _shade(top, window)
+    top.legend(loc="upper right")
+    bottom.plot(x, df["delta_L"], "-o", color="#2ca02c", ms=3, label=r"$\Delta L$")
+    bottom.axhline(0.0, color="0.6", lw=0.8)
+    bottom.set_ylabel(r"$\Delta L$ (nats)", color="#2ca02c")
+    right = bottom.twinx()
+    right.plot(x, df["D_MF"], "-s", color="#9467bd", ms=3, label=r"$D_\mathrm{MF}$")
+    right.set_ylabel(r"$D_\mathrm{MF}$", color="#9467bd")
+    _shade(bottom, window)
+    for ax in (top, bottom):
+        _step_axis(ax, x)
+    if title:
+        fig.suptitle(title)
     pdf, png = _outputs(out, png)
     save_figure(fig, pdf, png)
     return pdf, png

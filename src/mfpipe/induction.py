@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-__all__ = ["induction_metrics", "induction_scores", "induction_targets", "repeated_random_tokens"]
+__all__ = ["induction_metrics", "induction_scores", "induction_targets", "repeated_random_tokens", "induction_window",
+           "training_window"]
 
 
 def _allowed_ids(vocab_size: int, special_ids: Iterable[int] | None) -> np.ndarray:
@@ -143,3 +144,41 @@ def induction_metrics(
         model.train(was_training)
     loss = loss_sum / (tokens.shape[0] * (k - 1)) if adapter.has_lm_head else float("nan")
     return total / (tokens.shape[0] * k), loss
+
+
+# ------------------------------------------------------------------ the induction window of a training run
+DEFAULT_BAND = (0.1, 0.8)
+
+
+def induction_window(curve, band: tuple[float, float] = DEFAULT_BAND) -> tuple[float, float] | None:
+    """The training steps over which induction heads form, from a recorded induction-score curve (a mini
+    model's ``training.json`` ``induction_curve``: records with ``step`` and ``max_induction``).
+
+    ``[last step before the best head's score first reaches band[0], first step it reaches band[1]]``: the
+    interval that contains the rise, bounded by recorded points. None when the curve never reaches ``band[1]``
+    (no induction head formed) or is empty."""
+    pts = sorted((int(r["step"]), float(r["max_induction"])) for r in curve)
+    lo, hi = float(band[0]), float(band[1])
+    end = next((s for s, v in pts if v >= hi), None)
+    if end is None:
+        return None
+    start_i = next(i for i, (s, v) in enumerate(pts) if v >= lo)
+    start = pts[max(start_i - 1, 0)][0]
+    return float(start), float(end)
+
+
+def training_window(window=None, training_json=None, band: tuple[float, float] = DEFAULT_BAND
+                    ) -> tuple[float, float] | None:
+    """The shaded induction window of the training figures: the configured ``[start, stop]`` (a model's
+    ``induction_window``, e.g. Pythia's steps 1000-2000) when given, else from a mini model's recorded curve
+    (``training_json``: path of its ``training.json``), else None."""
+    if window:
+        a, b = (float(x) for x in window)
+        return a, b
+    if training_json:
+        import json
+        from pathlib import Path
+
+        rec = json.loads(Path(training_json).read_text())
+        return induction_window(rec.get("induction_curve") or rec.get("checkpoints") or [], band)
+    return None

@@ -15,6 +15,8 @@ from pathlib import Path
 
 __all__ = [
     "FINAL",
+    "ALL_CHECKPOINTS",
+    "linear_steps",
     "checkpoint_steps",
     "step_name",
     "parse_step",
@@ -23,23 +25,36 @@ __all__ = [
 ]
 
 FINAL = "final"
+ALL_CHECKPOINTS = "checkpoints"
 _STEP_RE = re.compile(r"^step(\d+)$")
 
 
-def checkpoint_steps(total_steps: int) -> list[int]:
-    """Log-spaced checkpoint steps: ``0, 1, 2, 4, 8, ...`` (powers of two below ``total_steps``),
-    then ``total_steps``. ``checkpoint_steps(0) == [0]``."""
+def linear_steps(linear: dict | None, total_steps: int) -> list[int]:
+    """``start + every, start + 2 every, …`` below ``min(stop, total_steps)`` for ``{start, stop, every}``
+    (a mini model's ``linear_checkpoints``); ``[]`` for None."""
+    if not linear:
+        return []
+    start, stop, every = int(linear["start"]), int(linear["stop"]), int(linear["every"])
+    if every < 1:
+        raise ValueError(f"linear_checkpoints.every must be >= 1, got {every}")
+    return list(range(start + every, min(stop, int(total_steps)), every))
+
+
+def checkpoint_steps(total_steps: int, linear: dict | None = None) -> list[int]:
+    """Checkpoint steps: log-spaced ``0, 1, 2, 4, 8, ...`` (powers of two below ``total_steps``), the
+    :func:`linear_steps` of ``linear``, then ``total_steps``; sorted, unique. ``checkpoint_steps(0) == [0]``."""
     total = int(total_steps)
     if total < 0:
         raise ValueError(f"total_steps must be >= 0, got {total_steps}")
-    steps = [0]
+    steps = {0}
     p = 1
     while p < total:
-        steps.append(p)
+        steps.add(p)
         p *= 2
+    steps.update(linear_steps(linear, total))
     if total > 0:
-        steps.append(total)
-    return steps
+        steps.add(total)
+    return sorted(steps)
 
 
 def step_name(step: int) -> str:
@@ -58,7 +73,8 @@ def parse_step(revision: str) -> int | None:
 
 def resolve_minisuite_revision(revision: str | None, steps: list[int], model: str = "?") -> str:
     """A concrete mini-suite revision ``step<k>`` for ``revision`` (``None`` / ``final`` = the last of
-    ``steps``); raises ``ValueError`` naming the model and the valid names when ``k`` is not saved."""
+    ``steps``); raises ``ValueError`` naming the model and the valid names when ``k`` is not saved.
+    (``checkpoints``, every saved step, is expanded by the caller.)"""
     if revision in (None, FINAL):
         return step_name(steps[-1])
     k = parse_step(revision)

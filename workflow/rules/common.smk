@@ -10,7 +10,16 @@ SRC = Path(workflow.basedir) / "src"
 sys.path.insert(0, str(SRC))
 
 from mfpipe.codedeps import script_dependencies  # noqa: E402
-from mfpipe.config import ConfigError, check_config, corpora, minimodel, resolve_revisions, validate_schema  # noqa: E402
+from mfpipe.config import (  # noqa: E402
+    ConfigError,
+    check_config,
+    corpora,
+    minimodel,
+    resolve_revisions,
+    resolve_rollout_revisions,
+    validate_schema,
+)
+from mfpipe.revisions import parse_step  # noqa: E402
 from mfpipe.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.preflight import check_inputs  # noqa: E402
 
@@ -62,7 +71,10 @@ CORPORA = corpora(config)  # primary first, then cross corpora (App. G)
 CROSS = [c for c in CORPORA if c != CORPUS]
 MODELS = {m["name"]: m for m in config["models"]}
 MINI = {m["name"]: m for m in config.get("minisuite", {}).get("models", [])}
+# `revisions`: the training sweep (statistics, substitution, kernel per revision); the rollout stage analyses
+# `rollout_revisions` (default: the last of the sweep, the trained model)
 REVISIONS = {name: resolve_revisions(config, m) for name, m in MODELS.items()}
+ROLLOUT_REVISIONS = {name: resolve_rollout_revisions(config, m) for name, m in MODELS.items()}
 HALVES = ["stats", "eval"]
 
 
@@ -130,10 +142,11 @@ def all_targets():
         targets.append(f"{R}/tables/induction.md")
     for m in MODELS:
         targets.append(f"{R}/corpus/{CORPUS}/{m}/tracked.json")
-        for rev in REVISIONS[m]:
+        for rev in ROLLOUT_REVISIONS[m]:
             targets += [f"{R}/stats/{m}/{rev}/{ds}.zarr" for c in CORPORA for ds in datasets(c)]
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
     targets += rollout_targets()  # workflow/rules/rollout.smk
+    targets += training_targets()  # workflow/rules/substitution.smk
     return targets
 
 
@@ -176,7 +189,7 @@ def rollout_targets():
     """Every output of the rollout stage for the configured models and revisions."""
     t = [f"{R}/tables/coverage_attention.csv", f"{R}/tables/coverage_attention.md"]
     for m in MODELS:
-        for rev in REVISIONS[m]:
+        for rev in ROLLOUT_REVISIONS[m]:
             t.append(f"{R}/rollout/{m}/{rev}/scores.csv")
             for name in ("rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy",
                          "cross_corpus"):
@@ -187,6 +200,46 @@ def rollout_targets():
 
 def figure_targets(model, revision):
     return [f"{R}/figures/{fig}_{model}_{revision}.{ext}" for fig in FIGURES for ext in ("pdf", "png")]
+
+
+# ------------------------------------------------- training sweep (workflow/rules/substitution.smk)
+SUBSTITUTION = config["substitution"]
+KERNELS = config["kernels"]
+
+
+def revision_steps(model):
+    """Training step of each sweep revision (``step<k>``; None for a revision named otherwise, e.g. ``main``)."""
+    return [parse_step(r) for r in REVISIONS[model]]
+
+
+def training_summary(wildcards):
+    """A mini model's training.json (its recorded induction-score curve shades the induction window)."""
+    if MODELS[wildcards.model]["source"] == "minisuite":
+        return [f"{R}/minisuite/{wildcards.model}/training.json"]
+    return []
+
+
+def substitution_results(wildcards):
+    return [f"{R}/substitution/{wildcards.model}/{rev}/substitution.zarr" for rev in REVISIONS[wildcards.model]]
+
+
+def substitution_kernel_input(wildcards):
+    """The calibrated kernel U of the revision when `substitution.kernel` is `calibrated` (App. B)."""
+    if SUBSTITUTION["kernel"] == "calibrated":
+        return [f"{R}/kernels/{wildcards.model}/{wildcards.revision}/calibrated.zarr"]
+    return []
+
+
+def training_targets():
+    """Per model: every sweep revision's substitution result, the sweep table and the waypoint figure."""
+    t = []
+    for m in MODELS:
+        t += [f"{R}/substitution/{m}/{rev}/substitution.zarr" for rev in REVISIONS[m]]
+        t += [f"{R}/tables/substitution_{m}.csv", f"{R}/tables/substitution_{m}.md",
+              f"{R}/tables/substitution_heads_{m}.csv"]
+        if all(s is not None for s in revision_steps(m)):
+            t += [f"{R}/figures/waypoint_{m}.pdf", f"{R}/figures/waypoint_{m}.png"]
+    return t
 
 
 # ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)

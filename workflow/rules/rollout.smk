@@ -83,7 +83,7 @@ rule error_accounting:
 
 rule attention_coverage:
     input:
-        stats=[f"{R}/stats/{m}/{rev}/stats.zarr" for m in MODELS for rev in REVISIONS[m]],
+        stats=[f"{R}/stats/{m}/{rev}/stats.zarr" for m in MODELS for rev in ROLLOUT_REVISIONS[m]],
         code=code("attention_coverage.py"),
     output:
         csv=table_report(f"{R}/tables/coverage_attention.csv", "coverage"),

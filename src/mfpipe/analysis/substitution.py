@@ -100,7 +100,7 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
     mu = stats.mu().transpose("layer", "head", "key", "head_dim")
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "tracked_fingerprint", "corpus_fingerprint",
-                                            "n_tracked", "context_length", "n_tokens", "code_version")}
+                                            "n_tracked", "context_length", "n_tokens")}
     attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
     attrs["min_count"] = int(Wda.attrs.get("min_count", stats.attrs.get("min_count", 20)))
     return MeanFieldKernel(torch.from_numpy(np.asarray(Wda.values, dtype=np.float64)),
@@ -236,3 +236,58 @@ def result_dataset(sums: SubstitutionSums, attrs: dict):
     ds = xr.Dataset(data, coords={"layer": np.arange(sums.n_layers), "head": np.arange(sums.n_heads)})
     ds.attrs.update({k: v for k, v in attrs.items() if v is not None})
     return ds
+
+
+# ------------------------------------------------------------------ results across training
+SWEEP_COLUMNS = ["model", "revision", "step", "L_model", "L_MF", "delta_L", "D_MF", "substituted_share",
+                 "L_model_substituted", "L_MF_substituted", "delta_L_substituted", "n_predictions", "n_substituted",
+                 "kernel", "min_count", "n_stats_tokens"]
+
+
+def open_result(path, expect: dict | None = None):
+    """A substitution result (``substitution.zarr``) as an xarray Dataset, provenance-checked like a store."""
+    import warnings
+
+    import xarray as xr
+
+    from ..stats.api import check_provenance
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+        ds = xr.open_zarr(path, consolidated=False, zarr_format=3).load()
+    check_provenance(ds.attrs, expect, path)
+    return ds
+
+
+def sweep_table(paths, revisions, steps, model: str):
+    """One row per revision (training order): the losses, ΔL, D_MF and coverage of each substitution result."""
+    import pandas as pd
+
+    rows = []
+    for path, rev, step in zip(paths, revisions, steps):
+        ds = open_result(path, {"model": model, "revision": rev})
+        row = {"model": model, "revision": rev, "step": step}
+        for k in SWEEP_COLUMNS[3:13]:
+            row[k] = float(ds[k].values)
+        row["kernel"] = ds.attrs.get("kernel")
+        row["min_count"] = ds.attrs.get("min_count")
+        row["n_stats_tokens"] = ds.attrs.get("n_tokens")
+        rows.append(row)
+    df = pd.DataFrame(rows, columns=SWEEP_COLUMNS)
+    for k in ("n_predictions", "n_substituted"):
+        df[k] = df[k].astype("int64")
+    return df
+
+
+def head_deviation_table(paths, revisions, steps, model: str):
+    """Long table (revision, step, layer, head, deviation): each head's mean 1 - cos(z, ẑ) per checkpoint."""
+    import pandas as pd
+
+    frames = []
+    for path, rev, step in zip(paths, revisions, steps):
+        ds = open_result(path, {"model": model, "revision": rev})
+        df = ds["head_deviation"].to_dataframe(name="deviation").reset_index()
+        df.insert(0, "step", step)
+        df.insert(0, "revision", rev)
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)

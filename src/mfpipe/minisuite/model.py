@@ -16,7 +16,9 @@ rotary_pct          gpt_neox only: fraction of each head's dims that get rotary 
 rotary_base         gpt_neox only: rope theta
 tie_embeddings      tie input and output embeddings (None: the architecture's default, i.e.
                     tied for gpt2, untied for gpt_neox as in Pythia)
-steps               optimizer steps; checkpoints at :func:`checkpoint_steps` ``(steps)``
+steps               optimizer steps; checkpoints at :func:`checkpoint_steps` ``(steps, linear_checkpoints)``
+linear_checkpoints  ``{start, stop, every}``: also save every ``every`` steps in ``(start, stop)`` (None: only
+                    the log-spaced ones), to resolve a transition such as the induction bump
 batch_size          rows per step
 lr                  peak AdamW learning rate
 weight_decay        AdamW weight decay (applied to matrices only, not to biases/LayerNorms)

@@ -108,7 +108,7 @@ def train_mini_model(
     """Train one mini model on ``train_texts`` and write its outputs into ``out_dir``.
 
     Writes ``out_dir/checkpoints/step<k>/`` (a standalone HF model dir: config, safetensors
-    weights, tokenizer files) for every ``k`` in ``checkpoint_steps(cfg["steps"])``,
+    weights, tokenizer files) for every ``k`` in ``checkpoint_steps(cfg["steps"], cfg["linear_checkpoints"])``,
     ``out_dir/induction.csv`` (model, step, layer, head, score: every head at every checkpoint,
     :func:`mfpipe.induction.induction_scores` with ``k = (context_length - 1) // 2``) and
     ``out_dir/training.json`` (``model``, resolved ``cfg``, ``vocab_size``, ``n_params``,
@@ -168,7 +168,7 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
         eval_mask = torch.ones_like(eval_rows, dtype=torch.bool)
         opt = _make_optimizer(model, c)
 
-        ckpt_steps = checkpoint_steps(int(c["steps"]))
+        ckpt_steps = checkpoint_steps(int(c["steps"]), c["linear_checkpoints"])
         ckpt_dir = tmp / "checkpoints"
         ckpt_dir.mkdir()
         records: list[dict] = []

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Benchmark: the mean-field substitution forward against a bare forward, on the same batches, in one run.
+
+Prints tokens/s and ratios to (a) the bare forward of the causal LM with its next-token loss, of
+(b) the substitution forward (ẑ for every layer from the window's types + the forward with every head's read at
+tracked query positions replaced, with its loss; goal <= 2x the bare forward, issue 10) and of (c) the whole
+substitution job per batch (b + the clean forward that reads z for D_MF and L_model), and peak memory
+(process RSS; CUDA peak on a GPU).
+
+    python benchmarks/substitution.py --model gpt2-small-random --n-tracked 1000 --context-length 512 \
+        --batch-size 4 --batches 4 --device cpu
+
+The kernel W and the mean values are random (timing does not depend on their values); tokens Zipf-distributed,
+the tracked set their top-N types (about two thirds of positions tracked at N = 1000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats_pass import build_model, peak_rss_mb  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-small-random",
+                    help="gpt2-small-random, mini-gpt2-random, or a checkpoint folder (e.g. a mini-suite step)")
+    ap.add_argument("--n-tracked", type=int, default=1000)
+    ap.add_argument("--context-length", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batches", type=int, default=4, help="timed batches (after one warm-up batch)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from mfpipe.analysis.substitution import MeanFieldKernel, substitution_batch
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.stats.buckets import bucket_luts
+    from mfpipe.tracked import TrackedSet
+
+    dev = torch.device(args.device)
+    model = build_model(args.model, args.device)
+    adapter = get_adapter(model)
+    V = model.config.vocab_size
+    B, T, nb = args.batch_size, args.context_length, args.batches + 1
+    bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, V + 1)
+    p /= p.sum()
+    toks = rng.permutation(V)[rng.choice(V, size=(nb * B, T), p=p)]
+    toks[:, 0] = bos
+    counts = np.bincount(toks[:, 1:].ravel(), minlength=V)
+    counts[bos] = 0
+    order = np.lexsort((np.arange(V), -counts))
+    ids_top = [int(i) for i in order[: args.n_tracked] if counts[i] > 0]
+    tracked = TrackedSet(type_ids=np.asarray(ids_top), strings=[str(i) for i in ids_top], counts=counts[ids_top],
+                         bos_id=int(bos), vocab_size=V)
+    key_lut, query_lut, n, _ = bucket_luts(tracked)
+    L, H, dh = adapter.n_layers, adapter.n_heads, adapter.d_head
+    g = torch.Generator().manual_seed(0)
+    W = torch.rand(L, H, n, n + 2, generator=g) + 0.01
+    mu = torch.randn(L, H, n + 2, dh, generator=g)
+    kernel = MeanFieldKernel(W, mu, key_lut, query_lut, n).to(dev)
+    batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
+    cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def bare(chunk):
+        ids = torch.as_tensor(chunk.astype(np.int64), device=dev)
+        with torch.no_grad():
+            lg = model(ids, use_cache=False).logits.float()
+            torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def substituted(chunk):  # ẑ + the patched forward with its loss
+        kb, qt = kernel.buckets(chunk)
+        zs, sub = kernel.zhat(kb, qt)
+        sub = sub.to(dev)
+
+        def patch(layer, reads):
+            return torch.where(sub[:, :, None, None], zs[layer], reads)
+
+        adapter.run(torch.as_tensor(chunk.astype(np.int64), device=dev), select=(), patch_reads=patch, loss=True)
+
+    def job(chunk):  # what the workflow's substitution job does per batch
+        substitution_batch(adapter, kernel, chunk)
+
+    bare(batches[0])
+    rss_bare = peak_rss_mb()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        bare(batches[0])
+        sync()
+        cuda_bare = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    times = {"bare": 0.0, "substitution": 0.0, "job": 0.0}
+    for i, chunk in enumerate(batches):
+        for name, fn in (("bare", bare), ("substitution", substituted), ("job", job)):
+            sync()
+            t0 = time.perf_counter()
+            fn(chunk)
+            sync()
+            if i > 0:  # batch 0 is the warm-up
+                times[name] += time.perf_counter() - t0
+    ntok = args.batches * B * T
+    print(f"model {args.model} ({adapter.model_type}, L={L}, H={H}, d={adapter.d_model}); device {dev}; "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"N={n} tracked (position coverage {cover:.3f}), T={T}, batch {B}, {args.batches} timed batches = {ntok} tokens")
+    for name in times:
+        print(f"  {name:12s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
+    print(f"  ratio substitution forward / bare forward: {times['substitution'] / times['bare']:.3f}  (goal <= 2)")
+    print(f"  ratio substitution job (clean + substituted forward) / bare forward: {times['job'] / times['bare']:.3f}")
+    print(f"memory: peak RSS after model + bare forward {rss_bare:.0f} MiB, peak RSS overall {peak_rss_mb():.0f} MiB "
+          f"(kernel W {W.numel() * 4 / 2**20:.0f} MiB)")
+    if dev.type == "cuda":
+        print(f"CUDA peak: bare forward {cuda_bare:.0f} MiB, substitution {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

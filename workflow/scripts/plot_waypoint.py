@@ -1,0 +1,22 @@
+"""Snakemake script: the training-waypoint figure (fig:mfgap) of one model from its sweep table, with the
+induction window shaded (configured, or from the mini model's recorded induction-score curve)."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
+
+from mfpipe import figures as F
+from mfpipe.induction import training_window
+from mfpipe.jobs import run_logged
+from mfpipe.logs import setup_logging
+
+sm = snakemake  # noqa: F821 (injected by Snakemake)
+log = setup_logging(sm.log[0])
+
+
+def main() -> None:
+    p = sm.params
+    training = getattr(sm.input, "training", None) or None
+    window = training_window(p.window, training, tuple(p.band))
+    log.info("induction window: %s", window)
+    F.waypoint_figure(sm.input.table, sm.output.pdf, sm.output.png, window=window, title=str(p.title))
+
+
+run_logged(main, log)
