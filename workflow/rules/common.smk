@@ -112,8 +112,14 @@ def datasets(corpus=None):
     return [prefix + h for h in HALVES]
 
 
+# what selects revisions is not part of what a job loads: listing another revision must not change the params of
+# the jobs of the revisions already built (nor re-tokenize the corpus)
+SWEEP_KEYS = ("revisions", "rollout_revisions", "induction_window")
+
+
 def model_spec(wildcards):
-    return MODELS[wildcards.model]
+    """The model entry as a job sees it (name, source, hub_id/path, dtype, bos_token, tokenizer_revision)."""
+    return {k: v for k, v in MODELS[wildcards.model].items() if k not in SWEEP_KEYS}
 
 
 def results_dir(wildcards):

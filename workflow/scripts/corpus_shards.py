@@ -12,7 +12,7 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     spec, cfg = sm.params.model, dict(sm.params.corpus)
-    revision = (spec.get("revisions") or [None])[0] if spec["source"] == "hub" else None
+    revision = spec.get("tokenizer_revision") if spec["source"] == "hub" else None
     tokenizer = load_tokenizer(spec, revision, results_dir=sm.params.results)
     bos_id = resolve_bos_id(tokenizer, spec.get("bos_token"))
     log.info("corpus %s for model %s: BOS id %d (%r), T=%d, budget %d tokens per half",

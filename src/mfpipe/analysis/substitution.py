@@ -46,10 +46,18 @@ def own_reads_replacement(layer: int, reads: Tensor, zhat: Tensor, substituted: 
     return reads
 
 
+# W above this size stays on the host and goes to the model's device one layer at a time (per batch)
+RESIDENT_KERNEL_BYTES = 4 << 30
+
+
 @dataclass
 class MeanFieldKernel:
     """What the substitution needs from the statistics half: per layer ``W [L,H,N,K]`` (or the calibrated U of
-    App. B) and the heads' mean values ``mu [L,H,K,dh]``, with the tracked set's bucket lookup tables."""
+    App. B) and the heads' mean values ``mu [L,H,K,dh]``, with the tracked set's bucket lookup tables.
+
+    Memory: ``W`` is ``L H N (N+2)`` floats (GPT-2 small at N = 1000: 0.58 GB in float32). :meth:`to` moves it
+    to the model's device whole when it is at most ``RESIDENT_KERNEL_BYTES``, else keeps it on the host and
+    :meth:`zhat` moves one layer at a time."""
 
     W: Tensor
     mu: Tensor
@@ -57,36 +65,43 @@ class MeanFieldKernel:
     query_lut: np.ndarray
     n: int
     attrs: dict = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def n_layers(self) -> int:
         return int(self.W.shape[0])
 
-    def to(self, device, dtype=torch.float32) -> "MeanFieldKernel":
-        return MeanFieldKernel(self.W.to(device=device, dtype=dtype), self.mu.to(device=device, dtype=dtype),
-                               self.key_lut, self.query_lut, self.n, dict(self.attrs))
+    def to(self, device, dtype=torch.float32, resident_bytes: int = RESIDENT_KERNEL_BYTES) -> "MeanFieldKernel":
+        device = torch.device(device)
+        fits = self.W.numel() * torch.finfo(dtype).bits // 8 <= resident_bytes
+        home = device if fits else torch.device("cpu")
+        return MeanFieldKernel(self.W.to(device=home, dtype=dtype), self.mu.to(device=device, dtype=dtype),
+                               self.key_lut, self.query_lut, self.n, dict(self.attrs), device)
 
     def buckets(self, tokens) -> tuple[Tensor, Tensor]:
         kb, qt = window_buckets(np.asarray(tokens), self.key_lut, self.query_lut, self.n)
         return torch.from_numpy(kb), torch.from_numpy(qt)
 
     def zhat(self, kb: Tensor, qt: Tensor) -> tuple[list[Tensor], Tensor]:
-        """ẑ per layer ``[B,T,H,dh]`` and the substituted positions ``[B,T]`` (valid in every layer)."""
-        dev = self.W.device
+        """ẑ per layer ``[B,T,H,dh]`` and the substituted positions ``[B,T]`` (valid in every layer), on
+        :attr:`device`."""
+        dev = self.device
         kb, qt = kb.to(dev), qt.to(dev)
         zs, valid = [], None
         for l in range(self.n_layers):
-            z, v = ccmf_reads(self.W[l], self.mu[l], kb, qt)
+            z, v = ccmf_reads(self.W[l].to(dev, non_blocking=True), self.mu[l].to(dev), kb, qt)
             zs.append(z)
             valid = v if valid is None else valid & v
         return zs, valid
 
 
-def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrated=None) -> MeanFieldKernel:
+def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrated=None,
+                      dtype: torch.dtype = torch.float32) -> MeanFieldKernel:
     """The substitution kernel of a statistics store (:class:`~mfpipe.stats.api.MeanFieldStats`, the ``stats``
     half): ``W`` on the ``C_st >= min_count`` support (store default 20) or, with ``calibrated`` (an
     xarray ``U`` from :func:`mfpipe.calibration.load_calibrated`, same dims as ``W``), U instead; μ from the
-    store. ``tracked`` is the :class:`~mfpipe.tracked.TrackedSet` whose fingerprint the store records."""
+    store. ``tracked`` is the :class:`~mfpipe.tracked.TrackedSet` whose fingerprint the store records. Read one
+    layer at a time into ``dtype`` (no float64 copy of the whole kernel)."""
     from ..stats.buckets import bucket_luts
 
     if stats.attrs.get("tracked_fingerprint") not in (None, tracked.fingerprint):
@@ -95,16 +110,24 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
         raise ProvenanceError(
             f"statistics store {stats.path} was computed with another tracked set "
             f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {tracked.fingerprint!r}); rerun the stats stage")
-    Wda = stats.W(min_count=min_count) if calibrated is None else calibrated
-    Wda = Wda.transpose("layer", "head", "query", "key")
+    layers = []
+    mc = None
+    for l in range(stats.n_layers):
+        if calibrated is None:
+            Wl = stats.W(min_count=min_count, layer=l)
+            mc = int(Wl.attrs["min_count"])
+        else:
+            Wl = calibrated.isel(layer=l)
+            mc = int(calibrated.attrs.get("min_count", stats.attrs.get("min_count", 20)))
+        layers.append(torch.from_numpy(np.asarray(Wl.transpose("head", "query", "key").values)).to(dtype))
     mu = stats.mu().transpose("layer", "head", "key", "head_dim")
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "tracked_fingerprint", "corpus_fingerprint",
                                             "n_tracked", "context_length", "n_tokens")}
     attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
-    attrs["min_count"] = int(Wda.attrs.get("min_count", stats.attrs.get("min_count", 20)))
-    return MeanFieldKernel(torch.from_numpy(np.asarray(Wda.values, dtype=np.float64)),
-                           torch.from_numpy(np.asarray(mu.values, dtype=np.float64)), key_lut, query_lut, n, attrs)
+    attrs["min_count"] = mc
+    return MeanFieldKernel(torch.stack(layers), torch.from_numpy(np.asarray(mu.values)).to(dtype), key_lut, query_lut,
+                           n, attrs)
 
 
 @dataclass
