@@ -1,0 +1,154 @@
+"""Kernel dynamics (Sec. 5.3, App. N): CKA from rank-r factors against the textbook formula, row spread by hand."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mfpipe.kernel_dynamics import (
+    adjacent_cka,
+    cka_matrix,
+    cka_per_head,
+    induction_window,
+    kernel_factors,
+    linear_cka,
+    masked_kernel,
+    row_spread,
+    support_fingerprint,
+    support_mask,
+)
+
+
+def textbook_cka(X: np.ndarray, Y: np.ndarray) -> float:
+    """Linear CKA (Kornblith et al. 2019) on the full matrices, samples in rows, centred over samples."""
+    Xc = X - X.mean(0, keepdims=True)
+    Yc = Y - Y.mean(0, keepdims=True)
+    return float(np.linalg.norm(Yc.T @ Xc) ** 2 / (np.linalg.norm(Xc.T @ Xc) * np.linalg.norm(Yc.T @ Yc)))
+
+
+def random_kernel(rng, H=3, N=12, K=14, nan_row=True):
+    W = rng.gamma(1.0, 1.0, size=(H, N, K))
+    if nan_row:
+        W[:, 4] = np.nan  # a type never seen as a query
+    return W
+
+
+def test_support_mask_excludes_bos_and_other():
+    C = np.array([[25, 3, 20, 40, 40], [0, 19, 20, 5, 30], [20, 20, 20, 20, 20]])
+    m = support_mask(C, n_tracked=3, min_count=20)
+    assert m.tolist() == [[True, False, True, False, False], [False, False, True, False, False],
+                          [True, True, True, False, False]]
+    assert support_fingerprint(m) == support_fingerprint(m.copy())
+    m2 = m.copy()
+    m2[0, 0] = False
+    assert support_fingerprint(m2) != support_fingerprint(m)
+
+
+def test_full_rank_cka_equals_textbook():
+    rng = np.random.default_rng(0)
+    Wa, Wb = random_kernel(rng), random_kernel(rng)
+    C = rng.integers(0, 60, size=Wa.shape[1:])
+    mask = support_mask(C, n_tracked=Wa.shape[1] - 2)
+    N = Wa.shape[1]
+    Fa, Fb = kernel_factors(Wa, mask, rank=N), kernel_factors(Wb, mask, rank=N)
+    assert Fa.shape == (3, N, N)
+    got = linear_cka(Fa, Fb)
+    Xa, Xb = masked_kernel(Wa, mask), masked_kernel(Wb, mask)
+    # masked_kernel: off-support and NaN rows are 0; the BOS/other columns (K-2, K-1) are off-support
+    assert np.all(Xa[:, 4] == 0) and np.all(Xa[:, :, -2:] == 0) and np.all(Xa[:, ~mask] == 0)
+    want = np.array([textbook_cka(Xa[h], Xb[h]) for h in range(3)])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-10)
+    # and the matrix: symmetric, unit diagonal, off-diagonal = the head mean
+    M = cka_matrix([Fa[None], Fb[None], Fa[None]])
+    assert M.shape == (3, 3)
+    np.testing.assert_allclose(M, M.T, atol=1e-14)
+    np.testing.assert_allclose(np.diag(M), 1.0, atol=1e-12)
+    np.testing.assert_allclose(M[0, 1], want.mean(), atol=1e-10)
+    np.testing.assert_allclose(M[0, 2], 1.0, atol=1e-12)
+    np.testing.assert_allclose(adjacent_cka(M), [M[0, 1], M[1, 2]])
+
+
+def test_cka_is_scale_invariant_and_below_one():
+    rng = np.random.default_rng(1)
+    W = random_kernel(rng, nan_row=False)
+    mask = np.ones(W.shape[1:], dtype=bool)
+    F = kernel_factors(W, mask, rank=8)
+    F3 = kernel_factors(3.7 * W, mask, rank=8)
+    np.testing.assert_allclose(linear_cka(F, F3), 1.0, atol=1e-12)
+    # adding a constant to every row (a column offset) is removed by the column centring
+    Fc = kernel_factors(W + rng.normal(size=W.shape[2])[None, None, :] ** 2, mask, rank=8)
+    np.testing.assert_allclose(linear_cka(F, Fc), 1.0, atol=1e-10)
+    Fo = kernel_factors(random_kernel(rng, nan_row=False), mask, rank=8)
+    assert np.all(linear_cka(F, Fo) < 0.99)
+
+
+def test_rank_r_approximant_close_to_exact():
+    rng = np.random.default_rng(2)
+    H, N, K, r = 2, 150, 152, 10
+    mask = np.ones((N, K), dtype=bool)
+
+    U, V = rng.normal(size=(H, N, r)), rng.normal(size=(H, r, K)) * np.linspace(3, 1, r)[None, :, None]
+    U2, V2 = rng.normal(size=(H, N, r)), rng.normal(size=(H, r, K))
+    Wa = U @ V + 0.01 * rng.normal(size=(H, N, K))  # rank r plus noise
+    Wb = (U + 0.5 * U2) @ (V + 0.5 * V2) + 0.01 * rng.normal(size=(H, N, K))  # another rank-r kernel, related
+    exact = np.array([textbook_cka(Wa[h], Wb[h]) for h in range(H)])
+    approx = linear_cka(kernel_factors(Wa, mask, rank=r), kernel_factors(Wb, mask, rank=r))
+    full = linear_cka(kernel_factors(Wa, mask, rank=N), kernel_factors(Wb, mask, rank=N))
+    np.testing.assert_allclose(full, exact, atol=1e-10)
+    assert np.max(np.abs(approx - exact)) < 1e-3
+    # a rank far below the signal's rank is visibly off (the approximant is doing something)
+    assert np.max(np.abs(linear_cka(kernel_factors(Wa, mask, rank=1), kernel_factors(Wb, mask, rank=1)) - exact)) > 1e-3
+
+
+def test_cka_per_head_and_per_layer():
+    rng = np.random.default_rng(3)
+    L, H, N = 2, 3, 9
+    mask = np.ones((N, N + 2), dtype=bool)
+    revs = [np.stack([kernel_factors(random_kernel(rng, H, N, N + 2, False), mask, rank=N) for _ in range(L)])
+            for _ in range(4)]
+    c = cka_per_head(revs)
+    assert c.shape == (4, 4, L, H)
+    np.testing.assert_allclose(c[1, 3, 1, 2], linear_cka(revs[1][1, 2], revs[3][1, 2]), atol=1e-14)
+    per_layer = cka_matrix(revs, per_layer=True)
+    assert per_layer.shape == (L, 4, 4)
+    np.testing.assert_allclose(per_layer[1], c[:, :, 1].mean(-1))
+    np.testing.assert_allclose(cka_matrix(revs), c.reshape(4, 4, -1).mean(-1))
+    # an all-zero head is left out of the mean, not counted as 0 or 1
+    z = [r.copy() for r in revs]
+    z[0][0, 0] = 0.0
+    m = cka_matrix(z)
+    keep = np.ones((L, H), dtype=bool)
+    keep[0, 0] = False
+    np.testing.assert_allclose(m[0, 1], cka_per_head(z)[0, 1][keep].mean())
+    assert np.isnan(cka_per_head(z)[0, 1, 0, 0])
+
+
+def test_row_spread_hand_case():
+    # one head, 3 query types, K = 5 (3 tracked + bos + other)
+    W = np.zeros((1, 3, 5))
+    W[0, 0] = [1.0, np.e, np.e**2, 9.0, 9.0]  # logs 0,1,2: std sqrt(2/3); bos/other ignored
+    W[0, 1] = [np.e**3, 1.0, 0.0, 1.0, 1.0]  # logs 3, 0 (the 0 entry is skipped): std 1.5
+    W[0, 2] = [5.0, 0.0, 0.0, 1.0, 1.0]  # one entry: not counted
+    mask = support_mask(np.full((3, 5), 100), n_tracked=3)
+    got = row_spread(W, mask)
+    np.testing.assert_allclose(got, [(np.sqrt(2 / 3) + 1.5) / 2], atol=1e-12)
+    # off-support entries do not count: mask the entry e^2 of row 0 -> logs 0,1: std 0.5
+    mask[0, 2] = False
+    np.testing.assert_allclose(row_spread(W, mask), [(0.5 + 1.5) / 2], atol=1e-12)
+    # NaN rows are ignored; a head with no row of >= 2 entries is NaN
+    W2 = np.full((2, 3, 5), np.nan)
+    W2[0] = W[0]
+    W2[1, :, :] = 0.0
+    W2[1, 0, 0] = 1.0
+    got = row_spread(W2, mask)
+    np.testing.assert_allclose(got[0], 1.0, atol=1e-12)
+    assert np.isnan(got[1])
+    # a uniform row has spread 0 (fold-variation exp(0) = 1)
+    assert row_spread(np.ones((1, 3, 5)), support_mask(np.full((3, 5), 100), 3))[0] == 0.0
+
+
+def test_induction_window():
+    steps = [0, 256, 512, 1024, 1100, 1200, 1300, 1500, 2000]
+    score = [0.01, 0.02, 0.03, 0.099, 0.2, 0.5, 0.8, 0.936, 0.94]
+    assert induction_window(steps, score) == (1024, 1500)
+    assert induction_window(steps[::-1], score[::-1]) == (1024, 1500)  # order of the records does not matter
+    assert induction_window(steps, [0.01] * len(steps)) is None
