@@ -152,3 +152,76 @@ def test_induction_window():
     assert induction_window(steps, score) == (1024, 1500)
     assert induction_window(steps[::-1], score[::-1]) == (1024, 1500)  # order of the records does not matter
     assert induction_window(steps, [0.01] * len(steps)) is None
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def _lines(ax):
+    return [(l.get_xdata(), l.get_ydata(), l) for l in ax.get_lines() if l.get_linestyle() != ":"]
+
+
+def test_cka_figure_plots_its_inputs(tmp_path, monkeypatch):
+    from mfpipe import figures
+
+    captured = {}
+    real = figures.save_figure
+
+    def spy(fig, pdf, png, dpi=150):
+        captured["fig"] = fig
+        real(fig, pdf, png, dpi=dpi)
+
+    monkeypatch.setattr(figures, "save_figure", spy)
+    steps = [0, 1, 2, 4, 64, 1000]
+    rng = np.random.default_rng(0)
+    M = rng.uniform(0.5, 1.0, size=(6, 6))
+    M = (M + M.T) / 2
+    np.fill_diagonal(M, 1.0)
+    adj = adjacent_cka(M)
+    pdf, png = figures.cka_figure(M, adj, steps, tmp_path / "cka", window=(2, 64), title="t")
+    assert pdf.stat().st_size > 0 and png.stat().st_size > 0 and pdf.suffix == ".pdf" and png.suffix == ".png"
+    heat, curve = captured["fig"].axes[:2]
+    np.testing.assert_array_equal(heat.get_images()[0].get_array(), M)
+    (x, y, _), = _lines(curve)
+    np.testing.assert_array_equal(x, steps[1:])
+    np.testing.assert_array_equal(y, adj)
+    assert curve.get_xscale() == "symlog"
+    span = [p for p in curve.patches if p.get_label() == "induction window"]
+    assert len(span) == 1
+    assert span[0].get_x() == 2 and span[0].get_x() + span[0].get_width() == 64
+    with pytest.raises(ValueError):
+        figures.cka_figure(M, adj[:-1], steps, tmp_path / "bad")
+
+
+def test_spread_figure_plots_its_inputs(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from mfpipe import figures
+
+    captured = {}
+    real = figures.save_figure
+    monkeypatch.setattr(figures, "save_figure",
+                        lambda fig, pdf, png, dpi=150: (captured.setdefault("fig", fig), real(fig, pdf, png, dpi=dpi)))
+    rng = np.random.default_rng(1)
+    steps = [0, 16, 256, 4096]
+    rows = [{"revision": f"step{s}", "step": s, "layer": l, "head": h, "spread": float(rng.uniform(0.2, 2.0))}
+            for s in steps for l in range(2) for h in range(3)]
+    df = pd.DataFrame(rows)
+    csv = tmp_path / "spread.csv"
+    df.to_csv(csv, index=False)
+    figures.spread_figure(csv, tmp_path / "spread.pdf", png=tmp_path / "spread.png")
+    assert (tmp_path / "spread.pdf").stat().st_size > 0 and (tmp_path / "spread.png").stat().st_size > 0
+    left, right = captured["fig"].axes[:2]
+    (x, y, _), = _lines(left)
+    fold = np.exp(df.pivot_table(index="step", columns=["layer", "head"], values="spread"))
+    np.testing.assert_array_equal(x, steps)
+    np.testing.assert_allclose(y, fold.mean(axis=1).to_numpy(), rtol=1e-12)
+    band = left.collections[0].get_paths()[0].vertices[:, 1]
+    assert np.isclose(band.min(), fold.quantile(0.25, axis=1).min()) and np.isclose(band.max(),
+                                                                                 fold.quantile(0.75, axis=1).max())
+    heads = {l.get_gid(): (l.get_xdata(), l.get_ydata(), l.get_color()) for _, _, l in _lines(right)}
+    assert len(heads) == 6
+    for (layer, head), col in fold.items():
+        hx, hy, _ = heads[f"L{layer}H{head}"]
+        np.testing.assert_array_equal(hx, steps)
+        np.testing.assert_allclose(hy, col.to_numpy(), rtol=1e-12)
+    # coloured by layer: one colour per layer
+    assert heads["L0H0"][2] == heads["L0H2"][2] != heads["L1H0"][2]
