@@ -1,6 +1,8 @@
 """Kernel dynamics (Sec. 5.3, App. N): CKA from rank-r factors against the textbook formula, row spread by hand."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -225,3 +227,102 @@ def test_spread_figure_plots_its_inputs(tmp_path, monkeypatch):
         np.testing.assert_allclose(hy, col.to_numpy(), rtol=1e-12)
     # coloured by layer: one colour per layer
     assert heads["L0H0"][2] == heads["L0H2"][2] != heads["L1H0"][2]
+
+
+# ------------------------------------------------------------------------------------------------ the jobs
+def _revision_stores(tmp_path, n_revs=3, tracked_shift=0):
+    from synthetic_stats import make_store, tracked_set, windows
+
+    tok = windows()
+    ts = tracked_set(tok, shift=tracked_shift)
+    rng = np.random.default_rng(4)
+    U = rng.lognormal(0, 0.3, size=(2, 3, ts.n, ts.n + 2))
+    paths = []
+    for r in range(n_revs):
+        U = U * rng.lognormal(0, 0.4 * r, size=U.shape)  # the kernel drifts from checkpoint to checkpoint
+        paths.append(make_store(tmp_path / "stats" / f"step{2 ** (4 * r) if r else 0}" / "stats.zarr", tok, ts, U,
+                                revision=f"step{2 ** (4 * r) if r else 0}"))
+    return paths
+
+
+def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
+    """kernel_revision per checkpoint, then kernel_dynamics: the CKA table equals the textbook CKA of the stores'
+    own W (full rank), the spread table equals row_spread of W, and foreign kernels are refused naming the file."""
+    import json
+
+    import pandas as pd
+    from synthetic_stats import NamedList, run_script
+
+    from mfpipe.kernel_dynamics import open_kernel
+    from mfpipe.stats import open_stats
+
+    stores = _revision_stores(tmp_path)
+    revs = ["step0", "step16", "step256"]
+    steps = [0, 16, 256]
+    kernels = []
+    for rev, store in zip(revs, stores):
+        out = tmp_path / "kernels" / rev / "kernel.zarr"
+        run_script(repo, "kernel_revision.py", monkeypatch, input=NamedList(stats=str(store)), output=NamedList(str(out)),
+                   params=NamedList(model="synth", revision=rev, min_count=3, rank=96), log=[str(tmp_path / f"{rev}.log")])
+        kernels.append(str(out))
+    st = open_stats(stores[1])
+    k = open_kernel(kernels[1])
+    N = st.n
+    assert k["factor"].dims == ("layer", "head", "query", "rank") and k.sizes["rank"] == N  # rank min(96, N)
+    for key in ("model", "revision", "tracked_fingerprint", "corpus_fingerprint", "n_tracked", "mfpipe_version",
+                "stats_mfpipe_version", "support_fingerprint"):
+        assert key in k.attrs, key
+    assert k.attrs["revision"] == "step16" and k.attrs["tracked_fingerprint"] == st.attrs["tracked_fingerprint"]
+    mask = support_mask(st.context_count().values, N, 3)
+    assert int(k["support_size"]) == mask.sum() and 0 < mask.sum() < N * N
+    np.testing.assert_allclose(k["rank_energy"].values, 1.0, atol=1e-5)  # full rank keeps everything
+    W = [[open_stats(s).W(min_count=3, layer=l).values for l in range(2)] for s in stores]
+    np.testing.assert_allclose(k["spread"].values, [row_spread(W[1][l], mask) for l in range(2)], rtol=1e-6)
+
+    training = tmp_path / "training.json"
+    training.write_text(json.dumps({"induction_curve": [{"step": s, "max_induction": v, "induction_loss": 1.0}
+                                                        for s, v in zip([0, 8, 16, 64, 256], [0.0, 0.05, 0.5, 0.95, 1.0])]}))
+    res = tmp_path / "dyn"
+    outputs = NamedList(cka=str(res / "cka.csv"), adjacent=str(res / "adjacent.csv"), spread=str(res / "spread.csv"),
+                        cka_pdf=str(res / "cka.pdf"), cka_png=str(res / "cka.png"), spread_pdf=str(res / "spread.pdf"),
+                        spread_png=str(res / "spread.png"))
+    run_script(repo, "kernel_dynamics.py", monkeypatch, input=NamedList(kernels=kernels, training=str(training)),
+               output=outputs, params=NamedList(model="synth", revisions=revs, steps=steps, window=None),
+               log=[str(tmp_path / "dyn.log")])
+    for p in outputs:
+        assert Path(p).stat().st_size > 0, p
+    cka = pd.read_csv(outputs.cka)
+    assert len(cka) == 9 and set(cka.columns) == {"rev_a", "rev_b", "step_a", "step_b", "cka"}
+    for _, row in cka.iterrows():
+        a, b = revs.index(row["rev_a"]), revs.index(row["rev_b"])
+        want = np.mean([textbook_cka(masked_kernel(W[a][l], mask)[h], masked_kernel(W[b][l], mask)[h])
+                        for l in range(2) for h in range(3)])
+        assert row["cka"] == pytest.approx(want, abs=1e-5), (a, b)
+    adj = pd.read_csv(outputs.adjacent)
+    assert list(adj["rev_b"]) == revs[1:] and list(adj["step_a"]) == steps[:2]
+    c = cka.set_index(["rev_a", "rev_b"])["cka"]
+    np.testing.assert_allclose(adj["cka"], [c[("step0", "step16")], c[("step16", "step256")]])
+    assert adj["cka"].iloc[1] < 0.99  # the synthetic kernel moved
+    sp = pd.read_csv(outputs.spread)
+    assert len(sp) == 3 * 2 * 3 and list(sp.columns) == ["revision", "step", "layer", "head", "spread"]
+    got = sp[(sp.revision == "step256") & (sp.layer == 1)].sort_values("head")["spread"].to_numpy()
+    np.testing.assert_allclose(got, row_spread(W[2][1], mask), rtol=1e-6)
+    assert "induction window (8, 64)" in Path(tmp_path / "dyn.log").read_text()
+
+    # a kernel from another tracked set is refused, naming the file
+    other = _revision_stores(tmp_path / "other", n_revs=1, tracked_shift=1)[0]
+    foreign = tmp_path / "foreign" / "kernel.zarr"
+    run_script(repo, "kernel_revision.py", monkeypatch, input=NamedList(stats=str(other)), output=NamedList(str(foreign)),
+               params=NamedList(model="synth", revision="step0", min_count=3, rank=96), log=[str(tmp_path / "f.log")])
+    with pytest.raises(SystemExit):
+        run_script(repo, "kernel_dynamics.py", monkeypatch, input=NamedList(kernels=[kernels[0], str(foreign)]),
+                   output=outputs, params=NamedList(model="synth", revisions=["step0", "step0"], steps=[0, 1],
+                                                    window=[1, 2]), log=[str(tmp_path / "bad.log")])
+    text = Path(tmp_path / "bad.log").read_text()
+    assert f"kernel store {foreign} has tracked_fingerprint" in text
+    # a store listed out of revision order is refused too
+    with pytest.raises(SystemExit):
+        run_script(repo, "kernel_dynamics.py", monkeypatch, input=NamedList(kernels=kernels[::-1]), output=outputs,
+                   params=NamedList(model="synth", revisions=revs, steps=steps, window=None),
+                   log=[str(tmp_path / "order.log")])
+    assert "is for revision 'step256', expected 'step0'" in Path(tmp_path / "order.log").read_text()

@@ -52,6 +52,9 @@ __all__ = [
     "calibrated_dataset",
     "write_calibrated",
     "load_calibrated",
+    "check_windows",
+    "calibrate_stats",
+    "residual_markdown",
     "DEFAULT_ITERATIONS",
     "WITHIN",
 ]
@@ -361,3 +364,82 @@ def load_calibrated(path: str | Path, expect: Mapping[str, Any] | None = None, l
     U = U.load()
     U.attrs.update({"min_count": ds.attrs.get("min_count"), "kind": "calibrated"})
     return U
+
+
+# ------------------------------------------------------------------------------------------------ one model
+def check_windows(stats, tokens: Sequence[np.ndarray], tracked, where: str = "") -> None:
+    """Refuse windows and a tracked set that are not the ones the statistics store was measured on: the tracked
+    set's fingerprint, the context length and the number of windows and tokens must match (Q is compared with P
+    cell by cell, so both must average over the same contexts)."""
+    from .stats.api import ProvenanceError
+
+    a = stats.attrs
+    fp = getattr(tracked, "fingerprint", None)
+    if fp is not None and a.get("tracked_fingerprint") not in (None, fp):
+        raise ProvenanceError(f"tracked set {where or ''} (fingerprint {fp[:12]}…) is not the one statistics store "
+                              f"{stats.path} was computed with ({str(a.get('tracked_fingerprint'))[:12]}…)")
+    n_windows = sum(int(t.shape[0]) for t in tokens)
+    n_tokens = sum(int(t.size) for t in tokens)
+    T = {int(t.shape[1]) for t in tokens}
+    want = (int(a.get("n_windows", n_windows)), int(a.get("n_tokens", n_tokens)), int(a.get("context_length", 0)))
+    if (n_windows, n_tokens) != want[:2] or (want[2] and T != {want[2]}):
+        raise ProvenanceError(
+            f"the shards {where} hold {n_windows} windows / {n_tokens} tokens of length {sorted(T)}, statistics store "
+            f"{stats.path} was measured on {want[0]} windows / {want[1]} tokens of length {want[2]}: calibrate on the "
+            f"shards of the half the store was computed from")
+
+
+def calibrate_stats(stats, tokens: Sequence[np.ndarray], tracked, min_count: int = DEFAULT_MIN_COUNT,
+                    iterations: int = DEFAULT_ITERATIONS, alpha: float = 1.0, delta: float = 1e-12, eps: float = 1e-6,
+                    batch_size: int = 8, device="cpu", progress: bool = False, log=None):
+    """Bias table and calibrated kernel of every layer of one statistics store (:class:`MeanFieldStats`) over the
+    windows it was measured on (``tokens``: the shards' token arrays, in order). Layer by layer: ``W`` (the store's
+    ``W(min_count)``), its pass (the bias table's row and iteration 0), then :func:`calibrate` (float64).
+
+    Returns ``(U [L, H, N, K] float32 numpy, bias DataFrame, residual DataFrame)``."""
+    import torch
+
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
+        tokens = [tokens]
+    tokens = list(tokens)
+    check_windows(stats, tokens, tracked)
+    batches = window_batches(tokens, tracked, batch_size=batch_size, device=device)
+    nbar = stats.nbar().values
+    C = stats.context_count().values
+    qc = stats.query_count().values
+    L = stats.n_layers
+    U_all = None
+    per_layer, tables = {}, []
+    for l in range(L):
+        W = torch.as_tensor(np.asarray(stats.W(min_count=min_count, layer=l).values, dtype=np.float64), device=device)
+        P = torch.as_tensor(np.asarray(stats.P(layer=l).values, dtype=np.float64), device=device)
+        first = corpus_pass(W, batches, progress=progress, desc=f"layer {l} pass 0")
+        per_layer[l] = bias_sums(first, P.cpu().numpy(), nbar, C, qc, min_count)
+        U, table = calibrate(W, P, batches, iterations=iterations, alpha=alpha, delta=delta, eps=eps, initial=first,
+                             layer=l, progress=progress)
+        if U_all is None:
+            U_all = np.zeros((L, *U.shape), dtype=np.float32)
+        U_all[l] = U.cpu().numpy()
+        tables.append(table)
+        if log is not None:
+            r = table.iloc[-1]
+            log.info("layer %d: residual median |Q-P|/P %.3g -> %.3g, max |Q-P| %.3g -> %.3g after %d iterations", l,
+                     table["median_rel"].iloc[0], r["median_rel"], table["max_abs"].iloc[0], r["max_abs"],
+                     int(r["iteration"]))
+    return U_all, bias_frame(per_layer), pd.concat(tables, ignore_index=True)
+
+
+def residual_markdown(table: pd.DataFrame, title: str | None = None) -> str:
+    """Table ``tab:calib2M``'s layout: per layer, the two residuals as rows and the iterations as columns."""
+    its = sorted(int(i) for i in table["iteration"].unique())
+    lines = []
+    if title:
+        lines += [f"### {title}", ""]
+    lines += ["| layer | residual | " + " | ".join(f"iter {i}" for i in its) + " |",
+              "|---|---|" + "|".join("---:" for _ in its) + "|"]
+    for layer, g in table.groupby("layer", sort=True):
+        g = g.set_index("iteration")
+        for col, label in (("median_rel", "median \\|Q-P\\|/P"), ("max_abs", "max \\|Q-P\\|")):
+            vals = [f"{g.loc[i, col]:.3g}" if i in g.index else "" for i in its]
+            lines.append(f"| {layer} | {label} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"

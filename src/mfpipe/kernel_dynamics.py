@@ -51,6 +51,10 @@ __all__ = [
     "adjacent_cka",
     "row_spread",
     "induction_window",
+    "kernel_dataset",
+    "open_kernel",
+    "check_same_source",
+    "dynamics_tables",
 ]
 
 DEFAULT_RANK = 96
@@ -211,3 +215,132 @@ def induction_window(steps, scores, lo: float = 0.1, hi: float = 0.9) -> tuple[i
     below = np.nonzero(sc[: stop_i + 1] < s0 + lo * (s1 - s0))[0]
     start_i = int(below[-1]) if below.size else 0
     return int(st[start_i]), int(st[stop_i])
+
+
+# ------------------------------------------------------------------------------------------------ stores
+KERNEL_FORMAT = 1
+# what must agree between the kernels of one comparison (same model, tracked set, corpus sample, support, rank)
+SAME_SOURCE_KEYS = ("model", "tracked_fingerprint", "n_tracked", "corpus_fingerprint", "context_length", "min_count",
+                    "rank", "support_fingerprint")
+_COPY_KEYS = ("model", "revision", "half", "model_source", "corpus", "corpus_fingerprint", "half_fingerprint",
+              "tracked_fingerprint", "n_tracked", "context_length", "n_tokens", "n_windows", "n_layers", "n_heads",
+              "bos_id")
+
+
+def kernel_dataset(stats, min_count: int = DEFAULT_MIN_COUNT, rank: int = DEFAULT_RANK):
+    """One checkpoint's kernel summary as a labelled :class:`xarray.Dataset`, from a statistics store
+    (:class:`~mfpipe.stats.api.MeanFieldStats`), one layer at a time:
+
+    * ``factor`` (layer, head, query, rank) float32 -- :func:`kernel_factors` of ``W = P / nbar``;
+    * ``spread`` (layer, head) -- :func:`row_spread`;
+    * ``rank_energy`` (layer, head) -- share of the centred kernel's squared Frobenius norm the rank-r factor keeps;
+    * ``support_size`` -- number of supported (query type, tracked key type) pairs.
+
+    Attributes: the store's provenance (model, revision, tracked and corpus fingerprints, ...), ``min_count``,
+    ``rank``, ``support_fingerprint``, ``stats_mfpipe_version`` and this ``mfpipe_version``."""
+    import xarray as xr
+
+    from .stats.store import _mfpipe_version
+
+    C = np.asarray(stats.context_count().values)
+    mask = support_mask(C, stats.n, min_count)
+    L, H, N = stats.n_layers, stats.n_heads, stats.n
+    r = min(int(rank), N)
+    factor = np.zeros((L, H, N, r), dtype=np.float32)
+    spread = np.zeros((L, H))
+    energy = np.zeros((L, H))
+    for l in range(L):
+        W = np.asarray(stats.W(min_count=min_count, layer=l).values, dtype=np.float64)
+        F = kernel_factors(W, mask, rank=r)
+        factor[l] = F
+        spread[l] = row_spread(W, mask)
+        X = masked_kernel(W, mask)
+        total = ((X - X.mean(1, keepdims=True)) ** 2).sum(axis=(1, 2))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            energy[l] = np.where(total > 0, (F.astype(np.float64) ** 2).sum(axis=(1, 2)) / np.where(total > 0, total, 1), np.nan)
+    q = stats.ds["query"]
+    coords = {"layer": np.arange(L), "head": np.arange(H), "query": q.values, "rank": np.arange(r)}
+    for name in ("query_str", "query_token_id"):
+        if name in stats.ds.coords:
+            coords[name] = ("query", stats.ds[name].values)
+    attrs = {k: stats.attrs[k] for k in _COPY_KEYS if k in stats.attrs}
+    attrs.update({"kind": "kernel_factors", "kernel_format": KERNEL_FORMAT, "min_count": int(min_count), "rank": int(r),
+                  "support_fingerprint": support_fingerprint(mask), "support_size": int(mask.sum()),
+                  "stats_mfpipe_version": stats.attrs.get("mfpipe_version", "unknown"),
+                  "mfpipe_version": _mfpipe_version()})
+    return xr.Dataset(
+        {
+            "factor": (("layer", "head", "query", "rank"), factor),
+            "spread": (("layer", "head"), spread),
+            "rank_energy": (("layer", "head"), energy),
+            "support_size": ((), np.int64(mask.sum())),
+        },
+        coords=coords,
+        attrs=attrs,
+    )
+
+
+def open_kernel(path):
+    """A kernel store written by the ``kernel_revision`` job, opened lazily (``factor`` is read per layer)."""
+    import warnings
+    from pathlib import Path
+
+    import xarray as xr
+
+    path = Path(path)
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(f"kernel store {path} does not exist or is incomplete; run its kernel_revision job")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+        ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+    if ds.attrs.get("kind") != "kernel_factors":
+        raise ValueError(f"{path} is not a kernel store (kind={ds.attrs.get('kind')!r})")
+    return ds
+
+
+def check_same_source(datasets, paths, revisions=None) -> None:
+    """Refuse kernels that cannot be compared: every store must agree with the first on :data:`SAME_SOURCE_KEYS`
+    (model, tracked set, corpus sample, support, rank), and, with ``revisions``, record that revision. Raises
+    :class:`~mfpipe.stats.api.ProvenanceError` naming the offending file."""
+    from .stats.api import ProvenanceError, _same
+
+    if not datasets:
+        raise ValueError("no kernel stores given")
+    ref = datasets[0].attrs
+    for i, (ds, path) in enumerate(zip(datasets, paths)):
+        for key in SAME_SOURCE_KEYS:
+            a, b = ds.attrs.get(key), ref.get(key)
+            if not _same(a, b):
+                raise ProvenanceError(
+                    f"kernel store {path} has {key}={a!r} but {paths[0]} has {b!r}: kernels of different models, "
+                    f"tracked sets or corpus samples cannot be compared; rebuild {path} from the matching statistics")
+        if revisions is not None and str(ds.attrs.get("revision")) != str(revisions[i]):
+            raise ProvenanceError(f"kernel store {path} is for revision {ds.attrs.get('revision')!r}, expected "
+                                  f"{revisions[i]!r} at position {i} of the revision list")
+
+
+def dynamics_tables(datasets, revisions, steps):
+    """``(matrix [R, R], cka, adjacent, spread)`` from the kernel stores of one model in revision order.
+    ``cka``: every ordered pair (``rev_a, rev_b, step_a, step_b, cka``: mean over all heads); ``adjacent``: the
+    consecutive pairs; ``spread``: ``revision, step, layer, head, spread``."""
+    import pandas as pd
+
+    revisions = [str(r) for r in revisions]
+    steps = [int(s) for s in steps]
+    if not (len(datasets) == len(revisions) == len(steps)):
+        raise ValueError(f"{len(datasets)} kernels, {len(revisions)} revisions and {len(steps)} steps")
+    M = cka_matrix([ds["factor"].variable for ds in datasets])
+    R = len(revisions)
+    cka = pd.DataFrame([{"rev_a": revisions[a], "rev_b": revisions[b], "step_a": steps[a], "step_b": steps[b],
+                         "cka": float(M[a, b])} for a in range(R) for b in range(R)])
+    adj = adjacent_cka(M)
+    adjacent = pd.DataFrame([{"rev_a": revisions[i], "rev_b": revisions[i + 1], "step_a": steps[i],
+                              "step_b": steps[i + 1], "cka": float(adj[i])} for i in range(R - 1)],
+                            columns=["rev_a", "rev_b", "step_a", "step_b", "cka"])
+    rows = []
+    for rev, step, ds in zip(revisions, steps, datasets):
+        sp = np.asarray(ds["spread"].values)
+        for l in range(sp.shape[0]):
+            for h in range(sp.shape[1]):
+                rows.append({"revision": rev, "step": step, "layer": l, "head": h, "spread": float(sp[l, h])})
+    return M, cka, adjacent, pd.DataFrame(rows)

@@ -1,0 +1,59 @@
+"""Snakemake script: kernel dynamics of one model across its checkpoints (Sec. 5.3, App. N) -- linear CKA of W
+between every pair of checkpoints and between adjacent ones, the row spread per head -- as tables and the two
+figures (fig:cka, fig:spread), from the per-revision kernel stores of `kernel_revision`."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
+import json
+from pathlib import Path
+
+from mfpipe.figures import cka_figure, spread_figure
+from mfpipe.jobs import run_logged
+from mfpipe.kernel_dynamics import check_same_source, dynamics_tables, induction_window, open_kernel
+from mfpipe.logs import setup_logging
+from mfpipe.stats.api import ProvenanceError
+from mfpipe.tables import write_csv
+
+sm = snakemake  # noqa: F821 (injected by Snakemake)
+log = setup_logging(sm.log[0] if sm.log else None)
+
+
+def window_from(params, training) -> tuple[int, int] | None:
+    """The induction window: from config (``params.window``) if set, else from the mini suite's recorded
+    induction-score curve (``training.json``), else none."""
+    window = getattr(params, "window", None)
+    if window is not None:
+        start, stop = (int(x) for x in window)
+        return start, stop
+    if training and Path(str(training)).is_file():
+        curve = json.loads(Path(str(training)).read_text()).get("induction_curve") or []
+        if curve:
+            return induction_window([c["step"] for c in curve], [c["max_induction"] for c in curve])
+    return None
+
+
+def main() -> None:
+    model = str(sm.params.model)
+    revisions = [str(r) for r in sm.params.revisions]
+    steps = [int(s) for s in sm.params.steps]
+    paths = [str(p) for p in sm.input.kernels]
+    if len(paths) != len(revisions) or len(steps) != len(revisions):
+        raise ValueError(f"{len(paths)} kernel stores, {len(revisions)} revisions and {len(steps)} steps: "
+                         "they must correspond one to one, in revision order")
+    datasets = [open_kernel(p) for p in paths]
+    for p, ds in zip(paths, datasets):
+        if str(ds.attrs.get("model")) != model:
+            raise ProvenanceError(f"kernel store {p} is for model {ds.attrs.get('model')!r}, expected {model!r}")
+    check_same_source(datasets, paths, revisions)
+    matrix, cka, adjacent, spread = dynamics_tables(datasets, revisions, steps)
+    window = window_from(sm.params, getattr(sm.input, "training", None))
+    write_csv(cka, sm.output.cka)
+    write_csv(adjacent, sm.output.adjacent)
+    write_csv(spread, sm.output.spread)
+    cka_figure(matrix, adjacent["cka"].to_numpy(), steps, sm.output.cka_pdf, png=sm.output.cka_png, window=window,
+               title=f"{model}: how much the mean-field kernel W changes across training")
+    spread_figure(spread, sm.output.spread_pdf, png=sm.output.spread_png, window=window,
+                  title=f"{model}: how evenly each head divides its attention across token types")
+    log.info("%s: %d checkpoints, adjacent CKA %s; induction window %s", model, len(revisions),
+             " ".join(f"{v:.3f}" for v in adjacent["cka"]), window)
+
+
+run_logged(main, log)
