@@ -247,3 +247,73 @@ def test_ipf_recovers_a_kernel_that_reproduces_P():
     # damping alpha < 1 also converges, more slowly
     _, t4 = calibrate(W, P, batches, iterations=5, alpha=0.5)
     assert t4["max_abs"].iloc[-1] < table["max_abs"].iloc[0] and t4["max_abs"].iloc[-1] > table["max_abs"].iloc[-1]
+
+
+# ------------------------------------------------------------------------------------------------ the job
+def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
+    """calibrate_kernel on a store whose P comes from a known U*: the bias table's layers agree with the library on
+    the store's own W, the residual falls, U is stored with the store's coordinates and provenance, and the reader
+    refuses a foreign store; shards that are not the store's are refused."""
+    from pathlib import Path
+
+    import pandas as pd
+    from synthetic_stats import NamedList, make_store, run_script, tracked_set, windows, write_corpus
+
+    from mfpipe.calibration import load_calibrated
+    from mfpipe.stats import ProvenanceError, open_stats
+
+    tok = windows(30, seed=3)
+    ts = tracked_set(tok)
+    rng = np.random.default_rng(5)
+    U_true = rng.lognormal(0, 1.0, size=(2, 2, ts.n, ts.n + 2))
+    store = make_store(tmp_path / "stats.zarr", tok, ts, U_true, revision="step64")
+    shards, tracked_json = write_corpus(tmp_path / "corpus", tok, ts)
+    out = tmp_path / "cal"
+    outputs = NamedList(kernel=str(out / "calibrated.zarr"), bias=str(out / "bias.csv"), bias_md=str(out / "bias.md"),
+                        residuals=str(out / "residuals.csv"), residuals_md=str(out / "residuals.md"))
+    params = NamedList(model="synth", revision="step64", min_count=1, iterations=5, alpha=1.0, batch_size=4)
+    run_script(repo, "calibrate_kernel.py", monkeypatch,
+               input=NamedList(stats=str(store), shards=[str(p) for p in shards], tracked=str(tracked_json)),
+               output=outputs, params=params, log=[str(tmp_path / "cal.log")])
+    for p in outputs:
+        assert Path(p).exists(), p
+    st = open_stats(store)
+    bias = pd.read_csv(outputs.bias)
+    assert list(bias["layer"].astype(str)) == ["0", "1", "all"] and set(bias["model"]) == {"synth"}
+    batches = window_batches(tok, ts, batch_size=4)
+    W0 = st.W(min_count=1, layer=0).values
+    want = bias_table([corpus_pass(W0, batches)], st.P(layer=0).values[None], st.nbar().values,
+                      st.context_count().values, st.query_count().values, min_count=1).iloc[0]
+    got = bias.iloc[0]
+    for col in ("E_NX", "E_inv_NX", "E_nt", "ratio", "within_20pct", "bos_ratio", "other_ratio", "n_cells"):
+        assert got[col] == pytest.approx(want[col], rel=1e-9, abs=1e-12), col
+    assert got["ratio"] != pytest.approx(1.0, abs=1e-3)  # W is biased on these windows: something to calibrate
+    res = pd.read_csv(outputs.residuals)
+    assert list(res["iteration"]) == [0, 1, 2, 3, 4, 5] * 2
+    for _, g in res.groupby("layer"):
+        assert g["max_abs"].iloc[-1] < 0.1 * g["max_abs"].iloc[0]
+    assert "| 1 | max \\|Q-P\\| |" in Path(outputs.residuals_md).read_text()
+    assert "E_NX" in Path(outputs.bias_md).read_text()
+
+    U = load_calibrated(outputs.kernel, expect={"model": "synth", "revision": "step64",
+                                                "tracked_fingerprint": ts.fingerprint})
+    W = st.W(min_count=1)
+    assert U.dims == W.dims and U.shape == W.shape and U.dtype == np.float32
+    for c in ("layer", "head", "query", "key", "query_str", "key_str", "query_token_id", "key_token_id"):
+        np.testing.assert_array_equal(U[c].values, W[c].values, err_msg=c)
+    # U is what calibrate() makes of this layer's W and P (float32 storage)
+    U1, _ = calibrate(W.isel(layer=1).values, st.P(layer=1).values, batches, iterations=5)
+    np.testing.assert_allclose(U.isel(layer=1).values, U1.numpy(), rtol=1e-6, equal_nan=True)
+    assert np.array_equal(U.values == 0, W.values == 0)
+    assert U.attrs["kind"] == "calibrated"
+    with pytest.raises(ProvenanceError, match="revision"):
+        load_calibrated(outputs.kernel, expect={"revision": "step128"})
+    with pytest.raises(ValueError, match="not a calibrated kernel store"):
+        load_calibrated(store)
+
+    # shards that are not the ones the store was measured on are refused
+    with pytest.raises(SystemExit):
+        run_script(repo, "calibrate_kernel.py", monkeypatch,
+                   input=NamedList(stats=str(store), shards=[str(p) for p in shards[:-1]], tracked=str(tracked_json)),
+                   output=outputs, params=params, log=[str(tmp_path / "bad.log")])
+    assert "calibrate on the shards of the half the store was computed from" in Path(tmp_path / "bad.log").read_text()
