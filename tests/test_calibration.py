@@ -105,6 +105,10 @@ def test_pass_equals_per_position_loop():
     rows = got.m.numpy() > 0
     np.testing.assert_allclose(Q[:, rows].sum(-1), 1.0, atol=1e-12)
     assert np.all(np.isnan(Q[:, ~rows]))
+    # float32 pair weights (the faster option) agree to float32 precision; the sums stay float64
+    f32 = corpus_pass(torch.from_numpy(W).float(), window_batches(tokens, lut, batch_size=7))
+    assert f32.Q_sum.dtype == torch.float64 and torch.equal(f32.m, got.m)
+    np.testing.assert_allclose(f32.Q_sum.numpy(), want["Q_sum"], rtol=1e-5, atol=1e-6)
     # numpy input and a different batching give the same sums
     again = corpus_pass(W, window_batches([tokens[:4], tokens[4:]], lut, batch_size=2))
     np.testing.assert_allclose(again.Q_sum.numpy(), got.Q_sum.numpy(), atol=1e-12)

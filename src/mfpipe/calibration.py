@@ -267,7 +267,8 @@ def residuals(Q, P, U, m) -> tuple[float, float]:
 
 def calibrate(W, P, batches: Sequence[tuple[Any, Any]], iterations: int = DEFAULT_ITERATIONS, alpha: float = 1.0,
               delta: float = 1e-12, eps: float = 1e-6, initial: PassSums | None = None, layer: int | None = None,
-              evaluate_final: bool = True, max_elements: int | None = None, progress: bool = False):
+              evaluate_final: bool = True, max_elements: int | None = None, progress: bool = False,
+              dtype=None):
     """Alg. ``alg:sinkhorn`` for one layer, all heads at once. ``W``, ``P`` ``[H, N, K]`` (torch or numpy;
     computed in float64); ``batches`` from :func:`window_batches` over the windows ``P`` was measured on.
 
@@ -275,7 +276,8 @@ def calibrate(W, P, batches: Sequence[tuple[Any, Any]], iterations: int = DEFAUL
     ``max |Q - P| < eps``, else ``U_{k+1} = U_k (P / max(Q, delta))^alpha`` on the cells the fit controls (elsewhere
     U is unchanged: W's zeros stay 0, NaN rows stay NaN). ``initial``: the pass of ``W`` if already computed (it is
     iteration 0). With ``evaluate_final`` (default) the returned U's own residual is measured too (one more pass;
-    the last row, ``iteration = iterations``) unless the loop stopped at ``eps``.
+    the last row, ``iteration = iterations``) unless the loop stopped at ``eps``. ``dtype``: the float type of the
+    passes' pair weights (default float64; float32 halves the time, the sums stay float64; U is float64 throughout).
 
     Returns ``(U, table)``: U torch float64 ``[H, N, K]``; ``table`` a DataFrame with ``layer``, ``iteration``,
     ``median_rel`` (median ``|Q-P|/P``), ``max_abs`` (max ``|Q-P|``), ``n_cells`` -- Table ``tab:calib2M``.
@@ -291,7 +293,7 @@ def calibrate(W, P, batches: Sequence[tuple[Any, Any]], iterations: int = DEFAUL
     k = 0
     while True:
         if sums is None:
-            sums = corpus_pass(U, batches, max_elements=max_elements, progress=progress,
+            sums = corpus_pass(U if dtype is None else U.to(dtype), batches, max_elements=max_elements, progress=progress,
                                desc=f"layer {layer} pass {k}" if layer is not None else f"pass {k}")
         Q = sums.Q.to(U.device)
         med, mx = residuals(Q, P, U, sums.m.to(U.device))
@@ -391,10 +393,11 @@ def check_windows(stats, tokens: Sequence[np.ndarray], tracked, where: str = "")
 
 def calibrate_stats(stats, tokens: Sequence[np.ndarray], tracked, min_count: int = DEFAULT_MIN_COUNT,
                     iterations: int = DEFAULT_ITERATIONS, alpha: float = 1.0, delta: float = 1e-12, eps: float = 1e-6,
-                    batch_size: int = 8, device="cpu", progress: bool = False, log=None):
+                    batch_size: int = 8, device="cpu", progress: bool = False, log=None, dtype=None):
     """Bias table and calibrated kernel of every layer of one statistics store (:class:`MeanFieldStats`) over the
     windows it was measured on (``tokens``: the shards' token arrays, in order). Layer by layer: ``W`` (the store's
-    ``W(min_count)``), its pass (the bias table's row and iteration 0), then :func:`calibrate` (float64).
+    ``W(min_count)``), its pass (the bias table's row and iteration 0), then :func:`calibrate` (U in float64, the
+    passes in ``dtype``: default float64).
 
     Returns ``(U [L, H, N, K] float32 numpy, bias DataFrame, residual DataFrame)``."""
     import torch
@@ -413,10 +416,10 @@ def calibrate_stats(stats, tokens: Sequence[np.ndarray], tracked, min_count: int
     for l in range(L):
         W = torch.as_tensor(np.asarray(stats.W(min_count=min_count, layer=l).values, dtype=np.float64), device=device)
         P = torch.as_tensor(np.asarray(stats.P(layer=l).values, dtype=np.float64), device=device)
-        first = corpus_pass(W, batches, progress=progress, desc=f"layer {l} pass 0")
+        first = corpus_pass(W if dtype is None else W.to(dtype), batches, progress=progress, desc=f"layer {l} pass 0")
         per_layer[l] = bias_sums(first, P.cpu().numpy(), nbar, C, qc, min_count)
         U, table = calibrate(W, P, batches, iterations=iterations, alpha=alpha, delta=delta, eps=eps, initial=first,
-                             layer=l, progress=progress)
+                             layer=l, progress=progress, dtype=dtype)
         if U_all is None:
             U_all = np.zeros((L, *U.shape), dtype=np.float32)
         U_all[l] = U.cpu().numpy()

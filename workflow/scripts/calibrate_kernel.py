@@ -24,6 +24,9 @@ def main() -> None:
     if getattr(sm, "threads", None):
         torch.set_num_threads(int(sm.threads))
     device = str(getattr(sm.params, "device", "cpu") or "cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, str(getattr(sm.params, "dtype", None) or "float64"))  # of the passes; U is float64
     tracked = TrackedSet.load(sm.input.tracked)
     stats = open_stats(sm.input.stats, expect={"model": model, "revision": revision,
                                               "tracked_fingerprint": tracked.fingerprint})
@@ -31,16 +34,18 @@ def main() -> None:
     tokens = [read_shard(p).tokens for p in shards]
     min_count, iterations = int(sm.params.min_count), int(sm.params.iterations)
     alpha, batch = float(sm.params.alpha), int(sm.params.batch_size)
-    log.info("%s @ %s: calibrating W (min_count %d) over %d shards (%d windows), %d iterations, alpha %g, batch %d, %s",
-             model, revision, min_count, len(shards), sum(t.shape[0] for t in tokens), iterations, alpha, batch, device)
+    log.info("%s @ %s: calibrating W (min_count %d) over %d shards (%d windows), %d iterations, alpha %g, batch %d, "
+             "%s, passes in %s", model, revision, min_count, len(shards), sum(t.shape[0] for t in tokens), iterations,
+             alpha, batch, device, dtype)
     t0 = time.perf_counter()
     U, bias, res = calibrate_stats(stats, tokens, tracked, min_count=min_count, iterations=iterations, alpha=alpha,
-                                   batch_size=batch, device=device, progress=True, log=log)
+                                   batch_size=batch, device=device, progress=True, log=log, dtype=dtype)
     bias.insert(0, "revision", revision)
     bias.insert(0, "model", model)
     res.insert(0, "revision", revision)
     res.insert(0, "model", model)
     ds = calibrated_dataset(U, stats, {"min_count": min_count, "calibration_iterations": iterations,
+                                       "calibration_dtype": str(dtype).replace("torch.", ""),
                                        "calibration_alpha": alpha, "calibration_shards": len(shards)})
     write_calibrated(ds, sm.output.kernel)
     write_csv(bias, sm.output.bias)
