@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from mfpipe.calibration import (
-    PassSums,
     bias_table,
     calibrate,
     corpus_pass,
@@ -261,7 +260,14 @@ def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
     from pathlib import Path
 
     import pandas as pd
-    from synthetic_stats import NamedList, make_store, run_script, tracked_set, windows, write_corpus
+    from synthetic_stats import (
+        NamedList,
+        make_store,
+        run_script,
+        tracked_set,
+        windows,
+        write_corpus,
+    )
 
     from mfpipe.calibration import load_calibrated
     from mfpipe.stats import ProvenanceError, open_stats

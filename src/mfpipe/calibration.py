@@ -32,7 +32,7 @@ Pure functions on tensors / arrays; :func:`load_calibrated` reads the store the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,22 +41,22 @@ import numpy as np
 import pandas as pd
 
 __all__ = [
-    "PassSums",
-    "window_batches",
-    "corpus_pass",
-    "bias_sums",
-    "bias_frame",
-    "bias_table",
-    "residuals",
-    "calibrate",
-    "calibrated_dataset",
-    "write_calibrated",
-    "load_calibrated",
-    "check_windows",
-    "calibrate_stats",
-    "residual_markdown",
     "DEFAULT_ITERATIONS",
     "WITHIN",
+    "PassSums",
+    "bias_frame",
+    "bias_sums",
+    "bias_table",
+    "calibrate",
+    "calibrate_stats",
+    "calibrated_dataset",
+    "check_windows",
+    "corpus_pass",
+    "load_calibrated",
+    "residual_markdown",
+    "residuals",
+    "window_batches",
+    "write_calibrated",
 ]
 
 DEFAULT_ITERATIONS = 5
@@ -122,7 +122,7 @@ def corpus_pass(W, batches: Sequence[tuple[Any, Any]], max_elements: int | None 
         W = W.double()
     H, N, K = W.shape
     dev = W.device
-    f64 = dict(dtype=torch.float64, device=dev)
+    f64 = {"dtype": torch.float64, "device": dev}
     Q_sum = torch.zeros(H, N * K, **f64)
     NX_sum = torch.zeros(H, N, **f64)
     inv_sum = torch.zeros(H, N, **f64)
@@ -168,7 +168,7 @@ def bias_sums(sums: PassSums, P_layer, nbar, context_count, query_count,
     columns' ratios over their well-sampled cells, and of the model-free ``E_st[n_t] = nbar_st n_s / C_st``."""
     Q = _np(sums.Q)
     P = _np(P_layer)
-    H, N, K = P.shape
+    H, N, _K = P.shape
     C = _np(context_count)
     nb = _np(nbar)
     qc = _np(query_count)

@@ -41,20 +41,20 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_RANK",
-    "support_mask",
-    "support_fingerprint",
-    "masked_kernel",
-    "kernel_factors",
-    "linear_cka",
-    "cka_per_head",
-    "cka_matrix",
     "adjacent_cka",
-    "row_spread",
+    "check_same_source",
+    "cka_matrix",
+    "cka_per_head",
+    "dynamics_tables",
     "induction_window",
     "kernel_dataset",
+    "kernel_factors",
+    "linear_cka",
+    "masked_kernel",
     "open_kernel",
-    "check_same_source",
-    "dynamics_tables",
+    "row_spread",
+    "support_fingerprint",
+    "support_mask",
 ]
 
 DEFAULT_RANK = 96
