@@ -19,6 +19,8 @@ from mfpipe.kernel_dynamics import (
     support_mask,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: intra-op threads only add overhead
+
 
 def textbook_cka(X: np.ndarray, Y: np.ndarray) -> float:
     """Linear CKA (Kornblith et al. 2019) on the full matrices, samples in rows, centred over samples."""

@@ -1,7 +1,15 @@
 """Snakemake script: the bias of the context-conditional kernel Â and the calibrated kernel U of one (model,
 revision) (App. B: Table tab:ahat-empirical-bias, Alg. sinkhorn, Table tab:calib2M), from its statistics store and
 the shards of the half the store was measured on. U is written as a labelled zarr store (atomically) carrying
-the statistics store's provenance, so `mfpipe.calibration.load_calibrated(path, expect=...)` can check it."""
+the statistics store's provenance, so `mfpipe.calibration.load_calibrated(path, expect=...)` can check it.
+input.stats      the revision's statistics-half store; input.shards: that half's shard .npz files;
+                 input.tracked: tracked.json (must be the store's tracked set)
+output.kernel    calibrated.zarr (directory): U (layer, head, query, key) float32, the store's coords and provenance
+output.bias, output.bias_md          Table tab:ahat-empirical-bias per layer and "all" (CSV, Markdown)
+output.residuals, output.residuals_md  Table tab:calib2M per layer and iteration (CSV, Markdown)
+params.model, params.revision, params.min_count (20), params.iterations (5), params.alpha (1.0), params.batch_size;
+optional params.device ("cpu", "cuda", "auto"; default cpu) and params.dtype (of the passes; default float64)
+"""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
