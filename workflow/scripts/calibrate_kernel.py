@@ -2,6 +2,7 @@
 revision) (App. B: Table tab:ahat-empirical-bias, Alg. sinkhorn, Table tab:calib2M), from its statistics store and
 the shards of the half the store was measured on. U is written as a labelled zarr store (atomically) carrying
 the statistics store's provenance, so `mfpipe.calibration.load_calibrated(path, expect=...)` can check it.
+
 input.stats      the revision's statistics-half store; input.shards: that half's shard .npz files;
                  input.tracked: tracked.json (must be the store's tracked set)
 output.kernel    calibrated.zarr (directory): U (layer, head, query, key) float32, the store's coords and provenance

@@ -1,6 +1,7 @@
 """Snakemake script: kernel dynamics of one model across its checkpoints (Sec. 5.3, App. N) -- linear CKA of W
 between every pair of checkpoints and between adjacent ones, the row spread per head -- as tables and the two
 figures (fig:cka, fig:spread), from the per-revision kernel stores of `kernel_revision`.
+
 input.kernels    the kernel.zarr of every revision, in revision order; input.training (optional): the mini suite's
                  training.json (its induction_curve gives the window when params.window is null)
 output.cka, output.adjacent (CSV: rev_a, rev_b, step_a, step_b, cka), output.spread (CSV: revision, step, layer,

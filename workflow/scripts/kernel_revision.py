@@ -1,6 +1,7 @@
 """Snakemake script: one checkpoint's kernel summary for the kernel dynamics (Sec. 5.3, App. N) -- the column-centred
 rank-r factors of W = P / nbar on the C >= min_count support and the row spread per head -- from its statistics
 store, as a labelled zarr store (written atomically) carrying the store's provenance.
+
 input.stats      the revision's statistics-half store (stats.zarr)
 output[0]        kernel.zarr (directory): factor (layer, head, query, rank), spread (layer, head), rank_energy,
                  support_size; attrs: the store's provenance + min_count, rank, support_fingerprint
