@@ -10,7 +10,6 @@ from mfpipe.kernel_dynamics import (
     adjacent_cka,
     cka_matrix,
     cka_per_head,
-    induction_window,
     kernel_factors,
     linear_cka,
     masked_kernel,
@@ -148,14 +147,6 @@ def test_row_spread_hand_case():
     assert np.isnan(got[1])
     # a uniform row has spread 0 (fold-variation exp(0) = 1)
     assert row_spread(np.ones((1, 3, 5)), support_mask(np.full((3, 5), 100), 3))[0] == 0.0
-
-
-def test_induction_window():
-    steps = [0, 256, 512, 1024, 1100, 1200, 1300, 1500, 2000]
-    score = [0.01, 0.02, 0.03, 0.099, 0.2, 0.5, 0.8, 0.936, 0.94]
-    assert induction_window(steps, score) == (1024, 1500)
-    assert induction_window(steps[::-1], score[::-1]) == (1024, 1500)  # order of the records does not matter
-    assert induction_window(steps, [0.01] * len(steps)) is None
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -309,7 +300,7 @@ def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
     assert len(sp) == 3 * 2 * 3 and list(sp.columns) == ["revision", "step", "layer", "head", "spread"]
     got = sp[(sp.revision == "step256") & (sp.layer == 1)].sort_values("head")["spread"].to_numpy()
     np.testing.assert_allclose(got, row_spread(W[2][1], mask), rtol=1e-6)
-    assert "induction window (8, 64)" in Path(tmp_path / "dyn.log").read_text()
+    assert "induction window (8.0, 64.0)" in Path(tmp_path / "dyn.log").read_text()
 
     # a kernel from another tracked set is refused, naming the file
     other = _revision_stores(tmp_path / "other", n_revs=1, tracked_shift=1)[0]

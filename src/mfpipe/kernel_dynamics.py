@@ -46,7 +46,6 @@ __all__ = [
     "cka_matrix",
     "cka_per_head",
     "dynamics_tables",
-    "induction_window",
     "kernel_dataset",
     "kernel_factors",
     "linear_cka",
@@ -194,27 +193,6 @@ def row_spread(W_layer, mask) -> np.ndarray:
     cnt = rows.sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(cnt > 0, np.where(rows, std, 0.0).sum(-1) / np.maximum(cnt, 1), np.nan)
-
-
-def induction_window(steps, scores, lo: float = 0.1, hi: float = 0.9) -> tuple[int, int] | None:
-    """The induction transition from a recorded induction-score curve (the mini suite's ``training.json``
-    ``induction_curve``: max-over-heads score per step): with ``s0`` the first score and ``s1`` the highest,
-    ``(start, stop)`` = (the last step before the score first reaches ``s0 + hi (s1 - s0)`` whose score is below
-    ``s0 + lo (s1 - s0)``, the first step reaching ``s0 + hi (s1 - s0)``). None when the curve never rises
-    (``s1 - s0 < 0.05``: no induction)."""
-    st = np.asarray(steps, dtype=np.int64)
-    sc = np.asarray(scores, dtype=np.float64)
-    order = np.argsort(st, kind="stable")
-    st, sc = st[order], sc[order]
-    if st.size < 2:
-        return None
-    s0, s1 = sc[0], np.nanmax(sc)
-    if not np.isfinite(s1) or s1 - s0 < 0.05:
-        return None
-    stop_i = int(np.argmax(sc >= s0 + hi * (s1 - s0)))
-    below = np.nonzero(sc[: stop_i + 1] < s0 + lo * (s1 - s0))[0]
-    start_i = int(below[-1]) if below.size else 0
-    return int(st[start_i]), int(st[stop_i])
 
 
 # ------------------------------------------------------------------------------------------------ stores

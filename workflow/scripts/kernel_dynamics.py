@@ -10,32 +10,16 @@ params.model, params.revisions (list), params.steps (list of int, same order), p
 Refuses kernels of another model, tracked set, corpus sample, support or rank, or listed out of revision order.
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import json
-from pathlib import Path
-
 from mfpipe.figures import cka_figure, spread_figure
 from mfpipe.jobs import run_logged
-from mfpipe.kernel_dynamics import check_same_source, dynamics_tables, induction_window, open_kernel
+from mfpipe.induction import training_window
+from mfpipe.kernel_dynamics import check_same_source, dynamics_tables, open_kernel
 from mfpipe.logs import setup_logging
 from mfpipe.stats.api import ProvenanceError
 from mfpipe.tables import write_csv
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0] if sm.log else None)
-
-
-def window_from(params, training) -> tuple[int, int] | None:
-    """The induction window: from config (``params.window``) if set, else from the mini suite's recorded
-    induction-score curve (``training.json``), else none."""
-    window = getattr(params, "window", None)
-    if window is not None:
-        start, stop = (int(x) for x in window)
-        return start, stop
-    if training and Path(str(training)).is_file():
-        curve = json.loads(Path(str(training)).read_text()).get("induction_curve") or []
-        if curve:
-            return induction_window([c["step"] for c in curve], [c["max_induction"] for c in curve])
-    return None
 
 
 def main() -> None:
@@ -52,7 +36,8 @@ def main() -> None:
             raise ProvenanceError(f"kernel store {p} is for model {ds.attrs.get('model')!r}, expected {model!r}")
     check_same_source(datasets, paths, revisions)
     matrix, cka, adjacent, spread = dynamics_tables(datasets, revisions, steps)
-    window = window_from(sm.params, getattr(sm.input, "training", None))
+    # the same window as the waypoint figure: from config, else from the mini model's recorded induction curve
+    window = training_window(getattr(sm.params, "window", None), getattr(sm.input, "training", None))
     write_csv(cka, sm.output.cka)
     write_csv(adjacent, sm.output.adjacent)
     write_csv(spread, sm.output.spread)
