@@ -90,8 +90,19 @@ def test_training_sweep_outputs(built):
     assert (r / "substitution" / "mini-gpt2" / "step4" / "substitution.zarr" / "zarr.json").is_file()
     heads = pd.read_csv(r / "tables" / "substitution_heads_mini-gpt2.csv")
     assert len(heads) == 2 * 1 * 2 and heads["deviation"].between(0, 2).all()  # revisions x layers x heads
+    assert (r / "figures" / "waypoint_mini-gpt2.png").stat().st_size > 0
+    assert not (r / "figures" / "waypoint_mini-neox.png").exists()  # one revision is no sweep
+    # kernel dynamics (CKA, spread) over the sweep, the bias table and calibration at the rollout revision
+    cka = pd.read_csv(r / "tables" / "kernel_cka_mini-gpt2.csv")
+    assert len(cka) == 4 and cka["cka"].between(-1e-9, 1 + 1e-9).all()
+    assert (cka.loc[cka["rev_a"] == cka["rev_b"], "cka"] - 1).abs().max() < 1e-6
+    for f in ("kernel_cka", "kernel_spread"):
+        assert (r / "figures" / f"{f}_mini-gpt2.png").stat().st_size > 0
     for m in ("mini-gpt2", "mini-neox"):
-        assert (r / "figures" / f"waypoint_{m}.png").stat().st_size > 0
+        bias = pd.read_csv(r / "tables" / f"kernel_bias_{m}_step20.csv")
+        assert bias["E_NX"].notna().all()
+        res = pd.read_csv(r / "tables" / f"calibration_{m}_step20.csv")
+        assert len(res) > 1
     # the rollout stage analyses the last revision only
     assert not (r / "rollout" / "mini-gpt2" / "step4").exists() and (r / "rollout" / "mini-gpt2" / "step20").is_dir()
 
@@ -103,7 +114,7 @@ def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg))) if r != "all"]
     per_revision = {(r, w) for r, w in jobs if "revision=" in w}
     assert per_revision and all("revision=step8" in w and "model=mini-gpt2" in w for _, w in per_revision), jobs
-    assert {"stats_shard", "stats_merge", "substitution"} <= {r for r, _ in per_revision}, jobs
+    assert {"stats_shard", "stats_merge", "substitution", "kernel_revision"} <= {r for r, _ in per_revision}, jobs
     assert sum(r == "stats_merge" for r, _ in per_revision) == 1 and sum(r == "substitution" for r, _ in per_revision) == 1
     others = {(r, w) for r, w in jobs if "revision=" not in w}
     assert all("model=mini-gpt2" in w for _, w in others) and {r for r, _ in others} <= {

@@ -236,15 +236,38 @@ def substitution_kernel_input(wildcards):
     return []
 
 
+def stats_half_shards(wildcards):
+    """The shard files of the primary corpus's statistics half (known once the corpus checkpoint has run)."""
+    shards = checkpoints.corpus_shards.get(corpus=CORPUS, model=wildcards.model).output[0]
+    return sorted(str(p) for p in Path(shards, "stats").glob("shard-*.npz"))
+
+
+def kernel_results(wildcards):
+    return [f"{R}/kernels/{wildcards.model}/{rev}/kernel.zarr" for rev in REVISIONS[wildcards.model]]
+
+
+def sweeps(model):
+    """Whether the model's revisions form a training sweep: at least two, each a training step."""
+    steps = revision_steps(model)
+    return len(steps) >= 2 and all(s is not None for s in steps)
+
+
 def training_targets():
-    """Per model: every sweep revision's substitution result, the sweep table and the waypoint figure."""
+    """Per model: every sweep revision's substitution result and the sweep table; for a real sweep (>= 2
+    revisions named step<k>) the waypoint figure and the kernel dynamics; the bias table and calibration of the
+    rollout revisions' kernel (App. B)."""
     t = []
     for m in MODELS:
         t += [f"{R}/substitution/{m}/{rev}/substitution.zarr" for rev in REVISIONS[m]]
         t += [f"{R}/tables/substitution_{m}.csv", f"{R}/tables/substitution_{m}.md",
               f"{R}/tables/substitution_heads_{m}.csv"]
-        if all(s is not None for s in revision_steps(m)):
+        if sweeps(m):
             t += [f"{R}/figures/waypoint_{m}.pdf", f"{R}/figures/waypoint_{m}.png"]
+            t += [f"{R}/tables/kernel_cka_{m}.csv", f"{R}/tables/kernel_cka_adjacent_{m}.csv",
+                  f"{R}/tables/kernel_spread_{m}.csv"]
+            t += [f"{R}/figures/{f}_{m}.{e}" for f in ("kernel_cka", "kernel_spread") for e in ("pdf", "png")]
+        for rev in ROLLOUT_REVISIONS[m]:
+            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration") for e in ("csv", "md")]
     return t
 
 

@@ -1,6 +1,7 @@
 # The training sweep (paper Sec. 5): per revision of each model's `revisions`, the mean-field substitution on
-# held-out text (its own job: a new revision adds jobs, the others stay built); per model, the sweep table and
-# the training-waypoint figure (fig:mfgap).
+# held-out text and the kernel summary (each its own job: a new revision adds jobs, the others stay built); per
+# model, the sweep table, the training-waypoint figure (fig:mfgap) and the kernel dynamics (fig:cka,
+# fig:spread); per rollout revision, the bias of the context-conditional kernel and its calibration (App. B).
 #   snakemake --cores 2 results/figures/waypoint_mini-gpt2.png
 
 
@@ -73,3 +74,88 @@ rule figure_waypoint:
         "logs/figures/waypoint_{model}.log",
     script:
         "../scripts/plot_waypoint.py"
+
+
+rule kernel_revision:
+    input:
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        code=code("kernel_revision.py"),
+    output:
+        directory(f"{R}/kernels/{{model}}/{{revision}}/kernel.zarr"),
+    params:
+        model=lambda wc: wc.model,
+        revision="{revision}",
+        min_count=KERNELS["min_count"],
+        rank=KERNELS["rank"],
+    threads: 1
+    resources:
+        **cluster_resources("cpu"),
+    conda:
+        ENV
+    log:
+        "logs/kernels/{model}/{revision}/kernel.log",
+    script:
+        "../scripts/kernel_revision.py"
+
+
+rule kernel_dynamics:
+    input:
+        kernels=kernel_results,
+        training=training_summary,
+        code=code("kernel_dynamics.py"),
+    output:
+        cka=table_report(f"{R}/tables/kernel_cka_{{model}}.csv", "kernel dynamics"),
+        adjacent=table_report(f"{R}/tables/kernel_cka_adjacent_{{model}}.csv", "kernel dynamics"),
+        spread=table_report(f"{R}/tables/kernel_spread_{{model}}.csv", "kernel dynamics"),
+        cka_pdf=report(f"{R}/figures/kernel_cka_{{model}}.pdf", caption="../report/figure_kernel_cka.rst",
+                       category="Figures", subcategory="training"),
+        cka_png=report(f"{R}/figures/kernel_cka_{{model}}.png", caption="../report/figure_kernel_cka.rst",
+                       category="Figures", subcategory="training"),
+        spread_pdf=report(f"{R}/figures/kernel_spread_{{model}}.pdf", caption="../report/figure_kernel_spread.rst",
+                          category="Figures", subcategory="training"),
+        spread_png=report(f"{R}/figures/kernel_spread_{{model}}.png", caption="../report/figure_kernel_spread.rst",
+                          category="Figures", subcategory="training"),
+    params:
+        model=lambda wc: wc.model,
+        revisions=lambda wc: REVISIONS[wc.model],
+        steps=lambda wc: revision_steps(wc.model),
+        window=lambda wc: MODELS[wc.model].get("induction_window"),
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/kernels/{model}/dynamics.log",
+    script:
+        "../scripts/kernel_dynamics.py"
+
+
+rule calibrate_kernel:
+    input:
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        shards=stats_half_shards,
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        code=code("calibrate_kernel.py"),
+    output:
+        kernel=directory(f"{R}/kernels/{{model}}/{{revision}}/calibrated.zarr"),
+        bias=table_report(f"{R}/tables/kernel_bias_{{model}}_{{revision}}.csv", "kernel bias"),
+        bias_md=f"{R}/tables/kernel_bias_{{model}}_{{revision}}.md",
+        residuals=table_report(f"{R}/tables/calibration_{{model}}_{{revision}}.csv", "kernel bias"),
+        residuals_md=f"{R}/tables/calibration_{{model}}_{{revision}}.md",
+    params:
+        model=lambda wc: wc.model,
+        revision="{revision}",
+        min_count=SUBSTITUTION["min_count"],
+        iterations=KERNELS["calibration_iterations"],
+        alpha=KERNELS["calibration_alpha"],
+        batch_size=config["runtime"]["batch_size"],
+        device=config["runtime"]["device"],
+        dtype="float32",
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/kernels/{model}/{revision}/calibration.log",
+    script:
+        "../scripts/calibrate_kernel.py"
