@@ -229,3 +229,43 @@ def test_pair_kernel_is_causal_and_normalised():
     z1, _ = ccmf_reads(W, mu, kb, qt)
     z2, _ = ccmf_reads(W, mu, kb, qt, max_elements=1)  # one window per chunk
     assert torch.allclose(z1, z2, atol=1e-14)
+
+
+# ------------------------------------------------------------------ results across training
+def test_induction_window_from_curve():
+    from mfpipe.induction import induction_window, training_window
+
+    curve = [{"step": s, "max_induction": v} for s, v in
+             [(0, 0.02), (512, 0.05), (1024, 0.099), (1100, 0.2), (1200, 0.5), (1300, 0.85), (1500, 0.93)]]
+    assert induction_window(curve, (0.1, 0.8)) == (1024.0, 1300.0)
+    assert induction_window(curve, (0.01, 0.9)) == (0.0, 1500.0)
+    assert induction_window(curve[:3], (0.1, 0.8)) is None  # never formed
+    assert training_window([1000, 2000], None) == (1000.0, 2000.0)  # the configured window wins
+
+
+def test_sweep_table_and_waypoint_figure(setup, tmp_path):
+    """Results written as the workflow does are read back per revision (provenance-checked), and the waypoint
+    figure plots exactly the table's numbers."""
+    mt, model, ad, kernel, ev = setup
+    if mt != "gpt2":
+        pytest.skip("one architecture is enough for the table and figure")
+    from mfpipe import figures as F
+    from mfpipe.stats.api import ProvenanceError
+
+    paths = []
+    for rev, bs in (("step0", 3), ("step8", 6)):
+        sums = SU.substitution_pass(ad, kernel, ev, batch_size=bs)
+        ds = SU.result_dataset(sums, dict(kernel.attrs, model="tiny", revision=rev))
+        p = tmp_path / rev / "substitution.zarr"
+        ds.to_zarr(p, mode="w", zarr_format=3, consolidated=False)
+        paths.append(p)
+    df = SU.sweep_table(paths, ["step0", "step8"], [0, 8], "tiny")
+    assert df["step"].tolist() == [0, 8]
+    # additive sums: batch size does not change the result
+    np.testing.assert_allclose(df["delta_L"].to_numpy()[0], df["delta_L"].to_numpy()[1], atol=1e-9)
+    with pytest.raises(ProvenanceError, match="revision"):
+        SU.sweep_table(paths[::-1], ["step0", "step8"], [0, 8], "tiny")
+    heads = SU.head_deviation_table(paths, ["step0", "step8"], [0, 8], "tiny")
+    assert len(heads) == 2 * ad.n_layers * ad.n_heads
+    pdf, png = F.waypoint_figure(df, tmp_path / "waypoint", window=(2, 6))
+    assert pdf.stat().st_size > 0 and png.stat().st_size > 0
