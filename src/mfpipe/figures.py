@@ -10,6 +10,7 @@ used through :class:`matplotlib.figure.Figure` with the Agg canvas -- no pyplot,
 * :func:`clustering_figure`      -- ``fig:clustering``: relative RMS, eta^2 / eta^2_z, value-map Jensen gap
 * :func:`cross_corpus_figure`    -- ``fig:heat``: statistics corpus x evaluation corpus, cross-layer cosine
 * :func:`waypoint_figure`        -- ``fig:mfgap``: L_model / L_MF, ΔL and D_MF across training checkpoints
+* :func:`topn_figure`            -- ``fig:vocab-robustness``: the same for several tracked-set sizes N
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "clustering_figure",
     "cross_corpus_figure",
     "waypoint_figure",
+    "topn_figure",
 ]
 
 METRIC_LABELS = {
@@ -423,6 +425,29 @@ def spread_figure(spread, out, png=None, window=None, title: str | None = None) 
         a.set_ylabel(r"fold-variation $\exp(\mathrm{mean}_s\,\mathrm{std}_t \log W_{st})$")
         a.grid(alpha=0.3)
     fig.suptitle(title or "How evenly each head divides its attention across token types")
+    pdf, png = _outputs(out, png)
+    save_figure(fig, pdf, png)
+    return pdf, png
+
+
+def topn_figure(table, out, png=None, window=None, title: str | None = None) -> tuple[Path, Path]:
+    """App. M, ``fig:vocab-robustness``: per tracked-set size N, ΔL (left), ΔL normalised to its own final value
+    (centre) and D_MF (right) across training. ``table``: :func:`mfpipe.analysis.substitution.topn_table`."""
+    df = _table(table)
+    fig, axes = _figure(3, 1, w=3.4, h=2.8)
+    panels = (("delta_L", r"$\Delta L$ (nats)"), ("delta_L_normalised", r"$\Delta L$ / final $\Delta L$"),
+              ("D_MF", r"$D_\mathrm{MF}$"))
+    for ax, (col, label) in zip(axes[0], panels):
+        for n, g in df.groupby("n_tracked", sort=True):
+            g = g.sort_values("step")
+            share = g["substituted_share"].iloc[-1]
+            ax.plot(g["step"].to_numpy(float), g[col], "-o", ms=3, label=f"N = {n} ({100 * share:.0f}% substituted)")
+        ax.set_ylabel(label)
+        _shade(ax, window)
+        _step_axis(ax, df["step"])
+    axes[0, 0].legend(loc="upper left")
+    if title:
+        fig.suptitle(title)
     pdf, png = _outputs(out, png)
     save_figure(fig, pdf, png)
     return pdf, png

@@ -101,10 +101,23 @@ def model_input(wildcards):
     return []
 
 
+def topn_arm(prefix):
+    """Whether a dataset prefix names a top-N arm (`N2000`: the primary corpus with another tracked set)."""
+    return prefix[:1] == "N" and prefix[1:].isdigit()
+
+
 def dataset_parts(dataset):
-    """(corpus, half) of a stats dataset: `stats` / `eval` of the primary corpus or `<corpus>/<half>`."""
+    """(corpus, half) of a stats dataset: `stats` / `eval` of the primary corpus, `<corpus>/<half>` of a cross
+    corpus, or `N<n>/stats`: the primary corpus's statistics half with the top-n tracked set (App. M)."""
     corpus, _, half = dataset.rpartition("/")
-    return (corpus or CORPUS), half
+    return (CORPUS if not corpus or topn_arm(corpus) else corpus), half
+
+
+def dataset_tracked(wildcards):
+    """The tracked set a dataset's statistics use: the configured N, or a top-N arm's own."""
+    prefix = wildcards.dataset.rpartition("/")[0]
+    suffix = f"-{prefix}" if topn_arm(prefix) else ""
+    return f"{R}/corpus/{CORPUS}/{wildcards.model}/tracked{suffix}.json"
 
 
 def datasets(corpus=None):
@@ -211,6 +224,8 @@ def figure_targets(model, revision):
 # ------------------------------------------------- training sweep (workflow/rules/substitution.smk)
 SUBSTITUTION = config["substitution"]
 KERNELS = config["kernels"]
+# App. M: the substitution repeated with other tracked-set sizes (the configured N is always an arm)
+TOPN = sorted({int(n) for n in SUBSTITUTION["top_n"]} - {int(config["tracked"]["n_types"])})
 
 
 def revision_steps(model):
@@ -268,7 +283,21 @@ def training_targets():
             t += [f"{R}/figures/{f}_{m}.{e}" for f in ("kernel_cka", "kernel_spread") for e in ("pdf", "png")]
         for rev in ROLLOUT_REVISIONS[m]:
             t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration") for e in ("csv", "md")]
+        if TOPN:
+            t += [f"{R}/tables/substitution_topn_{m}.csv", f"{R}/tables/substitution_topn_{m}.md"]
+            if sweeps(m):
+                t += [f"{R}/figures/topn_{m}.pdf", f"{R}/figures/topn_{m}.png"]
     return t
+
+
+def topn_results(wildcards):
+    """(N, revision, result) of every arm and revision of a model: the configured N first."""
+    out = []
+    for n in [int(config["tracked"]["n_types"])] + TOPN:
+        arm = "" if n == int(config["tracked"]["n_types"]) else f"N{n}/"
+        out += [(n, rev, f"{R}/substitution/{wildcards.model}/{rev}/{arm}substitution.zarr")
+                for rev in REVISIONS[wildcards.model]]
+    return out
 
 
 # ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)
@@ -304,7 +333,8 @@ wildcard_constraints:
     mini="|".join(MINI) if MINI else "NONE",
     corpus="|".join(CORPORA),
     half="stats|eval",
-    dataset="(?:(?:" + "|".join(CROSS or ["NONE"]) + ")/)?(?:stats|eval)",
+    dataset="(?:(?:" + "|".join(CROSS or ["NONE"]) + "|N[0-9]+)/)?(?:stats|eval)",
+    n="[0-9]+",
     revision="[A-Za-z0-9._-]+",
     i="[0-9]+",
 

@@ -59,3 +59,15 @@ rule coverage_table:
         "logs/tables/coverage_positions.log",
     script:
         "../scripts/coverage_table.py"
+
+
+# App. M: the tracked set of a top-N arm (substitution.top_n), the same selection with another N
+use rule tracked_types as tracked_types_topn with:
+    output:
+        f"{R}/corpus/{{corpus}}/{{model}}/tracked-N{{n}}.json",
+    params:
+        n_types=lambda wc: int(wc.n),
+        model=model_spec,
+        results=results_dir,
+    log:
+        "logs/corpus/{corpus}/{model}/tracked-N{n}.log",

@@ -8,7 +8,7 @@
 rule stats_shard:
     input:
         shard=dataset_shard,
-        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        tracked=dataset_tracked,
         model=model_input,
         code=code("stats_shard.py"),
     output:
@@ -31,7 +31,7 @@ rule stats_merge:
     input:
         partials=stats_partials,
         shards=dataset_shards_dir,
-        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        tracked=dataset_tracked,
         code=code("stats_merge.py"),
     output:
         directory(f"{R}/stats/{{model}}/{{revision}}/{{dataset}}.zarr"),

@@ -159,3 +159,67 @@ rule calibrate_kernel:
         "logs/kernels/{model}/{revision}/calibration.log",
     script:
         "../scripts/calibrate_kernel.py"
+
+
+# App. M: the substitution with the top-n tracked types of each arm of `substitution.top_n` (statistics of the
+# `N<n>/stats` dataset: the primary statistics half with that tracked set), always with W
+use rule substitution as substitution_topn with:
+    input:
+        stats=f"{R}/stats/{{model}}/{{revision}}/N{{n}}/stats.zarr",
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked-N{{n}}.json",
+        model=model_input,
+        code=code("substitution.py"),
+    output:
+        directory(f"{R}/substitution/{{model}}/{{revision}}/N{{n}}/substitution.zarr"),
+    params:
+        eval_tokens=SUBSTITUTION["eval_tokens"],
+        kernel="W",
+        min_count=SUBSTITUTION["min_count"],
+        batch_size=SUBSTITUTION["batch_size"] or config["runtime"]["batch_size"],
+        **model_params(),
+    log:
+        "logs/substitution/{model}/{revision}/N{n}.log",
+
+
+rule substitution_topn_table:
+    input:
+        results=lambda wc: [p for _, _, p in topn_results(wc)],
+        code=code("substitution_table.py"),
+    output:
+        csv=table_report(f"{R}/tables/substitution_topn_{{model}}.csv", "substitution"),
+        md=f"{R}/tables/substitution_topn_{{model}}.md",
+    params:
+        model=lambda wc: wc.model,
+        arms=lambda wc: [[n, rev, s] for (n, rev, _), s in zip(topn_results(wc), revision_steps(wc.model) * (1 + len(TOPN)))],
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/tables/substitution_topn_{model}.log",
+    script:
+        "../scripts/substitution_table.py"
+
+
+rule figure_topn:
+    input:
+        table=f"{R}/tables/substitution_topn_{{model}}.csv",
+        training=training_summary,
+        code=code("plot_waypoint.py"),
+    output:
+        pdf=report(f"{R}/figures/topn_{{model}}.pdf", caption="../report/figure_topn.rst",
+                   category="Figures", subcategory="training"),
+        png=report(f"{R}/figures/topn_{{model}}.png", caption="../report/figure_topn.rst",
+                   category="Figures", subcategory="training"),
+    params:
+        window=lambda wc: MODELS[wc.model].get("induction_window"),
+        band=SUBSTITUTION["induction_band"],
+        title=lambda wc: f"Top-N sensitivity of the substitution: {wc.model}",
+        kind="topn",
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/figures/topn_{model}.log",
+    script:
+        "../scripts/plot_waypoint.py"

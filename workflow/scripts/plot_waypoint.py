@@ -1,5 +1,6 @@
-"""Snakemake script: the training-waypoint figure (fig:mfgap) of one model from its sweep table, with the
-induction window shaded (configured, or from the mini model's recorded induction-score curve)."""
+"""Snakemake script: the training-waypoint figure (fig:mfgap) of one model from its sweep table, or with
+params.kind = topn its top-N sensitivity (fig:vocab-robustness), with the induction window shaded (configured,
+or from the mini model's recorded induction-score curve)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
 from mfpipe import figures as F
@@ -16,7 +17,8 @@ def main() -> None:
     training = getattr(sm.input, "training", None) or None
     window = training_window(p.window, training, tuple(p.band))
     log.info("induction window: %s", window)
-    F.waypoint_figure(sm.input.table, sm.output.pdf, sm.output.png, window=window, title=str(p.title))
+    draw = F.topn_figure if getattr(p, "kind", "waypoint") == "topn" else F.waypoint_figure
+    draw(sm.input.table, sm.output.pdf, sm.output.png, window=window, title=str(p.title))
 
 
 run_logged(main, log)

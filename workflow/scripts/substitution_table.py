@@ -13,6 +13,13 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     p = sm.params
+    if hasattr(p, "arms"):  # App. M: one block of rows per tracked-set size
+        df = SU.topn_table(list(sm.input.results), [tuple(a) for a in p.arms], str(p.model))
+        T.write_csv(df, sm.output.csv)
+        T.write_text(T.to_markdown(df, floatfmt="{:.4f}"), sm.output.md)
+        log.info("\n%s", T.to_markdown(df[["n_tracked", "revision", "delta_L", "D_MF", "substituted_share"]],
+                                       floatfmt="{:.4f}"))
+        return
     revisions, steps = list(p.revisions), [None if s is None else int(s) for s in p.steps]
     df = SU.sweep_table(list(sm.input.results), revisions, steps, str(p.model))
     T.write_csv(df, sm.output.csv)

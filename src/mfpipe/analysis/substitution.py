@@ -314,3 +314,25 @@ def head_deviation_table(paths, revisions, steps, model: str):
         df.insert(0, "revision", rev)
         frames.append(df)
     return pd.concat(frames, ignore_index=True)
+
+
+def topn_table(paths, arms, model: str):
+    """App. M: the sweep of every tracked-set size, ``arms`` = (N, revision, step) per path; a column
+    ``n_tracked`` and ``delta_L_normalised`` (ΔL over the arm's value at its last revision)."""
+    import pandas as pd
+
+    frames = []
+    for n in dict.fromkeys(a[0] for a in arms):
+        sel = [(p, a) for p, a in zip(paths, arms) if a[0] == n]
+        df = sweep_table([p for p, _ in sel], [a[1] for _, a in sel], [a[2] for _, a in sel], model)
+        for p, _ in sel:
+            got = open_result(p).attrs.get("n_tracked")
+            if got is not None and int(got) != int(n):
+                from ..stats.api import ProvenanceError
+
+                raise ProvenanceError(f"substitution result {p} was computed with N={got}, its arm is N={n}")
+        df.insert(1, "n_tracked", int(n))
+        last = df["delta_L"].iloc[-1]
+        df["delta_L_normalised"] = df["delta_L"] / last if last else float("nan")
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)
