@@ -98,6 +98,15 @@ def test_training_sweep_outputs(built):
     assert (cka.loc[cka["rev_a"] == cka["rev_b"], "cka"] - 1).abs().max() < 1e-6
     for f in ("kernel_cka", "kernel_spread"):
         assert (r / "figures" / f"{f}_mini-gpt2.png").stat().st_size > 0
+    # App. M: the top-N arm has its own tracked set; its substitution covers fewer positions, the model's own
+    # loss is the same in both arms (the substitution vocabulary is a property of the null model)
+    topn = pd.read_csv(r / "tables" / "substitution_topn_mini-gpt2.csv")
+    assert sorted(topn["n_tracked"].unique()) == [32, 64] and len(topn) == 4
+    by = topn.set_index(["n_tracked", "revision"])
+    for rev in ("step4", "step20"):
+        assert abs(by.loc[(32, rev), "L_model"] - by.loc[(64, rev), "L_model"]) < 1e-9
+        assert by.loc[(32, rev), "substituted_share"] < by.loc[(64, rev), "substituted_share"]
+    assert (r / "figures" / "topn_mini-gpt2.png").stat().st_size > 0
     for m in ("mini-gpt2", "mini-neox"):
         bias = pd.read_csv(r / "tables" / f"kernel_bias_{m}_step20.csv")
         assert bias["E_NX"].notna().all()
