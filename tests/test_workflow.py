@@ -176,7 +176,7 @@ def test_deleting_a_figure_reruns_only_its_plotting_job(built):
 # ------------------------------------------------------------------------------------ code inputs
 def rule_scripts(repo: Path) -> dict[str, str]:
     """rule name -> its `script:` file name, read from the rule files (the figure rules are made in a loop)."""
-    out = {}
+    out, uses = {}, []
     for f in sorted((repo / "workflow" / "rules").glob("*.smk")):
         for block in re.split(r"(?m)^(?=(?:rule|checkpoint) \w+:|\s+rule:)", f.read_text()):
             script = re.search(r'script:\s*\n\s*"\.\./scripts/([\w.]+)"', block)
@@ -187,6 +187,11 @@ def rule_scripts(repo: Path) -> dict[str, str]:
                 out[named.group(1)] = script.group(1)
             elif 'f"figure_{_fig}"' in block:
                 out["figure_*"] = script.group(1)
+        # `use rule a as b with:` runs a's script
+        for a, b in re.findall(r"(?m)^use rule (\w+) as (\w+) with:", f.read_text()):
+            uses.append((a, b))
+    for a, b in uses:
+        out[b] = out[a]
     return out
 
 
@@ -561,3 +566,36 @@ def test_a_store_of_another_model_is_refused_with_one_line_in_the_rule_log_and_o
             os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     snakemake(built, "--cores", "1", "--touch")
     assert planned_jobs(snakemake(built, "-n")) == []
+
+
+def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revision(tmp_path):
+    """Issue 10: the Pythia-160m preset's 19 revisions are each a statistics (stats half), a substitution and a
+    kernel job; the rollout stage (with its eval-half statistics) runs at the last revision only; one more revision
+    adds exactly one job of each. A dry run: no weights or corpus needed."""
+    import collections
+
+    preset = REPO / "config" / "presets" / "pythia-160m.yaml"
+    revs = yaml.safe_load(preset.read_text())["models"][0]["revisions"]
+    assert len(revs) == 19 and revs[0] == "step0" and revs[-1] == "step143000"
+
+    def plan(*extra):
+        cmd = [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--directory",
+               str(tmp_path), "--configfile", str(preset), *extra]
+        # as on a workstation with network: revisions not in the cache are checked when their job downloads them
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        return planned_jobs(out.stdout + out.stderr)
+
+    jobs = plan()
+    per_rev = collections.Counter((r, w.split("revision=")[1].split(",")[0]) for r, w in jobs if "revision=" in w)
+    for rev in revs:
+        assert per_rev[("substitution", rev)] == 1 and per_rev[("kernel_revision", rev)] == 1
+        assert per_rev[("stats_merge", rev)] == (2 if rev == revs[-1] else 1)  # + the eval half for the rollout
+    assert {w for r, w in jobs if r == "rollout_scores"} == {"model=pythia-160m, revision=step143000"}
+    more = tmp_path / "more.yaml"
+    cfg = yaml.safe_load(preset.read_text())
+    cfg["models"][0]["revisions"] = revs[:-1] + ["step100000", revs[-1]]
+    more.write_text(yaml.safe_dump(cfg))
+    added = collections.Counter(r for r, _ in plan("--configfile", str(more))) - collections.Counter(r for r, _ in jobs)
+    assert added == collections.Counter({"stats_merge": 1, "substitution": 1, "kernel_revision": 1}), added
