@@ -36,6 +36,14 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
+    """Peak resident memory of this process (MiB): VmHWM (reset by exec, unlike ru_maxrss, which a child process
+    started by subprocess inherits from its parent); ru_maxrss where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -74,7 +82,17 @@ def main(argv=None) -> None:
     ap.add_argument("--shard", default=None, help="a corpus shard .npz to take windows from")
     ap.add_argument("--no-partial", action="store_true", help="skip writing / reading the partial")
     ap.add_argument("--save-partial", default=None, help="write the partial (a .zarr folder) here (default: a temp folder)")
+    ap.add_argument("--merge", type=int, default=0, metavar="K",
+                    help="also merge K copies of the partial into a statistics store the way the workflow's merge does "
+                         "(layer by layer), in a fresh process, and print its time and peak RSS")
+    ap.add_argument("--full-shard-windows", type=int, default=0, metavar="W",
+                    help="also estimate the partial of a full shard of W windows: its model-free counts measured on W "
+                         "windows, its float sums synthetic (random float32 / float64 values on exactly the cells and "
+                         "buckets those windows reach), written as a partial whose size on disk is printed")
+    ap.add_argument("--merge-only", nargs="+", default=None, help=argparse.SUPPRESS)  # the --merge child process
     args = ap.parse_args(argv)
+    if args.merge_only:
+        return merge_only(args.merge_only)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -142,6 +160,7 @@ def main(argv=None) -> None:
                       attn_input_norm=adapter.attn_input_norm)
     tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
     acc_mb = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) / 2**20
+    del tensors  # no reference may outlive `del acc` below (N = 4000: 11 GB of accumulators)
 
     def stats(ids, chunk):
         kb, qt = window_buckets(chunk, key_lut, query_lut, n)
@@ -198,6 +217,8 @@ def main(argv=None) -> None:
     try:
         t0 = time.perf_counter()
         save_partial(ppath, sums, {"benchmark": True})
+        if args.full_shard_windows:
+            full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, Path(ppath).parent)
         t_save = time.perf_counter() - t0
         peak_write = peak_rss_mb()
         del sums, acc  # the read-back below must not hold two copies (N = 4000: 9 GB each)
@@ -208,10 +229,90 @@ def main(argv=None) -> None:
         print(f"partial: {partial_size(ppath) / 2**20:.1f} MiB on disk ({ppath.name}, compressed Zarr), write {t_save:.1f} s, "
               f"read {t_load:.1f} s; peak RSS up to the write {peak_write:.0f} MiB (+{peak_write - rss_bare_peak:.0f} MiB over "
               f"the bare forward), after reading it back {peak_rss_mb():.0f} MiB")
+        if args.merge:
+            import subprocess
+
+            out = subprocess.run([sys.executable, __file__, "--merge-only", *[str(ppath)] * args.merge], check=False,
+                                 capture_output=True, text=True)
+            print(out.stdout.strip() or out.stderr[-3000:])
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
     print(f"check: max |row sum of P - 1| = {ok:.2e}")
+
+
+def merge_only(paths: list[str]) -> None:
+    """The workflow's merge (workflow/scripts/stats_merge.py without the corpus checks): partials opened with the
+    kernel sums on disk, merged by addition, P written one layer at a time (mfpipe.stats.store.write_stats)."""
+    import shutil
+    import tempfile
+
+    from mfpipe.stats.partials import merge_sums, open_partial
+    from mfpipe.stats.store import write_stats
+
+    t0 = time.perf_counter()
+    sums = merge_sums((open_partial(p)[0] for p in paths), names=paths)
+    N = np.shape(sums["P_sum"])[2]
+    tracked = {"key_lut": np.arange(N + 2), "query_lut": np.arange(N + 2), "n": N}
+    tmp = tempfile.mkdtemp(prefix="stats-merge-bench-")
+    try:
+        write_stats(sums, tracked, {"benchmark": True}, Path(tmp) / "stats.zarr")
+        dt = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"merge of {len(paths)} partials into a store (layer by layer): {dt:.1f} s, store {size / 2**20:.0f} MiB, "
+          f"peak RSS of the merge process {peak_rss_mb():.0f} MiB")
+
+
+def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, folder: Path) -> None:
+    """Size on disk of the partial of a full shard (``--full-shard-windows`` windows): the model-free counts of that
+    many Zipf windows (real), and every float sum synthetic at exactly the support those windows give (P_sum: random
+    float32 in every (query type, key bucket) cell some pair reaches, per-position sums: random in every bucket that
+    occurs), so that the compressor sees as many incompressible values as a real shard's partial holds."""
+    from mfpipe.stats.buckets import window_buckets
+    from mfpipe.stats.partials import partial_size, save_partial
+    from mfpipe.stats.pass1 import Accumulator
+
+    W, T, B = args.full_shard_windows, toks.shape[1], 16
+    rng = np.random.default_rng(1)
+    p = 1.0 / np.arange(1, V + 1) ** 1.0
+    p /= p.sum()
+    counts = Accumulator(1, 1, 1, 1, n, T)  # model-free counts only: begin_batch, never a layer
+    for i in range(0, W, B):
+        w = perm[rng.choice(V, size=(min(B, W - i), T), p=p)]
+        w[:, 0] = bos
+        kb, qt = window_buckets(w, key_lut, query_lut, n)
+        counts._begin_batch(kb, qt)
+        counts._chunks = []
+    sums = acc.sums()
+    fake = {k: np.asarray(v) for k, v in sums.items()}
+    for k in ("n_windows", "n_tokens"):
+        fake[k] = np.asarray(getattr(counts, k), dtype=np.int64)
+    for k, t in (("query_count", counts.query_count), ("key_count", counts.key_count),
+                 ("position_count", counts.position_count)):
+        fake[k] = t.numpy()
+    N, K = n, n + 2
+    fake["nbar_sum"], fake["context_count"], fake["cooc"] = (counts.nbar.numpy().reshape(N, K),
+                                                             counts.ctx.numpy().reshape(N, K), counts.cooc.numpy().reshape(N, K))
+    support = fake["nbar_sum"] > 0
+    L, H = fake["P_sum"].shape[:2]
+    fake["P_sum"] = np.zeros((L, H, N, K), dtype=np.float32)
+    for l in range(L):
+        fake["P_sum"][l][:, support] = rng.random((H, int(support.sum())), dtype=np.float32)
+    seen = fake["key_count"] > 0
+    for k, v in sums.items():
+        if k in fake and k not in ("P_sum",) and np.issubdtype(np.asarray(v).dtype, np.floating) and np.ndim(v) >= 3:
+            a = np.zeros(np.shape(v), dtype=np.asarray(v).dtype)
+            idx = [slice(None)] * a.ndim
+            idx[-2] = seen  # the key axis of every per-position sum
+            a[tuple(idx)] = rng.standard_normal(a[tuple(idx)].shape)
+            fake[k] = a
+    path = folder / "full-shard-estimate.zarr"
+    save_partial(path, fake, {"benchmark": "synthetic full shard"})
+    print(f"full-shard estimate ({W} windows x T={T}, {W * T} tokens): {support.mean():.3f} of the N x K kernel cells "
+          f"reached, {seen.mean():.3f} of the buckets; synthetic partial {partial_size(path) / 2**20:.1f} MiB on disk")
+    del fake
 
 
 if __name__ == "__main__":

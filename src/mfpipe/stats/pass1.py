@@ -16,9 +16,10 @@ in :meth:`Accumulator.begin_batch` and shared by all layers:
 - the attention kernel: the (query, key <= query) pairs of the batch's tracked queries
   (:func:`mfpipe.stats.buckets.causal_pairs`, in chunks of ``PAIR_CHUNK``), the flat index of each pair into
   a layer's ``[B,H,T,T]`` probabilities, and the pair's *compact cell*: the rank of its ``(s, t)`` cell among
-  the distinct cells of the chunk. Per layer, one gather of every pair's probability (all heads) and one
-  float32 ``index_add_`` into a small, cache-resident ``[H, U]`` buffer (``U`` distinct cells), which is then
-  added once into the kernel sum ``P [L, H, N*K]``;
+  the distinct cells of the chunk (the same ``torch.unique`` gives ``nbar``: the pairs per cell). Per layer, one
+  gather of every (pair, head) probability and one float32 ``index_add_`` into a small, cache-resident ``[U, H]``
+  buffer (``U`` distinct cells), which is then added once into the kernel sum, held cell-major ``[L, N*K, H]``
+  (the H heads of a cell are one cache line: the scattered add into the 0.6 GB sum touches U lines, not U*H);
 - the per-position statistics: the batch's distinct buckets and each position's rank among them. Per layer,
   float32 ``index_add_`` of ``x, (x - c_b)², attn_out, mlp_out, ln1(x), values, reads`` into ``[U_b, ·]`` buffers
   (``U_b`` distinct buckets of the batch; ``c_b`` the batch's bucket mean, ``sum x²`` is restored in float64 as
@@ -70,20 +71,21 @@ from .buckets import COOC_WINDOW, PAIR_CHUNK, causal_pairs
 from .errors import StatsError
 
 # (pair, head) elements per layer up to which the gather / scatter indices of all heads are built once per batch
-# (16 bytes each); above it they are built per layer in head groups of at most this many elements
+# (16 bytes each); above it they are built per layer, for slices of at most this many elements
 INDEX_CACHE_MAX = 1 << 23
 
 
 @dataclass
 class _PairChunk:
-    """One chunk of the batch's (query, key <= query) pairs, planned once per batch for every layer."""
+    """One chunk of the batch's (query, key <= query) pairs, planned once per batch for every layer. Head-minor
+    layout throughout: element ``i * H + h`` is head ``h`` of pair (or cell) ``i``."""
 
     gidx: torch.Tensor  # [M] flat index of each pair into head 0 of a layer's contiguous [B,H,T,T] probabilities
     pinv: torch.Tensor  # [M] the pair's compact cell: rank of its (s*K + t) among the chunk's distinct cells
-    n_cells: int  # U, distinct cells of the chunk
-    cells_all: torch.Tensor  # [H*U] flat index of (head, compact cell) into a layer's [H*N*K] kernel sum
-    idx_all: torch.Tensor | None  # [H*M] gidx of every head (cached when H*M <= INDEX_CACHE_MAX)
-    tgt_all: torch.Tensor | None  # [H*M] (head, compact cell) of every (head, pair) in the [H*U] batch buffer
+    cells: torch.Tensor  # [U] the chunk's distinct cells s*K + t (rows of a layer's [N*K, H] kernel sum)
+    cells_all: torch.Tensor  # [U*H] flat index of (cell, head) into a layer's [N*K*H] kernel sum
+    idx_all: torch.Tensor | None  # [M*H] gather index of every (pair, head) (cached when M*H <= INDEX_CACHE_MAX)
+    tgt_all: torch.Tensor | None  # [M*H] (compact cell, head) of every (pair, head) in the [U*H] batch buffer
 
 
 class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
@@ -125,7 +127,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                     "attn_out": torch.zeros(L, K, d, **f64), "mlp_out": torch.zeros(L, K, d, **f64),
                     "ln_in": torch.zeros(L, K, d, **f64), "values": torch.zeros(L, K, H * dh, **f64),
                     "reads": torch.zeros(L, K, H * dh, **f64)}
-        self.P = torch.zeros(L, H * N * K, dtype=torch.float32, device=dev)  # kernel sums, see the module docstring
+        # kernel sums, cell-major: row s*K + t holds the H heads' sums (see the module docstring)
+        self.P = torch.zeros(L, N * K, H, dtype=torch.float32, device=dev)
         self.nbar = torch.zeros(N * K, **i64)
         self.ctx = torch.zeros(N * K, **i64)
         self.cooc = torch.zeros(N * K, **i64)
@@ -166,7 +169,6 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if T != self.T:
             raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
         N, K, H, dev = self.N, self.K, self.H, self.device
-        NK = N * K
         kbf = kb.reshape(-1)
         self._ub, self._kinv, cnt = torch.unique(kbf, return_inverse=True, return_counts=True)
         self._ub_count32, self._ub_count64 = cnt.to(torch.float32), cnt.to(torch.float64)
@@ -188,18 +190,17 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         firstpos.scatter_reduce_(1, kb, arangeT.expand(B, T), reduce="amin")
         first = firstpos.gather(1, kb) == arangeT  # [B,T]: first position of its bucket in the window
         chunks = []
+        heads = torch.arange(H, device=dev)
         for bb, jj, kk in causal_pairs(qt, chunk=PAIR_CHUNK):
-            cells, pinv = torch.unique(qt[bb, jj] * K + kb[bb, kk], return_inverse=True)
-            U, M = cells.numel(), pinv.numel()
-            self.nbar.index_add_(0, cells, torch.bincount(pinv, minlength=U))
-            self.ctx.index_add_(0, cells, torch.bincount(pinv[first[bb, kk]], minlength=U))
+            cells, pinv, cnt = torch.unique(qt[bb, jj] * K + kb[bb, kk], return_inverse=True, return_counts=True)
+            self.nbar.index_add_(0, cells, cnt)
+            self.ctx.index_add_(0, cells, torch.bincount(pinv[first[bb, kk]], minlength=cells.numel()))
             gidx = ((bb * H) * T + jj) * T + kk
-            cells_all = (cells[None, :] + heads[:, None] * NK).reshape(-1)
+            cells_all = (cells[:, None] * H + heads).reshape(-1)
             idx_all = tgt_all = None
-            if H * M <= INDEX_CACHE_MAX:
-                idx_all = (gidx[None, :] + heads[:, None] * (T * T)).reshape(-1)
-                tgt_all = (pinv[None, :] + heads[:, None] * U).reshape(-1)
-            chunks.append(_PairChunk(gidx, pinv, U, cells_all, idx_all, tgt_all))
+            if H * gidx.numel() <= INDEX_CACHE_MAX:
+                idx_all, tgt_all = self._pair_index(gidx, pinv, heads)
+            chunks.append(_PairChunk(gidx, pinv, cells, cells_all, idx_all, tgt_all))
         self._chunks = chunks
 
         # ±w co-occurrence: for each query position j (tracked, j >= 1), the buckets at j±1..j±w in the window
@@ -218,23 +219,32 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         with self._threads():
             self._on_layer(cap)
 
+    def _pair_index(self, gidx: torch.Tensor, pinv: torch.Tensor, heads: torch.Tensor):
+        """(gather index into a layer's flat probabilities, scatter index into the [U*H] cell buffer) of every
+        (pair, head), head-minor."""
+        T, H = self.T, self.H
+        return (gidx[:, None] + heads * (T * T)).reshape(-1), (pinv[:, None] * H + heads).reshape(-1)
+
     def _kernel(self, l: int, probs: torch.Tensor) -> None:
-        """P[l] += the batch's attention probabilities summed by (head, query type, key bucket)."""
-        H, T = self.H, self.T
+        """P[l] += the batch's attention probabilities summed by (query type, key bucket, head): one gather of every
+        (pair, head) probability and one float32 ``index_add_`` into the chunk's compact [U*H] cell buffer (small,
+        cache-resident), which is added once into the kernel sum. Head-minor layout, so that last scattered add
+        touches one run of H contiguous floats per cell (one cache line), not H lines 4 N K bytes apart."""
+        H = self.H
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
+        heads = None
         for ch in self._chunks:
-            U, M = ch.n_cells, ch.pinv.numel()
-            buf = torch.zeros(H * U, dtype=torch.float32, device=pf.device)  # this batch's float32 cell sums
+            M = ch.pinv.numel()
+            buf = torch.zeros(ch.cells.numel() * H, dtype=torch.float32, device=pf.device)  # this batch's sums
             if ch.idx_all is not None:
                 buf.index_add_(0, ch.tgt_all, pf.index_select(0, ch.idx_all).to(torch.float32))
-            else:  # large chunk: head groups of <= INDEX_CACHE_MAX elements
-                g = max(1, INDEX_CACHE_MAX // max(M, 1))
-                for h0 in range(0, H, g):
-                    hs = torch.arange(h0, min(H, h0 + g), device=pf.device)[:, None]
-                    idx = (ch.gidx[None, :] + hs * (T * T)).reshape(-1)
-                    tgt = (ch.pinv[None, :] + hs * U).reshape(-1)
+            else:  # large chunk: slices of <= INDEX_CACHE_MAX (pair, head) elements
+                heads = torch.arange(H, device=pf.device) if heads is None else heads
+                step = max(1, INDEX_CACHE_MAX // H)
+                for a in range(0, M, step):
+                    idx, tgt = self._pair_index(ch.gidx[a : a + step], ch.pinv[a : a + step], heads)
                     buf.index_add_(0, tgt, pf.index_select(0, idx).to(torch.float32))
-            self.P[l].index_add_(0, ch.cells_all, buf)
+            self.P[l].view(-1).index_add_(0, ch.cells_all, buf)
 
     def _moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float64 ``(sum x, sum x²)`` over the batch's buckets of float32 rows ``x [B*T, d]``. The square is summed
@@ -252,7 +262,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         l = int(cap.layer)
         if self._kinv is None:
             raise StatsError("Accumulator.on_layer called before begin_batch")
-        H, T, d, dh = self.H, self.T, self.d, self.dh
+        H, T, d = self.H, self.T, self.d
         probs = cap.attn_probs
         B = probs.shape[0]
         if tuple(probs.shape) != (B, H, T, T):
@@ -323,7 +333,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "position_count": np_(self.position_count),
             "context_count": np_(self.ctx).reshape(N, K),
             "cooc": np_(self.cooc).reshape(N, K),
-            "P_sum": np_(self.P).reshape(L, H, N, K),
+            "P_sum": np_(self.P).reshape(L, N, K, H).transpose(0, 3, 1, 2),  # a view [L, H, N, K]
             "nbar_sum": np_(self.nbar).reshape(N, K),
             "resid_sum": resid,
             "resid_sq_sum": pos["resid_sq"],
