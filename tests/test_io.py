@@ -8,6 +8,7 @@ import pytest
 
 from mfpipe.io import atomic_dir, atomic_savez, atomic_write_text
 from mfpipe.stats import save_partial
+from mfpipe.stats.partials import SUM_KEYS, sum_shapes
 
 
 @pytest.fixture
@@ -24,12 +25,13 @@ def mode(p):
 def test_atomic_outputs_get_umask_permissions(tmp_path, umask_022):
     atomic_write_text(tmp_path / "a.txt", "x")
     atomic_savez(tmp_path / "b.npz", x=np.zeros(2))
-    save_partial(tmp_path / "c.npz", {"x": np.zeros(2)})
+    save_partial(tmp_path / "c.zarr", {k: np.zeros(v) for k, v in sum_shapes(1, 1, 2, 2, 1, 3).items() if k in SUM_KEYS})
     with atomic_dir(tmp_path / "d") as tmp:
         (tmp / "inner.txt").write_text("y")
     assert mode(tmp_path / "a.txt") == 0o644
     assert mode(tmp_path / "b.npz") == 0o644
-    assert mode(tmp_path / "c.npz") == 0o644
+    assert mode(tmp_path / "c.zarr") == 0o755
+    assert mode(tmp_path / "c.zarr" / "zarr.json") == 0o644
     assert mode(tmp_path / "d") == 0o755
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
 

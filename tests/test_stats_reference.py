@@ -188,9 +188,7 @@ def test_every_statistic_matches_bruteforce(model_type, windows):
     np.testing.assert_allclose(nxt, cap["resid"][1:], rtol=1e-4, atol=1e-4)
 
     adapter = get_adapter(model)
-    # both reductions of the attention kernel are checked: per window on half of the architectures, flat on the rest
-    p_mode = "window" if TINY_MODEL_TYPES.index(model_type) % 2 else "flat"
-    sums = accumulate_shard(model, adapter, windows, tracked, batch_size=4, device="cpu", progress=False, p_mode=p_mode)
+    sums = accumulate_shard(model, adapter, windows, tracked, batch_size=4, device="cpu", progress=False)
     ds = finalize(sums, tracked, {"model": model_type}, dtype=np.float64)
     for name in ("P", "nbar", "context_count", "cooc", "query_count", "key_count", "position_count", "centroid",
                  "resid_var", "mu", "zbar", "attn_out_mean", "resid_mid_mean", "mlp_out_mean", "ln_in_mean"):
@@ -228,21 +226,20 @@ def test_zero_query_types_are_nan(windows):
     assert (ds["P"].sel(key=s).isel(query=slice(0, s)).values == 0).all()
 
 
-def test_kernel_reductions_agree():
-    """The flat and the per-window reductions (and chunked pair enumeration) give the same sums."""
+def test_kernel_reductions_agree(monkeypatch):
+    """One pair chunk per batch with all heads' indices cached, and many small pair chunks with per-layer head
+    groups, give the same sums."""
     import mfpipe.stats.pass1 as acc_mod
 
     model = make_tiny_model("qwen3", seed=4)
     adapter = get_adapter(model)
     tokens = zipf_windows(10, T=24, seed=6)
     tracked = tracked_for(tokens)
-    flat = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False, p_mode="flat")
-    old = acc_mod.PAIR_CHUNK
-    acc_mod.PAIR_CHUNK = 37  # force many pair chunks
-    try:
-        win = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False, p_mode="window")
-    finally:
-        acc_mod.PAIR_CHUNK = old
+    flat = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False)
+    with monkeypatch.context() as mp:
+        mp.setattr(acc_mod, "PAIR_CHUNK", 37)  # force many pair chunks …
+        mp.setattr(acc_mod, "INDEX_CACHE_MAX", 50)  # … and uncached indices, gathered in head groups
+        win = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False)
     for k in flat:
         if np.issubdtype(np.asarray(flat[k]).dtype, np.integer):
             assert np.array_equal(flat[k], win[k]), k

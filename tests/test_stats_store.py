@@ -161,31 +161,125 @@ def test_interrupted_write_leaves_no_store(tiny, tmp_path, monkeypatch):
 
 
 def test_partial_roundtrip_and_atomic_save(tiny, tmp_path, monkeypatch):
-    _, _, _, sums = tiny
-    for compress in (False, True):
-        p = tmp_path / "part.npz"
-        save_partial(p, sums, {"shard": "x"}, compress=compress)
-        back, meta = load_partial(p)
-        assert meta["shard"] == "x"
-        for k, v in sums.items():
-            assert back[k].dtype == v.dtype and np.array_equal(back[k], v, equal_nan=True), k
-    from numpy.lib import format as npformat
+    from mfpipe.stats.partials import STORED_DTYPES, partial_size
 
+    _, tokens, tracked, sums = tiny
+    p = tmp_path / "part.zarr"
+    save_partial(p, sums, partial_meta(tracked, tokens, {"shard": "x"}))
+    back, meta = load_partial(p)
+    assert meta["shard"] == "x" and meta["n_windows"] == tokens.shape[0]
+    assert partial_size(p) > 0
+    for k, v in sums.items():
+        assert back[k].shape == v.shape, k
+        if k == "resid_mid_sum":  # not stored: rebuilt from resid_sum + attn_out_sum (float32-stored)
+            np.testing.assert_allclose(back[k], v, rtol=1e-6, atol=1e-6 * np.abs(v).max(), err_msg=k)
+            continue
+        assert back[k].dtype == STORED_DTYPES[k], k
+        # exact where the dtype is kept, one float32 rounding otherwise
+        assert np.array_equal(back[k], np.asarray(v).astype(STORED_DTYPES[k]), equal_nan=True), k
+    # xarray opens a partial (dimension names on every array)
+    ds = xr.open_zarr(p, consolidated=False)
+    assert ds["P_sum"].dims == ("layer", "head", "query", "key")
+
+    # an interrupted write leaves nothing (no folder, no temporary)
+    import zarr as zarr_mod
+
+    real = zarr_mod.Array.__setitem__
     calls = {"n": 0}
-    real = npformat.write_array
 
-    def flaky(*a, **k):
+    def flaky(self, *a, **k):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError("disk full")
-        return real(*a, **k)
+        return real(self, *a, **k)
 
-    monkeypatch.setattr(npformat, "write_array", flaky)
-    q = tmp_path / "part2.npz"
+    monkeypatch.setattr(zarr_mod.Array, "__setitem__", flaky)
+    q = tmp_path / "part2.zarr"
     with pytest.raises(OSError):
         save_partial(q, sums)
     assert not q.exists()
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["part.npz"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["part.zarr"]
+
+
+def test_partial_checks_before_merge(tiny, tmp_path):
+    """A partial of other shapes or other provenance is refused, naming the file and what to do."""
+    from mfpipe.stats import StatsError
+    from mfpipe.stats.partials import check_partial
+
+    _, tokens, tracked, sums = tiny
+    p = tmp_path / "a.zarr"
+    save_partial(p, sums, partial_meta(tracked, tokens, {"model": "m1"}))
+    back, meta = load_partial(p)
+    check_partial(str(p), back, meta, expect={"model": "m1", "tracked_fingerprint": tracked.fingerprint})
+    with pytest.raises(StatsError, match=r"a\.zarr was computed for model='m1'.*rerun"):
+        check_partial(str(p), back, meta, expect={"model": "m2"})
+    other = dict(sums, P_sum=sums["P_sum"][:, :, :, :-1])
+    with pytest.raises(StatsError, match=r"partial b\.zarr: P_sum has shape .*rerun"):
+        merge_sums([sums, other], names=["a.zarr", "b.zarr"])
+    with pytest.raises(StatsError, match=r"holds 8 windows, its shard has 9"):
+        check_partial(str(p), back, dict(meta, n_windows=9))
+    (p / "P_sum" / "zarr.json").write_text("{not json")
+    with pytest.raises(StatsError, match=r"a\.zarr is unreadable.*delete it and rerun"):
+        load_partial(p)
+    with pytest.raises(FileNotFoundError, match="rerun the stats_shard step"):
+        load_partial(tmp_path / "missing.zarr")
+
+
+def test_layerwise_merge_writes_the_same_store(tiny, tmp_path):
+    """The merge of the workflow (partials opened with P on disk, summed and written one layer at a time by
+    write_stats) writes the store finalize + write_store writes from the in-memory merge, file for file."""
+    from mfpipe.stats.partials import LayerSum, open_partial
+    from mfpipe.stats.store import write_stats
+
+    model, tokens, tracked, _ = tiny
+    adapter = get_adapter(model)
+    paths = []
+    for i, chunk in enumerate((tokens[:3], tokens[3:])):
+        sums = accumulate_shard(model, adapter, chunk, tracked, batch_size=2, device="cpu", progress=False)
+        paths.append(save_partial(tmp_path / f"shard-{i}.zarr", sums, partial_meta(tracked, chunk)))
+    eager = merge_sums([load_partial(p)[0] for p in paths])
+    lazy = merge_sums([open_partial(p)[0] for p in paths])
+    assert isinstance(lazy["P_sum"], LayerSum) and lazy["P_sum"].shape == eager["P_sum"].shape
+    assert np.array_equal(np.asarray(lazy["P_sum"]), eager["P_sum"])
+    a = write_store(finalize(eager, tracked, META), tmp_path / "a.zarr")
+    b = tmp_path / "b.zarr"
+    write_stats(lazy, tracked, META, b)
+    files = lambda root: {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}  # noqa: E731
+    fa, fb = files(a), files(b)
+    assert sorted(fa) == sorted(fb)
+    assert [k for k in fa if fa[k] != fb[k]] == []
+    xr.testing.assert_identical(open_stats(b).ds.load(), open_stats(a).ds.load())
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".")]
+
+
+def test_a_damaged_chunk_of_a_partial_is_an_error_naming_it(tiny, tmp_path):
+    """Every chunk of a partial is written and checksummed: a truncated, altered or deleted chunk file is an error
+    naming the partial (when its P layer is merged, for a P chunk), never a silent zero."""
+    from mfpipe.stats.errors import PartialError
+    from mfpipe.stats.partials import open_partial
+    from mfpipe.stats.store import write_stats
+
+    _, tokens, tracked, sums = tiny
+    p = save_partial(tmp_path / "good.zarr", sums)
+    chunk = p / "P_sum" / "c" / "1" / "0" / "0" / "0"
+    other = p / "resid_sum" / "c" / "0" / "0" / "0"
+    assert chunk.is_file() and other.is_file()
+    cases = {"truncated": lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]),
+             "flipped": lambda f: f.write_bytes(f.read_bytes()[:-9] + bytes([f.read_bytes()[-9] ^ 1]) + f.read_bytes()[-8:]),
+             "deleted": lambda f: f.unlink()}
+    for name, damage in cases.items():
+        for target in (chunk, other):
+            q = tmp_path / f"{name}.zarr"
+            import shutil
+
+            shutil.rmtree(q, ignore_errors=True)
+            shutil.copytree(p, q)
+            damage(q / target.relative_to(p))
+            with pytest.raises(PartialError, match=rf"{name}\.zarr is unreadable.*rerun") as err:
+                merged = merge_sums([open_partial(q)[0]])
+                write_stats(merged, tracked, META, tmp_path / "s.zarr")
+            assert err.value.path == str(q), (name, target)
+            assert not (tmp_path / "s.zarr").exists()
 
 
 # ------------------------------------------------------------------------------- interrupted stats run
@@ -252,7 +346,7 @@ def test_interrupted_run_resumes_missing_shards_only(tmp_path, hard_kill):
     tracked = tracked_for(tokens)
     tracked.save(tmp_path / "tracked.json")
     model = make_tiny_model("gpt2", seed=2)
-    partials = [tmp_path / "partials" / (p.stem + ".npz") for p in shards]
+    partials = [tmp_path / "partials" / (p.stem + ".zarr") for p in shards]
     # batch_size 2: each 3-window shard takes 2 forwards; call 6 is the 2nd batch of shard 2 (mid-shard)
     if hard_kill:
         script = textwrap.dedent(

@@ -294,14 +294,16 @@ def result_files(root: Path) -> dict[str, Path]:
 
 
 def same_result(a: Path, b: Path) -> bool:
-    """Equal results: Zarr stores and .npz partials by their arrays and attributes (their containers carry
-    write times), JSON without its timings, figures by existence (a PDF carries its creation date; its numbers are in the compared table),
-    every other file byte for byte."""
+    """Equal results: Zarr folders (statistics stores and per-shard partials) and .npz files by their arrays and
+    attributes (their containers carry write times), JSON without its timings, figures by existence (a PDF carries
+    its creation date; its numbers are in the compared table), every other file byte for byte."""
     import numpy as np
 
     if a.suffix == ".zarr":
         import xarray as xr
 
+        if not b.is_dir():
+            return False
         da, db = xr.open_zarr(a, consolidated=False).load(), xr.open_zarr(b, consolidated=False).load()
         return da.identical(db)
     if a.suffix == ".npz":
@@ -419,10 +421,21 @@ def files_bytes(root: Path) -> dict[str, bytes]:
 
 
 def partial_arrays(path: Path) -> dict:
+    """A partial's arrays and attributes (a Zarr folder; its chunk files' bytes carry no write time)."""
     import numpy as np
+    import zarr
 
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+    g = zarr.open_group(str(path), mode="r")
+    return {"attrs": np.asarray(repr(dict(g.attrs))), **{k: np.asarray(g[k][...]) for k in g.array_keys()}}
+
+
+def damage_in_place(folder: Path, damage) -> None:
+    """Apply ``damage(folder)`` and give every file and folder back its old times: Snakemake sees nothing to redo."""
+    times = {p: p.stat() for p in [folder, *folder.rglob("*")]}
+    damage(folder)
+    for p, st in times.items():
+        if p.exists():
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def arrays_equal(a: dict, b: dict) -> bool:
@@ -453,9 +466,9 @@ def test_killed_figure_shard_and_merge_jobs_leave_nothing_half_written_and_resum
     rerun_cleanly(built, fig)
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and fig.read_bytes()[-8:-4] == b"IEND"
     # a statistics shard
-    part = stats / "partials" / "stats" / "shard-00000.npz"
+    part = stats / "partials" / "stats" / "shard-00000.zarr"
     want_part = partial_arrays(part)
-    part.unlink()
+    shutil.rmtree(part)
     kill_while_publishing(built, part, tmp_path)
     rerun_cleanly(built, part)
     assert arrays_equal(partial_arrays(part), want_part)
@@ -472,19 +485,32 @@ def test_killed_figure_shard_and_merge_jobs_leave_nothing_half_written_and_resum
 
 
 def test_a_damaged_partial_is_refused_deleted_and_rebuilt_not_merged(built):
-    """A truncated partial (the stats half) and a partial of another shard in a partial's place (the eval half:
-    readable, right shapes, wrong windows) are each refused by the merge with one line naming the file, deleted,
-    and rebuilt by the rerun; the stores then equal the uninterrupted run's, bit for bit."""
+    """A partial with a truncated kernel chunk (the stats half; found when the merge reaches its layer of P) and a
+    partial of another shard in a partial's place (the eval half: readable, right shapes, wrong windows) are each
+    refused by the merge with one line naming the partial, deleted, and rebuilt by the rerun; the stores then equal
+    the uninterrupted run's, bit for bit."""
     stats = built / "results" / "stats" / "mini-gpt2" / "step20"
-    truncated = stats / "partials" / "stats" / "shard-00001.npz"
-    swapped = stats / "partials" / "eval" / "shard-00001.npz"
+    truncated = stats / "partials" / "stats" / "shard-00001.zarr"
+    swapped = stats / "partials" / "eval" / "shard-00001.zarr"
     stores = [stats / "stats.zarr", stats / "eval.zarr"]
     want = {s: files_bytes(s) for s in stores}
-    for p, data in ((truncated, truncated.read_bytes()[: truncated.stat().st_size // 2]),
-                    (swapped, (swapped.parent / "shard-00000.npz").read_bytes())):
-        st = p.stat()
-        p.write_bytes(data)
-        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # as old as before: Snakemake sees nothing to redo
+    chunk = sorted(p for p in (truncated / "P_sum").rglob("*") if p.is_file() and p.name != "zarr.json")[-1]
+
+    def truncate(folder):
+        chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+
+    def swap(folder):
+        other = folder.parent / "shard-00000.zarr"
+        for f in folder.rglob("*"):
+            if f.is_file() and f.name != ".snakemake_timestamp":
+                f.unlink()
+        for f in other.rglob("*"):
+            if f.is_file() and f.name != ".snakemake_timestamp":
+                (folder / f.relative_to(other)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, folder / f.relative_to(other))
+
+    damage_in_place(truncated, truncate)
+    damage_in_place(swapped, swap)
     for s in stores:
         shutil.rmtree(s)
     text, _ = failing_run(built, "--cores", "1", "--keep-going", *(str(s.relative_to(built)) for s in stores),
@@ -509,16 +535,17 @@ def test_a_corrupted_corpus_shard_is_refused_with_one_line_naming_it(built):
 
     shards = built / "results" / "corpus" / "shakespeare-ci" / "mini-gpt2" / "shards"
     shard = shards / "stats" / "shard-00001.npz"
-    part = built / "results" / "stats" / "mini-gpt2" / "step20" / "partials" / "stats" / "shard-00001.npz"
-    original, st, part_copy = shard.read_bytes(), shard.stat(), part.read_bytes()
-    part_st = part.stat()
+    part = built / "results" / "stats" / "mini-gpt2" / "step20" / "partials" / "stats" / "shard-00001.zarr"
+    original, st = shard.read_bytes(), shard.stat()
+    part_copy = part.with_name("shard-00001.zarr.aside")
+    shutil.copytree(part, part_copy)  # copy2: the files keep their times
     with np.load(shard) as z:
         tokens, doc_ids = z["tokens"].copy(), z["doc_ids"]
     tokens[3, 5] = (tokens[3, 5] + 1) % 512  # a valid file with one token changed: only the checksum can tell
     with open(shard, "wb") as fh:
         np.savez(fh, tokens=tokens, doc_ids=doc_ids)
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-    part.unlink()
+    shutil.rmtree(part)
     try:
         text, cause = failing_run(built, "--cores", "1", str(part.relative_to(built)))
         assert cause.startswith(f"mfpipe error: CorpusError: corpus shard {shard.relative_to(built)} is corrupt")
@@ -528,8 +555,8 @@ def test_a_corrupted_corpus_shard_is_refused_with_one_line_naming_it(built):
     finally:  # put back what the test broke, as old as it was (rebuilding the corpus would rerun the whole DAG)
         shard.write_bytes(original)
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
-        part.write_bytes(part_copy)
-        os.utime(part, ns=(part_st.st_atime_ns, part_st.st_mtime_ns))
+        shutil.rmtree(part, ignore_errors=True)
+        part_copy.rename(part)
     snakemake(built, "--cores", "1", "--touch")
     assert planned_jobs(snakemake(built, "-n")) == []
 

@@ -180,7 +180,7 @@ def shard_ids(wildcards):
 
 def stats_partials(wildcards):
     return [
-        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/shard-{i}.npz"
+        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/shard-{i}.zarr"
         for i in shard_ids(wildcards)
     ]
 

@@ -12,7 +12,7 @@ rule stats_shard:
         model=model_input,
         code=code("stats_shard.py"),
     output:
-        f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/shard-{{i}}.npz",
+        directory(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/shard-{{i}}.zarr"),
     params:
         batch_size=config["runtime"]["batch_size"],
         **model_params(),

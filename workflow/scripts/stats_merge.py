@@ -1,14 +1,19 @@
 """Snakemake script: merge the per-shard partials of one (model, revision, half) into the labelled,
-layer-chunked zarr statistics store (written atomically), with provenance attributes."""
+layer-chunked zarr statistics store (written atomically), with provenance attributes. The kernel sums stay on
+disk and are merged and written one layer of P at a time (mfpipe.stats.store.write_stats), so the merge's memory
+does not grow with L H N K."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import json
+import shutil
 from pathlib import Path
 
 from mfpipe.corpus import read_shard
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.stats import StatsError, finalize, load_partial, merge_sums, write_store
-from mfpipe.stats.partials import tokens_fingerprint
+from mfpipe.stats import StatsError, merge_sums
+from mfpipe.stats.errors import PartialError
+from mfpipe.stats.partials import check_partial, open_partial, tokens_fingerprint
+from mfpipe.stats.store import write_stats
 from mfpipe.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
@@ -30,36 +35,45 @@ def main() -> None:
     def refuse(p: str, why: str) -> StatsError:
         """A partial that is not what its shard's job wrote is deleted, not merged: it is an intermediate, and
         deleting it is what makes the rerun rebuild it (Snakemake reruns the stats_shard job of a missing partial)."""
-        Path(p).unlink(missing_ok=True)
+        path = Path(p)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
         return StatsError(f"statistics partial {p} {why}; deleted it: rerun to rebuild it")
 
     def sums_iter():
-        """Load one partial at a time (each can be > 1 GB) and check it belongs to this store: readable (the zip's
-        CRC-32 catches truncation and flipped bytes), computed from this store's model, revision, tracked set and
-        context length, from exactly the corpus shard of its name (the tokens' fingerprint), and of its shape."""
+        """Open one partial at a time (its kernel sum stays on disk) and check it belongs to this store: readable
+        (every chunk present, each chunk's CRC-32C catches truncation and altered bytes), computed from this store's
+        model, revision, tracked set and context length, from exactly the corpus shard of its name (the tokens'
+        fingerprint), and of its shape."""
+        expect = {"tracked_fingerprint": tracked.fingerprint, "n_tracked": tracked.n, "model": model,
+                  "revision": revision, "context_length": int(info["context_length"])}
         for p in partials:
             try:
-                sums, meta = load_partial(p)
+                sums, meta = open_partial(p)
             except StatsError as e:
-                raise refuse(p, f"is unreadable ({e.__cause__ or e})") from None
-            for key, want in (("tracked_fingerprint", tracked.fingerprint), ("model", model), ("revision", revision),
-                              ("context_length", int(info["context_length"]))):
+                raise refuse(p, e.why if isinstance(e, PartialError) else f"is unreadable ({e.__cause__ or e})") from None
+            for key, want in expect.items():
                 if key in meta and meta[key] != want:
                     raise refuse(p, f"was computed for {key}={meta[key]!r}, this store needs {want!r}")
-            shard = Path(sm.input.shards) / half / Path(p).name  # partial shard-NNNNN.npz <- corpus shard-NNNNN.npz
+            shard = Path(sm.input.shards) / half / (Path(p).stem + ".npz")  # partial shard-NNNNN.zarr <- corpus shard-NNNNN.npz
             tokens = read_shard(shard).tokens
             if meta.get("shard_fingerprint") != tokens_fingerprint(tokens):
                 raise refuse(p, f"was not computed from corpus shard {shard} (its shard_fingerprint differs)")
-            if int(sums["n_windows"]) != tokens.shape[0] or (shapes and any(
-                    getattr(sums.get(k), "shape", None) != shape for k, shape in shapes.items())):
-                raise refuse(p, "has the wrong shape for its shard or differs in shape from the other partials")
+            try:  # shapes (the first partial's for every later one), window count, the model's shape as the first's
+                check_partial(p, sums, dict(meta, n_windows=tokens.shape[0]), shapes=shapes or None, expect={
+                    k: first_meta[k] for k in ("model_type", "n_layers", "n_heads", "d_model", "d_head", "dtype")
+                    if k in first_meta})
+            except StatsError as e:
+                raise refuse(p, f"has the wrong shape or model for its shard or differs from the other partials ({e})") from None
             if not first_meta:
                 first_meta.update(meta)
-                shapes.update({k: v.shape for k, v in sums.items()})
-            log.info("merged %s (%d windows)", p, int(sums["n_windows"]))
+                shapes.update({k: tuple(v.shape) for k, v in sums.items()})
+            log.info("checked %s (%d windows)", p, int(sums["n_windows"]))
             yield sums
 
-    sums = merge_sums(sums_iter())
+    sums = merge_sums(sums_iter(), names=partials)
     meta = {
         "model": model,
         "revision": revision,
@@ -74,8 +88,10 @@ def main() -> None:
     for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual"):
         if k in first_meta:
             meta[k] = first_meta[k]
-    ds = finalize(sums, tracked, meta)
-    write_store(ds, sm.output[0])
+    try:  # P one layer at a time: a chunk that fails its checksum now is still the partial's fault
+        ds = write_stats(sums, tracked, meta, sm.output[0])
+    except PartialError as e:
+        raise refuse(e.path, e.why) from None
     log.info("wrote %s: N=%d, L=%d, H=%d, %d tokens in %d windows from %d shards",
              sm.output[0], tracked.n, ds.sizes["layer"], ds.sizes["head"], ds.attrs["n_tokens"], ds.attrs["n_windows"],
              len(partials))

@@ -1,12 +1,12 @@
 """Snakemake script: the additive statistics sums of one corpus shard (one traced forward per batch, all
-layers at once) -> one partial `.npz`, written atomically."""
+layers at once) -> one partial (a compressed Zarr folder, mfpipe.stats.partials), written atomically."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
 from mfpipe.corpus import read_shard
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.stats.partials import partial_meta, save_partial
+from mfpipe.stats.partials import partial_meta, partial_size, save_partial
 from mfpipe.stats.shards import accumulate_shard
 from mfpipe.tracked import TrackedSet
 
@@ -34,8 +34,9 @@ def main() -> None:
         "shard": str(sm.input.shard),
     })
     save_partial(sm.output[0], sums, meta)
-    log.info("%d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %s",
-             tokens.size, dt, tokens.size / max(dt, 1e-9), int(sums["query_count"].sum()), sm.output[0])
+    log.info("%d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %s (%.0f MiB on disk)",
+             tokens.size, dt, tokens.size / max(dt, 1e-9), int(sums["query_count"].sum()), sm.output[0],
+             partial_size(sm.output[0]) / 2**20)
 
 
 run_logged(main, log)

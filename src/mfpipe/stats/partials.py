@@ -1,9 +1,23 @@
 """Per-shard partial sums of the statistics pass: save, load, merge by addition, provenance.
 
-A partial is an ``.npz`` of float64 / int64 sums (keys :data:`SUM_KEYS`, see :mod:`mfpipe.stats.pass1`) plus a
-JSON ``__meta__`` recording what it was computed from (model, revision, tracked set, shard fingerprint, …).
-Partials of one (model, revision, half) merge by element-wise addition, so any split of the windows into
-shards gives the same store. No torch here: merging and reading need only numpy.
+A partial is a compressed, chunked Zarr (v3) store (a folder, ``shard-<i>.zarr``; ``xarray.open_zarr`` opens
+it too: every array carries dimension names) of the sums (keys :data:`SUM_KEYS`, see
+:mod:`mfpipe.stats.pass1`) plus the JSON attributes ``partial_format`` and ``meta`` (what it was computed from:
+model, revision, tracked set, shard fingerprint, …). Stored dtypes (:data:`STORED_DTYPES`): counts int64, the
+residual sums and their squares float64 (the variance E[x²] - c² cancels), every other sum float32 (pass 1
+accumulates the kernel in float32; the error bound is in :mod:`mfpipe.stats.pass1` and
+tests/test_stats_precision.py). ``resid_mid_sum`` is not stored: it is ``resid_sum[:L] + attn_out_sum`` (the
+adapter's definition of resid_mid) and :func:`load_partial` rebuilds it. Chunks: one (layer, head) of the
+kernel, one layer of the per-position sums; Blosc-zstd with byte shuffle, then a CRC-32C checksum per chunk,
+and every chunk written: a truncated, altered or missing chunk file is an error when read, never a silent zero.
+
+Partials of one (model, revision, half) merge by element-wise addition in float64 / int64, so any split of the
+windows into shards gives the same store; :func:`check_partial` refuses a partial whose shapes or provenance
+differ from what the merge expects, naming the file. The kernel sum is merged one layer at a time
+(:func:`open_partial` leaves it on disk, :func:`merge_sums` sums it lazily as a :class:`LayerSum`, and
+:func:`mfpipe.stats.store.write_stats` writes the store's ``P`` layer by layer), so the merge's memory is one
+layer of P in float64 plus the per-position sums. Format-1 partials (``.npz``, float64) still load. No torch
+here: merging and reading need only numpy and zarr.
 """
 
 from __future__ import annotations
@@ -17,72 +31,260 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_file
+from ..io import atomic_dir
 from .buckets import bucket_luts
-from .errors import StatsError
+from .errors import PartialError, StatsError
 
-PARTIAL_FORMAT = 1
+PARTIAL_FORMAT = 2
 INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count", "cooc")
 FLOAT_KEYS = ("P_sum", "resid_sum", "resid_sq_sum", "attn_out_sum", "resid_mid_sum", "mlp_out_sum", "ln_in_sum",
               "value_sum", "read_sum")
 SUM_KEYS = INT_KEYS + FLOAT_KEYS
+DERIVED_KEYS = ("resid_mid_sum",)  # not stored; rebuilt on load
+DIMS = {
+    "n_windows": (), "n_tokens": (), "query_count": ("query",), "key_count": ("key",), "position_count": ("position",),
+    "nbar_sum": ("query", "key"), "context_count": ("query", "key"), "cooc": ("query", "key"),
+    "P_sum": ("layer", "head", "query", "key"),
+    "resid_sum": ("depth", "key", "dim"), "resid_sq_sum": ("depth", "key", "dim"),
+    "attn_out_sum": ("layer", "key", "dim"), "resid_mid_sum": ("layer", "key", "dim"),
+    "mlp_out_sum": ("layer", "key", "dim"), "ln_in_sum": ("layer", "key", "dim"),
+    "value_sum": ("layer", "head", "key", "head_dim"), "read_sum": ("layer", "head", "key", "head_dim"),
+}
+STORED_DTYPES = {k: np.dtype(np.int64) for k in INT_KEYS}
+STORED_DTYPES.update({k: np.dtype(np.float32) for k in FLOAT_KEYS})
+STORED_DTYPES.update({"resid_sum": np.dtype(np.float64), "resid_sq_sum": np.dtype(np.float64)})
+# what check_partial compares between a partial's meta and the merge's expectation (when both have it)
+MATCH_KEYS = ("tracked_fingerprint", "n_tracked", "context_length", "model", "revision", "dtype", "model_type",
+              "n_layers", "n_heads", "d_model", "d_head")
 
 
-def merge_sums(partials: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Element-wise float64 / int64 sum of partial sums (shapes must agree)."""
+def sum_shapes(n_layers: int, n_heads: int, d_model: int, d_head: int, n_tracked: int, context_length: int) -> dict:
+    """The shape of every sum (what a partial of this model / tracked set / context length must hold)."""
+    L, H, d, dh, N, T = n_layers, n_heads, d_model, d_head, n_tracked, context_length
+    K = N + 2
+    return {
+        "n_windows": (), "n_tokens": (), "query_count": (N,), "key_count": (K,), "position_count": (T,),
+        "nbar_sum": (N, K), "context_count": (N, K), "cooc": (N, K), "P_sum": (L, H, N, K),
+        "resid_sum": (L + 1, K, d), "resid_sq_sum": (L + 1, K, d), "attn_out_sum": (L, K, d),
+        "resid_mid_sum": (L, K, d), "mlp_out_sum": (L, K, d), "ln_in_sum": (L, K, d),
+        "value_sum": (L, H, K, dh), "read_sum": (L, H, K, dh),
+    }
+
+
+def shapes_of(sums: Mapping[str, np.ndarray]) -> dict:
+    """The expected shapes of every sum, from the kernel and per-position sums of one partial."""
+    L, H, N, K = np.shape(sums["P_sum"])
+    return sum_shapes(L, H, np.shape(sums["resid_sum"])[-1], np.shape(sums["value_sum"])[-1], N,
+                      np.shape(sums["position_count"])[0])
+
+
+def check_partial(name: str, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
+                  shapes: Mapping[str, tuple] | None = None, expect: Mapping[str, Any] | None = None) -> None:
+    """Refuse a partial that cannot be merged: missing sums, shapes other than ``shapes`` (default: consistent
+    with its own kernel sum), or ``meta`` values that differ from ``expect`` (keys :data:`MATCH_KEYS` and any
+    other given). ``name`` (the file) goes into the error, with what to do."""
+    missing = [key for key in SUM_KEYS if key not in sums]
+    if missing:
+        raise StatsError(f"partial {name} lacks {missing}; delete it and rerun the stats_shard step with this mfpipe")
+    want = dict(shapes) if shapes is not None else shapes_of(sums)
+    for key in SUM_KEYS:
+        got = tuple(np.shape(sums[key]))
+        if got != tuple(want[key]):
+            raise StatsError(
+                f"partial {name}: {key} has shape {got}, expected {tuple(want[key])} — partials from different models, "
+                "tracked sets or context lengths cannot be merged; delete it and rerun the stats_shard step"
+            )
+    meta = dict(meta or {})
+    if "n_windows" in meta and int(meta["n_windows"]) != int(np.asarray(sums["n_windows"])):
+        raise StatsError(f"partial {name} holds {int(np.asarray(sums['n_windows']))} windows, its shard has "
+                         f"{meta['n_windows']}; delete it and rerun the stats_shard step")
+    for key, value in dict(expect or {}).items():
+        if value is not None and key in meta and meta[key] is not None and meta[key] != value:
+            raise StatsError(f"partial {name} was computed for {key}={meta[key]!r}, this merge needs {value!r}; "
+                             "delete it and rerun the stats_shard step")
+
+
+def merge_sums(partials: Iterable[Mapping[str, np.ndarray]], names: Iterable[str] | None = None,
+               shapes: Mapping[str, tuple] | None = None) -> dict[str, np.ndarray]:
+    """Element-wise float64 / int64 sum of partial sums; each partial is checked (:func:`check_partial`) against
+    ``shapes`` (default: the first partial's) before it is added. ``names`` label the partials in errors. A sum
+    left on disk (:func:`open_partial`) is summed lazily: the result holds a :class:`LayerSum` for it, which
+    adds the partials one layer at a time when indexed."""
     out: dict[str, np.ndarray] | None = None
+    names = iter(names) if names is not None else None
     for k, p in enumerate(partials):
-        missing = [key for key in SUM_KEYS if key not in p]
-        if missing:
-            raise StatsError(f"partial #{k} lacks {missing}; recompute it with this version of mfpipe")
+        name = next(names) if names is not None else f"#{k}"
+        check_partial(name, p, shapes=shapes if shapes is not None else (shapes_of(out) if out is not None else None))
         if out is None:
-            out = {key: np.array(p[key], dtype=np.int64 if key in INT_KEYS else np.float64, copy=True) for key in SUM_KEYS}
+            out = {key: LayerSum(p[key]) if isinstance(p[key], _OnDisk) else
+                   np.array(p[key], dtype=np.int64 if key in INT_KEYS else np.float64, copy=True) for key in SUM_KEYS}
             continue
         for key in SUM_KEYS:
-            a = np.asarray(p[key])
-            if a.shape != out[key].shape:
-                raise StatsError(
-                    f"partial #{k}: {key} has shape {a.shape}, earlier partials {out[key].shape} — partials from "
-                    "different models, tracked sets or context lengths cannot be merged"
-                )
-            out[key] += a
+            if isinstance(out[key], LayerSum):
+                out[key].add(p[key])
+            else:
+                out[key] += np.asarray(p[key])
     if out is None:
         raise StatsError("merge_sums: no partials given")
     return out
 
 
-def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None, compress: bool = False) -> None:
-    """Write a partial as ``.npz`` atomically (temp file in the same folder, then rename).
+def _chunks(key: str, shape: tuple) -> tuple:
+    if key == "P_sum":
+        return (1, 1) + tuple(shape[2:])
+    if DIMS[key] and DIMS[key][0] in ("layer", "depth"):
+        return (1,) + tuple(shape[1:])
+    return tuple(shape)
 
-    ``meta`` (JSON-able) is stored under ``__meta__``. Stored uncompressed by default: zlib runs at ~30 MB/s
-    (a GPT-2-small partial at N=1000 is 1.6 GB: ~50 s to deflate to ~0.5 GB, vs. a few seconds raw);
-    ``compress=True`` deflates at level 1.
-    """
-    from numpy.lib import format as npformat
 
+def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
+                 clevel: int = 3) -> Path:
+    """Write a partial as a compressed Zarr store at ``path`` (a folder), atomically: written to a temporary
+    sibling and renamed into place when complete, so an interrupted write leaves no partial.
+
+    ``meta`` (JSON-able) goes to the attribute ``meta``. Dtypes :data:`STORED_DTYPES`; a float64 sum stored as
+    float32 is rounded once (relative error <= 2^-24)."""
+    import zarr
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    path = Path(path)
+    check_partial(str(path), sums)
     meta = {"partial_format": PARTIAL_FORMAT, **dict(meta or {})}
-    mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with atomic_file(path) as tmp, zipfile.ZipFile(tmp, "w", compression=mode, compresslevel=1 if compress else None,
-                                                  allowZip64=True) as zf:
-        items = dict(sums)
-        items["__meta__"] = np.asarray(json.dumps(meta, sort_keys=True))
-        for key, arr in items.items():
-            with zf.open(f"{key}.npy", "w", force_zip64=True) as fh:
-                npformat.write_array(fh, np.asanyarray(arr), allow_pickle=False)
+    with atomic_dir(path) as tmp:
+        g = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+        g.attrs.update({"partial_format": PARTIAL_FORMAT, "meta": json.loads(json.dumps(meta))})
+        for key in SUM_KEYS:
+            if key in DERIVED_KEYS:
+                continue
+            a = np.asarray(sums[key])
+            dt = STORED_DTYPES[key]
+            shuffle = "bitshuffle" if np.issubdtype(dt, np.integer) else "shuffle"
+            # every chunk written (none left to the fill value) and checksummed: a missing, truncated or altered
+            # chunk file is an error on reading (open_partial), never a silent zero
+            arr = g.create_array(key, shape=a.shape, dtype=dt, chunks=_chunks(key, a.shape) if a.ndim else "auto",
+                                 compressors=[BloscCodec(cname="zstd", clevel=clevel, shuffle=shuffle), Crc32cCodec()],
+                                 fill_value=0, dimension_names=DIMS[key] or None,
+                                 config={"write_empty_chunks": True})
+            if DIMS[key] and DIMS[key][0] in ("layer", "depth"):
+                for i in range(a.shape[0]):  # one layer (= one chunk row) at a time: no full-size converted copy
+                    arr[i] = a[i].astype(dt, copy=False)
+            else:
+                arr[...] = a.astype(dt, copy=False)
+    return path
+
+
+def open_partial(path: str | Path, lazy: Iterable[str] = ("P_sum",)) -> tuple[dict, dict]:
+    """(sums, meta) of a partial written by :func:`save_partial` (or a format-1 ``.npz``), with the sums named in
+    ``lazy`` left on disk: Zarr arrays read when indexed (``sums["P_sum"][l]``: one layer), so that a merge never
+    holds a whole kernel sum (9.2 GB of float32 for GPT-2 small at N = 4000). The other sums come back as numpy
+    arrays in their stored dtypes; ``resid_mid_sum`` is rebuilt (float64). Raises :class:`PartialError` when
+    the partial is unreadable: its metadata, a sum it lacks, a missing chunk, or a chunk whose checksum fails."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"statistics partial {path} does not exist; rerun the stats_shard step")
+    if path.is_file():
+        return _load_npz(path)
+    import zarr
+
+    lazy = set(lazy)
+    try:
+        g = zarr.open_group(str(path), mode="r")
+        meta = dict(g.attrs.get("meta", {}))
+        if g.attrs.get("partial_format") != PARTIAL_FORMAT:
+            raise PartialError(path, f"has format {g.attrs.get('partial_format')!r}, this mfpipe reads {PARTIAL_FORMAT}")
+        sums = {}
+        for key in SUM_KEYS:
+            if key in DERIVED_KEYS:
+                continue
+            if key not in g:
+                raise PartialError(path, f"lacks {key}")
+            arr = g[key]
+            if arr.nchunks_initialized != arr.nchunks:
+                raise PartialError(path, f"is unreadable ({key} has {arr.nchunks_initialized} of its {arr.nchunks} chunks)")
+            sums[key] = _OnDisk(path, arr) if key in lazy else np.asarray(arr[...])
+    except StatsError:
+        raise
+    except Exception as e:  # zarr / codec / checksum / JSON errors of a damaged store
+        raise PartialError(path, f"is unreadable ({e})") from e
+    L = sums["attn_out_sum"].shape[0]
+    sums["resid_mid_sum"] = sums["resid_sum"][:L].astype(np.float64) + sums["attn_out_sum"]
+    return sums, meta
 
 
 def load_partial(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
-    """(sums, meta) of a partial written by :func:`save_partial`."""
-    path = Path(path)
+    """(sums, meta) of a partial written by :func:`save_partial` (or a format-1 ``.npz``), all in memory. Sums come
+    back in their stored dtypes; ``resid_mid_sum`` is rebuilt (float64)."""
+    sums, meta = open_partial(path)
+    return {k: np.asarray(v) for k, v in sums.items()}, meta
+
+
+class _OnDisk:
+    """A partial's sum left on disk (:func:`open_partial`): ``shape``, ``dtype``; ``[l]`` reads layer ``l``;
+    ``np.asarray`` reads it all. A read error is a :class:`PartialError` naming the partial."""
+
+    def __init__(self, path: Path, arr):
+        self.path, self.arr = path, arr
+        self.shape, self.dtype, self.ndim = tuple(arr.shape), np.dtype(arr.dtype), len(arr.shape)
+
+    def __getitem__(self, index):
+        try:
+            return np.asarray(self.arr[index])
+        except Exception as e:
+            raise PartialError(self.path, f"is unreadable ({e})") from e
+
+    def __array__(self, dtype=None, copy=None):
+        a = self[...]
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+class LayerSum:
+    """The float64 sum of several partials' ``[L, ...]`` sums left on disk, added one layer at a time when indexed
+    (``[l]``: read layer ``l`` of each partial, add in float64): what :func:`merge_sums` gives for a sum opened
+    lazily (:func:`open_partial`), so that merging N = 4000 kernel sums needs one layer (1.5 GB) at a time, not
+    18 GB. ``np.asarray`` builds it all. :func:`mfpipe.stats.store.write_stats` writes from it layer by layer."""
+
+    def __init__(self, first):
+        self.parts = [first]
+        self.shape, self.ndim, self.dtype = tuple(first.shape), len(first.shape), np.dtype(np.float64)
+
+    def add(self, part) -> "LayerSum":
+        self.parts.append(part)
+        return self
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index):
+        if not isinstance(index, (int, np.integer)):
+            return np.asarray(self)[index]
+        out = np.zeros(self.shape[1:], dtype=np.float64)
+        for part in self.parts:
+            out += part[int(index)]
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.empty(self.shape, dtype=np.float64 if dtype is None else dtype)
+        for l in range(self.shape[0]):
+            out[l] = self[l]
+        return out
+
+
+def _load_npz(path: Path) -> tuple[dict[str, np.ndarray], dict]:
     try:
         with np.load(path, allow_pickle=False) as z:
             sums = {k: z[k] for k in z.files if k != "__meta__"}
             meta = json.loads(str(z["__meta__"])) if "__meta__" in z.files else {}
-    except FileNotFoundError:
-        raise FileNotFoundError(f"statistics partial {path} does not exist; rerun the stats_shard step") from None
     except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise StatsError(f"statistics partial {path} is unreadable ({e}); delete it and rerun the stats_shard step") from e
+        raise PartialError(path, f"is unreadable ({e})") from e
     return sums, meta
+
+
+def partial_size(path: str | Path) -> int:
+    """Bytes on disk of a partial (a Zarr folder or a file)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def tokens_fingerprint(tokens: np.ndarray) -> str:

@@ -45,18 +45,15 @@ def accumulate_shard(
     batch_size: int = 8,
     device: str | torch.device | None = None,
     progress: bool = True,
-    flush_every: int = 8,
     desc: str = "stats",
-    p_mode: str = "auto",
     reducer: Callable[..., Reducer] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Additive float64 sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
+    """Additive sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
 
     ``model`` is the loaded HF model (only its device is used), ``adapter`` its
     :class:`~mfpipe.models.adapters.Adapter`; ``tracked`` a TrackedSet (or plain lookup tables, see
     :func:`bucket_luts`). Position 0 of every window must hold the tracked set's BOS id. ``device`` defaults
-    to the model's device. ``p_mode`` picks pass 1's attention-kernel reduction (see :class:`Accumulator`; same
-    sums either way). ``reducer(adapter, n_tracked, context_length, device)`` builds another pass's reducer
+    to the model's device. ``reducer(adapter, n_tracked, context_length, device)`` builds another pass's reducer
     (default: pass 1's :class:`Accumulator`).
     """
     tokens = np.asarray(tokens)
@@ -76,8 +73,7 @@ def accumulate_shard(
     if reducer is None:
         acc: Reducer = Accumulator(
             adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
-            device=device, flush_every=flush_every, attn_input_norm=getattr(adapter, "attn_input_norm", None),
-            p_mode=p_mode,
+            device=device, attn_input_norm=getattr(adapter, "attn_input_norm", None),
         )
     else:
         acc = reducer(adapter, n, tokens.shape[1], device)

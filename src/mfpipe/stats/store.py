@@ -123,13 +123,28 @@ def finalize(
     ``meta``: provenance for the attributes — ``model``, ``revision``, ``half``, ``corpus_fingerprint``
     (and anything else JSON-able, e.g. ``model_type``, ``dtype``, ``corpus``). ``tracked_fingerprint``,
     ``n_tracked``, ``context_length``, ``n_tokens``, ``n_windows`` and ``mfpipe_version`` are filled in.
-    Large means are stored as ``dtype`` (float32); ``nbar`` stays float64.
+    Large means are stored as ``dtype`` (float32); ``nbar`` stays float64. The whole dataset is in memory
+    (``P`` is ``L H N K`` of ``dtype``); :func:`write_stats` writes the same store holding one layer of P at a time.
     """
+    return _finalize(sums, tracked, meta, dtype, min_count, kernel=True)
+
+
+KERNEL_DIMS = ("layer", "head", "query", "key")
+KERNEL_DESCRIPTION = "mean attention of type-s queries on key bucket t (eq:P)"
+
+
+def _kernel_mean(sums: Mapping[str, Any], l: int) -> np.ndarray:
+    """Layer ``l`` of P (float64): the kernel sum of layer ``l`` over the query counts; NaN for unseen types."""
+    N = np.shape(sums["P_sum"])[2]
+    return _mean(np.asarray(sums["P_sum"][l], dtype=np.float64), np.asarray(sums["query_count"]), (1, N, 1))
+
+
+def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset:
     missing = [k for k in SUM_KEYS if k not in sums]
     if missing:
         raise StatsError(f"finalize: sums lack {missing}")
     _, _, n, bos = bucket_luts(tracked)
-    L, H, N, K = sums["P_sum"].shape
+    L, H, N, K = np.shape(sums["P_sum"])
     if N != n:
         raise StatsError(f"finalize: sums are for N={N} tracked types, the tracked set has N={n}")
     d = sums["resid_sum"].shape[-1]
@@ -142,9 +157,10 @@ def finalize(
     key_ids = np.concatenate([ids, [-1 if bos is None else bos, -1]]).astype(np.int64)
 
     f = np.dtype(dtype)
-    P = np.empty((L, H, N, K), dtype=f)
-    for l in range(L):  # layer by layer: the float64 kernel sums can be > 1 GB
-        P[l] = _mean(sums["P_sum"][l], qc, (1, N, 1))
+    if kernel:
+        P = np.empty((L, H, N, K), dtype=f)
+        for l in range(L):  # layer by layer: the float64 kernel sums can be > 1 GB
+            P[l] = _kernel_mean(sums, l)
     nbar = _mean(sums["nbar_sum"], qc, (N, 1))
     centroid = _mean(sums["resid_sum"], kc, (1, K, 1))
     ex2 = _mean(sums["resid_sq_sum"], kc, (1, K, 1))
@@ -158,7 +174,7 @@ def finalize(
     ln_in = _mean(sums["ln_in_sum"], kc, (1, K, 1))
 
     data_vars = {
-        "P": (("layer", "head", "query", "key"), P),
+        **({"P": (KERNEL_DIMS, P)} if kernel else {}),
         "nbar": (("query", "key"), nbar),
         "context_count": (("query", "key"), np.asarray(sums["context_count"], dtype=np.int64)),
         "cooc": (("query", "key"), np.asarray(sums["cooc"], dtype=np.int64)),
@@ -209,7 +225,8 @@ def finalize(
     )
     attrs = {k: v for k, v in attrs.items() if v is not None}
     ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
-    ds["P"].attrs["description"] = "mean attention of type-s queries on key bucket t (eq:P)"
+    if kernel:
+        ds["P"].attrs["description"] = KERNEL_DESCRIPTION
     ds["centroid"].attrs["description"] = "mean residual entering block `depth` (depth L: final, before the last norm)"
     return ds
 
@@ -238,6 +255,46 @@ def write_store(ds: xr.Dataset, path: str | Path) -> Path:
         warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
         ds.to_zarr(tmp, mode="w", encoding=_encoding(ds), zarr_format=3, consolidated=True)
     return path
+
+
+def write_stats(sums: Mapping[str, Any], tracked, meta: Mapping[str, Any] | None, path: str | Path,
+                dtype: Any = np.float32, min_count: int = DEFAULT_MIN_COUNT) -> xr.Dataset:
+    """``write_store(finalize(sums, tracked, meta), path)`` -- the same store -- holding one layer of ``P`` at a
+    time: ``sums["P_sum"]`` may be any ``[L, H, N, K]`` array-like whose ``[l]`` gives one layer (a
+    :class:`~mfpipe.stats.partials.LayerSum` of partials left on disk), and is read, divided and written one
+    layer at a time. Memory: one layer of P in float64 plus the per-position means, at N = 4000 for GPT-2 small
+    ~2 GB instead of 18 GB of merged kernel sums and 9 GB of P. Atomic like :func:`write_store`. Returns the
+    dataset without ``P`` (what was written besides it)."""
+    import shutil
+
+    import zarr
+
+    from mfpipe.io import atomic_dir
+
+    path = Path(path)
+    ds = _finalize(sums, tracked, meta, dtype, min_count, kernel=False)
+    L, H, N, K = np.shape(sums["P_sum"])
+    f = np.dtype(dtype)
+    with atomic_dir(path) as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Consolidated metadata is currently not part")
+        ds.to_zarr(tmp, mode="w", encoding=_encoding(ds), zarr_format=3, consolidated=False)
+        # P's metadata exactly as xarray encodes it (attributes, fill value, codecs), from a one-layer template with
+        # the store's coordinates (no chunk is written: it is all fill value), then given all L layers
+        one = xr.Dataset({"P": (KERNEL_DIMS, np.broadcast_to(np.asarray(np.nan, dtype=f), (1, H, N, K)),
+                                {"description": KERNEL_DESCRIPTION})},
+                         coords={c: ds.coords[c] for c in ("query_str", "query_token_id", "key_str", "key_token_id")})
+        scratch = tmp / ".P-template"
+        one.to_zarr(scratch, mode="w", encoding=_encoding(one), zarr_format=3, consolidated=False)
+        meta_json = json.loads((scratch / "P" / "zarr.json").read_text())
+        meta_json["shape"][0] = L
+        (tmp / "P").mkdir()
+        (tmp / "P" / "zarr.json").write_text(json.dumps(meta_json, indent=2))
+        shutil.rmtree(scratch)
+        arr = zarr.open_array(str(tmp / "P"), mode="r+")
+        for l in range(L):
+            arr[l] = _kernel_mean(sums, l).astype(f)
+        zarr.consolidate_metadata(str(tmp))
+    return ds
 
 
 def read_attrs(path: str | Path) -> dict:
