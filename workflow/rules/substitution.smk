@@ -120,6 +120,7 @@ rule kernel_dynamics:
         revisions=lambda wc: REVISIONS[wc.model],
         steps=lambda wc: revision_steps(wc.model),
         window=lambda wc: MODELS[wc.model].get("induction_window"),
+        band=SUBSTITUTION["induction_band"],
     localrule: True
     conda:
         ENV

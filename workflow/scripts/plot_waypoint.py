@@ -14,8 +14,8 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     p = sm.params
-    training = getattr(sm.input, "training", None) or None
-    window = training_window(p.window, training, tuple(p.band))
+    training = list(getattr(sm.input, "training", None) or [])  # [training.json] for a mini model, else []
+    window = training_window(p.window, training[0] if training else None, tuple(p.band))
     log.info("induction window: %s", window)
     draw = F.topn_figure if getattr(p, "kind", "waypoint") == "topn" else F.waypoint_figure
     draw(sm.input.table, sm.output.pdf, sm.output.png, window=window, title=str(p.title))
