@@ -37,7 +37,8 @@ def main() -> None:
     check_same_source(datasets, paths, revisions)
     matrix, cka, adjacent, spread = dynamics_tables(datasets, revisions, steps)
     # the same window as the waypoint figure: from config, else from the mini model's recorded induction curve
-    training = list(getattr(sm.input, "training", None) or [])  # [training.json] for a mini model, else []
+    training = getattr(sm.input, "training", None) or []  # [training.json] for a mini model, else []
+    training = [training] if isinstance(training, str) else list(training)
     band = tuple(getattr(sm.params, "band", None) or (0.1, 0.8))
     window = training_window(getattr(sm.params, "window", None), training[0] if training else None, band)
     write_csv(cka, sm.output.cka)

@@ -14,7 +14,8 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     p = sm.params
-    training = list(getattr(sm.input, "training", None) or [])  # [training.json] for a mini model, else []
+    training = getattr(sm.input, "training", None) or []  # [training.json] for a mini model, else []
+    training = [training] if isinstance(training, str) else list(training)
     window = training_window(p.window, training[0] if training else None, tuple(p.band))
     log.info("induction window: %s", window)
     draw = F.topn_figure if getattr(p, "kind", "waypoint") == "topn" else F.waypoint_figure
