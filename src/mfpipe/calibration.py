@@ -272,6 +272,9 @@ def calibrate(W, P, batches: Sequence[tuple[Any, Any]], iterations: int = DEFAUL
     """Alg. ``alg:sinkhorn`` for one layer, all heads at once. ``W``, ``P`` ``[H, N, K]`` (torch or numpy;
     computed in float64); ``batches`` from :func:`window_batches` over the windows ``P`` was measured on.
 
+    The target is ``P`` restricted to W's support (``W > 0``) and renormalised per row (the only marginal the
+    renormalised kernel can reproduce; ``P`` itself when nothing is truncated).
+
     ``U0 = W``; for k = 0 .. iterations-1: ``Q = E_s[Â(U_k)]`` (:func:`corpus_pass`), stop if
     ``max |Q - P| < eps``, else ``U_{k+1} = U_k (P / max(Q, delta))^alpha`` on the cells the fit controls (elsewhere
     U is unchanged: W's zeros stay 0, NaN rows stay NaN). ``initial``: the pass of ``W`` if already computed (it is
@@ -288,6 +291,12 @@ def calibrate(W, P, batches: Sequence[tuple[Any, Any]], iterations: int = DEFAUL
     P = torch.as_tensor(P).to(device=U.device, dtype=torch.float64)
     if P.shape != U.shape:
         raise ValueError(f"W has shape {tuple(U.shape)}, P {tuple(P.shape)}; expected the same [H, N, K]")
+    # The target is P on the kernel's support (U > 0), renormalised per row: Â(U) puts no mass off the
+    # C >= min_count support, so Q sums to 1 over it and the fixed point Q = P exists only for the renormalised
+    # P (with P itself the residual stalls at the off-support mass). Without truncation this is P.
+    on = torch.nan_to_num(U, nan=0.0) > 0
+    P = torch.where(on, P, torch.zeros_like(P))
+    P = P / P.sum(-1, keepdim=True).clamp(min=1e-300)
     rows = []
     sums = initial
     k = 0
