@@ -269,3 +269,38 @@ def test_sweep_table_and_waypoint_figure(setup, tmp_path):
     assert len(heads) == 2 * ad.n_layers * ad.n_heads
     pdf, png = F.waypoint_figure(df, tmp_path / "waypoint", window=(2, 6))
     assert pdf.stat().st_size > 0 and png.stat().st_size > 0
+
+
+def test_topn_table_and_figure(setup, tmp_path):
+    """App. M: arms of different N gather into one table (ΔL normalised to each arm's final value), a result of
+    another N than its arm is refused, and the figure is written."""
+    mt, model, ad, kernel, ev = setup
+    if mt != "gpt2":
+        pytest.skip("one architecture is enough for the table and figure")
+    from mfpipe import figures as F
+    from mfpipe.stats.api import ProvenanceError
+
+    arms, paths = [], []
+    for n, sub in ((kernel.n, None), (3, 3)):
+        for rev, step in (("step0", 0), ("step8", 8)):
+            k = kernel
+            if sub:  # a smaller arm: only the first `sub` tracked types have a row
+                W = kernel.W.clone()
+                W[:, :, sub:] = float("nan")
+                k = SU.MeanFieldKernel(W, kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
+            ds = SU.result_dataset(SU.substitution_pass(ad, k, ev, batch_size=6),
+                                   dict(kernel.attrs, model="tiny", revision=rev, n_tracked=n))
+            p = tmp_path / f"N{n}" / rev / "substitution.zarr"
+            ds.to_zarr(p, mode="w", zarr_format=3, consolidated=False)
+            arms.append((n, rev, step))
+            paths.append(p)
+    df = SU.topn_table(paths, arms, "tiny")
+    assert sorted(df["n_tracked"].unique()) == [3, kernel.n] and len(df) == 4
+    big, small = df[df.n_tracked == kernel.n], df[df.n_tracked == 3]
+    np.testing.assert_allclose(big["L_model"].to_numpy(), small["L_model"].to_numpy(), atol=1e-9)
+    assert (small["substituted_share"].to_numpy() < big["substituted_share"].to_numpy()).all()
+    np.testing.assert_allclose(df.groupby("n_tracked")["delta_L_normalised"].last().to_numpy(), 1.0)
+    with pytest.raises(ProvenanceError, match="N="):
+        SU.topn_table(paths, [(99, r, s) for _, r, s in arms], "tiny")
+    pdf, png = F.topn_figure(df, tmp_path / "topn", window=(1, 4))
+    assert png.stat().st_size > 0

@@ -98,15 +98,6 @@ def test_training_sweep_outputs(built):
     assert (cka.loc[cka["rev_a"] == cka["rev_b"], "cka"] - 1).abs().max() < 1e-6
     for f in ("kernel_cka", "kernel_spread"):
         assert (r / "figures" / f"{f}_mini-gpt2.png").stat().st_size > 0
-    # App. M: the top-N arm has its own tracked set; its substitution covers fewer positions, the model's own
-    # loss is the same in both arms (the substitution vocabulary is a property of the null model)
-    topn = pd.read_csv(r / "tables" / "substitution_topn_mini-gpt2.csv")
-    assert sorted(topn["n_tracked"].unique()) == [32, 64] and len(topn) == 4
-    by = topn.set_index(["n_tracked", "revision"])
-    for rev in ("step4", "step20"):
-        assert abs(by.loc[(32, rev), "L_model"] - by.loc[(64, rev), "L_model"]) < 1e-9
-        assert by.loc[(32, rev), "substituted_share"] < by.loc[(64, rev), "substituted_share"]
-    assert (r / "figures" / "topn_mini-gpt2.png").stat().st_size > 0
     for m in ("mini-gpt2", "mini-neox"):
         bias = pd.read_csv(r / "tables" / f"kernel_bias_{m}_step20.csv")
         assert bias["E_NX"].notna().all()
@@ -124,10 +115,22 @@ def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     per_revision = {(r, w) for r, w in jobs if "revision=" in w}
     assert per_revision and all("revision=step8" in w and "model=mini-gpt2" in w for _, w in per_revision), jobs
     assert {"stats_shard", "stats_merge", "substitution", "kernel_revision"} <= {r for r, _ in per_revision}, jobs
-    assert sum(r == "stats_merge" for r, _ in per_revision) == 1 and sum(r == "substitution" for r, _ in per_revision) == 1
+    assert [w.split("dataset=")[1] for r, w in per_revision if r == "stats_merge"] == ["stats"]
+    assert sum(r == "substitution" for r, _ in per_revision) == 1
     others = {(r, w) for r, w in jobs if "revision=" not in w}
     assert all("model=mini-gpt2" in w for _, w in others) and {r for r, _ in others} <= {
-        "substitution_table", "figure_waypoint", "kernel_dynamics"}, others
+        "substitution_table", "figure_waypoint", "kernel_dynamics", "substitution_topn_table", "figure_topn"}, others
+    # App. M: a top-N arm adds its tracked set, its statistics (the N<n>/stats dataset) and a substitution per
+    # revision, and the per-model top-N table and figure; nothing already built reruns
+    cfg = variant(tmp_path, "topn", lambda c: c.update(substitution={"top_n": [32]}))
+    jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg))) if r != "all"]
+    rules = {r for r, _ in jobs}
+    assert rules == {"tracked_types_topn", "stats_shard", "stats_merge", "substitution_topn", "substitution_topn_table",
+                     "figure_topn"}, jobs
+    assert all("N32/stats" in w for r, w in jobs if r.startswith("stats_")), jobs
+    assert sorted(w for r, w in jobs if r == "substitution_topn") == [
+        "model=mini-gpt2, revision=step20, n=32", "model=mini-gpt2, revision=step4, n=32",
+        "model=mini-neox, revision=step20, n=32"], jobs
 
 
 def test_second_run_does_nothing(built):
@@ -225,7 +228,7 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
     scripts = rule_scripts(built)
     graph = rule_graph(built)
     rules = set(graph) - {"all"}
-    script_of = {r: scripts["figure_*" if r.startswith("figure_") else r] for r in rules}
+    script_of = {r: scripts[r if r in scripts else "figure_*"] for r in rules}
     deps = {r: set(script_dependencies(src, built / "workflow" / "scripts" / s)) for r, s in script_of.items()}
     mismatches = []
     for module in sorted((src / "mfpipe").rglob("*.py")):
@@ -361,7 +364,8 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
     import zipfile
 
     figures = sorted(p.name for p in (built / "results" / "figures").iterdir())
-    assert len(figures) == 5 * 2 * 2, figures  # 5 figures x 2 models x (pdf, png) in the ci DAG
+    # 5 rollout figures x 2 models, and mini-gpt2's sweep: waypoint, kernel CKA, kernel spread; x (pdf, png)
+    assert len(figures) == (5 * 2 + 3) * 2, figures
     out = tmp_path / "report.zip"
     snakemake(built, "--report", str(out))
     with zipfile.ZipFile(out) as z:
@@ -372,6 +376,9 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
     tables = ["rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy", "cross_corpus"]
     want_tables = [f"{t}_{m}_step20.csv" for t in tables for m in ("mini-gpt2", "mini-neox")]
     want_tables += ["coverage_positions.csv", "coverage_attention.csv", "induction.md"]
+    want_tables += [f"substitution_{m}.csv" for m in ("mini-gpt2", "mini-neox")]
+    want_tables += [f"{t}_{m}_step20.csv" for t in ("kernel_bias", "calibration") for m in ("mini-gpt2", "mini-neox")]
+    want_tables += [f"kernel_{t}_mini-gpt2.csv" for t in ("cka", "cka_adjacent", "spread")]
     assert not [t for t in want_tables if t not in in_zip], sorted(in_zip)
     for fig in ("rollout", "teacher_forced", "error_decomposition", "clustering", "cross_corpus"):
         caption = (REPO / "workflow" / "report" / f"figure_{fig}.rst").read_text().split(":")[0]
