@@ -356,18 +356,14 @@ def load_calibrated(path: str | Path, expect: Mapping[str, Any] | None = None, l
     :meth:`MeanFieldStats.W` (layer, head, query, key; one layer loaded with ``layer``), after checking the store's
     provenance against ``expect`` (:func:`mfpipe.stats.api.check_provenance`: e.g. ``model``, ``revision``,
     ``tracked_fingerprint``); a mismatch raises :class:`~mfpipe.stats.api.ProvenanceError`."""
-    import warnings
 
-    import xarray as xr
 
     from .stats.api import check_provenance
 
+    from .stats.store import open_zarr
+
     path = Path(path)
-    if not (path / "zarr.json").is_file():
-        raise FileNotFoundError(f"calibrated kernel store {path} does not exist or is incomplete; run calibrate_kernel")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
-        ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+    ds = open_zarr(path, "calibrated kernel store", "run its calibrate_kernel job")
     if ds.attrs.get("kind") != "calibrated" or "U" not in ds:
         raise ValueError(f"{path} is not a calibrated kernel store (no U / kind != 'calibrated')")
     check_provenance(ds.attrs, expect, path)

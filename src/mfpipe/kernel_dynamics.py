@@ -260,17 +260,13 @@ def kernel_dataset(stats, min_count: int = DEFAULT_MIN_COUNT, rank: int = DEFAUL
 
 def open_kernel(path):
     """A kernel store written by the ``kernel_revision`` job, opened lazily (``factor`` is read per layer)."""
-    import warnings
     from pathlib import Path
 
-    import xarray as xr
+
+    from .stats.store import open_zarr
 
     path = Path(path)
-    if not (path / "zarr.json").is_file():
-        raise FileNotFoundError(f"kernel store {path} does not exist or is incomplete; run its kernel_revision job")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
-        ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+    ds = open_zarr(path, "kernel store", "run its kernel_revision job")
     if ds.attrs.get("kind") != "kernel_factors":
         raise ValueError(f"{path} is not a kernel store (kind={ds.attrs.get('kind')!r})")
     return ds

@@ -269,15 +269,10 @@ SWEEP_COLUMNS = ["model", "revision", "step", "L_model", "L_MF", "delta_L", "D_M
 
 def open_result(path, expect: dict | None = None):
     """A substitution result (``substitution.zarr``) as an xarray Dataset, provenance-checked like a store."""
-    import warnings
-
-    import xarray as xr
-
     from ..stats.api import check_provenance
+    from ..stats.store import open_zarr
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
-        ds = xr.open_zarr(path, consolidated=False, zarr_format=3).load()
+    ds = open_zarr(path, "substitution result", "run its substitution job").load()
     check_provenance(ds.attrs, expect, path)
     return ds
 

@@ -13,14 +13,13 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import xarray as xr
 
-from .store import DEFAULT_MIN_COUNT, PROVENANCE_KEYS
+from .store import DEFAULT_MIN_COUNT, PROVENANCE_KEYS, open_zarr
 
 # accepted spellings of provenance keys in `expect`
 ALIASES = {
@@ -249,12 +248,7 @@ def open_stats(path: str | Path, expect: Mapping[str, Any] | None = None) -> Mea
     naming the key, the expected and the found value, and what to do.
     """
     path = Path(path)
-    if not (path / "zarr.json").is_file():
-        raise FileNotFoundError(f"statistics store {path} does not exist or is incomplete; run the stats stage")
-    with warnings.catch_warnings():
-        # Snakemake drops a `.snakemake_timestamp` file into directory outputs; zarr warns about it
-        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
-        ds = xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+    ds = open_zarr(path, "statistics store", "run the stats stage")
     check_provenance(ds.attrs, expect, path)
     return MeanFieldStats(ds, path)
 

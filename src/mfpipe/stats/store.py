@@ -297,6 +297,18 @@ def write_stats(sums: Mapping[str, Any], tracked, meta: Mapping[str, Any] | None
     return ds
 
 
+def open_zarr(path: str | Path, what: str, remedy: str) -> xr.Dataset:
+    """A Zarr (v3) store written by mfpipe, opened lazily: ``FileNotFoundError`` naming ``what`` and ``remedy``
+    when it is absent or incomplete (no ``zarr.json``: an interrupted write never publishes one)."""
+    path = Path(path)
+    if not (path / "zarr.json").is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist or is incomplete; {remedy}")
+    with warnings.catch_warnings():
+        # Snakemake drops a `.snakemake_timestamp` file into directory outputs; zarr warns about it
+        warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+        return xr.open_zarr(path, chunks=None, consolidated=False, zarr_format=3)
+
+
 def read_attrs(path: str | Path) -> dict:
     """The store's attributes without opening it with xarray."""
     meta = Path(path) / "zarr.json"
