@@ -47,6 +47,34 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def zipf_windows(V: int, n_windows: int, T: int, bos: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """[BOS, t1 …] windows of Zipf-distributed tokens (exponent 1 over a seeded permutation of the vocabulary,
+    about two thirds of positions in the top 1000 types, like real text) and that permutation (most probable first)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, V + 1) ** 1.0
+    p /= p.sum()
+    perm = rng.permutation(V)
+    toks = perm[rng.choice(V, size=(n_windows, T), p=p)]
+    toks[:, 0] = bos
+    return toks, perm
+
+
+def benchmark_tracked(toks: np.ndarray, V: int, bos: int, n_tracked: int, ranked: np.ndarray | None = None):
+    """The tracked set of the benchmark: the ``n_tracked`` most probable types of the Zipf law (``ranked``: a few
+    batches do not show N distinct types at N = 4000), else the most frequent types of ``toks``."""
+    from mfpipe.tracked import TrackedSet
+
+    counts = np.bincount(toks[:, 1:].ravel(), minlength=V)
+    counts[bos] = 0
+    if ranked is None:
+        order = np.lexsort((np.arange(V), -counts))
+        ids_top = [int(i) for i in order[:n_tracked] if counts[i] > 0]
+    else:
+        ids_top = [int(i) for i in ranked if i != bos][:n_tracked]
+    return TrackedSet(type_ids=np.asarray(ids_top), strings=[str(i) for i in ids_top], counts=counts[ids_top],
+                      bos_id=int(bos), vocab_size=V)
+
+
 def build_model(name: str, device: str):
     import transformers
 
@@ -99,7 +127,6 @@ def main(argv=None) -> None:
     from mfpipe.models.adapters import get_adapter
     from mfpipe.stats.buckets import bucket_luts, window_buckets
     from mfpipe.stats.pass1 import Accumulator
-    from mfpipe.tracked import TrackedSet
 
     dev = torch.device(args.device)
     model = build_model(args.model, args.device)
@@ -114,21 +141,8 @@ def main(argv=None) -> None:
         T = toks.shape[1]
         bos = int(toks[0, 0])
     else:
-        rng = np.random.default_rng(0)
-        p = 1.0 / np.arange(1, V + 1) ** 1.0
-        p /= p.sum()
-        perm = rng.permutation(V)
-        toks = perm[rng.choice(V, size=(nb * B, T), p=p)]
-        toks[:, 0] = bos
-    counts = np.bincount(toks[:, 1:].ravel(), minlength=V)
-    counts[bos] = 0
-    if args.shard:
-        order = np.lexsort((np.arange(V), -counts))
-        ids_top = [int(i) for i in order[: args.n_tracked] if counts[i] > 0]
-    else:  # the N most probable types of the Zipf law (a few batches do not show N distinct types at N = 4000)
-        ids_top = [int(i) for i in perm if i != bos][: args.n_tracked]
-    tracked = TrackedSet(type_ids=np.asarray(ids_top), strings=[str(i) for i in ids_top], counts=counts[ids_top],
-                         bos_id=int(bos), vocab_size=V)
+        toks, perm = zipf_windows(V, nb * B, T, bos)
+    tracked = benchmark_tracked(toks, V, bos, args.n_tracked, None if args.shard else perm)
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
     cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())

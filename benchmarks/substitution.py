@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats_pass import build_model, peak_rss_mb  # noqa: E402
+from stats_pass import benchmark_tracked, build_model, peak_rss_mb, zipf_windows  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -45,7 +45,6 @@ def main(argv=None) -> None:
     from mfpipe.analysis.substitution import MeanFieldKernel, substitution_batch
     from mfpipe.models.adapters import get_adapter
     from mfpipe.stats.buckets import bucket_luts
-    from mfpipe.tracked import TrackedSet
 
     dev = torch.device(args.device)
     model = build_model(args.model, args.device)
@@ -53,17 +52,8 @@ def main(argv=None) -> None:
     V = model.config.vocab_size
     B, T, nb = args.batch_size, args.context_length, args.batches + 1
     bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
-    rng = np.random.default_rng(0)
-    p = 1.0 / np.arange(1, V + 1)
-    p /= p.sum()
-    toks = rng.permutation(V)[rng.choice(V, size=(nb * B, T), p=p)]
-    toks[:, 0] = bos
-    counts = np.bincount(toks[:, 1:].ravel(), minlength=V)
-    counts[bos] = 0
-    order = np.lexsort((np.arange(V), -counts))
-    ids_top = [int(i) for i in order[: args.n_tracked] if counts[i] > 0]
-    tracked = TrackedSet(type_ids=np.asarray(ids_top), strings=[str(i) for i in ids_top], counts=counts[ids_top],
-                         bos_id=int(bos), vocab_size=V)
+    toks, perm = zipf_windows(V, nb * B, T, bos)
+    tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     L, H, dh = adapter.n_layers, adapter.n_heads, adapter.d_head
     g = torch.Generator().manual_seed(0)
