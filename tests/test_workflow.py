@@ -605,7 +605,7 @@ def test_a_store_of_another_model_is_refused_with_one_line_in_the_rule_log_and_o
 def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revision(tmp_path):
     """Issue 10: the Pythia-160m preset's 19 revisions are each a statistics (stats half), a substitution and a
     kernel job; the rollout stage (with its eval-half statistics) runs at the last revision only; one more revision
-    adds exactly one job of each. A dry run: no weights or corpus needed."""
+    inserted adds its own. A dry run: no weights or corpus needed."""
     import collections
 
     preset = REPO / "config" / "presets" / "pythia-160m.yaml"
@@ -621,15 +621,17 @@ def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revi
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         return planned_jobs(out.stdout + out.stderr)
 
-    jobs = plan()
+    # one dry run, with one more revision inserted (that it adds only its own jobs to a built DAG is checked on
+    # the ci config above)
+    cfg = yaml.safe_load(preset.read_text())
+    revs = revs[:-1] + ["step100000", revs[-1]]
+    cfg["models"][0]["revisions"] = revs
+    more = tmp_path / "more.yaml"
+    more.write_text(yaml.safe_dump(cfg))
+    jobs = plan("--configfile", str(more))
     per_rev = collections.Counter((r, w.split("revision=")[1].split(",")[0]) for r, w in jobs if "revision=" in w)
     for rev in revs:
         assert per_rev[("substitution", rev)] == 1 and per_rev[("kernel_revision", rev)] == 1
         assert per_rev[("stats_merge", rev)] == (2 if rev == revs[-1] else 1)  # + the eval half for the rollout
     assert {w for r, w in jobs if r == "rollout_scores"} == {"model=pythia-160m, revision=step143000"}
-    more = tmp_path / "more.yaml"
-    cfg = yaml.safe_load(preset.read_text())
-    cfg["models"][0]["revisions"] = revs[:-1] + ["step100000", revs[-1]]
-    more.write_text(yaml.safe_dump(cfg))
-    added = collections.Counter(r for r, _ in plan("--configfile", str(more))) - collections.Counter(r for r, _ in jobs)
-    assert added == collections.Counter({"stats_merge": 1, "substitution": 1, "kernel_revision": 1}), added
+    assert sum(r == "substitution" for r, _ in jobs) == 20
