@@ -283,15 +283,20 @@ def cross_corpus_figure(summary, out, png=None, title: str | None = None, metric
 
 # ------------------------------------------------------------------ training sweep (Sec. 5)
 def _step_axis(ax, steps) -> None:
-    """Training steps on a log axis that keeps step 0 (symlog, linear below 1)."""
+    """Training steps on a symmetric-log x axis (``linthresh = 1``: linear on [0, 1], logarithmic above), so step 0
+    sits at 0 with the log-spaced checkpoints spread out; the plotted x values are the steps themselves."""
     ax.set_xscale("symlog", linthresh=1.0)
-    ax.set_xlim(left=0)
-    ax.set_xlabel("training step")
+    ax.set_xlabel("training step (symlog)")
+    s = np.asarray(steps, dtype=float)
+    if s.size:
+        ax.set_xlim(max(0.0, float(s.min())), float(s.max()) * 1.15 + 1)
 
 
 def _shade(ax, window) -> None:
-    if window:
-        ax.axvspan(float(window[0]), float(window[1]), color="#f2d600", alpha=0.25, lw=0, label="induction window")
+    """The induction-formation window ``(start, stop)``, when known."""
+    if window is not None:
+        ax.axvspan(float(window[0]), float(window[1]), color="#ffb74d", alpha=0.3, lw=0, label="induction window",
+                   zorder=0)
 
 
 def waypoint_figure(table, out, png=None, window=None, title: str | None = None) -> tuple[Path, Path]:
@@ -329,22 +334,6 @@ def waypoint_figure(table, out, png=None, window=None, title: str | None = None)
 __all__ += ["cka_figure", "spread_figure"]
 
 
-def _kernel_step_axis(ax, steps) -> None:
-    """Training steps on a symmetric-log x axis (``linthresh = 1``: linear on [0, 1], logarithmic above), so step 0
-    sits at 0 with the log-spaced checkpoints spread out; the plotted x values are the steps themselves."""
-    ax.set_xscale("symlog", linthresh=1.0)
-    ax.set_xlabel("training step (symlog)")
-    s = np.asarray(steps, dtype=float)
-    if s.size:
-        ax.set_xlim(max(0.0, float(s.min())), float(s.max()) * 1.15 + 1)
-
-
-def _kernel_shade(ax, window) -> None:
-    if window is not None:
-        ax.axvspan(float(window[0]), float(window[1]), color="#ffb74d", alpha=0.3, lw=0, label="induction window",
-                   zorder=0)
-
-
 def cka_figure(matrix, adjacent, steps, out, png=None, window=None, title: str | None = None) -> tuple[Path, Path]:
     """``fig:cka`` for one model. Left: every-pair linear CKA of W over the checkpoints (``matrix [R, R]``, mean
     over heads). Right: adjacent-checkpoint CKA (``adjacent [R-1]``; pair (i, i+1) plotted at the later step
@@ -370,10 +359,10 @@ def cka_figure(matrix, adjacent, steps, out, png=None, window=None, title: str |
     ax.set_title("CKA of W, every pair of checkpoints")
     fig.colorbar(im, ax=ax, label="linear CKA (mean over heads)", shrink=0.85)
     ax = axes[0, 1]
-    _kernel_shade(ax, window)
+    _shade(ax, window)
     ax.plot(steps[1:], adj, color="#1f77b4", marker="o", markersize=4, linewidth=1.6, label="adjacent checkpoints")
     ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
-    _kernel_step_axis(ax, steps)
+    _step_axis(ax, steps)
     ax.set_ylabel("linear CKA with the previous checkpoint")
     ax.set_title("adjacent-checkpoint CKA")
     ax.grid(alpha=0.3)
@@ -401,13 +390,13 @@ def spread_figure(spread, out, png=None, window=None, title: str | None = None) 
     q25, q75 = g.quantile(0.25).reindex(steps), g.quantile(0.75).reindex(steps)
     fig, axes = _figure(2, 1, w=4.0, h=3.3)
     ax = axes[0, 0]
-    _kernel_shade(ax, window)
+    _shade(ax, window)
     ax.fill_between(steps, q25.to_numpy(), q75.to_numpy(), color="#1f77b4", alpha=0.25, lw=0, label="IQR over heads")
     ax.plot(steps, mean.to_numpy(), color="#1f77b4", marker="o", markersize=4, linewidth=1.8, label="mean over heads")
     ax.set_title("mean fold-variation")
     ax.legend(loc="upper left")
     ax = axes[0, 1]
-    _kernel_shade(ax, window)
+    _shade(ax, window)
     layers = sorted(df["layer"].unique())
     cmap = matplotlib.colormaps["viridis"]
     for layer in layers:
@@ -420,7 +409,7 @@ def spread_figure(spread, out, png=None, window=None, title: str | None = None) 
     if len(layers) <= 12:
         ax.legend(loc="upper left", ncol=2 if len(layers) > 6 else 1, fontsize=7)
     for a in axes.flat:
-        _kernel_step_axis(a, steps)
+        _step_axis(a, steps)
         a.axhline(1.0, color="gray", linestyle=":", linewidth=1)
         a.set_ylabel(r"fold-variation $\exp(\mathrm{mean}_s\,\mathrm{std}_t \log W_{st})$")
         a.grid(alpha=0.3)
