@@ -83,7 +83,8 @@ def accumulate_shard(
         kb, qt = window_buckets(chunk, key_lut, query_lut, n)
         ids = torch.as_tensor(chunk.astype(np.int64), device=device)
         acc.begin_batch(kb, qt)
-        adapter.capture(ids, acc.on_layer, acc.on_final)
+        # a reducer names the capture fields it reads (pass 1: all of them)
+        adapter.run(ids, select=getattr(acc, "select", "all"), on_layer=acc.on_layer, on_final=acc.on_final)
         acc.end_batch()
     return acc.sums()
 

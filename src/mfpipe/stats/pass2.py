@@ -1,0 +1,166 @@
+"""Pass 2, the deviation reducer (paper Sec. 6, App. P): a second corpus pass over the statistics half that reads
+pass 1's kernel ``W`` and value means ``μ`` (never recomputing them) and accumulates, per layer, head and query
+type, the mean-field deviation of every context and its covariance / contextualization split
+(:mod:`mfpipe.deviation`).
+
+It is a reducer of the shard loop (:func:`mfpipe.stats.shards.accumulate_shard`): one traced forward per batch
+with only the attention probabilities, values and reads selected; per layer the context-conditional kernel Â
+(:func:`mfpipe.ccmf.pair_kernel`), the three reads z, ẑ, mixed, the meters, and scatter-adds over query types.
+Every window belongs to one of two document-interleaved halves (the parity of its first token's document: the
+split-half stability of App. P), so the additive sums carry a leading ``split`` axis of 2.
+
+Sums (``L`` layers, ``H`` heads, ``N`` tracked types, ``dh`` head width; float64 unless said)::
+
+    n_windows, n_tokens      int64 []           windows / tokens seen
+    count                    int64 [2,L,N]      valid contexts (a tracked query with a valid Â row) per split
+    D_sum, M_cov_sum,
+    M_ctx_sum                [2,L,H,N]          Σ D, Σ σ_cov D, Σ σ_ctx D (eq:deviation, eq:mcov-mctx)
+    z_sum, zhat_sum          [2,L,H,N,dh]       Σ z and Σ ẑ (head space) -> z̄_s, E_s[ẑ] of eq:ddec
+    vbar_kernel_sum          [L,H,N,dh]         Σ N_X Σ_t Â_stX v̄_tX = Σ Σ_{t∈X} W_st n_t(X) v̄_tX: its mean is
+                                                Σ_t P_st E_s[v̄_t] (n-weighted; on W's C >= min_count support),
+                                                estimator (b) of Sec. 4.3
+    degenerate               int64 [L,H]        contexts whose error is collinear with ẑ (shares split evenly)
+    top_D                    [L,H,K]            the K largest D per head (lens: top-deviation contexts), -inf pad
+    top_window, top_position int64 [L,H,K]      where they are (window of the shard, query position)
+
+Top-deviation contexts skip occurrences where the head puts more than ``other_share_max`` of its attention on
+untracked (``<other>``) keys: App. P's filter (their deviation is an artifact of the pooled value).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..ccmf import pair_kernel
+from ..deviation import key_type_ranks, meters, occurrence_terms, residual_gram
+
+__all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
+
+TOP_K = 32
+OTHER_SHARE_MAX = 0.10
+ADDITIVE = ("n_windows", "n_tokens", "count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum",
+            "vbar_kernel_sum", "degenerate")
+
+
+def window_halves(doc_ids: np.ndarray) -> np.ndarray:
+    """Split of each window ``[n]`` (0/1): the parity of the document of its first token (position 1), so both
+    halves interleave whole documents."""
+    doc_ids = np.asarray(doc_ids)
+    return (doc_ids[:, 1] % 2).astype(np.int64) if doc_ids.shape[1] > 1 else np.zeros(len(doc_ids), np.int64)
+
+
+class DeviationAccumulator:
+    """Pass-2 reducer. ``W [L,H,N,K]`` (the substitution kernel, :func:`~mfpipe.analysis.substitution.kernel_from_store`)
+    and ``mu [L,H,K,dh]`` as tensors, ``grams [L,H,dh,dh]`` (:func:`~mfpipe.deviation.residual_gram` of each layer's
+    output projection slices), ``halves [n_windows]`` of the shard (:func:`window_halves`; windows arrive in order)."""
+
+    select = ("attn_probs", "values", "reads")
+
+    def __init__(self, W, mu, grams, n: int, context_length: int, halves, device, top_k: int = TOP_K,
+                 other_share_max: float = OTHER_SHARE_MAX):
+        self.device = torch.device(device)
+        self.W = W  # stays where it is (host for big kernels); one layer moved per batch
+        self.mu = mu.to(self.device, torch.float32)
+        self.grams = grams.to(self.device, torch.float64)
+        L, H, K, dh = mu.shape
+        self.L, self.H, self.N, self.K, self.dh = L, H, int(n), K, dh
+        if K != self.N + 2 or tuple(W.shape) != (L, H, self.N, K):
+            raise ValueError(f"kernel W {tuple(W.shape)} / mu {tuple(mu.shape)} do not fit N={n} tracked types")
+        self.halves = torch.as_tensor(np.asarray(halves), dtype=torch.long)
+        self.top_k, self.other_share_max = int(top_k), float(other_share_max)
+        dev, f64 = self.device, torch.float64
+        self.count = torch.zeros(2, L, self.N, dtype=torch.long, device=dev)
+        # D, M_cov, M_ctx and z, ẑ per layer over a flat (half, type, head) axis: one index_add_ per layer
+        self.scal = torch.zeros(3, L, 2 * self.N * H, dtype=f64, device=dev)
+        self.vec = torch.zeros(2, L, 2 * self.N * H, dh, dtype=f64, device=dev)
+        self.vbar_kernel = torch.zeros(L, self.N * H, dh, dtype=f64, device=dev)
+        self.degenerate = torch.zeros(L, H, dtype=torch.long, device=dev)
+        self.top_D = torch.full((L, H, self.top_k), -torch.inf, dtype=f64, device=dev)
+        self.top_idx = torch.full((L, H, self.top_k), -1, dtype=torch.long, device=dev)  # window * T + position
+        self.T = int(context_length)
+        self.n_windows = 0
+        self.n_tokens = 0
+
+    # ------------------------------------------------------------------ reducer protocol
+    def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
+        self.kb = torch.as_tensor(kb, device=self.device)
+        self.qt = torch.as_tensor(qt, device=self.device)
+        B, T = self.kb.shape
+        self.ranks = key_type_ranks(self.kb)
+        self.half = self.halves[self.n_windows : self.n_windows + B].to(self.device)
+        if self.half.shape[0] != B:
+            raise ValueError(f"the shard has {len(self.halves)} windows; batch {B} at window {self.n_windows} overruns it")
+        self.is_other = (self.kb == self.N + 1).to(torch.float32)
+        self.first_window = self.n_windows
+        self.n_windows += B
+        self.n_tokens += B * T
+
+    def on_layer(self, cap) -> None:
+        l = cap.layer
+        B, T = self.kb.shape
+        H, N = self.H, self.N
+        probs = cap.attn_probs.float()
+        a, nx, valid = pair_kernel(self.W[l].to(self.device, torch.float32), self.kb, self.qt)
+        terms = occurrence_terms(probs, cap.values.float(), a.transpose(0, 1), self.mu[l], self.kb, reads=cap.reads,
+                                 ranks=self.ranks)
+        m = meters(terms, self.grams[l])  # [B,T,H] each
+        if not bool(valid.any()):
+            return
+        # scatter-add over (half, query type) of the valid contexts
+        half = self.half[:, None].expand(B, T)[valid]
+        s = self.qt[valid]
+        self.count[:, l].index_put_((half, s), torch.ones_like(s), accumulate=True)
+        rows = (half * N + s)  # [n] row of the flattened (half, type) axis; heads follow as columns
+        cols = torch.arange(H, device=self.device)
+        flat = (rows[:, None] * H + cols[None, :]).reshape(-1)  # (half, type, head) -> index into [2 * N * H]
+        for i, key in enumerate(("D", "M_cov", "M_ctx")):
+            self.scal[i, l].index_add_(0, flat, m[key][valid].reshape(-1))
+        for i, x in enumerate((terms.z, terms.zhat)):
+            self.vec[i, l].index_add_(0, flat, x[valid].reshape(-1, self.dh).double())
+        nxv = nx.permute(1, 2, 0)[valid]  # [n, H]
+        yb = (terms.mixed[valid].double() * nxv[..., None].double()).reshape(-1, self.dh)
+        self.vbar_kernel[l].index_add_(0, (s[:, None] * H + cols[None, :]).reshape(-1), yb)
+        self.degenerate[l] += m["degenerate"][valid].sum(0)
+        # top-deviation contexts (App. P filter: at most other_share_max of the attention on untracked keys)
+        other = torch.matmul(probs, self.is_other[:, None, :, None]).squeeze(-1).transpose(1, 2)  # [B,T,H]
+        ok = valid[:, :, None] & (other <= self.other_share_max)
+        cand = torch.where(ok, m["D"], torch.full_like(m["D"], -torch.inf)).permute(2, 0, 1).reshape(H, B * T)
+        k = min(self.top_k, B * T)
+        v, i = cand.topk(k, dim=1)
+        idx = i + self.first_window * T  # window * T + position, windows counted from the shard's first
+        allv = torch.cat([self.top_D[l], v], 1)
+        alli = torch.cat([self.top_idx[l], torch.where(torch.isfinite(v), idx, torch.full_like(idx, -1))], 1)
+        best, pos = allv.topk(self.top_k, dim=1)
+        self.top_D[l] = best
+        self.top_idx[l] = alli.gather(1, pos)
+
+    def on_final(self, resid) -> None:
+        pass
+
+    def end_batch(self) -> None:
+        pass
+
+    def sums(self) -> dict[str, np.ndarray]:
+        L, H, N, dh = self.L, self.H, self.N, self.dh
+        # [.., L, (half, type, head), (dh)] -> [.., half, L, head, type, (dh)]
+        scal = self.scal.reshape(3, L, 2, N, H).permute(0, 2, 1, 4, 3).cpu().numpy()
+        vec = self.vec.reshape(2, L, 2, N, H, dh).permute(0, 2, 1, 4, 3, 5).cpu().numpy()
+        vk = self.vbar_kernel.reshape(L, N, H, dh).permute(0, 2, 1, 3).cpu().numpy()
+        T = self.T
+        idx = self.top_idx.cpu().numpy()
+        return {
+            "n_windows": np.asarray(self.n_windows, dtype=np.int64),
+            "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
+            "count": self.count.cpu().numpy(),
+            "D_sum": scal[0], "M_cov_sum": scal[1], "M_ctx_sum": scal[2],
+            "z_sum": vec[0], "zhat_sum": vec[1], "vbar_kernel_sum": vk,
+            "degenerate": self.degenerate.cpu().numpy(),
+            "top_D": self.top_D.cpu().numpy(),
+            "top_window": np.where(idx >= 0, idx // T, -1), "top_position": np.where(idx >= 0, idx % T, -1),
+        }
+
+
+def layer_grams(adapter) -> torch.Tensor:
+    """``[L, H, dh, dh]`` residual-stream grams of every layer's output projection slices."""
+    return torch.stack([residual_gram(adapter.out_proj_slices(l).float()) for l in range(adapter.n_layers)])

@@ -1,0 +1,241 @@
+"""Pass 2 and the mean-field deviation (issue 11): the covariance / contextualization split and its meters against
+the paper's exact identities, the pass-2 sums against a per-position loop over a plain HF/torch-hook reference on
+tiny random models of every architecture, shard merging, and the deviation store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import o_proj, shape
+from test_stats_reference import reference_capture, tracked_for, zipf_windows
+from tiny_models import TINY_MODEL_TYPES, make_tiny_model
+
+from mfpipe.analysis import deviation_pass as DP
+from mfpipe.analysis import substitution as SU
+from mfpipe.ccmf import pair_kernel
+from mfpipe.deviation import corpus_deviation, meters, occurrence_terms
+from mfpipe.models.adapters import get_adapter
+from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+from mfpipe.stats.buckets import window_buckets
+from mfpipe.stats.pass2 import layer_grams, window_halves
+
+N_WIN = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module", params=TINY_MODEL_TYPES)
+def setup(request, tmp_path_factory):
+    mt = request.param
+    model = make_tiny_model(mt, seed=7)
+    ad = get_adapter(model)
+    tokens = zipf_windows(N_WIN, seed=3)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=6, device="cpu", progress=False)
+    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp",
+            "model_type": ad.model_type}
+    st = open_stats(write_store(finalize(sums, tracked, meta), tmp_path_factory.mktemp(f"dev-{mt}") / "stats.zarr"))
+    doc_ids = np.repeat(np.arange(N_WIN)[:, None] // 3, tokens.shape[1], axis=1)  # documents of 3 windows
+    return mt, model, ad, tracked, st, tokens, doc_ids
+
+
+def _head_maps(model, layer):
+    """O_h [H, dh, d] by probing the output projection with basis reads (independent of its weight layout)."""
+    H, _, dh = shape(model)
+    proj = o_proj(model, layer)
+    with torch.no_grad():
+        eye = torch.eye(H * dh, dtype=proj.weight.dtype)
+        out = proj(eye) - proj(torch.zeros(1, H * dh, dtype=proj.weight.dtype))
+    return out.double().numpy().reshape(H, dh, -1)
+
+
+def slow_pass2(model, tokens, doc_ids, tracked, kernel):
+    """Per window, position, layer and head: A_t, v̄_t, Â_t by loops over the prefix's key types (float64, residual
+    units through O_h), accumulated like pass 2."""
+    ref = reference_capture(model, torch.as_tensor(tokens.astype(np.int64)))
+    W, mu = kernel.W.double().numpy(), kernel.mu.double().numpy()
+    L, H, N, K = W.shape
+    dh = mu.shape[-1]
+    B, T = tokens.shape
+    O = [_head_maps(model, l) for l in range(L)]
+    half = window_halves(doc_ids)
+    out = {k: np.zeros((2, L, H, N)) for k in ("D_sum", "M_cov_sum", "M_ctx_sum")}
+    out.update({k: np.zeros((2, L, H, N, dh)) for k in ("z_sum", "zhat_sum")})
+    out["vbar_kernel_sum"] = np.zeros((L, H, N, dh))
+    out["count"] = np.zeros((2, L, N), dtype=np.int64)
+    for b in range(B):
+        for j in range(1, T):
+            s = int(kernel.query_lut[tokens[b, j]])
+            if s < 0:
+                continue
+            bk = [N] + [int(kernel.key_lut[tokens[b, i]]) for i in range(1, j + 1)]
+            types = sorted(set(bk))
+            for l in range(L):
+                out["count"][half[b], l, s] += 1
+                for h in range(H):
+                    p = ref["probs"][l, b, h, j, : j + 1]
+                    v = ref["values"][l, b, h, : j + 1]
+                    nx = sum(bk.count(t) * W[l, h, s, t] for t in types)
+                    z = ref["reads"][l, b, j, h]
+                    zhat = np.zeros(dh)
+                    mixed = np.zeros(dh)
+                    y = np.zeros(dh)
+                    for t in types:
+                        m = np.array([k == t for k in bk])
+                        A_t = p[m].sum()
+                        vbar = (p[m, None] * v[m]).sum(0) / A_t
+                        Ahat = bk.count(t) * W[l, h, s, t] / nx
+                        zhat += Ahat * mu[l, h, t]
+                        mixed += Ahat * vbar
+                        y += W[l, h, s, t] * bk.count(t) * vbar
+                    zr, hr, xr = z @ O[l][h], zhat @ O[l][h], mixed @ O[l][h]
+                    D = 1 - zr @ hr / np.sqrt((zr @ zr) * (hr @ hr))
+                    e = zr - hr
+                    ep = e - (e @ hr) / (hr @ hr) * hr
+                    sc, sx = (zr - xr) @ ep / (ep @ ep), (xr - hr) @ ep / (ep @ ep)
+                    for k, x in (("D_sum", D), ("M_cov_sum", sc * D), ("M_ctx_sum", sx * D)):
+                        out[k][half[b], l, h, s] += x
+                    out["z_sum"][half[b], l, h, s] += z
+                    out["zhat_sum"][half[b], l, h, s] += zhat
+                    out["vbar_kernel_sum"][l, h, s] += y
+    return out
+
+
+def test_pass2_equals_per_position_reference(setup):
+    """Acceptance: pass-2 statistics equal a slow per-position reference (1e-5), every architecture."""
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    sums, meta = DP.deviation_shard(model, ad, tokens, doc_ids, tracked, st, min_count=1, batch_size=5, progress=False)
+    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    ref = slow_pass2(model, tokens, doc_ids, tracked, kernel)
+    np.testing.assert_array_equal(sums["count"], ref["count"])
+    assert sums["count"].sum() > 0 and (sums["count"][1] > 0).any() and (sums["count"][0] > 0).any()
+    for k in ("D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum", "vbar_kernel_sum"):
+        scale = max(1.0, float(np.abs(ref[k]).max()))
+        np.testing.assert_allclose(sums[k], ref[k], rtol=0, atol=1e-5 * scale, err_msg=f"{mt}: {k}")
+    assert meta["model"] == "tiny" and meta["stats_fingerprint"]
+
+
+def test_meters_sum_to_the_deviation_and_terms_to_the_error(setup):
+    """Acceptance: M_cov + M_ctx = D per occurrence (1e-6); (a) + (b) = z − ẑ exactly (1e-6)."""
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kb, qt = (torch.from_numpy(x) for x in window_buckets(tokens, kernel.key_lut, kernel.query_lut, kernel.n))
+    grams = layer_grams(ad)
+    seen = []
+
+    def on_layer(cap):
+        a, _, valid = pair_kernel(kernel.W[cap.layer], kb, qt)
+        t = occurrence_terms(cap.attn_probs, cap.values, a.transpose(0, 1), kernel.mu[cap.layer], kb, reads=cap.reads)
+        m = meters(t, grams[cap.layer])
+        v = valid
+        err = (t.z - t.zhat)[v]
+        np.testing.assert_allclose((t.covariance + t.contextualization)[v], err, atol=1e-6)
+        np.testing.assert_allclose((m["M_cov"] + m["M_ctx"])[v], m["D"][v], atol=1e-6)
+        np.testing.assert_allclose((m["sigma_cov"] + m["sigma_ctx"])[v], 1.0, atol=1e-6)
+        assert not m["degenerate"][v].any()
+        # the split is not trivial: both terms carry part of the deviation somewhere
+        assert (m["sigma_cov"][v].abs() > 0.05).any() and (m["sigma_ctx"][v].abs() > 0.05).any()
+        # z is the head's read Σ A v
+        zr = torch.matmul(cap.attn_probs, cap.values).transpose(1, 2)
+        np.testing.assert_allclose(zr[v], cap.reads[v], atol=1e-5)
+        seen.append(cap.layer)
+
+    ad.run(torch.as_tensor(tokens.astype(np.int64)), select=("attn_probs", "values", "reads"), on_layer=on_layer)
+    assert seen == list(range(ad.n_layers))
+
+
+def test_meters_fail_when_the_mixed_term_is_wrong(setup):
+    """The identities are not tautologies of the code: the shares use the real a and b, so a wrong mixed term
+    breaks σ_cov + σ_ctx = 1 only if the shares are computed from separate terms — check the shares move."""
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    if mt != "gpt2":
+        pytest.skip("one architecture suffices")
+    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kb, qt = (torch.from_numpy(x) for x in window_buckets(tokens, kernel.key_lut, kernel.query_lut, kernel.n))
+    grams = layer_grams(ad)
+    res = {}
+
+    def on_layer(cap):
+        if cap.layer:
+            return
+        a, _, valid = pair_kernel(kernel.W[0], kb, qt)
+        t = occurrence_terms(cap.attn_probs, cap.values, a.transpose(0, 1), kernel.mu[0], kb, reads=cap.reads)
+        good = meters(t, grams[0])
+        t.mixed = t.mixed * 1.5
+        bad = meters(t, grams[0])
+        res["d"] = float((good["sigma_cov"] - bad["sigma_cov"])[valid].abs().max())
+        res["D"] = float((good["D"] - bad["D"])[valid].abs().max())
+
+    ad.run(torch.as_tensor(tokens.astype(np.int64)), select=("attn_probs", "values", "reads"), on_layer=on_layer)
+    assert res["d"] > 1e-3 and res["D"] == 0.0
+
+
+def test_two_shards_merged_equal_one_pass(setup, tmp_path):
+    """Acceptance: pass 2 over two shards, merged, equals one pass over both (top-deviation lists included)."""
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    if mt not in ("gpt2", "llama"):
+        pytest.skip("two architectures suffice")
+    kw = dict(min_count=1, batch_size=4, progress=False, top_k=8)
+    whole, meta = DP.deviation_shard(model, ad, tokens, doc_ids, tracked, st, **kw)
+    parts = []
+    for i, sl in enumerate((slice(0, 5), slice(5, None))):
+        s, m = DP.deviation_shard(model, ad, tokens[sl], doc_ids[sl], tracked, st, **kw)
+        parts.append(DP.open_partial(DP.save_partial(tmp_path / f"p{i}.zarr", s, m)))
+    merged, mmeta = DP.merge_partials(parts)
+    for k in ("count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum", "vbar_kernel_sum", "degenerate"):
+        np.testing.assert_allclose(merged[k], whole[k], rtol=1e-9, atol=1e-9, err_msg=k)
+    assert int(merged["n_windows"]) == N_WIN == mmeta["n_windows"]
+    np.testing.assert_allclose(merged["top_D"], whole["top_D"], rtol=1e-9)
+    # the same occurrences (shard 1's windows are offset by 5); ties in D (equal prefixes) may swap places, and at
+    # the K-th value either may be kept
+    glob = np.where(merged["top_shard"] == 1, merged["top_window"] + 5, merged["top_window"]) * 100 + merged["top_position"]
+    ref = whole["top_window"] * 100 + whole["top_position"]
+    for l, h in np.ndindex(glob.shape[:2]):
+        inner = merged["top_D"][l, h] > merged["top_D"][l, h, -1]
+        assert set(glob[l, h][inner]) == set(ref[l, h][whole["top_D"][l, h] > whole["top_D"][l, h, -1]])
+    # a partial of another revision is refused by name
+    s, m = parts[1]
+    with pytest.raises(Exception, match="p_other|revision"):
+        DP.merge_partials([parts[0], (s, {**m, "revision": "r2"})], names=["p0", "p_other"])
+
+
+def test_deviation_store_and_corpus_deviation(setup, tmp_path):
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    if mt != "gpt2":
+        pytest.skip("one architecture suffices")
+    sums, meta = DP.deviation_shard(model, ad, tokens, doc_ids, tracked, st, min_count=1, batch_size=6, progress=False)
+    ds = DP.deviation_dataset(sums, meta, tracked, min_occurrences=3)
+    np.testing.assert_allclose(ds["M_cov"] + ds["M_ctx"], ds["D"], atol=1e-9)
+    assert np.isfinite(ds["S_bar"]).all() and np.isfinite(ds["S_bar_half"]).all()
+    assert ((ds["S_bar"] >= 0) & (ds["S_bar"] <= 2)).all()
+    assert ds.attrs["n_types_scored"] >= 2
+    path = tmp_path / "deviation.zarr"
+    from mfpipe.stats.store import write_store as ws
+
+    ws(ds, path)
+    back = DP.open_deviation(path, {"model": "tiny", "revision": "r1"})
+    np.testing.assert_allclose(back["S_bar"], ds["S_bar"])
+    with pytest.raises(Exception, match="revision"):
+        DP.open_deviation(path, {"model": "tiny", "revision": "r9"})
+
+
+def test_corpus_deviation_is_centred_and_detects_type_dependent_reads():
+    """eq:ddec by hand: a head whose mean read is its prediction plus a shared offset scores 0 (centring removes
+    the offset); one whose type-dependence is the prediction's reversed scores 2; rare types are left out."""
+    rng = np.random.default_rng(0)
+    zh = rng.normal(size=(1, 3, 6, 4))
+    gram = np.broadcast_to(np.eye(4), (1, 3, 4, 4))
+    z = zh.copy()
+    z[0, 0] += 5.0  # head 0: prediction + shared offset
+    z[0, 1] = -zh[0, 1] + 3.0  # head 1: reversed
+    counts = np.array([60, 60, 60, 60, 60, 10])
+    S, S_bar = corpus_deviation(z, zh, counts, gram, 50)
+    assert abs(S_bar[0, 0]) < 1e-12 and abs(S_bar[0, 1] - 2.0) < 1e-12 and abs(S_bar[0, 2]) < 1e-12
+    assert np.isnan(S[0, :, 5]).all()
+    # uncentred, the offset would have counted
+    S2, _ = corpus_deviation(z + 0.0, zh, counts, gram, 50)
+    assert np.allclose(S2, S, equal_nan=True)
