@@ -195,3 +195,13 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
             )
         )
     return dict(layers=per_layer, final=rec["final"], final_normed=rec["final_normed"], logits=out.logits)
+
+
+def head_maps(model, layer):
+    """O_h [H, dh, d] (float64 numpy) by probing the output projection with basis reads (independent of its weight layout)."""
+    H, _, dh = shape(model)
+    proj = o_proj(model, layer)
+    with torch.no_grad():
+        eye = torch.eye(H * dh, dtype=proj.weight.dtype)
+        out = proj(eye) - proj(torch.zeros(1, H * dh, dtype=proj.weight.dtype))
+    return out.double().numpy().reshape(H, dh, -1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_reference import o_proj, shape
+from hf_reference import head_maps
 from test_stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
@@ -43,16 +43,6 @@ def setup(request, tmp_path_factory):
     return mt, model, ad, tracked, st, tokens, doc_ids
 
 
-def _head_maps(model, layer):
-    """O_h [H, dh, d] by probing the output projection with basis reads (independent of its weight layout)."""
-    H, _, dh = shape(model)
-    proj = o_proj(model, layer)
-    with torch.no_grad():
-        eye = torch.eye(H * dh, dtype=proj.weight.dtype)
-        out = proj(eye) - proj(torch.zeros(1, H * dh, dtype=proj.weight.dtype))
-    return out.double().numpy().reshape(H, dh, -1)
-
-
 def slow_pass2(model, tokens, doc_ids, tracked, kernel):
     """Per window, position, layer and head: A_t, v̄_t, Â_t by loops over the prefix's key types (float64, residual
     units through O_h), accumulated like pass 2."""
@@ -61,7 +51,7 @@ def slow_pass2(model, tokens, doc_ids, tracked, kernel):
     L, H, N, K = W.shape
     dh = mu.shape[-1]
     B, T = tokens.shape
-    O = [_head_maps(model, l) for l in range(L)]
+    O = [head_maps(model, l) for l in range(L)]
     half = window_halves(doc_ids)
     out = {k: np.zeros((2, L, H, N)) for k in ("D_sum", "M_cov_sum", "M_ctx_sum")}
     out.update({k: np.zeros((2, L, H, N, dh)) for k in ("z_sum", "zhat_sum")})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_reference import patched_reads, reference_run
+from hf_reference import head_maps, patched_reads, reference_run
 from test_stats_reference import tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
@@ -185,6 +185,8 @@ def test_substitution_equals_torch_hook_reference(setup, mt):
             L_mf = loss_of(model(ids, use_cache=False).logits)
     clean = reference_run(model, ids)
     L, H = kernel.n_layers, ad.n_heads
+    # D in residual-stream units (App. P): through each head's slice of the output projection, probed with basis reads
+    O = [head_maps(model, l) for l in range(L)]
     head_dev = np.zeros((L, H))
     pos_dev = []
     for b in range(B):
@@ -194,8 +196,8 @@ def test_substitution_equals_torch_hook_reference(setup, mt):
             d = 0.0
             for l in range(L):
                 for h in range(H):
-                    z = clean["layers"][l]["reads"][b, j, h].double().numpy()
-                    zh = zref[l, b, j, h]
+                    z = clean["layers"][l]["reads"][b, j, h].double().numpy() @ O[l][h]
+                    zh = zref[l, b, j, h] @ O[l][h]
                     c = 1.0 - z @ zh / (np.linalg.norm(z) * np.linalg.norm(zh))
                     head_dev[l, h] += c
                     d += c

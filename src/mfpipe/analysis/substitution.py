@@ -5,7 +5,8 @@ Per batch of held-out windows (the ``eval`` half, disjoint from the statistics h
 
 1. ẑ for every layer from the window's token types alone (:func:`mfpipe.ccmf.ccmf_reads`);
 2. the clean forward (:meth:`Adapter.run`, reads selected, loss): ``L_model`` per prediction, and per
-   substituted position and head ``1 - cos(z, ẑ)`` (D of eq:dmf, on the model's own reads);
+   substituted position and head ``1 - cos(z, ẑ)`` (D of eq:dmf / eq:deviation, on the model's own reads, in
+   residual-stream units: :func:`mfpipe.deviation.deviation_cosine`, the one definition pass 2 uses too);
 3. the substituted forward: at every layer, the read of every head at every substituted position (tracked
    query type with a valid Â row, :mod:`mfpipe.ccmf`) is replaced by ẑ at the output projection's input,
    through the same adapter site that reads the statistics (before the post-attention norm on Gemma-2 and
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..ccmf import ccmf_reads
+from ..deviation import deviation_cosine
 from ..stats.buckets import window_buckets
 
 __all__ = ["MeanFieldKernel", "SubstitutionSums", "Replacement", "substitution_batch", "substitution_pass",
@@ -66,6 +68,7 @@ class MeanFieldKernel:
     n: int
     attrs: dict = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _grams: tuple | None = field(default=None, repr=False, compare=False)  # (adapter, [L,H,dh,dh]) cache
 
     @property
     def n_layers(self) -> int:
@@ -77,6 +80,15 @@ class MeanFieldKernel:
         home = device if fits else torch.device("cpu")
         return MeanFieldKernel(self.W.to(device=home, dtype=dtype), self.mu.to(device=device, dtype=dtype),
                                self.key_lut, self.query_lut, self.n, dict(self.attrs), device)
+
+    def grams(self, adapter) -> Tensor:
+        """The residual-stream grams ``[L,H,dh,dh]`` of the adapter's output projections (cached: the weights are
+        frozen), on the kernel's device."""
+        if self._grams is None or self._grams[0] is not adapter:
+            from ..stats.pass2 import layer_grams
+
+            self._grams = (adapter, layer_grams(adapter).to(self.device))
+        return self._grams[1]
 
     def buckets(self, tokens) -> tuple[Tensor, Tensor]:
         kb, qt = window_buckets(np.asarray(tokens), self.key_lut, self.query_lut, self.n)
@@ -192,11 +204,10 @@ def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Re
     sub_d = sub.to(dev)
     head_dev = torch.zeros(L, H, dtype=torch.float64)
     pos_dev = torch.zeros(B, T, dtype=torch.float64)
+    grams = kernel.grams(adapter)
 
     def on_layer(cap):
-        z = cap.reads  # [B,T,H,dh], the model's own
-        cos = torch.nn.functional.cosine_similarity(z, zhat[cap.layer].to(z.dtype), dim=-1, eps=1e-12)  # [B,T,H]
-        d = (1.0 - cos).to(torch.float64) * sub_d[:, :, None]
+        d = deviation_cosine(cap.reads, zhat[cap.layer], grams[cap.layer]) * sub_d[:, :, None]  # [B,T,H]
         head_dev[cap.layer] = d.sum((0, 1)).cpu()
         pos_dev.add_(d.sum(-1).cpu())
 
