@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 __all__ = ["induction_metrics", "induction_scores", "induction_targets", "repeated_random_tokens", "induction_window",
-           "training_window"]
+           "training_window", "as_adapter", "probe_sequences", "attention_on_targets"]
 
 
 def _allowed_ids(vocab_size: int, special_ids: Iterable[int] | None) -> np.ndarray:
@@ -104,12 +104,39 @@ def induction_metrics(
     """
     import torch
 
+    adapter = as_adapter(model)
+    tokens, k, offset = probe_sequences(adapter, vocab_size, special_ids, context_length, n_sequences, seed, bos_id)
+    q, tgt = induction_targets(k, offset)
+    # positions of the second copy that predict a token of the second copy (r2..rk)
+    pred_pos = torch.as_tensor(q[:-1])
+    loss_sum = 0.0
+
+    def add_loss(ids, logits) -> None:
+        nonlocal loss_sum
+        lp = torch.log_softmax(logits[:, pred_pos], dim=-1)
+        nxt = ids.to(lp.device)[:, pred_pos + 1]
+        loss_sum += float(-lp.gather(-1, nxt[..., None]).sum())
+
+    scores = attention_on_targets(adapter, tokens, q, tgt[None], batch_size,
+                                  on_logits=add_loss if adapter.has_lm_head else None)[0]
+    loss = loss_sum / (tokens.shape[0] * (k - 1)) if adapter.has_lm_head else float("nan")
+    return scores, loss
+
+
+def as_adapter(model):
+    """``model`` itself when it is an :class:`~mfpipe.models.adapters.Adapter`, else its adapter."""
     from mfpipe.models.adapters import Adapter, get_adapter
 
-    adapter = model if isinstance(model, Adapter) else get_adapter(model)
-    model = adapter.model
+    return model if isinstance(model, Adapter) else get_adapter(model)
+
+
+def probe_sequences(adapter, vocab_size: int, special_ids: Iterable[int] | None, context_length: int,
+                    n_sequences: int, seed: int, bos_id: int | None | str = "auto") -> tuple[np.ndarray, int, int]:
+    """The repeated random test sequences of every attention probe: ``(tokens, k, offset)`` with
+    ``tokens`` from :func:`repeated_random_tokens`, ``k = (context_length - offset) // 2`` and ``offset``
+    1 with a BOS prefix (``bos_id="auto"``: the model config's), 0 without. The BOS is excluded from the draw."""
     if bos_id == "auto":
-        bos_id = _default_bos(model)
+        bos_id = _default_bos(adapter.model)
     offset = 0 if bos_id is None else 1
     k = (int(context_length) - offset) // 2
     if k < 2:
@@ -117,33 +144,45 @@ def induction_metrics(
     specials = set(int(s) for s in (special_ids or []) if s is not None)
     if bos_id is not None:
         specials.add(int(bos_id))
-    tokens = repeated_random_tokens(n_sequences, k, vocab_size, specials, bos_id, seed)
-    q_np, tgt_np = induction_targets(k, offset)
-    q, tgt = torch.as_tensor(q_np), torch.as_tensor(tgt_np)
-    # positions of the second copy that predict a token of the second copy (r2..rk)
-    pred_pos = torch.as_tensor(q_np[:-1])
+    return repeated_random_tokens(n_sequences, k, vocab_size, specials, bos_id, seed), k, offset
 
-    total = np.zeros((adapter.n_layers, adapter.n_heads))
-    loss_sum = 0.0
 
-    def score_layer(cap) -> None:
-        # [batch, head, q, k] -> attention on the induction target, summed over sequences and queries
-        total[cap.layer] += cap.attn_probs[:, :, q, tgt].sum(dim=(0, 2)).double().cpu().numpy()
+def attention_on_targets(adapter, tokens: np.ndarray, queries: np.ndarray, targets: np.ndarray,
+                         batch_size: int = 16, on_logits=None) -> np.ndarray:
+    """Every head's attention weight from each query position to its target position, averaged over
+    the queries and the sequences: float64 ``[n_targets, n_layers, n_heads]``.
 
+    ``queries``: ``[n_q]`` positions; ``targets``: ``[n_targets, n_q]``, one row per kind of target
+    (so several scores come from one forward per batch). ``on_logits(ids, logits)``, when given, is
+    called with each batch's logits (the forward then computes them). The model is put in eval mode
+    for the measurement and returned to its previous mode."""
+    import torch
+
+    targets = np.asarray(targets)
+    if targets.ndim != 2 or targets.shape[1] != len(queries):
+        raise ValueError(f"targets must be [n_targets, {len(queries)}], got {targets.shape}")
+    q_np, t_np = np.asarray(queries), targets
+    total = np.zeros((targets.shape[0], adapter.n_layers, adapter.n_heads))
+
+    def add_layer(cap) -> None:
+        probs = cap.attn_probs  # [batch, head, query, key]
+        q = torch.as_tensor(q_np, device=probs.device)
+        t = torch.as_tensor(t_np, device=probs.device)
+        # one gather for every target kind: [batch, head, n_targets, n_q], summed over sequences and queries
+        total[:, cap.layer] += probs[:, :, q, t].double().sum(dim=(0, 3)).T.cpu().numpy()
+
+    model = adapter.model
     was_training = model.training
     model.eval()
     try:
         for start in range(0, tokens.shape[0], int(batch_size)):
             ids = torch.from_numpy(tokens[start : start + int(batch_size)])
-            res = adapter.run(ids, select=("attn_probs",), on_layer=score_layer, logits=adapter.has_lm_head)
-            if res.logits is not None:
-                lp = torch.log_softmax(res.logits[:, pred_pos], dim=-1)
-                nxt = ids.to(lp.device)[:, pred_pos + 1]
-                loss_sum += float(-lp.gather(-1, nxt[..., None]).sum())
+            res = adapter.run(ids, select=("attn_probs",), on_layer=add_layer, logits=on_logits is not None)
+            if on_logits is not None:
+                on_logits(ids, res.logits)
     finally:
         model.train(was_training)
-    loss = loss_sum / (tokens.shape[0] * (k - 1)) if adapter.has_lm_head else float("nan")
-    return total / (tokens.shape[0] * k), loss
+    return total / (tokens.shape[0] * len(q_np))
 
 
 # ------------------------------------------------------------------ the induction window of a training run
