@@ -25,6 +25,7 @@ include: "workflow/rules/corpus.smk"
 include: "workflow/rules/stats.smk"
 include: "workflow/rules/rollout.smk"
 include: "workflow/rules/substitution.smk"
+include: "workflow/rules/deviation.smk"
 include: "workflow/rules/figures.smk"
 
 

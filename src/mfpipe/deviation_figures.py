@@ -3,6 +3,7 @@
 * :func:`induction_correlation` / :func:`exp3_table` / :func:`exp3_figure` -- Sec. 6.1 Experiment 3,
   ``fig:e15-correlation``: the cross-head Spearman correlation between the per-head deviation
   ``S_bar`` and the behavioural induction score (:mod:`mfpipe.head_scores`) at every training checkpoint.
+* :func:`ccmf_scatter` -- Sec. 6.3 ``fig:ccmf-scatter``: every head on the M_cov / M_ctx plane.
 
 The figures reuse the training-sweep axis, window shade and atomic writer of :mod:`mfpipe.figures`,
 called through the module (``figures.save_figure``) so one monkeypatch there reaches them.
@@ -18,7 +19,8 @@ import pandas as pd
 
 from . import figures
 
-__all__ = ["induction_correlation", "exp3_table", "exp3_figure", "EXP3_COLUMNS", "SIGNIFICANCE"]
+__all__ = ["induction_correlation", "exp3_table", "exp3_figure", "EXP3_COLUMNS", "SIGNIFICANCE", "ccmf_scatter",
+           "head_roles"]
 
 EXP3_COLUMNS = ("model", "revision", "step", "spearman", "p_value", "n_heads")
 SIGNIFICANCE = 0.05  # points with p below this are drawn filled
@@ -93,6 +95,54 @@ def exp3_figure(df, path_stem, window=None, title: str | None = None) -> tuple[P
     ax.set_ylabel(r"Spearman $\rho$($\bar S^{\ell h}$, induction score)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
+    if title:
+        ax.set_title(title)
+    pdf, png = figures._outputs(path_stem)
+    figures.save_figure(fig, pdf, png)
+    return pdf, png
+
+
+# roles read off the behavioural scores (App. P tab:bottom thresholds: duplicate 0.10, prev-token 0.15, BOS-sink 0.35;
+# induction: the usual 0.3 of the mini suite's induction curve)
+ROLE_THRESHOLDS = (("induction", 0.3, "induction", "#d62728"), ("previous_token", 0.15, "previous-token", "#2ca02c"),
+                   ("duplicate_token", 0.10, "duplicate-token", "#9467bd"), ("bos_sink", 0.35, "BOS-sink", "#7f7f7f"))
+
+
+def head_roles(table: pd.DataFrame) -> pd.Series:
+    """Each head's behavioural role from its scores (first threshold met, in the order of ROLE_THRESHOLDS), else ''."""
+    role = pd.Series("", index=table.index)
+    for col, thr, name, _ in reversed(ROLE_THRESHOLDS):
+        if col in table:
+            role = role.where(~(table[col].to_numpy(float) >= thr), name)
+    return role
+
+
+def ccmf_scatter(table, path_stem, top: int = 20, title: str | None = None) -> tuple[Path, Path]:
+    """``fig:ccmf-scatter``: every head on the M_cov / M_ctx plane (eq:head-meters), the faint diagonal y = x
+    (below: covariance-dominated), the ``top`` heads by S̄ labelled, heads coloured by their behavioural role
+    (:func:`head_roles`). ``table``: :func:`mfpipe.analysis.ranking.heads_table` (or its CSV)."""
+    df = figures._table(table)
+    fig, axes = figures._figure(1, 1, w=4.8, h=4.2)
+    ax = axes[0, 0]
+    roles = head_roles(df)
+    x, y = df["M_cov"].to_numpy(float), df["M_ctx"].to_numpy(float)
+    ax.scatter(x[roles == ""], y[roles == ""], s=14, color="#1f77b4", alpha=0.6, label="other", zorder=2)
+    for _, _, name, color in ROLE_THRESHOLDS:
+        sel = (roles == name).to_numpy()
+        if sel.any():
+            ax.scatter(x[sel], y[sel], s=30, color=color, label=name, zorder=3, edgecolor="black", lw=0.4)
+    finite = np.isfinite(x) & np.isfinite(y)
+    if finite.any():
+        lo = float(min(x[finite].min(), y[finite].min(), 0.0))
+        hi = float(max(x[finite].max(), y[finite].max()))
+        ax.plot([lo, hi], [lo, hi], "--", color="0.7", lw=0.8, zorder=1)
+    for _, r in df.sort_values("rank").head(top).iterrows():
+        if np.isfinite(r["M_cov"]) and np.isfinite(r["M_ctx"]):
+            ax.annotate(r["head_label"], (r["M_cov"], r["M_ctx"]), fontsize=6, xytext=(2, 2), textcoords="offset points")
+    ax.set_xlabel(r"$M_{\mathrm{cov}}$ (covariance meter)")
+    ax.set_ylabel(r"$M_{\mathrm{ctx}}$ (contextualization meter)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=7)
     if title:
         ax.set_title(title)
     pdf, png = figures._outputs(path_stem)

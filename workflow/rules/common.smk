@@ -166,6 +166,7 @@ def all_targets():
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
     targets += rollout_targets()  # workflow/rules/rollout.smk
     targets += training_targets()  # workflow/rules/substitution.smk
+    targets += deviation_targets()  # workflow/rules/deviation.smk
     return targets
 
 
@@ -298,6 +299,45 @@ def topn_results(wildcards):
         out += [(n, rev, f"{R}/substitution/{wildcards.model}/{rev}/{arm}substitution.zarr")
                 for rev in REVISIONS[wildcards.model]]
     return out
+
+
+# ------------------------------------------------------- head ranking (workflow/rules/deviation.smk)
+DEVIATION = config["deviation"]
+
+
+def deviation_partials(wildcards):
+    """Pass-2 partials of a (model, revision): the statistics half's shards, from the first, until
+    `deviation.tokens` (null: all of them)."""
+    shards = stats_half_shards(wildcards)
+    limit = DEVIATION["tokens"]
+    if limit is not None:
+        per_shard = int(config["corpus"]["shard_windows"]) * int(config["corpus"]["context_length"])
+        shards = shards[: max(1, -(-int(limit) // per_shard))]
+    return [f"{R}/deviation/{wildcards.model}/{wildcards.revision}/partials/{Path(s).stem}.zarr" for s in shards]
+
+
+def deviation_results(wildcards):
+    return [f"{R}/deviation/{wildcards.model}/{rev}/deviation.zarr" for rev in REVISIONS[wildcards.model]]
+
+
+def head_score_results(wildcards):
+    return [f"{R}/heads/{wildcards.model}/{rev}/head_scores.csv" for rev in REVISIONS[wildcards.model]]
+
+
+def deviation_targets():
+    """Per model: every sweep revision's deviation store and head scores; for a real sweep the Exp. 3 table and
+    figure; per rollout revision the ranking tables, the split-half stability and the M_cov / M_ctx scatter."""
+    t = []
+    for m in MODELS:
+        t += [f"{R}/deviation/{m}/{rev}/deviation.zarr" for rev in REVISIONS[m]]
+        t += [f"{R}/heads/{m}/{rev}/head_scores.csv" for rev in REVISIONS[m]]
+        if sweeps(m):
+            t += [f"{R}/tables/exp3_correlation_{m}.csv"] + [f"{R}/figures/exp3_correlation_{m}.{e}" for e in ("pdf", "png")]
+        for rev in ROLLOUT_REVISIONS[m]:
+            t += [f"{R}/tables/ranking_{name}_{m}_{rev}.{e}" for name in ("top", "bottom", "stability") for e in ("csv", "md")]
+            t += [f"{R}/tables/ranking_heads_{m}_{rev}.csv"]
+            t += [f"{R}/figures/ccmf_scatter_{m}_{rev}.{e}" for e in ("pdf", "png")]
+    return t
 
 
 # ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)

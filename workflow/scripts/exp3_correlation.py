@@ -4,6 +4,7 @@ behavioural induction score (per-revision head_scores.csv) -> table (CSV) and fi
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
 from mfpipe import tables as T
+from mfpipe.analysis.deviation_pass import open_deviation
 from mfpipe.deviation_figures import exp3_figure, exp3_table
 from mfpipe.head_scores import open_head_scores
 from mfpipe.induction import training_window
@@ -15,8 +16,6 @@ log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    from mfpipe.deviation import open_deviation  # the deviation stage's reader (Sec. 6)
-
     p = sm.params
     deviation, heads = list(sm.input.deviation), list(sm.input.heads)
     revisions, steps = [str(r) for r in p.revisions], [None if s is None else int(s) for s in p.steps]
@@ -28,8 +27,9 @@ def main() -> None:
         scores = open_head_scores(heads_path)
         if scores.attrs.get("revision") not in (None, rev):  # inputs listed out of revision order
             raise ValueError(f"{heads_path} holds revision {scores.attrs['revision']}, expected {rev}")
-        rows.append({"model": str(p.model), "revision": rev, "step": step,
-                     "S_bar": open_deviation(dev_path)["S_bar"], "induction": scores["induction"]})
+        dev = open_deviation(dev_path, {"model": str(p.model), "revision": rev})
+        rows.append({"model": str(p.model), "revision": rev, "step": step, "S_bar": dev["S_bar"],
+                     "induction": scores["induction"]})
     df = exp3_table(rows)
     T.write_csv(df, sm.output.csv)
     training = getattr(sm.input, "training", None) or []  # [training.json] for a mini model, else []

@@ -43,17 +43,18 @@ MATCH_KEYS = ("model", "revision", "tracked_fingerprint", "n_tracked", "context_
 
 
 def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tracked, stats, *, min_count=None,
-                    batch_size: int = 8, top_k: int = TOP_K, other_share_max: float = OTHER_SHARE_MAX,
+                    calibrated=None, batch_size: int = 8, top_k: int = TOP_K, other_share_max: float = OTHER_SHARE_MAX,
                     progress: bool = True, desc: str = "deviation") -> tuple[dict, dict]:
     """Pass 2 over one shard's windows ``tokens``/``doc_ids [n, T]`` with the kernel and μ of ``stats`` (pass 1's
-    store of the same half, :class:`~mfpipe.stats.api.MeanFieldStats`) -> (sums incl. ``gram``, meta)."""
+    store of the same half, :class:`~mfpipe.stats.api.MeanFieldStats`) -> (sums incl. ``gram``, meta). ``calibrated``:
+    the calibrated kernel U of App. B instead of W (as the substitution: ``substitution.kernel``)."""
     import torch
 
     from ..stats.pass2 import DeviationAccumulator, layer_grams, window_halves
     from ..stats.shards import accumulate_shard
     from .substitution import kernel_from_store
 
-    kernel = kernel_from_store(stats, tracked, min_count=min_count).to(adapter.device)
+    kernel = kernel_from_store(stats, tracked, min_count=min_count, calibrated=calibrated).to(adapter.device)
     if kernel.W.shape[:2] != (adapter.n_layers, adapter.n_heads):
         raise ProvenanceError(f"statistics store {stats.path} has (layers, heads) = {tuple(kernel.W.shape[:2])}, the "
                               f"model ({adapter.n_layers}, {adapter.n_heads}): it belongs to another model")
