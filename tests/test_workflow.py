@@ -107,6 +107,34 @@ def test_training_sweep_outputs(built):
     assert not (r / "rollout" / "mini-gpt2" / "step4").exists() and (r / "rollout" / "mini-gpt2" / "step20").is_dir()
 
 
+def test_head_ranking_outputs(built):
+    """Issue 11: pass 2 per sweep revision (merged from the statistics half's two shards), head scores, the Exp. 3
+    table and figure across the sweep, and at the rollout revision the ranking tables and the M_cov / M_ctx scatter."""
+    import pandas as pd
+
+    from mfpipe.analysis.deviation_pass import open_deviation
+
+    r = built / "results"
+    for m, revs in (("mini-gpt2", ["step4", "step20"]), ("mini-neox", ["step20"])):
+        for rev in revs:
+            ds = open_deviation(r / "deviation" / m / rev / "deviation.zarr", {"model": m, "revision": rev})
+            assert ds.attrs["n_partials"] == 2 and ds.attrs["n_contexts"] > 1000
+            assert (abs(ds["M_cov"] + ds["M_ctx"] - ds["D"]) < 1e-9).all() and (ds["D"] > 0).all()
+            assert ds["S_bar"].notnull().all() and ds.attrs["n_types_scored"] >= 2
+            heads = pd.read_csv(r / "heads" / m / rev / "head_scores.csv")
+            assert len(heads) == 2 and heads[["induction", "previous_token", "bos_sink"]].notna().all().all()
+        top = pd.read_csv(r / "tables" / f"ranking_top_{m}_step20.csv")
+        assert top["rank"].tolist() == [1, 2] and top["S_bar"].is_monotonic_decreasing
+        assert (r / "tables" / f"ranking_bottom_{m}_step20.md").is_file()
+        assert (r / "figures" / f"ccmf_scatter_{m}_step20.png").stat().st_size > 0
+        stab = pd.read_csv(r / "tables" / f"ranking_stability_{m}_step20.csv")
+        assert stab["n_heads"].tolist() == [2]
+    exp3 = pd.read_csv(r / "tables" / "exp3_correlation_mini-gpt2.csv")
+    assert exp3["revision"].tolist() == ["step4", "step20"] and exp3["n_heads"].tolist() == [2, 2]
+    assert (r / "figures" / "exp3_correlation_mini-gpt2.png").stat().st_size > 0
+    assert not (r / "tables" / "exp3_correlation_mini-neox.csv").exists()  # one revision is no sweep
+
+
 def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     """Issue 10: a new revision in the sweep adds its statistics, substitution and kernel jobs and the per-model
     tables and figures that gather every revision; nothing of the revisions already built reruns."""
