@@ -18,7 +18,8 @@ from mfpipe.deviation import corpus_deviation, meters, occurrence_terms
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.buckets import window_buckets
-from mfpipe.stats.pass2 import layer_grams, window_halves
+from mfpipe.deviation import layer_grams
+from mfpipe.stats.pass2 import window_halves
 
 N_WIN = 12
 

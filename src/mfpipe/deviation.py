@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["key_type_ranks", "same_type_sums", "OccurrenceTerms", "occurrence_terms", "residual_gram", "gram_dot",
-           "deviation_cosine", "meters", "corpus_deviation", "MIN_OCCURRENCES"]
+__all__ = ["key_type_ranks", "same_type_sums", "OccurrenceTerms", "occurrence_terms", "residual_gram", "layer_grams",
+           "gram_dot", "deviation_cosine", "meters", "corpus_deviation", "MIN_OCCURRENCES"]
 
 MIN_OCCURRENCES = 50  # eq:ddec: S̄ averages over the query types with at least this many occurrences
 _TINY = 1e-30
@@ -103,6 +103,11 @@ def residual_gram(out_proj_slices: Tensor) -> Tensor:
     """``G_h = O_h O_hᵀ`` ``[H, dh, dh]`` from ``[H, dh, d]``: the residual-stream inner product in head space."""
     o = out_proj_slices.to(torch.float64)
     return o @ o.transpose(1, 2)
+
+
+def layer_grams(adapter) -> Tensor:
+    """``[L, H, dh, dh]``: :func:`residual_gram` of every layer's output projection slices (the adapter's)."""
+    return torch.stack([residual_gram(adapter.out_proj_slices(l).float()) for l in range(adapter.n_layers)])
 
 
 def gram_dot(x: Tensor, y: Tensor, G: Tensor) -> Tensor:

@@ -50,7 +50,8 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
     the calibrated kernel U of App. B instead of W (as the substitution: ``substitution.kernel``)."""
     import torch
 
-    from ..stats.pass2 import DeviationAccumulator, layer_grams, window_halves
+    from ..deviation import layer_grams
+    from ..stats.pass2 import DeviationAccumulator, window_halves
     from ..stats.shards import accumulate_shard
     from .substitution import kernel_from_store
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..ccmf import ccmf_reads
-from ..deviation import deviation_cosine
+from ..deviation import deviation_cosine, layer_grams
 from ..stats.buckets import window_buckets
 
 __all__ = ["MeanFieldKernel", "SubstitutionSums", "Replacement", "substitution_batch", "substitution_pass",
@@ -85,8 +85,6 @@ class MeanFieldKernel:
         """The residual-stream grams ``[L,H,dh,dh]`` of the adapter's output projections (cached: the weights are
         frozen), on the kernel's device."""
         if self._grams is None or self._grams[0] is not adapter:
-            from ..stats.pass2 import layer_grams
-
             self._grams = (adapter, layer_grams(adapter).to(self.device))
         return self._grams[1]
 

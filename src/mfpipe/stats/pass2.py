@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..ccmf import pair_kernel
-from ..deviation import key_type_ranks, meters, occurrence_terms, residual_gram
+from ..deviation import key_type_ranks, meters, occurrence_terms
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
 
@@ -160,7 +160,3 @@ class DeviationAccumulator:
             "top_window": np.where(idx >= 0, idx // T, -1), "top_position": np.where(idx >= 0, idx % T, -1),
         }
 
-
-def layer_grams(adapter) -> torch.Tensor:
-    """``[L, H, dh, dh]`` residual-stream grams of every layer's output projection slices."""
-    return torch.stack([residual_gram(adapter.out_proj_slices(l).float()) for l in range(adapter.n_layers)])
