@@ -56,7 +56,7 @@ def slow_pass2(model, tokens, doc_ids, tracked, kernel):
     half = window_halves(doc_ids)
     out = {k: np.zeros((2, L, H, N)) for k in ("D_sum", "M_cov_sum", "M_ctx_sum")}
     out.update({k: np.zeros((2, L, H, N, dh)) for k in ("z_sum", "zhat_sum")})
-    out["vbar_kernel_sum"] = np.zeros((L, H, N, dh))
+    out["vbar_tracked_sum"] = np.zeros((L, H, N, dh))
     out["count"] = np.zeros((2, L, N), dtype=np.int64)
     for b in range(B):
         for j in range(1, T):
@@ -82,7 +82,8 @@ def slow_pass2(model, tokens, doc_ids, tracked, kernel):
                         Ahat = bk.count(t) * W[l, h, s, t] / nx
                         zhat += Ahat * mu[l, h, t]
                         mixed += Ahat * vbar
-                        y += W[l, h, s, t] * bk.count(t) * vbar
+                        if t < N:  # tracked key types only
+                            y += W[l, h, s, t] * bk.count(t) * vbar
                     zr, hr, xr = z @ O[l][h], zhat @ O[l][h], mixed @ O[l][h]
                     D = 1 - zr @ hr / np.sqrt((zr @ zr) * (hr @ hr))
                     e = zr - hr
@@ -92,7 +93,7 @@ def slow_pass2(model, tokens, doc_ids, tracked, kernel):
                         out[k][half[b], l, h, s] += x
                     out["z_sum"][half[b], l, h, s] += z
                     out["zhat_sum"][half[b], l, h, s] += zhat
-                    out["vbar_kernel_sum"][l, h, s] += y
+                    out["vbar_tracked_sum"][l, h, s] += y
     return out
 
 
@@ -104,7 +105,7 @@ def test_pass2_equals_per_position_reference(setup):
     ref = slow_pass2(model, tokens, doc_ids, tracked, kernel)
     np.testing.assert_array_equal(sums["count"], ref["count"])
     assert sums["count"].sum() > 0 and (sums["count"][1] > 0).any() and (sums["count"][0] > 0).any()
-    for k in ("D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum", "vbar_kernel_sum"):
+    for k in ("D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum", "vbar_tracked_sum"):
         scale = max(1.0, float(np.abs(ref[k]).max()))
         np.testing.assert_allclose(sums[k], ref[k], rtol=0, atol=1e-5 * scale, err_msg=f"{mt}: {k}")
     assert meta["model"] == "tiny" and meta["stats_fingerprint"]
@@ -177,7 +178,7 @@ def test_two_shards_merged_equal_one_pass(setup, tmp_path):
         s, m = DP.deviation_shard(model, ad, tokens[sl], doc_ids[sl], tracked, st, **kw)
         parts.append(DP.open_partial(DP.save_partial(tmp_path / f"p{i}.zarr", s, m)))
     merged, mmeta = DP.merge_partials(parts)
-    for k in ("count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum", "vbar_kernel_sum", "degenerate"):
+    for k in ("count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum", "vbar_tracked_sum", "degenerate"):
         np.testing.assert_allclose(merged[k], whole[k], rtol=1e-9, atol=1e-9, err_msg=k)
     assert int(merged["n_windows"]) == N_WIN == mmeta["n_windows"]
     np.testing.assert_allclose(merged["top_D"], whole["top_D"], rtol=1e-9)

@@ -352,6 +352,81 @@ def test_error_decomposition_matches_per_occurrence_reference(tiny):
         assert np.abs(want["a"] - want["b"]).max() > 1e-4
 
 
+@torch.no_grad()
+def paper_b_reference(ref, toks, tracked):
+    """The paper's (b) of Sec. 4.3 by loops: zbar_s + sum_{t<N} P_st (v(c_t) - E_s[vbar_t]) with E_s[vbar_t] the
+    n_t-weighted mean over type-s occurrences of vbar_t = sum_{k: T(k)=t} p_jk v(x_k) / A_st (tracked t only)."""
+    resid, att, reads = ref.run(toks)
+    N = tracked.n
+    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
+    nW, T = toks.shape
+
+    def bucket(w, j):
+        return N if j == 0 else rank.get(int(toks[w, j]), N + 1)
+
+    out = np.zeros((ref.L, N, ref.d))
+    occ = {t: [(w, j) for w in range(nW) for j in range(T) if bucket(w, j) == t] for t in range(N + 2)}
+    for l in range(ref.L):
+        x = lambda w, j: torch.as_tensor(resid[l, w, j])  # noqa: E731
+        c = [torch.stack([x(w, j) for w, j in occ[t]]).mean(0) for t in range(N)]
+        val = {(w, k, h): ref.value_head(l, x(w, k), h) for w in range(nW) for k in range(T) for h in range(ref.H)}
+        for s in range(N):
+            r = []
+            for h in range(ref.H):
+                P = np.zeros(N + 2)
+                zbar = torch.zeros(ref.dh)
+                nv = torch.zeros(N, ref.dh, dtype=torch.float64)
+                nn = np.zeros(N)
+                for w, j in occ[s]:
+                    zbar += torch.as_tensor(reads[l, w, j, h])
+                    for t in set(bucket(w, k) for k in range(j + 1)):
+                        ks = [k for k in range(j + 1) if bucket(w, k) == t]
+                        A = sum(float(att[l, w, h, j, k]) for k in ks)
+                        P[t] += A
+                        if t < N:
+                            vbar = sum(float(att[l, w, h, j, k]) * val[(w, k, h)].double() for k in ks) / A
+                            nv[t] += len(ks) * vbar
+                            nn[t] += len(ks)
+                P, zbar = P / len(occ[s]), zbar / len(occ[s])
+                b = zbar.double()
+                for t in range(N):
+                    if nn[t]:
+                        b += P[t] * (ref.value_head(l, c[t], h).double() - nv[t] / nn[t])
+                r.append(b.float())
+            out[l, s] = ref.finish(l, c[s], torch.cat(r)).numpy()
+    return out
+
+
+def test_paper_estimator_b_from_pass2_matches_reference(tiny):
+    """Issue 11: with pass 2's sum_t P_st E_s[vbar_t] the pipeline's (b) is the paper's (E_s[vbar_t] swapped for
+    v(c_t), the covariance kept), equal to its per-occurrence definition; it differs from the mu_t stand-in."""
+    from mfpipe.analysis import deviation_pass as DP
+
+    mt, model, ad, ref, bos_id, b = tiny
+    if mt not in ("gpt2", "gemma2", "olmo2"):
+        pytest.skip("pass 2 itself is checked on every architecture (tests/test_deviation.py); three suffice here")
+    toks, tracked = _repeat_windows(model, bos_id)
+    sums = accumulate_shard(model, ad, toks, tracked, batch_size=4, device="cpu", progress=False)
+    st = MeanFieldStats(finalize(sums, tracked, {"model": mt, "half": "stats"}, dtype=np.float64))
+    setup = RO.prepare(ad, st, st)
+    p2, meta = DP.deviation_shard(model, ad, toks, np.zeros_like(toks), tracked, st, min_count=1, batch_size=4,
+                                  progress=False)
+    dev = DP.deviation_dataset(p2, meta, tracked, min_occurrences=2)
+    got = AC.error_decomposition_predictions(ad, setup, dev)["b"]
+    want = paper_b_reference(ref, toks, tracked)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    plain = AC.error_decomposition_predictions(ad, setup)["b"]
+    if mt != "olmo2":  # no pre-attention norm: the value map is affine and both forms coincide
+        assert np.abs(plain - want).max() > 1e-5
+    table = AC.error_decomposition_table(ad, setup, dev)
+    assert (table.loc[table["estimator"] == "b", "label"] == "(b) + value map at centroid, covariance kept "
+                                                             "(E_s[vbar_t] from pass 2)").all()
+    other = dev.copy()
+    other.attrs["revision"] = "elsewhere"
+    with pytest.raises(Exception, match="revision"):
+        AC.error_decomposition_predictions(ad, setup, other)
+
+
 def test_self_kernel_rollout_reproduces_single_token(tiny):
     mt, model, ad, ref, bos_id, b = tiny
     types = _types(model, 3, seed=9)

@@ -69,6 +69,7 @@ class OccurrenceTerms:
     z: Tensor  # the read, Σ_i A_i v_i
     zhat: Tensor  # the mean field, Σ_t Â_stX μ_t (eq:ccmf)
     mixed: Tensor  # Σ_t Â_stX v̄_tX: predicted attention on the in-context values
+    mixed_tracked: Tensor | None = None  # the same sum over the tracked key types only (when asked for)
 
     @property
     def covariance(self) -> Tensor:  # term (a) of eq:dev-decomp
@@ -80,13 +81,14 @@ class OccurrenceTerms:
 
 
 def occurrence_terms(probs: Tensor, values: Tensor, a_hat: Tensor, mu: Tensor, kb: Tensor, reads: Tensor | None = None,
-                     ranks: Tensor | None = None) -> OccurrenceTerms:
+                     ranks: Tensor | None = None, n_tracked: int | None = None) -> OccurrenceTerms:
     """z, ẑ and the mixed term for every (query position, head) of one layer.
 
     ``probs [B, H, T, T]`` attention (query, key), ``values [B, H, T, dh]``, ``a_hat [B, H, T, T]`` Â spread over key
     positions (:func:`mfpipe.ccmf.pair_kernel`, transposed to batch-major), ``mu [H, K, dh]`` the bucket mean values,
     ``kb [B, T]`` key buckets. ``reads [B, T, H, dh]``: the model's own reads to use as z (default Σ_i A_i v_i).
-    Rows that are not valid queries come out as whatever the inputs give (callers mask them)."""
+    Rows that are not valid queries come out as whatever the inputs give (callers mask them). With ``n_tracked`` N
+    also ``mixed_tracked``, the mixed sum over the tracked key buckets (``kb < N``) only."""
     dt = probs.dtype
     ranks = key_type_ranks(kb) if ranks is None else ranks
     a_hat = a_hat.to(dt)
@@ -94,9 +96,13 @@ def occurrence_terms(probs: Tensor, values: Tensor, a_hat: Tensor, mu: Tensor, k
     Ahat_type = same_type_sums(a_hat, ranks)
     mixed_w = torch.where(A_type > 0, Ahat_type * probs / A_type.clamp_min(_TINY), a_hat)
     mixed = torch.matmul(mixed_w, values.to(dt))  # [B, H, T, dh]
+    mixed_tracked = None
+    if n_tracked is not None:
+        tracked_keys = (kb < int(n_tracked)).to(dt)[:, None, None, :]
+        mixed_tracked = torch.matmul(mixed_w * tracked_keys, values.to(dt)).transpose(1, 2)
     zhat = torch.matmul(a_hat, mu.to(dt)[:, kb].transpose(0, 1))  # μ of each key's bucket: [B, H, T, dh]
     z = torch.matmul(probs, values.to(dt)).transpose(1, 2) if reads is None else reads.to(dt)
-    return OccurrenceTerms(z, zhat.transpose(1, 2), mixed.transpose(1, 2))
+    return OccurrenceTerms(z, zhat.transpose(1, 2), mixed.transpose(1, 2), mixed_tracked)
 
 
 def residual_gram(out_proj_slices: Tensor) -> Tensor:

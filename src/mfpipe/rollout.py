@@ -258,7 +258,7 @@ def teacher_forced_attention(adapter, kernel, centroids, bos_resid, zbar) -> tup
 
 
 @torch.no_grad()
-def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str, np.ndarray]:
+def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu, vbar=None, support=None) -> dict[str, np.ndarray]:
     """Fig. ``error-decomp``: three nested teacher-forced predictions of ``c^{l+1}`` from the true ``c^l``,
     each ending with the block's own output projection, post-attention norm and the MLP applied once at the
     resulting centroid (:func:`block_update`). Returns ``{"a", "b", "c"}`` -> ``[L, N, d]`` (entry ``l``
@@ -267,14 +267,17 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str,
 
     * (a) exact attention: the measured mean read ``zbar_s`` (eq:exact-contribution-by-type); only the MLP
       (and, Gemma-2 / OLMo-2, the post-attention norm) is taken at the centroid.
-    * (b) with unconditional value means: ``zbar_s + sum_{t<N} P_st (v(c_t) - mu_t)``. The paper's (b) swaps
-      ``E_s[vbar_t]`` (the attention-weighted mean value of type-``t`` keys in the contexts of type-``s``
-      queries) for ``v(c_t)`` and keeps the covariance; the statistics store holds only the unconditional
-      ``mu_t`` (mean value over all type-``t`` positions), which stands in for ``E_s[vbar_t]``. So this (b)
-      also assumes value-query independence; the covariance and any query dependence of the values stay in
-      ``zbar_s - sum_t P_st mu_t``. The paper's own (b) needs ``sum_t P_st E_s[vbar_t]`` per (layer, head,
-      s), computed in a second corpus pass (pass 2 of the deviation issue), never as a stored
-      ``[L, H, N, N, dh]`` array. Only the tracked columns change: ``<bos>`` is one deterministic position
+    * (b), the paper's, when pass 2's ``vbar [L, H, N, dh]`` = ``sum_{t<N, supp} P_st E_s[vbar_t]`` is given
+      (:mod:`mfpipe.stats.pass2`, ``vbar_tracked``: E_s[vbar_t] the count-weighted mean over type-``s`` contexts of
+      the attention-weighted in-context value of the type-``t`` keys, on the kernel's support ``support [N, N]``,
+      C_st >= min_count): ``zbar_s + sum_{t<N, supp} P_st v(c_t) - vbar_s``, i.e. E_s[vbar_t] swapped for
+      v(c_t) with the covariance kept; off the support the measured contribution stays inside ``zbar_s`` like
+      ``<bos>`` and ``<other>``.
+    * (b) without pass 2 (a statistics store alone), with unconditional value means:
+      ``zbar_s + sum_{t<N} P_st (v(c_t) - mu_t)``: ``mu_t`` (mean value over all type-``t`` positions) stands in
+      for ``E_s[vbar_t]``, so this (b) also assumes value-query independence; the covariance and any query
+      dependence of the values stay in ``zbar_s - sum_t P_st mu_t``.
+      In both forms only the tracked columns change: ``<bos>`` is one deterministic position
       (``E_s[vbar_bos] = v(b^l)`` exactly) and ``<other>`` is no type with a centroid, so both stay as
       measured inside ``zbar_s``.
     * (c) the full mean field (eq:mean-field with App. E's two extra columns, as Alg. 1 values them):
@@ -282,7 +285,8 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str,
       true tracked centroids. This is the only estimator in which ``<other>`` is valued at a centroid.
 
     ``P [L, H, N, N+2]``; ``centroids [L(+1), N, d]``; ``bos_resid [L(+1), d]``; ``zbar [L, H, N, dh]``;
-    ``mu [L, H, N(+2), dh]`` (``value_sum / key_count``; only the tracked columns are read). All from one
+    ``mu [L, H, N(+2), dh]`` (``value_sum / key_count``; only the tracked columns are read); ``vbar`` /
+    ``support`` from pass 2 over the same half (:func:`mfpipe.analysis.accounting.pass2_value_terms`). All from one
     half (the caller's choice: the statistics half, :func:`mfpipe.analysis.accounting.error_decomposition_predictions`).
     """
     L = adapter.n_layers
@@ -297,9 +301,14 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu) -> dict[str,
         V = adapter.value_map(layer, keys).float()  # [N+2, H, dh]
         M = _t(adapter, np.asarray(mu[layer])[:, :n]).transpose(0, 1)  # [N, H, dh]
         zb = _t(adapter, zbar[layer]).transpose(0, 1)  # [N, H, dh]
+        if vbar is None:
+            b_read = zb + torch.einsum("hst,thd->shd", K[..., :n], V[:n] - M)
+        else:
+            Ks = K[..., :n] * _t(adapter, np.asarray(support, dtype=np.float64)[:, :n])
+            b_read = zb + torch.einsum("hst,thd->shd", Ks, V[:n]) - _t(adapter, vbar[layer]).transpose(0, 1)
         reads = {
             "a": zb,
-            "b": zb + torch.einsum("hst,thd->shd", K[..., :n], V[:n] - M),
+            "b": b_read,
             "c": torch.einsum("hst,thd->shd", K, V),
         }
         for k, r in reads.items():

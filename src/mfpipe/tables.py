@@ -43,6 +43,7 @@ _BETTER = {"cosine": "max", "rsa": "max", "rel_error": "min", "norm_ratio": "one
 #: Sec. 4.3 estimators; (b) is labelled for what it computes (unconditional mu_t for E_s[vbar_t])
 ESTIMATORS = {"a": "(a) exact attention, MLP at centroid",
               "b": "(b) + value map at centroid, unconditional value means mu_t",
+              "b_pass2": "(b) + value map at centroid, covariance kept (E_s[vbar_t] from pass 2)",
               "c": "(c) full mean field"}
 
 
@@ -180,12 +181,14 @@ def summary_markdown(summary: pd.DataFrame, title: str | None = None) -> str:
 
 def error_decomposition_markdown(ed: pd.DataFrame, tag: str) -> str:
     """The per-layer and cross-layer tables of :func:`error_decomposition_table`, estimators by label."""
+    # the labels the table carries ((b) says which value means it used), else the default ones
+    labels = dict(ESTIMATORS, **dict(zip(ed["estimator"], ed["label"]))) if "label" in ed else ESTIMATORS
     wide = long_to_wide(ed, "layer", by="estimator")
-    wide["estimator"] = wide["estimator"].map(ESTIMATORS)
+    wide["estimator"] = wide["estimator"].map(labels)
     md = wide_markdown(wide, "estimator", ["layer", "cosine", "rsa", "rel_error", "norm_ratio"],
                        title=f"Per-layer error accounting, estimators (a)(b)(c) vs held-out c^(l+1): {tag}")
     summ = per_layer_summary(ed, "estimator")
-    summ["estimator"] = summ["estimator"].map(ESTIMATORS)
+    summ["estimator"] = summ["estimator"].map(labels)
     md += "\n" + wide_markdown(summ, "estimator", ["cosine", "cosine_se", "rel_error", "rel_error_se"],
                                title="Cross-layer mean (SE over layers)")
     md += ("\nInputs (P, c^l, zbar, mu) from the statistics half; truth c^(l+1) from the evaluation half. (b) uses "

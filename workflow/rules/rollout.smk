@@ -53,6 +53,7 @@ rule error_accounting:
     input:
         stats=stats_store("stats"),
         eval=stats_store("eval"),
+        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",  # pass 2: the paper's estimator (b)
         model=model_input,
         code=code("error_accounting.py"),
     output:

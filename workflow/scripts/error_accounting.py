@@ -6,6 +6,7 @@ from mfpipe import tables as T
 from mfpipe.analysis import accounting as AC
 from mfpipe.analysis import rollouts as RO
 from mfpipe.analysis import stores as S
+from mfpipe.analysis.deviation_pass import open_deviation
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 
@@ -27,7 +28,8 @@ def main() -> None:
                  "norm_ratio"], title=f"Teacher-forced attention (sum_h zhat vs measured sum_h zbar): {tag}"),
                  sm.output.teacher_forced_md)
 
-    ed = AC.error_decomposition_table(adapter, setup)
+    ed = AC.error_decomposition_table(adapter, setup, open_deviation(sm.input.deviation, {
+        "model": p.model_spec["name"], "revision": str(p.revision)}))
     T.write_csv(ed, sm.output.error_decomposition)
     T.write_text(T.error_decomposition_markdown(ed, tag), sm.output.error_decomposition_md)
 

@@ -21,7 +21,7 @@ from .stores import check_model, open_store, store_types
 
 log = logging.getLogger(__name__)
 
-__all__ = ["teacher_forced_table", "error_decomposition_predictions", "error_decomposition_table", "mlp_gap_table",
+__all__ = ["teacher_forced_table", "pass2_value_terms", "error_decomposition_predictions", "error_decomposition_table", "mlp_gap_table",
            "clustering_table", "anisotropy_table", "attention_coverage"]
 
 
@@ -40,28 +40,46 @@ def teacher_forced_table(adapter, setup: RolloutSetup) -> pd.DataFrame:
                                     model=setup.meta["model"], revision=setup.meta["revision"]))
 
 
-def error_decomposition_predictions(adapter, setup: RolloutSetup) -> dict[str, np.ndarray]:
+def pass2_value_terms(setup: RolloutSetup, deviation) -> tuple[np.ndarray, np.ndarray]:
+    """(``vbar [L, H, N, dh]`` = sum_{t<N} P_st E_s[vbar_t] on the kernel's support, ``support [N, N]``) from pass
+    2's deviation store of the same (model, revision, statistics half) as ``setup.st``; refused otherwise."""
+    from ..stats.api import ProvenanceError
+
+    st = setup.st
+    for key in ("model", "revision", "tracked_fingerprint", "corpus_fingerprint"):
+        if str(deviation.attrs.get(key)) != str(st.attrs.get(key)):
+            raise ProvenanceError(f"deviation store ({key}={deviation.attrs.get(key)!r}) is not pass 2 of statistics "
+                                  f"store {st.path} ({key}={st.attrs.get(key)!r}); rerun its deviation jobs")
+    N = len(setup.type_ids)
+    support = st.context_count().values[:, :N] >= int(deviation.attrs["min_count"])
+    return _nan0(deviation["vbar_tracked"].transpose("layer", "head", "query", "head_dim").values), support
+
+
+def error_decomposition_predictions(adapter, setup: RolloutSetup, deviation=None) -> dict[str, np.ndarray]:
     """The nested estimators (a)(b)(c) of Sec. 4.3 (:func:`mfpipe.rollout.error_decomposition`), ``{"a", "b",
     "c"} -> [L, N, d]`` (entry ``l`` predicts ``c^{l+1}``). Every input comes from the STATISTICS half: the kernel
     ``P``, the true centroids ``c^l`` the block is applied at (also valuing ``v(c_t)`` and ``<other>``'s
-    ``cbar``), the measured reads ``zbar`` (a, b) and the value means ``mu`` (b); ``b^l`` is weight-derived.
+    ``cbar``), the measured reads ``zbar`` (a, b) and, for (b), pass 2's ``sum_t P_st E_s[vbar_t]`` when its
+    ``deviation`` store is given (the paper's (b)), else the value means ``mu``; ``b^l`` is weight-derived.
     Only the truth they are scored against, ``c^{l+1}``, comes from the evaluation half."""
     st = setup.st
+    vbar, support = pass2_value_terms(setup, deviation) if deviation is not None else (None, None)
     return R.error_decomposition(adapter, setup.P, setup.stats_centroids, setup.bos, _nan0(st.zbar().values),
-                                 _nan0(st.mu().values))
+                                 _nan0(st.mu().values), vbar=vbar, support=support)
 
 
-def error_decomposition_table(adapter, setup: RolloutSetup) -> pd.DataFrame:
+def error_decomposition_table(adapter, setup: RolloutSetup, deviation=None) -> pd.DataFrame:
     """Fig. error-decomp: the estimators of :func:`error_decomposition_predictions` (statistics half), each
     scored against the evaluation half's ``c^{l+1}``. Long table ``estimator, label, layer, frac_depth,
-    metric, value, n_types`` (``label``: :data:`ESTIMATORS`)."""
+    metric, value, n_types`` (``label``: :data:`ESTIMATORS`; (b) says which value means it used)."""
     L = adapter.n_layers
-    out = error_decomposition_predictions(adapter, setup)
+    out = error_decomposition_predictions(adapter, setup, deviation)
+    labels = dict(ESTIMATORS, b=ESTIMATORS["b_pass2"]) if deviation is not None else ESTIMATORS
     rows = []
     for k in ("a", "b", "c"):
         rows += score_rows(out[k], setup.truth[1:], setup.types, range(L), L, per_block=True,
                             model=setup.meta["model"], revision=setup.meta["revision"], estimator=k,
-                            label=ESTIMATORS[k])
+                            label=labels[k])
     return pd.DataFrame(rows)
 
 

@@ -6,7 +6,7 @@ A partial is an xarray Zarr store (atomic, like every mfpipe output) of those su
 one (model, revision) merge by addition (the top-deviation lists by a top-K over their union), so any split of the
 half into shards gives the same store. The store holds, per head, the occurrence means D, M_cov, M_ctx
 (eq:head-meters) and the corpus deviation S̄ (eq:ddec) of both halves together and of each half (split-half
-stability), per query type the same terms and S_s, the means z̄_s, E_s[ẑ], Σ_t P_st E_s[v̄_t], the top-deviation
+stability), per query type the same terms and S_s, the means z̄_s, E_s[ẑ], Σ_{t<N} P_st E_s[v̄_t], the top-deviation
 contexts, and provenance (model, revision, tracked set, corpus, pass-1 store, N, code version).
 """
 
@@ -32,7 +32,7 @@ DIMS = {
     "D_sum": ("half", "layer", "head", "query"), "M_cov_sum": ("half", "layer", "head", "query"),
     "M_ctx_sum": ("half", "layer", "head", "query"),
     "z_sum": ("half", "layer", "head", "query", "head_dim"), "zhat_sum": ("half", "layer", "head", "query", "head_dim"),
-    "vbar_kernel_sum": ("layer", "head", "query", "head_dim"), "degenerate": ("layer", "head"),
+    "vbar_tracked_sum": ("layer", "head", "query", "head_dim"), "degenerate": ("layer", "head"),
     "top_D": ("layer", "head", "rank"), "top_window": ("layer", "head", "rank"),
     "top_position": ("layer", "head", "rank"), "top_shard": ("layer", "head", "rank"),
     "gram": ("layer", "head", "head_dim", "head_dim2"),
@@ -175,7 +175,7 @@ def deviation_dataset(sums: Mapping[str, Any], meta: Mapping[str, Any], tracked,
     import xarray as xr
 
     count = np.asarray(sums["count"])  # [2, L, N]
-    L, H, N, dh = np.shape(sums["vbar_kernel_sum"])
+    L, H, N, dh = np.shape(sums["vbar_tracked_sum"])
     c_lhn = np.broadcast_to(count.sum(0)[:, None, :], (L, H, N))
     c_half = np.broadcast_to(count[:, :, None, :], (2, L, H, N))
     tot = {k: np.asarray(sums[k]).sum(0) for k in ("D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum")}
@@ -203,9 +203,9 @@ def deviation_dataset(sums: Mapping[str, Any], meta: Mapping[str, Any], tracked,
         "M_ctx_type": (qdims, _mean(tot["M_ctx_sum"], c_lhn)),
         "count": (("half", "layer", "query"), count),
         "zbar": (qdims + ("head_dim",), zbar), "zhat_bar": (qdims + ("head_dim",), zhat_bar),
-        "vbar_kernel": (qdims + ("head_dim",), _mean(np.asarray(sums["vbar_kernel_sum"]), c_lhn[..., None]),
-                        {"description": "sum_t P_st E_s[vbar_t] (head space; W's C >= min_count support): "
-                                        "estimator (b) of Sec. 4.3"}),
+        "vbar_tracked": (qdims + ("head_dim",), _mean(np.asarray(sums["vbar_tracked_sum"]), c_lhn[..., None]),
+                         {"description": "sum_{t<N} P_st E_s[vbar_t] over the tracked key types (head space; W's "
+                                         "C >= min_count support): estimator (b) of Sec. 4.3"}),
         "degenerate": (hdims, np.asarray(sums["degenerate"])),
         "gram": (("layer", "head", "head_dim", "head_dim2"), gram),
     }

@@ -16,9 +16,10 @@ Sums (``L`` layers, ``H`` heads, ``N`` tracked types, ``dh`` head width; float64
     D_sum, M_cov_sum,
     M_ctx_sum                [2,L,H,N]          Σ D, Σ σ_cov D, Σ σ_ctx D (eq:deviation, eq:mcov-mctx)
     z_sum, zhat_sum          [2,L,H,N,dh]       Σ z and Σ ẑ (head space) -> z̄_s, E_s[ẑ] of eq:ddec
-    vbar_kernel_sum          [L,H,N,dh]         Σ N_X Σ_t Â_stX v̄_tX = Σ Σ_{t∈X} W_st n_t(X) v̄_tX: its mean is
-                                                Σ_t P_st E_s[v̄_t] (n-weighted; on W's C >= min_count support),
-                                                estimator (b) of Sec. 4.3
+    vbar_tracked_sum         [L,H,N,dh]         Σ N_X Σ_{t<N} Â_stX v̄_tX = Σ Σ_{t∈X, t<N} W_st n_t(X) v̄_tX over the
+                                                tracked key types: its mean is Σ_{t<N} P_st E_s[v̄_t] (E_s the
+                                                n_t-weighted mean over type-s contexts; on W's C >= min_count
+                                                support, as P_st = W_st E_s[n_t] there), estimator (b) of Sec. 4.3
     degenerate               int64 [L,H]        contexts whose error is collinear with ẑ (shares split evenly)
     top_D                    [L,H,K]            the K largest D per head (lens: top-deviation contexts), -inf pad
     top_window, top_position int64 [L,H,K]      where they are (window of the shard, query position)
@@ -40,7 +41,7 @@ __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", 
 TOP_K = 32
 OTHER_SHARE_MAX = 0.10
 ADDITIVE = ("n_windows", "n_tokens", "count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum",
-            "vbar_kernel_sum", "degenerate")
+            "vbar_tracked_sum", "degenerate")
 
 
 def window_halves(doc_ids: np.ndarray) -> np.ndarray:
@@ -74,7 +75,7 @@ class DeviationAccumulator:
         # D, M_cov, M_ctx and z, ẑ per layer over a flat (half, type, head) axis: one index_add_ per layer
         self.scal = torch.zeros(3, L, 2 * self.N * H, dtype=f64, device=dev)
         self.vec = torch.zeros(2, L, 2 * self.N * H, dh, dtype=f64, device=dev)
-        self.vbar_kernel = torch.zeros(L, self.N * H, dh, dtype=f64, device=dev)
+        self.vbar_tracked = torch.zeros(L, self.N * H, dh, dtype=f64, device=dev)
         self.degenerate = torch.zeros(L, H, dtype=torch.long, device=dev)
         self.top_D = torch.full((L, H, self.top_k), -torch.inf, dtype=f64, device=dev)
         self.top_idx = torch.full((L, H, self.top_k), -1, dtype=torch.long, device=dev)  # window * T + position
@@ -103,7 +104,7 @@ class DeviationAccumulator:
         probs = cap.attn_probs.float()
         a, nx, valid = pair_kernel(self.W[l].to(self.device, torch.float32), self.kb, self.qt)
         terms = occurrence_terms(probs, cap.values.float(), a.transpose(0, 1), self.mu[l], self.kb, reads=cap.reads,
-                                 ranks=self.ranks)
+                                 ranks=self.ranks, n_tracked=N)
         m = meters(terms, self.grams[l])  # [B,T,H] each
         if not bool(valid.any()):
             return
@@ -119,8 +120,8 @@ class DeviationAccumulator:
         for i, x in enumerate((terms.z, terms.zhat)):
             self.vec[i, l].index_add_(0, flat, x[valid].reshape(-1, self.dh).double())
         nxv = nx.permute(1, 2, 0)[valid]  # [n, H]
-        yb = (terms.mixed[valid].double() * nxv[..., None].double()).reshape(-1, self.dh)
-        self.vbar_kernel[l].index_add_(0, (s[:, None] * H + cols[None, :]).reshape(-1), yb)
+        yb = (terms.mixed_tracked[valid].double() * nxv[..., None].double()).reshape(-1, self.dh)
+        self.vbar_tracked[l].index_add_(0, (s[:, None] * H + cols[None, :]).reshape(-1), yb)
         self.degenerate[l] += m["degenerate"][valid].sum(0)
         # top-deviation contexts (App. P filter: at most other_share_max of the attention on untracked keys)
         other = torch.matmul(probs, self.is_other[:, None, :, None]).squeeze(-1).transpose(1, 2)  # [B,T,H]
@@ -146,7 +147,7 @@ class DeviationAccumulator:
         # [.., L, (half, type, head), (dh)] -> [.., half, L, head, type, (dh)]
         scal = self.scal.reshape(3, L, 2, N, H).permute(0, 2, 1, 4, 3).cpu().numpy()
         vec = self.vec.reshape(2, L, 2, N, H, dh).permute(0, 2, 1, 4, 3, 5).cpu().numpy()
-        vk = self.vbar_kernel.reshape(L, N, H, dh).permute(0, 2, 1, 3).cpu().numpy()
+        vk = self.vbar_tracked.reshape(L, N, H, dh).permute(0, 2, 1, 3).cpu().numpy()
         T = self.T
         idx = self.top_idx.cpu().numpy()
         return {
@@ -154,7 +155,7 @@ class DeviationAccumulator:
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
             "count": self.count.cpu().numpy(),
             "D_sum": scal[0], "M_cov_sum": scal[1], "M_ctx_sum": scal[2],
-            "z_sum": vec[0], "zhat_sum": vec[1], "vbar_kernel_sum": vk,
+            "z_sum": vec[0], "zhat_sum": vec[1], "vbar_tracked_sum": vk,
             "degenerate": self.degenerate.cpu().numpy(),
             "top_D": self.top_D.cpu().numpy(),
             "top_window": np.where(idx >= 0, idx // T, -1), "top_position": np.where(idx >= 0, idx % T, -1),
