@@ -27,5 +27,7 @@ inputs stay exactly the modules it uses):
   mismatched pair or a store of another model (provenance); every experiment starts here.
 * :mod:`mfpipe.analysis.rollouts` -- Alg. 1 with every kernel (Table 1) and the cross-corpus matrix (App. G).
 * :mod:`mfpipe.analysis.accounting` -- the error accounting of Sec. 4.3 and App. D, F, H, K.
+* :mod:`mfpipe.analysis.lenses` -- the lenses of App. P: top-deviation contexts of pass 2 re-run with their text,
+  attended keys and the logit-lens decode of the deviation vector, as Markdown / HTML tables.
 * :mod:`mfpipe.tables` -- cross-layer summaries, Markdown and CSV writers for all of them.
 """

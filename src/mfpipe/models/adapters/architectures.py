@@ -158,6 +158,11 @@ class Gemma2Adapter(LlamaAdapter):
             return e
         return e * torch.tensor(self.config.hidden_size**0.5, dtype=e.dtype)
 
+    def _final_logits(self, logits: Tensor) -> Tensor:
+        """Gemma-2's final logit soft-capping, as ``Gemma2ForCausalLM.forward`` applies it."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
 
 class Olmo2Adapter(LlamaAdapter):
     model_type = "olmo2"

@@ -12,7 +12,7 @@ offers two things:
 2. Block pieces (``embed``, ``position_offset``, ``attn_input_norm``, ``value_map``,
    ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure functions of
    tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
-   rollout (paper Alg. 1, App. E).
+   rollout (paper Alg. 1, App. E); ``unembed`` (final norm + LM head) for the logit lens of App. P.
 
 The per-architecture subclasses (module paths, fused-QKV / Conv1D layouts) are in ``architectures.py``.
 
@@ -217,3 +217,16 @@ class Adapter(TracedSite):
     @_no_grad
     def final_norm(self, x: Tensor) -> Tensor:
         return _get_path(self.base, self.FINAL_NORM)(self._in(x)).to(x.dtype)
+
+    @_no_grad
+    def unembed(self, x: Tensor) -> Tensor:
+        """Logits ``[..., V]`` (float32) of residual-stream vectors ``[..., d]``: the final norm, then the LM head
+        (``get_output_embeddings``), then any final logit transform of the architecture (:meth:`_final_logits`).
+        The raw logit lens of a vector inserted into the residual stream (App. P). Needs the causal LM."""
+        if not self.has_lm_head:
+            raise ValueError(f"unembed needs the causal LM, but this adapter wraps the bare {type(self.base).__name__}")
+        h = _get_path(self.base, self.FINAL_NORM)(self._in(x))
+        return self._final_logits(self.model.get_output_embeddings()(h)).float()
+
+    def _final_logits(self, logits: Tensor) -> Tensor:
+        return logits
