@@ -326,7 +326,8 @@ def head_score_results(wildcards):
 
 def deviation_targets():
     """Per model: every sweep revision's deviation store and head scores; for a real sweep the Exp. 3 table and
-    figure; per rollout revision the ranking tables, the split-half stability and the M_cov / M_ctx scatter."""
+    figure; per rollout revision the ranking tables, the split-half stability, the M_cov / M_ctx scatter and the
+    lenses."""
     t = []
     for m in MODELS:
         t += [f"{R}/deviation/{m}/{rev}/deviation.zarr" for rev in REVISIONS[m]]
@@ -337,6 +338,7 @@ def deviation_targets():
             t += [f"{R}/tables/ranking_{name}_{m}_{rev}.{e}" for name in ("top", "bottom", "stability") for e in ("csv", "md")]
             t += [f"{R}/tables/ranking_heads_{m}_{rev}.csv"]
             t += [f"{R}/figures/ccmf_scatter_{m}_{rev}.{e}" for e in ("pdf", "png")]
+            t += [f"{R}/lenses/{m}/{rev}/{f}" for f in ("contexts.md", "contexts.html", "decode.md", "contexts.csv")]
     return t
 
 

@@ -135,3 +135,34 @@ rule ranking:
         "logs/tables/ranking_{model}_{revision}.log",
     script:
         "../scripts/ranking.py"
+
+
+rule lenses:
+    input:
+        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        tokenizer=tokenizer_input,
+        code=code("lenses.py"),
+    output:
+        contexts_md=f"{R}/lenses/{{model}}/{{revision}}/contexts.md",
+        contexts_html=f"{R}/lenses/{{model}}/{{revision}}/contexts.html",
+        decode_md=f"{R}/lenses/{{model}}/{{revision}}/decode.md",
+        csv=f"{R}/lenses/{{model}}/{{revision}}/contexts.csv",
+    params:
+        n_heads=DEVIATION["lenses"]["n_heads"],
+        per_head=DEVIATION["lenses"]["per_head"],
+        heads=DEVIATION["lenses"]["heads"],
+        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        **model_params(),
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/lenses/{model}/{revision}.log",
+    script:
+        "../scripts/lenses.py"
