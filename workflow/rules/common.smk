@@ -326,8 +326,8 @@ def head_score_results(wildcards):
 
 def deviation_targets():
     """Per model: every sweep revision's deviation store and head scores; for a real sweep the Exp. 3 table and
-    figure; per rollout revision the ranking tables, the split-half stability, the M_cov / M_ctx scatter and the
-    lenses."""
+    figure; per rollout revision the ranking tables, the split-half stability, the M_cov / M_ctx scatter, the
+    lenses and the prompt classes and instance meter (Exp. 2, 1)."""
     t = []
     for m in MODELS:
         t += [f"{R}/deviation/{m}/{rev}/deviation.zarr" for rev in REVISIONS[m]]
@@ -339,6 +339,9 @@ def deviation_targets():
             t += [f"{R}/tables/ranking_heads_{m}_{rev}.csv"]
             t += [f"{R}/figures/ccmf_scatter_{m}_{rev}.{e}" for e in ("pdf", "png")]
             t += [f"{R}/lenses/{m}/{rev}/{f}" for f in ("contexts.md", "contexts.html", "decode.md", "contexts.csv")]
+            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("icl_classes", "icl_corr", "icl_meter")
+                  for e in ("csv", "md")]
+            t += [f"{R}/figures/{name}_{m}_{rev}.{e}" for name in ("icl_classes", "icl_meter") for e in ("pdf", "png")]
     return t
 
 
