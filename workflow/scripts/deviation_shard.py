@@ -2,12 +2,11 @@
 deviation and its covariance / contextualization split, with pass 1's W and μ from the statistics store (never
 recomputed) -> one partial (a Zarr folder, written atomically)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import json
 import time
 from pathlib import Path
 
 from mfpipe.analysis import deviation_pass as DP
-from mfpipe.analysis.stores import check_model, open_store
+from mfpipe.analysis.stores import check_model, open_stats_half
 from mfpipe.corpus import read_shard
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
@@ -21,9 +20,7 @@ def main() -> None:
     p = sm.params
     name, revision = p.model_spec["name"], str(p.revision)
     tracked = TrackedSet.load(sm.input.tracked)
-    info = json.loads((Path(sm.input.shard).parent.parent / "fingerprint.json").read_text())
-    st = open_store(sm.input.stats, {"model": name, "revision": revision, "half": "stats",
-                                     "tracked_fingerprint": tracked.fingerprint, "corpus_fingerprint": info["fingerprint"]})
+    st, info = open_stats_half(sm.input.stats, Path(sm.input.shard).parent.parent, tracked, name, revision)
     calibrated = None
     if str(p.kernel) == "calibrated":
         from mfpipe.calibration import load_calibrated

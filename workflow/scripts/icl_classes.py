@@ -14,13 +14,12 @@ params           n_prompts, n_fewshot, n_random, seed, min_count, batch_size, bu
                  natural_length (null: T-1), and model_params() (model_spec, revision, dtype, device, results)
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import json
 import time
 from pathlib import Path
 
 from mfpipe.analysis import icl as I
 from mfpipe.analysis import icl_prompts as P
-from mfpipe.analysis.stores import check_model, open_store
+from mfpipe.analysis.stores import check_model, open_stats_half
 from mfpipe.analysis.substitution import kernel_from_store
 from mfpipe.io import atomic_write_text
 from mfpipe.jobs import load_job_model, run_logged
@@ -38,9 +37,7 @@ def main() -> None:
     name, revision = p.model_spec["name"], str(p.revision)
     tracked = TrackedSet.load(sm.input.tracked)
     shards = Path(sm.input.shards)
-    info = json.loads((shards / "fingerprint.json").read_text())
-    st = open_store(sm.input.stats, {"model": name, "revision": revision, "half": "stats",
-                                     "tracked_fingerprint": tracked.fingerprint, "corpus_fingerprint": info["fingerprint"]})
+    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
     model, adapter = load_job_model(p, sm.threads)
     check_model(adapter, st)
     tokenizer = load_tokenizer(dict(p.model_spec), revision, p.results)

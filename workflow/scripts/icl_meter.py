@@ -12,13 +12,12 @@ output.pdf, output.png             Fig. icl-meter
 params           n_sequences, chunk_length (null: (T-1)//2), n_bins, seed, min_count, batch_size, model_params()
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import json
 import time
 from pathlib import Path
 
 from mfpipe.analysis import icl_meter as IM
 from mfpipe.analysis import icl_prompts as P
-from mfpipe.analysis.stores import check_model, open_store
+from mfpipe.analysis.stores import check_model, open_stats_half
 from mfpipe.analysis.substitution import kernel_from_store
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
@@ -34,9 +33,7 @@ def main() -> None:
     name, revision = p.model_spec["name"], str(p.revision)
     tracked = TrackedSet.load(sm.input.tracked)
     shards = Path(sm.input.shards)
-    info = json.loads((shards / "fingerprint.json").read_text())
-    st = open_store(sm.input.stats, {"model": name, "revision": revision, "half": "stats",
-                                     "tracked_fingerprint": tracked.fingerprint, "corpus_fingerprint": info["fingerprint"]})
+    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
     model, adapter = load_job_model(p, sm.threads)
     check_model(adapter, st)
     kernel = kernel_from_store(st, tracked, min_count=int(p.min_count))

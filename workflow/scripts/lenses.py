@@ -3,14 +3,13 @@ plus any named), the top-deviation contexts pass 2 recorded, re-run for their su
 next token, recomputed D and meters, and the raw logit-lens decode of the deviation vector ->
 results/lenses/<model>/<revision>/contexts.md|.html (context lens), decode.md (decode lens), contexts.csv."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import json
 import time
 from pathlib import Path
 
 from mfpipe.analysis import deviation_pass as DP
 from mfpipe.analysis import lenses as LE
 from mfpipe.analysis import substitution as SU
-from mfpipe.analysis.stores import ProvenanceError, check_model, open_store
+from mfpipe.analysis.stores import ProvenanceError, check_model, open_stats_half
 from mfpipe.corpus import list_shards
 from mfpipe.io import atomic_write_text
 from mfpipe.jobs import load_job_model, run_logged
@@ -28,10 +27,7 @@ def main() -> None:
     name, revision = spec["name"], str(p.revision)
     tracked = TrackedSet.load(sm.input.tracked)
     shards = Path(sm.input.shards)
-    info = json.loads((shards / "fingerprint.json").read_text())
-    st = open_store(sm.input.stats, {"model": name, "revision": revision, "half": "stats",
-                                     "tracked_fingerprint": tracked.fingerprint,
-                                     "corpus_fingerprint": info["fingerprint"]})
+    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
     ds = DP.open_deviation(sm.input.deviation, {"model": name, "revision": revision,
                                                 "tracked_fingerprint": tracked.fingerprint,
                                                 "stats_fingerprint": DP.stats_fingerprint(st)})

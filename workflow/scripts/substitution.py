@@ -2,7 +2,6 @@
 query positions replaced by ẑ_sX from the statistics half, on held-out windows of the eval half ->
 results/substitution/<model>/<revision>/substitution.zarr (L_model, L_MF, ΔL, D_MF, per-head deviation)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import json
 import math
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ import numpy as np
 
 from mfpipe import __version__
 from mfpipe.analysis import substitution as SU
-from mfpipe.analysis.stores import check_model, open_store
+from mfpipe.analysis.stores import check_model, open_stats_half
 from mfpipe.corpus import list_shards, read_shard
 from mfpipe.io import atomic_dir
 from mfpipe.jobs import load_job_model, run_logged
@@ -41,9 +40,7 @@ def main() -> None:
     name, revision = p.model_spec["name"], str(p.revision)
     tracked = TrackedSet.load(sm.input.tracked)
     shards = Path(sm.input.shards)
-    info = json.loads((shards / "fingerprint.json").read_text())
-    st = open_store(sm.input.stats, {"model": name, "revision": revision, "half": "stats",
-                                     "tracked_fingerprint": tracked.fingerprint, "corpus_fingerprint": info["fingerprint"]})
+    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
     calibrated = None
     if str(p.kernel) == "calibrated":
         from mfpipe.calibration import load_calibrated

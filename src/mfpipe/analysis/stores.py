@@ -12,7 +12,7 @@ import numpy as np
 
 from ..stats.api import MeanFieldStats, ProvenanceError, check_provenance, open_stats
 
-__all__ = ["open_store", "open_pair", "check_model", "eval_types", "store_types", "ProvenanceError"]
+__all__ = ["open_store", "open_stats_half", "corpus_info", "open_pair", "check_model", "eval_types", "store_types", "ProvenanceError"]
 
 
 def open_store(store, expect: Mapping[str, Any] | None) -> MeanFieldStats:
@@ -21,6 +21,27 @@ def open_store(store, expect: Mapping[str, Any] | None) -> MeanFieldStats:
         check_provenance(store.attrs, expect, store.path or "")
         return store
     return open_stats(store, expect=expect)
+
+
+def corpus_info(shards_dir) -> dict:
+    """The corpus stage's ``fingerprint.json`` of a shards folder (corpus fingerprint, halves, context length)."""
+    import json
+    from pathlib import Path
+
+    path = Path(shards_dir) / "fingerprint.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist; rerun the corpus stage (corpus_shards)") from None
+
+
+def open_stats_half(store, shards_dir, tracked, model: str, revision: str) -> tuple[MeanFieldStats, dict]:
+    """The ``stats`` half's store of (``model``, ``revision``), refused unless it was computed with ``tracked`` on
+    the corpus of ``shards_dir``; with that corpus's :func:`corpus_info`."""
+    info = corpus_info(shards_dir)
+    st = open_store(store, {"model": model, "revision": revision, "half": "stats",
+                            "tracked_fingerprint": tracked.fingerprint, "corpus_fingerprint": info["fingerprint"]})
+    return st, info
 
 
 def _pair_expect(st: MeanFieldStats, half: str, same_corpus: bool = False) -> dict[str, Any]:
