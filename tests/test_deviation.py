@@ -14,7 +14,7 @@ from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 from mfpipe.analysis import deviation_pass as DP
 from mfpipe.analysis import substitution as SU
 from mfpipe.ccmf import pair_kernel
-from mfpipe.deviation import corpus_deviation, meters, occurrence_terms
+from mfpipe.deviation import corpus_deviation, meters, occurrence_terms, query_plan, query_terms
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.buckets import window_buckets
@@ -231,3 +231,42 @@ def test_corpus_deviation_is_centred_and_detects_type_dependent_reads():
     # uncentred, the offset would have counted
     S2, _ = corpus_deviation(z + 0.0, zh, counts, gram, 50)
     assert np.allclose(S2, S, equal_nan=True)
+
+
+@pytest.mark.parametrize("block", [7, 256])
+def test_query_terms_equal_occurrence_terms(block):
+    """The fast form pass 2 runs (query_terms: Â per key type, query rows only, causal spans) equals the definition
+    (occurrence_terms with pair_kernel's Â) at every query row: validity, N_X, z, ẑ, mixed and the <other> share,
+    also where a key type's attention underflowed to 0 or is tiny (the exact per-position formula)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, T, N, dh = 3, 2, 30, 5, 4
+    K = N + 2
+    kb = torch.randint(0, K, (B, T), generator=g)
+    kb[:, 0] = N  # <bos>
+    kb[:2, 1] = 0  # type 0 in the prefix of windows 0 and 1
+    qt = torch.where(kb < N, kb, torch.full_like(kb, -1))
+    qt[:, 0] = -1
+    W = torch.rand(H, N, K, generator=g) + 0.05
+    W[:, 3] = torch.nan  # a query type never seen in the statistics half: invalid
+    W[1, 4, :] = 0.0  # empty in one head: invalid in all
+    logits = torch.randn(B, H, T, T, generator=g).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
+    probs = logits.softmax(-1)
+    probs[0] = probs[0].masked_fill(kb[0] == 0, 0.0)  # window 0: type 0's attention underflowed
+    probs[1] = torch.where(kb[1] == 0, probs[1] * 1e-34, probs[1])  # window 1: tiny (Â_t / A_t overflows float32)
+    values = torch.randn(B, H, T, dh, generator=g)
+    mu = torch.randn(H, K, dh, generator=g)
+    a, nx, valid = pair_kernel(W, kb, qt)
+    ref = occurrence_terms(probs, values, a.transpose(0, 1), mu, kb, n_tracked=N)
+    plan = query_plan(kb, qt, K, block=block)
+    t = query_terms(plan, probs, values, W, mu, n_tracked=N)
+    bj = (plan.b, plan.j)
+    assert torch.equal(plan.s, qt[bj]) and plan.n == int((qt >= 0).sum())
+    assert torch.equal(t.valid, valid[bj]) and t.valid.any() and not t.valid.all()
+    v = t.valid
+    torch.testing.assert_close(t.nx[v], nx.permute(1, 2, 0)[bj][v], rtol=1e-5, atol=1e-6)
+    for name in ("z", "zhat", "mixed", "mixed_tracked"):
+        torch.testing.assert_close(getattr(t, name)[v], getattr(ref, name)[bj][v], rtol=1e-5, atol=1e-5, msg=name)
+    other = torch.matmul(probs, (kb == K - 1).float()[:, None, :, None]).squeeze(-1).transpose(1, 2)
+    torch.testing.assert_close(t.other[v], other[bj][v], rtol=1e-5, atol=1e-7)
+    # the underflow cases were exercised: a valid query row after position 1 in windows 0 and 1
+    assert all(bool((v & (plan.b == w) & (plan.j > 1)).any()) for w in (0, 1))

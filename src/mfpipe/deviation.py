@@ -25,6 +25,10 @@ we split D evenly and count the case (``degenerate``).
 The per-type corpus deviation (eq:ddec) compares the head's mean read per query type, z̄_s = E_s[z], with the mean
 prediction E_s[ẑ] by a cosine centred over the query types with at least ``min_occurrences`` occurrences
 (:func:`corpus_deviation`).
+
+Two forms of the per-context terms, tied by tests: :func:`occurrence_terms` spells the definition out over every
+(query, key) position pair; :func:`query_terms` (what pass 2 runs) computes the same at the query positions only,
+with Â and the attention per key type held in type space.
 """
 
 from __future__ import annotations
@@ -35,11 +39,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["key_type_ranks", "same_type_sums", "OccurrenceTerms", "occurrence_terms", "residual_gram", "layer_grams",
-           "gram_dot", "deviation_cosine", "meters", "corpus_deviation", "MIN_OCCURRENCES"]
+__all__ = ["key_type_ranks", "same_type_sums", "OccurrenceTerms", "occurrence_terms", "QueryPlan", "query_plan",
+           "QueryTerms", "query_terms", "residual_gram", "layer_grams", "gram_dot", "deviation_cosine", "meters",
+           "stack_head_major", "meters_head_major", "corpus_deviation", "MIN_OCCURRENCES", "QUERY_BLOCK"]
 
 MIN_OCCURRENCES = 50  # eq:ddec: S̄ averages over the query types with at least this many occurrences
 _TINY = 1e-30
+# query_terms works on spans of this many positions: a span's keys stop at its last query (causal), so n spans
+# cover about (1 + 1/n) / 2 of the T x T square, at n times the number of ops, and bound the temporaries to
+# [H, B, <= QUERY_BLOCK, T] (at most the size of the attention probabilities). At T = 512 one span was faster on
+# CPU than two (benchmarks/deviation_pass.py).
+QUERY_BLOCK = 512
+# a key type whose attention total A_t is below this takes the exact per-position formula: Â_t / A_t would overflow
+# float32 (Â_t <= 1) and A_t = 0 (every probability of the type underflowed) has its own definition
+_UNDERFLOW = 1e-30
 
 
 def key_type_ranks(kb: Tensor) -> Tensor:
@@ -105,6 +118,199 @@ def occurrence_terms(probs: Tensor, values: Tensor, a_hat: Tensor, mu: Tensor, k
     return OccurrenceTerms(z, zhat.transpose(1, 2), mixed.transpose(1, 2), mixed_tracked)
 
 
+# ---------------------------------------------------------------------------------------------- the fast form
+# occurrence_terms above is the definition: every [B, H, T, T] tensor spelled out (tests and small inputs). Pass 2
+# runs query_terms, the same three reads at the query positions only, with Â and the attention per key type held in
+# *type space* [.., rows, U] (U = the distinct buckets among the keys, well below T on text: every untracked token
+# is one <other> bucket) instead of spread over key positions: Â_stX = n_t(X) W_st / N_X straight from the prefix
+# counts, ẑ = Â @ μ_types, and the mixed weight Â_t A_i / A_t = (Â_t / A_t) · A_i is one gather and one product at
+# the key positions. All windows of a batch go through each op together (rows padded to the longest window): on a
+# CPU the number of ops, not only their arithmetic, is what a per-window loop would pay. The model-free parts
+# (query rows, types, prefix counts, gather indices) are built once per batch (query_plan) and serve every layer.
+
+
+@dataclass
+class _Span:
+    """The query rows of every window inside positions ``[j0, j0 + block)``, padded to ``R`` rows per window; their
+    keys are ``0..k-1`` (k = the last row + 1: causal) and hold at most ``U`` distinct buckets per window, ranked in
+    order of first occurrence (rank 0: position 0's bucket, in every prefix). Padding rows have no key (counts 0)."""
+
+    R: int
+    k: int
+    U: int
+    window: Tensor  # [B, 1] window index (broadcasts against rows)
+    rows: Tensor  # [B, R] positions (padding: 0)
+    counts: Tensor  # [B, R, U] float32 n_t(X_j), the prefix count of each key type of the window (0: not in X_j)
+    absent: Tensor  # [B, R, U] float32 1.0 where counts == 0
+    w_index: Tensor  # [B * R * U] into W.reshape(H, N * K): (query type of row j) * K + bucket of type u, or of
+    #                  rank 0 where type u is not in X_j (that weight is multiplied by 0; rank 0's W is part of N_X)
+    key_ranks: Tensor  # [B, k] rank of each key position's bucket
+    types: Tensor  # [B, U] bucket of each rank (padding: 0)
+    other: Tensor  # [B] rank of the <other> bucket among the span's keys (0 where it has none: see has_other)
+    has_other: Tensor  # [B] float32 1.0 / 0.0
+    keep: Tensor  # [r] the real rows (not padding) in the span's flattened (window, row) axis
+    offset: int  # where the span's rows start in the plan's rows
+
+
+@dataclass
+class QueryPlan:
+    """The model-free part of :func:`query_terms` for one batch (:func:`query_plan`): its spans and, per query row
+    (span by span, each in (window, position) order), ``b``, ``j`` and its query type ``s`` (``[n]`` each)."""
+
+    spans: list
+    b: Tensor
+    j: Tensor
+    s: Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.b.shape[0])
+
+
+@dataclass
+class QueryTerms(OccurrenceTerms):
+    """:class:`OccurrenceTerms` at the query rows of a :class:`QueryPlan` (``[n, H, dh]``), with ``nx [n, H]`` (N_X,
+    the normalizer of Â; NaN / 0 where the row is empty), ``valid [n]`` (as :func:`mfpipe.ccmf.pair_kernel`: finite,
+    positive N_X in every head) and ``other [n, H]`` (the attention on ``<other>`` keys, App. P's filter).
+    Rows that are not valid carry whatever the inputs give: callers mask them."""
+
+    nx: Tensor = None
+    valid: Tensor = None
+    other: Tensor = None
+
+
+def query_plan(kb, qt, n_buckets: int, device=None, block: int | None = None) -> QueryPlan:
+    """The model-free part of :func:`query_terms` for ``kb``/``qt [B, T]`` (:func:`mfpipe.stats.buckets.window_buckets`;
+    ``n_buckets`` = K = N + 2, the ``<other>`` bucket being K - 1) on ``device``; spans of ``block`` positions
+    (default :data:`QUERY_BLOCK`)."""
+    block = int(block or QUERY_BLOCK)
+    kb = np.asarray(kb.cpu() if isinstance(kb, Tensor) else kb, dtype=np.int64)
+    qt = np.asarray(qt.cpu() if isinstance(qt, Tensor) else qt, dtype=np.int64)
+    B, T = kb.shape
+    K = int(n_buckets)
+
+    def dev(x, dtype=torch.long):
+        return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype, device=device)
+
+    ranks, types, n_types, prefix, other = [], [], [], [], []
+    for b in range(B):
+        uniq, first, inv = np.unique(kb[b], return_index=True, return_inverse=True)
+        # ranks in order of first occurrence: the keys 0..k-1 then use ranks below their own number of types
+        order = np.argsort(first, kind="stable")
+        rank_of = np.empty_like(order)
+        rank_of[order] = np.arange(len(order))
+        ranks.append(rank_of[inv.reshape(-1)])
+        types.append(uniq[order])
+        n_types.append(np.maximum.accumulate(ranks[-1]) + 1)  # distinct buckets among keys 0..j
+        onehot = np.zeros((T, len(uniq)), np.float32)
+        onehot[np.arange(T), ranks[-1]] = 1.0
+        prefix.append(onehot.cumsum(0))  # [T, U_b]: n_t(X_j)
+        other.append(int(rank_of[np.searchsorted(uniq, K - 1)]) if (uniq == K - 1).any() else -1)
+    spans, span_b, span_j = [], [], []
+    offset = 0
+    for j0 in range(0, T, block):
+        rows = [np.nonzero(qt[b, j0 : j0 + block] >= 0)[0] + j0 for b in range(B)]
+        R = max(len(r) for r in rows)
+        if R == 0:
+            continue
+        k = max(int(r[-1]) + 1 for r in rows if len(r))
+        U = max(int(n_types[b][k - 1]) for b in range(B))
+        rows_p = np.zeros((B, R), np.int64)
+        keep = np.zeros((B, R), bool)
+        counts = np.zeros((B, R, U), np.float32)
+        types_p = np.zeros((B, U), np.int64)
+        w_index = np.zeros((B, R, U), np.int64)
+        for b, r in enumerate(rows):
+            u = int(n_types[b][k - 1])
+            rows_p[b, : len(r)], keep[b, : len(r)] = r, True
+            counts[b, : len(r), :u] = prefix[b][r, :u]
+            types_p[b, :u] = types[b][:u]
+            s = qt[b, r] * K
+            w_index[b, : len(r)] = np.where(counts[b, : len(r)] > 0, s[:, None] + types_p[b][None, :], (s + types[b][0])[:, None])
+            span_b.append(np.full(len(r), b))
+            span_j.append(r)
+        o = np.array([x if 0 <= x < int(n_types[b][k - 1]) else -1 for b, x in enumerate(other)])
+        keep_idx = np.flatnonzero(keep)
+        spans.append(_Span(R, k, U, dev(np.arange(B)[:, None]), dev(rows_p), dev(counts, torch.float32),
+                           dev(counts == 0, torch.float32), dev(w_index.reshape(-1)),
+                           dev(np.stack([r[:k] for r in ranks])), dev(types_p), dev(np.maximum(o, 0)),
+                           dev(o >= 0, torch.float32), dev(keep_idx), offset))
+        offset += len(keep_idx)
+    b_all = np.concatenate(span_b) if span_b else np.zeros(0, np.int64)
+    j_all = np.concatenate(span_j) if span_j else np.zeros(0, np.int64)
+    return QueryPlan(spans, dev(b_all), dev(j_all), dev(qt[b_all, j_all]))
+
+
+def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: Tensor,
+                reads: Tensor | None = None, n_tracked: int | None = None) -> QueryTerms:
+    """z, ẑ and the mixed term at the query rows of ``plan`` (:func:`query_plan`), as :func:`occurrence_terms` gives
+    them at those rows with Â from :func:`mfpipe.ccmf.pair_kernel` (tests tie the two forms).
+
+    ``probs [B, H, T, T]``, ``values [B, H, T, dh]``, ``W [H, N, K]`` one layer's kernel (NaN rows allowed),
+    ``mu [H, K, dh]``, ``reads [B, T, H, dh]`` the model's reads to use as z (default Σ_i A_i v_i). float32 work, in
+    head-major layout ``[H, B, rows, ..]`` (the layout of W's gather; the matmuls batch over (head, window)). With
+    ``n_tracked`` N also ``mixed_tracked``, the mixed sum over the tracked key types (buckets < N) only."""
+    H, N, K = W.shape
+    B, dh = probs.shape[0], values.shape[-1]
+    dt, device = probs.dtype, probs.device
+    W_flat = W.to(dt).reshape(H, N * K)
+    mu = mu.to(dt)
+    P_hb, V_hb = probs.transpose(0, 1), values.to(dt).transpose(0, 1)  # [H, B, T, T], [H, B, T, dh] (views)
+    n = plan.n
+    out = {"zhat": torch.empty(n, H, dh, dtype=dt, device=device), "mixed": torch.empty(n, H, dh, dtype=dt, device=device),
+           "nx": torch.empty(n, H, dtype=dt, device=device), "other": torch.empty(n, H, dtype=dt, device=device),
+           "valid": torch.empty(n, dtype=torch.bool, device=device)}
+    if n_tracked is not None:
+        out["mixed_tracked"] = torch.empty(n, H, dh, dtype=dt, device=device)
+    if reads is None:
+        out["z"] = torch.empty(n, H, dh, dtype=dt, device=device)
+    for sp in plan.spans:
+        R, k, U = sp.R, sp.k, sp.U
+        idx = sp.key_ranks[None, :, None, :].expand(H, B, R, k)
+        P = P_hb[:, sp.window, sp.rows, :k]  # [H, B, R, k] the query rows' attention
+        # Â per key type: n_t(X) W_st / N_X (types not in X_j read a weight of the prefix, times 0)
+        ahat = W_flat.index_select(1, sp.w_index).view(H, B, R, U).mul_(sp.counts)
+        nx = ahat.sum(-1)  # [H, B, R]
+        valid = torch.isfinite(nx).all(0) & (nx > 0).all(0)  # [B, R]
+        ahat.div_(torch.where(valid, nx, torch.ones_like(nx))[..., None])
+        V = V_hb[:, :, :k]
+        res = {"zhat": torch.matmul(ahat, mu[:, sp.types]), "nx": nx, "valid": valid}  # ẑ = Σ_t Â_t μ_t
+        if reads is None:
+            res["z"] = torch.matmul(P, V)
+        A = torch.zeros(H, B, R, U, dtype=dt, device=device).scatter_add_(-1, idx, P)  # A_t: attention per key type
+        res["other"] = A.gather(-1, sp.other[None, :, None, None].expand(H, B, R, 1)).squeeze(-1).mul_(sp.has_other[:, None])
+        # types not in X_j get A_t = 1 (their Â_t is 0): then A_t < _UNDERFLOW flags only the prefix's types
+        A.add_(sp.absent)
+        exact = _exact_mixed_weights(A, ahat, sp, P, idx) if bool(A.amin() < _UNDERFLOW) else None
+        ratio = ahat.div_(A.clamp_min_(_UNDERFLOW))  # Â_t / A_t, in place: ẑ is done
+        mixed_w = ratio.gather(-1, idx).mul_(P)  # Â_t A_i / A_t at each key position i of type t (0 above j: P is)
+        if exact is not None:
+            mixed_w = torch.where(exact[0], exact[1], mixed_w)
+        res["mixed"] = torch.matmul(mixed_w, V)
+        if n_tracked is not None:  # the keys whose bucket is a tracked type (not <bos>, not <other>)
+            tracked_keys = (sp.types.gather(1, sp.key_ranks) < int(n_tracked)).to(dt)  # [B, k]
+            res["mixed_tracked"] = torch.matmul(mixed_w * tracked_keys[None, :, None, :], V)
+        # [H, B, R, ..] -> the span's real rows [r, H, ..], written into the plan's rows
+        rows = slice(sp.offset, sp.offset + sp.keep.shape[0])
+        for key, x in res.items():
+            x = x.movedim(0, 2) if x.dim() > 2 else x  # [B, R, H, ..] (a view)
+            torch.index_select(x.reshape(B * R, *x.shape[2:]), 0, sp.keep, out=out[key][rows])
+    z = reads[plan.b, plan.j].to(dt) if reads is not None else out["z"]
+    return QueryTerms(z, out["zhat"], out["mixed"], out.get("mixed_tracked"), nx=out["nx"], valid=out["valid"],
+                      other=out["other"])
+
+
+def _exact_mixed_weights(A, ahat, sp, P, idx):
+    """occurrence_terms' per-position mixed weight where a prefix type's attention is below _UNDERFLOW (Â_t / A_t
+    would overflow): Â_t A_i / A_t, or Â's own weight Â_t / n_t where A_t = 0. (positions [H, B, R, k] bool, weights)"""
+    H, B, R, k = P.shape
+    causal = torch.arange(k, device=P.device) <= sp.rows[..., None]  # [B, R, k]
+    at = (A < _UNDERFLOW).gather(-1, idx) & causal
+    A_pos, ahat_pos = A.gather(-1, idx), ahat.gather(-1, idx)
+    n_pos = sp.counts.gather(-1, sp.key_ranks[:, None, :].expand(B, R, k))
+    return at, torch.where(A_pos > 0, ahat_pos * P / A_pos.clamp_min(_TINY), ahat_pos / n_pos.clamp_min(1.0))
+
+
 def residual_gram(out_proj_slices: Tensor) -> Tensor:
     """``G_h = O_h O_hᵀ`` ``[H, dh, dh]`` from ``[H, dh, d]``: the residual-stream inner product in head space."""
     o = out_proj_slices.to(torch.float64)
@@ -133,22 +339,46 @@ def deviation_cosine(z: Tensor, zhat: Tensor, G: Tensor | None = None) -> Tensor
 
 
 def meters(terms: OccurrenceTerms, G: Tensor) -> dict[str, Tensor]:
-    """Per occurrence and head ``[B, T, H]`` (float64): ``D``, ``sigma_cov``, ``sigma_ctx``, ``M_cov`` = σ_cov D,
+    """Per occurrence and head ``[..., H]`` (float64): ``D``, ``sigma_cov``, ``sigma_ctx``, ``M_cov`` = σ_cov D,
     ``M_ctx`` = σ_ctx D and ``degenerate`` (bool: e⊥ = 0, shares split evenly). See the module docstring."""
-    z, zhat = terms.z.to(torch.float64), terms.zhat.to(torch.float64)
-    a = z - terms.mixed.to(torch.float64)
-    b = terms.mixed.to(torch.float64) - zhat
+    shape = terms.z.shape[:-1]  # [..., H]
+    m = meters_head_major(stack_head_major(terms), G)
+    return {k: v.transpose(0, 1).reshape(shape) for k, v in m.items()}
+
+
+def stack_head_major(terms: OccurrenceTerms) -> Tensor:
+    """``[3, H, n, dh]`` float64: z, ẑ, mixed of ``[..., H, dh]`` terms (n = the leading axes flattened), head-major
+    so that each head's gram products are one matmul over its n rows (the cast to float64 is this one copy)."""
+    H, dh = terms.z.shape[-2:]
+    X = torch.empty(3, H, terms.z[..., 0, 0].numel(), dh, dtype=torch.float64, device=terms.z.device)
+    for i, x in enumerate((terms.z, terms.zhat, terms.mixed)):
+        X[i].copy_(x.reshape(-1, H, dh).transpose(0, 1))
+    return X
+
+
+def meters_head_major(X: Tensor, G: Tensor) -> dict[str, Tensor]:
+    """:func:`meters` of :func:`stack_head_major`'s ``X [3, H, n, dh]``: each ``[H, n]``. e = z − ẑ, a = z − mixed and
+    b = mixed − ẑ are exact (differences of float32 values in float64); every inner product goes through one of three
+    gram products x G (⟨x, y⟩ = (x G) · y; G symmetric)."""
+    z, zhat, mixed = X
+    G = G.to(X.dtype)
+
+    def dot(x, y):
+        return torch.einsum("hnd,hnd->hn", x, y)
+
+    Gz, Gh = torch.bmm(z, G), torch.bmm(zhat, G)
     e = z - zhat
-    hh = gram_dot(zhat, zhat, G)
-    coef = torch.where(hh > _TINY, gram_dot(e, zhat, G) / hh.clamp_min(_TINY), torch.zeros_like(hh))
-    e_perp = e - coef[..., None] * zhat
-    pp = gram_dot(e_perp, e_perp, G)
-    ee = gram_dot(e, e, G)
+    zz, hh, zh, eh = dot(z, Gz), dot(zhat, Gh), dot(z, Gh), dot(e, Gh)
+    coef = torch.where(hh > _TINY, eh / hh.clamp_min(_TINY), torch.zeros_like(hh))
+    e_perp = torch.addcmul(e, coef[..., None], zhat, value=-1.0)
+    Gp = torch.bmm(e_perp, G)
+    pp = dot(e_perp, Gp)
+    ee = pp + coef * eh  # ⟨e, e⟩ = |e⊥|² + ⟨e, ẑ⟩² / ⟨ẑ, ẑ⟩: two non-negative terms (no cancellation)
     degenerate = pp <= 1e-24 * ee.clamp_min(_TINY)
     safe = torch.where(degenerate, torch.ones_like(pp), pp)
-    s_cov = torch.where(degenerate, torch.full_like(pp, 0.5), gram_dot(a, e_perp, G) / safe)
-    s_ctx = torch.where(degenerate, torch.full_like(pp, 0.5), gram_dot(b, e_perp, G) / safe)
-    D = deviation_cosine(z, zhat, G)
+    s_cov = torch.where(degenerate, torch.full_like(pp, 0.5), dot(z - mixed, Gp) / safe)
+    s_ctx = torch.where(degenerate, torch.full_like(pp, 0.5), dot(mixed - zhat, Gp) / safe)
+    D = 1.0 - zh / (zz * hh).clamp_min(_TINY).sqrt()  # deviation_cosine from the same products
     return {"D": D, "sigma_cov": s_cov, "sigma_ctx": s_ctx, "M_cov": s_cov * D, "M_ctx": s_ctx * D,
             "degenerate": degenerate}
 

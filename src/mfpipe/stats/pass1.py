@@ -88,6 +88,23 @@ class _PairChunk:
     tgt_all: torch.Tensor | None  # [M*H] (compact cell, head) of every (pair, head) in the [U*H] batch buffer
 
 
+
+@contextmanager
+def reducer_threads(n: int | None):
+    """Run a reducer's work on ``n`` torch threads (None: leave torch alone), restoring the caller's setting after:
+    gather / scatter dominated reductions gain little from intra-op threads on CPU, and on a busy machine OpenMP
+    barriers make their many small parallel ops 10-100x slower (the model's forward keeps its own setting)."""
+    prev = torch.get_num_threads()
+    if n is None or n == prev:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     """Accumulates the sums of one shard (or any set of batches) on ``device``.
 
@@ -143,17 +160,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._layers_seen: set[int] = set()
         self._final_seen = False
 
-    @contextmanager
     def _threads(self):
-        n = torch.get_num_threads()
-        if self.cpu_threads is None or n == self.cpu_threads:
-            yield
-            return
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(n)
+        return reducer_threads(self.cpu_threads)
 
     # ------------------------------------------------------------------ per batch, model-free
     def begin_batch(self, kb: np.ndarray | torch.Tensor, qt: np.ndarray | torch.Tensor) -> None:

@@ -4,8 +4,9 @@ type, the mean-field deviation of every context and its covariance / contextuali
 (:mod:`mfpipe.deviation`).
 
 It is a reducer of the shard loop (:func:`mfpipe.stats.shards.accumulate_shard`): one traced forward per batch
-with only the attention probabilities, values and reads selected; per layer the context-conditional kernel Â
-(:func:`mfpipe.ccmf.pair_kernel`), the three reads z, ẑ, mixed, the meters, and scatter-adds over query types.
+with only the attention probabilities, values and reads selected; per layer the three reads z, ẑ, mixed at the
+query positions (:func:`mfpipe.deviation.query_terms`: the context-conditional kernel Â per key type, float32; its
+model-free plan built once per batch), the meters (float64) and scatter-adds over query types.
 Every window belongs to one of two document-interleaved halves (the parity of its first token's document: the
 split-half stability of App. P), so the additive sums carry a leading ``split`` axis of 2.
 
@@ -33,8 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..ccmf import pair_kernel
-from ..deviation import key_type_ranks, meters, occurrence_terms
+from ..deviation import QueryTerms, meters_head_major, query_plan, query_terms, residual_gram, stack_head_major
+from .pass1 import reducer_threads
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
 
@@ -59,8 +60,10 @@ class DeviationAccumulator:
     select = ("attn_probs", "values", "reads")
 
     def __init__(self, W, mu, grams, n: int, context_length: int, halves, device, top_k: int = TOP_K,
-                 other_share_max: float = OTHER_SHARE_MAX):
+                 other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | None = 1):
         self.device = torch.device(device)
+        # like pass 1: the reductions run on `cpu_threads` torch threads on CPU (reducer_threads says why)
+        self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
         self.W = W  # stays where it is (host for big kernels); one layer moved per batch
         self.mu = mu.to(self.device, torch.float32)
         self.grams = grams.to(self.device, torch.float64)
@@ -72,7 +75,7 @@ class DeviationAccumulator:
         self.top_k, self.other_share_max = int(top_k), float(other_share_max)
         dev, f64 = self.device, torch.float64
         self.count = torch.zeros(2, L, self.N, dtype=torch.long, device=dev)
-        # D, M_cov, M_ctx and z, ẑ per layer over a flat (half, type, head) axis: one index_add_ per layer
+        # D, M_cov, M_ctx and z, ẑ per layer over a flat (half, type, head) axis: one index_add_ each per layer
         self.scal = torch.zeros(3, L, 2 * self.N * H, dtype=f64, device=dev)
         self.vec = torch.zeros(2, L, 2 * self.N * H, dh, dtype=f64, device=dev)
         self.vbar_tracked = torch.zeros(L, self.N * H, dh, dtype=f64, device=dev)
@@ -85,48 +88,55 @@ class DeviationAccumulator:
 
     # ------------------------------------------------------------------ reducer protocol
     def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
-        self.kb = torch.as_tensor(kb, device=self.device)
-        self.qt = torch.as_tensor(qt, device=self.device)
-        B, T = self.kb.shape
-        self.ranks = key_type_ranks(self.kb)
+        with reducer_threads(self.cpu_threads):
+            self._begin_batch(kb, qt)
+
+    def on_layer(self, cap) -> None:
+        with reducer_threads(self.cpu_threads):
+            self._on_layer(cap)
+
+    def _begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
+        B, T = np.shape(kb)
+        # the model-free part of every layer's terms: query rows, key types, prefix counts, gather indices
+        self.plan = query_plan(kb, qt, self.K, self.device)
         self.half = self.halves[self.n_windows : self.n_windows + B].to(self.device)
         if self.half.shape[0] != B:
             raise ValueError(f"the shard has {len(self.halves)} windows; batch {B} at window {self.n_windows} overruns it")
-        self.is_other = (self.kb == self.N + 1).to(torch.float32)
+        self.B = B
         self.first_window = self.n_windows
         self.n_windows += B
         self.n_tokens += B * T
 
-    def on_layer(self, cap) -> None:
+    def _on_layer(self, cap) -> None:
         l = cap.layer
-        B, T = self.kb.shape
-        H, N = self.H, self.N
-        probs = cap.attn_probs.float()
-        a, nx, valid = pair_kernel(self.W[l].to(self.device, torch.float32), self.kb, self.qt)
-        terms = occurrence_terms(probs, cap.values.float(), a.transpose(0, 1), self.mu[l], self.kb, reads=cap.reads,
-                                 ranks=self.ranks, n_tracked=N)
-        m = meters(terms, self.grams[l])  # [B,T,H] each
+        B, T, H, N, dh = self.B, self.T, self.H, self.N, self.dh
+        plan = self.plan
+        t = query_terms(plan, cap.attn_probs.float(), cap.values.float(), self.W[l].to(self.device, torch.float32),
+                        self.mu[l], reads=cap.reads, n_tracked=N)  # [n, H, dh] at the batch's query rows
+        valid = t.valid
         if not bool(valid.any()):
             return
-        # scatter-add over (half, query type) of the valid contexts
-        half = self.half[:, None].expand(B, T)[valid]
-        s = self.qt[valid]
+        if not bool(valid.all()):  # rows whose W row is empty in this layer: dropped before the float64 work
+            t = QueryTerms(t.z[valid], t.zhat[valid], t.mixed[valid], t.mixed_tracked[valid], nx=t.nx[valid],
+                           valid=valid[valid], other=t.other[valid])
+        X = stack_head_major(t)  # [3, H, n, dh] float64 z, ẑ, mixed: the meters' input and the sums'
+        m = meters_head_major(X, self.grams[l])  # [H, n] each
+        # scatter-add over (half, query type) of the valid contexts; head-major rows (head, context)
+        half = self.half[plan.b[valid]]
+        s = plan.s[valid]
         self.count[:, l].index_put_((half, s), torch.ones_like(s), accumulate=True)
-        rows = (half * N + s)  # [n] row of the flattened (half, type) axis; heads follow as columns
-        cols = torch.arange(H, device=self.device)
-        flat = (rows[:, None] * H + cols[None, :]).reshape(-1)  # (half, type, head) -> index into [2 * N * H]
-        for i, key in enumerate(("D", "M_cov", "M_ctx")):
-            self.scal[i, l].index_add_(0, flat, m[key][valid].reshape(-1))
-        for i, x in enumerate((terms.z, terms.zhat)):
-            self.vec[i, l].index_add_(0, flat, x[valid].reshape(-1, self.dh).double())
-        nxv = nx.permute(1, 2, 0)[valid]  # [n, H]
-        yb = (terms.mixed_tracked[valid].double() * nxv[..., None].double()).reshape(-1, self.dh)
-        self.vbar_tracked[l].index_add_(0, (s[:, None] * H + cols[None, :]).reshape(-1), yb)
-        self.degenerate[l] += m["degenerate"][valid].sum(0)
+        cols = torch.arange(H, device=self.device)[:, None]
+        flat = ((half * N + s)[None, :] * H + cols).reshape(-1)  # (half, type, head) -> index into [2 * N * H]
+        self.scal[:, l].index_add_(1, flat, torch.stack([m["D"], m["M_cov"], m["M_ctx"]]).reshape(3, -1))
+        self.vec[:, l].index_add_(1, flat, X[:2].reshape(2, -1, dh))  # z, ẑ
+        # N_X Σ_{t<N} Â_t v̄_t = Σ_{t∈X, t<N} W_st n_t v̄_t, head-major rows
+        yb = (t.mixed_tracked.transpose(0, 1).double() * t.nx.T.double()[..., None]).reshape(-1, dh)
+        self.vbar_tracked[l].index_add_(0, (s[None, :] * H + cols).reshape(-1), yb)
+        self.degenerate[l] += m["degenerate"].sum(1)
         # top-deviation contexts (App. P filter: at most other_share_max of the attention on untracked keys)
-        other = torch.matmul(probs, self.is_other[:, None, :, None]).squeeze(-1).transpose(1, 2)  # [B,T,H]
-        ok = valid[:, :, None] & (other <= self.other_share_max)
-        cand = torch.where(ok, m["D"], torch.full_like(m["D"], -torch.inf)).permute(2, 0, 1).reshape(H, B * T)
+        D = torch.where(t.other.T <= self.other_share_max, m["D"], torch.full_like(m["D"], -torch.inf))
+        cand = torch.full((H, B * T), -torch.inf, dtype=D.dtype, device=self.device)
+        cand[:, plan.b[valid] * T + plan.j[valid]] = D
         k = min(self.top_k, B * T)
         v, i = cand.topk(k, dim=1)
         idx = i + self.first_window * T  # window * T + position, windows counted from the shard's first
