@@ -296,7 +296,8 @@ class CountingAdapter:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def capture(self, ids, on_layer, on_final=None):
+    def run(self, ids, select="all", on_layer=None, on_final=None, **kw):
+        # the shard loop's one forward per batch (mfpipe.stats.shards.accumulate_shard calls the adapter's site)
         self.calls += 1
         self.seen.append(ids[:, 1].tolist())
 
@@ -307,7 +308,7 @@ class CountingAdapter:
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected failure mid-shard")
 
-        self.inner.capture(ids, layer, on_final)
+        return self.inner.run(ids, select=select, on_layer=layer, on_final=on_final, **kw)
 
 
 def _shards(tmp_path, n_shards=4, per=3):
