@@ -84,7 +84,8 @@ def main(argv=None) -> None:
     from mfpipe.analysis.substitution import MeanFieldKernel
     from mfpipe.models.adapters import get_adapter
     from mfpipe.stats.buckets import bucket_luts
-    from mfpipe.stats.pass2 import DeviationAccumulator, layer_grams, window_halves
+    from mfpipe.deviation import layer_grams
+    from mfpipe.stats.pass2 import DeviationAccumulator, window_halves
     from mfpipe.stats.shards import accumulate_shard
 
     dev = torch.device(args.device)

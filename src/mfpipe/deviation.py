@@ -286,10 +286,13 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
         mixed_w = ratio.gather(-1, idx).mul_(P)  # Â_t A_i / A_t at each key position i of type t (0 above j: P is)
         if exact is not None:
             mixed_w = torch.where(exact[0], exact[1], mixed_w)
-        res["mixed"] = torch.matmul(mixed_w, V)
-        if n_tracked is not None:  # the keys whose bucket is a tracked type (not <bos>, not <other>)
+        if n_tracked is None:
+            res["mixed"] = torch.matmul(mixed_w, V)
+        else:
+            # the tracked keys' part (not <bos>, not <other>) in the same matmul: mixed_w is read once for both
             tracked_keys = (sp.types.gather(1, sp.key_ranks) < int(n_tracked)).to(dt)  # [B, k]
-            res["mixed_tracked"] = torch.matmul(mixed_w * tracked_keys[None, :, None, :], V)
+            both = torch.matmul(mixed_w, torch.cat([V, V * tracked_keys[None, :, :, None]], dim=-1))
+            res["mixed"], res["mixed_tracked"] = both[..., :dh], both[..., dh:]
         # [H, B, R, ..] -> the span's real rows [r, H, ..], written into the plan's rows
         rows = slice(sp.offset, sp.offset + sp.keep.shape[0])
         for key, x in res.items():
