@@ -47,9 +47,9 @@ MIN_OCCURRENCES = 50  # eq:ddec: S̄ averages over the query types with at least
 _TINY = 1e-30
 # query_terms works on spans of this many positions: a span's keys stop at its last query (causal), so n spans
 # cover about (1 + 1/n) / 2 of the T x T square, at n times the number of ops, and bound the temporaries to
-# [H, B, <= QUERY_BLOCK, T] (at most the size of the attention probabilities). At T = 512 one span was faster on
-# CPU than two (benchmarks/deviation_pass.py).
-QUERY_BLOCK = 512
+# [H, B, <= QUERY_BLOCK, T] (at most the size of the attention probabilities). At T = 512 on CPU two spans took
+# about 10 % less time than one and four no less than two (query_terms alone, GPT-2-small shape, N = 1000).
+QUERY_BLOCK = 256
 # a key type whose attention total A_t is below this takes the exact per-position formula: Â_t / A_t would overflow
 # float32 (Â_t <= 1) and A_t = 0 (every probability of the type underflowed) has its own definition
 _UNDERFLOW = 1e-30
@@ -286,13 +286,15 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
         mixed_w = ratio.gather(-1, idx).mul_(P)  # Â_t A_i / A_t at each key position i of type t (0 above j: P is)
         if exact is not None:
             mixed_w = torch.where(exact[0], exact[1], mixed_w)
-        if n_tracked is None:
-            res["mixed"] = torch.matmul(mixed_w, V)
-        else:
-            # the tracked keys' part (not <bos>, not <other>) in the same matmul: mixed_w is read once for both
-            tracked_keys = (sp.types.gather(1, sp.key_ranks) < int(n_tracked)).to(dt)  # [B, k]
-            both = torch.matmul(mixed_w, torch.cat([V, V * tracked_keys[None, :, :, None]], dim=-1))
-            res["mixed"], res["mixed_tracked"] = both[..., :dh], both[..., dh:]
+        res["mixed"] = torch.matmul(mixed_w, V)
+        if n_tracked is not None:
+            # the tracked keys' part (not <bos>, not <other>): a second matmul over the columns of the smaller of the
+            # two key sets only (the full-width masked product was a third of pass 2's time at N = 1000)
+            tracked = sp.types.gather(1, sp.key_ranks) < int(n_tracked)  # [B, k]
+            if int(tracked.sum(1).max()) <= int((~tracked).sum(1).max()):
+                res["mixed_tracked"] = _keys_part(mixed_w, V, tracked)
+            else:
+                res["mixed_tracked"] = res["mixed"] - _keys_part(mixed_w, V, ~tracked)
         # [H, B, R, ..] -> the span's real rows [r, H, ..], written into the plan's rows
         rows = slice(sp.offset, sp.offset + sp.keep.shape[0])
         for key, x in res.items():
@@ -301,6 +303,21 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
     z = reads[plan.b, plan.j].to(dt) if reads is not None else out["z"]
     return QueryTerms(z, out["zhat"], out["mixed"], out.get("mixed_tracked"), nx=out["nx"], valid=out["valid"],
                       other=out["other"])
+
+
+def _keys_part(mixed_w: Tensor, V: Tensor, keys: Tensor) -> Tensor:
+    """Σ_i mixed_w_i v_i over the key positions where ``keys [B, k]`` (bool) is set, ``[H, B, R, dh]``: those columns
+    gathered, each window's padded to the window with the most (padding weight 0)."""
+    H, B, R, k = mixed_w.shape
+    count = keys.sum(1)  # [B]
+    m = int(count.max())
+    if m == 0:
+        return mixed_w.new_zeros(H, B, R, V.shape[-1])
+    cols = torch.argsort((~keys).to(torch.int8), dim=1, stable=True)[:, :m]  # [B, m] the set's columns first
+    real = (torch.arange(m, device=keys.device) < count[:, None]).to(V.dtype)  # [B, m] 0 on padding
+    w = mixed_w.gather(-1, cols[None, :, None, :].expand(H, B, R, m))
+    v = V.gather(2, cols[None, :, :, None].expand(H, B, m, V.shape[-1])) * real[None, :, :, None]
+    return torch.matmul(w, v)
 
 
 def _exact_mixed_weights(A, ahat, sp, P, idx):
@@ -350,37 +367,39 @@ def meters(terms: OccurrenceTerms, G: Tensor) -> dict[str, Tensor]:
 
 
 def stack_head_major(terms: OccurrenceTerms) -> Tensor:
-    """``[3, H, n, dh]`` float64: z, ẑ, mixed of ``[..., H, dh]`` terms (n = the leading axes flattened), head-major
-    so that each head's gram products are one matmul over its n rows (the cast to float64 is this one copy)."""
+    """``[3, H, dh, n]`` float64: z, ẑ, mixed of ``[..., H, dh]`` terms (n = the leading axes flattened), head-major
+    with the rows last, so that each head's gram product is one ``G @ x`` over its n rows (on CPU about twice as fast
+    as ``x @ G`` in float64) and the inner products reduce over ``dh`` with the rows contiguous (the cast to float64
+    is this one copy)."""
     H, dh = terms.z.shape[-2:]
-    X = torch.empty(3, H, terms.z[..., 0, 0].numel(), dh, dtype=torch.float64, device=terms.z.device)
+    X = torch.empty(3, H, dh, terms.z[..., 0, 0].numel(), dtype=torch.float64, device=terms.z.device)
     for i, x in enumerate((terms.z, terms.zhat, terms.mixed)):
-        X[i].copy_(x.reshape(-1, H, dh).transpose(0, 1))
+        X[i].copy_(x.reshape(-1, H, dh).permute(1, 2, 0))
     return X
 
 
 def meters_head_major(X: Tensor, G: Tensor) -> dict[str, Tensor]:
-    """:func:`meters` of :func:`stack_head_major`'s ``X [3, H, n, dh]``: each ``[H, n]``. e = z − ẑ, a = z − mixed and
-    b = mixed − ẑ are exact (differences of float32 values in float64); every inner product goes through one of three
-    gram products x G (⟨x, y⟩ = (x G) · y; G symmetric)."""
-    z, zhat, mixed = X
+    """:func:`meters` of :func:`stack_head_major`'s ``X [3, H, dh, n]``: each ``[H, n]``.
+
+    Two gram products, G z and G ẑ, give the five inner products ⟨z,z⟩, ⟨z,ẑ⟩, ⟨ẑ,ẑ⟩, ⟨m,z⟩, ⟨m,ẑ⟩ (m the mixed
+    term), and every quantity of the split is a combination of those: with e = z − ẑ, c = ⟨e,ẑ⟩/⟨ẑ,ẑ⟩ and
+    e⊥ = z − (1 + c) ẑ, |e⊥|² = |e|² − c⟨e,ẑ⟩, ⟨a, e⊥⟩ for a = z − m and ⟨b, e⊥⟩ for b = m − ẑ expand bilinearly.
+    In float64 from float32 inputs the expansions lose ~1e-16 of |z|² + |ẑ|² (a relative 1e-16 / D on D, far below
+    the inputs' own precision); e⊥ counts as zero (degenerate: the shares split evenly) below 1e-13 of that."""
     G = G.to(X.dtype)
-
-    def dot(x, y):
-        return torch.einsum("hnd,hnd->hn", x, y)
-
-    Gz, Gh = torch.bmm(z, G), torch.bmm(zhat, G)
-    e = z - zhat
-    zz, hh, zh, eh = dot(z, Gz), dot(zhat, Gh), dot(z, Gh), dot(e, Gh)
+    Gz, Gh = torch.bmm(G, X[0]), torch.bmm(G, X[1])  # [H, dh, n]
+    zz, zh, zm = (X * Gz).sum(2)  # [H, n] each
+    hh, hm = (X[1:] * Gh).sum(2)
+    eh = zh - hh
     coef = torch.where(hh > _TINY, eh / hh.clamp_min(_TINY), torch.zeros_like(hh))
-    e_perp = torch.addcmul(e, coef[..., None], zhat, value=-1.0)
-    Gp = torch.bmm(e_perp, G)
-    pp = dot(e_perp, Gp)
-    ee = pp + coef * eh  # ⟨e, e⟩ = |e⊥|² + ⟨e, ẑ⟩² / ⟨ẑ, ẑ⟩: two non-negative terms (no cancellation)
-    degenerate = pp <= 1e-24 * ee.clamp_min(_TINY)
+    pp = (zz - 2.0 * zh + hh) - coef * eh  # |e⊥|²
+    c1 = 1.0 + coef
+    a_perp = zz - c1 * zh - zm + c1 * hm  # ⟨z − m, z − (1 + c) ẑ⟩
+    b_perp = zm - c1 * hm - zh + c1 * hh  # ⟨m − ẑ, z − (1 + c) ẑ⟩
+    degenerate = pp <= 1e-13 * (zz + hh)
     safe = torch.where(degenerate, torch.ones_like(pp), pp)
-    s_cov = torch.where(degenerate, torch.full_like(pp, 0.5), dot(z - mixed, Gp) / safe)
-    s_ctx = torch.where(degenerate, torch.full_like(pp, 0.5), dot(mixed - zhat, Gp) / safe)
+    s_cov = torch.where(degenerate, torch.full_like(pp, 0.5), a_perp / safe)
+    s_ctx = torch.where(degenerate, torch.full_like(pp, 0.5), b_perp / safe)
     D = 1.0 - zh / (zz * hh).clamp_min(_TINY).sqrt()  # deviation_cosine from the same products
     return {"D": D, "sigma_cov": s_cov, "sigma_ctx": s_ctx, "M_cov": s_cov * D, "M_ctx": s_ctx * D,
             "degenerate": degenerate}

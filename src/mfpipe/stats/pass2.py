@@ -119,8 +119,7 @@ class DeviationAccumulator:
         if not bool(valid.all()):  # rows whose W row is empty in this layer: dropped before the float64 work
             t = QueryTerms(t.z[valid], t.zhat[valid], t.mixed[valid], t.mixed_tracked[valid], nx=t.nx[valid],
                            valid=valid[valid], other=t.other[valid])
-        X = stack_head_major(t)  # [3, H, n, dh] float64 z, ẑ, mixed: the meters' input and the sums'
-        m = meters_head_major(X, self.grams[l])  # [H, n] each
+        m = meters_head_major(stack_head_major(t), self.grams[l])  # [H, n] each
         # scatter-add over (half, query type) of the valid contexts; head-major rows (head, context)
         half = self.half[plan.b[valid]]
         s = plan.s[valid]
@@ -128,7 +127,9 @@ class DeviationAccumulator:
         cols = torch.arange(H, device=self.device)[:, None]
         flat = ((half * N + s)[None, :] * H + cols).reshape(-1)  # (half, type, head) -> index into [2 * N * H]
         self.scal[:, l].index_add_(1, flat, torch.stack([m["D"], m["M_cov"], m["M_ctx"]]).reshape(3, -1))
-        self.vec[:, l].index_add_(1, flat, X[:2].reshape(2, -1, dh))  # z, ẑ
+        # z, ẑ from the context-major terms [n, H, dh]: rows of dh (the fast index_add), (context, head) order
+        zz = torch.stack([t.z, t.zhat]).to(torch.float64).reshape(2, -1, dh)
+        self.vec[:, l].index_add_(1, flat.view(H, -1).T.reshape(-1), zz)
         # N_X Σ_{t<N} Â_t v̄_t = Σ_{t∈X, t<N} W_st n_t v̄_t, head-major rows
         yb = (t.mixed_tracked.transpose(0, 1).double() * t.nx.T.double()[..., None]).reshape(-1, dh)
         self.vbar_tracked[l].index_add_(0, (s[None, :] * H + cols).reshape(-1), yb)
