@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats_pass import benchmark_tracked, build_model, peak_rss_mb, zipf_windows  # noqa: E402
+from stats_pass import add_common_args, benchmark_tracked, peak_rss_mb, setup_model, zipf_windows  # noqa: E402
 
 
 class OneBatch:
@@ -64,36 +64,21 @@ class OneBatch:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2-small-random",
-                    help="gpt2-small-random, mini-gpt2-random, or a checkpoint folder (e.g. a mini-suite step)")
-    ap.add_argument("--n-tracked", type=int, default=1000)
-    ap.add_argument("--context-length", type=int, default=512)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=4, help="timed batches (after one warm-up batch)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_common_args(ap)
     ap.add_argument("--reducer-threads", type=int, default=1,
                     help="torch threads of the pass-2 reductions on CPU (DeviationAccumulator's cpu_threads, default "
                          "1 as in the workflow; 0: the forward's setting)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, profile one more pass-2 batch (torch.profiler) and print its top ops")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     from mfpipe.analysis.substitution import MeanFieldKernel
-    from mfpipe.models.adapters import get_adapter
-    from mfpipe.stats.buckets import bucket_luts
     from mfpipe.deviation import layer_grams
+    from mfpipe.stats.buckets import bucket_luts
     from mfpipe.stats.pass2 import DeviationAccumulator, window_halves
     from mfpipe.stats.shards import accumulate_shard
 
-    dev = torch.device(args.device)
-    model = build_model(args.model, args.device)
-    adapter = get_adapter(model)
-    V = model.config.vocab_size
+    dev, model, adapter, V, bos = setup_model(args)
     B, T, nb = args.batch_size, args.context_length, args.batches + 1 + int(args.profile)
-    bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
     toks, perm = zipf_windows(V, nb * B, T, bos)
     tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
     key_lut, query_lut, n, _ = bucket_luts(tracked)

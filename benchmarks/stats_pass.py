@@ -97,8 +97,8 @@ def build_model(name: str, device: str):
     return load_model({"name": p.name, "source": "local", "path": str(p)}, None, "float32", device)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every corpus-pass benchmark shares (model, N, T, batch, device, threads)."""
     ap.add_argument("--model", default="gpt2-small-random",
                     help="gpt2-small-random, mini-gpt2-random, or a checkpoint folder (e.g. a mini-suite step)")
     ap.add_argument("--n-tracked", type=int, default=1000)
@@ -107,6 +107,24 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, default=4, help="timed batches (after one warm-up batch)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def setup_model(args):
+    """(device, model, adapter, vocabulary size, BOS id) for :func:`add_common_args`' flags; sets torch's threads."""
+    from mfpipe.models.adapters import get_adapter
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    model = build_model(args.model, args.device)
+    V = model.config.vocab_size
+    bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
+    return dev, model, get_adapter(model), V, bos
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
     ap.add_argument("--shard", default=None, help="a corpus shard .npz to take windows from")
     ap.add_argument("--no-partial", action="store_true", help="skip writing / reading the partial")
     ap.add_argument("--save-partial", default=None, help="write the partial (a .zarr folder) here (default: a temp folder)")
@@ -121,19 +139,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.merge_only:
         return merge_only(args.merge_only)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    from mfpipe.models.adapters import get_adapter
     from mfpipe.stats.buckets import bucket_luts, window_buckets
     from mfpipe.stats.pass1 import Accumulator
 
-    dev = torch.device(args.device)
-    model = build_model(args.model, args.device)
-    adapter = get_adapter(model)
-    V = model.config.vocab_size
+    dev, model, adapter, V, bos = setup_model(args)
     B, T, nb = args.batch_size, args.context_length, args.batches + 1
-    bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
     if args.shard:
         toks = np.load(args.shard)["tokens"][: nb * B]
         if toks.shape[0] < nb * B:

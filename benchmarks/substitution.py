@@ -25,33 +25,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats_pass import benchmark_tracked, build_model, peak_rss_mb, zipf_windows  # noqa: E402
+from stats_pass import add_common_args, benchmark_tracked, peak_rss_mb, setup_model, zipf_windows  # noqa: E402
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2-small-random",
-                    help="gpt2-small-random, mini-gpt2-random, or a checkpoint folder (e.g. a mini-suite step)")
-    ap.add_argument("--n-tracked", type=int, default=1000)
-    ap.add_argument("--context-length", type=int, default=512)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=4, help="timed batches (after one warm-up batch)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    add_common_args(ap)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     from mfpipe.analysis.substitution import MeanFieldKernel, substitution_batch
-    from mfpipe.models.adapters import get_adapter
     from mfpipe.stats.buckets import bucket_luts
 
-    dev = torch.device(args.device)
-    model = build_model(args.model, args.device)
-    adapter = get_adapter(model)
-    V = model.config.vocab_size
+    dev, model, adapter, V, bos = setup_model(args)
     B, T, nb = args.batch_size, args.context_length, args.batches + 1
-    bos = model.config.bos_token_id if model.config.bos_token_id is not None else V - 1
     toks, perm = zipf_windows(V, nb * B, T, bos)
     tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
     key_lut, query_lut, n, _ = bucket_luts(tracked)
