@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from substitution import random_kernel  # noqa: E402
 from stats_pass import add_common_args, benchmark_tracked, peak_rss_mb, setup_model, zipf_windows  # noqa: E402
 
 
@@ -71,9 +72,7 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, profile one more pass-2 batch (torch.profiler) and print its top ops")
     args = ap.parse_args(argv)
-    from mfpipe.analysis.substitution import MeanFieldKernel
     from mfpipe.deviation import layer_grams
-    from mfpipe.stats.buckets import bucket_luts
     from mfpipe.stats.pass2 import DeviationAccumulator, window_halves
     from mfpipe.stats.shards import accumulate_shard
 
@@ -81,14 +80,10 @@ def main(argv=None) -> None:
     B, T, nb = args.batch_size, args.context_length, args.batches + 1 + int(args.profile)
     toks, perm = zipf_windows(V, nb * B, T, bos)
     tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
-    key_lut, query_lut, n, _ = bucket_luts(tracked)
-    L, H, dh = adapter.n_layers, adapter.n_heads, adapter.d_head
-    g = torch.Generator().manual_seed(0)
-    W = torch.rand(L, H, n, n + 2, generator=g) + 0.01
-    mu = torch.randn(L, H, n + 2, dh, generator=g)
+    L, H = adapter.n_layers, adapter.n_heads
     # as deviation_shard does: the kernel on the model's device (whole when it fits), grams, halves of the shard
-    kernel = MeanFieldKernel(W, mu, key_lut, query_lut, n).to(dev)
-    del W, mu
+    kernel = random_kernel(adapter, tracked, dev)
+    n = kernel.n
     doc_ids = np.repeat(np.arange(nb * B)[:, None], T, axis=1)  # one document per window
     acc = DeviationAccumulator(kernel.W, kernel.mu, layer_grams(adapter), n, T, window_halves(doc_ids), dev,
                                cpu_threads=args.reducer_threads or None)

@@ -28,23 +28,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stats_pass import add_common_args, benchmark_tracked, peak_rss_mb, setup_model, zipf_windows  # noqa: E402
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap)
-    args = ap.parse_args(argv)
-    from mfpipe.analysis.substitution import MeanFieldKernel, substitution_batch
+def random_kernel(adapter, tracked, device):
+    """A :class:`MeanFieldKernel` of random positive W and random μ for ``tracked`` on ``device`` (timing does not
+    depend on their values; a dense positive W makes every tracked query a valid context: the most work)."""
+    from mfpipe.analysis.substitution import MeanFieldKernel
     from mfpipe.stats.buckets import bucket_luts
 
-    dev, model, adapter, V, bos = setup_model(args)
-    B, T, nb = args.batch_size, args.context_length, args.batches + 1
-    toks, perm = zipf_windows(V, nb * B, T, bos)
-    tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     L, H, dh = adapter.n_layers, adapter.n_heads, adapter.d_head
     g = torch.Generator().manual_seed(0)
     W = torch.rand(L, H, n, n + 2, generator=g) + 0.01
     mu = torch.randn(L, H, n + 2, dh, generator=g)
-    kernel = MeanFieldKernel(W, mu, key_lut, query_lut, n).to(dev)
+    return MeanFieldKernel(W, mu, key_lut, query_lut, n).to(device)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
+    args = ap.parse_args(argv)
+    from mfpipe.analysis.substitution import substitution_batch
+
+    dev, model, adapter, V, bos = setup_model(args)
+    B, T, nb = args.batch_size, args.context_length, args.batches + 1
+    toks, perm = zipf_windows(V, nb * B, T, bos)
+    tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
+    kernel = random_kernel(adapter, tracked, dev)
+    L, H, n = adapter.n_layers, adapter.n_heads, kernel.n
     batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
     cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
 
@@ -97,7 +106,7 @@ def main(argv=None) -> None:
     print(f"  ratio substitution forward / bare forward: {times['substitution'] / times['bare']:.3f}  (goal <= 2)")
     print(f"  ratio substitution job (clean + substituted forward) / bare forward: {times['job'] / times['bare']:.3f}")
     print(f"memory: peak RSS after model + bare forward {rss_bare:.0f} MiB, peak RSS overall {peak_rss_mb():.0f} MiB "
-          f"(kernel W {W.numel() * 4 / 2**20:.0f} MiB)")
+          f"(kernel W {kernel.W.numel() * kernel.W.element_size() / 2**20:.0f} MiB)")
     if dev.type == "cuda":
         print(f"CUDA peak: bare forward {cuda_bare:.0f} MiB, substitution {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
 
