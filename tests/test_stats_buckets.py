@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from test_stats_reference import BOS, tracked_for, zipf_windows
 
@@ -65,6 +66,35 @@ def test_causal_pairs_are_the_prefix_counts_at_each_query():
         for (b, j), c in counts.items():
             np.testing.assert_array_equal(c, dense[b, j])
     assert n_pairs(torch.as_tensor(qt)) == sum(j + 1 for _, j in queries)
+
+
+@pytest.mark.parametrize("pair_chunk", [None, 50])
+def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, pair_chunk):
+    """The statistics pass's plan (pairs from the lower triangle of each window, cells compacted without sorting)
+    enumerates exactly causal_pairs, in its order, and each pair's compact cell names its (query type, key bucket)
+    cell; the compact cells are distinct, and their pair counts are the batch's nbar."""
+    import mfpipe.stats.pass1 as pass1
+
+    if pair_chunk is not None:
+        monkeypatch.setattr(pass1, "PAIR_CHUNK", pair_chunk)  # groups of one window
+    _, tracked, kb, qt = buckets(seed=3, n_windows=6, T=17)
+    N, K, H, T = tracked.n, tracked.n + 2, 3, kb.shape[1]
+    acc = pass1.Accumulator(1, H, 1, 1, N, T)
+    acc.begin_batch(kb, qt)
+    got_b, got_j, got_k, got_cell = [], [], [], []
+    for ch in acc._chunks:
+        assert ch.cells.unique().numel() == ch.cells.numel()
+        got_b.append(ch.gidx // (H * T * T))
+        got_j.append(ch.gidx % (T * T) // T)
+        got_k.append(ch.gidx % T)
+        got_cell.append(ch.cells[ch.pinv])
+    bb, jj, kk = next(causal_pairs(torch.as_tensor(qt), chunk=None))
+    np.testing.assert_array_equal(torch.cat(got_b), bb)
+    np.testing.assert_array_equal(torch.cat(got_j), jj)
+    np.testing.assert_array_equal(torch.cat(got_k), kk)
+    cell = torch.as_tensor(qt)[bb, jj] * K + torch.as_tensor(kb)[bb, kk]
+    np.testing.assert_array_equal(torch.cat(got_cell), cell)
+    np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
 
 
 def test_read_side_does_not_import_torch():

@@ -227,8 +227,8 @@ def test_zero_query_types_are_nan(windows):
 
 
 def test_kernel_reductions_agree(monkeypatch):
-    """One pair chunk per batch with all heads' indices cached, and many small pair chunks with per-layer head
-    groups, give the same sums."""
+    """One pair chunk per batch with the kernel added once per batch, and many small pair chunks (one window each)
+    with each layer's kernel added as it comes, give the same sums."""
     import mfpipe.stats.pass1 as acc_mod
 
     model = make_tiny_model("qwen3", seed=4)
@@ -238,7 +238,7 @@ def test_kernel_reductions_agree(monkeypatch):
     flat = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False)
     with monkeypatch.context() as mp:
         mp.setattr(acc_mod, "PAIR_CHUNK", 37)  # force many pair chunks …
-        mp.setattr(acc_mod, "INDEX_CACHE_MAX", 50)  # … and uncached indices, gathered in head groups
+        mp.setattr(acc_mod, "DEFERRED_SUMS_MAX", 0)  # … and per-layer adds into the kernel sum
         win = accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False)
     for k in flat:
         if np.issubdtype(np.asarray(flat[k]).dtype, np.integer):

@@ -7,8 +7,9 @@ prefix the positions ``0..j``; ``n_t(X_j)`` is the number of keys of bucket ``t`
 
 Two forms of ``n_t(X_j)``, one definition (tests tie them together): :func:`prefix_counts` (dense cumulative
 counts ``[B, T, K]``, what the context-conditional kernel Â_stX of eq:w-def-appendix gathers W rows with)
-and :func:`causal_pairs` (the (query, key <= query) pairs themselves, what the statistics pass sums over
-for ``nbar`` and ``C`` and, in its "flat" mode, for the attention kernel ``P``). numpy at import (the merge and the
+and :func:`causal_pairs` (the (query, key <= query) pairs themselves: what the statistics pass sums over for
+``nbar``, ``C`` and the attention kernel ``P``; the pass enumerates the same pairs, in the same order, from each
+window's lower triangle, tests/test_stats_buckets.py). numpy at import (the merge and the
 stores use the lookups without torch); the torch functions import it when called. Vectorized: no per-position Python loop.
 """
 

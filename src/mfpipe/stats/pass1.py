@@ -13,18 +13,26 @@ vectorized (gather / index_add / bincount over buckets and query types), no per-
 Hot path and precision (issue 13). Everything that depends only on the batch's tokens is planned once per batch
 in :meth:`Accumulator.begin_batch` and shared by all layers:
 
-- the attention kernel: the (query, key <= query) pairs of the batch's tracked queries
-  (:func:`mfpipe.stats.buckets.causal_pairs`, in chunks of ``PAIR_CHUNK``), the flat index of each pair into
-  a layer's ``[B,H,T,T]`` probabilities, and the pair's *compact cell*: the rank of its ``(s, t)`` cell among
-  the distinct cells of the chunk (the same ``torch.unique`` gives ``nbar``: the pairs per cell). Per layer, one
-  gather of every (pair, head) probability and one float32 ``index_add_`` into a small, cache-resident ``[U, H]``
-  buffer (``U`` distinct cells), which is then added once into the kernel sum, held cell-major ``[L, N*K, H]``
-  (the H heads of a cell are one cache line: the scattered add into the 0.6 GB sum touches U lines, not U*H);
+- the attention kernel: the (query, key <= query) pairs of the batch's tracked queries (the lower triangle of
+  each window where the query is tracked, the order of :func:`mfpipe.stats.buckets.causal_pairs`, for groups of
+  windows of at most ``PAIR_CHUNK`` pairs), the flat index of each pair into a layer's ``[B,H,T,T]``
+  probabilities, and the pair's *compact cell*: the rank of its ``(s, t)`` cell among the distinct cells of the
+  chunk, found without sorting (:meth:`Accumulator._compact`; the pairs per compact cell are ``nbar``'s batch
+  part). Per layer and head, one gather of the pairs' probabilities and one float32 ``index_add_`` into a
+  small, cache-resident buffer of the ``U`` distinct cells, kept as that (layer, head)'s column of the batch's
+  ``[U, L*H]`` sums; :meth:`Accumulator.end_batch` adds those once into the kernel sum, held cell-major and
+  layer-minor ``[N*K, L*H]``: the scattered add into the 0.6 GB sum touches U runs of L*H contiguous floats per
+  batch, not U runs per layer (the forward evicts the sum from the cache between layers, so each run costs a
+  miss). Where the batch's sums of all layers would exceed ``DEFERRED_SUMS_MAX`` bytes (models with thousands of
+  heads), each layer's are added as they come;
 - the per-position statistics: the batch's distinct buckets and each position's rank among them. Per layer,
   float32 ``index_add_`` of ``x, (x - c_b)², attn_out, mlp_out, ln1(x), values, reads`` into ``[U_b, ·]`` buffers
   (``U_b`` distinct buckets of the batch; ``c_b`` the batch's bucket mean, ``sum x²`` is restored in float64 as
   ``M2 + S1²/n``, so E[x²] - c² never cancels in float32), each then added once in float64 into its sum over
   the K buckets (one tensor per statistic, so :meth:`Accumulator.sums` hands out views, not copies).
+
+The temporaries of the hot path are reused buffers (:class:`_Scratch`): on CPU a fresh multi-MB tensor is
+page-faulted in on first touch, which on a VM cost as much as the arithmetic of these reductions.
 
 So every floating-point sum is a float32 sum over ONE batch (bounded: at most the batch's positions / pairs of
 one cell), added into the shard's sum once per batch: float64 for the per-position sums (``resid_var`` =
@@ -67,26 +75,40 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .buckets import COOC_WINDOW, PAIR_CHUNK, causal_pairs
+from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
 
-# (pair, head) elements per layer up to which the gather / scatter indices of all heads are built once per batch
-# (16 bytes each); above it they are built per layer, for slices of at most this many elements
-INDEX_CACHE_MAX = 1 << 23
+# bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
+# P at the end of the batch; above it (large models: L*H in the thousands) each layer is added as it comes
+DEFERRED_SUMS_MAX = 1 << 28
 
 
 @dataclass
 class _PairChunk:
-    """One chunk of the batch's (query, key <= query) pairs, planned once per batch for every layer. Head-minor
-    layout throughout: element ``i * H + h`` is head ``h`` of pair (or cell) ``i``."""
+    """The (query, key <= query) pairs of a group of windows, planned once per batch for every layer."""
 
     gidx: torch.Tensor  # [M] flat index of each pair into head 0 of a layer's contiguous [B,H,T,T] probabilities
-    pinv: torch.Tensor  # [M] the pair's compact cell: rank of its (s*K + t) among the chunk's distinct cells
-    cells: torch.Tensor  # [U] the chunk's distinct cells s*K + t (rows of a layer's [N*K, H] kernel sum)
-    cells_all: torch.Tensor  # [U*H] flat index of (cell, head) into a layer's [N*K*H] kernel sum
-    idx_all: torch.Tensor | None  # [M*H] gather index of every (pair, head) (cached when M*H <= INDEX_CACHE_MAX)
-    tgt_all: torch.Tensor | None  # [M*H] (compact cell, head) of every (pair, head) in the [U*H] batch buffer
+    pinv: torch.Tensor  # [M] the pair's compact cell: its rank among the chunk's distinct cells
+    cells: torch.Tensor  # [U] the chunk's distinct cells s*K + t (rows of the [N*K, L*H] kernel sum)
+    sums: torch.Tensor | None  # [U, L*H] the batch's sums of the chunk's cells (all layers; filled by _kernel), or
+    # None: each layer's sums go into P at once (DEFERRED_SUMS_MAX)
 
+
+class _Scratch:
+    """Reusable work buffers, one per name, grown when a larger one is asked for. On CPU a fresh tensor of a few MB
+    comes from mmap and is page-faulted in on first touch (on a VM that cost is close to the arithmetic of the
+    reductions themselves), so the per-batch temporaries of the hot path live here instead."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            buf = torch.empty(max(int(n), 1), dtype=dtype, device=self.device)
+            self._bufs[name] = buf
+        return buf[:n]
 
 
 @contextmanager
@@ -138,14 +160,18 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
         L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
         i64 = dict(dtype=torch.int64, device=dev)
-        # per-position sums, float64, one tensor per statistic (sums() hands them out without copies)
+        # per-position sums, float64, one tensor per statistic (sums() hands them out without copies); the residual
+        # and its square have depth L + 1 (l = L: the final residual before the last norm)
+        self._cols = {"resid": d, "attn_out": d, "mlp_out": d}
+        if attn_input_norm is not None:
+            self._cols["ln_in"] = d
+        self._cols.update({"values": H * dh, "reads": H * dh})
         f64 = dict(dtype=torch.float64, device=dev)
-        self.pos = {"resid": torch.zeros(L + 1, K, d, **f64), "resid_sq": torch.zeros(L + 1, K, d, **f64),
-                    "attn_out": torch.zeros(L, K, d, **f64), "mlp_out": torch.zeros(L, K, d, **f64),
-                    "ln_in": torch.zeros(L, K, d, **f64), "values": torch.zeros(L, K, H * dh, **f64),
-                    "reads": torch.zeros(L, K, H * dh, **f64)}
-        # kernel sums, cell-major: row s*K + t holds the H heads' sums (see the module docstring)
-        self.P = torch.zeros(L, N * K, H, dtype=torch.float32, device=dev)
+        self.pos = {name: torch.zeros(L + (name == "resid"), K, width, **f64) for name, width in self._cols.items()}
+        self.pos["resid_sq"] = torch.zeros(L + 1, K, d, **f64)
+        # kernel sums, cell-major and layer-minor: row s*K + t holds the L*H (layer, head) sums of that cell (see the
+        # module docstring)
+        self.P = torch.zeros(N * K, L * H, dtype=torch.float32, device=dev)
         self.nbar = torch.zeros(N * K, **i64)
         self.ctx = torch.zeros(N * K, **i64)
         self.cooc = torch.zeros(N * K, **i64)
@@ -159,6 +185,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._ub: torch.Tensor | None = None  # [U_b] the batch's distinct buckets (sorted)
         self._layers_seen: set[int] = set()
         self._final_seen = False
+        self._scratch = _Scratch(dev)
+        # the (query j, key k <= j) pairs of one window, row-major (tests: the order of causal_pairs)
+        tri_j, tri_k = torch.tril_indices(T, T, device=dev)
+        self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
+        self._lut = torch.empty(N * K, **i64)  # compaction scratch: cell -> one of its pairs (see _compact)
 
     def _threads(self):
         return reducer_threads(self.cpu_threads)
@@ -189,26 +220,36 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.key_count += torch.bincount(kbf, minlength=K)
         self.position_count += qmask.sum(0)
         arangeT = torch.arange(T, device=dev)
-        heads = torch.arange(H, device=dev)
 
-        # n_t(X) and C_st from the (query j, key k <= j) pairs of the batch (mfpipe.stats.buckets): nbar[s,t] counts
-        # the pairs with a type-s query and a bucket-t key; C[s,t] the same over the first key of each bucket in its
-        # window. The same pairs, with their compact cells, are the plan of the attention-kernel reduction.
+        # n_t(X) and C_st from the (query j, key k <= j) pairs of the batch: nbar[s,t] counts the pairs with a
+        # type-s query and a bucket-t key; C[s,t] the same over the first key of each bucket in its window. The
+        # pairs are the lower triangle of each window where the query is tracked (the order of
+        # mfpipe.stats.buckets.causal_pairs), taken for groups of windows of at most PAIR_CHUNK pairs; with their
+        # compact cells they are the plan of the attention-kernel reduction.
         firstpos = torch.full((B, K), T, dtype=torch.int64, device=dev)
         firstpos.scatter_reduce_(1, kb, arangeT.expand(B, T), reduce="amin")
         first = firstpos.gather(1, kb) == arangeT  # [B,T]: first position of its bucket in the window
+        tri_j, tri_k, tri = self._tri_j, self._tri_k, self._tri
+        n_tri = tri.numel()
+        group = max(1, PAIR_CHUNK // n_tri)
         chunks = []
-        heads = torch.arange(H, device=dev)
-        for bb, jj, kk in causal_pairs(qt, chunk=PAIR_CHUNK):
-            cells, pinv, cnt = torch.unique(qt[bb, jj] * K + kb[bb, kk], return_inverse=True, return_counts=True)
-            self.nbar.index_add_(0, cells, cnt)
-            self.ctx.index_add_(0, cells, torch.bincount(pinv[first[bb, kk]], minlength=cells.numel()))
-            gidx = ((bb * H) * T + jj) * T + kk
-            cells_all = (cells[:, None] * H + heads).reshape(-1)
-            idx_all = tgt_all = None
-            if H * gidx.numel() <= INDEX_CACHE_MAX:
-                idx_all, tgt_all = self._pair_index(gidx, pinv, heads)
-            chunks.append(_PairChunk(gidx, pinv, cells, cells_all, idx_all, tgt_all))
+        for b0 in range(0, B, group):
+            b1 = min(B, b0 + group)
+            qj = qt[b0:b1].index_select(1, tri_j)  # [windows, n_tri] query type of each triangle pair
+            keep = (qj >= 0).view(-1).nonzero().squeeze(1)  # the pairs whose query is tracked
+            if not keep.numel():
+                continue
+            pc = qj.mul_(K).add_(kb[b0:b1].index_select(1, tri_k)).view(-1).index_select(0, keep)  # cell s*K+t
+            pinv, cells = self._compact(pc)
+            self.nbar.index_add_(0, cells, torch.bincount(pinv, minlength=cells.numel()))
+            fk = first[b0:b1].index_select(1, tri_k).view(-1).index_select(0, keep)
+            self.ctx.index_add_(0, cells, torch.bincount(pinv[fk], minlength=cells.numel()))
+            win = torch.div(keep, n_tri, rounding_mode="floor")
+            gidx = (win + b0).mul_(H * T * T).add_(tri.index_select(0, keep - win * n_tri))
+            chunks.append(_PairChunk(gidx, pinv, cells, None))
+        if 4 * self.L * H * sum(ch.cells.numel() for ch in chunks) <= DEFERRED_SUMS_MAX:
+            for i, ch in enumerate(chunks):
+                ch.sums = self._scratch.get(f"sums{i}", ch.cells.numel() * self.L * H, torch.float32).view(-1, self.L * H)
         self._chunks = chunks
 
         # ±w co-occurrence: for each query position j (tracked, j >= 1), the buckets at j±1..j±w in the window
@@ -221,50 +262,63 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             cells = (qt[:, :, None] * K + nb)[ok]
             self.cooc.index_add_(0, cells, torch.ones_like(cells))
 
+    def _compact(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank of each element's value among the distinct values, the distinct values) of cell indices ``c [M]``
+        (values < N*K), without sorting: every element writes its position into a cell-indexed table, the element
+        whose position survives represents its cell, and the representatives are ranked in order of position. Which
+        element survives a duplicate write does not matter (each cell reads back one consistent representative), and
+        the per-cell sums do not depend on the ranks' order."""
+        M = c.numel()
+        pos = torch.arange(M, device=c.device)
+        self._lut.scatter_(0, c, pos)
+        rep = self._lut.index_select(0, c)  # [M] the representative element of each element's cell
+        is_rep = rep == pos
+        rank = torch.cumsum(is_rep, 0).sub_(1)
+        return rank.index_select(0, rep), c.index_select(0, is_rep.nonzero().squeeze(1))
+
     # ------------------------------------------------------------------ adapter callbacks
     def on_layer(self, cap) -> None:
         """Reduce one layer's :class:`~mfpipe.models.adapters.LayerCapture` into the sums."""
         with self._threads():
             self._on_layer(cap)
 
-    def _pair_index(self, gidx: torch.Tensor, pinv: torch.Tensor, heads: torch.Tensor):
-        """(gather index into a layer's flat probabilities, scatter index into the [U*H] cell buffer) of every
-        (pair, head), head-minor."""
-        T, H = self.T, self.H
-        return (gidx[:, None] + heads * (T * T)).reshape(-1), (pinv[:, None] * H + heads).reshape(-1)
-
     def _kernel(self, l: int, probs: torch.Tensor) -> None:
-        """P[l] += the batch's attention probabilities summed by (query type, key bucket, head): one gather of every
-        (pair, head) probability and one float32 ``index_add_`` into the chunk's compact [U*H] cell buffer (small,
-        cache-resident), which is added once into the kernel sum. Head-minor layout, so that last scattered add
-        touches one run of H contiguous floats per cell (one cache line), not H lines 4 N K bytes apart."""
+        """Layer ``l``'s attention probabilities summed by (query type, key bucket, head) over the batch. Per head,
+        one gather of the pairs' probabilities (the pair index plus the head's offset: no per-head index is built or
+        streamed) and one float32 ``index_add_`` into that head's row of a small, cache-resident [H, U] buffer;
+        the buffer goes into the layer's columns of the chunk's [U, L*H] batch sums, which :meth:`end_batch` adds
+        into the kernel sum once for all layers."""
         H = self.H
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
-        heads = None
+        pf = pf.to(torch.float32)
+        hstride = self.T * self.T
+        scratch = self._scratch
         for ch in self._chunks:
-            M = ch.pinv.numel()
-            buf = torch.zeros(ch.cells.numel() * H, dtype=torch.float32, device=pf.device)  # this batch's sums
-            if ch.idx_all is not None:
-                buf.index_add_(0, ch.tgt_all, pf.index_select(0, ch.idx_all).to(torch.float32))
-            else:  # large chunk: slices of <= INDEX_CACHE_MAX (pair, head) elements
-                heads = torch.arange(H, device=pf.device) if heads is None else heads
-                step = max(1, INDEX_CACHE_MAX // H)
-                for a in range(0, M, step):
-                    idx, tgt = self._pair_index(ch.gidx[a : a + step], ch.pinv[a : a + step], heads)
-                    buf.index_add_(0, tgt, pf.index_select(0, idx).to(torch.float32))
-            self.P[l].view(-1).index_add_(0, ch.cells_all, buf)
+            M, U = ch.pinv.numel(), ch.cells.numel()
+            buf = scratch.get("kbuf", H * U, torch.float32).zero_().view(H, U)  # this batch's sums, head-major
+            vals = scratch.get("kval", M, torch.float32)
+            for h in range(H):  # head h of pair i is element gidx[i] + h*T*T; its cell sum is buf[h, pinv[i]]
+                torch.index_select(pf[h * hstride :], 0, ch.gidx, out=vals)
+                buf[h].index_add_(0, ch.pinv, vals)
+            if ch.sums is not None:
+                ch.sums[:, l * H : (l + 1) * H].copy_(buf.t())
+            else:
+                self.P[:, l * H : (l + 1) * H].index_add_(0, ch.cells, buf.t())
 
-    def _moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float64 ``(sum x, sum x²)`` over the batch's buckets of float32 rows ``x [B*T, d]``. The square is summed
-        around the batch's bucket mean in float32 and shifted back in float64 (``sum x² = M2 + S1²/n``), so its
-        float32 error is relative to the spread, not to ``c²``: E[x²] - c² then cancels exactly in float64."""
-        kinv = self._kinv
-        U = self._ub.numel()
-        s1 = torch.zeros(U, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, kinv, x)
-        xc = x - (s1 / self._ub_count32[:, None]).index_select(0, kinv)
-        m2 = torch.zeros_like(s1).index_add_(0, kinv, xc * xc)
-        s1 = s1.to(torch.float64)
-        return s1, m2.to(torch.float64) + s1 * s1 / self._ub_count64[:, None]
+    def _square_sum(self, x: torch.Tensor, s1: torch.Tensor) -> torch.Tensor:
+        """Float64 ``sum x²`` over the batch's buckets of float32 rows ``x [B*T, d]`` whose float32 bucket sums are
+        ``s1 [U_b, d]``. The square is summed around the batch's bucket mean in float32 and shifted back in float64
+        (``sum x² = M2 + S1²/n``), so its float32 error is relative to the spread, not to ``c²``: E[x²] - c² then
+        cancels exactly in float64."""
+        kinv, scratch = self._kinv, self._scratch
+        BT, d = x.shape
+        U = s1.shape[0]
+        xc = torch.index_select(s1 / self._ub_count32[:, None], 0, kinv,
+                                out=scratch.get("xc", BT * d, torch.float32).view(BT, d))
+        torch.sub(x, xc, out=xc).square_()
+        m2 = scratch.get("m2", U * d, torch.float32).view(U, d).zero_().index_add_(0, kinv, xc)
+        s64 = s1.to(torch.float64)
+        return s64.mul_(s64 / self._ub_count64[:, None]).add_(m2)
 
     def _on_layer(self, cap) -> None:
         l = int(cap.layer)
@@ -277,27 +331,24 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             raise StatsError(f"layer {l}: attention probabilities have shape {tuple(probs.shape)}, expected {(B, H, T, T)}")
         self._kernel(l, probs)
 
-        # per-position sums: float32 sums over the batch's distinct buckets (one contiguous buffer per statistic:
-        # index_add_ into column slices of one wide buffer is 3x slower), then once into the float64 sums
-        kinv, ub = self._kinv, self._ub
-        BT = kinv.numel()
-        f32 = torch.float32
-        pos = self.pos
-
-        def add(name, x):
-            x = x.reshape(BT, -1).to(f32)
-            part = torch.zeros(ub.numel(), x.shape[1], dtype=f32, device=kinv.device).index_add_(0, kinv, x)
-            pos[name][l].index_add_(0, ub, part.to(torch.float64))
-
-        s1, s2 = self._moments(cap.resid_in.reshape(BT, d).to(f32))
-        pos["resid"][l].index_add_(0, ub, s1)
-        pos["resid_sq"][l].index_add_(0, ub, s2)
-        add("attn_out", cap.attn_out)
-        add("mlp_out", cap.mlp_out)
-        if self.attn_input_norm is not None:
-            add("ln_in", self.attn_input_norm(l, cap.resid_in))
-        add("values", cap.values.permute(0, 2, 1, 3))
-        add("reads", cap.reads)
+        # per-position sums: per statistic, a float32 sum over the batch's distinct buckets (one index_add_ of the
+        # [B*T, width] rows), then added once into its float64 sum
+        kinv, ub, scratch = self._kinv, self._ub, self._scratch
+        BT, U = kinv.numel(), ub.numel()
+        parts = {"resid": cap.resid_in, "attn_out": cap.attn_out, "mlp_out": cap.mlp_out,
+                 "values": cap.values.permute(0, 2, 1, 3), "reads": cap.reads}
+        if "ln_in" in self._cols:
+            parts["ln_in"] = self.attn_input_norm(l, cap.resid_in)
+        for name, t in parts.items():
+            c = self._cols[name]
+            if t.is_contiguous() and t.dtype == torch.float32:
+                x = t.view(BT, c)
+            else:  # values are head-major [B,H,T,dh]: rows [B*T, H*dh] into a reused buffer
+                x = scratch.get("posx", BT * c, torch.float32).view(t.shape).copy_(t).view(BT, c)
+            part = scratch.get("posu", U * c, torch.float32).view(U, c).zero_().index_add_(0, kinv, x)
+            if name == "resid":
+                self.pos["resid_sq"][l].index_add_(0, ub, self._square_sum(x, part))
+            self.pos[name][l].index_add_(0, ub, scratch.get("posu64", U * c, torch.float64).view(U, c).copy_(part))
         self._layers_seen.add(l)
 
     def on_final(self, resid: torch.Tensor) -> None:
@@ -305,18 +356,24 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._on_final(resid)
 
     def _on_final(self, resid: torch.Tensor) -> None:
-        kinv, d = self._kinv, self.d
-        s1, s2 = self._moments(resid.reshape(kinv.numel(), d).to(torch.float32))
-        self.pos["resid"][self.L].index_add_(0, self._ub, s1)
-        self.pos["resid_sq"][self.L].index_add_(0, self._ub, s2)
+        kinv, ub, d = self._kinv, self._ub, self.d
+        x = resid.reshape(kinv.numel(), d).to(torch.float32)
+        s1 = torch.zeros(ub.numel(), d, dtype=torch.float32, device=x.device).index_add_(0, kinv, x)
+        self.pos["resid_sq"][self.L].index_add_(0, ub, self._square_sum(x, s1))
+        self.pos["resid"][self.L].index_add_(0, ub, s1.to(torch.float64))
         self._final_seen = True
 
     def end_batch(self) -> None:
+        """Check that every layer and the final residual came, and add the batch's kernel sums into P."""
         if len(self._layers_seen) != self.L or not self._final_seen:
             raise StatsError(
                 f"the capture delivered layers {sorted(self._layers_seen)} and final={self._final_seen}; "
                 f"expected all {self.L} layers and the final residual"
             )
+        with self._threads():
+            for ch in self._chunks:  # the batch's kernel sums, all layers at once: one run of L*H floats per cell
+                if ch.sums is not None:
+                    self.P.index_add_(0, ch.cells, ch.sums)
         self._chunks = []
         self._kinv = self._ub = None
 
@@ -330,9 +387,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         def np_(t):
             return t.detach().cpu().numpy()
 
-        pos = {k: np_(v) for k, v in self.pos.items()}  # views of the CPU accumulators, no copies
-        resid = pos["resid"]
-        ln_in = pos["ln_in"] if self.attn_input_norm is not None else np.full((L, K, d), np.nan)
+        col = {name: np_(t) for name, t in self.pos.items()}  # views of the CPU accumulators, no copies
+        resid = col["resid"]
+        ln_in = col["ln_in"] if "ln_in" in col else np.full((L, K, d), np.nan)
         return {
             "n_windows": np.asarray(self.n_windows, dtype=np.int64),
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
@@ -341,14 +398,14 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "position_count": np_(self.position_count),
             "context_count": np_(self.ctx).reshape(N, K),
             "cooc": np_(self.cooc).reshape(N, K),
-            "P_sum": np_(self.P).reshape(L, N, K, H).transpose(0, 3, 1, 2),  # a view [L, H, N, K]
+            "P_sum": np_(self.P).reshape(N, K, L, H).transpose(2, 3, 0, 1),  # a view [L, H, N, K]
             "nbar_sum": np_(self.nbar).reshape(N, K),
             "resid_sum": resid,
-            "resid_sq_sum": pos["resid_sq"],
-            "attn_out_sum": pos["attn_out"],
-            "resid_mid_sum": resid[:L] + pos["attn_out"],  # resid_mid = resid_in + attn_out (the adapter's definition)
-            "mlp_out_sum": pos["mlp_out"],
+            "resid_sq_sum": col["resid_sq"],
+            "attn_out_sum": col["attn_out"],
+            "resid_mid_sum": resid[:L] + col["attn_out"],  # resid_mid = resid_in + attn_out (the adapter's definition)
+            "mlp_out_sum": col["mlp_out"],
             "ln_in_sum": ln_in,
-            "value_sum": pos["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
-            "read_sum": pos["reads"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
+            "value_sum": col["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
+            "read_sum": col["reads"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
         }
