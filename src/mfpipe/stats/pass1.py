@@ -241,9 +241,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 continue
             pc = qj.mul_(K).add_(kb[b0:b1].index_select(1, tri_k)).view(-1).index_select(0, keep)  # cell s*K+t
             pinv, cells = self._compact(pc)
-            self.nbar.index_add_(0, cells, torch.bincount(pinv, minlength=cells.numel()))
-            fk = first[b0:b1].index_select(1, tri_k).view(-1).index_select(0, keep)
-            self.ctx.index_add_(0, cells, torch.bincount(pinv[fk], minlength=cells.numel()))
+            U = cells.numel()
+            fk = first[b0:b1].index_select(1, tri_k).view(-1).index_select(0, keep)  # the key is its bucket's first
+            by_first = torch.bincount(torch.add(fk, pinv, alpha=2), minlength=2 * U).view(U, 2)  # [U, (later, first)]
+            self.ctx.index_add_(0, cells, by_first[:, 1])
+            self.nbar.index_add_(0, cells, by_first.sum(1))
             win = torch.div(keep, n_tri, rounding_mode="floor")
             gidx = (win + b0).mul_(H * T * T).add_(tri.index_select(0, keep - win * n_tri))
             chunks.append(_PairChunk(gidx, pinv, cells, None))
