@@ -14,7 +14,8 @@ from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 from mfpipe.analysis import deviation_pass as DP
 from mfpipe.analysis import substitution as SU
 from mfpipe.ccmf import pair_kernel
-from mfpipe.deviation import corpus_deviation, meters, occurrence_terms, query_plan, query_terms
+from mfpipe.deviation import corpus_deviation, meters, occurrence_terms
+from mfpipe.deviation_queries import query_plan, query_terms
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.buckets import window_buckets

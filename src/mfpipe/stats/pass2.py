@@ -5,7 +5,7 @@ type, the mean-field deviation of every context and its covariance / contextuali
 
 It is a reducer of the shard loop (:func:`mfpipe.stats.shards.accumulate_shard`): one traced forward per batch
 with only the attention probabilities, values and reads selected; per layer the three reads z, ẑ, mixed at the
-query positions (:func:`mfpipe.deviation.query_terms`: the context-conditional kernel Â per key type, float32; its
+query positions (:func:`mfpipe.deviation_queries.query_terms`: the context-conditional kernel Â per key type, float32; its
 model-free plan built once per batch), the meters (float64) and scatter-adds over query types.
 Every window belongs to one of two document-interleaved halves (the parity of its first token's document: the
 split-half stability of App. P), so the additive sums carry a leading ``split`` axis of 2.
@@ -34,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..deviation import QueryTerms, meters_head_major, query_plan, query_terms, residual_gram, stack_head_major
+from ..deviation import meters_head_major, residual_gram, stack_head_major
+from ..deviation_queries import QueryTerms, query_plan, query_terms
 from .pass1 import reducer_threads
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
