@@ -135,6 +135,10 @@ def main(argv=None) -> None:
                     help="also estimate the partial of a full shard of W windows: its model-free counts measured on W "
                          "windows, its float sums synthetic (random float32 / float64 values on exactly the cells and "
                          "buckets those windows reach), written as a partial whose size on disk is printed")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print where the statistics pass's own time goes (CPU time of the reducer's stages: the "
+                         "model-free plan, per layer the kernel and the per-position sums, the final residual, the "
+                         "kernel's once-per-batch add), per timed batch")
     ap.add_argument("--merge-only", nargs="+", default=None, help=argparse.SUPPRESS)  # the --merge child process
     args = ap.parse_args(argv)
     if args.merge_only:
@@ -186,6 +190,8 @@ def main(argv=None) -> None:
     acc_mb = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) / 2**20
     del tensors  # no reference may outlive `del acc` below (N = 4000: 11 GB of accumulators)
 
+    stages = instrument(acc) if args.breakdown else None
+
     def stats(ids, chunk):
         kb, qt = window_buckets(chunk, key_lut, query_lut, n)
         acc.begin_batch(kb, qt)
@@ -202,6 +208,8 @@ def main(argv=None) -> None:
             sync()
             if i > 0:  # batch 0 is the warm-up
                 times[name] += time.perf_counter() - t0
+        if i == 0 and stages is not None:
+            stages.update(dict.fromkeys(stages, 0.0))
     sync()
     t0 = time.perf_counter()
     sums = acc.sums()
@@ -217,6 +225,14 @@ def main(argv=None) -> None:
         print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
     print(f"  ratio stats / bare forward: {times['stats'] / times['bare']:.3f}  (issue 13 goals: <= 1.15 GPT-2 small N=1000 T=512, <= 1.5 mini models T=64)")
     print(f"  of which the once-per-shard device->host copy of the sums: {t_sums:.2f} s")
+    if stages is not None:
+        per = {k: v / args.batches * 1e3 for k, v in stages.items()}
+        L = adapter.n_layers
+        print(f"  reducer CPU time per batch (ms; thread time, excludes the forward): plan {per['plan']:.1f}, "
+              f"kernel {per['kernel']:.1f} ({per['kernel'] / L:.2f}/layer), per-position sums {per['positions']:.1f} "
+              f"({per['positions'] / L:.2f}/layer), final residual {per['final']:.1f}, kernel add {per['flush']:.1f}; "
+              f"total {sum(per.values()):.1f} = {sum(per.values()) / 1e3 / (times['bare'] / args.batches):.3f} of a bare "
+              "forward's wall time")
     peak = peak_rss_mb()
     print(f"memory: accumulators {acc_mb:.0f} MiB on {dev}; sums in memory {part_mb:.0f} MiB; peak RSS bare forward "
           f"(model + bare forward) {rss_bare_peak:.0f} MiB, stats pass {peak:.0f} MiB (+{peak - rss_bare_peak:.0f} MiB, "
@@ -263,6 +279,31 @@ def main(argv=None) -> None:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
     print(f"check: max |row sum of P - 1| = {ok:.2e}")
+
+
+def instrument(acc) -> dict:
+    """Wrap the reducer's stages with thread-CPU-time counters (a dict filled as batches run): ``plan``
+    (begin_batch), ``kernel`` (per layer), ``positions`` (the rest of on_layer), ``final`` (on_final), ``flush``
+    (end_batch: the batch's kernel sums into P). On CPU the reducer runs on the calling thread, so its thread time
+    is its own cost, apart from the machine's noise in the forward."""
+    stages = {"plan": 0.0, "kernel": 0.0, "positions": 0.0, "final": 0.0, "flush": 0.0}
+
+    def timed(fn, name, minus=None):
+        def run(*a, **k):
+            t0 = time.thread_time()
+            before = stages[minus] if minus else 0.0
+            out = fn(*a, **k)
+            inner = (stages[minus] - before) if minus else 0.0
+            stages[name] += time.thread_time() - t0 - inner
+            return out
+        return run
+
+    acc._kernel = timed(acc._kernel, "kernel")
+    acc.begin_batch = timed(acc.begin_batch, "plan")
+    acc.on_layer = timed(acc.on_layer, "positions", minus="kernel")
+    acc.on_final = timed(acc.on_final, "final")
+    acc.end_batch = timed(acc.end_batch, "flush")
+    return stages
 
 
 def merge_only(paths: list[str]) -> None:
