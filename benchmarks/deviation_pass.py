@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from substitution import random_kernel  # noqa: E402
-from stats_pass import add_common_args, benchmark_tracked, peak_rss_mb, setup_model, zipf_windows  # noqa: E402
+from stats_pass import (add_common_args, benchmark_tracked, interleaved_times, peak_rss_mb, setup_model,  # noqa: E402
+                        zipf_windows)
 
 
 class OneBatch:
@@ -114,15 +115,7 @@ def main(argv=None) -> None:
         sync()
         cuda_bare = torch.cuda.max_memory_allocated() / 2**20
         torch.cuda.reset_peak_memory_stats()
-    times = {"bare": 0.0, "capture": 0.0, "pass2": 0.0}
-    for i, chunk in enumerate(batches[: args.batches + 1]):
-        for name, fn in (("bare", bare), ("capture", capture), ("pass2", pass2)):
-            sync()
-            t0 = time.perf_counter()
-            fn(chunk)
-            sync()
-            if i > 0:  # batch 0 is the warm-up
-                times[name] += time.perf_counter() - t0
+    times = interleaved_times(batches[: args.batches + 1], {"bare": bare, "capture": capture, "pass2": pass2}, sync)
     t0 = time.perf_counter()
     sums = acc.sums()
     t_sums = time.perf_counter() - t0

@@ -104,9 +104,34 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n-tracked", type=int, default=1000)
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--batches", type=int, default=4, help="timed batches (after one warm-up batch)")
+    ap.add_argument("--batches", type=int, default=6,
+                    help="timed batches (after one warm-up batch); a multiple of 3 puts each timed form in each place "
+                         "of the rotating order equally often")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def interleaved_times(batches, forms, sync=lambda: None, after_warmup=None) -> dict:
+    """Wall time of each form ``name -> fn(batch)`` summed over ``batches[1:]`` (``batches[0]`` is the warm-up), the
+    forms run batch by batch on the same batch so that a slow spell of the machine hits them alike. Their order is
+    rotated from batch to batch: in a fixed order the form run right after another one was measured 5-18 % slower
+    than the same form run first (GPT-2 small on this 2-core VM), which a fixed order would charge to one form
+    every time; with a number of timed batches that is a multiple of the number of forms each form runs in each
+    place equally often. ``after_warmup()`` is called once the warm-up batch is done."""
+    forms = list(forms.items())
+    times = dict.fromkeys((name for name, _ in forms), 0.0)
+    for i, batch in enumerate(batches):
+        k = i % len(forms)
+        for name, fn in forms[k:] + forms[:k]:
+            sync()
+            t0 = time.perf_counter()
+            fn(batch)
+            sync()
+            if i > 0:
+                times[name] += time.perf_counter() - t0
+        if i == 0 and after_warmup is not None:
+            after_warmup()
+    return times
 
 
 def setup_model(args):
@@ -198,18 +223,10 @@ def main(argv=None) -> None:
         adapter.capture(ids, acc.on_layer, acc.on_final)
         acc.end_batch()
 
-    times = {"bare": 0.0, "capture": 0.0, "stats": 0.0}
-    for i, chunk in enumerate(batches):
-        ids = torch.as_tensor(chunk.astype(np.int64), device=dev)
-        for name, fn in (("bare", lambda: bare(ids)), ("capture", lambda: noop(ids)), ("stats", lambda: stats(ids, chunk))):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if i > 0:  # batch 0 is the warm-up
-                times[name] += time.perf_counter() - t0
-        if i == 0 and stages is not None:
-            stages.update(dict.fromkeys(stages, 0.0))
+    pairs = [(torch.as_tensor(chunk.astype(np.int64), device=dev), chunk) for chunk in batches]
+    times = interleaved_times(pairs, {"bare": lambda p: bare(p[0]), "capture": lambda p: noop(p[0]),
+                                      "stats": lambda p: stats(*p)}, sync,
+                              after_warmup=(lambda: stages.update(dict.fromkeys(stages, 0.0))) if stages else None)
     sync()
     t0 = time.perf_counter()
     sums = acc.sums()

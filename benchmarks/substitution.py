@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats_pass import add_common_args, benchmark_tracked, peak_rss_mb, setup_model, zipf_windows  # noqa: E402
+from stats_pass import (add_common_args, benchmark_tracked, interleaved_times, peak_rss_mb, setup_model,  # noqa: E402
+                        zipf_windows)
 
 
 def random_kernel(adapter, tracked, device):
@@ -88,15 +88,7 @@ def main(argv=None) -> None:
         sync()
         cuda_bare = torch.cuda.max_memory_allocated() / 2**20
         torch.cuda.reset_peak_memory_stats()
-    times = {"bare": 0.0, "substitution": 0.0, "job": 0.0}
-    for i, chunk in enumerate(batches):
-        for name, fn in (("bare", bare), ("substitution", substituted), ("job", job)):
-            sync()
-            t0 = time.perf_counter()
-            fn(chunk)
-            sync()
-            if i > 0:  # batch 0 is the warm-up
-                times[name] += time.perf_counter() - t0
+    times = interleaved_times(batches, {"bare": bare, "substitution": substituted, "job": job}, sync)
     ntok = args.batches * B * T
     print(f"model {args.model} ({adapter.model_type}, L={L}, H={H}, d={adapter.d_model}); device {dev}; "
           f"torch threads {torch.get_num_threads()}")

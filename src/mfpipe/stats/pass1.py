@@ -326,7 +326,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         l = int(cap.layer)
         if self._kinv is None:
             raise StatsError("Accumulator.on_layer called before begin_batch")
-        H, T, d = self.H, self.T, self.d
+        H, T = self.H, self.T
         probs = cap.attn_probs
         B = probs.shape[0]
         if tuple(probs.shape) != (B, H, T, T):

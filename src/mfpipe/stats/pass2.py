@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..deviation import meters_head_major, residual_gram, stack_head_major
+from ..deviation import meters_head_major, stack_head_major
 from ..deviation_queries import QueryTerms, query_plan, query_terms
 from .pass1 import reducer_threads
 
