@@ -8,7 +8,7 @@ peak memory (process RSS after the bare forward and overall; CUDA peak on GPU) a
 partial these batches give (a compressed Zarr folder, written to a temporary folder unless --save-partial).
 
     PYTHONPATH=src python benchmarks/stats_pass.py --model gpt2-small-random --n-tracked 1000 --context-length 512 \
-        --batch-size 4 --batches 4 --device cpu
+        --batch-size 4 --batches 6 --device cpu
     PYTHONPATH=src python benchmarks/stats_pass.py --model mini-gpt2-random --context-length 64 --batch-size 32
     python benchmarks/stats_pass.py --model results/minisuite/<name>/checkpoints/<step>
 
@@ -114,10 +114,10 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 def interleaved_times(batches, forms, sync=lambda: None, after_warmup=None) -> dict:
     """Wall time of each form ``name -> fn(batch)`` summed over ``batches[1:]`` (``batches[0]`` is the warm-up), the
     forms run batch by batch on the same batch so that a slow spell of the machine hits them alike. Their order is
-    rotated from batch to batch: in a fixed order the form run right after another one was measured 5-18 % slower
-    than the same form run first (GPT-2 small on this 2-core VM), which a fixed order would charge to one form
-    every time; with a number of timed batches that is a multiple of the number of forms each form runs in each
-    place equally often. ``after_warmup()`` is called once the warm-up batch is done."""
+    rotated from batch to batch: in the fixed order (bare, capture, stats) the no-op capture read 3-18 % slower than
+    the bare forward, while rotated over the same batches the two measured alike (GPT-2 small on this 2-core VM);
+    a fixed order charges any such effect of a form's place to the same form every time. With a number of timed
+    batches that is a multiple of the number of forms, each form runs in each place equally often. ``after_warmup()`` is called once the warm-up batch is done."""
     forms = list(forms.items())
     times = dict.fromkeys((name for name, _ in forms), 0.0)
     for i, batch in enumerate(batches):
@@ -226,7 +226,7 @@ def main(argv=None) -> None:
     pairs = [(torch.as_tensor(chunk.astype(np.int64), device=dev), chunk) for chunk in batches]
     times = interleaved_times(pairs, {"bare": lambda p: bare(p[0]), "capture": lambda p: noop(p[0]),
                                       "stats": lambda p: stats(*p)}, sync,
-                              after_warmup=(lambda: stages.update(dict.fromkeys(stages, 0.0))) if stages else None)
+                              after_warmup=(lambda: stages.update(dict.fromkeys(stages, 0.0))) if stages is not None else None)
     sync()
     t0 = time.perf_counter()
     sums = acc.sums()

@@ -289,7 +289,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         one gather of the pairs' probabilities (the pair index plus the head's offset: no per-head index is built or
         streamed) and one float32 ``index_add_`` into that head's row of a small, cache-resident [H, U] buffer;
         the buffer goes into the layer's columns of the chunk's [U, L*H] batch sums, which :meth:`end_batch` adds
-        into the kernel sum once for all layers."""
+        into the kernel sum once for all layers (without batch sums, above ``DEFERRED_SUMS_MAX``: into the layer's
+        columns of the kernel sum at once)."""
         H = self.H
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
         pf = pf.to(torch.float32)
