@@ -155,7 +155,7 @@ def _lines(ax):
 
 
 def test_cka_figure_plots_its_inputs(tmp_path, monkeypatch):
-    from mfpipe import figures
+    from mfpipe import figures, sweep_figures
 
     captured = {}
     real = figures.save_figure
@@ -171,7 +171,7 @@ def test_cka_figure_plots_its_inputs(tmp_path, monkeypatch):
     M = (M + M.T) / 2
     np.fill_diagonal(M, 1.0)
     adj = adjacent_cka(M)
-    pdf, png = figures.cka_figure(M, adj, steps, tmp_path / "cka", window=(2, 64), title="t")
+    pdf, png = sweep_figures.cka_figure(M, adj, steps, tmp_path / "cka", window=(2, 64), title="t")
     assert pdf.stat().st_size > 0 and png.stat().st_size > 0 and pdf.suffix == ".pdf" and png.suffix == ".png"
     heat, curve = captured["fig"].axes[:2]
     np.testing.assert_array_equal(heat.get_images()[0].get_array(), M)
@@ -183,13 +183,13 @@ def test_cka_figure_plots_its_inputs(tmp_path, monkeypatch):
     assert len(span) == 1
     assert span[0].get_x() == 2 and span[0].get_x() + span[0].get_width() == 64
     with pytest.raises(ValueError):
-        figures.cka_figure(M, adj[:-1], steps, tmp_path / "bad")
+        sweep_figures.cka_figure(M, adj[:-1], steps, tmp_path / "bad")
 
 
 def test_spread_figure_plots_its_inputs(tmp_path, monkeypatch):
     import pandas as pd
 
-    from mfpipe import figures
+    from mfpipe import figures, sweep_figures
 
     captured = {}
     real = figures.save_figure
@@ -202,7 +202,7 @@ def test_spread_figure_plots_its_inputs(tmp_path, monkeypatch):
     df = pd.DataFrame(rows)
     csv = tmp_path / "spread.csv"
     df.to_csv(csv, index=False)
-    figures.spread_figure(csv, tmp_path / "spread.pdf", png=tmp_path / "spread.png")
+    sweep_figures.spread_figure(csv, tmp_path / "spread.pdf", png=tmp_path / "spread.png")
     assert (tmp_path / "spread.pdf").stat().st_size > 0 and (tmp_path / "spread.png").stat().st_size > 0
     left, right = captured["fig"].axes[:2]
     (x, y, _), = _lines(left)

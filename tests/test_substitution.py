@@ -251,7 +251,7 @@ def test_sweep_table_and_waypoint_figure(setup, tmp_path):
     mt, model, ad, kernel, ev = setup
     if mt != "gpt2":
         pytest.skip("one architecture is enough for the table and figure")
-    from mfpipe import figures as F
+    from mfpipe import sweep_figures as F
     from mfpipe.stats.api import ProvenanceError
 
     paths = []
@@ -279,7 +279,7 @@ def test_topn_table_and_figure(setup, tmp_path):
     mt, model, ad, kernel, ev = setup
     if mt != "gpt2":
         pytest.skip("one architecture is enough for the table and figure")
-    from mfpipe import figures as F
+    from mfpipe import sweep_figures as F
     from mfpipe.stats.api import ProvenanceError
 
     arms, paths = [], []

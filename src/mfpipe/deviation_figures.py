@@ -5,8 +5,8 @@
   ``S_bar`` and the behavioural induction score (:mod:`mfpipe.head_scores`) at every training checkpoint.
 * :func:`ccmf_scatter` -- Sec. 6.3 ``fig:ccmf-scatter``: every head on the M_cov / M_ctx plane.
 
-The figures reuse the training-sweep axis, window shade and atomic writer of :mod:`mfpipe.figures`,
-called through the module (``figures.save_figure``) so one monkeypatch there reaches them.
+The figures reuse the training-sweep axis and window shade of :mod:`mfpipe.sweep_figures` and the atomic writer
+of :mod:`mfpipe.figures`, called through the module (``figures.save_figure``) so one monkeypatch there reaches them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from . import figures
+from .sweep_figures import shade_window, step_axis
 
 __all__ = ["induction_correlation", "exp3_table", "exp3_figure", "EXP3_COLUMNS", "SIGNIFICANCE", "ccmf_scatter",
            "head_roles"]
@@ -82,7 +83,7 @@ def exp3_figure(df, path_stem, window=None, title: str | None = None) -> tuple[P
         raise ValueError("the Exp. 3 figure needs a training step for every revision (revisions named step<k>)")
     fig, axes = figures._figure(1, 1, w=4.6, h=3.2)
     ax = axes[0, 0]
-    figures._shade(ax, window)
+    shade_window(ax, window)
     x, rho = df["step"].to_numpy(float), df["spearman"].to_numpy(float)
     significant = (df["p_value"].to_numpy(float) < SIGNIFICANCE)  # NaN p compares False: hollow
     ax.plot(x, rho, "-", color="#1f77b4", lw=1.4, zorder=2)
@@ -91,7 +92,7 @@ def exp3_figure(df, path_stem, window=None, title: str | None = None) -> tuple[P
     ax.plot(x[~significant], rho[~significant], "o", mfc="white", mec="#1f77b4", ms=5, zorder=3,
             label=f"p ≥ {SIGNIFICANCE:g}", gid="not-significant")
     ax.axhline(0.0, color="0.6", lw=0.8)
-    figures._step_axis(ax, x)
+    step_axis(ax, x)
     ax.set_ylabel(r"Spearman $\rho$($\bar S^{\ell h}$, induction score)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
