@@ -271,7 +271,7 @@ def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
         write_corpus,
     )
 
-    from mfpipe.calibration import load_calibrated
+    from mfpipe.calibrated_store import load_calibrated
     from mfpipe.stats import ProvenanceError, open_stats
 
     tok = windows(30, seed=3)

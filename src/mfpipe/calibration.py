@@ -27,14 +27,13 @@ with queries): off-support cells have ``Q = 0`` forever, so the ``P`` mass they 
 matched; in a row with off-support mass ``1 - c`` the fit tends to ``Q = P / c`` on its support (Â is invariant to
 scaling a row of U). The per-iteration table matches Table ``tab:calib2M``: iteration 0 is W's own residual.
 
-Pure functions on tensors / arrays; :func:`load_calibrated` reads the store the ``calibrate_kernel`` job writes.
+Pure functions on tensors / arrays; the store the ``calibrate_kernel`` job writes is :mod:`mfpipe.calibrated_store`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,14 +48,11 @@ __all__ = [
     "bias_table",
     "calibrate",
     "calibrate_stats",
-    "calibrated_dataset",
     "check_windows",
     "corpus_pass",
-    "load_calibrated",
     "residual_markdown",
     "residuals",
     "window_batches",
-    "write_calibrated",
 ]
 
 DEFAULT_ITERATIONS = 5
@@ -318,59 +314,6 @@ def calibrate(W, P, batches: Sequence[tuple[Any, Any]], iterations: int = DEFAUL
         if k >= iterations and not evaluate_final:
             break
     return U, pd.DataFrame(rows, columns=["layer", "iteration", "median_rel", "max_abs", "n_cells"])
-
-
-# ------------------------------------------------------------------------------------------------ the store
-CALIBRATED_FORMAT = 1
-
-
-def calibrated_dataset(U, stats, attrs: Mapping[str, Any] | None = None):
-    """The calibrated kernel as a labelled :class:`xarray.Dataset`: ``U`` (layer, head, query, key) float32
-    with the coordinates of the statistics store's ``P`` (``query_str``, ``key_str``, token ids), the store's
-    attributes (provenance: model, revision, tracked and corpus fingerprints, ...) plus ``attrs``
-    (``kind = "calibrated"`` and the calibration parameters). ``stats``: a :class:`MeanFieldStats`."""
-    import xarray as xr
-
-    P = stats.ds["P"]
-    U = np.asarray(U, dtype=np.float32)
-    if U.shape != tuple(P.shape):
-        raise ValueError(f"U has shape {U.shape}, the statistics store's P {tuple(P.shape)}")
-    coords = {name: c for name, c in P.coords.items()}
-    a = dict(stats.attrs)
-    a.update({"kind": "calibrated", "calibrated_format": CALIBRATED_FORMAT})
-    a.update({k: v for k, v in dict(attrs or {}).items() if v is not None})
-    da = xr.DataArray(U, dims=P.dims, coords=coords)
-    da.attrs["description"] = "calibrated kernel U (App. B, Alg. sinkhorn): E_s[Â(U)] = P; use in place of W"
-    return xr.Dataset({"U": da}, attrs=a)
-
-
-def write_calibrated(ds, path: str | Path) -> Path:
-    """Write :func:`calibrated_dataset`'s result as a zarr store, atomically, one layer per chunk."""
-    from .stats.store import write_store
-
-    return write_store(ds, path)
-
-
-def load_calibrated(path: str | Path, expect: Mapping[str, Any] | None = None, layer: int | None = None):
-    """The calibrated kernel ``U`` as an :class:`xarray.DataArray` with the dims and coordinates of
-    :meth:`MeanFieldStats.W` (layer, head, query, key; one layer loaded with ``layer``), after checking the store's
-    provenance against ``expect`` (:func:`mfpipe.stats.api.check_provenance`: e.g. ``model``, ``revision``,
-    ``tracked_fingerprint``); a mismatch raises :class:`~mfpipe.stats.api.ProvenanceError`."""
-
-
-    from .stats.api import check_provenance
-
-    from .stats.store import open_zarr
-
-    path = Path(path)
-    ds = open_zarr(path, "calibrated kernel store", "run its calibrate_kernel job")
-    if ds.attrs.get("kind") != "calibrated" or "U" not in ds:
-        raise ValueError(f"{path} is not a calibrated kernel store (no U / kind != 'calibrated')")
-    check_provenance(ds.attrs, expect, path)
-    U = ds["U"] if layer is None else ds["U"].isel(layer=layer)
-    U = U.load()
-    U.attrs.update({"min_count": ds.attrs.get("min_count"), "kind": "calibrated"})
-    return U
 
 
 # ------------------------------------------------------------------------------------------------ one model

@@ -23,7 +23,7 @@ def main() -> None:
     st, info = open_stats_half(sm.input.stats, Path(sm.input.shard).parent.parent, tracked, name, revision)
     calibrated = None
     if str(p.kernel) == "calibrated":
-        from mfpipe.calibration import load_calibrated
+        from mfpipe.calibrated_store import load_calibrated
 
         calibrated = load_calibrated(sm.input.kernel, expect={"model": name, "revision": revision,
                                                               "tracked_fingerprint": tracked.fingerprint})

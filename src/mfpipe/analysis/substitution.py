@@ -109,7 +109,7 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
                       dtype: torch.dtype = torch.float32) -> MeanFieldKernel:
     """The substitution kernel of a statistics store (:class:`~mfpipe.stats.api.MeanFieldStats`, the ``stats``
     half): ``W`` on the ``C_st >= min_count`` support (store default 20) or, with ``calibrated`` (an
-    xarray ``U`` from :func:`mfpipe.calibration.load_calibrated`, same dims as ``W``), U instead; μ from the
+    xarray ``U`` from :func:`mfpipe.calibrated_store.load_calibrated`, same dims as ``W``), U instead; μ from the
     store. ``tracked`` is the :class:`~mfpipe.tracked.TrackedSet` whose fingerprint the store records. Read one
     layer at a time into ``dtype`` (no float64 copy of the whole kernel)."""
     from ..stats.buckets import bucket_luts
