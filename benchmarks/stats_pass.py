@@ -160,6 +160,9 @@ def main(argv=None) -> None:
                     help="also estimate the partial of a full shard of W windows: its model-free counts measured on W "
                          "windows, its float sums synthetic (random float32 / float64 values on exactly the cells and "
                          "buckets those windows reach), written as a partial whose size on disk is printed")
+    ap.add_argument("--mantissa-bits", type=int, default=None, metavar="K",
+                    help="write the partials rounded to K mantissa bits (the workflow's stats.partial_mantissa_bits; "
+                         "the presets use 12); default: exact")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where the statistics pass's own time goes (CPU time of the reducer's stages: the "
                          "model-free plan, per layer the kernel and the per-position sums, the final residual, the "
@@ -273,17 +276,18 @@ def main(argv=None) -> None:
     ok = np.abs(row[:, :, sums["query_count"] > 0] - 1.0).max()
     try:
         t0 = time.perf_counter()
-        save_partial(ppath, sums, {"benchmark": True})
+        save_partial(ppath, sums, {"benchmark": True}, mantissa_bits=args.mantissa_bits)
+        t_save = time.perf_counter() - t0
+        peak_write = peak_rss_mb()  # the stats job's peak: it ends with this write (the estimate below is not the job)
         if args.full_shard_windows:
             full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, Path(ppath).parent)
-        t_save = time.perf_counter() - t0
-        peak_write = peak_rss_mb()
         del sums, acc  # the read-back below must not hold two copies (N = 4000: 9 GB each)
         gc.collect()
         t0 = time.perf_counter()
         load_partial(ppath)
         t_load = time.perf_counter() - t0
-        print(f"partial: {partial_size(ppath) / 2**20:.1f} MiB on disk ({ppath.name}, compressed Zarr), write {t_save:.1f} s, "
+        bits = "exact" if args.mantissa_bits is None else f"{args.mantissa_bits} mantissa bits"
+        print(f"partial: {partial_size(ppath) / 2**20:.1f} MiB on disk ({ppath.name}, compressed Zarr, {bits}), write {t_save:.1f} s, "
               f"read {t_load:.1f} s; peak RSS up to the write {peak_write:.0f} MiB (+{peak_write - rss_bare_peak:.0f} MiB over "
               f"the bare forward), after reading it back {peak_rss_mb():.0f} MiB")
         if args.merge:
@@ -350,8 +354,9 @@ def merge_only(paths: list[str]) -> None:
 def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, folder: Path) -> None:
     """Size on disk of the partial of a full shard (``--full-shard-windows`` windows): the model-free counts of that
     many Zipf windows (real), and every float sum synthetic at exactly the support those windows give (P_sum: random
-    float32 in every (query type, key bucket) cell some pair reaches, per-position sums: random in every bucket that
-    occurs), so that the compressor sees as many incompressible values as a real shard's partial holds."""
+    float32 of a realistic dynamic range in every (query type, key bucket) cell some pair reaches, per-position sums:
+    random in every bucket that occurs), so that the compressor sees as many incompressible values as a real
+    shard's partial holds."""
     from mfpipe.stats.buckets import window_buckets
     from mfpipe.stats.partials import partial_size, save_partial
     from mfpipe.stats.pass1 import Accumulator
@@ -380,8 +385,12 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
     support = fake["nbar_sum"] > 0
     L, H = fake["P_sum"].shape[:2]
     fake["P_sum"] = np.zeros((L, H, N, K), dtype=np.float32)
+    # a real kernel sum's dynamic range: about what uniform attention would give (the cell's expected key count
+    # over half the window), times a log-normal head-and-cell factor (1.4e-6 .. 1.4e6 over GPT-2's 12 layers at
+    # N = 1000; a uniform [0, 1) fake has a 2-bit exponent and understates the compressed size by ~6 %)
+    nb = fake["nbar_sum"][support].astype(np.float64) / (T / 2)
     for l in range(L):
-        fake["P_sum"][l][:, support] = rng.random((H, int(support.sum())), dtype=np.float32)
+        fake["P_sum"][l][:, support] = nb * np.exp(rng.normal(0.0, 1.5, size=(H, nb.size)))
     seen = fake["key_count"] > 0
     for k, v in sums.items():
         if k in fake and k not in ("P_sum",) and np.issubdtype(np.asarray(v).dtype, np.floating) and np.ndim(v) >= 3:
@@ -391,9 +400,10 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
             a[tuple(idx)] = rng.standard_normal(a[tuple(idx)].shape)
             fake[k] = a
     path = folder / "full-shard-estimate.zarr"
-    save_partial(path, fake, {"benchmark": "synthetic full shard"})
+    save_partial(path, fake, {"benchmark": "synthetic full shard"}, mantissa_bits=args.mantissa_bits)
     print(f"full-shard estimate ({W} windows x T={T}, {W * T} tokens): {support.mean():.3f} of the N x K kernel cells "
-          f"reached, {seen.mean():.3f} of the buckets; synthetic partial {partial_size(path) / 2**20:.1f} MiB on disk")
+          f"reached, {seen.mean():.3f} of the buckets; synthetic partial {partial_size(path) / 2**20:.1f} MiB on disk "
+          f"({'exact' if args.mantissa_bits is None else f'{args.mantissa_bits} mantissa bits'})")
     del fake
 
 

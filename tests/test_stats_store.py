@@ -201,6 +201,74 @@ def test_partial_roundtrip_and_atomic_save(tiny, tmp_path, monkeypatch):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["part.zarr"]
 
 
+def test_round_mantissa_is_numcodecs_bitround_with_its_bound():
+    """round_mantissa (the rounding of partials at stats.partial_mantissa_bits) against numcodecs' BitRound, an
+    independent implementation of round-to-nearest-even on the mantissa: bit for bit on finite values; each value
+    within 2^-(bits+1) of itself; ties to even; 0, inf and NaN kept; idempotent; all bits = an exact copy."""
+    from numcodecs import BitRound
+
+    from mfpipe.stats.partials import round_mantissa
+
+    rng = np.random.default_rng(3)
+    for dt, full in ((np.float32, 23), (np.float64, 52)):
+        a = (rng.standard_normal(20_000) * np.exp(rng.normal(0, 8, 20_000))).astype(dt)
+        for bits in (1, 5, 11, full - 1, full):
+            r = round_mantissa(a, bits)
+            assert r.dtype == dt and r.shape == a.shape and r is not a
+            assert np.array_equal(r, BitRound(bits).decode(BitRound(bits).encode(a)).reshape(a.shape)), (dt, bits)
+            rel = np.abs(r.astype(np.float64) - a) / np.abs(a.astype(np.float64))
+            assert rel.max() <= 2.0 ** -(bits + 1), (dt, bits, rel.max())
+            if bits < full - 4:
+                assert rel.max() > 2.0 ** -(bits + 2), (dt, bits)  # it did round
+            assert np.array_equal(round_mantissa(r, bits), r)
+        assert np.array_equal(round_mantissa(a, full), a)
+    # ties to even: 1 + 2^-12 and 1 + 3 * 2^-12 lie half-way between 11-bit neighbours
+    one = np.float32(1.0)
+    ties = np.array([one + 2.0 ** -12, one + 3 * 2.0 ** -12, -(one + 2.0 ** -12)], dtype=np.float32)
+    assert round_mantissa(ties, 11).tolist() == [1.0, 1.0 + 2.0 ** -10, -1.0]
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.0], dtype=np.float32)
+    out = round_mantissa(special, 3)
+    assert np.array_equal(out, special, equal_nan=True) and np.signbit(out[1])
+    with pytest.raises(ValueError, match="bits=24 is outside 1..23"):
+        round_mantissa(special, 24)
+
+
+def test_rounded_partial_is_smaller_within_its_bound_and_says_so(tiny, tmp_path):
+    """save_partial(mantissa_bits=k): the float sums stored within 2^-(k+1) of the exact float32 / float64 ones
+    (the residual sums at k + 24 bits), counts exact, ``meta["mantissa_bits"]`` = k; the partial is smaller; a
+    k outside 1..23 is refused naming the config key."""
+    from mfpipe.stats import StatsError
+    from mfpipe.stats.partials import DERIVED_KEYS, INT_KEYS, RESIDUAL_EXTRA_BITS, STORED_DTYPES, partial_size
+
+    _, tokens, tracked, sums = tiny
+    exact, rounded = tmp_path / "exact.zarr", tmp_path / "rounded.zarr"
+    save_partial(exact, sums, partial_meta(tracked, tokens))
+    save_partial(rounded, sums, partial_meta(tracked, tokens), mantissa_bits=7)
+    a, meta_a = load_partial(exact)
+    b, meta_b = load_partial(rounded)
+    assert meta_a["mantissa_bits"] is None and meta_b["mantissa_bits"] == 7
+    assert partial_size(rounded) < 0.8 * partial_size(exact), (partial_size(rounded), partial_size(exact))
+    for key in a:
+        if key in INT_KEYS:
+            assert np.array_equal(a[key], b[key]), key
+            continue
+        if key in DERIVED_KEYS:
+            continue
+        bits = 7 + (RESIDUAL_EXTRA_BITS if STORED_DTYPES[key] == np.float64 else 0)
+        x, y = a[key].astype(np.float64), b[key].astype(np.float64)
+        assert np.array_equal(np.isnan(x), np.isnan(y)), key
+        ok = ~np.isnan(x) & (x != 0)
+        assert np.array_equal(y[x == 0], x[x == 0]), key
+        if ok.any():
+            rel = np.abs(y[ok] - x[ok]) / np.abs(x[ok])
+            assert rel.max() <= 2.0 ** -(bits + 1), (key, rel.max())
+            if STORED_DTYPES[key] == np.float32:  # (a float64 sum of few float32 terms may fit in 31 bits)
+                assert rel.max() > 0, key  # it was rounded
+    with pytest.raises(StatsError, match=r"mantissa_bits=24 is outside 1\.\.23.*stats\.partial_mantissa_bits"):
+        save_partial(tmp_path / "bad.zarr", sums, mantissa_bits=24)
+    assert not (tmp_path / "bad.zarr").exists()
+
+
 def test_partial_checks_before_merge(tiny, tmp_path):
     """A partial of other shapes or other provenance is refused, naming the file and what to do."""
     from mfpipe.stats import StatsError

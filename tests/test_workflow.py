@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mfpipe.stats.store import read_attrs
+
 REPO = Path(__file__).resolve().parents[1]
 CI_CONFIG = REPO / "config" / "ci.yaml"
 pytestmark = pytest.mark.slow
@@ -76,6 +78,9 @@ def test_ci_dag_builds_everything(built):
         assert sorted((r / "corpus" / "shakespeare-ci" / m / "shards" / "stats").glob("shard-*.npz"))
     assert (r / "tables" / "coverage_positions.md").is_file()
     assert list((built / "logs").rglob("*.log"))
+    # the stores say their partials were rounded (config/ci.yaml: stats.partial_mantissa_bits, as the presets)
+    stores = sorted((r / "stats").glob("*/*/*.zarr"))
+    assert stores and all(read_attrs(s)["partial_mantissa_bits"] == 11 for s in stores), stores
 
 
 def test_training_sweep_outputs(built):
@@ -181,6 +186,14 @@ def test_n_change_rebuilds_only_tracked_onward(built, tmp_path):
     rules = {r for r, _ in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))}
     assert "tracked_types" in rules
     assert not rules & {"corpus_shards", "minisuite_tokenizer", "minisuite_train", "induction_table"}, rules
+
+
+def test_partial_rounding_change_rebuilds_only_statistics_onward(built, tmp_path):
+    cfg = variant(tmp_path, "bits", lambda c: c.update(stats={"partial_mantissa_bits": None}))
+    jobs = planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))
+    rules = {r for r, _ in jobs}
+    assert {"stats_shard", "stats_merge"} <= rules, rules
+    assert not rules & {"corpus_shards", "tracked_types", "minisuite_tokenizer", "minisuite_train", "induction_table"}, rules
 
 
 def test_training_option_change_retrains_only_that_model(built, tmp_path):

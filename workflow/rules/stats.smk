@@ -15,6 +15,7 @@ rule stats_shard:
         directory(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/shard-{{i}}.zarr"),
     params:
         batch_size=config["runtime"]["batch_size"],
+        mantissa_bits=config["stats"]["partial_mantissa_bits"],
         **model_params(),
     threads: cluster_threads("forward")
     resources:

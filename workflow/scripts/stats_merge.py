@@ -31,6 +31,7 @@ def main() -> None:
 
     first_meta: dict = {}
     shapes: dict = {}  # the first partial's array shapes: every later one must have them
+    bits_seen: list[int] = []  # the partials' mantissa_bits (stats.partial_mantissa_bits), where rounded
 
     def refuse(p: str, why: str) -> StatsError:
         """A partial that is not what its shard's job wrote is deleted, not merged: it is an intermediate, and
@@ -70,6 +71,8 @@ def main() -> None:
             if not first_meta:
                 first_meta.update(meta)
                 shapes.update({k: tuple(v.shape) for k, v in sums.items()})
+            if meta.get("mantissa_bits") is not None:
+                bits_seen.append(int(meta["mantissa_bits"]))
             log.info("checked %s (%d windows)", p, int(sums["n_windows"]))
             yield sums
 
@@ -88,6 +91,8 @@ def main() -> None:
     for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual"):
         if k in first_meta:
             meta[k] = first_meta[k]
+    if bits_seen:  # the coarsest rounding of any partial bounds the merged sums (mfpipe.stats.partials)
+        meta["partial_mantissa_bits"] = min(bits_seen)
     try:  # P one layer at a time: a chunk that fails its checksum now is still the partial's fault
         ds = write_stats(sums, tracked, meta, sm.output[0])
     except PartialError as e:

@@ -33,7 +33,8 @@ def main() -> None:
         "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
         "shard": str(sm.input.shard),
     })
-    save_partial(sm.output[0], sums, meta)
+    bits = sm.params.mantissa_bits
+    save_partial(sm.output[0], sums, meta, mantissa_bits=None if bits is None else int(bits))
     log.info("%d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %s (%.0f MiB on disk)",
              tokens.size, dt, tokens.size / max(dt, 1e-9), int(sums["query_count"].sum()), sm.output[0],
              partial_size(sm.output[0]) / 2**20)

@@ -11,6 +11,15 @@ adapter's definition of resid_mid) and :func:`load_partial` rebuilds it. Chunks:
 kernel, one layer of the per-position sums; Blosc-zstd with byte shuffle, then a CRC-32C checksum per chunk,
 and every chunk written: a truncated, altered or missing chunk file is an error when read, never a silent zero.
 
+Smaller partials, at a stated precision (``mantissa_bits``, the workflow's ``stats.partial_mantissa_bits``): the
+float32 sums are rounded to that many explicit mantissa bits (:func:`round_mantissa`, to nearest, ties to even:
+each stored value within 2^-(bits+1) of itself) and the float64 residual sums to :data:`RESIDUAL_EXTRA_BITS`
+more; the dropped bits are zeros, which Blosc's bit shuffle compresses away. A float32 value carries about three
+bytes of incompressible mantissa, so this is what shrinks a partial whose kernel cells are nearly all reached (a
+GPT-2-small partial at N = 1000 of a 0.5 M-token shard: ~750 MiB exact, ~450 MiB at 12 bits). The kernel sums are
+sums of non-negative attention, so the merged kernel sum keeps the same relative bound; the partial's ``meta``
+records ``mantissa_bits`` (absent or null: exact float32 / float64 storage) and the merged store carries it.
+
 Partials of one (model, revision, half) merge by element-wise addition in float64 / int64, so any split of the
 windows into shards gives the same store; :func:`check_partial` refuses a partial whose shapes or provenance
 differ from what the merge expects, naming the file. The kernel sum is merged one layer at a time
@@ -53,6 +62,10 @@ DIMS = {
 STORED_DTYPES = {k: np.dtype(np.int64) for k in INT_KEYS}
 STORED_DTYPES.update({k: np.dtype(np.float32) for k in FLOAT_KEYS})
 STORED_DTYPES.update({"resid_sum": np.dtype(np.float64), "resid_sq_sum": np.dtype(np.float64)})
+# the residual sums (resid_var = E[x²] - c² cancels by up to (|c| / σ)²; GPT-2's massive-activation dimensions
+# reach |c| / σ ~ 1e3) keep this many mantissa bits more than the other float sums when a partial is rounded
+RESIDUAL_EXTRA_BITS = 24
+ROUNDED_KEYS = ("resid_sum", "resid_sq_sum")  # (float64) the other float sums are float32
 # what check_partial compares between a partial's meta and the merge's expectation (when both have it)
 MATCH_KEYS = ("tracked_fingerprint", "n_tracked", "context_length", "model", "revision", "dtype", "model_type",
               "n_layers", "n_heads", "d_model", "d_head")
@@ -137,19 +150,60 @@ def _chunks(key: str, shape: tuple) -> tuple:
     return tuple(shape)
 
 
+def round_mantissa(a: np.ndarray, bits: int) -> np.ndarray:
+    """A copy of ``a`` (float32 or float64) with every finite value rounded to ``bits`` explicit mantissa bits, to
+    nearest with ties to even (the rounding of numcodecs' ``BitRound``, done here so that a partial stays plain
+    float32 / float64 that any Zarr reader opens): each value moves by at most 2^-(bits+1) of itself, so sums of
+    one sign keep that relative bound; 0, ±inf and NaN are kept. ``bits`` at the dtype's full mantissa (23 / 52)
+    returns an exact copy."""
+    a = np.asarray(a)
+    if a.dtype == np.float32:
+        uint, full = np.uint32, 23
+    elif a.dtype == np.float64:
+        uint, full = np.uint64, 52
+    else:
+        raise TypeError(f"round_mantissa: {a.dtype} is not float32 or float64")
+    if not 1 <= int(bits) <= full:
+        raise ValueError(f"round_mantissa: bits={bits} is outside 1..{full} for {a.dtype}")
+    out = np.array(a, copy=True)
+    drop = full - int(bits)
+    if drop == 0:
+        return out
+    b = out.view(uint)
+    b += uint((1 << (drop - 1)) - 1) + ((b >> uint(drop)) & uint(1))  # half an ulp, minus one unless odd: ties to even
+    b &= uint(np.iinfo(uint).max ^ ((1 << drop) - 1))
+    keep = ~np.isfinite(a)
+    if keep.any():
+        out[keep] = a[keep]
+    return out
+
+
+def stored_mantissa_bits(key: str, bits: int | None) -> int | None:
+    """The mantissa bits a partial rounded to ``bits`` keeps for sum ``key`` (None: not rounded)."""
+    if bits is None or key in INT_KEYS:
+        return None
+    full = 52 if STORED_DTYPES[key] == np.float64 else 23
+    return min(full, int(bits) + (RESIDUAL_EXTRA_BITS if key in ROUNDED_KEYS else 0))
+
+
 def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
-                 clevel: int = 3) -> Path:
+                 clevel: int = 3, mantissa_bits: int | None = None) -> Path:
     """Write a partial as a compressed Zarr store at ``path`` (a folder), atomically: written to a temporary
     sibling and renamed into place when complete, so an interrupted write leaves no partial.
 
-    ``meta`` (JSON-able) goes to the attribute ``meta``. Dtypes :data:`STORED_DTYPES`; a float64 sum stored as
-    float32 is rounded once (relative error <= 2^-24)."""
+    ``meta`` (JSON-able) goes to the attribute ``meta``, with ``mantissa_bits``. Dtypes :data:`STORED_DTYPES`; a
+    float64 sum stored as float32 is rounded once (relative error <= 2^-24). ``mantissa_bits`` (1..23, None: exact)
+    rounds the float sums (:func:`round_mantissa`; the residual sums keep :data:`RESIDUAL_EXTRA_BITS` more)."""
     import zarr
     from zarr.codecs import BloscCodec, Crc32cCodec
 
     path = Path(path)
     check_partial(str(path), sums)
-    meta = {"partial_format": PARTIAL_FORMAT, **dict(meta or {})}
+    if mantissa_bits is not None and not 1 <= int(mantissa_bits) <= 23:
+        raise StatsError(f"partial {path}: mantissa_bits={mantissa_bits} is outside 1..23 (null keeps every bit); "
+                         "fix stats.partial_mantissa_bits in the config")
+    meta = {"partial_format": PARTIAL_FORMAT, **dict(meta or {}),
+            "mantissa_bits": None if mantissa_bits is None else int(mantissa_bits)}
     with atomic_dir(path) as tmp:
         g = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         g.attrs.update({"partial_format": PARTIAL_FORMAT, "meta": json.loads(json.dumps(meta))})
@@ -158,7 +212,14 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
                 continue
             a = np.asarray(sums[key])
             dt = STORED_DTYPES[key]
-            shuffle = "bitshuffle" if np.issubdtype(dt, np.integer) else "shuffle"
+            bits = stored_mantissa_bits(key, mantissa_bits)
+
+            def stored(x, dt=dt, bits=bits):
+                x = x.astype(dt, copy=False)
+                return x if bits is None else round_mantissa(x, bits)
+
+            # bit shuffle where whole bit planes are zero (counts, rounded mantissas), byte shuffle for exact floats
+            shuffle = "bitshuffle" if np.issubdtype(dt, np.integer) or bits is not None else "shuffle"
             # every chunk written (none left to the fill value) and checksummed: a missing, truncated or altered
             # chunk file is an error on reading (open_partial), never a silent zero
             arr = g.create_array(key, shape=a.shape, dtype=dt, chunks=_chunks(key, a.shape) if a.ndim else "auto",
@@ -166,10 +227,14 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
                                  fill_value=0, dimension_names=DIMS[key] or None,
                                  config={"write_empty_chunks": True})
             if DIMS[key] and DIMS[key][0] in ("layer", "depth"):
-                for i in range(a.shape[0]):  # one layer (= one chunk row) at a time: no full-size converted copy
-                    arr[i] = a[i].astype(dt, copy=False)
+                for i in range(a.shape[0]):  # one chunk row at a time: no full-size converted / rounded copy
+                    if key == "P_sum":  # one (layer, head) chunk: 64 MB at N = 4000, not the layer's 0.8 GB
+                        for h in range(a.shape[1]):
+                            arr[i, h] = stored(a[i, h])
+                    else:
+                        arr[i] = stored(a[i])
             else:
-                arr[...] = a.astype(dt, copy=False)
+                arr[...] = stored(a)
     return path
 
 
