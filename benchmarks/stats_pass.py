@@ -162,7 +162,7 @@ def main(argv=None) -> None:
                          "buckets those windows reach), written as a partial whose size on disk is printed")
     ap.add_argument("--mantissa-bits", type=int, default=None, metavar="K",
                     help="write the partials rounded to K mantissa bits (the workflow's stats.partial_mantissa_bits; "
-                         "the presets use 12); default: exact")
+                         "the presets use 11); default: exact")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where the statistics pass's own time goes (CPU time of the reducer's stages: the "
                          "model-free plan, per layer the kernel and the per-position sums, the final residual, the "

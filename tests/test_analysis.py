@@ -191,6 +191,34 @@ def test_every_kernel_keeps_rows_stochastic_on_store(stores):
         K.check_row_stochastic(RO.build_kernel(name, setup, model=model, seed=1), atol=1e-5)
 
 
+def test_rollout_accepts_a_store_from_rounded_partials_within_their_bound(stores, tmp_path):
+    """A store merged from partials rounded to k mantissa bits (stats.partial_mantissa_bits) has rows of P that
+    sum to 1 only within 2^-(k+1): the rollout's row check takes that bound from the store's attribute, and still
+    refuses such rows when the store does not say it was rounded. (k = 3 here, so that the rounding is far above
+    the check's own 1e-4.)"""
+    from mfpipe.stats import load_partial, merge_sums, save_partial
+
+    mt, model, ad, p, tracked = stores
+    tokens = zipf_windows(N_WINDOWS, seed=1)  # the fixture's statistics half
+    bits = 3
+    parts = []
+    for i, chunk in enumerate((tokens[:10], tokens[10:])):
+        sums = accumulate_shard(model, ad, chunk, tracked, batch_size=8, device="cpu", progress=False)
+        parts.append(load_partial(save_partial(tmp_path / f"shard-{i}.zarr", sums, mantissa_bits=bits))[0])
+    merged = merge_sums(parts)
+    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp-zipf",
+            "model_type": ad.model_type}
+    rounded = write_store(finalize(merged, tracked, dict(meta, partial_mantissa_bits=bits)), tmp_path / "rounded.zarr")
+    unsaid = write_store(finalize(merged, tracked, meta), tmp_path / "unsaid.zarr")
+    P = open_stats(rounded).P().values.astype(np.float64)
+    dev = np.nanmax(np.abs(P.sum(-1) - 1.0))
+    assert 1e-3 < dev <= 2.0 ** -(bits + 1) + 1e-6, dev  # off by more than the check's 1e-4, within the bound
+    df = RO.run_rollouts(model, ad, rounded, p["eval"], kernels=["mean_field"], model_name="tiny", revision="r1")
+    assert np.isfinite(df["value"]).all()
+    with pytest.raises(ValueError, match="kernel rows do not sum to 1"):
+        RO.run_rollouts(model, ad, unsaid, p["eval"], kernels=["mean_field"], model_name="tiny", revision="r1")
+
+
 # ------------------------------------------------------------------------------------------ coverage
 def test_attention_coverage_rows_sum_to_one(stores):
     mt, model, ad, p, _ = stores

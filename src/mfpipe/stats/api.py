@@ -137,7 +137,8 @@ class MeanFieldStats:
 
     # ------------------------------------------------------------------ kernels
     def P(self, layer: int | None = None) -> xr.DataArray:
-        """(layer, head, query, key) corpus attention mean field; rows sum to 1 over ``key``."""
+        """(layer, head, query, key) corpus attention mean field; rows sum to 1 over ``key`` (within 2^-(k+1) for a
+        store merged from partials rounded to k mantissa bits: attribute ``partial_mantissa_bits``)."""
         return self._sel(self.ds["P"], "layer", layer)
 
     def W(self, min_count: int | None = None, layer: int | None = None) -> xr.DataArray:

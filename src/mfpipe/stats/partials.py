@@ -8,20 +8,24 @@ residual sums and their squares float64 (the variance E[x²] - c² cancels), eve
 accumulates the kernel in float32; the error bound is in :mod:`mfpipe.stats.pass1` and
 tests/test_stats_precision.py). ``resid_mid_sum`` is not stored: it is ``resid_sum[:L] + attn_out_sum`` (the
 adapter's definition of resid_mid) and :func:`load_partial` rebuilds it. Chunks: one (layer, head) of the
-kernel, one layer of the per-position sums; Blosc-zstd with byte shuffle, then a CRC-32C checksum per chunk,
+kernel, one layer of the per-position sums; Blosc-zstd with byte shuffle (bit shuffle for the counts and rounded
+floats), then a CRC-32C checksum per chunk,
 and every chunk written: a truncated, altered or missing chunk file is an error when read, never a silent zero.
 
 Smaller partials, at a stated precision (``mantissa_bits``, the workflow's ``stats.partial_mantissa_bits``): the
 float32 sums are rounded to that many explicit mantissa bits (:func:`round_mantissa`, to nearest, ties to even:
-each stored value within 2^-(bits+1) of itself) and the float64 residual sums to :data:`RESIDUAL_EXTRA_BITS`
-more; the dropped bits are zeros, which Blosc's bit shuffle compresses away. A float32 value carries about three
-bytes of incompressible mantissa, so this is what shrinks a partial whose kernel cells are nearly all reached (a
-GPT-2-small partial at N = 1000 of a 0.5 M-token shard: ~750 MiB exact, ~450 MiB at 12 bits). The kernel sums are
-sums of non-negative attention, so the merged kernel sum keeps the same relative bound; the partial's ``meta``
-records ``mantissa_bits`` (absent or null: exact float32 / float64 storage) and the merged store carries it.
+each stored (normal) value within 2^-(bits+1) of itself) and the float64 residual sums to
+:data:`RESIDUAL_EXTRA_BITS` more; the dropped bits are zeros, which Blosc's bit shuffle compresses away. A float32
+value carries about three bytes of incompressible mantissa, so this is what shrinks a partial whose kernel cells
+are nearly all reached (a GPT-2-small partial at N = 1000 of a 0.5 M-token shard: ~800 MB exact, ~480 MB at the
+presets' 11 bits). The kernel sums are sums of non-negative attention, so the merged kernel sum keeps the same
+relative bound (:func:`rounding_bound`), and so does each row's total: the rows of the store's P sum to 1 within
+it. The partial's ``meta`` records ``mantissa_bits`` (null: exact float32 / float64 storage); the merged store's
+attribute ``partial_mantissa_bits`` is the coarsest of its partials' (absent when all are exact).
 
 Partials of one (model, revision, half) merge by element-wise addition in float64 / int64, so any split of the
-windows into shards gives the same store; :func:`check_partial` refuses a partial whose shapes or provenance
+windows into shards gives the same store (up to the float32 rounding of each batch, and of each partial when
+rounded); :func:`check_partial` refuses a partial whose shapes or provenance
 differ from what the merge expects, naming the file. The kernel sum is merged one layer at a time
 (:func:`open_partial` leaves it on disk, :func:`merge_sums` sums it lazily as a :class:`LayerSum`, and
 :func:`mfpipe.stats.store.write_stats` writes the store's ``P`` layer by layer), so the merge's memory is one
@@ -65,7 +69,7 @@ STORED_DTYPES.update({"resid_sum": np.dtype(np.float64), "resid_sq_sum": np.dtyp
 # the residual sums (resid_var = E[x²] - c² cancels by up to (|c| / σ)²; GPT-2's massive-activation dimensions
 # reach |c| / σ ~ 1e3) keep this many mantissa bits more than the other float sums when a partial is rounded
 RESIDUAL_EXTRA_BITS = 24
-ROUNDED_KEYS = ("resid_sum", "resid_sq_sum")  # (float64) the other float sums are float32
+EXTRA_BITS_KEYS = ("resid_sum", "resid_sq_sum")  # (float64) the other float sums are float32
 # what check_partial compares between a partial's meta and the merge's expectation (when both have it)
 MATCH_KEYS = ("tracked_fingerprint", "n_tracked", "context_length", "model", "revision", "dtype", "model_type",
               "n_layers", "n_heads", "d_model", "d_head")
@@ -153,9 +157,10 @@ def _chunks(key: str, shape: tuple) -> tuple:
 def round_mantissa(a: np.ndarray, bits: int) -> np.ndarray:
     """A copy of ``a`` (float32 or float64) with every finite value rounded to ``bits`` explicit mantissa bits, to
     nearest with ties to even (the rounding of numcodecs' ``BitRound``, done here so that a partial stays plain
-    float32 / float64 that any Zarr reader opens): each value moves by at most 2^-(bits+1) of itself, so sums of
-    one sign keep that relative bound; 0, ±inf and NaN are kept. ``bits`` at the dtype's full mantissa (23 / 52)
-    returns an exact copy."""
+    float32 / float64 that any Zarr reader opens): each normal value moves by at most 2^-(bits+1) of itself, so
+    sums of one sign keep that relative bound (a subnormal moves by at most half its dropped ulp; a value within
+    half an ulp of the largest float becomes inf); 0, ±inf and NaN are kept. ``bits`` at the dtype's full mantissa
+    (23 / 52) returns an exact copy."""
     a = np.asarray(a)
     if a.dtype == np.float32:
         uint, full = np.uint32, 23
@@ -165,16 +170,19 @@ def round_mantissa(a: np.ndarray, bits: int) -> np.ndarray:
         raise TypeError(f"round_mantissa: {a.dtype} is not float32 or float64")
     if not 1 <= int(bits) <= full:
         raise ValueError(f"round_mantissa: bits={bits} is outside 1..{full} for {a.dtype}")
-    out = np.array(a, copy=True)
+    out = np.array(a, copy=True)  # contiguous: the bit operations below stream over it
     drop = full - int(bits)
     if drop == 0:
         return out
+    keep = ~np.isfinite(out)
     b = out.view(uint)
-    b += uint((1 << (drop - 1)) - 1) + ((b >> uint(drop)) & uint(1))  # half an ulp, minus one unless odd: ties to even
+    t = b >> uint(drop)
+    t &= uint(1)
+    t += uint((1 << (drop - 1)) - 1)  # half an ulp, minus one unless the kept part is odd: ties to even
+    b += t
     b &= uint(np.iinfo(uint).max ^ ((1 << drop) - 1))
-    keep = ~np.isfinite(a)
     if keep.any():
-        out[keep] = a[keep]
+        out[keep] = np.asarray(a)[keep]
     return out
 
 
@@ -183,7 +191,13 @@ def stored_mantissa_bits(key: str, bits: int | None) -> int | None:
     if bits is None or key in INT_KEYS:
         return None
     full = 52 if STORED_DTYPES[key] == np.float64 else 23
-    return min(full, int(bits) + (RESIDUAL_EXTRA_BITS if key in ROUNDED_KEYS else 0))
+    return min(full, int(bits) + (RESIDUAL_EXTRA_BITS if key in EXTRA_BITS_KEYS else 0))
+
+
+def rounding_bound(bits: int | None) -> float:
+    """The relative error that rounding partials to ``bits`` mantissa bits adds to a merged sum of one sign (every
+    kernel sum, every row total of P): 2^-(bits+1); 0.0 for exact partials (``bits`` None)."""
+    return 0.0 if bits is None else 2.0 ** -(int(bits) + 1)
 
 
 def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,

@@ -7,7 +7,8 @@
 variable               dims                             meaning
 =====================  ===============================  ===============================================
 ``P``                  layer, head, query, key          mean attention of type-s queries on bucket t (eq:P);
-                                                        rows sum to 1 over the K buckets
+                                                        rows sum to 1 over the K buckets (within
+                                                        2^-(k+1) when attribute partial_mantissa_bits = k)
 ``nbar``               query, key                       mean n_t(X) over type-s contexts (App. A)
 ``context_count``      query, key                       C_st: type-s contexts with n_t(X) >= 1 (App. E)
 ``cooc``               query, key                       keys of bucket t within ±5 of a type-s query (Sec. 4.2)
