@@ -286,8 +286,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         load_partial(ppath)
         t_load = time.perf_counter() - t0
-        bits = "exact" if args.mantissa_bits is None else f"{args.mantissa_bits} mantissa bits"
-        print(f"partial: {partial_size(ppath) / 2**20:.1f} MiB on disk ({ppath.name}, compressed Zarr, {bits}), write {t_save:.1f} s, "
+        print(f"partial: {partial_size(ppath) / 2**20:.1f} MiB on disk ({ppath.name}, compressed Zarr, "
+              f"{bits_label(args.mantissa_bits)}), write {t_save:.1f} s, "
               f"read {t_load:.1f} s; peak RSS up to the write {peak_write:.0f} MiB (+{peak_write - rss_bare_peak:.0f} MiB over "
               f"the bare forward), after reading it back {peak_rss_mb():.0f} MiB")
         if args.merge:
@@ -351,6 +351,10 @@ def merge_only(paths: list[str]) -> None:
           f"peak RSS of the merge process {peak_rss_mb():.0f} MiB")
 
 
+def bits_label(bits: int | None) -> str:
+    return "exact" if bits is None else f"{bits} mantissa bits"
+
+
 def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, folder: Path) -> None:
     """Size on disk of the partial of a full shard (``--full-shard-windows`` windows): the model-free counts of that
     many Zipf windows (real), and every float sum synthetic at exactly the support those windows give (P_sum: random
@@ -403,7 +407,7 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
     save_partial(path, fake, {"benchmark": "synthetic full shard"}, mantissa_bits=args.mantissa_bits)
     print(f"full-shard estimate ({W} windows x T={T}, {W * T} tokens): {support.mean():.3f} of the N x K kernel cells "
           f"reached, {seen.mean():.3f} of the buckets; synthetic partial {partial_size(path) / 2**20:.1f} MiB on disk "
-          f"({'exact' if args.mantissa_bits is None else f'{args.mantissa_bits} mantissa bits'})")
+          f"({bits_label(args.mantissa_bits)})")
     del fake
 
 

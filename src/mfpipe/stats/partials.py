@@ -227,11 +227,6 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
             a = np.asarray(sums[key])
             dt = STORED_DTYPES[key]
             bits = stored_mantissa_bits(key, mantissa_bits)
-
-            def stored(x, dt=dt, bits=bits):
-                x = x.astype(dt, copy=False)
-                return x if bits is None else round_mantissa(x, bits)
-
             # bit shuffle where whole bit planes are zero (counts, rounded mantissas), byte shuffle for exact floats
             shuffle = "bitshuffle" if np.issubdtype(dt, np.integer) or bits is not None else "shuffle"
             # every chunk written (none left to the fill value) and checksummed: a missing, truncated or altered
@@ -240,15 +235,13 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
                                  compressors=[BloscCodec(cname="zstd", clevel=clevel, shuffle=shuffle), Crc32cCodec()],
                                  fill_value=0, dimension_names=DIMS[key] or None,
                                  config={"write_empty_chunks": True})
-            if DIMS[key] and DIMS[key][0] in ("layer", "depth"):
-                for i in range(a.shape[0]):  # one chunk row at a time: no full-size converted / rounded copy
-                    if key == "P_sum":  # one (layer, head) chunk: 64 MB at N = 4000, not the layer's 0.8 GB
-                        for h in range(a.shape[1]):
-                            arr[i, h] = stored(a[i, h])
-                    else:
-                        arr[i] = stored(a[i])
-            else:
-                arr[...] = stored(a)
+            # one chunk at a time along the axes chunked by 1 (the kernel's (layer, head): 64 MB at N = 4000, not a
+            # layer's 0.8 GB): no full-size converted / rounded copy
+            chunks = _chunks(key, a.shape) if a.ndim else ()
+            n_lead = next((i for i, c in enumerate(chunks) if c != 1), len(chunks))
+            for idx in np.ndindex(*a.shape[:n_lead]):
+                part = a[idx or ...].astype(dt, copy=False)
+                arr[idx or ...] = part if bits is None else round_mantissa(part, bits)
     return path
 
 
