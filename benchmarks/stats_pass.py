@@ -2,7 +2,7 @@
 """Benchmark: the statistics corpus pass against a bare forward pass, on the same batches, in one run.
 
 Prints tokens/s of (a) the bare forward (the model body, eager attention, no LM head — the capture stops
-before the final norm/LM head too), (b) the nnsight capture with no-op callbacks (tracing overhead
+before the final norm/LM head too), (b) the nnsight capture of the fields the pass reads, with no-op callbacks (tracing overhead
 alone) and (c) the full statistics pass (capture + all reductions), their ratios to (a) (goal: stats ≤ 1.15×),
 peak memory (process RSS after the bare forward and overall; CUDA peak on GPU) and the size on disk of the
 partial these batches give (a compressed Zarr folder, written to a temporary folder unless --save-partial).
@@ -197,8 +197,8 @@ def main(argv=None) -> None:
         with torch.no_grad():
             model.base_model(ids, use_cache=False)
 
-    def noop(ids):
-        adapter.capture(ids, lambda c: None, lambda x: None)
+    def noop(ids):  # the fields the statistics pass reads (acc.select, set below), no reduction
+        adapter.run(ids, select=acc.select, on_layer=lambda c: None, on_final=lambda x: None)
 
     # baseline memory: model + one bare forward
     ids0 = torch.as_tensor(batches[0].astype(np.int64), device=dev)
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats()
 
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
-                      attn_input_norm=adapter.attn_input_norm)
+                      attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights)
     tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
     acc_mb = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) / 2**20
     del tensors  # no reference may outlive `del acc` below (N = 4000: 11 GB of accumulators)
@@ -223,7 +223,7 @@ def main(argv=None) -> None:
     def stats(ids, chunk):
         kb, qt = window_buckets(chunk, key_lut, query_lut, n)
         acc.begin_batch(kb, qt)
-        adapter.capture(ids, acc.on_layer, acc.on_final)
+        adapter.run(ids, select=acc.select, on_layer=acc.on_layer, on_final=acc.on_final)  # as the shard loop
         acc.end_batch()
 
     pairs = [(torch.as_tensor(chunk.astype(np.int64), device=dev), chunk) for chunk in batches]

@@ -140,6 +140,12 @@ def test_block_pieces_recompose_forward(case):
         assert h.shape == c.resid_in.shape
         if a.model_type == "olmo2":
             _close(h, c.resid_in, atol=0)
+        # ... and the value projection is the affine map value_weights of it (GQA expanded), per position
+        W, b = a.value_weights(l)
+        assert W.shape == (a.n_heads, a.d_model, a.d_head) and (b is None or b.shape == (a.n_heads, a.d_head))
+        v_aff = torch.einsum("btd,hde->bhte", h, W) + (0 if b is None else b[None, :, None, :])
+        _close(v_aff, c.values)
+        assert c.values.abs().max() > 100 * ATOL  # not vacuous: the values are far from 0 at this tolerance
         if a.parallel_residual:
             m = a.mlp(l, c.resid_in)
             _close(m, c.mlp_out)

@@ -226,6 +226,43 @@ def test_zero_query_types_are_nan(windows):
     assert (ds["P"].sel(key=s).isel(query=slice(0, s)).values == 0).all()
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama"])
+def test_value_sums_from_the_norm_sums_equal_the_summed_values(model_type):
+    """Pass 1 derives the per-head value sums from the ln1(x) sums through the adapter's value projection
+    (values are affine in ln1(x)) and does not read the values; summing the captured values instead gives the same
+    value sums (to float32 rounding: another order of operations), and every other sum bit for bit."""
+    from mfpipe.stats.pass1 import Accumulator
+
+    model = make_tiny_model(model_type, seed=7)  # gpt2: Conv1D c_attn, gpt_neox: per-head qkv, llama: GQA v_proj
+    adapter = get_adapter(model)
+    tokens = zipf_windows(8, seed=4)
+    tracked = tracked_for(tokens)
+    seen = []
+
+    def summing_values(ad, n, T, device):
+        acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
+                          attn_input_norm=ad.attn_input_norm)
+        seen.append(acc.select)
+        return acc
+
+    derived = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    summed = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False,
+                              reducer=summing_values)
+    assert "values" in seen[0] and "resid_mid" not in seen[0]
+    for k in summed:
+        if k == "value_sum":
+            scale = np.abs(summed[k]).max()
+            assert scale > 1e-2  # not vacuous
+            np.testing.assert_allclose(derived[k], summed[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+        else:
+            assert np.array_equal(derived[k], summed[k], equal_nan=True), k
+    acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
+                      attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights)
+    assert "values" not in acc.select and "resid_mid" not in acc.select  # the capture never reads them
+    with pytest.raises(ValueError, match="pass attn_input_norm too"):
+        Accumulator(1, 1, 4, 4, 3, 8, value_weights=adapter.value_weights)
+
+
 def test_kernel_reductions_agree(monkeypatch):
     """One pair chunk per batch with the kernel added once per batch, and many small pair chunks (one window each)
     with each layer's kernel added as it comes, give the same sums."""

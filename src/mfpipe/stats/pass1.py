@@ -26,10 +26,17 @@ in :meth:`Accumulator.begin_batch` and shared by all layers:
   miss). Where the batch's sums of all layers would exceed ``DEFERRED_SUMS_MAX`` bytes (models with thousands of
   heads), each layer's are added as they come;
 - the per-position statistics: the batch's distinct buckets and each position's rank among them. Per layer,
-  float32 ``index_add_`` of ``x, (x - c_b)², attn_out, mlp_out, ln1(x), values, reads`` into ``[U_b, ·]`` buffers
+  float32 ``index_add_`` of ``x, (x - c_b)², attn_out, mlp_out, ln1(x), reads`` (and ``values`` without
+  ``value_weights``) into ``[U_b, ·]`` buffers
   (``U_b`` distinct buckets of the batch; ``c_b`` the batch's bucket mean, ``sum x²`` is restored in float64 as
   ``M2 + S1²/n``, so E[x²] - c² never cancels in float32), each then added once in float64 into its sum over
   the K buckets (one tensor per statistic, so :meth:`Accumulator.sums` hands out views, not copies).
+
+Per-head value sums are not summed per position where the adapter gives the value projection
+(``value_weights``, :meth:`Adapter.value_weights`): the values are an affine map of the attention-input norm's
+output, ``v = ln1(x) W + b``, so their sum over a bucket is that map of the bucket's ``ln1(x)`` sum, ``(sum ln1(x))
+W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it in float64. The capture then does
+not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
 
 The temporaries of the hot path are reused buffers (:class:`_Scratch`): on CPU a fresh multi-MB tensor is
 page-faulted in on first touch, which on a VM cost as much as the arithmetic of these reductions.
@@ -62,7 +69,8 @@ layers, ``H`` heads, ``d`` width, ``dh`` head width, ``T`` context length)::
                                                           residual by bucket (App. K MLP gap)
     ln_in_sum                           f64 [L,K,d]       attention-input norm of the residual, ln1(x), by bucket
                                                           (App. D value-map Jensen gap); NaN without a norm fn
-    value_sum                           f64 [L,H,K,dh]    per-head values by key bucket (-> mu_t)
+    value_sum                           f64 [L,H,K,dh]    per-head values by key bucket (-> mu_t); with
+                                                          value_weights: (ln_in_sum W + key_count b) per head
     read_sum                            f64 [L,H,K,dh]    per-head reads by the position's bucket (-> zbar_s)
 """
 
@@ -146,6 +154,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         cooc_window: int = COOC_WINDOW,
         cpu_threads: int | None = 1,
         attn_input_norm: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        value_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -158,6 +167,13 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # threads (the model's forward keeps its own setting); None leaves torch alone.
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
+        # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
+        if value_weights is not None and attn_input_norm is None:
+            raise ValueError("value_weights maps the attention-input norm's sums to value sums: pass attn_input_norm too")
+        self.value_weights = value_weights
+        # the capture fields this reducer reads (Adapter.run's select): resid_mid is resid_in + attn_out, and the
+        # values are derived from the ln1(x) sums where value_weights is given
+        self.select = ("resid_in", "attn_probs", "reads", "attn_out", "mlp_out") + (("values",) if value_weights is None else ())
         L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
         i64 = dict(dtype=torch.int64, device=dev)
         # per-position sums, float64, one tensor per statistic (sums() hands them out without copies); the residual
@@ -165,7 +181,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._cols = {"resid": d, "attn_out": d, "mlp_out": d}
         if attn_input_norm is not None:
             self._cols["ln_in"] = d
-        self._cols.update({"values": H * dh, "reads": H * dh})
+        if value_weights is None:
+            self._cols["values"] = H * dh
+        self._cols["reads"] = H * dh
         f64 = dict(dtype=torch.float64, device=dev)
         self.pos = {name: torch.zeros(L + (name == "resid"), K, width, **f64) for name, width in self._cols.items()}
         self.pos["resid_sq"] = torch.zeros(L + 1, K, d, **f64)
@@ -340,10 +358,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # [B*T, width] rows), then added once into its float64 sum
         kinv, ub, scratch = self._kinv, self._ub, self._scratch
         BT, U = kinv.numel(), ub.numel()
-        parts = {"resid": cap.resid_in, "attn_out": cap.attn_out, "mlp_out": cap.mlp_out,
-                 "values": cap.values.permute(0, 2, 1, 3), "reads": cap.reads}
+        parts = {"resid": cap.resid_in, "attn_out": cap.attn_out, "mlp_out": cap.mlp_out, "reads": cap.reads}
         if "ln_in" in self._cols:
             parts["ln_in"] = self.attn_input_norm(l, cap.resid_in)
+        if "values" in self._cols:
+            parts["values"] = cap.values.permute(0, 2, 1, 3)
         for name, t in parts.items():
             c = self._cols[name]
             if t.is_contiguous() and t.dtype == torch.float32:
@@ -383,6 +402,21 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._kinv = self._ub = None
 
     # ------------------------------------------------------------------ output
+    def _value_sums(self, ln_in: np.ndarray, key_count: np.ndarray) -> np.ndarray:
+        """[L,H,K,dh] float64 per-head value sums by bucket from the ln1(x) sums ``ln_in [L,K,d]``: per layer
+        ``(sum ln1(x)) W_h + n_t b_h`` (values are affine in ln1(x), see the module docstring)."""
+        L, H, K, dh = self.L, self.H, self.K, self.dh
+        out = np.empty((L, H, K, dh), dtype=np.float64)
+        for l in range(L):
+            w, b = self.value_weights(l)
+            w = w.detach().to("cpu", torch.float64).numpy()
+            if tuple(w.shape) != (H, self.d, dh):
+                raise StatsError(f"value_weights({l}) has shape {tuple(w.shape)}, expected {(H, self.d, dh)}")
+            np.einsum("kd,hde->hke", ln_in[l], w, out=out[l])
+            if b is not None:
+                out[l] += key_count[None, :, None] * b.detach().to("cpu", torch.float64).numpy()[:, None, :]
+        return out
+
     def sums(self) -> dict[str, np.ndarray]:
         """Numpy sums (see the module docstring): ``P_sum`` float32, the other float sums float64, counts int64.
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
@@ -395,6 +429,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         col = {name: np_(t) for name, t in self.pos.items()}  # views of the CPU accumulators, no copies
         resid = col["resid"]
         ln_in = col["ln_in"] if "ln_in" in col else np.full((L, K, d), np.nan)
+        if "values" in col:
+            value_sum = col["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3)
+        else:
+            value_sum = self._value_sums(ln_in, np_(self.key_count))
         return {
             "n_windows": np.asarray(self.n_windows, dtype=np.int64),
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
@@ -411,6 +449,6 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "resid_mid_sum": resid[:L] + col["attn_out"],  # resid_mid = resid_in + attn_out (the adapter's definition)
             "mlp_out_sum": col["mlp_out"],
             "ln_in_sum": ln_in,
-            "value_sum": col["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
+            "value_sum": value_sum,
             "read_sum": col["reads"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
         }

@@ -59,6 +59,13 @@ class GPT2Adapter(Adapter):
         return v.view(*h.shape[:-1], self.n_heads, self.d_head).to(x.dtype)
 
     @_no_grad
+    def value_weights(self, layer: int) -> tuple[Tensor, Tensor]:
+        d, H, dh = self.d_model, self.n_heads, self.d_head
+        c_attn = self._sub(layer, self.V_SRC)  # Conv1D: weight [d, 3d], columns [q | k | v]
+        w = c_attn.weight.detach()[:, 2 * d :].reshape(d, H, dh).transpose(0, 1)
+        return w, c_attn.bias.detach()[2 * d :].reshape(H, dh)
+
+    @_no_grad
     def out_proj_slices(self, layer: int) -> Tensor:
         w = self._sub(layer, self.O_PROJ).weight  # Conv1D: [d_in = H*dh, d_out = d]
         return w.detach().reshape(self.n_heads, self.d_head, self.d_model)
@@ -121,6 +128,14 @@ class GPTNeoXAdapter(Adapter):
         b = None if qkv.bias is None else qkv.bias.view(H, 3, dh)[:, 2].reshape(H * dh)
         v = nn.functional.linear(h, w, b)
         return v.unflatten(-1, (H, dh)).to(x.dtype)
+
+    @_no_grad
+    def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
+        H, dh, d = self.n_heads, self.d_head, self.d_model
+        qkv = self._sub(layer, self.V_SRC)  # Linear d -> 3d, rows laid out [H, (q|k|v), dh]
+        w = qkv.weight.detach().view(H, 3, dh, d)[:, 2].transpose(1, 2)
+        b = None if qkv.bias is None else qkv.bias.detach().view(H, 3, dh)[:, 2]
+        return w, b
 
 
 # ------------------------------------------------------------------------------- Llama-style blocks

@@ -9,7 +9,7 @@ offers two things:
    outputs) to a callback *while the forward is running*, can replace every head's read at the output
    projection's input, and can return the logits and the next-token loss; ``capture`` — all fields,
    no LM head (the statistics pass).
-2. Block pieces (``embed``, ``position_offset``, ``attn_input_norm``, ``value_map``,
+2. Block pieces (``embed``, ``position_offset``, ``attn_input_norm``, ``value_map`` / ``value_weights``,
    ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure functions of
    tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
    rollout (paper Alg. 1, App. E); ``unembed`` (final norm + LM head) for the logit lens of App. P.
@@ -189,6 +189,22 @@ class Adapter(TracedSite):
         if self.n_rep > 1:
             v = v.repeat_interleave(self.n_rep, dim=-2)
         return v.to(x.dtype)
+
+    @_no_grad
+    def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
+        """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
+        output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded to
+        query heads), so that ``value_map(layer, x)`` is that map of the norm. Being affine, it maps a sum of ``h``
+        over n positions to the sum of their values: ``sum v = (sum h) @ W + n b`` (the statistics pass derives its
+        per-head value sums from the norm's sums this way)."""
+        proj = self._sub(layer, self.V_SRC)
+        KV, dh = self.n_kv_heads, self.d_head
+        w = proj.weight.detach().view(KV, dh, -1).transpose(1, 2)  # nn.Linear: [KV*dh, d] -> [KV, d, dh]
+        b = None if proj.bias is None else proj.bias.detach().view(KV, dh)
+        if self.n_rep > 1:
+            w = w.repeat_interleave(self.n_rep, dim=0)
+            b = None if b is None else b.repeat_interleave(self.n_rep, dim=0)
+        return w, b
 
     @_no_grad
     def out_proj_slices(self, layer: int) -> Tensor:
