@@ -167,6 +167,9 @@ def main(argv=None) -> None:
                     help="also print where the statistics pass's own time goes (CPU time of the reducer's stages: the "
                          "model-free plan, per layer the kernel and the per-position sums, the final residual, the "
                          "kernel's once-per-batch add), per timed batch")
+    ap.add_argument("--helper", choices=("auto", "on", "off"), default="auto",
+                    help="the reducer's helper thread (pass 1 splits each layer's reduction between two threads; auto: "
+                         "on CPU with >= 2 torch threads, as in the workflow)")
     ap.add_argument("--merge-only", nargs="+", default=None, help=argparse.SUPPRESS)  # the --merge child process
     args = ap.parse_args(argv)
     if args.merge_only:
@@ -213,7 +216,8 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats()
 
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
-                      attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights)
+                      attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
+                      helper_thread={"auto": None, "on": True, "off": False}[args.helper])
     tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
     acc_mb = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) / 2**20
     del tensors  # no reference may outlive `del acc` below (N = 4000: 11 GB of accumulators)
@@ -247,12 +251,14 @@ def main(argv=None) -> None:
     print(f"  of which the once-per-shard device->host copy of the sums: {t_sums:.2f} s")
     if stages is not None:
         per = {k: v / args.batches * 1e3 for k, v in stages.items()}
-        L = adapter.n_layers
-        print(f"  reducer CPU time per batch (ms; thread time, excludes the forward): plan {per['plan']:.1f}, "
+        wall = per.pop("wall")
+        L, bare_ms = adapter.n_layers, times["bare"] / args.batches * 1e3
+        print(f"  reducer CPU time per batch (ms; thread time of its threads, excludes the forward): plan {per['plan']:.1f}, "
               f"kernel {per['kernel']:.1f} ({per['kernel'] / L:.2f}/layer), per-position sums {per['positions']:.1f} "
               f"({per['positions'] / L:.2f}/layer), final residual {per['final']:.1f}, kernel add {per['flush']:.1f}; "
-              f"total {sum(per.values()):.1f} = {sum(per.values()) / 1e3 / (times['bare'] / args.batches):.3f} of a bare "
-              "forward's wall time")
+              f"total {sum(per.values()):.1f} = {sum(per.values()) / bare_ms:.3f} of a bare forward's wall time; "
+              f"wall time in the reducer {wall:.1f} = {wall / bare_ms:.3f} "
+              f"({'with' if acc._helper is not None else 'without'} the helper thread)")
     peak = peak_rss_mb()
     print(f"memory: accumulators {acc_mb:.0f} MiB on {dev}; sums in memory {part_mb:.0f} MiB; peak RSS bare forward "
           f"(model + bare forward) {rss_bare_peak:.0f} MiB, stats pass {peak:.0f} MiB (+{peak - rss_bare_peak:.0f} MiB, "
@@ -304,26 +310,36 @@ def main(argv=None) -> None:
 
 def instrument(acc) -> dict:
     """Wrap the reducer's stages with thread-CPU-time counters (a dict filled as batches run): ``plan``
-    (begin_batch), ``kernel`` (per layer), ``positions`` (the rest of on_layer), ``final`` (on_final), ``flush``
-    (end_batch: the batch's kernel sums into P). On CPU the reducer runs on the calling thread, so its thread time
-    is its own cost, apart from the machine's noise in the forward."""
-    stages = {"plan": 0.0, "kernel": 0.0, "positions": 0.0, "final": 0.0, "flush": 0.0}
+    (begin_batch), ``kernel`` (the kernel sums of the layers' heads), ``positions`` (the per-position sums, ln1(x)
+    included), ``final`` (on_final), ``flush`` (end_batch: the batch's kernel sums into P), on whichever thread runs
+    them (the reducer's own thread or its helper thread: their sum is the reducer's CPU cost); and ``wall``, the wall
+    time spent in the reducer's callbacks (with the helper thread, less than the CPU time)."""
+    stages = {"plan": 0.0, "kernel": 0.0, "positions": 0.0, "final": 0.0, "flush": 0.0, "wall": 0.0}
 
-    def timed(fn, name, minus=None):
+    def timed(fn, name, wall=False):
         def run(*a, **k):
-            t0 = time.thread_time()
-            before = stages[minus] if minus else 0.0
+            t0, w0 = time.thread_time(), time.perf_counter()
             out = fn(*a, **k)
-            inner = (stages[minus] - before) if minus else 0.0
-            stages[name] += time.thread_time() - t0 - inner
+            stages[name] += time.thread_time() - t0
+            if wall:
+                stages["wall"] += time.perf_counter() - w0
             return out
         return run
 
-    acc._kernel = timed(acc._kernel, "kernel")
-    acc.begin_batch = timed(acc.begin_batch, "plan")
-    acc.on_layer = timed(acc.on_layer, "positions", minus="kernel")
-    acc.on_final = timed(acc.on_final, "final")
-    acc.end_batch = timed(acc.end_batch, "flush")
+    def walled(fn):
+        def run(*a, **k):
+            w0 = time.perf_counter()
+            out = fn(*a, **k)
+            stages["wall"] += time.perf_counter() - w0
+            return out
+        return run
+
+    acc._kernel_heads = timed(acc._kernel_heads, "kernel")
+    acc._position_sums = timed(acc._position_sums, "positions")
+    acc.begin_batch = timed(acc.begin_batch, "plan", wall=True)
+    acc.on_layer = walled(acc.on_layer)
+    acc.on_final = timed(acc.on_final, "final", wall=True)
+    acc.end_batch = timed(acc.end_batch, "flush", wall=True)
     return stages
 
 

@@ -17,6 +17,7 @@ from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize, merge_sums
+from mfpipe.stats.errors import StatsError
 from mfpipe.tracked import TrackedSet
 
 N_TRACKED = 20
@@ -261,6 +262,54 @@ def test_value_sums_from_the_norm_sums_equal_the_summed_values(model_type):
     assert "values" not in acc.select and "resid_mid" not in acc.select  # the capture never reads them
     with pytest.raises(ValueError, match="pass attn_input_norm too"):
         Accumulator(1, 1, 4, 4, 3, 8, value_weights=adapter.value_weights)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gemma2"])
+def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
+    """Pass 1 with its helper thread (each layer's reduction split between two threads: half the heads of the kernel,
+    part of the per-position sums) gives exactly the sums of one thread: one pair chunk per batch with the kernel
+    added once per batch, and many small chunks with each layer's kernel added as it comes. An error on the helper
+    thread is raised by on_layer."""
+    import mfpipe.stats.pass1 as acc_mod
+    from mfpipe.stats.pass1 import Accumulator
+
+    model = make_tiny_model(model_type, seed=8)
+    adapter = get_adapter(model)
+    tokens = zipf_windows(10, T=24, seed=9)
+    tracked = tracked_for(tokens)
+    made = []
+
+    def reducer(helper):
+        def make(ad, n, T, device):
+            acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
+                              attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights, helper_thread=helper)
+            made.append(acc)
+            return acc
+        return make
+
+    def run(helper):
+        return accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False,
+                                reducer=reducer(helper))
+
+    for chunked in (False, True):
+        with monkeypatch.context() as mp:
+            if chunked:
+                mp.setattr(acc_mod, "PAIR_CHUNK", 37)
+                mp.setattr(acc_mod, "DEFERRED_SUMS_MAX", 0)
+            one, two = run(False), run(True)
+        assert made[-2]._helper is None and made[-1]._helper is None  # the shard loop closed the helper
+        for k in one:
+            assert np.array_equal(one[k], two[k], equal_nan=True), (chunked, k)
+
+    def broken(self, l, parts, scratch, ln_from=None):
+        if "resid" in parts:  # the helper thread's half
+            raise StatsError("helper half failed")
+        return real(self, l, parts, scratch, ln_from)
+
+    real = Accumulator._position_sums
+    monkeypatch.setattr(Accumulator, "_position_sums", broken)
+    with pytest.raises(StatsError, match="helper half failed"):
+        run(True)
 
 
 def test_kernel_reductions_agree(monkeypatch):

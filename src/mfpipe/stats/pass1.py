@@ -38,6 +38,12 @@ output, ``v = ln1(x) W + b``, so their sum over a bucket is that map of the buck
 W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it in float64. The capture then does
 not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
 
+On CPU, where the job has two or more threads, each layer's reduction is split between the calling thread and one
+helper thread (:class:`_Helper`): half the heads of the kernel and part of the per-position statistics each, written
+into disjoint sums, so the sums are bit for bit those of one thread. The forward is parked while a callback runs,
+so the job's second core would otherwise idle; on GPT-2 small (N = 1000, T = 512) the reducer's wall time fell by
+26-35 % on this project's 2-core machine (benchmarks/stats_pass.py --breakdown, --helper on / off).
+
 The temporaries of the hot path are reused buffers (:class:`_Scratch`): on CPU a fresh multi-MB tensor is
 page-faulted in on first touch, which on a VM cost as much as the arithmetic of these reductions.
 
@@ -76,6 +82,7 @@ layers, ``H`` heads, ``d`` width, ``dh`` head width, ``T`` context length)::
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
@@ -100,6 +107,7 @@ class _PairChunk:
     cells: torch.Tensor  # [U] the chunk's distinct cells s*K + t (rows of the [N*K, L*H] kernel sum)
     sums: torch.Tensor | None  # [U, L*H] the batch's sums of the chunk's cells (all layers; filled by _kernel), or
     # None: each layer's sums go into P at once (DEFERRED_SUMS_MAX)
+    buf: torch.Tensor  # [H, U] one layer's sums of the chunk's cells, head-major (reused by every layer)
 
 
 class _Scratch:
@@ -117,6 +125,34 @@ class _Scratch:
             buf = torch.empty(max(int(n), 1), dtype=dtype, device=self.device)
             self._bufs[name] = buf
         return buf[:n]
+
+
+class _Helper:
+    """One more CPU thread for the reducer: per layer the work splits into two halves that write disjoint sums (half
+    the heads of the kernel, part of the per-position statistics), one run here and one there. The reductions are
+    gather / scatter loops that torch runs on one thread each, and while the reducer runs the forward is parked, so
+    the job's second core is idle; the halves' torch ops release the GIL and run side by side. Each sum is computed
+    by one thread with the same operations as without the helper: the sums are bit for bit the same."""
+
+    def __init__(self, threads: int | None):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfpipe-reducer")
+        self._threads = threads
+
+    def _run(self, fn):
+        with torch.no_grad(), reducer_threads(self._threads):  # grad mode and torch threads are per thread
+            fn()
+
+    def both(self, here: Callable[[], None], there: Callable[[], None]) -> None:
+        """``here()`` on this thread and ``there()`` on the helper, returning when both are done (an exception of
+        either is raised here, after both finished)."""
+        fut = self._pool.submit(self._run, there)
+        try:
+            here()
+        finally:
+            fut.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 @contextmanager
@@ -155,6 +191,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         cpu_threads: int | None = 1,
         attn_input_norm: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
         value_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+        helper_thread: bool | None = None,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -166,6 +203,12 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # machine OpenMP barriers make small parallel ops 10-100x slower. So on CPU they run on `cpu_threads`
         # threads (the model's forward keeps its own setting); None leaves torch alone.
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        # On CPU each layer's reduction is split between this thread and a helper thread (_Helper) where the job
+        # has a second thread to give (torch's threads, set from the job's `threads`); None: that rule, True /
+        # False: force. On a GPU the reductions are asynchronous kernels already.
+        if helper_thread is None:
+            helper_thread = self.device.type == "cpu" and torch.get_num_threads() >= 2
+        self._helper = _Helper(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
         # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
         if value_weights is not None and attn_input_norm is None:
@@ -204,6 +247,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._layers_seen: set[int] = set()
         self._final_seen = False
         self._scratch = _Scratch(dev)
+        self._scratch_helper = _Scratch(dev)  # the helper thread's own work buffers
         # the (query j, key k <= j) pairs of one window, row-major (tests: the order of causal_pairs)
         tri_j, tri_k = torch.tril_indices(T, T, device=dev)
         self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
@@ -266,7 +310,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self.nbar.scatter_add_(0, cells, by_first.sum(1))
             win = torch.div(keep, n_tri, rounding_mode="floor")
             gidx = (win + b0).mul_(H * T * T).add_(tri.index_select(0, keep - win * n_tri))
-            chunks.append(_PairChunk(gidx, pinv, cells, None))
+            # allocated here, on the calling thread: the helper thread writes half of its rows (_Helper)
+            buf = self._scratch.get(f"kbuf{len(chunks)}", H * cells.numel(), torch.float32).view(H, -1)
+            chunks.append(_PairChunk(gidx, pinv, cells, None, buf))
         if 4 * self.L * H * sum(ch.cells.numel() for ch in chunks) <= DEFERRED_SUMS_MAX:
             for i, ch in enumerate(chunks):
                 ch.sums = self._scratch.get(f"sums{i}", ch.cells.numel() * self.L * H, torch.float32).view(-1, self.L * H)
@@ -309,31 +355,40 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         the buffer goes into the layer's columns of the chunk's [U, L*H] batch sums, which :meth:`end_batch` adds
         into the kernel sum once for all layers (without batch sums, above ``DEFERRED_SUMS_MAX``: into the layer's
         columns of the kernel sum at once)."""
-        H = self.H
+        self._kernel_heads(self._flat_probs(probs), range(self.H), self._scratch)
+        self._kernel_flush(l)
+
+    @staticmethod
+    def _flat_probs(probs: torch.Tensor) -> torch.Tensor:
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
-        pf = pf.to(torch.float32)
-        hstride = self.T * self.T
-        scratch = self._scratch
+        return pf.to(torch.float32)
+
+    def _kernel_heads(self, pf: torch.Tensor, heads: range, scratch: _Scratch) -> None:
+        """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`)."""
+        H, hstride = self.H, self.T * self.T
         for ch in self._chunks:
-            M, U = ch.pinv.numel(), ch.cells.numel()
-            buf = scratch.get("kbuf", H * U, torch.float32).zero_().view(H, U)  # this batch's sums, head-major
-            vals = scratch.get("kval", M, torch.float32)
-            for h in range(H):  # head h of pair i is element gidx[i] + h*T*T; its cell sum is buf[h, pinv[i]]
+            vals = scratch.get("kval", ch.pinv.numel(), torch.float32)
+            for h in heads:  # head h of pair i is element gidx[i] + h*T*T; its cell sum is buf[h, pinv[i]]
                 torch.index_select(pf[h * hstride :], 0, ch.gidx, out=vals)
                 # 1-D sums by index: scatter_add_, not index_add_ (on CPU 63 vs 175 us for 66 k pairs, same order
                 # of additions: the same float32 result)
-                buf[h].scatter_add_(0, ch.pinv, vals)
-            if ch.sums is not None:
-                ch.sums[:, l * H : (l + 1) * H].copy_(buf.t())
-            else:
-                self.P[:, l * H : (l + 1) * H].index_add_(0, ch.cells, buf.t())
+                ch.buf[h].zero_().scatter_add_(0, ch.pinv, vals)
 
-    def _square_sum(self, x: torch.Tensor, s1: torch.Tensor) -> torch.Tensor:
+    def _kernel_flush(self, l: int) -> None:
+        """Each chunk's [H, U] buffer of layer ``l`` into the layer's columns of its batch sums (or of P)."""
+        H = self.H
+        for ch in self._chunks:
+            if ch.sums is not None:
+                ch.sums[:, l * H : (l + 1) * H].copy_(ch.buf.t())
+            else:
+                self.P[:, l * H : (l + 1) * H].index_add_(0, ch.cells, ch.buf.t())
+
+    def _square_sum(self, x: torch.Tensor, s1: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor:
         """Float64 ``sum x²`` over the batch's buckets of float32 rows ``x [B*T, d]`` whose float32 bucket sums are
         ``s1 [U_b, d]``. The square is summed around the batch's bucket mean in float32 and shifted back in float64
         (``sum x² = M2 + S1²/n``), so its float32 error is relative to the spread, not to ``c²``: E[x²] - c² then
         cancels exactly in float64."""
-        kinv, scratch = self._kinv, self._scratch
+        kinv, scratch = self._kinv, scratch or self._scratch
         BT, d = x.shape
         U = s1.shape[0]
         xc = torch.index_select(s1 / self._ub_count32[:, None], 0, kinv,
@@ -352,17 +407,35 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         B = probs.shape[0]
         if tuple(probs.shape) != (B, H, T, T):
             raise StatsError(f"layer {l}: attention probabilities have shape {tuple(probs.shape)}, expected {(B, H, T, T)}")
-        self._kernel(l, probs)
-
-        # per-position sums: per statistic, a float32 sum over the batch's distinct buckets (one index_add_ of the
-        # [B*T, width] rows), then added once into its float64 sum
-        kinv, ub, scratch = self._kinv, self._ub, self._scratch
-        BT, U = kinv.numel(), ub.numel()
         parts = {"resid": cap.resid_in, "attn_out": cap.attn_out, "mlp_out": cap.mlp_out, "reads": cap.reads}
-        if "ln_in" in self._cols:
-            parts["ln_in"] = self.attn_input_norm(l, cap.resid_in)
         if "values" in self._cols:
             parts["values"] = cap.values.permute(0, 2, 1, 3)
+        ln_from = cap.resid_in if "ln_in" in self._cols else None
+        if self._helper is None:
+            self._kernel(l, probs)
+            self._position_sums(l, parts, self._scratch, ln_from)
+        else:
+            # the helper takes the second half of the heads, the residual (with its square) and the attention output;
+            # this thread the first half and the rest, ln1(x) included (a module call: it stays on the trace's thread)
+            pf, half = self._flat_probs(probs), (H + 1) // 2
+            there = {name: parts.pop(name) for name in ("resid", "attn_out")}
+            self._helper.both(
+                lambda: (self._kernel_heads(pf, range(half), self._scratch),
+                         self._position_sums(l, parts, self._scratch, ln_from)),
+                lambda: (self._kernel_heads(pf, range(half, H), self._scratch_helper),
+                         self._position_sums(l, there, self._scratch_helper)),
+            )
+            self._kernel_flush(l)
+        self._layers_seen.add(l)
+
+    def _position_sums(self, l: int, parts: dict, scratch: _Scratch, ln_from: torch.Tensor | None = None) -> None:
+        """Per-position sums of layer ``l``: per statistic in ``parts`` (and ``ln1(ln_from)`` as ``ln_in``), a float32
+        sum over the batch's distinct buckets (one index_add_ of the [B*T, width] rows), then added once into its
+        float64 sum."""
+        kinv, ub = self._kinv, self._ub
+        BT, U = kinv.numel(), ub.numel()
+        if ln_from is not None:
+            parts = {**parts, "ln_in": self.attn_input_norm(l, ln_from)}
         for name, t in parts.items():
             c = self._cols[name]
             if t.is_contiguous() and t.dtype == torch.float32:
@@ -371,9 +444,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 x = scratch.get("posx", BT * c, torch.float32).view(t.shape).copy_(t).view(BT, c)
             part = scratch.get("posu", U * c, torch.float32).view(U, c).zero_().index_add_(0, kinv, x)
             if name == "resid":
-                self.pos["resid_sq"][l].index_add_(0, ub, self._square_sum(x, part))
+                self.pos["resid_sq"][l].index_add_(0, ub, self._square_sum(x, part, scratch))
             self.pos[name][l].index_add_(0, ub, scratch.get("posu64", U * c, torch.float64).view(U, c).copy_(part))
-        self._layers_seen.add(l)
 
     def on_final(self, resid: torch.Tensor) -> None:
         with self._threads():
@@ -400,6 +472,12 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                     self.P.index_add_(0, ch.cells, ch.sums)
         self._chunks = []
         self._kinv = self._ub = None
+
+    def close(self) -> None:
+        """Stop the helper thread, if any (the sums stay readable)."""
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     # ------------------------------------------------------------------ output
     def _value_sums(self, ln_in: np.ndarray, key_count: np.ndarray) -> np.ndarray:

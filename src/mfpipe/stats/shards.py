@@ -4,7 +4,7 @@ through the adapter's read site, each layer handed to the reducer while the forw
 A reducer has the adapter-callback protocol (:class:`Reducer`): ``begin_batch(kb, qt)`` with the batch's key
 buckets and query types ``[B, T]`` (:func:`mfpipe.stats.buckets.window_buckets`), ``on_layer(LayerCapture)``
 per layer in order, ``on_final(resid)`` with the final residual before the last norm, ``end_batch()``, and
-``sums()`` -> the additive numpy sums of everything seen. Pass 1 is :class:`mfpipe.stats.pass1.Accumulator`;
+``sums()`` -> the additive numpy sums of everything seen (and, optionally, ``close()`` once done). Pass 1 is :class:`mfpipe.stats.pass1.Accumulator`;
 a second corpus pass (e.g. the mean-field deviation of Sec. 6) is another reducer over the same loop.
 """
 
@@ -79,14 +79,18 @@ def accumulate_shard(
     else:
         acc = reducer(adapter, n, tokens.shape[1], device)
     n_batches = (tokens.shape[0] + batch_size - 1) // batch_size
-    for i in _progress(range(n_batches), n_batches, progress, desc):
-        chunk = tokens[i * batch_size : (i + 1) * batch_size]
-        kb, qt = window_buckets(chunk, key_lut, query_lut, n)
-        ids = torch.as_tensor(chunk.astype(np.int64), device=device)
-        acc.begin_batch(kb, qt)
-        # a reducer names the capture fields it reads (pass 1: all of them)
-        adapter.run(ids, select=getattr(acc, "select", "all"), on_layer=acc.on_layer, on_final=acc.on_final)
-        acc.end_batch()
-    return acc.sums()
+    try:
+        for i in _progress(range(n_batches), n_batches, progress, desc):
+            chunk = tokens[i * batch_size : (i + 1) * batch_size]
+            kb, qt = window_buckets(chunk, key_lut, query_lut, n)
+            ids = torch.as_tensor(chunk.astype(np.int64), device=device)
+            acc.begin_batch(kb, qt)
+            # a reducer names the capture fields it reads (Accumulator.select; default: all of them)
+            adapter.run(ids, select=getattr(acc, "select", "all"), on_layer=acc.on_layer, on_final=acc.on_final)
+            acc.end_batch()
+        return acc.sums()
+    finally:
+        if hasattr(acc, "close"):
+            acc.close()  # pass 1's helper thread
 
 
