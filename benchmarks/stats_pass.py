@@ -168,14 +168,14 @@ def main(argv=None) -> None:
                          "model-free plan, per layer the kernel and the per-position sums, the final residual, the "
                          "kernel's once-per-batch add), per timed batch")
     ap.add_argument("--helper", choices=("auto", "on", "off"), default="auto",
-                    help="the reducer's helper thread (pass 1 splits each layer's reduction between two threads; auto: "
+                    help="the reducer's helper thread (pass 1 splits each large layer's reduction between two threads; auto: "
                          "on CPU with >= 2 torch threads, as in the workflow)")
     ap.add_argument("--merge-only", nargs="+", default=None, help=argparse.SUPPRESS)  # the --merge child process
     args = ap.parse_args(argv)
     if args.merge_only:
         return merge_only(args.merge_only)
     from mfpipe.stats.buckets import bucket_luts, window_buckets
-    from mfpipe.stats.pass1 import Accumulator
+    from mfpipe.stats.pass1 import HELPER_MIN_PROBS, Accumulator
 
     dev, model, adapter, V, bos = setup_model(args)
     B, T, nb = args.batch_size, args.context_length, args.batches + 1
@@ -258,7 +258,8 @@ def main(argv=None) -> None:
               f"({per['positions'] / L:.2f}/layer), final residual {per['final']:.1f}, kernel add {per['flush']:.1f}; "
               f"total {sum(per.values()):.1f} = {sum(per.values()) / bare_ms:.3f} of a bare forward's wall time; "
               f"wall time in the reducer {wall:.1f} = {wall / bare_ms:.3f} "
-              f"({'with' if acc._helper is not None else 'without'} the helper thread)")
+              f"({'with' if acc._helper is not None and B * adapter.n_heads * T * T >= HELPER_MIN_PROBS else 'without'} "
+              "the helper thread)")
     peak = peak_rss_mb()
     print(f"memory: accumulators {acc_mb:.0f} MiB on {dev}; sums in memory {part_mb:.0f} MiB; peak RSS bare forward "
           f"(model + bare forward) {rss_bare_peak:.0f} MiB, stats pass {peak:.0f} MiB (+{peak - rss_bare_peak:.0f} MiB, "

@@ -291,6 +291,7 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
         return accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False,
                                 reducer=reducer(helper))
 
+    monkeypatch.setattr(acc_mod, "HELPER_MIN_PROBS", 0)  # the tiny models' layers are far below it
     for chunked in (False, True):
         with monkeypatch.context() as mp:
             if chunked:

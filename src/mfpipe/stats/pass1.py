@@ -38,8 +38,8 @@ output, ``v = ln1(x) W + b``, so their sum over a bucket is that map of the buck
 W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it in float64. The capture then does
 not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
 
-On CPU, where the job has two or more threads, each layer's reduction is split between the calling thread and one
-helper thread (:class:`_Helper`): half the heads of the kernel and part of the per-position statistics each, written
+On CPU, where the job has two or more threads, each layer's reduction (from ``HELPER_MIN_PROBS`` attention
+elements on) is split between the calling thread and one helper thread (:class:`_Helper`): half the heads of the kernel and part of the per-position statistics each, written
 into disjoint sums, so the sums are bit for bit those of one thread. The forward is parked while a callback runs,
 so the job's second core would otherwise idle; on GPT-2 small (N = 1000, T = 512) the reducer's wall time fell by
 26-35 % on this project's 2-core machine (benchmarks/stats_pass.py --breakdown, --helper on / off).
@@ -96,6 +96,10 @@ from .errors import StatsError
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
 # P at the end of the batch; above it (large models: L*H in the thousands) each layer is added as it comes
 DEFERRED_SUMS_MAX = 1 << 28
+# attention elements [B*H*T*T] of a layer from which its reduction is split with the helper thread (_Helper): below,
+# handing half the work over costs about what it saves (the mini models' 1 M: no gain measured; GPT-2 small at
+# batch 4, T = 512: 12.6 M, the reducer's wall time 26-35 % lower)
+HELPER_MIN_PROBS = 1 << 22
 
 
 @dataclass
@@ -411,7 +415,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if "values" in self._cols:
             parts["values"] = cap.values.permute(0, 2, 1, 3)
         ln_from = cap.resid_in if "ln_in" in self._cols else None
-        if self._helper is None:
+        if self._helper is None or probs.numel() < HELPER_MIN_PROBS:
             self._kernel(l, probs)
             self._position_sums(l, parts, self._scratch, ln_from)
         else:
