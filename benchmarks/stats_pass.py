@@ -248,7 +248,7 @@ def main(argv=None) -> None:
     for name in ("bare", "capture", "stats"):
         print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
     print(f"  ratio stats / bare forward: {times['stats'] / times['bare']:.3f}  (issue 13 goals: <= 1.15 GPT-2 small N=1000 T=512, <= 1.5 mini models T=64)")
-    print(f"  of which the once-per-shard device->host copy of the sums: {t_sums:.2f} s")
+    print(f"  of which the once-per-shard sums(): {t_sums:.2f} s (value sums from the ln1(x) sums, device->host copy)")
     if stages is not None:
         per = {k: v / args.batches * 1e3 for k, v in stages.items()}
         wall = per.pop("wall")
@@ -311,19 +311,23 @@ def main(argv=None) -> None:
 
 def instrument(acc) -> dict:
     """Wrap the reducer's stages with thread-CPU-time counters (a dict filled as batches run): ``plan``
-    (begin_batch), ``kernel`` (the kernel sums of the layers' heads), ``positions`` (the per-position sums, ln1(x)
+    (begin_batch), ``kernel`` (the kernel sums of the layers' heads and their copy into the batch's sums), ``positions`` (the per-position sums, ln1(x)
     included), ``final`` (on_final), ``flush`` (end_batch: the batch's kernel sums into P), on whichever thread runs
     them (the reducer's own thread or its helper thread: their sum is the reducer's CPU cost); and ``wall``, the wall
     time spent in the reducer's callbacks (with the helper thread, less than the CPU time)."""
+    import threading
+
     stages = {"plan": 0.0, "kernel": 0.0, "positions": 0.0, "final": 0.0, "flush": 0.0, "wall": 0.0}
+    lock = threading.Lock()  # the reducer's two threads add to the same counters
 
     def timed(fn, name, wall=False):
         def run(*a, **k):
             t0, w0 = time.thread_time(), time.perf_counter()
             out = fn(*a, **k)
-            stages[name] += time.thread_time() - t0
-            if wall:
-                stages["wall"] += time.perf_counter() - w0
+            with lock:
+                stages[name] += time.thread_time() - t0
+                if wall:
+                    stages["wall"] += time.perf_counter() - w0
             return out
         return run
 
@@ -336,6 +340,7 @@ def instrument(acc) -> dict:
         return run
 
     acc._kernel_heads = timed(acc._kernel_heads, "kernel")
+    acc._kernel_flush = timed(acc._kernel_flush, "kernel")
     acc._position_sums = timed(acc._position_sums, "positions")
     acc.begin_batch = timed(acc.begin_batch, "plan", wall=True)
     acc.on_layer = walled(acc.on_layer)

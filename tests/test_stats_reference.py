@@ -262,6 +262,10 @@ def test_value_sums_from_the_norm_sums_equal_the_summed_values(model_type):
     assert "values" not in acc.select and "resid_mid" not in acc.select  # the capture never reads them
     with pytest.raises(ValueError, match="pass attn_input_norm too"):
         Accumulator(1, 1, 4, 4, 3, 8, value_weights=adapter.value_weights)
+    fused = lambda layer: (torch.zeros(adapter.n_heads, 3 * adapter.d_model, adapter.d_head), None)  # noqa: E731
+    with pytest.raises(StatsError, match=r"value_weights\(0\) gives W .* does not match its layout"):
+        Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
+                    attn_input_norm=adapter.attn_input_norm, value_weights=fused)
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "gemma2"])
@@ -270,8 +274,10 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
     part of the per-position sums) gives exactly the sums of one thread: one pair chunk per batch with the kernel
     added once per batch, and many small chunks with each layer's kernel added as it comes. An error on the helper
     thread is raised by on_layer."""
+    import threading
+
     import mfpipe.stats.pass1 as acc_mod
-    from mfpipe.stats.pass1 import Accumulator
+    from mfpipe.stats.pass1 import Accumulator, _Helper
 
     model = make_tiny_model(model_type, seed=8)
     adapter = get_adapter(model)
@@ -292,18 +298,25 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
                                 reducer=reducer(helper))
 
     monkeypatch.setattr(acc_mod, "HELPER_MIN_PROBS", 0)  # the tiny models' layers are far below it
+    splits = []
+    real_both = _Helper.both
+    monkeypatch.setattr(_Helper, "both", lambda self, here, there: (splits.append(1), real_both(self, here, there)))
     for chunked in (False, True):
         with monkeypatch.context() as mp:
             if chunked:
                 mp.setattr(acc_mod, "PAIR_CHUNK", 37)
                 mp.setattr(acc_mod, "DEFERRED_SUMS_MAX", 0)
-            one, two = run(False), run(True)
+            one = run(False)
+            assert not splits
+            two = run(True)
+            assert len(splits) == 2 * model.config.num_hidden_layers  # every layer of both batches was split
+            splits.clear()
         assert made[-2]._helper is None and made[-1]._helper is None  # the shard loop closed the helper
         for k in one:
             assert np.array_equal(one[k], two[k], equal_nan=True), (chunked, k)
 
     def broken(self, l, parts, scratch, ln_from=None):
-        if "resid" in parts:  # the helper thread's half
+        if threading.current_thread().name.startswith("mfpipe-reducer"):  # the helper thread's half
             raise StatsError("helper half failed")
         return real(self, l, parts, scratch, ln_from)
 

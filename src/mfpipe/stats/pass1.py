@@ -6,7 +6,7 @@ Every position ``j ≥ 1`` whose type is tracked is one *context*: query ``x_j``
 ``0..j`` inclusive. Key buckets: tracked types ``0..N-1`` (frequency rank), ``<bos>`` = ``N`` (position 0
 only), ``<other>`` = ``N+1`` (positions ≥ 1 of an untracked type). ``K = N + 2``.
 
-One forward pass per batch (:meth:`Adapter.capture`) feeds all layers' callbacks; each callback reduces its
+One forward pass per batch (:meth:`Adapter.run` with :attr:`Accumulator.select`) feeds all layers' callbacks; each callback reduces its
 layer's tensors at once into sums, so only one layer's ``[B,H,T,T]`` attention is ever alive. Everything is
 vectorized (gather / index_add / bincount over buckets and query types), no per-position Python loop.
 
@@ -218,6 +218,13 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if value_weights is not None and attn_input_norm is None:
             raise ValueError("value_weights maps the attention-input norm's sums to value sums: pass attn_input_norm too")
         self.value_weights = value_weights
+        if value_weights is not None:  # a wrong layout fails here, not after a shard's forward passes
+            w, b = value_weights(0)
+            if tuple(w.shape) != (self.H, self.d, self.dh) or (b is not None and tuple(b.shape) != (self.H, self.dh)):
+                raise StatsError(
+                    f"value_weights(0) gives W {tuple(w.shape)} and b {None if b is None else tuple(b.shape)}, expected "
+                    f"W {(self.H, self.d, self.dh)} and b {(self.H, self.dh)}: the adapter's value_weights does not "
+                    "match its layout (fused QKV weights need their own value_weights)")
         # the capture fields this reducer reads (Adapter.run's select): resid_mid is resid_in + attn_out, and the
         # values are derived from the ln1(x) sums where value_weights is given
         self.select = ("resid_in", "attn_probs", "reads", "attn_out", "mlp_out") + (("values",) if value_weights is None else ())
@@ -494,7 +501,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             w = w.detach().to("cpu", torch.float64).numpy()
             if tuple(w.shape) != (H, self.d, dh):
                 raise StatsError(f"value_weights({l}) has shape {tuple(w.shape)}, expected {(H, self.d, dh)}")
-            np.einsum("kd,hde->hke", ln_in[l], w, out=out[l])
+            np.matmul(ln_in[l], w, out=out[l])  # [K,d] @ [H,d,dh] -> [H,K,dh], through BLAS (einsum would not)
             if b is not None:
                 out[l] += key_count[None, :, None] * b.detach().to("cpu", torch.float64).numpy()[:, None, :]
         return out

@@ -2,7 +2,7 @@
 
 Adding an architecture: subclass :class:`~mfpipe.models.adapters.base.Adapter` with its module paths
 (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base model; ``ATTN``, ``V_SRC``, ``O_PROJ``, the norms
-and ``MLP`` from one block), override ``_values_from_src`` / ``value_map`` / ``out_proj_slices`` where
+and ``MLP`` from one block), override ``_values_from_src`` / ``value_map`` / ``value_weights`` / ``out_proj_slices`` where
 its weights are fused or transposed, register it in ``_ADAPTERS`` and add a recipe to
 ``tests/tiny_models.py`` plus its module paths to ``tests/hf_reference.py`` (the independent check).
 """

@@ -7,8 +7,8 @@ offers two things:
    nnsight-traced forward pass that hands the selected :class:`LayerCapture` fields of each layer
    (residual stream in, attention probabilities, per-head values and reads, attention / MLP branch
    outputs) to a callback *while the forward is running*, can replace every head's read at the output
-   projection's input, and can return the logits and the next-token loss; ``capture`` — all fields,
-   no LM head (the statistics pass).
+   projection's input, and can return the logits and the next-token loss (the statistics pass runs it with
+   the fields its reducer reads); ``capture`` — all fields, no LM head.
 2. Block pieces (``embed``, ``position_offset``, ``attn_input_norm``, ``value_map`` / ``value_weights``,
    ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure functions of
    tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
