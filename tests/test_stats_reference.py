@@ -277,7 +277,8 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
     import threading
 
     import mfpipe.stats.pass1 as acc_mod
-    from mfpipe.stats.pass1 import Accumulator, _Helper
+    from mfpipe.stats.pass1 import Accumulator
+    from mfpipe.stats.workspace import HelperThread
 
     model = make_tiny_model(model_type, seed=8)
     adapter = get_adapter(model)
@@ -299,8 +300,8 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
 
     monkeypatch.setattr(acc_mod, "HELPER_MIN_PROBS", 0)  # the tiny models' layers are far below it
     splits = []
-    real_both = _Helper.both
-    monkeypatch.setattr(_Helper, "both", lambda self, here, there: (splits.append(1), real_both(self, here, there)))
+    real_both = HelperThread.both
+    monkeypatch.setattr(HelperThread, "both", lambda self, here, there: (splits.append(1), real_both(self, here, there)))
     for chunked in (False, True):
         with monkeypatch.context() as mp:
             if chunked:

@@ -39,12 +39,12 @@ W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it 
 not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
 
 On CPU, where the job has two or more threads, each layer's reduction (from ``HELPER_MIN_PROBS`` attention
-elements on) is split between the calling thread and one helper thread (:class:`_Helper`): half the heads of the kernel and part of the per-position statistics each, written
+elements on) is split between the calling thread and one helper thread (:class:`HelperThread`): half the heads of the kernel and part of the per-position statistics each, written
 into disjoint sums, so the sums are bit for bit those of one thread. The forward is parked while a callback runs,
 so the job's second core would otherwise idle; on GPT-2 small (N = 1000, T = 512) the reducer's wall time fell by
 26-35 % on this project's 2-core machine (benchmarks/stats_pass.py --breakdown, --helper on / off).
 
-The temporaries of the hot path are reused buffers (:class:`_Scratch`): on CPU a fresh multi-MB tensor is
+The temporaries of the hot path are reused buffers (:class:`~mfpipe.stats.workspace.Scratch`): on CPU a fresh multi-MB tensor is
 page-faulted in on first touch, which on a VM cost as much as the arithmetic of these reductions.
 
 So every floating-point sum is a float32 sum over ONE batch (bounded: at most the batch's positions / pairs of
@@ -82,8 +82,6 @@ layers, ``H`` heads, ``d`` width, ``dh`` head width, ``T`` context length)::
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -92,11 +90,12 @@ import torch
 
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
+from .workspace import HelperThread, Scratch, reducer_threads
 
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
 # P at the end of the batch; above it (large models: L*H in the thousands) each layer is added as it comes
 DEFERRED_SUMS_MAX = 1 << 28
-# attention elements [B*H*T*T] of a layer from which its reduction is split with the helper thread (_Helper): below,
+# attention elements [B*H*T*T] of a layer from which its reduction is split with the helper thread (HelperThread): below,
 # handing half the work over costs about what it saves (the mini models' 1 M: no gain measured; GPT-2 small at
 # batch 4, T = 512: 12.6 M, the reducer's wall time 26-35 % lower)
 HELPER_MIN_PROBS = 1 << 22
@@ -112,67 +111,6 @@ class _PairChunk:
     sums: torch.Tensor | None  # [U, L*H] the batch's sums of the chunk's cells (all layers; filled by _kernel), or
     # None: each layer's sums go into P at once (DEFERRED_SUMS_MAX)
     buf: torch.Tensor  # [H, U] one layer's sums of the chunk's cells, head-major (reused by every layer)
-
-
-class _Scratch:
-    """Reusable work buffers, one per name, grown when a larger one is asked for. On CPU a fresh tensor of a few MB
-    comes from mmap and is page-faulted in on first touch (on a VM that cost is close to the arithmetic of the
-    reductions themselves), so the per-batch temporaries of the hot path live here instead."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._bufs.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < n:
-            buf = torch.empty(max(int(n), 1), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        return buf[:n]
-
-
-class _Helper:
-    """One more CPU thread for the reducer: per layer the work splits into two halves that write disjoint sums (half
-    the heads of the kernel, part of the per-position statistics), one run here and one there. The reductions are
-    gather / scatter loops that torch runs on one thread each, and while the reducer runs the forward is parked, so
-    the job's second core is idle; the halves' torch ops release the GIL and run side by side. Each sum is computed
-    by one thread with the same operations as without the helper: the sums are bit for bit the same."""
-
-    def __init__(self, threads: int | None):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfpipe-reducer")
-        self._threads = threads
-
-    def _run(self, fn):
-        with torch.no_grad(), reducer_threads(self._threads):  # grad mode and torch threads are per thread
-            fn()
-
-    def both(self, here: Callable[[], None], there: Callable[[], None]) -> None:
-        """``here()`` on this thread and ``there()`` on the helper, returning when both are done (an exception of
-        either is raised here, after both finished)."""
-        fut = self._pool.submit(self._run, there)
-        try:
-            here()
-        finally:
-            fut.result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-@contextmanager
-def reducer_threads(n: int | None):
-    """Run a reducer's work on ``n`` torch threads (None: leave torch alone), restoring the caller's setting after:
-    gather / scatter dominated reductions gain little from intra-op threads on CPU, and on a busy machine OpenMP
-    barriers make their many small parallel ops 10-100x slower (the model's forward keeps its own setting)."""
-    prev = torch.get_num_threads()
-    if n is None or n == prev:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
@@ -207,12 +145,12 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # machine OpenMP barriers make small parallel ops 10-100x slower. So on CPU they run on `cpu_threads`
         # threads (the model's forward keeps its own setting); None leaves torch alone.
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
-        # On CPU each layer's reduction is split between this thread and a helper thread (_Helper) where the job
+        # On CPU each layer's reduction is split between this thread and a helper thread (HelperThread) where the job
         # has a second thread to give (torch's threads, set from the job's `threads`); None: that rule, True /
         # False: force. On a GPU the reductions are asynchronous kernels already.
         if helper_thread is None:
             helper_thread = self.device.type == "cpu" and torch.get_num_threads() >= 2
-        self._helper = _Helper(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
+        self._helper = HelperThread(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
         # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
         if value_weights is not None and attn_input_norm is None:
@@ -257,8 +195,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._ub: torch.Tensor | None = None  # [U_b] the batch's distinct buckets (sorted)
         self._layers_seen: set[int] = set()
         self._final_seen = False
-        self._scratch = _Scratch(dev)
-        self._scratch_helper = _Scratch(dev)  # the helper thread's own work buffers
+        self._scratch = Scratch(dev)
+        self._scratch_helper = Scratch(dev)  # the helper thread's own work buffers
         # the (query j, key k <= j) pairs of one window, row-major (tests: the order of causal_pairs)
         tri_j, tri_k = torch.tril_indices(T, T, device=dev)
         self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
@@ -321,7 +259,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self.nbar.scatter_add_(0, cells, by_first.sum(1))
             win = torch.div(keep, n_tri, rounding_mode="floor")
             gidx = (win + b0).mul_(H * T * T).add_(tri.index_select(0, keep - win * n_tri))
-            # allocated here, on the calling thread: the helper thread writes half of its rows (_Helper)
+            # allocated here, on the calling thread: the helper thread writes half of its rows (HelperThread)
             buf = self._scratch.get(f"kbuf{len(chunks)}", H * cells.numel(), torch.float32).view(H, -1)
             chunks.append(_PairChunk(gidx, pinv, cells, None, buf))
         if 4 * self.L * H * sum(ch.cells.numel() for ch in chunks) <= DEFERRED_SUMS_MAX:
@@ -374,7 +312,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
         return pf.to(torch.float32)
 
-    def _kernel_heads(self, pf: torch.Tensor, heads: range, scratch: _Scratch) -> None:
+    def _kernel_heads(self, pf: torch.Tensor, heads: range, scratch: Scratch) -> None:
         """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`)."""
         H, hstride = self.H, self.T * self.T
         for ch in self._chunks:
@@ -394,7 +332,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             else:
                 self.P[:, l * H : (l + 1) * H].index_add_(0, ch.cells, ch.buf.t())
 
-    def _square_sum(self, x: torch.Tensor, s1: torch.Tensor, scratch: _Scratch | None = None) -> torch.Tensor:
+    def _square_sum(self, x: torch.Tensor, s1: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
         """Float64 ``sum x²`` over the batch's buckets of float32 rows ``x [B*T, d]`` whose float32 bucket sums are
         ``s1 [U_b, d]``. The square is summed around the batch's bucket mean in float32 and shifted back in float64
         (``sum x² = M2 + S1²/n``), so its float32 error is relative to the spread, not to ``c²``: E[x²] - c² then
@@ -439,7 +377,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._kernel_flush(l)
         self._layers_seen.add(l)
 
-    def _position_sums(self, l: int, parts: dict, scratch: _Scratch, ln_from: torch.Tensor | None = None) -> None:
+    def _position_sums(self, l: int, parts: dict, scratch: Scratch, ln_from: torch.Tensor | None = None) -> None:
         """Per-position sums of layer ``l``: per statistic in ``parts`` (and ``ln1(ln_from)`` as ``ln_in``), a float32
         sum over the batch's distinct buckets (one index_add_ of the [B*T, width] rows), then added once into its
         float64 sum."""

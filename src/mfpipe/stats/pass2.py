@@ -36,7 +36,7 @@ import torch
 
 from ..deviation import meters_head_major, stack_head_major
 from ..deviation_queries import QueryTerms, query_plan, query_terms
-from .pass1 import reducer_threads
+from .workspace import reducer_threads
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
 
