@@ -160,6 +160,13 @@ def main(argv=None) -> None:
                     help="also estimate the partial of a full shard of W windows: its model-free counts measured on W "
                          "windows, its float sums synthetic (random float32 / float64 values on exactly the cells and "
                          "buckets those windows reach), written as a partial whose size on disk is printed")
+    ap.add_argument("--shard-windows", type=int, default=0, metavar="W",
+                    help="also print the ratio for one shard of W windows as the workflow's stats job runs it (the "
+                         "presets: 1024 at T = 512; the default config: 4096 at T = 64): the timed batches' mean time "
+                         "per batch times W / batch, plus the once-per-shard costs measured here, sums() and the "
+                         "partial's write (the larger of this run's own write and the --full-shard-windows estimate's "
+                         "when that has W windows, else this run's own, of a smaller partial; none with --no-partial), "
+                         "against W / batch bare forwards")
     ap.add_argument("--mantissa-bits", type=int, default=None, metavar="K",
                     help="write the partials rounded to K mantissa bits (the workflow's stats.partial_mantissa_bits; "
                          "the presets use 11); default: exact")
@@ -249,6 +256,10 @@ def main(argv=None) -> None:
         print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
     print(f"  ratio stats / bare forward: {times['stats'] / times['bare']:.3f}  (issue 13 goals: <= 1.15 GPT-2 small N=1000 T=512, <= 1.5 mini models T=64)")
     print(f"  of which the once-per-shard sums(): {t_sums:.2f} s (value sums from the ln1(x) sums, device->host copy)")
+    # the workflow runs a shard's hundreds of batches and then sums() and the write once: per batch, the steady state
+    per_batch = {name: times[name] / args.batches for name in times}
+    per_batch["stats"] -= t_sums / args.batches
+    print(f"  per batch without the once-per-shard sums(): stats / bare forward {per_batch['stats'] / per_batch['bare']:.3f}")
     if stages is not None:
         per = {k: v / args.batches * 1e3 for k, v in stages.items()}
         wall = per.pop("wall")
@@ -273,6 +284,7 @@ def main(argv=None) -> None:
 
     tmpdir = None
     if args.no_partial:
+        print_shard_ratio(args, per_batch, t_sums, None, "not measured: --no-partial")
         print(f"check: max |row sum of P - 1| = {np.abs(row[:, :, sums['query_count'] > 0] - 1.0).max():.2e}")
         return
     if args.save_partial:
@@ -286,8 +298,14 @@ def main(argv=None) -> None:
         save_partial(ppath, sums, {"benchmark": True}, mantissa_bits=args.mantissa_bits)
         t_save = time.perf_counter() - t0
         peak_write = peak_rss_mb()  # the stats job's peak: it ends with this write (the estimate below is not the job)
+        t_write, write_of = t_save, f"this run's partial of {args.batches + 1} batches, smaller than a full shard's"
         if args.full_shard_windows:
-            full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, Path(ppath).parent)
+            t_full = full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, Path(ppath).parent)
+            if args.full_shard_windows == args.shard_windows:
+                # the job writes once, in a process that has not written before: this run's first write (imports,
+                # compressor start-up) took twice the estimate's second one, so the larger of the two is counted
+                t_write, write_of = max(t_save, t_full), "the larger of this run's first write and the full-shard estimate's"
+        print_shard_ratio(args, per_batch, t_sums, t_write, write_of)
         del sums, acc  # the read-back below must not hold two copies (N = 4000: 9 GB each)
         gc.collect()
         t0 = time.perf_counter()
@@ -426,11 +444,28 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
             a[tuple(idx)] = rng.standard_normal(a[tuple(idx)].shape)
             fake[k] = a
     path = folder / "full-shard-estimate.zarr"
+    t0 = time.perf_counter()
     save_partial(path, fake, {"benchmark": "synthetic full shard"}, mantissa_bits=args.mantissa_bits)
+    t_write = time.perf_counter() - t0
     print(f"full-shard estimate ({W} windows x T={T}, {W * T} tokens): {support.mean():.3f} of the N x K kernel cells "
           f"reached, {seen.mean():.3f} of the buckets; synthetic partial {partial_size(path) / 2**20:.1f} MiB on disk "
-          f"({bits_label(args.mantissa_bits)})")
+          f"({bits_label(args.mantissa_bits)}), write {t_write:.1f} s")
     del fake
+    return t_write
+
+
+def print_shard_ratio(args, per_batch: dict, t_sums: float, t_write: float | None, write_of: str) -> None:
+    """``--shard-windows``: the stats job's cost for one shard against the bare forwards of its batches (see the
+    flag's help)."""
+    W, B = args.shard_windows, args.batch_size
+    if not W:
+        return
+    nb = W / B
+    once = t_sums + (t_write or 0.0)
+    ratio = (nb * per_batch["stats"] + once) / (nb * per_batch["bare"])
+    write = f"the partial's write {t_write:.1f} s ({write_of})" if t_write is not None else f"the partial's write {write_of}"
+    print(f"  one shard of {W} windows ({nb:.0f} batches): stats / bare forward {ratio:.3f} (per batch {per_batch['stats']:.3f} s "
+          f"vs {per_batch['bare']:.3f} s, once per shard: sums() {t_sums:.2f} s, {write})")
 
 
 if __name__ == "__main__":
