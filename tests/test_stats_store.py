@@ -201,6 +201,38 @@ def test_partial_roundtrip_and_atomic_save(tiny, tmp_path, monkeypatch):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["part.zarr"]
 
 
+def test_partial_written_in_runs_of_chunks_is_the_same_partial(tiny, tmp_path, monkeypatch):
+    """save_partial writes runs of chunks per Zarr call up to WRITE_BLOCK_BYTES: any run length (one chunk per
+    call, a partial run at the end, a whole layer) gives the same stored values, and the runs cover every chunk
+    of every sum exactly once."""
+    from mfpipe.stats import partials
+    from mfpipe.stats.partials import _chunks, _write_blocks
+
+    _, tokens, tracked, sums = tiny
+    L, H, N, K = sums["P_sum"].shape
+    assert H >= 3
+    ref = tmp_path / "whole.zarr"
+    save_partial(ref, sums, mantissa_bits=11)
+    want, _ = load_partial(ref)
+    for run in (1, 2, H):  # heads of the kernel per call (2: a shorter run at the end when H is odd)
+        monkeypatch.setattr(partials, "WRITE_BLOCK_BYTES", run * N * K * 4)
+        blocks = _write_blocks(sums["P_sum"].shape, 2, 4)
+        assert all(b[1].stop - b[1].start <= run for b in blocks) and len(blocks) == L * -(-H // run)
+        q = tmp_path / f"run{run}.zarr"
+        save_partial(q, sums, mantissa_bits=11)
+        got, _ = load_partial(q)
+        for k in want:
+            assert np.array_equal(got[k], want[k], equal_nan=True), (run, k)
+    for key, v in sums.items():  # every element of every sum in exactly one block
+        shape = np.shape(v)
+        chunks = _chunks(key, shape) if len(shape) else ()
+        n_lead = next((i for i, c in enumerate(chunks) if c != 1), len(chunks))
+        hits = np.zeros(shape, dtype=np.int64)
+        for idx in _write_blocks(shape, n_lead, 8):
+            hits[idx] += 1
+        assert (hits == 1).all(), key
+
+
 def test_round_mantissa_is_numcodecs_bitround_with_its_bound():
     """round_mantissa (the rounding of partials at stats.partial_mantissa_bits) against numcodecs' BitRound, an
     independent implementation of round-to-nearest-even on the mantissa: bit for bit on finite values; each value
