@@ -177,6 +177,8 @@ def main(argv=None) -> None:
     ap.add_argument("--helper", choices=("auto", "on", "off"), default="auto",
                     help="the reducer's helper thread (pass 1 splits each large layer's reduction between two threads; auto: "
                          "on CPU with >= 2 torch threads, as in the workflow)")
+    ap.add_argument("--engine", choices=("auto", "native", "torch"), default="auto",
+                    help="pass 1's engine (Accumulator(engine=)): compiled loops on CPU (native, the default there) or torch ops")
     ap.add_argument("--merge-only", nargs="+", default=None, help=argparse.SUPPRESS)  # the --merge child process
     args = ap.parse_args(argv)
     if args.merge_only:
@@ -224,9 +226,11 @@ def main(argv=None) -> None:
 
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
                       attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
-                      helper_thread={"auto": None, "on": True, "off": False}[args.helper])
+                      helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
     tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
-    acc_mb = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) / 2**20
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views counted once
+                for t in tensors if isinstance(t, torch.Tensor)}
+    acc_mb = sum(storages.values()) / 2**20
     del tensors  # no reference may outlive `del acc` below (N = 4000: 11 GB of accumulators)
 
     stages = instrument(acc) if args.breakdown else None
@@ -250,7 +254,7 @@ def main(argv=None) -> None:
     part_mb = sum(np.asarray(v).nbytes for v in sums.values()) / 2**20
     row = sums["P_sum"].sum(-1) / np.maximum(sums["query_count"], 1)[None, None, :]  # rows sum to (#batches)
     print(f"model {args.model} ({adapter.model_type}, L={adapter.n_layers}, H={adapter.n_heads}, d={adapter.d_model}); "
-          f"device {dev}; torch threads {torch.get_num_threads()}")
+          f"device {dev}; torch threads {torch.get_num_threads()}; pass 1 engine {acc.engine}")
     print(f"N={n} tracked (position coverage {cover:.3f}), T={T}, batch {B}, {args.batches} timed batches = {ntok} tokens")
     for name in ("bare", "capture", "stats"):
         print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")

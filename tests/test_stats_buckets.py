@@ -68,6 +68,39 @@ def test_causal_pairs_are_the_prefix_counts_at_each_query():
     assert n_pairs(torch.as_tensor(qt)) == sum(j + 1 for _, j in queries)
 
 
+@pytest.mark.parametrize("rank_table", [None, 1])
+@pytest.mark.parametrize("pair_chunk", [None, 50])
+def test_native_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, pair_chunk, rank_table):
+    """The native engine's plan (mfpipe.stats.native.plan_batch): per group of windows, the pairs of causal_pairs in
+    its order, each pair's compact cell naming its (query type, key bucket) cell, the group's cells distinct, their
+    pair counts the batch's nbar; through the batch's small rank table and through the cell-indexed one."""
+    import mfpipe.stats.pass1 as pass1
+    from mfpipe.stats import native
+
+    if not native.available():
+        pytest.skip("numba is not installed")
+    if pair_chunk is not None:
+        monkeypatch.setattr(pass1, "PAIR_CHUNK", pair_chunk)  # groups of one window
+    if rank_table is not None:
+        monkeypatch.setattr(pass1, "RANK_TABLE_MAX", rank_table)  # too small: the [N*K] table
+    _, tracked, kb, qt = buckets(seed=3, n_windows=6, T=17)
+    N, K, T = tracked.n, tracked.n + 2, kb.shape[1]
+    acc = pass1.Accumulator(1, 3, 1, 1, N, T, engine="native")
+    acc.begin_batch(kb, qt)
+    pl = acc._plan
+    got_cell = []
+    for c in range(len(pl["m_off"]) - 1):
+        cells = pl["cells"][pl["u_off"][c] : pl["u_off"][c + 1]]
+        assert len(np.unique(cells)) == len(cells)
+        got_cell.append(cells[pl["pinv"][pl["m_off"][c] : pl["m_off"][c + 1]]])
+    assert len(got_cell) == (6 if pair_chunk else 1)
+    bb, jj, kk = next(causal_pairs(torch.as_tensor(qt), chunk=None))
+    cell = torch.as_tensor(qt)[bb, jj] * K + torch.as_tensor(kb)[bb, kk]
+    np.testing.assert_array_equal(np.concatenate(got_cell), cell)
+    np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
+    assert (acc._cell_lut == -1).all() and (acc._bucket_lut == -1).all()  # the tables are left clean
+
+
 @pytest.mark.parametrize("pair_chunk", [None, 50])
 def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, pair_chunk):
     """The statistics pass's plan (pairs from the lower triangle of each window, cells compacted without sorting)
@@ -79,7 +112,7 @@ def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, p
         monkeypatch.setattr(pass1, "PAIR_CHUNK", pair_chunk)  # groups of one window
     _, tracked, kb, qt = buckets(seed=3, n_windows=6, T=17)
     N, K, H, T = tracked.n, tracked.n + 2, 3, kb.shape[1]
-    acc = pass1.Accumulator(1, H, 1, 1, N, T)
+    acc = pass1.Accumulator(1, H, 1, 1, N, T, engine="torch")
     acc.begin_batch(kb, qt)
     got_b, got_j, got_k, got_cell = [], [], [], []
     for ch in acc._chunks:

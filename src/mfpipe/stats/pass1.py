@@ -38,6 +38,16 @@ output, ``v = ln1(x) W + b``, so their sum over a bucket is that map of the buck
 W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it in float64. The capture then does
 not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
 
+Two engines compute these sums (``engine=``). On CPU with numba installed (the default there, ``"native"``) each
+reduction is one compiled loop of :mod:`mfpipe.stats.native` instead of a few torch ops: the plan (model-free counts,
+the batch's buckets, the pairs' compact cells) in one pass over the batch's tokens; per layer the kernel read row by
+row from the probabilities with all heads of a pair side by side, and each per-position statistic in one pass over
+its rows. They add the same terms in the same order and precision as the torch ops, so the two engines' sums are
+equal bit for bit (tests/test_stats_native.py); on the mini models the reducer's CPU time fell from ~11 to ~6 ms per
+2048-token batch (issue 13). ``"torch"`` (every device, GPUs included) is the form described above. The counts
+``nbar``, ``C`` and ``cooc`` of a cell are kept side by side (one [N*K, 3] tensor): a batch adds into a few
+thousand scattered cells of it, one cache miss per cell instead of three.
+
 On CPU, where the job has two or more threads, each layer's reduction (from ``HELPER_MIN_PROBS`` attention
 elements on) is split between the calling thread and one helper thread (:class:`HelperThread`): half the heads of the kernel and part of the per-position statistics each, written
 into disjoint sums, so the sums are bit for bit those of one thread. The forward is parked while a callback runs,
@@ -88,6 +98,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import native
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
 from .workspace import HelperThread, Scratch, reducer_threads
@@ -99,6 +110,8 @@ DEFERRED_SUMS_MAX = 1 << 28
 # handing half the work over costs about what it saves (the mini models' 1 M: no gain measured; GPT-2 small at
 # batch 4, T = 512: 12.6 M, the reducer's wall time 26-35 % lower)
 HELPER_MIN_PROBS = 1 << 22
+# entries of native.plan_batch's [n_ub, n_ub] compaction table (4 MB of int32: up to 1024 buckets in a batch)
+RANK_TABLE_MAX = 1 << 20
 
 
 @dataclass
@@ -134,6 +147,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         attn_input_norm: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
         value_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
         helper_thread: bool | None = None,
+        engine: str = "auto",
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -151,6 +165,13 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if helper_thread is None:
             helper_thread = self.device.type == "cpu" and torch.get_num_threads() >= 2
         self._helper = HelperThread(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
+        # "native": on CPU the reductions run as compiled loops (mfpipe.stats.native, numba), the same sums bit for
+        # bit; "torch": as torch ops (any device); "auto": native where it can run
+        if engine not in ("auto", "native", "torch"):
+            raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
+        if engine == "native" and (self.device.type != "cpu" or not native.available()):
+            raise StatsError("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
+        self.engine = "native" if engine != "torch" and self.device.type == "cpu" and native.available() else "torch"
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
         # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
         if value_weights is not None and attn_input_norm is None:
@@ -182,9 +203,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # kernel sums, cell-major and layer-minor: row s*K + t holds the L*H (layer, head) sums of that cell (see the
         # module docstring)
         self.P = torch.zeros(N * K, L * H, dtype=torch.float32, device=dev)
-        self.nbar = torch.zeros(N * K, **i64)
-        self.ctx = torch.zeros(N * K, **i64)
-        self._cooc_buf = torch.zeros(N * K + 1, **i64)  # the counts and one spare slot (see begin_batch)
+        # the per-cell counts side by side, [nbar, C, cooc] of a cell in one cache line: a batch adds into a few
+        # thousand scattered cells of these 24 MB (N = 1000), one miss per cell instead of three
+        self._counts = torch.zeros(N * K + 1, 3, **i64)
+        self.nbar, self.ctx = self._counts[: N * K, 0], self._counts[: N * K, 1]
+        self._cooc_buf = self._counts[:, 2]  # the cooc counts and one spare slot (see begin_batch)
         self.cooc = self._cooc_buf[: N * K]
         self.query_count = torch.zeros(N, **i64)
         self.key_count = torch.zeros(K, **i64)
@@ -202,6 +225,13 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         tri_j, tri_k = torch.tril_indices(T, T, device=dev)
         self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
         self._lut = torch.empty(N * K, **i64)  # compaction scratch: cell -> one of its pairs (see _compact)
+        if self.engine == "native":  # native.plan_batch's tables, -1 between batches
+            self._cell_lut = np.full(N * K, -1, dtype=np.int32)
+            self._bucket_lut = np.full(K, -1, dtype=np.int32)
+            self._np = {"P": self.P.numpy(), **{name: t.numpy() for name, t in self.pos.items()},
+                        **{name: getattr(self, name).numpy() for name in
+                           ("query_count", "key_count", "position_count", "nbar", "ctx", "cooc")}}
+        self._plan = None  # native: the batch's plan (begin_batch)
 
     def _threads(self):
         return reducer_threads(self.cpu_threads)
@@ -211,7 +241,48 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         """Register a batch's key buckets / query types ``[B,T]``, add its model-free counts and plan its
         reductions (shared by all layers)."""
         with self._threads():
-            self._begin_batch(kb, qt)
+            if self.engine == "native":
+                self._begin_batch_native(kb, qt)
+            else:
+                self._begin_batch(kb, qt)
+
+    def _begin_batch_native(self, kb, qt) -> None:
+        kb = np.ascontiguousarray(torch.as_tensor(kb).cpu().numpy(), dtype=np.int64)
+        qt = np.ascontiguousarray(torch.as_tensor(qt).cpu().numpy(), dtype=np.int64)
+        B, T = kb.shape
+        if T != self.T:
+            raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
+        K, LH, sc = self.K, self.L * self.H, self._scratch
+        self._layers_seen = set()
+        self._final_seen = False
+        self.n_windows += B
+        self.n_tokens += B * T
+        n_tri = T * (T + 1) // 2
+        group = max(1, PAIR_CHUNK // n_tri)  # the torch plan's pair chunks: the same float32 batch sums
+        n_chunks = -(-B // group)
+        n_pairs = B * n_tri
+        i64 = torch.int64
+
+        def buf(name, n, dtype=i64):
+            return sc.get(name, n, dtype).numpy()
+
+        kinv, ub, ub_count = buf("kinv", B * T, torch.int32), buf("ub", min(B * T, K)), buf("ub_count", min(B * T, K))
+        pinv, cells = buf("pinv", n_pairs, torch.int32), buf("cells", n_pairs)
+        m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
+        o = self._np
+        n_ub = native.plan_batch(
+            kb, qt, K, group, self.cooc_window, self._cell_lut, buf("rank_table", RANK_TABLE_MAX, torch.int32),
+            self._bucket_lut, buf("stamp", K), buf("first", T),
+            o["query_count"], o["key_count"], o["position_count"], o["nbar"], o["ctx"], o["cooc"],
+            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), buf("cell_n", n_pairs), buf("cell_c", n_pairs),
+            m_off, u_off)
+        n_cells = int(u_off[n_chunks])
+        deferred = 4 * LH * n_cells <= DEFERRED_SUMS_MAX
+        sums = buf("sums0", n_cells * LH if deferred else 0, torch.float32).reshape(-1, LH)
+        self._plan = dict(qt=qt, group=group, pinv=pinv, cells=cells[:n_cells], m_off=m_off, u_off=u_off, sums=sums,
+                          n_ub=n_ub, max_u=int(np.max(np.diff(u_off))) if n_chunks else 0,
+                          count32=ub_count[:n_ub].astype(np.float32), count64=ub_count[:n_ub].astype(np.float64))
+        self._kinv, self._ub = torch.from_numpy(kinv), torch.from_numpy(ub[:n_ub])
 
     def _begin_batch(self, kb, qt) -> None:
         kb = torch.as_tensor(kb, dtype=torch.int64).to(self.device)
@@ -312,7 +383,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         the buffer goes into the layer's columns of the chunk's [U, L*H] batch sums, which :meth:`end_batch` adds
         into the kernel sum once for all layers (without batch sums, above ``DEFERRED_SUMS_MAX``: into the layer's
         columns of the kernel sum at once)."""
-        self._kernel_heads(self._flat_probs(probs), range(self.H), self._scratch)
+        self._kernel_heads(l, self._flat_probs(probs), range(self.H), self._scratch)
         self._kernel_flush(l)
 
     @staticmethod
@@ -320,9 +391,18 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
         return pf.to(torch.float32)
 
-    def _kernel_heads(self, pf: torch.Tensor, heads: range, scratch: Scratch) -> None:
-        """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`)."""
+    def _kernel_heads(self, l: int, pf: torch.Tensor, heads: range, scratch: Scratch) -> None:
+        """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`);
+        native: into their columns of the batch sums (or of P) at once."""
         H, hstride = self.H, self.T * self.T
+        if self.engine == "native":
+            pl = self._plan
+            p4 = pf.numpy().reshape(-1, H, self.T, self.T)
+            nh = len(heads)
+            kbuf = scratch.get("kbuf", pl["max_u"] * nh, torch.float32).numpy().reshape(-1, nh)
+            native.kernel_heads(p4, pl["qt"], heads.start, heads.stop, pl["group"], pl["pinv"], pl["cells"],
+                                pl["m_off"], pl["u_off"], kbuf, pl["sums"], l * H, self._np["P"])
+            return
         for ch in self._chunks:
             vals = scratch.get("kval", ch.pinv.numel(), torch.float32)
             for h in heads:  # head h of pair i is element gidx[i] + h*T*T; its cell sum is buf[h, pinv[i]]
@@ -334,6 +414,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def _kernel_flush(self, l: int) -> None:
         """Each chunk's [H, U] buffer of layer ``l`` into the layer's columns of its batch sums (or of P)."""
         H = self.H
+        if self.engine == "native":  # native.kernel_heads wrote them
+            return
         for ch in self._chunks:
             if ch.sums is not None:
                 ch.sums[:, l * H : (l + 1) * H].copy_(ch.buf.t())
@@ -377,9 +459,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             pf, half = self._flat_probs(probs), (H + 1) // 2
             there = {name: parts.pop(name) for name in ("resid", "attn_out")}
             self._helper.both(
-                lambda: (self._kernel_heads(pf, range(half), self._scratch),
+                lambda: (self._kernel_heads(l, pf, range(half), self._scratch),
                          self._position_sums(l, parts, self._scratch, ln_from)),
-                lambda: (self._kernel_heads(pf, range(half, H), self._scratch_helper),
+                lambda: (self._kernel_heads(l, pf, range(half, H), self._scratch_helper),
                          self._position_sums(l, there, self._scratch_helper)),
             )
             self._kernel_flush(l)
@@ -399,10 +481,26 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 x = t.view(BT, c)
             else:  # values are head-major [B,H,T,dh]: rows [B*T, H*dh] into a reused buffer
                 x = scratch.get("posx", BT * c, torch.float32).view(t.shape).copy_(t).view(BT, c)
+            if self.engine == "native":
+                self._position_sum_native(self._np[name][l], name == "resid" and self._np["resid_sq"][l], x, scratch)
+                continue
             part = scratch.get("posu", U * c, torch.float32).view(U, c).zero_().index_add_(0, kinv, x)
             if name == "resid":
                 self.pos["resid_sq"][l].index_add_(0, ub, self._square_sum(x, part, scratch))
             self.pos[name][l].index_add_(0, ub, scratch.get("posu64", U * c, torch.float64).view(U, c).copy_(part))
+
+    def _position_sum_native(self, acc: np.ndarray, acc_sq, x: torch.Tensor, scratch: Scratch) -> None:
+        """Rows ``x`` [B*T, c] summed by bucket into ``acc`` [K, c] (float64), their squares into ``acc_sq`` where
+        given: the additions of the torch form (:meth:`_position_sums`, :meth:`_square_sum`) as native loops."""
+        pl, c = self._plan, x.shape[1]
+        n_u, kinv, ub = pl["n_ub"], self._kinv.numpy(), self._ub.numpy()
+        xs = x.numpy()
+        part = scratch.get("posu", n_u * c, torch.float32).numpy().reshape(n_u, c)
+        native.bucket_sums(xs, kinv, n_u, part)
+        if acc_sq is not False:
+            m2 = scratch.get("m2", n_u * c, torch.float32).numpy().reshape(n_u, c)
+            native.add_square_sums(acc_sq, xs, kinv, ub, part, pl["count32"], pl["count64"], n_u, m2)
+        native.add_bucket_sums(acc, ub, part, n_u)
 
     def on_final(self, resid: torch.Tensor) -> None:
         with self._threads():
@@ -411,6 +509,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def _on_final(self, resid: torch.Tensor) -> None:
         kinv, ub, d = self._kinv, self._ub, self.d
         x = resid.reshape(kinv.numel(), d).to(torch.float32)
+        if self.engine == "native":
+            self._position_sum_native(self._np["resid"][self.L], self._np["resid_sq"][self.L], x.contiguous(),
+                                      self._scratch)
+            self._final_seen = True
+            return
         s1 = torch.zeros(ub.numel(), d, dtype=torch.float32, device=x.device).index_add_(0, kinv, x)
         self.pos["resid_sq"][self.L].index_add_(0, ub, self._square_sum(x, s1))
         self.pos["resid"][self.L].index_add_(0, ub, s1.to(torch.float64))
@@ -427,7 +530,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             for ch in self._chunks:  # the batch's kernel sums, all layers at once: one run of L*H floats per cell
                 if ch.sums is not None:
                     self.P.index_add_(0, ch.cells, ch.sums)
+            if self._plan is not None and self._plan["sums"].shape[0]:  # native: the chunks' rows in order
+                native.add_kernel_sums(self._np["P"], self._plan["cells"], self._plan["sums"])
         self._chunks = []
+        self._plan = None
         self._kinv = self._ub = None
 
     def close(self) -> None:
