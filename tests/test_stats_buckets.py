@@ -130,12 +130,19 @@ def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, p
     np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
 
 
-def test_read_side_does_not_import_torch():
+def test_read_side_does_not_import_torch_nor_the_pass_numba():
+    """The read side loads no torch; the pass loads torch, and numba (~130 MiB resident) only once a native-engine
+    reducer is built."""
     code = ("import sys\n"
             "import mfpipe.stats, mfpipe.stats.api, mfpipe.stats.store, mfpipe.stats.partials, mfpipe.stats.buckets\n"
             "from mfpipe.stats import open_stats, merge_sums, load_partial\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
             "from mfpipe.stats import accumulate_shard  # the pass itself loads torch when asked for\n"
-            "assert 'torch' in sys.modules\n")
+            "assert 'torch' in sys.modules\n"
+            "from mfpipe.stats import native, pass1\n"
+            "pass1.Accumulator(1, 1, 4, 4, 3, 8, engine='torch')\n"
+            "assert 'numba' not in sys.modules\n"
+            "pass1.Accumulator(1, 1, 4, 4, 3, 8)\n"
+            "assert ('numba' in sys.modules) == native.available()\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -58,3 +58,4 @@ def test_engine_choice():
         pass1.Accumulator(1, 1, 4, 4, 3, 8, engine="numba")
     with pytest.raises(StatsError, match="runs on CPU"):
         pass1.Accumulator(1, 1, 4, 4, 3, 8, device="meta", engine="native")
+

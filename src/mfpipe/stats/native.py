@@ -6,223 +6,43 @@ on the 128-wide mini models each call moves too little data to amortize its disp
 and the reducer cost as much as the forward itself (issue 13: 2.1-2.2x a bare forward on the mini models). Here
 each reduction is one loop over the data it reads, in the order torch adds it:
 
-- :func:`plan_batch`: the batch's model-free counts (query / key / position counts, ``nbar``, ``C``, ``cooc``), its
+- ``plan_batch``: the batch's model-free counts (query / key / position counts, ``nbar``, ``C``, ``cooc``), its
   distinct key buckets and each position's rank among them, and per group of windows (the torch plan's pair
   chunks) each (query, key <= query) pair's compact cell: the cells numbered in order of first appearance
-  through a cell-indexed table that is reset after the batch (no sort, no [N*K] pass);
-- :func:`kernel_heads`: per head, the pairs' probabilities read row by row from the layer's [B,H,T,T] tensor
-  (no index of the pairs into it is stored or gathered) and summed per compact cell;
-- :func:`bucket_sums` / :func:`add_bucket_sums` / :func:`add_square_sums`: the per-position statistics by bucket.
+  through a table of slots that is reset after the batch (no sort, no [N*K] pass): the batch's [n_ub, n_ub]
+  table of (query bucket rank, key bucket rank), cache-resident, or where that is too large the [N*K] one;
+- ``kernel_heads``: the pairs' probabilities read row by row from the layer's [B,H,T,T] tensor (no index of the
+  pairs into it is stored or gathered), a pair's heads side by side, summed per compact cell;
+- ``bucket_sums`` / ``add_bucket_sums`` / ``add_square_sums``: the per-position statistics by bucket.
 
 Each float sum adds the same terms in the same order and precision as the torch op it replaces (float32 scatter /
 index_add in pair / row order from zero, the float64 shift of the squares), so the sums are identical; the
 ranks of the compact cells and buckets differ, which no sum depends on (tests/test_stats_native.py compares the
 two engines' sums exactly). All functions release the GIL (pass 1's helper thread runs them side by side).
 
-numba compiles them on first use in a process (a few seconds; ``cache=True`` keeps the machine code beside this
-file, or in numba's user cache where that is read-only). Without numba the torch form runs (:func:`available`).
+The loops live in :mod:`mfpipe.stats._native_loops`, imported on first use (:func:`loops`): numba and its machine
+code cost ~130 MiB of resident memory and about a second to import. numba compiles them on first use in a
+process (a few seconds; ``cache=True`` keeps the machine code beside that file, or in numba's user cache where
+that is read-only). Without numba the torch form runs (:func:`available`).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import importlib
+import importlib.util
+from types import ModuleType
 
-try:  # numba is a dependency; a Python it has no wheel for still runs the torch form
-    import numba
-    from numba import njit
-except ImportError:  # pragma: no cover - exercised only without numba
-    numba = None
+_loops: ModuleType | None = None
 
 
 def available() -> bool:
-    return numba is not None
+    """Whether numba is installed (without importing it)."""
+    return importlib.util.find_spec("numba") is not None
 
 
-if numba is not None:
-    _jit = njit(nogil=True, cache=True, boundscheck=False)
-
-    @_jit
-    def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, stamp, first,
-                   query_count, key_count, position_count, nbar, ctx, cooc,
-                   kinv, ub, ub_count, pinv, cells, slots, cell_n, cell_c, m_off, u_off):
-        """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts.
-
-        ``cell_lut`` [N*K] and ``bucket_lut`` [K] int32 are -1 on entry and left so; ``rank_table`` int32 [R] (the
-        batch's [n_ub, n_ub] table where n_ub² <= R), ``stamp`` [K], ``first`` [T], ``slots``, ``cell_n`` and
-        ``cell_c`` (as ``cells``) int64 scratch.
-        Outputs: ``kinv`` [B*T] int32 (each position's rank among the batch's buckets), ``ub`` / ``ub_count`` (the
-        buckets in order of first appearance and their positions), per group of ``group`` windows ``c``: its pairs'
-        compact cells ``pinv[m_off[c]:m_off[c+1]]`` (windows in order, each window's lower triangle row-major over
-        its tracked queries) and its distinct cells ``cells[u_off[c]:u_off[c+1]]``. Returns the number of buckets.
-        """
-        B, T = kb.shape
-        n_ub = 0
-        same = True
-        for b in range(B):
-            for j in range(T):
-                t = kb[b, j]
-                key_count[t] += 1
-                u = bucket_lut[t]
-                if u < 0:
-                    u = n_ub
-                    bucket_lut[t] = u
-                    ub[u] = t
-                    ub_count[u] = 0
-                    n_ub += 1
-                kinv[b * T + j] = u
-                ub_count[u] += 1
-                s = qt[b, j]
-                if s >= 0:
-                    same = same and s == t
-                    query_count[s] += 1
-                    position_count[j] += 1
-                    for o in range(1, cooc_window + 1):  # ±w co-occurrence, excluding the query itself
-                        if j + o < T:
-                            cooc[s * K + kb[b, j + o]] += 1
-                        if j - o >= 0:
-                            cooc[s * K + kb[b, j - o]] += 1
-        for u in range(n_ub):
-            bucket_lut[ub[u]] = -1
-        for t in range(K):
-            stamp[t] = -1
-        # The pairs' compact cells through a table of slots, -1 between batches: where a tracked query's type is its
-        # key bucket (always, for window_buckets' buckets) and the batch has few buckets, the [n_ub, n_ub] table of
-        # (query's bucket rank, key's bucket rank), cache-resident (the [N*K] one is not: after the forward every
-        # first look-up of a cell was a cache miss); else the cell-indexed one
-        small = same and n_ub * n_ub <= rank_table.shape[0]
-        lut = rank_table if small else cell_lut
-        if small:
-            for i in range(n_ub * n_ub):
-                lut[i] = -1
-        n_chunks = (B + group - 1) // group
-        m = 0
-        m_off[0] = 0
-        u_off[0] = 0
-        for c in range(n_chunks):
-            u0 = u_off[c]
-            n_u = 0
-            for b in range(c * group, min(B, (c + 1) * group)):
-                for k in range(T):  # a key is its bucket's first in the window (-> C: buckets present in a prefix)
-                    t = kb[b, k]
-                    first[k] = stamp[t] != b
-                    stamp[t] = b
-                for j in range(T):
-                    s = qt[b, j]
-                    if s < 0:
-                        continue
-                    row = s * K
-                    trow = kinv[b * T + j] * n_ub
-                    for k in range(j + 1):
-                        if small:  # the cell's slot by the batch ranks of its query and key buckets
-                            slot = trow + kinv[b * T + k]
-                        else:
-                            slot = row + kb[b, k]
-                        r = lut[slot]
-                        if r < 0:
-                            r = n_u
-                            lut[slot] = r
-                            cells[u0 + r] = row + kb[b, k]
-                            slots[r] = slot
-                            cell_n[r] = 0
-                            cell_c[r] = 0
-                            n_u += 1
-                        pinv[m] = r
-                        m += 1
-                        cell_n[r] += 1  # counted per compact cell (cache-resident), added into nbar / C below
-                        cell_c[r] += first[k]
-            m_off[c + 1] = m
-            u_off[c + 1] = u0 + n_u
-            for r in range(n_u):
-                cell = cells[u0 + r]
-                lut[slots[r]] = -1
-                nbar[cell] += cell_n[r]
-                ctx[cell] += cell_c[r]
-        return n_ub
-
-    @_jit
-    def kernel_heads(p, qt, h0, h1, group, pinv, cells, m_off, u_off, buf, sums, col0, P):
-        """Heads ``h0 <= h < h1`` of one layer's contiguous float32 probabilities ``p`` [B, H, T, T] summed per
-        compact cell (``pinv``, see :func:`plan_batch`), per (cell, head) a float32 sum in pair order from zero, in
-        ``buf`` [U, h1 - h0] (each pair's compact cell read once for all its heads, and the heads' sums of a cell
-        side by side); then into columns ``col0 + h`` of the group's rows of ``sums`` [sum U, L*H] or, where ``sums``
-        has no rows, added into those columns of the kernel sum ``P`` [N*K, L*H] at the group's cells."""
-        B, _, T, _ = p.shape
-        nh = h1 - h0
-        n_chunks = m_off.shape[0] - 1
-        for c in range(n_chunks):
-            u0, n_u = u_off[c], u_off[c + 1] - u_off[c]
-            if m_off[c + 1] == m_off[c]:
-                continue
-            zero_rows(buf, n_u)
-            i = m_off[c]
-            for b in range(c * group, min(B, (c + 1) * group)):
-                for j in range(T):
-                    if qt[b, j] < 0:
-                        continue
-                    for k in range(j + 1):
-                        r = pinv[i]
-                        for h in range(nh):
-                            buf[r, h] += p[b, h0 + h, j, k]
-                        i += 1
-            if sums.shape[0]:
-                for r in range(n_u):
-                    for h in range(nh):
-                        sums[u0 + r, col0 + h0 + h] = buf[r, h]
-            else:
-                for r in range(n_u):
-                    for h in range(nh):
-                        P[cells[u0 + r], col0 + h0 + h] += buf[r, h]
-
-    @_jit
-    def zero_rows(a, n):
-        """``a[:n] = 0`` for a 2-D array."""
-        for r in range(n):
-            for c in range(a.shape[1]):
-                a[r, c] = 0
-
-    @_jit
-    def add_kernel_sums(P, cells, sums):
-        """The batch's kernel sums ``sums`` [U, L*H] added into the rows ``cells`` of ``P`` (float32)."""
-        for r in range(cells.shape[0]):
-            row = cells[r]
-            for c in range(sums.shape[1]):
-                P[row, c] += sums[r, c]
-
-    @_jit
-    def bucket_sums(x, kinv, n_u, part):
-        """``part[:n_u]`` = float32 sums of the rows of ``x`` [B*T, c] by bucket rank ``kinv``, in row order."""
-        width = x.shape[1]
-        zero_rows(part, n_u)
-        for r in range(x.shape[0]):
-            u = kinv[r]
-            for c in range(width):
-                part[u, c] += x[r, c]
-
-    @_jit
-    def add_bucket_sums(acc, ub, part, n_u):
-        """``acc[ub[u]] += part[u]`` in float64 (``acc`` [K, c] float64)."""
-        for u in range(n_u):
-            row = ub[u]
-            for c in range(part.shape[1]):
-                acc[row, c] += np.float64(part[u, c])
-
-    @_jit
-    def add_square_sums(acc_sq, x, kinv, ub, part, count32, count64, n_u, m2):
-        """Float64 ``sum x²`` by bucket into ``acc_sq`` [K, c]: the float32 sum of ``(x - c_b)²`` around the
-        batch's bucket mean ``c_b = part / count32`` plus ``S1² / n`` in float64 (as
-        :meth:`mfpipe.stats.pass1.Accumulator._square_sum`)."""
-        width = x.shape[1]
-        zero_rows(m2, n_u)
-        for r in range(x.shape[0]):
-            u = kinv[r]
-            n = count32[u]
-            for c in range(width):
-                d = x[r, c] - part[u, c] / n
-                m2[u, c] += d * d
-        for u in range(n_u):
-            row = ub[u]
-            n = count64[u]
-            for c in range(width):
-                s = np.float64(part[u, c])
-                v = s * (s / n)
-                acc_sq[row, c] += v + np.float64(m2[u, c])
+def loops() -> ModuleType:
+    """The compiled loops (:mod:`mfpipe.stats._native_loops`), imported on first use."""
+    global _loops
+    if _loops is None:
+        _loops = importlib.import_module("mfpipe.stats._native_loops")
+    return _loops

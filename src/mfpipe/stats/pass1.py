@@ -225,7 +225,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         tri_j, tri_k = torch.tril_indices(T, T, device=dev)
         self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
         self._lut = torch.empty(N * K, **i64)  # compaction scratch: cell -> one of its pairs (see _compact)
-        if self.engine == "native":  # native.plan_batch's tables, -1 between batches
+        if self.engine == "native":  # the compiled loops and plan_batch's tables, -1 between batches
+            self._loops = native.loops()
             self._cell_lut = np.full(N * K, -1, dtype=np.int32)
             self._bucket_lut = np.full(K, -1, dtype=np.int32)
             self._np = {"P": self.P.numpy(), **{name: t.numpy() for name, t in self.pos.items()},
@@ -270,7 +271,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         pinv, cells = buf("pinv", n_pairs, torch.int32), buf("cells", n_pairs)
         m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
         o = self._np
-        n_ub = native.plan_batch(
+        n_ub = self._loops.plan_batch(
             kb, qt, K, group, self.cooc_window, self._cell_lut, buf("rank_table", RANK_TABLE_MAX, torch.int32),
             self._bucket_lut, buf("stamp", K), buf("first", T),
             o["query_count"], o["key_count"], o["position_count"], o["nbar"], o["ctx"], o["cooc"],
@@ -400,7 +401,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             p4 = pf.numpy().reshape(-1, H, self.T, self.T)
             nh = len(heads)
             kbuf = scratch.get("kbuf", pl["max_u"] * nh, torch.float32).numpy().reshape(-1, nh)
-            native.kernel_heads(p4, pl["qt"], heads.start, heads.stop, pl["group"], pl["pinv"], pl["cells"],
+            self._loops.kernel_heads(p4, pl["qt"], heads.start, heads.stop, pl["group"], pl["pinv"], pl["cells"],
                                 pl["m_off"], pl["u_off"], kbuf, pl["sums"], l * H, self._np["P"])
             return
         for ch in self._chunks:
@@ -496,11 +497,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         n_u, kinv, ub = pl["n_ub"], self._kinv.numpy(), self._ub.numpy()
         xs = x.numpy()
         part = scratch.get("posu", n_u * c, torch.float32).numpy().reshape(n_u, c)
-        native.bucket_sums(xs, kinv, n_u, part)
+        self._loops.bucket_sums(xs, kinv, n_u, part)
         if acc_sq is not False:
             m2 = scratch.get("m2", n_u * c, torch.float32).numpy().reshape(n_u, c)
-            native.add_square_sums(acc_sq, xs, kinv, ub, part, pl["count32"], pl["count64"], n_u, m2)
-        native.add_bucket_sums(acc, ub, part, n_u)
+            self._loops.add_square_sums(acc_sq, xs, kinv, ub, part, pl["count32"], pl["count64"], n_u, m2)
+        self._loops.add_bucket_sums(acc, ub, part, n_u)
 
     def on_final(self, resid: torch.Tensor) -> None:
         with self._threads():
@@ -531,7 +532,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 if ch.sums is not None:
                     self.P.index_add_(0, ch.cells, ch.sums)
             if self._plan is not None and self._plan["sums"].shape[0]:  # native: the chunks' rows in order
-                native.add_kernel_sums(self._np["P"], self._plan["cells"], self._plan["sums"])
+                self._loops.add_kernel_sums(self._np["P"], self._plan["cells"], self._plan["sums"])
         self._chunks = []
         self._plan = None
         self._kinv = self._ub = None
