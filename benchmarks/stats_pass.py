@@ -418,8 +418,8 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
         w = perm[rng.choice(V, size=(min(B, W - i), T), p=p)]
         w[:, 0] = bos
         kb, qt = window_buckets(w, key_lut, query_lut, n)
-        counts._begin_batch(kb, qt)
-        counts._chunks = []
+        counts.begin_batch(kb, qt)
+        counts._chunks, counts._plan = [], None  # only the counts: no layer comes (end_batch would refuse)
     sums = acc.sums()
     fake = {k: np.asarray(v) for k, v in sums.items()}
     for k in ("n_windows", "n_tokens"):

@@ -224,7 +224,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # the (query j, key k <= j) pairs of one window, row-major (tests: the order of causal_pairs)
         tri_j, tri_k = torch.tril_indices(T, T, device=dev)
         self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
-        self._lut = torch.empty(N * K, **i64)  # compaction scratch: cell -> one of its pairs (see _compact)
+        # the torch engine's compaction scratch: cell -> one of its pairs (see _compact; 128 MB at N = 4000)
+        self._lut = torch.empty(N * K if self.engine == "torch" else 0, **i64)
         if self.engine == "native":  # the compiled loops and plan_batch's tables, -1 between batches
             self._loops = native.loops()
             self._cell_lut = np.full(N * K, -1, dtype=np.int32)
@@ -564,6 +565,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
         batch)."""
         L, H, N, K, d, dh = self.L, self.H, self.N, self.K, self.d, self.dh
+        # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
+        # for GPT-2 small at N = 1000), so they do not add up at the shard's end; a later batch grows them again
+        self._scratch, self._scratch_helper = Scratch(self.device), Scratch(self.device)
 
         def np_(t):
             return t.detach().cpu().numpy()

@@ -1,0 +1,31 @@
+"""The benchmark scripts run end to end on a small shape (a smoke test of their code paths, not of any speed: the
+ratios they print are measurements, see README)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mfpipe.stats import native
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+def test_stats_pass_benchmark_runs(engine, tmp_path):
+    cmd = [sys.executable, str(REPO / "benchmarks" / "stats_pass.py"), "--model", "mini-gpt2-random",
+           "--n-tracked", "50", "--context-length", "16", "--batch-size", "4", "--batches", "2", "--breakdown",
+           "--full-shard-windows", "8", "--shard-windows", "8", "--mantissa-bits", "11", "--engine", engine,
+           "--save-partial", str(tmp_path / "shard-0.zarr")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    for line in ("ratio stats / bare forward", "reducer CPU time per batch", "full-shard estimate",
+                 "one shard of 8 windows", "partial:", "check: max |row sum of P - 1|"):
+        assert line in out, (line, out[-2000:])
+    expected = engine if engine != "auto" else ("native" if native.available() else "torch")
+    assert f"pass 1 engine {expected}" in out
+    assert (tmp_path / "shard-0.zarr").is_dir()
