@@ -5,15 +5,40 @@ CPU should not pay)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _jit = njit(nogil=True, cache=True, boundscheck=False)
+# rows this far ahead are prefetched in the scattered adds: after the forward none of them is in the cache, and
+# asking early keeps more misses in flight (the kernel add: 0.48 -> 0.33 ms for 13.6 k rows of a 64 MB P)
+PREFETCH_AHEAD = 16
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """Ask the CPU to bring element ``idx`` of contiguous ``arr`` (flat index) into the cache, for writing
+    (``llvm.prefetch``: a hint with no effect on the result; the legacy ``p0i8`` name, which LLVM versions with
+    typed and with opaque pointers both accept)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # write, keep, data
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
 
 @_jit
 def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, stamp, first,
-               query_count, key_count, position_count, nbar, ctx, cooc,
+               query_count, key_count, position_count, counts,
                kinv, ub, ub_count, pinv, cells, slots, cell_n, cell_c, m_off, u_off):
-    """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts.
+    """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts:
+    ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and, per cell, ``counts`` [N*K(+1), 3]
+    (contiguous int64: nbar, C, cooc side by side).
 
     ``cell_lut`` [N*K] and ``bucket_lut`` [K] int32 are -1 on entry and left so; ``rank_table`` int32 [R] (the
     batch's [n_ub, n_ub] table where n_ub² <= R), ``stamp`` [K], ``first`` [T], ``slots``, ``cell_n`` and
@@ -46,9 +71,9 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                 position_count[j] += 1
                 for o in range(1, cooc_window + 1):  # ±w co-occurrence, excluding the query itself
                     if j + o < T:
-                        cooc[s * K + kb[b, j + o]] += 1
+                        counts[s * K + kb[b, j + o], 2] += 1  # cooc
                     if j - o >= 0:
-                        cooc[s * K + kb[b, j - o]] += 1
+                        counts[s * K + kb[b, j - o], 2] += 1
     for u in range(n_ub):
         bucket_lut[ub[u]] = -1
     for t in range(K):
@@ -101,10 +126,12 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
         m_off[c + 1] = m
         u_off[c + 1] = u0 + n_u
         for r in range(n_u):
+            if r + PREFETCH_AHEAD < n_u:
+                prefetch(counts, cells[u0 + r + PREFETCH_AHEAD] * 3)
             cell = cells[u0 + r]
             lut[slots[r]] = -1
-            nbar[cell] += cell_n[r]
-            ctx[cell] += cell_c[r]
+            counts[cell, 0] += cell_n[r]  # nbar
+            counts[cell, 1] += cell_c[r]  # C
     return n_ub
 
 @_jit
@@ -150,8 +177,11 @@ def zero_rows(a, n):
 
 @_jit
 def add_kernel_sums(P, cells, sums):
-    """The batch's kernel sums ``sums`` [U, L*H] added into the rows ``cells`` of ``P`` (float32)."""
-    for r in range(cells.shape[0]):
+    """The batch's kernel sums ``sums`` [U, L*H] added into the rows ``cells`` of ``P`` (float32, contiguous)."""
+    n, width = cells.shape[0], P.shape[1]
+    for r in range(n):
+        if r + PREFETCH_AHEAD < n:
+            prefetch(P, cells[r + PREFETCH_AHEAD] * width)
         row = cells[r]
         for c in range(sums.shape[1]):
             P[row, c] += sums[r, c]

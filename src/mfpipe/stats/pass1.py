@@ -232,7 +232,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._bucket_lut = np.full(K, -1, dtype=np.int32)
             self._np = {"P": self.P.numpy(), **{name: t.numpy() for name, t in self.pos.items()},
                         **{name: getattr(self, name).numpy() for name in
-                           ("query_count", "key_count", "position_count", "nbar", "ctx", "cooc")}}
+                           ("query_count", "key_count", "position_count")}, "counts": self._counts.numpy()}
         self._plan = None  # native: the batch's plan (begin_batch)
 
     def _threads(self):
@@ -275,7 +275,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         n_ub = self._loops.plan_batch(
             kb, qt, K, group, self.cooc_window, self._cell_lut, buf("rank_table", RANK_TABLE_MAX, torch.int32),
             self._bucket_lut, buf("stamp", K), buf("first", T),
-            o["query_count"], o["key_count"], o["position_count"], o["nbar"], o["ctx"], o["cooc"],
+            o["query_count"], o["key_count"], o["position_count"], o["counts"],
             kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), buf("cell_n", n_pairs), buf("cell_c", n_pairs),
             m_off, u_off)
         n_cells = int(u_off[n_chunks])
