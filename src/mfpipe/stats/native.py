@@ -32,6 +32,8 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+import numpy as np
+
 _loops: ModuleType | None = None
 
 
@@ -46,3 +48,82 @@ def loops() -> ModuleType:
     if _loops is None:
         _loops = importlib.import_module("mfpipe.stats._native_loops")
     return _loops
+
+
+class NativeEngine:
+    """The native engine of one :class:`~mfpipe.stats.pass1.Accumulator`: the compiled loops, numpy views of its
+    sums, and the plan's look-up tables (-1 between batches). The accumulator calls it where its torch form would
+    run torch ops (``begin_batch``, per layer, ``on_final``, ``end_batch``)."""
+
+    def __init__(self, acc):
+        import torch  # the read side of mfpipe.stats loads no torch; this runs only inside a pass
+
+        self._torch = torch
+        self.loops = loops()
+        self.K, self.LH, self.cooc_window = acc.K, acc.L * acc.H, acc.cooc_window
+        self.cell_lut = np.full(acc.N * acc.K, -1, dtype=np.int32)
+        self.bucket_lut = np.full(acc.K, -1, dtype=np.int32)
+        # views of the accumulator's CPU tensors: the loops add into them in place
+        self.arrays = {"P": acc.P.numpy(), "counts": acc._counts.numpy(),
+                       **{name: t.numpy() for name, t in acc.pos.items()},
+                       **{name: getattr(acc, name).numpy() for name in ("query_count", "key_count", "position_count")}}
+
+    def _buf(self, scratch, name, n, dtype=None):
+        return scratch.get(name, n, dtype or self._torch.int64).numpy()
+
+    def plan(self, kb, qt, group: int, rank_table_max: int, deferred_max: int, scratch) -> dict:
+        """Plan a batch (``plan_batch``) and add its model-free counts; the plan's arrays live in ``scratch``.
+        ``group`` windows per pair chunk; the batch sums ``[U, L*H]`` are kept for one add at the end of the batch
+        where they take at most ``deferred_max`` bytes (else each layer adds into P at once)."""
+        torch, i32 = self._torch, self._torch.int32
+        kb = np.ascontiguousarray(torch.as_tensor(kb).cpu().numpy(), dtype=np.int64)
+        qt = np.ascontiguousarray(torch.as_tensor(qt).cpu().numpy(), dtype=np.int64)
+        B, T = kb.shape
+        K, LH = self.K, self.LH
+        n_chunks, n_pairs = -(-B // group), B * T * (T + 1) // 2
+
+        def buf(name, n, dtype=None):
+            return self._buf(scratch, name, n, dtype)
+
+        kinv, ub, ub_count = buf("kinv", B * T, i32), buf("ub", min(B * T, K)), buf("ub_count", min(B * T, K))
+        pinv, cells = buf("pinv", n_pairs, i32), buf("cells", n_pairs)
+        m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
+        a = self.arrays
+        n_ub = self.loops.plan_batch(
+            kb, qt, K, group, self.cooc_window, self.cell_lut, buf("rank_table", rank_table_max, i32),
+            self.bucket_lut, buf("stamp", K), buf("first", T),
+            a["query_count"], a["key_count"], a["position_count"], a["counts"],
+            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), buf("cell_n", n_pairs), buf("cell_c", n_pairs),
+            m_off, u_off)
+        n_cells = int(u_off[n_chunks])
+        deferred = 4 * LH * n_cells <= deferred_max
+        sums = buf("sums0", n_cells * LH if deferred else 0, torch.float32).reshape(-1, LH)
+        return dict(qt=qt, group=group, pinv=pinv, cells=cells[:n_cells], m_off=m_off, u_off=u_off, sums=sums,
+                    n_ub=n_ub, max_u=int(np.max(np.diff(u_off))) if n_chunks else 0,
+                    count32=ub_count[:n_ub].astype(np.float32), count64=ub_count[:n_ub].astype(np.float64),
+                    kinv=torch.from_numpy(kinv), ub=torch.from_numpy(ub[:n_ub]))
+
+    def kernel_heads(self, plan: dict, l: int, p4: np.ndarray, heads: range, scratch) -> None:
+        """Heads ``heads`` of layer ``l``'s probabilities ``p4`` [B,H,T,T] (float32, contiguous) into their columns
+        of the batch sums (or of P)."""
+        nh, H = len(heads), p4.shape[1]
+        kbuf = self._buf(scratch, "kbuf", plan["max_u"] * nh, self._torch.float32).reshape(-1, nh)
+        self.loops.kernel_heads(p4, plan["qt"], heads.start, heads.stop, plan["group"], plan["pinv"], plan["cells"],
+                                plan["m_off"], plan["u_off"], kbuf, plan["sums"], l * H, self.arrays["P"])
+
+    def position_sum(self, plan: dict, acc: np.ndarray, acc_sq: np.ndarray | None, x: np.ndarray, scratch) -> None:
+        """Rows ``x`` [B*T, c] (float32) summed by bucket into ``acc`` [K, c] (float64), their squares into
+        ``acc_sq`` where given: the additions of the torch form (``Accumulator._position_sums`` / ``_square_sum``)."""
+        n_u, c = plan["n_ub"], x.shape[1]
+        kinv, ub = plan["kinv"].numpy(), plan["ub"].numpy()
+        part = self._buf(scratch, "posu", n_u * c, self._torch.float32).reshape(n_u, c)
+        self.loops.bucket_sums(x, kinv, n_u, part)
+        if acc_sq is not None:
+            m2 = self._buf(scratch, "m2", n_u * c, self._torch.float32).reshape(n_u, c)
+            self.loops.add_square_sums(acc_sq, x, kinv, ub, part, plan["count32"], plan["count64"], n_u, m2)
+        self.loops.add_bucket_sums(acc, ub, part, n_u)
+
+    def add_kernel_sums(self, plan: dict) -> None:
+        """The batch's kernel sums (where kept, see :meth:`plan`) into P: the chunks' rows in order."""
+        if plan["sums"].shape[0]:
+            self.loops.add_kernel_sums(self.arrays["P"], plan["cells"], plan["sums"])

@@ -110,7 +110,7 @@ DEFERRED_SUMS_MAX = 1 << 28
 # handing half the work over costs about what it saves (the mini models' 1 M: no gain measured; GPT-2 small at
 # batch 4, T = 512: 12.6 M, the reducer's wall time 26-35 % lower)
 HELPER_MIN_PROBS = 1 << 22
-# entries of native.plan_batch's [n_ub, n_ub] compaction table (4 MB of int32: up to 1024 buckets in a batch)
+# entries of the native plan's [n_ub, n_ub] compaction table (4 MB of int32: up to 1024 buckets in a batch)
 RANK_TABLE_MAX = 1 << 20
 
 
@@ -226,13 +226,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
         # the torch engine's compaction scratch: cell -> one of its pairs (see _compact; 128 MB at N = 4000)
         self._lut = torch.empty(N * K if self.engine == "torch" else 0, **i64)
-        if self.engine == "native":  # the compiled loops and plan_batch's tables, -1 between batches
-            self._loops = native.loops()
-            self._cell_lut = np.full(N * K, -1, dtype=np.int32)
-            self._bucket_lut = np.full(K, -1, dtype=np.int32)
-            self._np = {"P": self.P.numpy(), **{name: t.numpy() for name, t in self.pos.items()},
-                        **{name: getattr(self, name).numpy() for name in
-                           ("query_count", "key_count", "position_count")}, "counts": self._counts.numpy()}
+        self._native = native.NativeEngine(self) if self.engine == "native" else None
         self._plan = None  # native: the batch's plan (begin_batch)
 
     def _threads(self):
@@ -242,64 +236,29 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def begin_batch(self, kb: np.ndarray | torch.Tensor, qt: np.ndarray | torch.Tensor) -> None:
         """Register a batch's key buckets / query types ``[B,T]``, add its model-free counts and plan its
         reductions (shared by all layers)."""
-        with self._threads():
-            if self.engine == "native":
-                self._begin_batch_native(kb, qt)
-            else:
-                self._begin_batch(kb, qt)
-
-    def _begin_batch_native(self, kb, qt) -> None:
-        kb = np.ascontiguousarray(torch.as_tensor(kb).cpu().numpy(), dtype=np.int64)
-        qt = np.ascontiguousarray(torch.as_tensor(qt).cpu().numpy(), dtype=np.int64)
-        B, T = kb.shape
+        B, T = tuple(kb.shape)
         if T != self.T:
             raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
-        K, LH, sc = self.K, self.L * self.H, self._scratch
         self._layers_seen = set()
         self._final_seen = False
         self.n_windows += B
         self.n_tokens += B * T
-        n_tri = T * (T + 1) // 2
-        group = max(1, PAIR_CHUNK // n_tri)  # the torch plan's pair chunks: the same float32 batch sums
-        n_chunks = -(-B // group)
-        n_pairs = B * n_tri
-        i64 = torch.int64
+        group = max(1, PAIR_CHUNK // (T * (T + 1) // 2))  # windows per pair chunk
+        with self._threads():
+            if self._native is not None:
+                self._plan = self._native.plan(kb, qt, group, RANK_TABLE_MAX, DEFERRED_SUMS_MAX, self._scratch)
+                self._kinv, self._ub = self._plan["kinv"], self._plan["ub"]
+            else:
+                self._begin_batch(kb, qt, group)
 
-        def buf(name, n, dtype=i64):
-            return sc.get(name, n, dtype).numpy()
-
-        kinv, ub, ub_count = buf("kinv", B * T, torch.int32), buf("ub", min(B * T, K)), buf("ub_count", min(B * T, K))
-        pinv, cells = buf("pinv", n_pairs, torch.int32), buf("cells", n_pairs)
-        m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
-        o = self._np
-        n_ub = self._loops.plan_batch(
-            kb, qt, K, group, self.cooc_window, self._cell_lut, buf("rank_table", RANK_TABLE_MAX, torch.int32),
-            self._bucket_lut, buf("stamp", K), buf("first", T),
-            o["query_count"], o["key_count"], o["position_count"], o["counts"],
-            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), buf("cell_n", n_pairs), buf("cell_c", n_pairs),
-            m_off, u_off)
-        n_cells = int(u_off[n_chunks])
-        deferred = 4 * LH * n_cells <= DEFERRED_SUMS_MAX
-        sums = buf("sums0", n_cells * LH if deferred else 0, torch.float32).reshape(-1, LH)
-        self._plan = dict(qt=qt, group=group, pinv=pinv, cells=cells[:n_cells], m_off=m_off, u_off=u_off, sums=sums,
-                          n_ub=n_ub, max_u=int(np.max(np.diff(u_off))) if n_chunks else 0,
-                          count32=ub_count[:n_ub].astype(np.float32), count64=ub_count[:n_ub].astype(np.float64))
-        self._kinv, self._ub = torch.from_numpy(kinv), torch.from_numpy(ub[:n_ub])
-
-    def _begin_batch(self, kb, qt) -> None:
+    def _begin_batch(self, kb, qt, group: int) -> None:
         kb = torch.as_tensor(kb, dtype=torch.int64).to(self.device)
         qt = torch.as_tensor(qt, dtype=torch.int64).to(self.device)
         B, T = kb.shape
-        if T != self.T:
-            raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
         N, K, H, dev = self.N, self.K, self.H, self.device
         kbf = kb.reshape(-1)
         self._ub, self._kinv, cnt = torch.unique(kbf, return_inverse=True, return_counts=True)
         self._ub_count32, self._ub_count64 = cnt.to(torch.float32), cnt.to(torch.float64)
-        self._layers_seen = set()
-        self._final_seen = False
-        self.n_windows += B
-        self.n_tokens += B * T
         qmask = qt >= 0
         self.query_count += torch.bincount(qt[qmask], minlength=N)
         self.key_count += torch.bincount(kbf, minlength=K)
@@ -316,7 +275,6 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         first = firstpos.gather(1, kb) == arangeT  # [B,T]: first position of its bucket in the window
         tri_j, tri_k, tri = self._tri_j, self._tri_k, self._tri
         n_tri = tri.numel()
-        group = max(1, PAIR_CHUNK // n_tri)
         chunks = []
         for b0 in range(0, B, group):
             b1 = min(B, b0 + group)
@@ -397,13 +355,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`);
         native: into their columns of the batch sums (or of P) at once."""
         H, hstride = self.H, self.T * self.T
-        if self.engine == "native":
-            pl = self._plan
-            p4 = pf.numpy().reshape(-1, H, self.T, self.T)
-            nh = len(heads)
-            kbuf = scratch.get("kbuf", pl["max_u"] * nh, torch.float32).numpy().reshape(-1, nh)
-            self._loops.kernel_heads(p4, pl["qt"], heads.start, heads.stop, pl["group"], pl["pinv"], pl["cells"],
-                                pl["m_off"], pl["u_off"], kbuf, pl["sums"], l * H, self._np["P"])
+        if self._native is not None:
+            self._native.kernel_heads(self._plan, l, pf.numpy().reshape(-1, H, self.T, self.T), heads, scratch)
             return
         for ch in self._chunks:
             vals = scratch.get("kval", ch.pinv.numel(), torch.float32)
@@ -416,7 +369,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def _kernel_flush(self, l: int) -> None:
         """Each chunk's [H, U] buffer of layer ``l`` into the layer's columns of its batch sums (or of P)."""
         H = self.H
-        if self.engine == "native":  # native.kernel_heads wrote them
+        if self._native is not None:  # NativeEngine.kernel_heads wrote them
             return
         for ch in self._chunks:
             if ch.sums is not None:
@@ -483,26 +436,14 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 x = t.view(BT, c)
             else:  # values are head-major [B,H,T,dh]: rows [B*T, H*dh] into a reused buffer
                 x = scratch.get("posx", BT * c, torch.float32).view(t.shape).copy_(t).view(BT, c)
-            if self.engine == "native":
-                self._position_sum_native(self._np[name][l], name == "resid" and self._np["resid_sq"][l], x, scratch)
+            if self._native is not None:
+                sq = self._native.arrays["resid_sq"][l] if name == "resid" else None
+                self._native.position_sum(self._plan, self._native.arrays[name][l], sq, x.numpy(), scratch)
                 continue
             part = scratch.get("posu", U * c, torch.float32).view(U, c).zero_().index_add_(0, kinv, x)
             if name == "resid":
                 self.pos["resid_sq"][l].index_add_(0, ub, self._square_sum(x, part, scratch))
             self.pos[name][l].index_add_(0, ub, scratch.get("posu64", U * c, torch.float64).view(U, c).copy_(part))
-
-    def _position_sum_native(self, acc: np.ndarray, acc_sq, x: torch.Tensor, scratch: Scratch) -> None:
-        """Rows ``x`` [B*T, c] summed by bucket into ``acc`` [K, c] (float64), their squares into ``acc_sq`` where
-        given: the additions of the torch form (:meth:`_position_sums`, :meth:`_square_sum`) as native loops."""
-        pl, c = self._plan, x.shape[1]
-        n_u, kinv, ub = pl["n_ub"], self._kinv.numpy(), self._ub.numpy()
-        xs = x.numpy()
-        part = scratch.get("posu", n_u * c, torch.float32).numpy().reshape(n_u, c)
-        self._loops.bucket_sums(xs, kinv, n_u, part)
-        if acc_sq is not False:
-            m2 = scratch.get("m2", n_u * c, torch.float32).numpy().reshape(n_u, c)
-            self._loops.add_square_sums(acc_sq, xs, kinv, ub, part, pl["count32"], pl["count64"], n_u, m2)
-        self._loops.add_bucket_sums(acc, ub, part, n_u)
 
     def on_final(self, resid: torch.Tensor) -> None:
         with self._threads():
@@ -511,9 +452,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def _on_final(self, resid: torch.Tensor) -> None:
         kinv, ub, d = self._kinv, self._ub, self.d
         x = resid.reshape(kinv.numel(), d).to(torch.float32)
-        if self.engine == "native":
-            self._position_sum_native(self._np["resid"][self.L], self._np["resid_sq"][self.L], x.contiguous(),
-                                      self._scratch)
+        if self._native is not None:
+            arr = self._native.arrays
+            self._native.position_sum(self._plan, arr["resid"][self.L], arr["resid_sq"][self.L],
+                                      x.contiguous().numpy(), self._scratch)
             self._final_seen = True
             return
         s1 = torch.zeros(ub.numel(), d, dtype=torch.float32, device=x.device).index_add_(0, kinv, x)
@@ -532,8 +474,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             for ch in self._chunks:  # the batch's kernel sums, all layers at once: one run of L*H floats per cell
                 if ch.sums is not None:
                     self.P.index_add_(0, ch.cells, ch.sums)
-            if self._plan is not None and self._plan["sums"].shape[0]:  # native: the chunks' rows in order
-                self._loops.add_kernel_sums(self._np["P"], self._plan["cells"], self._plan["sums"])
+            if self._plan is not None:  # native
+                self._native.add_kernel_sums(self._plan)
         self._chunks = []
         self._plan = None
         self._kinv = self._ub = None
