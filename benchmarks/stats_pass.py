@@ -109,34 +109,54 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
                          "of the rotating order equally often")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--default-allocator", action="store_true",
+                    help="leave glibc's malloc at its defaults (by default the benchmark sets it as the workflow's jobs "
+                         "do, mfpipe.allocator.keep_freed_memory, before any form runs: every form, the bare forward "
+                         "included, runs without paging freed activations back in batch after batch)")
 
 
-def interleaved_times(batches, forms, sync=lambda: None, after_warmup=None) -> dict:
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def interleaved_times(batches, forms, sync=lambda: None, after_warmup=None, faults: dict | None = None) -> dict:
     """Wall time of each form ``name -> fn(batch)`` summed over ``batches[1:]`` (``batches[0]`` is the warm-up), the
     forms run batch by batch on the same batch so that a slow spell of the machine hits them alike. Their order is
     rotated from batch to batch: in the fixed order (bare, capture, stats) the no-op capture read 3-18 % slower than
     the bare forward, while rotated over the same batches the two measured alike (GPT-2 small on this 2-core VM);
     a fixed order charges any such effect of a form's place to the same form every time. With a number of timed
-    batches that is a multiple of the number of forms, each form runs in each place equally often. ``after_warmup()`` is called once the warm-up batch is done."""
+    batches that is a multiple of the number of forms, each form runs in each place equally often. ``after_warmup()`` is called once the warm-up batch is done.
+    ``faults``, where given, gets each form's minor page faults over the timed batches (the process's: a helper
+    thread's count too)."""
     forms = list(forms.items())
     times = dict.fromkeys((name for name, _ in forms), 0.0)
+    if faults is not None:
+        faults.update(dict.fromkeys(times, 0))
     for i, batch in enumerate(batches):
         k = i % len(forms)
         for name, fn in forms[k:] + forms[:k]:
             sync()
+            f0 = minor_faults()
             t0 = time.perf_counter()
             fn(batch)
             sync()
             if i > 0:
                 times[name] += time.perf_counter() - t0
+                if faults is not None:
+                    faults[name] += minor_faults() - f0
         if i == 0 and after_warmup is not None:
             after_warmup()
     return times
 
 
 def setup_model(args):
-    """(device, model, adapter, vocabulary size, BOS id) for :func:`add_common_args`' flags; sets torch's threads."""
+    """(device, model, adapter, vocabulary size, BOS id) for :func:`add_common_args`' flags; sets torch's threads and
+    (unless --default-allocator) the C allocator as the workflow's jobs do."""
+    from mfpipe.allocator import keep_freed_memory
     from mfpipe.models.adapters import get_adapter
+
+    args.allocator = "glibc defaults" if args.default_allocator else (
+        "keeps freed memory" if keep_freed_memory() else "defaults (not glibc)")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,8 +262,9 @@ def main(argv=None) -> None:
         acc.end_batch()
 
     pairs = [(torch.as_tensor(chunk.astype(np.int64), device=dev), chunk) for chunk in batches]
+    faults = {}
     times = interleaved_times(pairs, {"bare": lambda p: bare(p[0]), "capture": lambda p: noop(p[0]),
-                                      "stats": lambda p: stats(*p)}, sync,
+                                      "stats": lambda p: stats(*p)}, sync, faults=faults,
                               after_warmup=(lambda: stages.update(dict.fromkeys(stages, 0.0))) if stages is not None else None)
     sync()
     t0 = time.perf_counter()
@@ -254,10 +275,11 @@ def main(argv=None) -> None:
     part_mb = sum(np.asarray(v).nbytes for v in sums.values()) / 2**20
     row = sums["P_sum"].sum(-1) / np.maximum(sums["query_count"], 1)[None, None, :]  # rows sum to (#batches)
     print(f"model {args.model} ({adapter.model_type}, L={adapter.n_layers}, H={adapter.n_heads}, d={adapter.d_model}); "
-          f"device {dev}; torch threads {torch.get_num_threads()}; pass 1 engine {acc.engine}")
+          f"device {dev}; torch threads {torch.get_num_threads()}; pass 1 engine {acc.engine}; C allocator {args.allocator}")
     print(f"N={n} tracked (position coverage {cover:.3f}), T={T}, batch {B}, {args.batches} timed batches = {ntok} tokens")
     for name in ("bare", "capture", "stats"):
-        print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare)")
+        print(f"  {name:8s} {ntok / times[name]:10.1f} tok/s   ({times[name]:.2f} s, {times[name] / times['bare']:.3f}x bare; "
+              f"{faults[name] / args.batches:.0f} minor page faults per batch)")
     print(f"  ratio stats / bare forward: {times['stats'] / times['bare']:.3f}  (issue 13 goals: <= 1.15 GPT-2 small N=1000 T=512, <= 1.5 mini models T=64)")
     print(f"  of which the once-per-shard sums(): {t_sums:.2f} s (value sums from the ln1(x) sums, device->host copy)")
     # the workflow runs a shard's hundreds of batches and then sums() and the write once: per batch, the steady state

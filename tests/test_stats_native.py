@@ -59,3 +59,35 @@ def test_engine_choice():
     with pytest.raises(StatsError, match="runs on CPU"):
         pass1.Accumulator(1, 1, 4, 4, 3, 8, device="meta", engine="native")
 
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_kernel_head_blocks_sum_each_head_in_pair_order(deferred, monkeypatch):
+    """The kernel's head blocks (widths 8, 4, 2, 1) against float32 sums in pair order by np.add.at, for head ranges
+    that need every width and start anywhere (the helper thread's halves): into the batch sums, and into P."""
+    if not deferred:
+        monkeypatch.setattr(pass1, "DEFERRED_SUMS_MAX", 0)
+    rng = np.random.default_rng(3)
+    B, H, T, N = 3, 15, 7, 4
+    acc = pass1.Accumulator(2, H, 8, 4, N, T, engine="native")
+    kb = rng.integers(0, N + 2, size=(B, T))
+    qt = np.where(kb < N, kb, -1)
+    acc.begin_batch(kb, qt)
+    plan, eng = acc._plan, acc._native
+    p4 = rng.random((B, H, T, T), dtype=np.float32)
+    # the pairs of each group in the plan's order, and their values of every head
+    b_, j_, k_ = zip(*[(b, j, k) for b in range(B) for j in range(T) if qt[b, j] >= 0 for k in range(j + 1)])
+    vals = p4[np.array(b_), :, np.array(j_), np.array(k_)]  # [M, H]
+    assert len(plan["m_off"]) == 2 and plan["m_off"][1] == len(b_)  # one group: the whole batch
+    ref = np.zeros((len(plan["cells"]), H), np.float32)
+    np.add.at(ref, plan["pinv"][: len(b_)], vals)
+    for heads in (range(0, 15), range(3, 12), range(7, 8), range(9, 15)):
+        l = 1
+        eng.kernel_heads(plan, l, p4, heads, acc._scratch)
+        cols = slice(l * H + heads.start, l * H + heads.stop)
+        if deferred:
+            got = plan["sums"][:, cols]
+        else:
+            got = eng.arrays["P"][plan["cells"], cols]
+            eng.arrays["P"][:] = 0
+        assert np.array_equal(got, ref[:, heads.start : heads.stop]), heads

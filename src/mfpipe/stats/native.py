@@ -12,7 +12,8 @@ each reduction is one loop over the data it reads, in the order torch adds it:
   through a table of slots that is reset after the batch (no sort, no [N*K] pass): the batch's [n_ub, n_ub]
   table of (query bucket rank, key bucket rank), cache-resident, or where that is too large the [N*K] one;
 - ``kernel_heads``: the pairs' probabilities read row by row from the layer's [B,H,T,T] tensor (no index of the
-  pairs into it is stored or gathered), a pair's heads side by side, summed per compact cell;
+  pairs into it is stored or gathered), a pair's heads side by side in blocks of a compile-time width (8, 4, 2, 1:
+  the block's adds into a cell's row vectorize), summed per compact cell;
 - ``bucket_sums`` / ``add_bucket_sums`` / ``add_square_sums``: the per-position statistics by bucket.
 
 Each float sum adds the same terms in the same order and precision as the torch op it replaces (float32 scatter /
@@ -106,8 +107,8 @@ class NativeEngine:
     def kernel_heads(self, plan: dict, l: int, p4: np.ndarray, heads: range, scratch) -> None:
         """Heads ``heads`` of layer ``l``'s probabilities ``p4`` [B,H,T,T] (float32, contiguous) into their columns
         of the batch sums (or of P)."""
-        nh, H = len(heads), p4.shape[1]
-        kbuf = self._buf(scratch, "kbuf", plan["max_u"] * nh, self._torch.float32).reshape(-1, nh)
+        H, width = p4.shape[1], min(len(heads), self.loops.HEAD_BLOCKS[0])
+        kbuf = self._buf(scratch, "kbuf", plan["max_u"] * width, self._torch.float32).reshape(-1, width)
         self.loops.kernel_heads(p4, plan["qt"], heads.start, heads.stop, plan["group"], plan["pinv"], plan["cells"],
                                 plan["m_off"], plan["u_off"], kbuf, plan["sums"], l * H, self.arrays["P"])
 

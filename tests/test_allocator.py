@@ -1,0 +1,57 @@
+"""mfpipe.allocator: the C allocator setting of the workflow's forward-pass jobs (glibc)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mfpipe.allocator import keep_freed_memory
+
+
+def _glibc_with_mallinfo2() -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallinfo2")
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="needs glibc >= 2.33 (mallopt, mallinfo2)")
+
+_PROBE = textwrap.dedent("""
+    import ctypes, ctypes.util, sys
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    if sys.argv[1] == "keep":
+        from mfpipe.allocator import keep_freed_memory
+        assert keep_freed_memory()
+    before = libc.mallinfo2().hblkhd
+    block = bytearray(30 << 20)  # 30 MiB through malloc
+    print(libc.mallinfo2().hblkhd - before)
+""")
+
+
+def _mmapped_bytes_of_a_30_mib_block(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def test_keep_freed_memory_serves_large_blocks_from_the_heap():
+    """With the setting a 30 MiB block comes from the heap (memory a freed block leaves is reused by the next batch);
+    with glibc's defaults a fresh process maps it on its own (and unmaps it when freed: fresh pages next time)."""
+    assert _mmapped_bytes_of_a_30_mib_block("default") >= 30 << 20
+    assert _mmapped_bytes_of_a_30_mib_block("keep") == 0
+
+
+def test_keep_freed_memory_is_applied_once():
+    assert keep_freed_memory() is True
+    assert keep_freed_memory() is True
