@@ -17,11 +17,19 @@ from mfpipe.stats.errors import StatsError
 pytestmark = pytest.mark.skipif(not native.available(), reason="numba is not installed")
 
 
-def _sums(model, adapter, tokens, tracked, engine, helper=False):
+# the sums made from the attention-input norm, which the native engine normalises itself where the adapter gives
+# the norm's form: equal to the torch engine's to float32 rounding (the rest: bit for bit)
+NORM_SUMS = ("ln_in_sum", "value_sum")
+
+
+def _sums(model, adapter, tokens, tracked, engine, helper=False, norm_form=True):
     def make(ad, n, T, device):
-        return pass1.Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
-                                 attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights,
-                                 helper_thread=helper, engine=engine)
+        acc = pass1.Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
+                                attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights,
+                                helper_thread=helper, engine=engine,
+                                attn_input_norm_form=ad.attn_input_norm_form if norm_form else None)
+        assert (acc._norm_forms is not None) == (engine == "native" and norm_form)  # every tiny model has a form
+        return acc
 
     return accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False, reducer=make)
 
@@ -48,7 +56,15 @@ def test_native_engine_gives_the_torch_sums_bit_for_bit(model_type, monkeypatch)
         assert ref["P_sum"].any() and ref["nbar_sum"].any() and ref["cooc"].any()  # not vacuous
         for k in ref:
             assert ref[k].dtype == got[k].dtype, (variant, k)
+            if k in NORM_SUMS:  # the native engine sums the norm's normalised rows itself (NormForm)
+                scale = np.abs(ref[k]).max()
+                np.testing.assert_allclose(got[k], ref[k], rtol=2e-6, atol=2e-6 * scale, err_msg=f"{variant} {k}")
+                continue
             assert np.array_equal(ref[k], got[k], equal_nan=True), (variant, k)
+        if variant == "plain":  # through the norm module, the native engine's norm sums are the torch engine's too
+            got = _sums(model, adapter, tokens, tracked, "native", norm_form=False)
+            for k in NORM_SUMS:
+                assert np.array_equal(ref[k], got[k], equal_nan=True), k
 
 
 def test_engine_choice():
@@ -91,3 +107,44 @@ def test_kernel_head_blocks_sum_each_head_in_pair_order(deferred, monkeypatch):
             got = eng.arrays["P"][plan["cells"], cols]
             eng.arrays["P"][:] = 0
         assert np.array_equal(got, ref[:, heads.start : heads.stop]), heads
+
+
+def test_norm_forms_are_checked_against_the_module():
+    """A form is used only where it reproduces the norm module on the probe: the adapters' forms of all six
+    architectures pass; a wrong scale (Gemma-2's 1 + w taken as w), a wrong kind or eps, a norm of another width,
+    a norm module without a form and a model that is not float32 give None (the pass then calls the module)."""
+    import dataclasses
+
+    import torch
+
+    for model_type in TINY_MODEL_TYPES:
+        ad = get_adapter(make_tiny_model(model_type, seed=2))
+        forms = native.checked_norm_forms(ad.attn_input_norm_form, ad.attn_input_norm, ad.n_layers, ad.d_model)
+        assert forms is not None and len(forms) == ad.n_layers, model_type
+        form = ad.attn_input_norm_form(0)
+        if form.kind == "identity":
+            continue
+        with torch.no_grad():  # random, not the initial ones / zeros: a wrong form must show
+            for l in range(ad.n_layers):
+                m = ad._sub(l, ad.ATTN_NORM)
+                m.weight.normal_()
+                if getattr(m, "bias", None) is not None:
+                    m.bias.normal_()
+        good = native.checked_norm_forms(ad.attn_input_norm_form, ad.attn_input_norm, ad.n_layers, ad.d_model)
+        assert good is not None, model_type
+        wrong = {"kind": "rms" if form.kind == "layer" else "layer"}
+        for change in (wrong, {"eps": 0.5}, {"scale": ad.attn_input_norm_form(0).scale * 1.01}):
+            bad = native.checked_norm_forms(lambda l, c=change: dataclasses.replace(ad.attn_input_norm_form(l), **c),
+                                            ad.attn_input_norm, ad.n_layers, ad.d_model)
+            assert bad is None, (model_type, change)
+    gemma = get_adapter(make_tiny_model("gemma2", seed=2))
+    with torch.no_grad():
+        for l in range(gemma.n_layers):
+            gemma._sub(l, gemma.ATTN_NORM).weight.normal_()
+    as_llama = native.checked_norm_forms(lambda l: dataclasses.replace(
+        gemma.attn_input_norm_form(l), scale=gemma._sub(l, gemma.ATTN_NORM).weight), gemma.attn_input_norm,
+        gemma.n_layers, gemma.d_model)
+    assert as_llama is None
+    assert native.checked_norm_forms(lambda l: None, gemma.attn_input_norm, gemma.n_layers, gemma.d_model) is None
+    half = get_adapter(make_tiny_model("llama", seed=2).to(torch.bfloat16))
+    assert half.attn_input_norm_form(0) is None

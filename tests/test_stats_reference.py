@@ -242,7 +242,7 @@ def test_value_sums_from_the_norm_sums_equal_the_summed_values(model_type):
 
     def summing_values(ad, n, T, device):
         acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
-                          attn_input_norm=ad.attn_input_norm)
+                          attn_input_norm=ad.attn_input_norm, attn_input_norm_form=ad.attn_input_norm_form)
         seen.append(acc.select)
         return acc
 

@@ -124,7 +124,55 @@ class NativeEngine:
             self.loops.add_square_sums(acc_sq, x, kinv, ub, part, plan["count32"], plan["count64"], n_u, m2)
         self.loops.add_bucket_sums(acc, ub, part, n_u)
 
+    def norm_sum(self, plan: dict, acc: np.ndarray, x: np.ndarray, form: tuple, scratch) -> None:
+        """The attention-input norm of rows ``x`` [B*T, d] (float32) summed by bucket into ``acc`` [K, d] (float64)
+        without the norm module: the sums of the normalised rows, then the norm's affine (``form``: see
+        :func:`checked_norm_forms`)."""
+        kind, eps, scale, shift = form
+        n_u, c = plan["n_ub"], x.shape[1]
+        part = self._buf(scratch, "posu", n_u * c, self._torch.float32).reshape(n_u, c)
+        self.loops.bucket_norm_sums(x, plan["kinv"].numpy(), n_u, part, kind, eps)
+        self.loops.add_affine_bucket_sums(acc, plan["ub"].numpy(), part, n_u, scale, shift, plan["count64"])
+
     def add_kernel_sums(self, plan: dict) -> None:
         """The batch's kernel sums (where kept, see :meth:`plan`) into P: the chunks' rows in order."""
         if plan["sums"].shape[0]:
             self.loops.add_kernel_sums(self.arrays["P"], plan["cells"], plan["sums"])
+
+
+NORM_KINDS = {"layer": 0, "rms": 1, "identity": 2}
+# the probe's tolerance: a form that is the module's norm agrees to float32 rounding (~1e-6 of the output's scale)
+NORM_PROBE_RTOL = 1e-4
+
+
+def checked_norm_forms(norm_form, attn_input_norm, n_layers: int, d: int, seed: int = 0) -> list[tuple] | None:
+    """Per layer ``(kind code, eps, scale [d], shift [d])`` (float64 numpy) of ``norm_form(layer)`` (e.g.
+    ``Adapter.attn_input_norm_form``) where every layer has a form that reproduces ``attn_input_norm(layer, x)`` on
+    a probe (random rows, a few of them far from zero mean and unit scale); None where any layer has no form or its
+    form does not match (a norm this code does not know: the pass then calls the module)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, d, generator=g) * torch.linspace(0.1, 30.0, 16)[:, None] + torch.randn(16, 1, generator=g) * 5
+    x64 = x.double()
+    forms = []
+    for layer in range(n_layers):
+        form = norm_form(layer)
+        if form is None or form.kind not in NORM_KINDS:
+            return None
+        scale = np.ones(d) if form.scale is None else form.scale.detach().to("cpu", torch.float64).numpy().reshape(-1)
+        shift = np.zeros(d) if form.shift is None else form.shift.detach().to("cpu", torch.float64).numpy().reshape(-1)
+        if scale.shape != (d,) or shift.shape != (d,):
+            return None
+        if form.kind == "identity":
+            z = x64
+        else:
+            c = x64 - x64.mean(-1, keepdim=True) if form.kind == "layer" else x64
+            z = c / torch.sqrt(c.square().mean(-1, keepdim=True) + form.eps)
+        want = attn_input_norm(layer, x).double().cpu().numpy()
+        got = z.numpy() * scale + shift
+        if want.shape != got.shape or not np.allclose(got, want, rtol=NORM_PROBE_RTOL,
+                                                      atol=NORM_PROBE_RTOL * float(np.abs(want).max())):
+            return None
+        forms.append((NORM_KINDS[form.kind], float(form.eps), np.ascontiguousarray(scale), np.ascontiguousarray(shift)))
+    return forms

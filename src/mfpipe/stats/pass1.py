@@ -44,7 +44,12 @@ the batch's buckets, the pairs' compact cells) in one pass over the batch's toke
 row from the probabilities with all heads of a pair side by side, and each per-position statistic in one pass over
 its rows. They add the same terms in the same order and precision as the torch ops, so the two engines' sums are
 equal bit for bit (tests/test_stats_native.py); on the mini models the reducer's CPU time fell from ~11 to ~6 ms per
-2048-token batch (issue 13). ``"torch"`` (every device, GPUs included) is the form described above. The counts
+2048-token batch (issue 13). One exception: where the adapter writes its attention-input norm as a
+:class:`~mfpipe.models.adapters.NormForm` (``attn_input_norm_form``: layer norm, RMS norm or none, its affine
+weights) and that form reproduces the module on a probe, the native engine sums the normalised rows ``z`` in its
+own loop and applies the affine to the bucket sums in float64 (``scale * sum z + n shift``) instead of calling the
+module and summing its output; ``ln_in_sum`` and the value sums made from it then agree with the torch engine's to
+float32 rounding, not bit for bit. ``"torch"`` (every device, GPUs included) is the form described above. The counts
 ``nbar``, ``C`` and ``cooc`` of a cell are kept side by side (one [N*K, 3] tensor): a batch adds into a few
 thousand scattered cells of it, one cache miss per cell instead of three.
 
@@ -148,6 +153,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         value_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
         helper_thread: bool | None = None,
         engine: str = "auto",
+        attn_input_norm_form: Callable[[int], object] | None = None,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -227,6 +233,12 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # the torch engine's compaction scratch: cell -> one of its pairs (see _compact; 128 MB at N = 4000)
         self._lut = torch.empty(N * K if self.engine == "torch" else 0, **i64)
         self._native = native.NativeEngine(self) if self.engine == "native" else None
+        # native: the ln1(x) sums from the normalised rows in the engine's own loop where the norm has a form
+        # (layer -> NormForm, e.g. adapter.attn_input_norm_form) that reproduces attn_input_norm on a probe: no module
+        # call and no [B*T, d] output per layer (the mini models: 0.28 ms of a layer's 1.15 ms); else the module
+        self._norm_forms = None
+        if self._native is not None and attn_input_norm is not None and attn_input_norm_form is not None:
+            self._norm_forms = native.checked_norm_forms(attn_input_norm_form, attn_input_norm, self.L, self.d)
         self._plan = None  # native: the batch's plan (begin_batch)
 
     def _threads(self):
@@ -428,7 +440,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         float64 sum."""
         kinv, ub = self._kinv, self._ub
         BT, U = kinv.numel(), ub.numel()
-        if ln_from is not None:
+        if ln_from is not None and self._norm_forms is not None:
+            x = ln_from.reshape(BT, self.d)
+            x = x if x.is_contiguous() and x.dtype == torch.float32 else x.to(torch.float32).contiguous()
+            self._native.norm_sum(self._plan, self._native.arrays["ln_in"][l], x.numpy(), self._norm_forms[l], scratch)
+        elif ln_from is not None:
             parts = {**parts, "ln_in": self.attn_input_norm(l, ln_from)}
         for name, t in parts.items():
             c = self._cols[name]

@@ -75,6 +75,7 @@ def accumulate_shard(
             adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
             device=device, attn_input_norm=getattr(adapter, "attn_input_norm", None),
             value_weights=getattr(adapter, "value_weights", None),
+            attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
         )
     else:
         acc = reducer(adapter, n, tokens.shape[1], device)

@@ -16,7 +16,7 @@ from .architectures import (
     UnsupportedArchitectureError,
     get_adapter,
 )
-from .base import Adapter
+from .base import Adapter, NormForm
 from .site import CAPTURE_FIELDS, LayerCapture, RunResult, resolve_select
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "Adapter",
     "LayerCapture",
+    "NormForm",
     "RunResult",
     "UnsupportedArchitectureError",
     "get_adapter",

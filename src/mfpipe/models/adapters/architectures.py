@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import Adapter, _base_model, _no_grad
+from .base import Adapter, NormForm, _base_model, _no_grad
 from .site import _get_path
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedArchitectureError", "get_adapter"]
@@ -161,6 +161,13 @@ class Gemma2Adapter(LlamaAdapter):
     POST_ATTN_NORM = "post_attention_layernorm"
     MLP_NORM = "pre_feedforward_layernorm"
     POST_MLP_NORM = "post_feedforward_layernorm"
+
+    def attn_input_norm_form(self, layer: int) -> NormForm | None:
+        """Gemma-2's RMS norm multiplies by ``1 + weight`` and keeps its epsilon as ``eps``."""
+        if self.dtype != torch.float32:
+            return None
+        m = self._sub(layer, self.ATTN_NORM)
+        return NormForm("rms", float(m.eps), 1.0 + m.weight.detach())
 
     @_no_grad
     def embed(self, ids: Tensor) -> Tensor:

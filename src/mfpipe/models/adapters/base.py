@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -45,7 +46,20 @@ from torch import Tensor, nn
 
 from .site import LayerCapture, TracedSite, _get_path
 
-__all__ = ["Adapter", "LayerCapture"]
+__all__ = ["Adapter", "LayerCapture", "NormForm"]
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """A norm written as ``scale * z + shift`` of the normalised row ``z`` (float32 ``x`` of width d):
+    ``"layer"``: ``z = (x - mean(x)) / sqrt(var(x) + eps)``; ``"rms"``: ``z = x / sqrt(mean(x²) + eps)``;
+    ``"identity"``: ``z = x``. ``scale`` / ``shift`` [d] (None: 1 / 0). Affine in ``z``, so a sum over n rows is
+    ``scale * sum z + n shift`` (the statistics pass sums ``z`` in its own loop instead of calling the module)."""
+
+    kind: str
+    eps: float = 0.0
+    scale: Tensor | None = None
+    shift: Tensor | None = None
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -178,6 +192,25 @@ class Adapter(TracedSite):
     def attn_input_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm applied to the residual stream before attention (identity where absent: OLMo-2)."""
         return self._opt_module(layer, self.ATTN_NORM)(self._in(x)).to(x.dtype)
+
+    def attn_input_norm_form(self, layer: int) -> NormForm | None:
+        """:meth:`attn_input_norm` as a :class:`NormForm` (its weights, no copies), or None where it has none the
+        statistics pass can use: a norm module of another kind, or a model that is not float32 (its norm rounds its
+        output to the model's dtype; a form's sums would not). nn.LayerNorm -> ``layer``; an RMS norm with
+        ``variance_epsilon`` and a ``weight`` it multiplies by (Llama, Qwen-3) -> ``rms``; none (OLMo-2) ->
+        ``identity``. Architectures whose norm differs (Gemma-2: ``1 + weight``) override this; the statistics pass
+        also checks the form against the module on a probe before it uses it."""
+        if self.dtype != torch.float32:
+            return None
+        if self.ATTN_NORM is None:
+            return NormForm("identity")
+        m = self._sub(layer, self.ATTN_NORM)
+        if type(m) is nn.LayerNorm:
+            return NormForm("layer", float(m.eps), m.weight, m.bias)
+        w, eps = getattr(m, "weight", None), getattr(m, "variance_epsilon", None)
+        if isinstance(w, Tensor) and w.ndim == 1 and isinstance(eps, float):
+            return NormForm("rms", eps, w)
+        return None
 
     @_no_grad
     def value_map(self, layer: int, x: Tensor) -> Tensor:
