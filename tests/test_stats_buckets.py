@@ -98,7 +98,8 @@ def test_native_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeyp
     cell = torch.as_tensor(qt)[bb, jj] * K + torch.as_tensor(kb)[bb, kk]
     np.testing.assert_array_equal(np.concatenate(got_cell), cell)
     np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
-    assert (acc._native.cell_lut == -1).all() and (acc._native.bucket_lut == -1).all()  # the tables are left clean
+    eng = acc._native  # the tables are left clean (the next batch's plan does not reset them)
+    assert (eng.cell_lut == -1).all() and (eng.bucket_lut == -1).all() and (eng.rank_table == -1).all()
 
 
 @pytest.mark.parametrize("pair_chunk", [None, 50])

@@ -63,6 +63,7 @@ class NativeEngine:
         self.loops = loops()
         self.K, self.LH, self.cooc_window = acc.K, acc.L * acc.H, acc.cooc_window
         self.cell_lut = np.full(acc.N * acc.K, -1, dtype=np.int32)
+        self.rank_table = np.full(0, -1, dtype=np.int32)  # sized by the first plan (-1 between batches, as cell_lut)
         self.bucket_lut = np.full(acc.K, -1, dtype=np.int32)
         # views of the accumulator's CPU tensors: the loops add into them in place
         self.arrays = {"P": acc.P.numpy(), "counts": acc._counts.numpy(),
@@ -71,6 +72,11 @@ class NativeEngine:
 
     def _buf(self, scratch, name, n, dtype=None):
         return scratch.get(name, n, dtype or self._torch.int64).numpy()
+
+    def _rank_table(self, n: int) -> np.ndarray:
+        if self.rank_table.shape[0] != n:
+            self.rank_table = np.full(n, -1, dtype=np.int32)
+        return self.rank_table
 
     def plan(self, kb, qt, group: int, rank_table_max: int, deferred_max: int, scratch) -> dict:
         """Plan a batch (``plan_batch``) and add its model-free counts; the plan's arrays live in ``scratch``.
@@ -91,7 +97,7 @@ class NativeEngine:
         m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
         a = self.arrays
         n_ub = self.loops.plan_batch(
-            kb, qt, K, group, self.cooc_window, self.cell_lut, buf("rank_table", rank_table_max, i32),
+            kb, qt, K, group, self.cooc_window, self.cell_lut, self._rank_table(rank_table_max),
             self.bucket_lut, buf("stamp", K), buf("first", T),
             a["query_count"], a["key_count"], a["position_count"], a["counts"],
             kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), buf("cell_n", n_pairs), buf("cell_c", n_pairs),
