@@ -246,7 +246,7 @@ def main(argv=None) -> None:
 
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
                       attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
-                      attn_input_norm_form=adapter.attn_input_norm_form,
+                      attn_input_norm_form=adapter.attn_input_norm_form, attn_out_weights=adapter.attn_out_weights,
                       helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
     tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views counted once

@@ -27,7 +27,8 @@ def _sums(model, adapter, tokens, tracked, engine, helper=False, norm_form=True)
         acc = pass1.Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
                                 attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights,
                                 helper_thread=helper, engine=engine,
-                                attn_input_norm_form=ad.attn_input_norm_form if norm_form else None)
+                                attn_input_norm_form=ad.attn_input_norm_form if norm_form else None,
+                                attn_out_weights=ad.attn_out_weights)
         assert (acc._norm_forms is not None) == (engine == "native" and norm_form)  # every tiny model has a form
         return acc
 

@@ -37,6 +37,9 @@ Per-head value sums are not summed per position where the adapter gives the valu
 output, ``v = ln1(x) W + b``, so their sum over a bucket is that map of the bucket's ``ln1(x)`` sum, ``(sum ln1(x))
 W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it in float64. The capture then does
 not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
+Likewise the attention output where no norm follows the output projection (``attn_out_weights``,
+:meth:`Adapter.attn_out_weights`: GPT-2, GPT-NeoX, Llama, Qwen-3 in float32): ``attn_out = sum_h reads_h W_h + b``,
+so its bucket sums are ``(sum reads) W + n b`` from the read sums, one ``[B*T, d]`` sum less per layer.
 
 Two engines compute these sums (``engine=``). On CPU with numba installed (the default there, ``"native"``) each
 reduction is one compiled loop of :mod:`mfpipe.stats.native` instead of a few torch ops: the plan (model-free counts,
@@ -154,6 +157,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         helper_thread: bool | None = None,
         engine: str = "auto",
         attn_input_norm_form: Callable[[int], object] | None = None,
+        attn_out_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None] | None] | None = None,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -190,14 +194,29 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                     f"value_weights(0) gives W {tuple(w.shape)} and b {None if b is None else tuple(b.shape)}, expected "
                     f"W {(self.H, self.d, self.dh)} and b {(self.H, self.dh)}: the adapter's value_weights does not "
                     "match its layout (fused QKV weights need their own value_weights)")
-        # the capture fields this reducer reads (Adapter.run's select): resid_mid is resid_in + attn_out, and the
-        # values are derived from the ln1(x) sums where value_weights is given
-        self.select = ("resid_in", "attn_probs", "reads", "attn_out", "mlp_out") + (("values",) if value_weights is None else ())
+        # layer -> (W [H,dh,d], b [d] | None) or None, e.g. adapter.attn_out_weights: where attn_out is that affine map
+        # of the reads (no norm after the output projection), its sums are that map of the read sums
+        self.attn_out_weights = None
+        if attn_out_weights is not None and attn_out_weights(0) is not None:
+            w, b = attn_out_weights(0)
+            if tuple(w.shape) != (self.H, self.dh, self.d) or (b is not None and tuple(b.shape) != (self.d,)):
+                raise StatsError(
+                    f"attn_out_weights(0) gives W {tuple(w.shape)} and b {None if b is None else tuple(b.shape)}, "
+                    f"expected W {(self.H, self.dh, self.d)} and b {(self.d,)}: the adapter's out_proj_slices / "
+                    "out_proj_bias do not match its layout")
+            self.attn_out_weights = attn_out_weights
+        # the capture fields this reducer reads (Adapter.run's select): resid_mid is resid_in + attn_out, the values
+        # are derived from the ln1(x) sums where value_weights is given, attn_out from the read sums where
+        # attn_out_weights is
+        self.select = (("resid_in", "attn_probs", "reads", "mlp_out") + (("values",) if value_weights is None else ())
+                       + (("attn_out",) if self.attn_out_weights is None else ()))
         L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
         i64 = dict(dtype=torch.int64, device=dev)
         # per-position sums, float64, one tensor per statistic (sums() hands them out without copies); the residual
         # and its square have depth L + 1 (l = L: the final residual before the last norm)
         self._cols = {"resid": d, "attn_out": d, "mlp_out": d}
+        if self.attn_out_weights is not None:
+            del self._cols["attn_out"]
         if attn_input_norm is not None:
             self._cols["ln_in"] = d
         if value_weights is None:
@@ -414,6 +433,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if tuple(probs.shape) != (B, H, T, T):
             raise StatsError(f"layer {l}: attention probabilities have shape {tuple(probs.shape)}, expected {(B, H, T, T)}")
         parts = {"resid": cap.resid_in, "attn_out": cap.attn_out, "mlp_out": cap.mlp_out, "reads": cap.reads}
+        if "attn_out" not in self._cols:  # from the read sums (attn_out_weights)
+            del parts["attn_out"]
         if "values" in self._cols:
             parts["values"] = cap.values.permute(0, 2, 1, 3)
         ln_from = cap.resid_in if "ln_in" in self._cols else None
@@ -424,7 +445,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             # the helper takes the second half of the heads, the residual (with its square) and the attention output;
             # this thread the first half and the rest, ln1(x) included (a module call: it stays on the trace's thread)
             pf, half = self._flat_probs(probs), (H + 1) // 2
-            there = {name: parts.pop(name) for name in ("resid", "attn_out")}
+            there = {name: parts.pop(name) for name in ("resid", "attn_out") if name in parts}
             self._helper.both(
                 lambda: (self._kernel_heads(l, pf, range(half), self._scratch),
                          self._position_sums(l, parts, self._scratch, ln_from)),
@@ -518,6 +539,19 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 out[l] += key_count[None, :, None] * b.detach().to("cpu", torch.float64).numpy()[:, None, :]
         return out
 
+    def _attn_out_sums(self, reads: np.ndarray, key_count: np.ndarray) -> np.ndarray:
+        """[L,K,d] float64 attn_out sums by bucket from the read sums ``reads [L,K,H*dh]``: per layer
+        ``(sum reads) W + n_t b`` (attn_out is affine in the reads where :attr:`attn_out_weights` is given)."""
+        L, H, K, d, dh = self.L, self.H, self.K, self.d, self.dh
+        out = np.empty((L, K, d), dtype=np.float64)
+        for l in range(L):
+            w, b = self.attn_out_weights(l)
+            w = w.detach().to("cpu", torch.float64).numpy().reshape(H * dh, d)
+            np.matmul(reads[l], w, out=out[l])
+            if b is not None:
+                out[l] += key_count[:, None] * b.detach().to("cpu", torch.float64).numpy()[None, :]
+        return out
+
     def sums(self) -> dict[str, np.ndarray]:
         """Numpy sums (see the module docstring): ``P_sum`` float32, the other float sums float64, counts int64.
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
@@ -532,6 +566,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
 
         col = {name: np_(t) for name, t in self.pos.items()}  # views of the CPU accumulators, no copies
         resid = col["resid"]
+        attn_out = col["attn_out"] if "attn_out" in col else self._attn_out_sums(col["reads"], np_(self.key_count))
         ln_in = col["ln_in"] if "ln_in" in col else np.full((L, K, d), np.nan)
         if "values" in col:
             value_sum = col["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3)
@@ -549,8 +584,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "nbar_sum": np_(self.nbar).reshape(N, K),
             "resid_sum": resid,
             "resid_sq_sum": col["resid_sq"],
-            "attn_out_sum": col["attn_out"],
-            "resid_mid_sum": resid[:L] + col["attn_out"],  # resid_mid = resid_in + attn_out (the adapter's definition)
+            "attn_out_sum": attn_out,
+            "resid_mid_sum": resid[:L] + attn_out,  # resid_mid = resid_in + attn_out (the adapter's definition)
             "mlp_out_sum": col["mlp_out"],
             "ln_in_sum": ln_in,
             "value_sum": value_sum,

@@ -76,6 +76,7 @@ def accumulate_shard(
             device=device, attn_input_norm=getattr(adapter, "attn_input_norm", None),
             value_weights=getattr(adapter, "value_weights", None),
             attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
+            attn_out_weights=getattr(adapter, "attn_out_weights", None),
         )
     else:
         acc = reducer(adapter, n, tokens.shape[1], device)

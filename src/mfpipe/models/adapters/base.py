@@ -250,6 +250,16 @@ class Adapter(TracedSite):
         b = self._sub(layer, self.O_PROJ).bias
         return None if b is None else b.detach()
 
+    def attn_out_weights(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
+        """``(W [H, dh, d], b [d] or None)`` where ``attn_out`` is that affine map of the per-head reads,
+        ``attn_out = sum_h reads[..., h, :] @ W[h] + b`` (the output projection, :meth:`out_proj_slices` /
+        :meth:`out_proj_bias`): the statistics pass then derives its attn_out sums from its read sums. None where
+        it is not: a norm after the projection (Gemma-2, OLMo-2), or a model that is not float32 (its attn_out is
+        rounded to the model's dtype)."""
+        if self.POST_ATTN_NORM is not None or self.dtype != torch.float32:
+            return None
+        return self.out_proj_slices(layer), self.out_proj_bias(layer)
+
     @_no_grad
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm on the attention output before it joins the residual (identity where absent)."""
