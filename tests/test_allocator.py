@@ -55,3 +55,25 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap():
 def test_keep_freed_memory_is_applied_once():
     assert keep_freed_memory() is True
     assert keep_freed_memory() is True
+
+
+_RELEASE = textwrap.dedent("""
+    import psutil, torch
+    from mfpipe.allocator import keep_freed_memory, release_free_memory
+    assert keep_freed_memory()
+    rss = lambda: psutil.Process().memory_info().rss / 2**20
+    blocks = [torch.ones(4 << 20) for _ in range(12)]  # 12 x 16 MiB from the heap
+    blocks.append(torch.ones(16))  # a live block above them: the freed ones are not the heap's top
+    del blocks[:12]
+    kept = rss()
+    released = release_free_memory()
+    print(kept - rss(), released)
+""")
+
+
+def test_release_free_memory_hands_the_kept_memory_back():
+    """The setting keeps freed blocks resident (the next batch reuses them); release_free_memory hands them back,
+    below the heap's top too (pass 1 calls it before sums() builds the shard's arrays)."""
+    out = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True, check=True)
+    dropped, released = out.stdout.split()
+    assert released == "True" and float(dropped) > 150, out.stdout

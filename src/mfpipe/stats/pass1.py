@@ -106,6 +106,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..allocator import release_free_memory
 from . import native
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
@@ -560,6 +561,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
         # for GPT-2 small at N = 1000), so they do not add up at the shard's end; a later batch grows them again
         self._scratch, self._scratch_helper = Scratch(self.device), Scratch(self.device)
+        if self.device.type == "cpu":
+            release_free_memory()
 
         def np_(t):
             return t.detach().cpu().numpy()
