@@ -10,8 +10,6 @@ import textwrap
 
 import pytest
 
-from mfpipe.allocator import keep_freed_memory
-
 
 def _glibc_with_mallinfo2() -> bool:
     try:
@@ -52,16 +50,29 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap():
     assert _mmapped_bytes_of_a_30_mib_block("keep") == 0
 
 
+_ONCE = textwrap.dedent("""
+    import mfpipe.allocator as a
+    calls = []
+    real = a.ctypes.CDLL
+    a.ctypes.CDLL = lambda *args, **kw: calls.append(args) or real(*args, **kw)
+    print(a.keep_freed_memory(), a.keep_freed_memory(), len(calls))
+""")
+
+
 def test_keep_freed_memory_is_applied_once():
-    assert keep_freed_memory() is True
-    assert keep_freed_memory() is True
+    """Once per process: the second call answers from the first (no second mallopt)."""
+    out = subprocess.run([sys.executable, "-c", _ONCE], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "1"]
 
 
 _RELEASE = textwrap.dedent("""
-    import psutil, torch
-    from mfpipe.allocator import keep_freed_memory, release_free_memory
+    import os, torch
+    from mfpipe.allocator import keep_freed_memory
+    from mfpipe.stats.workspace import release_free_memory
     assert keep_freed_memory()
-    rss = lambda: psutil.Process().memory_info().rss / 2**20
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     blocks = [torch.ones(4 << 20) for _ in range(12)]  # 12 x 16 MiB from the heap
     blocks.append(torch.ones(16))  # a live block above them: the freed ones are not the heap's top
     del blocks[:12]

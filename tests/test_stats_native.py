@@ -134,7 +134,7 @@ def test_norm_forms_are_checked_against_the_module():
         good = native.checked_norm_forms(ad.attn_input_norm_form, ad.attn_input_norm, ad.n_layers, ad.d_model)
         assert good is not None, model_type
         wrong = {"kind": "rms" if form.kind == "layer" else "layer"}
-        for change in (wrong, {"eps": 0.5}, {"scale": ad.attn_input_norm_form(0).scale * 1.01}):
+        for change in (wrong, {"eps": 0.5}, {"eps": form.eps * 10}, {"scale": ad.attn_input_norm_form(0).scale * 1.01}):
             bad = native.checked_norm_forms(lambda l, c=change: dataclasses.replace(ad.attn_input_norm_form(l), **c),
                                             ad.attn_input_norm, ad.n_layers, ad.d_model)
             assert bad is None, (model_type, change)

@@ -15,8 +15,9 @@ time. A smaller trim threshold did not hold a GPT-2-small forward's batch: 128 M
 itself moves with the heap's layout. Other C libraries (musl, macOS) and torch's own allocators (CUDA) are left alone.
 
 The workflow's job scripts call it first (workflow/scripts/_mfpipe_checkout.py), the benchmarks before any form
-they time. Kept memory is handed back where a pass ends and builds its results (:func:`release_free_memory`, called
-by pass 1's ``sums()``): without that the statistics job's peak (its sums and the partial's write on top of the
+they time. Kept memory is handed back where a pass ends and builds its results
+(:func:`mfpipe.stats.workspace.release_free_memory`, called by pass 1's ``sums()``; it lives there so that this
+module, which changes no result, is no code input of the statistics rules): without that the statistics job's peak (its sums and the partial's write on top of the
 kept activations) was 150-350 MiB higher than with glibc's defaults; with it, lower (GPT-2 small: +1352 and +1367
 MiB over the bare forward up to the partial's write, against +1378..+1556 with the defaults).
 """
@@ -62,17 +63,3 @@ def keep_freed_memory() -> bool:
     _applied = ok
     return ok
 
-
-def release_free_memory() -> bool:
-    """Hand the heap's free memory back to the kernel now (glibc ``malloc_trim(0)``: the free top and the free
-    pages between live blocks), e.g. between a pass's batches and the arrays it builds at its end, which then reuse
-    no longer resident pages instead of adding to the peak. Returns whether glibc released any."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))

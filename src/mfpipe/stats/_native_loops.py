@@ -133,9 +133,9 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
     return n_ub
 
 # Head blocks of a constant width: with the width a compile-time constant, the adds of a pair's heads into its
-# cell's row are one vector add (the same per-head float32 additions in the same order as any other width): GPT-2's
-# and the mini models' kernel 0.57 -> 0.26 ms per warm mini layer, 0.98 -> 0.42 ms cold, against a width known
-# only at run time. HEAD_BLOCKS: the widths compiled, widest first (a layer's heads go in blocks of these).
+# cell's row are one vector add (the same per-head float32 additions in the same order as any other width): a mini
+# layer's kernel (8 heads) 0.58 -> 0.35 ms warm, 0.98 -> 0.60 ms cold in place, against a width known only at run
+# time. HEAD_BLOCKS: the widths compiled, widest first (a layer's heads go in blocks of these).
 HEAD_BLOCKS = (8, 4, 2, 1)
 
 
@@ -193,7 +193,7 @@ def kernel_block1(p, qt, h0, group, pinv, cells, m_off, u_off, buf, sums, col, P
 def kernel_heads(p, qt, h0, h1, group, pinv, cells, m_off, u_off, buf, sums, col0, P):
     """Heads ``h0 <= h < h1`` of one layer's contiguous float32 probabilities ``p`` [B, H, T, T] summed per
     compact cell (``pinv``, see :func:`plan_batch`): per (cell, head) a float32 sum in pair order from zero, in
-    ``buf`` [U, >= 8] (a block of heads' sums of a cell side by side), then into columns ``col0 + h`` of the group's
+    ``buf`` [U, >= the widest block used] (a block of heads' sums of a cell side by side), then into columns ``col0 + h`` of the group's
     rows of ``sums`` [sum U, L*H] or, where ``sums`` has no rows, added into those columns of the kernel sum ``P``
     [N*K, L*H] at the group's cells. The heads go in blocks of :data:`HEAD_BLOCKS` widths, widest first."""
     h = h0
@@ -302,7 +302,7 @@ def bucket_norm_sums(x, kinv, n_u, part, kind, eps):
 
 @_jit
 def add_affine_bucket_sums(acc, ub, part, n_u, scale, shift, count64):
-    """``acc[ub[u]] += scale * part[u] + n_u * shift`` in float64 (the norm's affine applied to the bucket's sum of
+    """``acc[ub[u]] += scale * part[u] + count64[u] * shift`` in float64 (the norm's affine applied to the bucket's sum of
     ``z``; ``scale`` / ``shift`` float64 [d], ``count64`` the buckets' positions in the batch)."""
     for u in range(n_u):
         row, n = ub[u], count64[u]

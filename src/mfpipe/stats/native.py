@@ -14,12 +14,16 @@ each reduction is one loop over the data it reads, in the order torch adds it:
 - ``kernel_heads``: the pairs' probabilities read row by row from the layer's [B,H,T,T] tensor (no index of the
   pairs into it is stored or gathered), a pair's heads side by side in blocks of a compile-time width (8, 4, 2, 1:
   the block's adds into a cell's row vectorize), summed per compact cell;
-- ``bucket_sums`` / ``add_bucket_sums`` / ``add_square_sums``: the per-position statistics by bucket.
+- ``bucket_sums`` / ``add_bucket_sums`` / ``add_square_sums``: the per-position statistics by bucket;
+- ``bucket_norm_sums`` / ``add_affine_bucket_sums``: the attention-input norm's sums without its module, where the
+  adapter gives the norm's form (:func:`checked_norm_forms`): the normalised rows by bucket, then the affine.
 
 Each float sum adds the same terms in the same order and precision as the torch op it replaces (float32 scatter /
 index_add in pair / row order from zero, the float64 shift of the squares), so the sums are identical; the
 ranks of the compact cells and buckets differ, which no sum depends on (tests/test_stats_native.py compares the
-two engines' sums exactly). All functions release the GIL (pass 1's helper thread runs them side by side).
+two engines' sums exactly). The exception is the norm path: its row moments are not the module's float32 ops, so
+``ln_in`` (and the value sums made from it) agree with the torch engine's to float32 rounding. All functions release
+the GIL (pass 1's helper thread runs them side by side).
 
 The loops live in :mod:`mfpipe.stats._native_loops`, imported on first use (:func:`loops`): numba and its machine
 code cost ~130 MiB of resident memory and about a second to import. numba compiles them on first use in a
@@ -113,6 +117,8 @@ class NativeEngine:
     def kernel_heads(self, plan: dict, l: int, p4: np.ndarray, heads: range, scratch) -> None:
         """Heads ``heads`` of layer ``l``'s probabilities ``p4`` [B,H,T,T] (float32, contiguous) into their columns
         of the batch sums (or of P)."""
+        if not len(heads):  # the helper's half of a one-head layer
+            return
         H, width = p4.shape[1], min(len(heads), self.loops.HEAD_BLOCKS[0])
         kbuf = self._buf(scratch, "kbuf", plan["max_u"] * width, self._torch.float32).reshape(-1, width)
         self.loops.kernel_heads(p4, plan["qt"], heads.start, heads.stop, plan["group"], plan["pinv"], plan["cells"],
@@ -154,12 +160,14 @@ NORM_PROBE_RTOL = 1e-4
 def checked_norm_forms(norm_form, attn_input_norm, n_layers: int, d: int, seed: int = 0) -> list[tuple] | None:
     """Per layer ``(kind code, eps, scale [d], shift [d])`` (float64 numpy) of ``norm_form(layer)`` (e.g.
     ``Adapter.attn_input_norm_form``) where every layer has a form that reproduces ``attn_input_norm(layer, x)`` on
-    a probe (random rows, a few of them far from zero mean and unit scale); None where any layer has no form or its
+    a probe (random rows of scales from 1e-3 to 30, half of them far from zero mean); None where any layer has no form or its
     form does not match (a norm this code does not know: the pass then calls the module)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(16, d, generator=g) * torch.linspace(0.1, 30.0, 16)[:, None] + torch.randn(16, 1, generator=g) * 5
+    # rows from 1e-3 to 30 in scale (at the small ones a norm's eps shows), the larger half off zero mean
+    x = torch.randn(16, d, generator=g) * torch.logspace(-3.0, 1.5, 16)[:, None]
+    x[8:] += torch.randn(8, 1, generator=g) * 5
     x64 = x.double()
     forms = []
     for layer in range(n_layers):

@@ -106,11 +106,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..allocator import release_free_memory
 from . import native
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
-from .workspace import HelperThread, Scratch, reducer_threads
+from .workspace import HelperThread, Scratch, reducer_threads, release_free_memory
 
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
 # P at the end of the batch; above it (large models: L*H in the thousands) each layer is added as it comes
@@ -443,10 +442,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._kernel(l, probs)
             self._position_sums(l, parts, self._scratch, ln_from)
         else:
-            # the helper takes the second half of the heads, the residual (with its square) and the attention output;
-            # this thread the first half and the rest, ln1(x) included (a module call: it stays on the trace's thread)
+            # the helper takes the second half of the heads, the residual (with its square) and the attention output
+            # (where it is summed, else the MLP output); this thread the first half and the rest, ln1(x) included (a
+            # module call where the norm has no form: it stays on the trace's thread)
             pf, half = self._flat_probs(probs), (H + 1) // 2
-            there = {name: parts.pop(name) for name in ("resid", "attn_out") if name in parts}
+            there = {name: parts.pop(name) for name in ("resid", "attn_out" if "attn_out" in parts else "mlp_out")}
             self._helper.both(
                 lambda: (self._kernel_heads(l, pf, range(half), self._scratch),
                          self._position_sums(l, parts, self._scratch, ln_from)),
@@ -458,8 +458,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
 
     def _position_sums(self, l: int, parts: dict, scratch: Scratch, ln_from: torch.Tensor | None = None) -> None:
         """Per-position sums of layer ``l``: per statistic in ``parts`` (and ``ln1(ln_from)`` as ``ln_in``), a float32
-        sum over the batch's distinct buckets (one index_add_ of the [B*T, width] rows), then added once into its
-        float64 sum."""
+        sum over the batch's distinct buckets (one index_add_ of the [B*T, width] rows, or its native loop), then
+        added once into its float64 sum; ``ln_in`` on the native engine with norm forms: the sums of the normalised
+        rows and the norm's affine (NativeEngine.norm_sum)."""
         kinv, ub = self._kinv, self._ub
         BT, U = kinv.numel(), ub.numel()
         if ln_from is not None and self._norm_forms is not None:

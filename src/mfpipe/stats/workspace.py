@@ -69,3 +69,22 @@ def reducer_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(prev)
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free memory back to the kernel now (glibc ``malloc_trim(0)``: the free top and the free
+    pages between live blocks). Pass 1's ``sums()`` calls it between the batches and the arrays it builds: where the
+    job keeps freed memory (:func:`mfpipe.allocator.keep_freed_memory`), those arrays then reuse pages that are no
+    longer resident instead of adding to the job's peak. Returns whether glibc released any (False off glibc)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
