@@ -442,7 +442,6 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
         w[:, 0] = bos
         kb, qt = window_buckets(w, key_lut, query_lut, n)
         counts.begin_batch(kb, qt)
-        counts._chunks, counts._plan = [], None  # only the counts: no layer comes (end_batch would refuse)
     sums = acc.sums()
     fake = {k: np.asarray(v) for k, v in sums.items()}
     for k in ("n_windows", "n_tokens"):

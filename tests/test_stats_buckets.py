@@ -116,7 +116,7 @@ def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, p
     acc = pass1.Accumulator(1, H, 1, 1, N, T, engine="torch")
     acc.begin_batch(kb, qt)
     got_b, got_j, got_k, got_cell = [], [], [], []
-    for ch in acc._chunks:
+    for ch in acc._torch.chunks:
         assert ch.cells.unique().numel() == ch.cells.numel()
         got_b.append(ch.gidx // (H * T * T))
         got_j.append(ch.gidx % (T * T) // T)

@@ -17,7 +17,7 @@ in :meth:`Accumulator.begin_batch` and shared by all layers:
   each window where the query is tracked, the order of :func:`mfpipe.stats.buckets.causal_pairs`, for groups of
   windows of at most ``PAIR_CHUNK`` pairs), the flat index of each pair into a layer's ``[B,H,T,T]``
   probabilities, and the pair's *compact cell*: the rank of its ``(s, t)`` cell among the distinct cells of the
-  chunk, found without sorting (:meth:`Accumulator._compact`; the pairs per compact cell are ``nbar``'s batch
+  chunk, found without sorting (:meth:`mfpipe.stats.torch_engine.TorchEngine.compact`; the pairs per compact cell are ``nbar``'s batch
   part). Per layer and head, one gather of the pairs' probabilities and one float32 ``scatter_add_`` into a
   small, cache-resident buffer of the ``U`` distinct cells, kept as that (layer, head)'s column of the batch's
   ``[U, L*H]`` sums; :meth:`Accumulator.end_batch` adds those once into the kernel sum, held cell-major and
@@ -52,7 +52,7 @@ equal bit for bit (tests/test_stats_native.py); on the mini models the reducer's
 weights) and that form reproduces the module on a probe, the native engine sums the normalised rows ``z`` in its
 own loop and applies the affine to the bucket sums in float64 (``scale * sum z + n shift``) instead of calling the
 module and summing its output; ``ln_in_sum`` and the value sums made from it then agree with the torch engine's to
-float32 rounding, not bit for bit. ``"torch"`` (every device, GPUs included) is the form described above. The counts
+float32 rounding, not bit for bit. ``"torch"`` (every device, GPUs included) is the form described above (:mod:`mfpipe.stats.torch_engine`). The counts
 ``nbar``, ``C`` and ``cooc`` of a cell are kept side by side (one [N*K, 3] tensor): a batch adds into a few
 thousand scattered cells of it, one cache miss per cell instead of three.
 
@@ -100,7 +100,6 @@ layers, ``H`` heads, ``d`` width, ``dh`` head width, ``T`` context length)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -109,6 +108,7 @@ import torch
 from . import native
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
+from .torch_engine import TorchEngine
 from .workspace import HelperThread, Scratch, reducer_threads, release_free_memory
 
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
@@ -120,18 +120,6 @@ DEFERRED_SUMS_MAX = 1 << 28
 HELPER_MIN_PROBS = 1 << 22
 # entries of the native plan's [n_ub, n_ub] compaction table (4 MB of int32: up to 1024 buckets in a batch)
 RANK_TABLE_MAX = 1 << 20
-
-
-@dataclass
-class _PairChunk:
-    """The (query, key <= query) pairs of a group of windows, planned once per batch for every layer."""
-
-    gidx: torch.Tensor  # [M] flat index of each pair into head 0 of a layer's contiguous [B,H,T,T] probabilities
-    pinv: torch.Tensor  # [M] the pair's compact cell: its rank among the chunk's distinct cells
-    cells: torch.Tensor  # [U] the chunk's distinct cells s*K + t (rows of the [N*K, L*H] kernel sum)
-    sums: torch.Tensor | None  # [U, L*H] the batch's sums of the chunk's cells (all layers; filled by _kernel), or
-    # None: each layer's sums go into P at once (DEFERRED_SUMS_MAX)
-    buf: torch.Tensor  # [H, U] one layer's sums of the chunk's cells, head-major (reused by every layer)
 
 
 class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
@@ -239,19 +227,15 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.position_count = torch.zeros(T, **i64)
         self.n_windows = 0
         self.n_tokens = 0
-        self._chunks: list[_PairChunk] = []
         self._kinv: torch.Tensor | None = None  # [B*T] rank of each position's bucket among the batch's buckets
         self._ub: torch.Tensor | None = None  # [U_b] the batch's distinct buckets (sorted)
         self._layers_seen: set[int] = set()
         self._final_seen = False
         self._scratch = Scratch(dev)
         self._scratch_helper = Scratch(dev)  # the helper thread's own work buffers
-        # the (query j, key k <= j) pairs of one window, row-major (tests: the order of causal_pairs)
-        tri_j, tri_k = torch.tril_indices(T, T, device=dev)
-        self._tri_j, self._tri_k, self._tri = tri_j, tri_k, tri_j * T + tri_k
-        # the torch engine's compaction scratch: cell -> one of its pairs (see _compact; 128 MB at N = 4000)
-        self._lut = torch.empty(N * K if self.engine == "torch" else 0, **i64)
+        # the engine: the compiled loops (mfpipe.stats.native) or the torch ops (mfpipe.stats.torch_engine)
         self._native = native.NativeEngine(self) if self.engine == "native" else None
+        self._torch = TorchEngine(self) if self.engine == "torch" else None
         # native: the ln1(x) sums from the normalised rows in the engine's own loop where the norm has a form
         # (layer -> NormForm, e.g. adapter.attn_input_norm_form) that reproduces attn_input_norm on a probe: no module
         # call and no [B*T, d] output per layer (the mini models: 0.28 ms of a layer's 1.15 ms); else the module
@@ -280,86 +264,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 self._plan = self._native.plan(kb, qt, group, RANK_TABLE_MAX, DEFERRED_SUMS_MAX, self._scratch)
                 self._kinv, self._ub = self._plan["kinv"], self._plan["ub"]
             else:
-                self._begin_batch(kb, qt, group)
-
-    def _begin_batch(self, kb, qt, group: int) -> None:
-        kb = torch.as_tensor(kb, dtype=torch.int64).to(self.device)
-        qt = torch.as_tensor(qt, dtype=torch.int64).to(self.device)
-        B, T = kb.shape
-        N, K, H, dev = self.N, self.K, self.H, self.device
-        kbf = kb.reshape(-1)
-        self._ub, self._kinv, cnt = torch.unique(kbf, return_inverse=True, return_counts=True)
-        self._ub_count32, self._ub_count64 = cnt.to(torch.float32), cnt.to(torch.float64)
-        qmask = qt >= 0
-        self.query_count += torch.bincount(qt[qmask], minlength=N)
-        self.key_count += torch.bincount(kbf, minlength=K)
-        self.position_count += qmask.sum(0)
-        arangeT = torch.arange(T, device=dev)
-
-        # n_t(X) and C_st from the (query j, key k <= j) pairs of the batch: nbar[s,t] counts the pairs with a
-        # type-s query and a bucket-t key; C[s,t] the same over the first key of each bucket in its window. The
-        # pairs are the lower triangle of each window where the query is tracked (the order of
-        # mfpipe.stats.buckets.causal_pairs), taken for groups of windows of at most PAIR_CHUNK pairs; with their
-        # compact cells they are the plan of the attention-kernel reduction.
-        firstpos = torch.full((B, K), T, dtype=torch.int64, device=dev)
-        firstpos.scatter_reduce_(1, kb, arangeT.expand(B, T), reduce="amin")
-        first = firstpos.gather(1, kb) == arangeT  # [B,T]: first position of its bucket in the window
-        tri_j, tri_k, tri = self._tri_j, self._tri_k, self._tri
-        n_tri = tri.numel()
-        chunks = []
-        for b0 in range(0, B, group):
-            b1 = min(B, b0 + group)
-            nw = b1 - b0
-            # gather with the triangle's index broadcast over the windows, not index_select along dim 1 (on CPU a
-            # third of its time for the mini models' [32, 64] -> [32, 2080])
-            qj = torch.gather(qt[b0:b1], 1, tri_j.expand(nw, -1))  # [windows, n_tri] query type of each pair
-            keep = (qj >= 0).view(-1).nonzero().squeeze(1)  # the pairs whose query is tracked
-            if not keep.numel():
-                continue
-            kt = torch.gather(kb[b0:b1], 1, tri_k.expand(nw, -1))  # [windows, n_tri] key bucket of each pair
-            pc = qj.mul_(K).add_(kt).view(-1).index_select(0, keep)  # the pair's cell s*K+t
-            pinv, cells = self._compact(pc)
-            U = cells.numel()
-            # the key is its bucket's first in the window
-            fk = torch.gather(first[b0:b1], 1, tri_k.expand(nw, -1)).view(-1).index_select(0, keep)
-            by_first = torch.bincount(torch.add(fk, pinv, alpha=2), minlength=2 * U).view(U, 2)  # [U, (later, first)]
-            self.ctx.scatter_add_(0, cells, by_first[:, 1])  # (1-D: scatter_add_, see _kernel)
-            self.nbar.scatter_add_(0, cells, by_first.sum(1))
-            win = torch.div(keep, n_tri, rounding_mode="floor")
-            gidx = (win + b0).mul_(H * T * T).add_(tri.index_select(0, keep - win * n_tri))
-            # allocated here, on the calling thread: the helper thread writes half of its rows (HelperThread)
-            buf = self._scratch.get(f"kbuf{len(chunks)}", H * cells.numel(), torch.float32).view(H, -1)
-            chunks.append(_PairChunk(gidx, pinv, cells, None, buf))
-        if 4 * self.L * H * sum(ch.cells.numel() for ch in chunks) <= DEFERRED_SUMS_MAX:
-            for i, ch in enumerate(chunks):
-                ch.sums = self._scratch.get(f"sums{i}", ch.cells.numel() * self.L * H, torch.float32).view(-1, self.L * H)
-        self._chunks = chunks
-
-        # ±w co-occurrence: for each query position j (tracked, j >= 1), the buckets at j±1..j±w in the window
-        w = min(self.cooc_window, T - 1)
-        if w > 0:
-            offs = torch.cat([torch.arange(1, w + 1, device=dev), -torch.arange(1, w + 1, device=dev)])
-            pos = arangeT[:, None] + offs[None, :]  # [T, 2w]
-            ok = qmask[:, :, None] & ((pos >= 0) & (pos < T))[None]  # [B, T, 2w]
-            nb = torch.gather(kb, 1, pos.clamp(0, T - 1).view(1, -1).expand(B, -1)).view(B, T, -1)  # neighbours' buckets
-            # a (query, neighbour) that is not one (no tracked query, outside the window) counts into the spare last
-            # slot of the buffer instead of being masked out: on CPU the masked copy cost as much as the count itself
-            cells = torch.where(ok, qt[:, :, None] * K + nb, N * K).view(-1)
-            self._cooc_buf.scatter_add_(0, cells, self._scratch.get("ones", cells.numel(), torch.int64).fill_(1))
-
-    def _compact(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rank of each element's value among the distinct values, the distinct values) of cell indices ``c [M]``
-        (values < N*K), without sorting: every element writes its position into a cell-indexed table, the element
-        whose position survives represents its cell, and the representatives are ranked in order of position. Which
-        element survives a duplicate write does not matter (each cell reads back one consistent representative), and
-        the per-cell sums do not depend on the ranks' order."""
-        M = c.numel()
-        pos = torch.arange(M, device=c.device)
-        self._lut.scatter_(0, c, pos)
-        rep = self._lut.index_select(0, c)  # [M] the representative element of each element's cell
-        is_rep = rep == pos
-        rank = torch.cumsum(is_rep, 0).sub_(1)
-        return rank.index_select(0, rep), c.index_select(0, is_rep.nonzero().squeeze(1))
+                self._kinv, self._ub = self._torch.plan(kb, qt, group, DEFERRED_SUMS_MAX, self._scratch)
 
     # ------------------------------------------------------------------ adapter callbacks
     def on_layer(self, cap) -> None:
@@ -385,43 +290,15 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def _kernel_heads(self, l: int, pf: torch.Tensor, heads: range, scratch: Scratch) -> None:
         """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`);
         native: into their columns of the batch sums (or of P) at once."""
-        H, hstride = self.H, self.T * self.T
         if self._native is not None:
-            self._native.kernel_heads(self._plan, l, pf.numpy().reshape(-1, H, self.T, self.T), heads, scratch)
+            self._native.kernel_heads(self._plan, l, pf.numpy().reshape(-1, self.H, self.T, self.T), heads, scratch)
             return
-        for ch in self._chunks:
-            vals = scratch.get("kval", ch.pinv.numel(), torch.float32)
-            for h in heads:  # head h of pair i is element gidx[i] + h*T*T; its cell sum is buf[h, pinv[i]]
-                torch.index_select(pf[h * hstride :], 0, ch.gidx, out=vals)
-                # 1-D sums by index: scatter_add_, not index_add_ (on CPU 63 vs 175 us for 66 k pairs, same order
-                # of additions: the same float32 result)
-                ch.buf[h].zero_().scatter_add_(0, ch.pinv, vals)
+        self._torch.kernel_heads(pf, heads, scratch)
 
     def _kernel_flush(self, l: int) -> None:
         """Each chunk's [H, U] buffer of layer ``l`` into the layer's columns of its batch sums (or of P)."""
-        H = self.H
-        if self._native is not None:  # NativeEngine.kernel_heads wrote them
-            return
-        for ch in self._chunks:
-            if ch.sums is not None:
-                ch.sums[:, l * H : (l + 1) * H].copy_(ch.buf.t())
-            else:
-                self.P[:, l * H : (l + 1) * H].index_add_(0, ch.cells, ch.buf.t())
-
-    def _square_sum(self, x: torch.Tensor, s1: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
-        """Float64 ``sum x²`` over the batch's buckets of float32 rows ``x [B*T, d]`` whose float32 bucket sums are
-        ``s1 [U_b, d]``. The square is summed around the batch's bucket mean in float32 and shifted back in float64
-        (``sum x² = M2 + S1²/n``), so its float32 error is relative to the spread, not to ``c²``: E[x²] - c² then
-        cancels exactly in float64."""
-        kinv, scratch = self._kinv, scratch or self._scratch
-        BT, d = x.shape
-        U = s1.shape[0]
-        xc = torch.index_select(s1 / self._ub_count32[:, None], 0, kinv,
-                                out=scratch.get("xc", BT * d, torch.float32).view(BT, d))
-        torch.sub(x, xc, out=xc).square_()
-        m2 = scratch.get("m2", U * d, torch.float32).view(U, d).zero_().index_add_(0, kinv, xc)
-        s64 = s1.to(torch.float64)
-        return s64.mul_(s64 / self._ub_count64[:, None]).add_(m2)
+        if self._torch is not None:  # (NativeEngine.kernel_heads wrote them)
+            self._torch.kernel_flush(l)
 
     def _on_layer(self, cap) -> None:
         l = int(cap.layer)
@@ -461,8 +338,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         sum over the batch's distinct buckets (one index_add_ of the [B*T, width] rows, or its native loop), then
         added once into its float64 sum; ``ln_in`` on the native engine with norm forms: the sums of the normalised
         rows and the norm's affine (NativeEngine.norm_sum)."""
-        kinv, ub = self._kinv, self._ub
-        BT, U = kinv.numel(), ub.numel()
+        BT = self._kinv.numel()
         if ln_from is not None and self._norm_forms is not None:
             x = ln_from.reshape(BT, self.d)
             x = x if x.is_contiguous() and x.dtype == torch.float32 else x.to(torch.float32).contiguous()
@@ -478,28 +354,22 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             if self._native is not None:
                 sq = self._native.arrays["resid_sq"][l] if name == "resid" else None
                 self._native.position_sum(self._plan, self._native.arrays[name][l], sq, x.numpy(), scratch)
-                continue
-            part = scratch.get("posu", U * c, torch.float32).view(U, c).zero_().index_add_(0, kinv, x)
-            if name == "resid":
-                self.pos["resid_sq"][l].index_add_(0, ub, self._square_sum(x, part, scratch))
-            self.pos[name][l].index_add_(0, ub, scratch.get("posu64", U * c, torch.float64).view(U, c).copy_(part))
+            else:
+                sq = self.pos["resid_sq"][l] if name == "resid" else None
+                self._torch.position_sum(self.pos[name][l], sq, x, scratch)
 
     def on_final(self, resid: torch.Tensor) -> None:
         with self._threads():
             self._on_final(resid)
 
     def _on_final(self, resid: torch.Tensor) -> None:
-        kinv, ub, d = self._kinv, self._ub, self.d
-        x = resid.reshape(kinv.numel(), d).to(torch.float32)
+        x = resid.reshape(self._kinv.numel(), self.d).to(torch.float32)
         if self._native is not None:
             arr = self._native.arrays
             self._native.position_sum(self._plan, arr["resid"][self.L], arr["resid_sq"][self.L],
                                       x.contiguous().numpy(), self._scratch)
-            self._final_seen = True
-            return
-        s1 = torch.zeros(ub.numel(), d, dtype=torch.float32, device=x.device).index_add_(0, kinv, x)
-        self.pos["resid_sq"][self.L].index_add_(0, ub, self._square_sum(x, s1))
-        self.pos["resid"][self.L].index_add_(0, ub, s1.to(torch.float64))
+        else:
+            self._torch.position_sum(self.pos["resid"][self.L], self.pos["resid_sq"][self.L], x, self._scratch)
         self._final_seen = True
 
     def end_batch(self) -> None:
@@ -509,13 +379,11 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 f"the capture delivered layers {sorted(self._layers_seen)} and final={self._final_seen}; "
                 f"expected all {self.L} layers and the final residual"
             )
-        with self._threads():
-            for ch in self._chunks:  # the batch's kernel sums, all layers at once: one run of L*H floats per cell
-                if ch.sums is not None:
-                    self.P.index_add_(0, ch.cells, ch.sums)
-            if self._plan is not None:  # native
+        with self._threads():  # the batch's kernel sums into P, all layers at once: one run of L*H floats per cell
+            if self._torch is not None:
+                self._torch.end_batch()
+            elif self._plan is not None:
                 self._native.add_kernel_sums(self._plan)
-        self._chunks = []
         self._plan = None
         self._kinv = self._ub = None
 
