@@ -227,6 +227,39 @@ def test_zero_query_types_are_nan(windows):
     assert (ds["P"].sel(key=s).isel(query=slice(0, s)).values == 0).all()
 
 
+def _derived_against_summed(model_type, without: str, approx: tuple[str, ...]):
+    """(adapter, tracked set, selects seen) after comparing the default pass (every derivation its adapter allows)
+    with one that sums ``without`` (``"attn_out_weights"`` or ``"value_weights"``: that derivation left out) itself:
+    the sums in ``approx`` equal to float32 rounding (and not vacuous), every other sum bit for bit."""
+    from mfpipe.stats.pass1 import Accumulator
+
+    model = make_tiny_model(model_type, seed=7)  # gpt2: Conv1D c_attn, gpt_neox: per-head qkv, llama: GQA v_proj
+    adapter = get_adapter(model)
+    tokens = zipf_windows(8, seed=4)
+    tracked = tracked_for(tokens)
+    seen = []
+
+    def summing(ad, n, T, device):
+        derive = dict(value_weights=ad.value_weights, attn_out_weights=ad.attn_out_weights)
+        del derive[without]
+        acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
+                          attn_input_norm=ad.attn_input_norm, attn_input_norm_form=ad.attn_input_norm_form, **derive)
+        seen.append(acc.select)
+        return acc
+
+    derived = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    summed = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False,
+                              reducer=summing)
+    for k in summed:
+        if k in approx:
+            scale = np.abs(summed[k]).max()
+            assert scale > 1e-2  # not vacuous
+            np.testing.assert_allclose(derived[k], summed[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+        else:
+            assert np.array_equal(derived[k], summed[k], equal_nan=True), k
+    return adapter, tracked, seen
+
+
 @pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
 def test_attn_out_sums_from_the_read_sums_equal_the_summed_attn_out(model_type):
     """Where no norm follows the output projection, pass 1 derives the attn_out sums from the read sums through
@@ -235,32 +268,11 @@ def test_attn_out_sums_from_the_read_sums_equal_the_summed_attn_out(model_type):
     bit. Gemma-2 and OLMo-2 (a norm after the projection) sum attn_out itself."""
     from mfpipe.stats.pass1 import Accumulator
 
-    model = make_tiny_model(model_type, seed=7)
-    adapter = get_adapter(model)
-    tokens = zipf_windows(8, seed=4)
-    tracked = tracked_for(tokens)
-    seen = []
-
-    def summing_attn_out(ad, n, T, device):
-        acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
-                          attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights,
-                          attn_input_norm_form=ad.attn_input_norm_form)
-        seen.append(acc.select)
-        return acc
-
-    derived = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False)
-    summed = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False,
-                              reducer=summing_attn_out)
-    assert "attn_out" in seen[0]
     has_form = model_type not in ("gemma2", "olmo2")
+    adapter, tracked, seen = _derived_against_summed(
+        model_type, "attn_out_weights", ("attn_out_sum", "resid_mid_sum") if has_form else ())
+    assert "attn_out" in seen[0]
     assert (adapter.attn_out_weights(0) is not None) == has_form
-    for k in summed:
-        if has_form and k in ("attn_out_sum", "resid_mid_sum"):
-            scale = np.abs(summed[k]).max()
-            assert scale > 1e-2  # not vacuous
-            np.testing.assert_allclose(derived[k], summed[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
-        else:
-            assert np.array_equal(derived[k], summed[k], equal_nan=True), k
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
                       attn_out_weights=adapter.attn_out_weights)
     assert ("attn_out" in acc.select) != has_form  # the capture reads attn_out only where it is not derived
@@ -278,30 +290,8 @@ def test_value_sums_from_the_norm_sums_equal_the_summed_values(model_type):
     value sums (to float32 rounding: another order of operations), and every other sum bit for bit."""
     from mfpipe.stats.pass1 import Accumulator
 
-    model = make_tiny_model(model_type, seed=7)  # gpt2: Conv1D c_attn, gpt_neox: per-head qkv, llama: GQA v_proj
-    adapter = get_adapter(model)
-    tokens = zipf_windows(8, seed=4)
-    tracked = tracked_for(tokens)
-    seen = []
-
-    def summing_values(ad, n, T, device):
-        acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
-                          attn_input_norm=ad.attn_input_norm, attn_input_norm_form=ad.attn_input_norm_form,
-                          attn_out_weights=ad.attn_out_weights)
-        seen.append(acc.select)
-        return acc
-
-    derived = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False)
-    summed = accumulate_shard(model, adapter, tokens, tracked, batch_size=4, device="cpu", progress=False,
-                              reducer=summing_values)
+    adapter, tracked, seen = _derived_against_summed(model_type, "value_weights", ("value_sum",))
     assert "values" in seen[0] and "resid_mid" not in seen[0]
-    for k in summed:
-        if k == "value_sum":
-            scale = np.abs(summed[k]).max()
-            assert scale > 1e-2  # not vacuous
-            np.testing.assert_allclose(derived[k], summed[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
-        else:
-            assert np.array_equal(derived[k], summed[k], equal_nan=True), k
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
                       attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights)
     assert "values" not in acc.select and "resid_mid" not in acc.select  # the capture never reads them
