@@ -444,14 +444,11 @@ def full_shard_estimate(args, acc, toks, bos, V, perm, key_lut, query_lut, n, fo
         counts.begin_batch(kb, qt)
     sums = acc.sums()
     fake = {k: np.asarray(v) for k, v in sums.items()}
-    for k in ("n_windows", "n_tokens"):
-        fake[k] = np.asarray(getattr(counts, k), dtype=np.int64)
-    for k, t in (("query_count", counts.query_count), ("key_count", counts.key_count),
-                 ("position_count", counts.position_count)):
-        fake[k] = t.numpy()
+    model_free = counts.sums()
+    for k in ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count",
+              "cooc"):
+        fake[k] = model_free[k]
     N, K = n, n + 2
-    fake["nbar_sum"], fake["context_count"], fake["cooc"] = (counts.nbar.numpy().reshape(N, K),
-                                                             counts.ctx.numpy().reshape(N, K), counts.cooc.numpy().reshape(N, K))
     support = fake["nbar_sum"] > 0
     L, H = fake["P_sum"].shape[:2]
     fake["P_sum"] = np.zeros((L, H, N, K), dtype=np.float32)

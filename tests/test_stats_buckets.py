@@ -97,6 +97,8 @@ def test_native_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeyp
     bb, jj, kk = next(causal_pairs(torch.as_tensor(qt), chunk=None))
     cell = torch.as_tensor(qt)[bb, jj] * K + torch.as_tensor(kb)[bb, kk]
     np.testing.assert_array_equal(np.concatenate(got_cell), cell)
+    assert not acc.nbar.numpy().any()  # nbar's batch part goes in with the kernel sums (end_batch) ...
+    acc._native.flush_counts()  # ... or, for a batch that never ends, at the next plan or at sums()
     np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
     eng = acc._native  # the tables are left clean (the next batch's plan does not reset them)
     assert (eng.cell_lut == -1).all() and (eng.bucket_lut == -1).all() and (eng.rank_table == -1).all()

@@ -47,7 +47,9 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
     Outputs: ``kinv`` [B*T] int32 (each position's rank among the batch's buckets), ``ub`` / ``ub_count`` (the
     buckets in order of first appearance and their positions), per group of ``group`` windows ``c``: its pairs'
     compact cells ``pinv[m_off[c]:m_off[c+1]]`` (windows in order, each window's lower triangle row-major over
-    its tracked queries) and its distinct cells ``cells[u_off[c]:u_off[c+1]]``. Returns the number of buckets.
+    its tracked queries) and its distinct cells ``cells[u_off[c]:u_off[c+1]]``, with their pair counts and first-key
+    pair counts in ``cell_n`` / ``cell_c`` at the same places (nbar's and C's batch part: :func:`add_batch_sums`
+    adds them, with the kernel sums of the same cells). Returns the number of buckets.
     """
     B, T = kb.shape
     n_ub = 0
@@ -114,22 +116,18 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                         lut[slot] = r
                         cells[u0 + r] = row + kb[b, k]
                         slots[r] = slot
-                        cell_n[r] = 0
-                        cell_c[r] = 0
+                        cell_n[u0 + r] = 0
+                        cell_c[u0 + r] = 0
                         n_u += 1
                     pinv[m] = r
                     m += 1
-                    cell_n[r] += 1  # counted per compact cell (cache-resident), added into nbar / C below
-                    cell_c[r] += first[k]
+                    # counted per compact cell (cache-resident); add_batch_sums adds them into nbar / C
+                    cell_n[u0 + r] += 1
+                    cell_c[u0 + r] += first[k]
         m_off[c + 1] = m
         u_off[c + 1] = u0 + n_u
         for r in range(n_u):
-            if r + PREFETCH_AHEAD < n_u:
-                prefetch(counts, cells[u0 + r + PREFETCH_AHEAD] * 3)
-            cell = cells[u0 + r]
             lut[slots[r]] = -1
-            counts[cell, 0] += cell_n[r]  # nbar
-            counts[cell, 1] += cell_c[r]  # C
     return n_ub
 
 # Head blocks of a constant width: with the width a compile-time constant, the adds of a pair's heads into its
@@ -214,15 +212,25 @@ def zero_rows(a, n):
             a[r, c] = 0
 
 @_jit
-def add_kernel_sums(P, cells, sums):
-    """The batch's kernel sums ``sums`` [U, L*H] added into the rows ``cells`` of ``P`` (float32, contiguous)."""
+def add_batch_sums(P, counts, cells, sums, cell_n, cell_c):
+    """The batch's cells ``cells`` [U], one pass: their pair counts ``cell_n`` / ``cell_c`` into nbar / C of
+    ``counts`` [N*K(+1), 3] and, where ``sums`` [U, L*H] has rows, their kernel sums into the rows of ``P`` (float32,
+    contiguous). Both rows of a cell are asked for ahead: after the forward neither is in the cache, and one pass
+    keeps the two misses of a cell in flight together."""
     n, width = cells.shape[0], P.shape[1]
+    with_sums = sums.shape[0] > 0
     for r in range(n):
         if r + PREFETCH_AHEAD < n:
-            prefetch(P, cells[r + PREFETCH_AHEAD] * width)
+            ahead = cells[r + PREFETCH_AHEAD]
+            prefetch(counts, ahead * 3)
+            if with_sums:
+                prefetch(P, ahead * width)
         row = cells[r]
-        for c in range(sums.shape[1]):
-            P[row, c] += sums[r, c]
+        counts[row, 0] += cell_n[r]  # nbar
+        counts[row, 1] += cell_c[r]  # C
+        if with_sums:
+            for c in range(sums.shape[1]):
+                P[row, c] += sums[r, c]
 
 @_jit
 def bucket_sums(x, kinv, n_u, part):

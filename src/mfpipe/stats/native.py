@@ -69,6 +69,7 @@ class NativeEngine:
         self.cell_lut = np.full(acc.N * acc.K, -1, dtype=np.int32)
         self.rank_table = np.full(0, -1, dtype=np.int32)  # sized by the first plan (-1 between batches, as cell_lut)
         self.bucket_lut = np.full(acc.K, -1, dtype=np.int32)
+        self._pending = None  # a planned batch whose nbar / C parts are not added yet (see end_batch)
         # views of the accumulator's CPU tensors: the loops add into them in place
         self.arrays = {"P": acc.P.numpy(), "counts": acc._counts.numpy(),
                        **{name: t.numpy() for name, t in acc.pos.items()},
@@ -86,6 +87,7 @@ class NativeEngine:
         """Plan a batch (``plan_batch``) and add its model-free counts; the plan's arrays live in ``scratch``.
         ``group`` windows per pair chunk; the batch sums ``[U, L*H]`` are kept for one add at the end of the batch
         where they take at most ``deferred_max`` bytes (else each layer adds into P at once)."""
+        self.flush_counts()  # a batch planned but not ended: its counts, before this plan reuses their buffers
         torch, i32 = self._torch, self._torch.int32
         kb = np.ascontiguousarray(torch.as_tensor(kb).cpu().numpy(), dtype=np.int64)
         qt = np.ascontiguousarray(torch.as_tensor(qt).cpu().numpy(), dtype=np.int64)
@@ -98,21 +100,25 @@ class NativeEngine:
 
         kinv, ub, ub_count = buf("kinv", B * T, i32), buf("ub", min(B * T, K)), buf("ub_count", min(B * T, K))
         pinv, cells = buf("pinv", n_pairs, i32), buf("cells", n_pairs)
+        cell_n, cell_c = buf("cell_n", n_pairs), buf("cell_c", n_pairs)
         m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
         a = self.arrays
         n_ub = self.loops.plan_batch(
             kb, qt, K, group, self.cooc_window, self.cell_lut, self._rank_table(rank_table_max),
             self.bucket_lut, buf("stamp", K), buf("first", T),
             a["query_count"], a["key_count"], a["position_count"], a["counts"],
-            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), buf("cell_n", n_pairs), buf("cell_c", n_pairs),
+            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), cell_n, cell_c,
             m_off, u_off)
         n_cells = int(u_off[n_chunks])
         deferred = 4 * LH * n_cells <= deferred_max
         sums = buf("sums0", n_cells * LH if deferred else 0, torch.float32).reshape(-1, LH)
-        return dict(qt=qt, group=group, pinv=pinv, cells=cells[:n_cells], m_off=m_off, u_off=u_off, sums=sums,
+        plan = dict(qt=qt, group=group, pinv=pinv, cells=cells[:n_cells], m_off=m_off, u_off=u_off, sums=sums,
                     n_ub=n_ub, max_u=int(np.max(np.diff(u_off))) if n_chunks else 0,
                     count32=ub_count[:n_ub].astype(np.float32), count64=ub_count[:n_ub].astype(np.float64),
-                    kinv=torch.from_numpy(kinv), ub=torch.from_numpy(ub[:n_ub]))
+                    kinv=torch.from_numpy(kinv), ub=torch.from_numpy(ub[:n_ub]),
+                    cell_n=cell_n[:n_cells], cell_c=cell_c[:n_cells])
+        self._pending = plan
+        return plan
 
     def kernel_heads(self, plan: dict, l: int, p4: np.ndarray, heads: range, scratch) -> None:
         """Heads ``heads`` of layer ``l``'s probabilities ``p4`` [B,H,T,T] (float32, contiguous) into their columns
@@ -146,10 +152,21 @@ class NativeEngine:
         self.loops.bucket_norm_sums(x, plan["kinv"].numpy(), n_u, part, kind, eps)
         self.loops.add_affine_bucket_sums(acc, plan["ub"].numpy(), part, n_u, scale, shift, plan["count64"])
 
-    def add_kernel_sums(self, plan: dict) -> None:
-        """The batch's kernel sums (where kept, see :meth:`plan`) into P: the chunks' rows in order."""
-        if plan["sums"].shape[0]:
-            self.loops.add_kernel_sums(self.arrays["P"], plan["cells"], plan["sums"])
+    def end_batch(self, plan: dict) -> None:
+        """The batch's nbar / C parts and its kernel sums (where kept, see :meth:`plan`) into their cells, in one
+        pass over them (``add_batch_sums``)."""
+        a = self.arrays
+        self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"], plan["cell_n"], plan["cell_c"])
+        self._pending = None
+
+    def flush_counts(self) -> None:
+        """The nbar / C parts of a batch that was planned but not ended (no kernel sums: its layers did not all come,
+        or only its model-free counts are wanted); called by the next plan and by ``Accumulator.sums``."""
+        plan, self._pending = self._pending, None
+        if plan is not None:
+            a = self.arrays
+            self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"][:0], plan["cell_n"],
+                                      plan["cell_c"])
 
 
 NORM_KINDS = {"layer": 0, "rms": 1, "identity": 2}

@@ -250,7 +250,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     # ------------------------------------------------------------------ per batch, model-free
     def begin_batch(self, kb: np.ndarray | torch.Tensor, qt: np.ndarray | torch.Tensor) -> None:
         """Register a batch's key buckets / query types ``[B,T]``, add its model-free counts and plan its
-        reductions (shared by all layers)."""
+        reductions (shared by all layers). (The native engine adds the batch's nbar / C parts at :meth:`end_batch`,
+        in one pass with its kernel sums, or, for a batch that does not end, at the next ``begin_batch`` or at
+        :meth:`sums`: the counts read from :meth:`sums` are the same.)"""
         B, T = tuple(kb.shape)
         if T != self.T:
             raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
@@ -383,7 +385,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             if self._torch is not None:
                 self._torch.end_batch()
             elif self._plan is not None:
-                self._native.add_kernel_sums(self._plan)
+                self._native.end_batch(self._plan)
         self._plan = None
         self._kinv = self._ub = None
 
@@ -429,6 +431,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         L, H, N, K, d, dh = self.L, self.H, self.N, self.K, self.d, self.dh
         # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
         # for GPT-2 small at N = 1000), so they do not add up at the shard's end; a later batch grows them again
+        if self._native is not None:  # a batch begun and not ended: its model-free counts (NativeEngine.flush_counts)
+            self._native.flush_counts()
         self._scratch, self._scratch_helper = Scratch(self.device), Scratch(self.device)
         if self.device.type == "cpu":
             release_free_memory()
