@@ -149,3 +149,22 @@ def test_norm_forms_are_checked_against_the_module():
     assert native.checked_norm_forms(lambda l: None, gemma.attn_input_norm, gemma.n_layers, gemma.d_model) is None
     half = get_adapter(make_tiny_model("llama", seed=2).to(torch.bfloat16))
     assert half.attn_input_norm_form(0) is None
+
+
+def test_counts_of_batches_that_never_end_reach_the_sums():
+    """The native engine adds a batch's nbar / C parts at end_batch; batches that are only begun (model-free counts,
+    tests/synthetic_stats.py) still have them in sums(), equal to the torch engine's (which adds them at once)."""
+    from mfpipe.stats.buckets import window_buckets
+
+    tokens = zipf_windows(9, T=20, seed=8)
+    tracked = tracked_for(tokens)
+    kb, qt = window_buckets(tokens, tracked.key_bucket_lut(), tracked.query_bucket_lut(), tracked.n)
+    got = {}
+    for engine in ("torch", "native"):
+        acc = pass1.Accumulator(1, 1, 4, 4, tracked.n, 20, engine=engine)
+        for b0 in range(0, 9, 4):
+            acc.begin_batch(kb[b0 : b0 + 4], qt[b0 : b0 + 4])
+        got[engine] = acc.sums()
+    for k in ("nbar_sum", "context_count", "cooc", "query_count", "key_count", "position_count"):
+        assert got["torch"][k].any(), k
+        assert np.array_equal(got["torch"][k], got["native"][k]), k
