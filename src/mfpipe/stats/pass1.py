@@ -11,35 +11,18 @@ layer's tensors at once into sums, so only one layer's ``[B,H,T,T]`` attention i
 vectorized (gather / index_add / bincount over buckets and query types), no per-position Python loop.
 
 Hot path and precision (issue 13). Everything that depends only on the batch's tokens is planned once per batch
-in :meth:`Accumulator.begin_batch` and shared by all layers:
-
-- the attention kernel: the (query, key <= query) pairs of the batch's tracked queries (the lower triangle of
-  each window where the query is tracked, the order of :func:`mfpipe.stats.buckets.causal_pairs`, for groups of
-  windows of at most ``PAIR_CHUNK`` pairs), the flat index of each pair into a layer's ``[B,H,T,T]``
-  probabilities, and the pair's *compact cell*: the rank of its ``(s, t)`` cell among the distinct cells of the
-  chunk, found without sorting (:meth:`mfpipe.stats.torch_engine.TorchEngine.compact`; the pairs per compact cell are ``nbar``'s batch
-  part). Per layer and head, one gather of the pairs' probabilities and one float32 ``scatter_add_`` into a
-  small, cache-resident buffer of the ``U`` distinct cells, kept as that (layer, head)'s column of the batch's
-  ``[U, L*H]`` sums; :meth:`Accumulator.end_batch` adds those once into the kernel sum, held cell-major and
-  layer-minor ``[N*K, L*H]``: the scattered add into the 0.6 GB sum touches U runs of L*H contiguous floats per
-  batch, not U runs per layer (the forward evicts the sum from the cache between layers, so each run costs a
-  miss). Where the batch's sums of all layers would exceed ``DEFERRED_SUMS_MAX`` bytes (models with thousands of
-  heads), each layer's are added as they come;
-- the per-position statistics: the batch's distinct buckets and each position's rank among them. Per layer,
-  float32 ``index_add_`` of ``x, (x - c_b)², attn_out, mlp_out, ln1(x), reads`` (and ``values`` without
-  ``value_weights``) into ``[U_b, ·]`` buffers
-  (``U_b`` distinct buckets of the batch; ``c_b`` the batch's bucket mean, ``sum x²`` is restored in float64 as
-  ``M2 + S1²/n``, so E[x²] - c² never cancels in float32), each then added once in float64 into its sum over
-  the K buckets (one tensor per statistic, so :meth:`Accumulator.sums` hands out views, not copies).
-
-Per-head value sums are not summed per position where the adapter gives the value projection
-(``value_weights``, :meth:`Adapter.value_weights`): the values are an affine map of the attention-input norm's
-output, ``v = ln1(x) W + b``, so their sum over a bucket is that map of the bucket's ``ln1(x)`` sum, ``(sum ln1(x))
-W + n b``, which pass 1 accumulates anyway. :meth:`Accumulator.sums` applies it in float64. The capture then does
-not read the values at all (:attr:`Accumulator.select`), one read and one ``[B*T, H*dh]`` sum less per layer.
-Likewise the attention output where no norm follows the output projection (``attn_out_weights``,
-:meth:`Adapter.attn_out_weights`: GPT-2, GPT-NeoX, Llama, Qwen-3 in float32): ``attn_out = sum_h reads_h W_h + b``,
-so its bucket sums are ``(sum reads) W + n b`` from the read sums, one ``[B*T, d]`` sum less per layer.
+in :meth:`Accumulator.begin_batch` and shared by all layers: the (query, key <= query) pairs of the tracked queries
+(the order of :func:`mfpipe.stats.buckets.causal_pairs`, in groups of at most ``PAIR_CHUNK`` pairs) with each
+pair's *compact cell* (its rank among the group's distinct ``(s, t)`` cells, found without sorting), and the
+batch's distinct buckets with each position's rank among them. Per layer, the kernel is summed per compact cell in
+float32 into the batch's ``[U, L*H]`` sums, which :meth:`Accumulator.end_batch` adds once into the kernel sum, held
+cell-major and layer-minor ``[N*K, L*H]`` (one run of L*H contiguous floats per cell and batch, not one per layer:
+the forward evicts the sum between layers; above ``DEFERRED_SUMS_MAX`` bytes each layer is added as it comes); each
+per-position statistic is summed in float32 over the batch's buckets and added once into its float64 sum over the K
+buckets (the square around the batch's bucket mean, ``sum x² = M2 + S1²/n``, so E[x²] - c² never cancels in
+float32). The per-head values and, where no norm follows the output projection, the attention output are not summed
+per position: they are affine maps of the norm's output and of the reads, whose sums :meth:`Accumulator.sums` maps
+(:mod:`mfpipe.stats.derived`; the capture then does not read them).
 
 Two engines compute these sums (``engine=``). On CPU with numba installed (the default there, ``"native"``) each
 reduction is one compiled loop of :mod:`mfpipe.stats.native` instead of a few torch ops: the plan (model-free counts,
@@ -52,7 +35,8 @@ equal bit for bit (tests/test_stats_native.py); on the mini models the reducer's
 weights) and that form reproduces the module on a probe, the native engine sums the normalised rows ``z`` in its
 own loop and applies the affine to the bucket sums in float64 (``scale * sum z + n shift``) instead of calling the
 module and summing its output; ``ln_in_sum`` and the value sums made from it then agree with the torch engine's to
-float32 rounding, not bit for bit. ``"torch"`` (every device, GPUs included) is the form described above (:mod:`mfpipe.stats.torch_engine`). The counts
+float32 rounding, not bit for bit. ``"torch"`` (every device, GPUs included) runs torch ops
+(:mod:`mfpipe.stats.torch_engine`: gathers, ``scatter_add_`` / ``index_add_``). The counts
 ``nbar``, ``C`` and ``cooc`` of a cell are kept side by side (one [N*K, 3] tensor): a batch adds into a few
 thousand scattered cells of it, one cache miss per cell instead of three.
 
@@ -105,7 +89,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import native
+from . import derived, native
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
 from .torch_engine import TorchEngine
@@ -176,22 +160,15 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             raise ValueError("value_weights maps the attention-input norm's sums to value sums: pass attn_input_norm too")
         self.value_weights = value_weights
         if value_weights is not None:  # a wrong layout fails here, not after a shard's forward passes
-            w, b = value_weights(0)
-            if tuple(w.shape) != (self.H, self.d, self.dh) or (b is not None and tuple(b.shape) != (self.H, self.dh)):
-                raise StatsError(
-                    f"value_weights(0) gives W {tuple(w.shape)} and b {None if b is None else tuple(b.shape)}, expected "
-                    f"W {(self.H, self.d, self.dh)} and b {(self.H, self.dh)}: the adapter's value_weights does not "
-                    "match its layout (fused QKV weights need their own value_weights)")
+            derived.check_layout(value_weights, "value_weights", (self.H, self.d, self.dh), (self.H, self.dh),
+                                 "the adapter's value_weights does not match its layout (fused QKV weights need their "
+                                 "own value_weights)")
         # layer -> (W [H,dh,d], b [d] | None) or None, e.g. adapter.attn_out_weights: where attn_out is that affine map
         # of the reads (no norm after the output projection), its sums are that map of the read sums
         self.attn_out_weights = None
         if attn_out_weights is not None and attn_out_weights(0) is not None:
-            w, b = attn_out_weights(0)
-            if tuple(w.shape) != (self.H, self.dh, self.d) or (b is not None and tuple(b.shape) != (self.d,)):
-                raise StatsError(
-                    f"attn_out_weights(0) gives W {tuple(w.shape)} and b {None if b is None else tuple(b.shape)}, "
-                    f"expected W {(self.H, self.dh, self.d)} and b {(self.d,)}: the adapter's out_proj_slices / "
-                    "out_proj_bias do not match its layout")
+            derived.check_layout(attn_out_weights, "attn_out_weights", (self.H, self.dh, self.d), (self.d,),
+                                 "the adapter's out_proj_slices / out_proj_bias do not match its layout")
             self.attn_out_weights = attn_out_weights
         # the capture fields this reducer reads (Adapter.run's select): resid_mid is resid_in + attn_out, the values
         # are derived from the ln1(x) sums where value_weights is given, attn_out from the read sums where
@@ -396,34 +373,6 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._helper = None
 
     # ------------------------------------------------------------------ output
-    def _value_sums(self, ln_in: np.ndarray, key_count: np.ndarray) -> np.ndarray:
-        """[L,H,K,dh] float64 per-head value sums by bucket from the ln1(x) sums ``ln_in [L,K,d]``: per layer
-        ``(sum ln1(x)) W_h + n_t b_h`` (values are affine in ln1(x), see the module docstring)."""
-        L, H, K, dh = self.L, self.H, self.K, self.dh
-        out = np.empty((L, H, K, dh), dtype=np.float64)
-        for l in range(L):
-            w, b = self.value_weights(l)
-            w = w.detach().to("cpu", torch.float64).numpy()
-            if tuple(w.shape) != (H, self.d, dh):
-                raise StatsError(f"value_weights({l}) has shape {tuple(w.shape)}, expected {(H, self.d, dh)}")
-            np.matmul(ln_in[l], w, out=out[l])  # [K,d] @ [H,d,dh] -> [H,K,dh], through BLAS (einsum would not)
-            if b is not None:
-                out[l] += key_count[None, :, None] * b.detach().to("cpu", torch.float64).numpy()[:, None, :]
-        return out
-
-    def _attn_out_sums(self, reads: np.ndarray, key_count: np.ndarray) -> np.ndarray:
-        """[L,K,d] float64 attn_out sums by bucket from the read sums ``reads [L,K,H*dh]``: per layer
-        ``(sum reads) W + n_t b`` (attn_out is affine in the reads where :attr:`attn_out_weights` is given)."""
-        L, H, K, d, dh = self.L, self.H, self.K, self.d, self.dh
-        out = np.empty((L, K, d), dtype=np.float64)
-        for l in range(L):
-            w, b = self.attn_out_weights(l)
-            w = w.detach().to("cpu", torch.float64).numpy().reshape(H * dh, d)
-            np.matmul(reads[l], w, out=out[l])
-            if b is not None:
-                out[l] += key_count[:, None] * b.detach().to("cpu", torch.float64).numpy()[None, :]
-        return out
-
     def sums(self) -> dict[str, np.ndarray]:
         """Numpy sums (see the module docstring): ``P_sum`` float32, the other float sums float64, counts int64.
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
@@ -442,17 +391,19 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
 
         col = {name: np_(t) for name, t in self.pos.items()}  # views of the CPU accumulators, no copies
         resid = col["resid"]
-        attn_out = col["attn_out"] if "attn_out" in col else self._attn_out_sums(col["reads"], np_(self.key_count))
+        key_count = np_(self.key_count)
+        attn_out = col["attn_out"] if "attn_out" in col else derived.attn_out_sums(col["reads"], self.attn_out_weights,
+                                                                                   key_count)
         ln_in = col["ln_in"] if "ln_in" in col else np.full((L, K, d), np.nan)
         if "values" in col:
             value_sum = col["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3)
         else:
-            value_sum = self._value_sums(ln_in, np_(self.key_count))
+            value_sum = derived.value_sums(ln_in, self.value_weights, key_count, H, dh)
         return {
             "n_windows": np.asarray(self.n_windows, dtype=np.int64),
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
             "query_count": np_(self.query_count),
-            "key_count": np_(self.key_count),
+            "key_count": key_count,
             "position_count": np_(self.position_count),
             "context_count": np_(self.ctx).reshape(N, K),
             "cooc": np_(self.cooc).reshape(N, K),
