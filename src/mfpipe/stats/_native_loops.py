@@ -35,21 +35,23 @@ def prefetch(typingctx, arr, idx):
 @_jit
 def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, stamp, first,
                query_count, key_count, position_count, counts,
-               kinv, ub, ub_count, pinv, cells, slots, cell_n, cell_c, m_off, u_off):
+               kinv, ub, ub_count, pinv, cells, slots, cell_counts, m_off, u_off):
     """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts:
     ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and, per cell, ``counts`` [N*K(+1), 3]
     (contiguous int64: nbar, C, cooc side by side).
 
     ``cell_lut`` [N*K], ``bucket_lut`` [K] and ``rank_table`` [R] int32 are -1 on entry and left so (the rank
     table: the batch's [n_ub, n_ub] table where n_ub² <= R; only the slots a group used are reset, not the whole
-    table, which cost a cold 0.85 MB write per mini batch); ``stamp`` [K], ``first`` [T], ``slots``, ``cell_n`` and
-    ``cell_c`` (as ``cells``) int64 scratch.
+    table, which cost a cold 0.85 MB write per mini batch); ``stamp`` [K], ``first`` [T] and ``slots`` (as
+    ``cells``) int64 scratch.
     Outputs: ``kinv`` [B*T] int32 (each position's rank among the batch's buckets), ``ub`` / ``ub_count`` (the
     buckets in order of first appearance and their positions), per group of ``group`` windows ``c``: its pairs'
     compact cells ``pinv[m_off[c]:m_off[c+1]]`` (windows in order, each window's lower triangle row-major over
-    its tracked queries) and its distinct cells ``cells[u_off[c]:u_off[c+1]]``, with their pair counts and first-key
-    pair counts in ``cell_n`` / ``cell_c`` at the same places (nbar's and C's batch part: :func:`add_batch_sums`
-    adds them, with the kernel sums of the same cells). Returns the number of buckets.
+    its tracked queries) and its distinct cells ``cells[u_off[c]:u_off[c+1]]``, with, at the same rows of
+    ``cell_counts`` [>= U, 3] int32, their pairs, their first-key pairs and their pairs of a key 1..w before the
+    query (the batch's parts of nbar, C and the backward half of cooc: :func:`add_batch_sums` adds them, with the
+    kernel sums of the same cells; the forward half of cooc, keys after the query, is added into ``counts`` here).
+    Returns the number of buckets.
     """
     B, T = kb.shape
     n_ub = 0
@@ -72,11 +74,12 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                 same = same and s == t
                 query_count[s] += 1
                 position_count[j] += 1
-                for o in range(1, cooc_window + 1):  # ±w co-occurrence, excluding the query itself
+                # ±w co-occurrence, excluding the query itself: the keys after it here; the keys before it are
+                # pairs of the query's causal prefix, counted per compact cell below (cache-resident there: every
+                # increment here is a cache miss in the [N*K, 3] counts)
+                for o in range(1, cooc_window + 1):
                     if j + o < T:
-                        counts[s * K + kb[b, j + o], 2] += 1  # cooc
-                    if j - o >= 0:
-                        counts[s * K + kb[b, j - o], 2] += 1
+                        counts[s * K + kb[b, j + o], 2] += 1
     for u in range(n_ub):
         bucket_lut[ub[u]] = -1
     for t in range(K):
@@ -116,14 +119,17 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                         lut[slot] = r
                         cells[u0 + r] = row + kb[b, k]
                         slots[r] = slot
-                        cell_n[u0 + r] = 0
-                        cell_c[u0 + r] = 0
+                        cell_counts[u0 + r, 0] = 0
+                        cell_counts[u0 + r, 1] = 0
+                        cell_counts[u0 + r, 2] = 0
                         n_u += 1
                     pinv[m] = r
                     m += 1
-                    # counted per compact cell (cache-resident); add_batch_sums adds them into nbar / C
-                    cell_n[u0 + r] += 1
-                    cell_c[u0 + r] += first[k]
+                    # counted per compact cell (cache-resident); add_batch_sums adds them into nbar / C / cooc
+                    cell_counts[u0 + r, 0] += 1
+                    cell_counts[u0 + r, 1] += first[k]
+                    if j - k <= cooc_window and k < j:
+                        cell_counts[u0 + r, 2] += 1
         m_off[c + 1] = m
         u_off[c + 1] = u0 + n_u
         for r in range(n_u):
@@ -212,11 +218,11 @@ def zero_rows(a, n):
             a[r, c] = 0
 
 @_jit
-def add_batch_sums(P, counts, cells, sums, cell_n, cell_c):
-    """The batch's cells ``cells`` [U], one pass: their pair counts ``cell_n`` / ``cell_c`` into nbar / C of
-    ``counts`` [N*K(+1), 3] and, where ``sums`` [U, L*H] has rows, their kernel sums into the rows of ``P`` (float32,
-    contiguous). Both rows of a cell are asked for ahead: after the forward neither is in the cache, and one pass
-    keeps the two misses of a cell in flight together."""
+def add_batch_sums(P, counts, cells, sums, cell_counts):
+    """The batch's cells ``cells`` [U], one pass: their counts ``cell_counts`` [U, 3] (see :func:`plan_batch`) into
+    nbar / C / cooc of ``counts`` [N*K(+1), 3] and, where ``sums`` [U, L*H] has rows, their kernel sums into the rows
+    of ``P`` (float32, contiguous). Both rows of a cell are asked for ahead: after the forward neither is in the
+    cache, and one pass keeps the two misses of a cell in flight together."""
     n, width = cells.shape[0], P.shape[1]
     with_sums = sums.shape[0] > 0
     for r in range(n):
@@ -226,8 +232,9 @@ def add_batch_sums(P, counts, cells, sums, cell_n, cell_c):
             if with_sums:
                 prefetch(P, ahead * width)
         row = cells[r]
-        counts[row, 0] += cell_n[r]  # nbar
-        counts[row, 1] += cell_c[r]  # C
+        counts[row, 0] += cell_counts[r, 0]  # nbar
+        counts[row, 1] += cell_counts[r, 1]  # C
+        counts[row, 2] += cell_counts[r, 2]  # cooc, keys before the query
         if with_sums:
             for c in range(sums.shape[1]):
                 P[row, c] += sums[r, c]

@@ -75,8 +75,9 @@ class NativeEngine:
                        **{name: t.numpy() for name, t in acc.pos.items()},
                        **{name: getattr(acc, name).numpy() for name in ("query_count", "key_count", "position_count")}}
 
-    def _buf(self, scratch, name, n, dtype=None):
-        return scratch.get(name, n, dtype or self._torch.int64).numpy()
+    @staticmethod
+    def _buf(scratch, name, n, dtype=np.int64):
+        return scratch.array(name, n, dtype)
 
     def _rank_table(self, n: int) -> np.ndarray:
         if self.rank_table.shape[0] != n:
@@ -88,35 +89,34 @@ class NativeEngine:
         ``group`` windows per pair chunk; the batch sums ``[U, L*H]`` are kept for one add at the end of the batch
         where they take at most ``deferred_max`` bytes (else each layer adds into P at once)."""
         self.flush_counts()  # a batch planned but not ended: its counts, before this plan reuses their buffers
-        torch, i32 = self._torch, self._torch.int32
+        torch, i32 = self._torch, np.int32
         kb = np.ascontiguousarray(torch.as_tensor(kb).cpu().numpy(), dtype=np.int64)
         qt = np.ascontiguousarray(torch.as_tensor(qt).cpu().numpy(), dtype=np.int64)
         B, T = kb.shape
         K, LH = self.K, self.LH
         n_chunks, n_pairs = -(-B // group), B * T * (T + 1) // 2
 
-        def buf(name, n, dtype=None):
+        def buf(name, n, dtype=np.int64):
             return self._buf(scratch, name, n, dtype)
 
         kinv, ub, ub_count = buf("kinv", B * T, i32), buf("ub", min(B * T, K)), buf("ub_count", min(B * T, K))
         pinv, cells = buf("pinv", n_pairs, i32), buf("cells", n_pairs)
-        cell_n, cell_c = buf("cell_n", n_pairs), buf("cell_c", n_pairs)
+        cell_counts = buf("cell_counts", 3 * n_pairs, i32).reshape(n_pairs, 3)
         m_off, u_off = buf("m_off", n_chunks + 1), buf("u_off", n_chunks + 1)
         a = self.arrays
         n_ub = self.loops.plan_batch(
             kb, qt, K, group, self.cooc_window, self.cell_lut, self._rank_table(rank_table_max),
             self.bucket_lut, buf("stamp", K), buf("first", T),
             a["query_count"], a["key_count"], a["position_count"], a["counts"],
-            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), cell_n, cell_c,
-            m_off, u_off)
+            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), cell_counts, m_off, u_off)
         n_cells = int(u_off[n_chunks])
         deferred = 4 * LH * n_cells <= deferred_max
-        sums = buf("sums0", n_cells * LH if deferred else 0, torch.float32).reshape(-1, LH)
+        sums = buf("sums0", n_cells * LH if deferred else 0, np.float32).reshape(-1, LH)
         plan = dict(qt=qt, group=group, pinv=pinv, cells=cells[:n_cells], m_off=m_off, u_off=u_off, sums=sums,
                     n_ub=n_ub, max_u=int(np.max(np.diff(u_off))) if n_chunks else 0,
                     count32=ub_count[:n_ub].astype(np.float32), count64=ub_count[:n_ub].astype(np.float64),
-                    kinv=torch.from_numpy(kinv), ub=torch.from_numpy(ub[:n_ub]),
-                    cell_n=cell_n[:n_cells], cell_c=cell_c[:n_cells])
+                    kinv=kinv, ub=ub[:n_ub], kinv_t=torch.from_numpy(kinv), ub_t=torch.from_numpy(ub[:n_ub]),
+                    cell_counts=cell_counts[:n_cells])
         self._pending = plan
         return plan
 
@@ -126,7 +126,7 @@ class NativeEngine:
         if not len(heads):  # the helper's half of a one-head layer
             return
         H, width = p4.shape[1], min(len(heads), self.loops.HEAD_BLOCKS[0])
-        kbuf = self._buf(scratch, "kbuf", plan["max_u"] * width, self._torch.float32).reshape(-1, width)
+        kbuf = self._buf(scratch, "kbuf", plan["max_u"] * width, np.float32).reshape(-1, width)
         self.loops.kernel_heads(p4, plan["qt"], heads.start, heads.stop, plan["group"], plan["pinv"], plan["cells"],
                                 plan["m_off"], plan["u_off"], kbuf, plan["sums"], l * H, self.arrays["P"])
 
@@ -134,11 +134,11 @@ class NativeEngine:
         """Rows ``x`` [B*T, c] (float32) summed by bucket into ``acc`` [K, c] (float64), their squares into
         ``acc_sq`` where given: the additions of the torch form (``Accumulator._position_sums`` / ``_square_sum``)."""
         n_u, c = plan["n_ub"], x.shape[1]
-        kinv, ub = plan["kinv"].numpy(), plan["ub"].numpy()
-        part = self._buf(scratch, "posu", n_u * c, self._torch.float32).reshape(n_u, c)
+        kinv, ub = plan["kinv"], plan["ub"]
+        part = self._buf(scratch, "posu", n_u * c, np.float32).reshape(n_u, c)
         self.loops.bucket_sums(x, kinv, n_u, part)
         if acc_sq is not None:
-            m2 = self._buf(scratch, "m2", n_u * c, self._torch.float32).reshape(n_u, c)
+            m2 = self._buf(scratch, "m2", n_u * c, np.float32).reshape(n_u, c)
             self.loops.add_square_sums(acc_sq, x, kinv, ub, part, plan["count32"], plan["count64"], n_u, m2)
         self.loops.add_bucket_sums(acc, ub, part, n_u)
 
@@ -148,15 +148,15 @@ class NativeEngine:
         :func:`checked_norm_forms`)."""
         kind, eps, scale, shift = form
         n_u, c = plan["n_ub"], x.shape[1]
-        part = self._buf(scratch, "posu", n_u * c, self._torch.float32).reshape(n_u, c)
-        self.loops.bucket_norm_sums(x, plan["kinv"].numpy(), n_u, part, kind, eps)
-        self.loops.add_affine_bucket_sums(acc, plan["ub"].numpy(), part, n_u, scale, shift, plan["count64"])
+        part = self._buf(scratch, "posu", n_u * c, np.float32).reshape(n_u, c)
+        self.loops.bucket_norm_sums(x, plan["kinv"], n_u, part, kind, eps)
+        self.loops.add_affine_bucket_sums(acc, plan["ub"], part, n_u, scale, shift, plan["count64"])
 
     def end_batch(self, plan: dict) -> None:
         """The batch's nbar / C parts and its kernel sums (where kept, see :meth:`plan`) into their cells, in one
         pass over them (``add_batch_sums``)."""
         a = self.arrays
-        self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"], plan["cell_n"], plan["cell_c"])
+        self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"], plan["cell_counts"])
         self._pending = None
 
     def flush_counts(self) -> None:
@@ -165,8 +165,7 @@ class NativeEngine:
         plan, self._pending = self._pending, None
         if plan is not None:
             a = self.arrays
-            self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"][:0], plan["cell_n"],
-                                      plan["cell_c"])
+            self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"][:0], plan["cell_counts"])
 
 
 NORM_KINDS = {"layer": 0, "rms": 1, "identity": 2}

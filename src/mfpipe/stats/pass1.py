@@ -241,7 +241,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         with self._threads():
             if self._native is not None:
                 self._plan = self._native.plan(kb, qt, group, RANK_TABLE_MAX, DEFERRED_SUMS_MAX, self._scratch)
-                self._kinv, self._ub = self._plan["kinv"], self._plan["ub"]
+                self._kinv, self._ub = self._plan["kinv_t"], self._plan["ub_t"]
             else:
                 self._kinv, self._ub = self._torch.plan(kb, qt, group, DEFERRED_SUMS_MAX, self._scratch)
 

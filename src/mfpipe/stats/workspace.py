@@ -7,6 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 
@@ -18,12 +19,22 @@ class Scratch:
     def __init__(self, device: torch.device):
         self.device = device
         self._bufs: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, np.ndarray] = {}
 
     def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < n:
             buf = torch.empty(max(int(n), 1), dtype=dtype, device=self.device)
             self._bufs[name] = buf
+        return buf[:n]
+
+    def array(self, name: str, n: int, dtype) -> np.ndarray:
+        """As :meth:`get`, a numpy array in host memory (the compiled loops' buffers: no tensor is made and converted
+        per call)."""
+        buf = self._arrays.get(name)
+        if buf is None or buf.dtype != dtype or buf.shape[0] < n:
+            buf = np.empty(max(int(n), 1), dtype=dtype)
+            self._arrays[name] = buf
         return buf[:n]
 
 
