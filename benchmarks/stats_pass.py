@@ -199,24 +199,28 @@ def main(argv=None) -> None:
                          "on CPU with >= 2 torch threads, as in the workflow)")
     ap.add_argument("--engine", choices=("auto", "native", "torch"), default="auto",
                     help="pass 1's engine (Accumulator(engine=)): compiled loops on CPU (native, the default there) or torch ops")
+    ap.add_argument("--job-rss", action="store_true",
+                    help="also measure peak RSS as the workflow's jobs see it: the bare forward over these batches and "
+                         "the stats job over them (mfpipe.stats.shards.accumulate_shard, sums() and, unless "
+                         "--no-partial, the partial's write), each alone in a fresh process (the in-process peak above "
+                         "follows bare, capture and stats forms that share one heap)")
     ap.add_argument("--merge-only", nargs="+", default=None, help=argparse.SUPPRESS)  # the --merge child process
+    ap.add_argument("--rss-job", choices=("bare", "stats"), default=None, help=argparse.SUPPRESS)  # --job-rss child
     args = ap.parse_args(argv)
     if args.merge_only:
         return merge_only(args.merge_only)
+    if args.rss_job:
+        return rss_job(args)
+    if args.shard and args.full_shard_windows:
+        ap.error("--full-shard-windows samples Zipf windows over the benchmark's own vocabulary ranking: leave out --shard")
     from mfpipe.stats.buckets import bucket_luts, window_buckets
     from mfpipe.stats.pass1 import HELPER_MIN_PROBS, Accumulator
 
     dev, model, adapter, V, bos = setup_model(args)
-    B, T, nb = args.batch_size, args.context_length, args.batches + 1
-    if args.shard:
-        toks = np.load(args.shard)["tokens"][: nb * B]
-        if toks.shape[0] < nb * B:
-            sys.exit(f"--shard has {toks.shape[0]} windows, need {nb * B}")
-        T = toks.shape[1]
-        bos = int(toks[0, 0])
-    else:
-        toks, perm = zipf_windows(V, nb * B, T, bos)
-    tracked = benchmark_tracked(toks, V, bos, args.n_tracked, None if args.shard else perm)
+    B, nb = args.batch_size, args.batches + 1
+    toks, tracked, perm = benchmark_batches(args, V, bos)
+    T = toks.shape[1]
+    bos = int(toks[0, 0]) if args.shard else bos
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
     cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
@@ -304,6 +308,8 @@ def main(argv=None) -> None:
           "goal <= +1536)")
     if dev.type == "cuda":
         print(f"CUDA peak: bare forward {cuda_bare:.0f} MiB, stats pass {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+    if args.job_rss:
+        print_job_rss(argv if argv is not None else sys.argv[1:])
     import shutil
     import tempfile
 
@@ -392,6 +398,67 @@ def instrument(acc) -> dict:
     acc.on_final = timed(acc.on_final, "final", wall=True)
     acc.end_batch = timed(acc.end_batch, "flush", wall=True)
     return stages
+
+
+def benchmark_batches(args, V: int, bos: int):
+    """(windows [n, T], tracked set, perm or None) of the benchmark: ``--batches`` + 1 batches from ``--shard`` or
+    Zipf tokens (the same in every process: the generator is seeded)."""
+    nb = args.batches + 1
+    if args.shard:
+        toks = np.load(args.shard)["tokens"][: nb * args.batch_size]
+        if toks.shape[0] < nb * args.batch_size:
+            sys.exit(f"--shard has {toks.shape[0]} windows, need {nb * args.batch_size}")
+        perm = None
+    else:
+        toks, perm = zipf_windows(V, nb * args.batch_size, args.context_length, bos)
+    bos = int(toks[0, 0]) if args.shard else bos
+    return toks, benchmark_tracked(toks, V, bos, args.n_tracked, perm), perm
+
+
+def rss_job(args) -> None:
+    """The --job-rss child: one form alone in this process, as a workflow job runs it; prints its peak RSS."""
+    import shutil
+    import tempfile
+
+    dev, model, adapter, V, bos = setup_model(args)
+    toks, tracked, _ = benchmark_batches(args, V, bos)
+    if args.rss_job == "bare":
+        with torch.no_grad():
+            for i in range(0, toks.shape[0], args.batch_size):
+                model.base_model(torch.as_tensor(toks[i : i + args.batch_size].astype(np.int64), device=dev),
+                                 use_cache=False)
+    else:
+        from mfpipe.stats.partials import save_partial
+        from mfpipe.stats.shards import accumulate_shard
+
+        sums = accumulate_shard(model, adapter, toks, tracked, batch_size=args.batch_size, device=dev, progress=False)
+        if not args.no_partial:
+            tmp = tempfile.mkdtemp(prefix="stats-bench-job-")
+            try:
+                save_partial(Path(tmp) / "shard-0.zarr", sums, {"benchmark": True}, mantissa_bits=args.mantissa_bits)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    print(f"peak_rss_mb={peak_rss_mb():.1f}")
+
+
+def print_job_rss(argv: list[str]) -> None:
+    """Run the bare forward and the stats job each in a fresh process (:func:`rss_job`) and print their peak RSS."""
+    import subprocess
+
+    keep = [a for a in argv if a not in ("--job-rss", "--breakdown")]
+    peaks = {}
+    for form in ("bare", "stats"):
+        out = subprocess.run([sys.executable, __file__, *keep, "--rss-job", form], check=False, capture_output=True,
+                             text=True)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("peak_rss_mb=")]
+        if out.returncode or not lines:
+            print(f"job peak RSS: the {form} process failed:\n{out.stderr[-3000:]}")
+            return
+        peaks[form] = float(lines[-1].split("=")[1])
+    what = "sums() and the partial's write" if "--no-partial" not in keep else "sums(), no partial"
+    print(f"job peak RSS, each form alone in a fresh process: bare forward {peaks['bare']:.0f} MiB, stats job "
+          f"(accumulate_shard, {what}) {peaks['stats']:.0f} MiB (+{peaks['stats'] - peaks['bare']:.0f} MiB, "
+          "goal <= +1536)")
 
 
 def merge_only(paths: list[str]) -> None:

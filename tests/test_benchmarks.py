@@ -3,6 +3,7 @@ ratios they print are measurements, see README)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ def test_stats_pass_benchmark_runs(engine, tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "stats_pass.py"), "--model", "mini-gpt2-random",
            "--n-tracked", "50", "--context-length", "16", "--batch-size", "4", "--batches", "2", "--breakdown",
            "--full-shard-windows", "8", "--shard-windows", "8", "--mantissa-bits", "11", "--engine", engine,
-           "--save-partial", str(tmp_path / "shard-0.zarr")]
+           "--save-partial", str(tmp_path / "shard-0.zarr"), *(["--job-rss"] if engine == "auto" else [])]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
@@ -29,3 +30,6 @@ def test_stats_pass_benchmark_runs(engine, tmp_path):
     expected = engine if engine != "auto" else ("native" if native.available() else "torch")
     assert f"pass 1 engine {expected}" in out
     assert (tmp_path / "shard-0.zarr").is_dir()
+    if engine == "auto":  # bare forward and stats job each in a fresh process, their peaks printed
+        assert re.search(r"job peak RSS, each form alone in a fresh process: bare forward \d+ MiB, stats job .* \d+ MiB "
+                         r"\(\+-?\d+ MiB", out), out[-2000:]
