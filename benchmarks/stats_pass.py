@@ -213,6 +213,8 @@ def main(argv=None) -> None:
         return rss_job(args)
     if args.shard and args.full_shard_windows:
         ap.error("--full-shard-windows samples Zipf windows over the benchmark's own vocabulary ranking: leave out --shard")
+    # the jobs run before this process builds its own model and sums (at N = 4000 they would sit in memory twice)
+    job_rss = job_rss_line(argv if argv is not None else sys.argv[1:]) if args.job_rss else None
     from mfpipe.stats.buckets import bucket_luts, window_buckets
     from mfpipe.stats.pass1 import HELPER_MIN_PROBS, Accumulator
 
@@ -308,8 +310,8 @@ def main(argv=None) -> None:
           "goal <= +1536)")
     if dev.type == "cuda":
         print(f"CUDA peak: bare forward {cuda_bare:.0f} MiB, stats pass {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
-    if args.job_rss:
-        print_job_rss(argv if argv is not None else sys.argv[1:])
+    if job_rss:
+        print(job_rss)
     import shutil
     import tempfile
 
@@ -429,9 +431,18 @@ def rss_job(args) -> None:
                                  use_cache=False)
     else:
         from mfpipe.stats.partials import save_partial
+        from mfpipe.stats.pass1 import Accumulator
         from mfpipe.stats.shards import accumulate_shard
 
-        sums = accumulate_shard(model, adapter, toks, tracked, batch_size=args.batch_size, device=dev, progress=False)
+        def reducer(adapter, n, T, device):  # the workflow's reducer, with this run's --engine / --helper
+            return Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=device,
+                               attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
+                               attn_input_norm_form=adapter.attn_input_norm_form,
+                               attn_out_weights=adapter.attn_out_weights,
+                               helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
+
+        sums = accumulate_shard(model, adapter, toks, tracked, batch_size=args.batch_size, device=dev, progress=False,
+                                reducer=reducer)
         if not args.no_partial:
             tmp = tempfile.mkdtemp(prefix="stats-bench-job-")
             try:
@@ -441,8 +452,9 @@ def rss_job(args) -> None:
     print(f"peak_rss_mb={peak_rss_mb():.1f}")
 
 
-def print_job_rss(argv: list[str]) -> None:
-    """Run the bare forward and the stats job each in a fresh process (:func:`rss_job`) and print their peak RSS."""
+def job_rss_line(argv: list[str]) -> str:
+    """Run the bare forward and the stats job each in a fresh process (:func:`rss_job`); the line with their peak
+    RSS."""
     import subprocess
 
     keep = [a for a in argv if a not in ("--job-rss", "--breakdown")]
@@ -452,13 +464,12 @@ def print_job_rss(argv: list[str]) -> None:
                              text=True)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith("peak_rss_mb=")]
         if out.returncode or not lines:
-            print(f"job peak RSS: the {form} process failed:\n{out.stderr[-3000:]}")
-            return
+            return f"job peak RSS: the {form} process failed (exit {out.returncode}):\n{out.stderr[-3000:]}"
         peaks[form] = float(lines[-1].split("=")[1])
     what = "sums() and the partial's write" if "--no-partial" not in keep else "sums(), no partial"
-    print(f"job peak RSS, each form alone in a fresh process: bare forward {peaks['bare']:.0f} MiB, stats job "
-          f"(accumulate_shard, {what}) {peaks['stats']:.0f} MiB (+{peaks['stats'] - peaks['bare']:.0f} MiB, "
-          "goal <= +1536)")
+    return (f"job peak RSS, each form alone in a fresh process: bare forward {peaks['bare']:.0f} MiB, stats job "
+            f"(accumulate_shard, {what}) {peaks['stats']:.0f} MiB (+{peaks['stats'] - peaks['bare']:.0f} MiB, "
+            "goal <= +1536)")
 
 
 def merge_only(paths: list[str]) -> None:

@@ -168,3 +168,27 @@ def test_counts_of_batches_that_never_end_reach_the_sums():
     for k in ("nbar_sum", "context_count", "cooc", "query_count", "key_count", "position_count"):
         assert got["torch"][k].any(), k
         assert np.array_equal(got["torch"][k], got["native"][k]), k
+
+
+def test_sums_taken_before_a_batch_ends_do_not_count_it_twice():
+    """sums() adds the counts of a batch that is begun and not ended (flush_counts); when that batch then ends, its
+    end_batch adds only its kernel sums: the final counts equal the torch engine's, which adds them at begin_batch."""
+    from mfpipe.stats.buckets import window_buckets
+
+    model = make_tiny_model("gpt2", seed=3)
+    adapter = get_adapter(model)
+    tokens = zipf_windows(4, T=20, seed=6)
+    tracked = tracked_for(tokens)
+    kb, qt = window_buckets(tokens, tracked.key_bucket_lut(), tracked.query_bucket_lut(), tracked.n)
+    got = {}
+    for engine in ("torch", "native"):
+        acc = pass1.Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 20,
+                                engine=engine)
+        acc.begin_batch(kb, qt)
+        acc.sums()  # mid-batch
+        adapter.run(tokens, select=acc.select, on_layer=acc.on_layer, on_final=acc.on_final)
+        acc.end_batch()
+        got[engine] = {k: np.array(v) for k, v in acc.sums().items()}
+    for k in ("nbar_sum", "context_count", "cooc", "P_sum"):
+        assert got["torch"][k].any(), k
+        assert np.array_equal(got["torch"][k], got["native"][k]), k

@@ -37,8 +37,9 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                query_count, key_count, position_count, counts,
                kinv, ub, ub_count, pinv, cells, slots, cell_counts, m_off, u_off):
     """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts:
-    ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and, per cell, ``counts`` [N*K(+1), 3]
-    (contiguous int64: nbar, C, cooc side by side).
+    ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and, per cell, the forward half of cooc into
+    ``counts`` [N*K(+1), 3] (contiguous int64: nbar, C, cooc side by side; the rest of a cell's counts goes to
+    ``cell_counts``, below).
 
     ``cell_lut`` [N*K], ``bucket_lut`` [K] and ``rank_table`` [R] int32 are -1 on entry and left so (the rank
     table: the batch's [n_ub, n_ub] table where n_ub² <= R; only the slots a group used are reset, not the whole
@@ -221,10 +222,12 @@ def zero_rows(a, n):
 def add_batch_sums(P, counts, cells, sums, cell_counts):
     """The batch's cells ``cells`` [U], one pass: their counts ``cell_counts`` [U, 3] (see :func:`plan_batch`) into
     nbar / C / cooc of ``counts`` [N*K(+1), 3] and, where ``sums`` [U, L*H] has rows, their kernel sums into the rows
-    of ``P`` (float32, contiguous). Both rows of a cell are asked for ahead: after the forward neither is in the
-    cache, and one pass keeps the two misses of a cell in flight together."""
+    of ``P`` (float32, contiguous); where ``cell_counts`` has no rows, the kernel sums alone. Both rows of a cell are
+    asked for ahead: after the forward neither is in the cache, and one pass keeps the two misses of a cell in flight
+    together."""
     n, width = cells.shape[0], P.shape[1]
     with_sums = sums.shape[0] > 0
+    with_counts = cell_counts.shape[0] > 0
     for r in range(n):
         if r + PREFETCH_AHEAD < n:
             ahead = cells[r + PREFETCH_AHEAD]
@@ -232,9 +235,10 @@ def add_batch_sums(P, counts, cells, sums, cell_counts):
             if with_sums:
                 prefetch(P, ahead * width)
         row = cells[r]
-        counts[row, 0] += cell_counts[r, 0]  # nbar
-        counts[row, 1] += cell_counts[r, 1]  # C
-        counts[row, 2] += cell_counts[r, 2]  # cooc, keys before the query
+        if with_counts:
+            counts[row, 0] += cell_counts[r, 0]  # nbar
+            counts[row, 1] += cell_counts[r, 1]  # C
+            counts[row, 2] += cell_counts[r, 2]  # cooc, keys before the query
         if with_sums:
             for c in range(sums.shape[1]):
                 P[row, c] += sums[r, c]

@@ -69,7 +69,7 @@ class NativeEngine:
         self.cell_lut = np.full(acc.N * acc.K, -1, dtype=np.int32)
         self.rank_table = np.full(0, -1, dtype=np.int32)  # sized by the first plan (-1 between batches, as cell_lut)
         self.bucket_lut = np.full(acc.K, -1, dtype=np.int32)
-        self._pending = None  # a planned batch whose nbar / C parts are not added yet (see end_batch)
+        self._pending = None  # a planned batch whose cell counts (nbar, C, cooc's backward half) are not added yet
         # views of the accumulator's CPU tensors: the loops add into them in place
         self.arrays = {"P": acc.P.numpy(), "counts": acc._counts.numpy(),
                        **{name: t.numpy() for name, t in acc.pos.items()},
@@ -153,15 +153,18 @@ class NativeEngine:
         self.loops.add_affine_bucket_sums(acc, plan["ub"], part, n_u, scale, shift, plan["count64"])
 
     def end_batch(self, plan: dict) -> None:
-        """The batch's nbar / C parts and its kernel sums (where kept, see :meth:`plan`) into their cells, in one
-        pass over them (``add_batch_sums``)."""
+        """The batch's cell counts (nbar, C, cooc's backward half) and its kernel sums (where kept, see :meth:`plan`)
+        into their cells, in one pass over them (``add_batch_sums``); the counts only if no :meth:`flush_counts`
+        added them already (``Accumulator.sums`` called before the batch ended)."""
         a = self.arrays
-        self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"], plan["cell_counts"])
+        counts = plan["cell_counts"] if self._pending is plan else plan["cell_counts"][:0]
+        self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"], counts)
         self._pending = None
 
     def flush_counts(self) -> None:
-        """The nbar / C parts of a batch that was planned but not ended (no kernel sums: its layers did not all come,
-        or only its model-free counts are wanted); called by the next plan and by ``Accumulator.sums``."""
+        """The cell counts (nbar, C, cooc's backward half) of a batch that was planned but not ended (no kernel sums:
+        its layers did not all come, or only its model-free counts are wanted); called by the next plan and by
+        ``Accumulator.sums``."""
         plan, self._pending = self._pending, None
         if plan is not None:
             a = self.arrays
