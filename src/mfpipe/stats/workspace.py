@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -87,15 +88,22 @@ def release_free_memory() -> bool:
     pages between live blocks). Pass 1's ``sums()`` calls it between the batches and the arrays it builds: where the
     job keeps freed memory (:func:`mfpipe.allocator.keep_freed_memory`), those arrays then reuse pages that are no
     longer resident instead of adding to the job's peak. Returns whether glibc released any (False off glibc)."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once per process (``ctypes.util.find_library`` runs ``ldconfig`` in a
+    subprocess: 7 ms a call, and a fork of a process that may hold many GB); None off glibc."""
     import ctypes
-    import ctypes.util
     import sys
 
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim  # the C library the process already has (musl has no malloc_trim)
     except (OSError, AttributeError):
-        return False
+        return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+    return trim
