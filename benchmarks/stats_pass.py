@@ -216,13 +216,12 @@ def main(argv=None) -> None:
     # the jobs run before this process builds its own model and sums (at N = 4000 they would sit in memory twice)
     job_rss = job_rss_line(argv if argv is not None else sys.argv[1:]) if args.job_rss else None
     from mfpipe.stats.buckets import bucket_luts, window_buckets
-    from mfpipe.stats.pass1 import HELPER_MIN_PROBS, Accumulator
+    from mfpipe.stats.pass1 import HELPER_MIN_PROBS
 
     dev, model, adapter, V, bos = setup_model(args)
     B, nb = args.batch_size, args.batches + 1
-    toks, tracked, perm = benchmark_batches(args, V, bos)
+    toks, tracked, perm, bos = benchmark_batches(args, V, bos)
     T = toks.shape[1]
-    bos = int(toks[0, 0]) if args.shard else bos
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
     cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
@@ -250,10 +249,7 @@ def main(argv=None) -> None:
         cuda_bare = torch.cuda.max_memory_allocated() / 2**20
         torch.cuda.reset_peak_memory_stats()
 
-    acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=dev,
-                      attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
-                      attn_input_norm_form=adapter.attn_input_norm_form, attn_out_weights=adapter.attn_out_weights,
-                      helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
+    acc = make_accumulator(args, adapter, n, T, dev)
     tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views counted once
                 for t in tensors if isinstance(t, torch.Tensor)}
@@ -402,9 +398,19 @@ def instrument(acc) -> dict:
     return stages
 
 
+def make_accumulator(args, adapter, n: int, T: int, device):
+    """Pass 1's reducer as the workflow builds it for ``adapter``, with this run's ``--engine`` / ``--helper``."""
+    from mfpipe.stats.pass1 import Accumulator
+
+    return Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=device,
+                       attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
+                       attn_input_norm_form=adapter.attn_input_norm_form, attn_out_weights=adapter.attn_out_weights,
+                       helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
+
+
 def benchmark_batches(args, V: int, bos: int):
-    """(windows [n, T], tracked set, perm or None) of the benchmark: ``--batches`` + 1 batches from ``--shard`` or
-    Zipf tokens (the same in every process: the generator is seeded)."""
+    """(windows [n, T], tracked set, perm or None, BOS id) of the benchmark: ``--batches`` + 1 batches from
+    ``--shard`` (its BOS) or Zipf tokens (the same in every process: the generator is seeded)."""
     nb = args.batches + 1
     if args.shard:
         toks = np.load(args.shard)["tokens"][: nb * args.batch_size]
@@ -414,7 +420,7 @@ def benchmark_batches(args, V: int, bos: int):
     else:
         toks, perm = zipf_windows(V, nb * args.batch_size, args.context_length, bos)
     bos = int(toks[0, 0]) if args.shard else bos
-    return toks, benchmark_tracked(toks, V, bos, args.n_tracked, perm), perm
+    return toks, benchmark_tracked(toks, V, bos, args.n_tracked, perm), perm, bos
 
 
 def rss_job(args) -> None:
@@ -423,7 +429,7 @@ def rss_job(args) -> None:
     import tempfile
 
     dev, model, adapter, V, bos = setup_model(args)
-    toks, tracked, _ = benchmark_batches(args, V, bos)
+    toks, tracked, _, _ = benchmark_batches(args, V, bos)
     if args.rss_job == "bare":
         with torch.no_grad():
             for i in range(0, toks.shape[0], args.batch_size):
@@ -431,18 +437,10 @@ def rss_job(args) -> None:
                                  use_cache=False)
     else:
         from mfpipe.stats.partials import save_partial
-        from mfpipe.stats.pass1 import Accumulator
         from mfpipe.stats.shards import accumulate_shard
 
-        def reducer(adapter, n, T, device):  # the workflow's reducer, with this run's --engine / --helper
-            return Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=device,
-                               attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
-                               attn_input_norm_form=adapter.attn_input_norm_form,
-                               attn_out_weights=adapter.attn_out_weights,
-                               helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
-
         sums = accumulate_shard(model, adapter, toks, tracked, batch_size=args.batch_size, device=dev, progress=False,
-                                reducer=reducer)
+                                reducer=lambda ad, n, T, device: make_accumulator(args, ad, n, T, device))
         if not args.no_partial:
             tmp = tempfile.mkdtemp(prefix="stats-bench-job-")
             try:

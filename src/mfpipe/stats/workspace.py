@@ -23,20 +23,22 @@ class Scratch:
         self._arrays: dict[str, np.ndarray] = {}
 
     def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._bufs.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < n:
-            buf = torch.empty(max(int(n), 1), dtype=dtype, device=self.device)
-            self._bufs[name] = buf
-        return buf[:n]
+        return _grown(self._bufs, name, n, dtype, lambda size: torch.empty(size, dtype=dtype, device=self.device))
 
     def array(self, name: str, n: int, dtype) -> np.ndarray:
         """As :meth:`get`, a numpy array in host memory (the compiled loops' buffers: no tensor is made and converted
         per call)."""
-        buf = self._arrays.get(name)
-        if buf is None or buf.dtype != dtype or buf.shape[0] < n:
-            buf = np.empty(max(int(n), 1), dtype=dtype)
-            self._arrays[name] = buf
-        return buf[:n]
+        return _grown(self._arrays, name, n, dtype, lambda size: np.empty(size, dtype=dtype))
+
+
+def _grown(store: dict, name: str, n: int, dtype, make):
+    """The first ``n`` elements of buffer ``name`` in ``store``, made anew (``make(size)``) where it is missing, of
+    another dtype or too small."""
+    buf = store.get(name)
+    if buf is None or buf.dtype != dtype or buf.shape[0] < n:
+        buf = make(max(int(n), 1))
+        store[name] = buf
+    return buf[:n]
 
 
 class HelperThread:
