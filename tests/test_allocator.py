@@ -88,3 +88,48 @@ def test_release_free_memory_hands_the_kept_memory_back():
     out = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True, check=True)
     dropped, released = out.stdout.split()
     assert released == "True" and float(dropped) > 150, out.stdout
+
+
+_HOLD = textwrap.dedent("""
+    import ctypes, sys
+    import numpy as np
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    if sys.argv[1] == "keep":
+        from mfpipe.allocator import keep_freed_memory
+        assert keep_freed_memory()
+    from mfpipe.stats.pass1 import Accumulator
+
+    def mapped_by_a_48_mib_block():
+        before = libc.mallinfo2().hblkhd
+        block = bytearray(48 << 20)
+        return libc.mallinfo2().hblkhd - before
+
+    acc = Accumulator(1, 1, 4, 4, 3, 4, device="cpu")
+    out = [mapped_by_a_48_mib_block()]
+    acc.begin_batch(np.zeros((1, 4), dtype=np.int64), np.zeros((1, 4), dtype=np.int64))
+    out += [acc._holding_heap, mapped_by_a_48_mib_block()]
+    acc.sums()
+    out += [acc._holding_heap, mapped_by_a_48_mib_block()]
+    print(*out)
+""")
+
+
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_pass1_holds_large_blocks_in_the_heap_from_its_batches_to_sums(mode):
+    """Where the job keeps freed memory, pass 1's batches get every block from the heap, also above glibc's largest
+    mmap threshold of 32 MiB (48 MiB: a GPT-2-small attention tensor at batch 4 x 512, which else was mapped and
+    unmapped batch after batch); from sums() on, large blocks are mapped again (handed back when freed). Without the
+    kept-memory setting the process's allocator is left alone."""
+    out = subprocess.run([sys.executable, "-c", _HOLD, mode], capture_output=True, text=True, check=True)
+    before, holding, during, holding_after, after = out.stdout.split()
+    assert int(before) >= 48 << 20 and int(after) >= 48 << 20
+    assert holding_after == "False"
+    if mode == "keep":
+        assert holding == "True" and int(during) == 0
+    else:
+        assert holding == "False" and int(during) >= 48 << 20

@@ -93,7 +93,7 @@ from . import derived, native
 from .buckets import COOC_WINDOW, PAIR_CHUNK
 from .errors import StatsError
 from .torch_engine import TorchEngine
-from .workspace import HelperThread, Scratch, reducer_threads, release_free_memory
+from .workspace import HelperThread, Scratch, hold_heap_blocks, reducer_threads, release_free_memory
 
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
 # P at the end of the batch; above it (large models: L*H in the thousands) each layer is added as it comes
@@ -220,6 +220,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if self._native is not None and attn_input_norm is not None and attn_input_norm_form is not None:
             self._norm_forms = native.checked_norm_forms(attn_input_norm_form, attn_input_norm, self.L, self.d)
         self._plan = None  # native: the batch's plan (begin_batch)
+        self._holding_heap = False  # CPU: the C heap holds every block while batches run (workspace.hold_heap_blocks)
 
     def _threads(self):
         return reducer_threads(self.cpu_threads)
@@ -238,6 +239,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.n_windows += B
         self.n_tokens += B * T
         group = max(1, PAIR_CHUNK // (T * (T + 1) // 2))  # windows per pair chunk
+        if self.device.type == "cpu" and not self._holding_heap:  # the forward's blocks stay in the heap (to sums())
+            self._holding_heap = hold_heap_blocks(True)
         with self._threads():
             if self._native is not None:
                 self._plan = self._native.plan(kb, qt, group, RANK_TABLE_MAX, DEFERRED_SUMS_MAX, self._scratch)
@@ -384,6 +387,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._native.flush_counts()
         self._scratch, self._scratch_helper = Scratch(self.device), Scratch(self.device)
         if self.device.type == "cpu":
+            if self._holding_heap:  # the arrays built below are mapped again, and handed back when freed
+                self._holding_heap = not hold_heap_blocks(False)
             release_free_memory()
 
         def np_(t):
