@@ -12,11 +12,11 @@ heap's history, so a pass's speed also changed with what ran before it in the pr
 threshold already allowed at its highest), keeps up to 1 GiB free at the heap's top and grows the heap 64 MiB at a
 time. A smaller trim threshold did not hold a GPT-2-small forward's batch: 128 MiB left it at 475 k faults per batch,
 256 MiB at 23 k, 1 GiB at 0. The process's resident memory then stays near its peak between batches; the peak
-itself moves with the heap's layout. Other C libraries (musl, macOS) and torch's own allocators (CUDA) are left alone. Blocks above 32 MiB still come from the
-heap only while its top has room; pass 1 holds them in the heap for its batches on top of this setting
-(:func:`mfpipe.stats.workspace.hold_heap_blocks`: a GPT-2-small stats job's 48 MiB attention tensors were otherwise
-mapped afresh in one batch of every two or three), but not every job does: the merge, holding them throughout,
-peaked 330-430 MiB higher.
+itself moves with the heap's layout. Other C libraries (musl, macOS) and torch's own allocators (CUDA) are left alone.
+Blocks above 32 MiB still come from the heap only while its top has room; pass 1 holds them in the heap for its
+batches on top of this setting (:func:`mfpipe.stats.workspace.hold_heap_blocks`: a GPT-2-small stats job's 48 MiB
+attention tensors were otherwise mapped afresh in one batch of every two or three), but not every job does: the
+merge, holding them throughout, peaked 330-430 MiB higher.
 
 The workflow's job scripts call it first (workflow/scripts/_mfpipe_checkout.py), the benchmarks before any form
 they time. Kept memory is handed back where a pass ends and builds its results

@@ -91,8 +91,8 @@ def release_free_memory() -> bool:
     pages between live blocks). Pass 1's ``sums()`` calls it between the batches and the arrays it builds: where the
     job keeps freed memory (:func:`mfpipe.allocator.keep_freed_memory`), those arrays then reuse pages that are no
     longer resident instead of adding to the job's peak. Returns whether glibc released any (False off glibc)."""
-    trim = _malloc_trim()
-    return bool(trim(0)) if trim is not None else False
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 # glibc's mallopt parameter M_MMAP_MAX and its default (<malloc.h>, malloc.c DEFAULT_MMAP_MAX)
@@ -121,38 +121,24 @@ def hold_heap_blocks(hold: bool) -> bool:
     allocator = sys.modules.get("mfpipe.allocator")
     if getattr(allocator, "_applied", None) is not True:
         return False
-    mallopt = _mallopt()
-    return mallopt is not None and mallopt(_M_MMAP_MAX, 0 if hold else _GLIBC_MMAP_MAX) == 1
+    libc = _glibc()
+    return libc is not None and libc.mallopt(_M_MMAP_MAX, 0 if hold else _GLIBC_MMAP_MAX) == 1
 
 
 @lru_cache(maxsize=1)
-def _mallopt():
-    """glibc's ``mallopt``, looked up once per process (as :func:`_malloc_trim`); None off glibc."""
+def _glibc():
+    """This process's C library where it is glibc (``ctypes.CDLL(None)``: the library already loaded, no
+    ``ctypes.util.find_library``, which runs ``ldconfig`` in a subprocess: 7 ms a call, and a fork of a process that
+    may hold many GB), with ``mallopt`` and ``malloc_trim`` typed; looked up once per process. None off glibc."""
     import ctypes
 
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
-        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl has no such symbol, nor malloc_trim)
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     except (OSError, AttributeError):
         return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
-
-
-@lru_cache(maxsize=1)
-def _malloc_trim():
-    """glibc's ``malloc_trim``, looked up once per process (``ctypes.util.find_library`` runs ``ldconfig`` in a
-    subprocess: 7 ms a call, and a fork of a process that may hold many GB); None off glibc."""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the C library the process already has (musl has no malloc_trim)
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    return libc
