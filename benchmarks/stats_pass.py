@@ -405,6 +405,7 @@ def make_accumulator(args, adapter, n: int, T: int, device):
     return Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=device,
                        attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
                        attn_input_norm_form=adapter.attn_input_norm_form, attn_out_weights=adapter.attn_out_weights,
+                       mlp_out_from_resid=adapter.mlp_out_from_resid,
                        helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
 
 

@@ -229,7 +229,8 @@ def test_zero_query_types_are_nan(windows):
 
 def _derived_against_summed(model_type, without: str, approx: tuple[str, ...]):
     """(adapter, tracked set, selects seen) after comparing the default pass (every derivation its adapter allows)
-    with one that sums ``without`` (``"attn_out_weights"`` or ``"value_weights"``: that derivation left out) itself:
+    with one that sums ``without`` (``"attn_out_weights"``, ``"value_weights"`` or ``"mlp_out_from_resid"``: that
+    derivation left out) itself:
     the sums in ``approx`` equal to float32 rounding (and not vacuous), every other sum bit for bit."""
     from mfpipe.stats.pass1 import Accumulator
 
@@ -240,7 +241,8 @@ def _derived_against_summed(model_type, without: str, approx: tuple[str, ...]):
     seen = []
 
     def summing(ad, n, T, device):
-        derive = dict(value_weights=ad.value_weights, attn_out_weights=ad.attn_out_weights)
+        derive = dict(value_weights=ad.value_weights, attn_out_weights=ad.attn_out_weights,
+                      mlp_out_from_resid=ad.mlp_out_from_resid)
         del derive[without]
         acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
                           attn_input_norm=ad.attn_input_norm, attn_input_norm_form=ad.attn_input_norm_form, **derive)
@@ -270,7 +272,7 @@ def test_attn_out_sums_from_the_read_sums_equal_the_summed_attn_out(model_type):
 
     has_form = model_type not in ("gemma2", "olmo2")
     adapter, tracked, seen = _derived_against_summed(
-        model_type, "attn_out_weights", ("attn_out_sum", "resid_mid_sum") if has_form else ())
+        model_type, "attn_out_weights", ("attn_out_sum", "resid_mid_sum", "mlp_out_sum") if has_form else ())
     assert "attn_out" in seen[0]
     assert (adapter.attn_out_weights(0) is not None) == has_form
     acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
@@ -281,6 +283,23 @@ def test_attn_out_sums_from_the_read_sums_equal_the_summed_attn_out(model_type):
         with pytest.raises(StatsError, match=r"attn_out_weights\(0\) gives W .* do not match its layout"):
             Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
                         attn_out_weights=wrong)
+
+
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES)
+def test_mlp_out_sums_from_the_residual_sums_equal_the_summed_mlp_out(model_type):
+    """In a float32 model pass 1 derives the mlp_out sums from the residual and attn_out sums (a block adds attn_out +
+    mlp_out to the residual, sequential and parallel blocks alike) and does not read the MLP's output; summing the
+    captured mlp_out instead gives the same mlp_out sums (to float32 rounding at the residual's scale), every other
+    sum bit for bit. A model that is not float32 reads it."""
+    from mfpipe.stats.pass1 import Accumulator
+
+    adapter, tracked, seen = _derived_against_summed(model_type, "mlp_out_from_resid", ("mlp_out_sum",))
+    assert "mlp_out" in seen[0]
+    assert adapter.mlp_out_from_resid
+    acc = Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, tracked.n, 16,
+                      mlp_out_from_resid=True)
+    assert "mlp_out" not in acc.select and "mlp_out" not in acc.pos  # neither read nor accumulated
+    assert not get_adapter(make_tiny_model(model_type, seed=7).to(torch.bfloat16)).mlp_out_from_resid
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama"])

@@ -22,7 +22,15 @@ per-position statistic is summed in float32 over the batch's buckets and added o
 buckets (the square around the batch's bucket mean, ``sum x² = M2 + S1²/n``, so E[x²] - c² never cancels in
 float32). The per-head values and, where no norm follows the output projection, the attention output are not summed
 per position: they are affine maps of the norm's output and of the reads, whose sums :meth:`Accumulator.sums` maps
-(:mod:`mfpipe.stats.derived`; the capture then does not read them).
+(:mod:`mfpipe.stats.derived`; the capture then does not read them). Nor, in a float32 model
+(``mlp_out_from_resid``), is the MLP's output: a block adds ``attn_out + mlp_out`` to the residual, so the mlp_out sums
+are ``resid_sum[l+1] - resid_sum[l] - attn_out_sum``, and a layer is reduced when its attention has run, before its
+MLP (the mini models: 0.6 ms of a batch's ~5.5 ms over the bare forward). The difference carries the forward's
+rounding of the two residual additions, ``<= u (|resid_mid| + |resid_out|)`` per position and element (``u =
+2^-24``), and the float32 rounding of three batch sums at the residual's scale instead of one at mlp_out's (``<= m u
+sum |x|`` each over the ``m`` rows of a bucket in a batch, as for every per-position sum): far below the mean's own
+sampling spread (tests/test_stats_reference.py compares it with the captured mlp_out at the brute-force tolerance,
+1e-5 of its scale, on all six architectures).
 
 Two engines compute these sums (``engine=``). On CPU with numba installed (the default there, ``"native"``) each
 reduction is one compiled loop of :mod:`mfpipe.stats.native` instead of a few torch ops: the plan (model-free counts,
@@ -74,7 +82,8 @@ layers, ``H`` heads, ``d`` width, ``dh`` head width, ``T`` context length)::
                                                           before the last norm) and its square, by bucket
     attn_out_sum, resid_mid_sum,
     mlp_out_sum                         f64 [L,K,d]       attention / MLP branch outputs and post-attention
-                                                          residual by bucket (App. K MLP gap)
+                                                          residual by bucket (App. K MLP gap); with
+                                                          mlp_out_from_resid: resid_sum[l+1] - resid_mid_sum
     ln_in_sum                           f64 [L,K,d]       attention-input norm of the residual, ln1(x), by bucket
                                                           (App. D value-map Jensen gap); NaN without a norm fn
     value_sum                           f64 [L,H,K,dh]    per-head values by key bucket (-> mu_t); with
@@ -130,6 +139,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         engine: str = "auto",
         attn_input_norm_form: Callable[[int], object] | None = None,
         attn_out_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None] | None] | None = None,
+        mlp_out_from_resid: bool = False,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -170,10 +180,15 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             derived.check_layout(attn_out_weights, "attn_out_weights", (self.H, self.dh, self.d), (self.d,),
                                  "the adapter's out_proj_slices / out_proj_bias do not match its layout")
             self.attn_out_weights = attn_out_weights
+        # e.g. adapter.mlp_out_from_resid: the mlp_out sums are the residual sums' step through the block less the
+        # attn_out sums (resid_in[l+1] = resid_in + attn_out + mlp_out), so the capture does not read the MLP's output
+        # and a layer's tensors are reduced (and released) before its MLP runs
+        self.mlp_out_from_resid = bool(mlp_out_from_resid)
         # the capture fields this reducer reads (Adapter.run's select): resid_mid is resid_in + attn_out, the values
         # are derived from the ln1(x) sums where value_weights is given, attn_out from the read sums where
-        # attn_out_weights is
-        self.select = (("resid_in", "attn_probs", "reads", "mlp_out") + (("values",) if value_weights is None else ())
+        # attn_out_weights is, mlp_out from the residual sums where mlp_out_from_resid
+        self.select = (("resid_in", "attn_probs", "reads") + (("mlp_out",) if not self.mlp_out_from_resid else ())
+                       + (("values",) if value_weights is None else ())
                        + (("attn_out",) if self.attn_out_weights is None else ()))
         L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
         i64 = dict(dtype=torch.int64, device=dev)
@@ -182,6 +197,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self._cols = {"resid": d, "attn_out": d, "mlp_out": d}
         if self.attn_out_weights is not None:
             del self._cols["attn_out"]
+        if self.mlp_out_from_resid:
+            del self._cols["mlp_out"]
         if attn_input_norm is not None:
             self._cols["ln_in"] = d
         if value_weights is None:
@@ -292,8 +309,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if tuple(probs.shape) != (B, H, T, T):
             raise StatsError(f"layer {l}: attention probabilities have shape {tuple(probs.shape)}, expected {(B, H, T, T)}")
         parts = {"resid": cap.resid_in, "attn_out": cap.attn_out, "mlp_out": cap.mlp_out, "reads": cap.reads}
-        if "attn_out" not in self._cols:  # from the read sums (attn_out_weights)
-            del parts["attn_out"]
+        parts = {name: t for name, t in parts.items() if name in self._cols}  # the rest is derived in sums()
         if "values" in self._cols:
             parts["values"] = cap.values.permute(0, 2, 1, 3)
         ln_from = cap.resid_in if "ln_in" in self._cols else None
@@ -301,11 +317,12 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             self._kernel(l, probs)
             self._position_sums(l, parts, self._scratch, ln_from)
         else:
-            # the helper takes the second half of the heads, the residual (with its square) and the attention output
-            # (where it is summed, else the MLP output); this thread the first half and the rest, ln1(x) included (a
-            # module call where the norm has no form: it stays on the trace's thread)
+            # the helper takes the second half of the heads, the residual (with its square) and one branch output
+            # where one is summed (attn_out, else mlp_out); this thread the first half and the rest, ln1(x) included
+            # (a module call where the norm has no form: it stays on the trace's thread)
             pf, half = self._flat_probs(probs), (H + 1) // 2
-            there = {name: parts.pop(name) for name in ("resid", "attn_out" if "attn_out" in parts else "mlp_out")}
+            branch = next((name for name in ("attn_out", "mlp_out") if name in parts), None)
+            there = {name: parts.pop(name) for name in ("resid", branch) if name is not None}
             self._helper.both(
                 lambda: (self._kernel_heads(l, pf, range(half), self._scratch),
                          self._position_sums(l, parts, self._scratch, ln_from)),
@@ -418,7 +435,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "resid_sq_sum": col["resid_sq"],
             "attn_out_sum": attn_out,
             "resid_mid_sum": resid[:L] + attn_out,  # resid_mid = resid_in + attn_out (the adapter's definition)
-            "mlp_out_sum": col["mlp_out"],
+            "mlp_out_sum": col["mlp_out"] if "mlp_out" in col else resid[1:] - resid[:L] - attn_out,
             "ln_in_sum": ln_in,
             "value_sum": value_sum,
             "read_sum": col["reads"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),

@@ -77,6 +77,7 @@ def accumulate_shard(
             value_weights=getattr(adapter, "value_weights", None),
             attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
             attn_out_weights=getattr(adapter, "attn_out_weights", None),
+            mlp_out_from_resid=bool(getattr(adapter, "mlp_out_from_resid", False)),
         )
     else:
         acc = reducer(adapter, n, tokens.shape[1], device)

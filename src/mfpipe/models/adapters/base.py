@@ -260,6 +260,15 @@ class Adapter(TracedSite):
             return None
         return self.out_proj_slices(layer), self.out_proj_bias(layer)
 
+    @property
+    def mlp_out_from_resid(self) -> bool:
+        """Whether ``mlp_out`` is, to float32 rounding, what the residual stream gained in the block besides
+        ``attn_out``: ``mlp_out = resid_in[l+1] - resid_in[l] - attn_out`` (sequential and parallel blocks alike, the
+        convention above; ``resid_in[L]`` is the final residual). The statistics pass then derives its mlp_out sums
+        from its residual and attn_out sums and does not read the MLP's output. False for a model that is not float32:
+        its residual additions round to the model's dtype (bfloat16: 2^-9 of the residual, not of mlp_out)."""
+        return self.dtype == torch.float32
+
     @_no_grad
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm on the attention output before it joins the residual (identity where absent)."""
