@@ -192,3 +192,41 @@ def test_sums_taken_before_a_batch_ends_do_not_count_it_twice():
     for k in ("nbar_sum", "context_count", "cooc", "P_sum"):
         assert got["torch"][k].any(), k
         assert np.array_equal(got["torch"][k], got["native"][k]), k
+
+
+def test_deferred_cooc_half_equals_the_direct_count_whatever_the_order_of_batches():
+    """The native plan leaves cooc's forward half of tracked columns to one symmetrization when the sums are read
+    (a key of tracked type t after a type-s query is a type-t query with a key of bucket s before it, where a query's
+    type is its key bucket). A batch where that does not hold (a query type other than its key bucket) ends the
+    deferral mid-shard, and so does sums() taken between batches; the counts equal the torch engine's, which counts
+    both halves directly, in every order."""
+    from mfpipe.stats.buckets import window_buckets
+
+    tokens = zipf_windows(12, T=20, seed=12)
+    tracked = tracked_for(tokens)
+    n = tracked.n
+    kb, qt = window_buckets(tokens, tracked.key_bucket_lut(), tracked.query_bucket_lut(), n)
+    odd = qt.copy()  # queries of another type than their key bucket
+    odd[qt >= 0] = (qt[qt >= 0] + 1) % n
+    assert (odd != qt).any()
+    batches = {"same": [(kb[i : i + 3], qt[i : i + 3]) for i in range(0, 12, 3)]}
+    batches["odd after same"] = batches["same"][:2] + [(kb[6:9], odd[6:9])] + batches["same"][3:]
+    batches["odd first"] = [(kb[0:3], odd[0:3])] + batches["same"][1:]
+    for name, seq in batches.items():
+        for sums_between in (False, True):
+            got = {}
+            for engine in ("torch", "native"):
+                acc = pass1.Accumulator(1, 1, 4, 4, n, 20, engine=engine)
+                for i, (k, q) in enumerate(seq):
+                    acc.begin_batch(k, q)
+                    if sums_between and i == 1:
+                        acc.sums()
+                got[engine] = acc.sums()
+            assert got["torch"]["cooc"].any()
+            for k in ("cooc", "nbar_sum", "context_count"):
+                assert np.array_equal(got["torch"][k], got["native"][k]), (name, sums_between, k)
+    acc = pass1.Accumulator(1, 1, 4, 4, n, 20, engine="native")
+    acc.begin_batch(kb, qt)
+    assert acc._native.cooc_deferred[0] == 1  # window_buckets' batches defer it
+    acc.sums()
+    assert acc._native.cooc_deferred[0] == 0

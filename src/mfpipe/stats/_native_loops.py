@@ -33,13 +33,41 @@ def prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 @_jit
+def symmetrize_cooc(counts, N, K, other_after):
+    """``cooc[s, t] += cooc[t, s]`` at once for all tracked ``s, t < N`` (the diagonal doubled), in place in the
+    cooc column of ``counts`` [N*K(+1), 3], in tiles (a column's stride is a row of K cells), and ``other_after``
+    [N] (then zeroed) into the ``<other>`` column: where only the backward half of cooc was counted (keys 1..w
+    before a query), this adds the forward half (see :func:`plan_batch`)."""
+    for s in range(N):
+        counts[s * K + K - 1, 2] += other_after[s]
+        other_after[s] = 0
+    tile = 64
+    for s0 in range(0, N, tile):
+        for t0 in range(s0, N, tile):
+            for s in range(s0, min(N, s0 + tile)):
+                for t in range(max(t0, s), min(N, t0 + tile)):
+                    both = counts[s * K + t, 2] + counts[t * K + s, 2]
+                    counts[s * K + t, 2] = both
+                    counts[t * K + s, 2] = both
+
+
+@_jit
 def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, stamp, first,
                query_count, key_count, position_count, counts,
-               kinv, ub, ub_count, pinv, cells, slots, cell_counts, m_off, u_off):
+               kinv, ub, ub_count, pinv, cells, slots, cell_counts, m_off, u_off, cooc_deferred, other_after):
     """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts:
     ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and, per cell, the forward half of cooc into
     ``counts`` [N*K(+1), 3] (contiguous int64: nbar, C, cooc side by side; the rest of a cell's counts goes to
     ``cell_counts``, below).
+
+    The forward half of cooc (keys 1..w after a type-s query) of a tracked key bucket t is the backward half of
+    cooc[t, s]: a key of tracked type t after the query is itself a query, the earlier one a key of bucket s in its
+    prefix, wherever a tracked query's type is its key bucket (``same``, always for window_buckets' buckets). So
+    while ``cooc_deferred[0]`` is 1 a batch with ``same`` counts the forward half only for the ``<other>`` column,
+    into ``other_after`` [N] (the BOS never follows a query), and leaves the tracked columns to
+    :func:`symmetrize_cooc`, run once when the sums are read (``NativeEngine.flush_counts``): not ~8 k scattered
+    increments of the [N*K, 3] counts per mini batch, each a cache miss after the forward (0.2 of the plan's 1.1 ms). A batch without ``same`` symmetrizes what
+    was deferred, sets ``cooc_deferred[0]`` to 0 and counts the forward half directly, as do all batches after it.
 
     ``cell_lut`` [N*K], ``bucket_lut`` [K] and ``rank_table`` [R] int32 are -1 on entry and left so (the rank
     table: the batch's [n_ub, n_ub] table where n_ub² <= R; only the slots a group used are reset, not the whole
@@ -75,12 +103,24 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                 same = same and s == t
                 query_count[s] += 1
                 position_count[j] += 1
-                # ±w co-occurrence, excluding the query itself: the keys after it here; the keys before it are
-                # pairs of the query's causal prefix, counted per compact cell below (cache-resident there: every
-                # increment here is a cache miss in the [N*K, 3] counts)
+    # ±w co-occurrence, excluding the query itself: the keys after it here (all of them, or only <other> ones while
+    # the tracked ones are deferred, see above); the keys before it are pairs of the query's causal prefix, counted
+    # per compact cell below (cache-resident there: every increment here is a cache miss in the [N*K, 3] counts)
+    if cooc_deferred[0] == 1 and not same:
+        symmetrize_cooc(counts, K - 2, K, other_after)
+        cooc_deferred[0] = 0
+    deferred = cooc_deferred[0] == 1
+    for b in range(B):
+        for j in range(T):
+            s = qt[b, j]
+            if s >= 0:
                 for o in range(1, cooc_window + 1):
                     if j + o < T:
-                        counts[s * K + kb[b, j + o], 2] += 1
+                        t = kb[b, j + o]
+                        if not deferred:
+                            counts[s * K + t, 2] += 1
+                        elif t == K - 1:
+                            other_after[s] += 1
     for u in range(n_ub):
         bucket_lut[ub[u]] = -1
     for t in range(K):

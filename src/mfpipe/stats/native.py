@@ -70,6 +70,9 @@ class NativeEngine:
         self.rank_table = np.full(0, -1, dtype=np.int32)  # sized by the first plan (-1 between batches, as cell_lut)
         self.bucket_lut = np.full(acc.K, -1, dtype=np.int32)
         self._pending = None  # a planned batch whose cell counts (nbar, C, cooc's backward half) are not added yet
+        # 1 while the forward half of cooc's tracked columns is left to symmetrize_cooc (see plan_batch), 0 after
+        self.cooc_deferred = np.ones(1, dtype=np.int64)
+        self.other_after = np.zeros(acc.N, dtype=np.int64)  # meanwhile, <other> keys 1..w after a type-s query
         # views of the accumulator's CPU tensors: the loops add into them in place
         self.arrays = {"P": acc.P.numpy(), "counts": acc._counts.numpy(),
                        **{name: t.numpy() for name, t in acc.pos.items()},
@@ -108,7 +111,8 @@ class NativeEngine:
             kb, qt, K, group, self.cooc_window, self.cell_lut, self._rank_table(rank_table_max),
             self.bucket_lut, buf("stamp", K), buf("first", T),
             a["query_count"], a["key_count"], a["position_count"], a["counts"],
-            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), cell_counts, m_off, u_off)
+            kinv, ub, ub_count, pinv, cells, buf("slots", n_pairs), cell_counts, m_off, u_off, self.cooc_deferred,
+            self.other_after)
         n_cells = int(u_off[n_chunks])
         deferred = 4 * LH * n_cells <= deferred_max
         sums = buf("sums0", n_cells * LH if deferred else 0, np.float32).reshape(-1, LH)
@@ -161,14 +165,18 @@ class NativeEngine:
         self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"], counts)
         self._pending = None
 
-    def flush_counts(self) -> None:
+    def flush_counts(self, complete: bool = False) -> None:
         """The cell counts (nbar, C, cooc's backward half) of a batch that was planned but not ended (no kernel sums:
         its layers did not all come, or only its model-free counts are wanted); called by the next plan and by
-        ``Accumulator.sums``."""
+        ``Accumulator.sums``, which completes the counts (``complete``): the deferred forward half of cooc
+        (``symmetrize_cooc``; the batches after it count theirs directly)."""
         plan, self._pending = self._pending, None
+        a = self.arrays
         if plan is not None:
-            a = self.arrays
             self.loops.add_batch_sums(a["P"], a["counts"], plan["cells"], plan["sums"][:0], plan["cell_counts"])
+        if complete and self.cooc_deferred[0] == 1:
+            self.loops.symmetrize_cooc(a["counts"], self.K - 2, self.K, self.other_after)
+            self.cooc_deferred[0] = 0
 
 
 NORM_KINDS = {"layer": 0, "rms": 1, "identity": 2}

@@ -400,8 +400,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         L, H, N, K, d, dh = self.L, self.H, self.N, self.K, self.d, self.dh
         # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
         # for GPT-2 small at N = 1000), so they do not add up at the shard's end; a later batch grows them again
-        if self._native is not None:  # a batch begun and not ended: its model-free counts (NativeEngine.flush_counts)
-            self._native.flush_counts()
+        if self._native is not None:  # a batch begun and not ended: its model-free counts, and cooc's deferred half
+            self._native.flush_counts(complete=True)  # (NativeEngine.flush_counts)
         self._scratch, self._scratch_helper = Scratch(self.device), Scratch(self.device)
         if self.device.type == "cpu":
             if self._holding_heap:  # the arrays built below are mapped again, and handed back when freed
