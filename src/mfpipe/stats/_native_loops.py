@@ -271,7 +271,7 @@ def add_batch_sums(P, counts, cells, sums, cell_counts):
     for r in range(n):
         if r + PREFETCH_AHEAD < n:
             ahead = cells[r + PREFETCH_AHEAD]
-            prefetch(counts, ahead * 3)
+            prefetch(counts, ahead * counts.shape[1])
             if with_sums:
                 prefetch(P, ahead * width)
         row = cells[r]
