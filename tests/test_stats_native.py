@@ -28,7 +28,7 @@ def _sums(model, adapter, tokens, tracked, engine, helper=False, norm_form=True)
                                 attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights,
                                 helper_thread=helper, engine=engine,
                                 attn_input_norm_form=ad.attn_input_norm_form if norm_form else None,
-                                attn_out_weights=ad.attn_out_weights)
+                                attn_out_weights=ad.attn_out_weights, mlp_out_from_resid=ad.mlp_out_from_resid)
         assert (acc._norm_forms is not None) == (engine == "native" and norm_form)  # every tiny model has a form
         return acc
 
@@ -197,9 +197,9 @@ def test_sums_taken_before_a_batch_ends_do_not_count_it_twice():
 def test_deferred_cooc_half_equals_the_direct_count_whatever_the_order_of_batches():
     """The native plan leaves cooc's forward half of tracked columns to one symmetrization when the sums are read
     (a key of tracked type t after a type-s query is a type-t query with a key of bucket s before it, where a query's
-    type is its key bucket). A batch where that does not hold (a query type other than its key bucket) ends the
-    deferral mid-shard, and so does sums() taken between batches; the counts equal the torch engine's, which counts
-    both halves directly, in every order."""
+    type is its key bucket and every tracked key is a query). A batch where that does not hold (a query type other
+    than its key bucket, a tracked key that is not a query) ends the deferral mid-shard, and so does sums() taken
+    between batches; the counts equal the torch engine's, which counts both halves directly, in every order."""
     from mfpipe.stats.buckets import window_buckets
 
     tokens = zipf_windows(12, T=20, seed=12)
@@ -209,9 +209,13 @@ def test_deferred_cooc_half_equals_the_direct_count_whatever_the_order_of_batche
     odd = qt.copy()  # queries of another type than their key bucket
     odd[qt >= 0] = (qt[qt >= 0] + 1) % n
     assert (odd != qt).any()
+    unasked = qt.copy()  # tracked keys that are not queries (a tracked type that is not a query type)
+    unasked[qt == 0] = -1
+    assert (unasked != qt).any()
     batches = {"same": [(kb[i : i + 3], qt[i : i + 3]) for i in range(0, 12, 3)]}
     batches["odd after same"] = batches["same"][:2] + [(kb[6:9], odd[6:9])] + batches["same"][3:]
     batches["odd first"] = [(kb[0:3], odd[0:3])] + batches["same"][1:]
+    batches["unasked after same"] = batches["same"][:2] + [(kb[6:9], unasked[6:9])] + batches["same"][3:]
     for name, seq in batches.items():
         for sums_between in (False, True):
             got = {}

@@ -257,6 +257,7 @@ def _derived_against_summed(model_type, without: str, approx: tuple[str, ...]):
             scale = np.abs(summed[k]).max()
             assert scale > 1e-2  # not vacuous
             np.testing.assert_allclose(derived[k], summed[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+            assert not np.array_equal(derived[k], summed[k]), k  # another computation: the derivation ran
         else:
             assert np.array_equal(derived[k], summed[k], equal_nan=True), k
     return adapter, tracked, seen
@@ -340,35 +341,40 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
     tracked = tracked_for(tokens)
     made = []
 
-    def reducer(helper):
+    def reducer(helper, derive):
         def make(ad, n, T, device):
+            # derive: attn_out and mlp_out from the read and residual sums, as the workflow runs it (gpt2: the helper's
+            # half is then the residual alone)
+            more = dict(attn_out_weights=ad.attn_out_weights, mlp_out_from_resid=ad.mlp_out_from_resid) if derive else {}
             acc = Accumulator(ad.n_layers, ad.n_heads, ad.d_model, ad.d_head, n, T, device=device,
-                              attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights, helper_thread=helper)
+                              attn_input_norm=ad.attn_input_norm, value_weights=ad.value_weights, helper_thread=helper,
+                              **more)
             made.append(acc)
             return acc
         return make
 
-    def run(helper):
+    def run(helper, derive):
         return accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False,
-                                reducer=reducer(helper))
+                                reducer=reducer(helper, derive))
 
     monkeypatch.setattr(acc_mod, "HELPER_MIN_PROBS", 0)  # the tiny models' layers are far below it
     splits = []
     real_both = HelperThread.both
     monkeypatch.setattr(HelperThread, "both", lambda self, here, there: (splits.append(1), real_both(self, here, there)))
-    for chunked in (False, True):
+    for chunked, derive in ((False, False), (True, False), (False, True)):
         with monkeypatch.context() as mp:
             if chunked:
                 mp.setattr(acc_mod, "PAIR_CHUNK", 37)
                 mp.setattr(acc_mod, "DEFERRED_SUMS_MAX", 0)
-            one = run(False)
+            one = run(False, derive)
             assert not splits
-            two = run(True)
+            two = run(True, derive)
             assert len(splits) == 2 * model.config.num_hidden_layers  # every layer of both batches was split
             splits.clear()
         assert made[-2]._helper is None and made[-1]._helper is None  # the shard loop closed the helper
+        assert ("mlp_out" in made[-1].select) != derive
         for k in one:
-            assert np.array_equal(one[k], two[k], equal_nan=True), (chunked, k)
+            assert np.array_equal(one[k], two[k], equal_nan=True), (chunked, derive, k)
 
     def broken(self, l, parts, scratch, ln_from=None):
         if threading.current_thread().name.startswith("mfpipe-reducer"):  # the helper thread's half
@@ -378,7 +384,7 @@ def test_helper_thread_gives_the_same_sums_bit_for_bit(model_type, monkeypatch):
     real = Accumulator._position_sums
     monkeypatch.setattr(Accumulator, "_position_sums", broken)
     with pytest.raises(StatsError, match="helper half failed"):
-        run(True)
+        run(True, True)
 
 
 def test_kernel_reductions_agree(monkeypatch):

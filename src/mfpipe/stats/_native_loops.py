@@ -56,18 +56,20 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                query_count, key_count, position_count, counts,
                kinv, ub, ub_count, pinv, cells, slots, cell_counts, m_off, u_off, cooc_deferred, other_after):
     """Plan one batch (``kb``, ``qt`` int64 [B, T]; see the module docstring) and add its model-free counts:
-    ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and, per cell, the forward half of cooc into
-    ``counts`` [N*K(+1), 3] (contiguous int64: nbar, C, cooc side by side; the rest of a cell's counts goes to
-    ``cell_counts``, below).
+    ``query_count`` [N], ``key_count`` [K], ``position_count`` [T] and the forward half of cooc (keys after the
+    query): of the ``<other>`` column into ``other_after`` [N] while the tracked columns are deferred (below), of
+    every column into ``counts`` [N*K(+1), 3] once the deferral has ended (contiguous int64: nbar, C, cooc side by
+    side; the rest of a cell's counts goes to ``cell_counts``, below).
 
     The forward half of cooc (keys 1..w after a type-s query) of a tracked key bucket t is the backward half of
     cooc[t, s]: a key of tracked type t after the query is itself a query, the earlier one a key of bucket s in its
-    prefix, wherever a tracked query's type is its key bucket (``same``, always for window_buckets' buckets). So
-    while ``cooc_deferred[0]`` is 1 a batch with ``same`` counts the forward half only for the ``<other>`` column,
-    into ``other_after`` [N] (the BOS never follows a query), and leaves the tracked columns to
+    prefix, wherever every tracked key is a query of its own type (``mirror``, always for window_buckets' buckets of
+    a TrackedSet). So while ``cooc_deferred[0]`` is 1 a batch with ``mirror`` counts the forward half only for the
+    ``<other>`` column, into ``other_after`` [N] (the BOS never follows a query), and leaves the tracked columns to
     :func:`symmetrize_cooc`, run once when the sums are read (``NativeEngine.flush_counts``): not ~8 k scattered
-    increments of the [N*K, 3] counts per mini batch, each a cache miss after the forward (0.2 of the plan's 1.1 ms). A batch without ``same`` symmetrizes what
-    was deferred, sets ``cooc_deferred[0]`` to 0 and counts the forward half directly, as do all batches after it.
+    increments of the [N*K, 3] counts per mini batch, each a cache miss after the forward (0.2 of the plan's 1.1
+    ms). A batch without ``mirror`` symmetrizes what was deferred, sets ``cooc_deferred[0]`` to 0 and counts the
+    forward half directly, as do all batches after it.
 
     ``cell_lut`` [N*K], ``bucket_lut`` [K] and ``rank_table`` [R] int32 are -1 on entry and left so (the rank
     table: the batch's [n_ub, n_ub] table where n_ub² <= R; only the slots a group used are reset, not the whole
@@ -84,7 +86,9 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
     """
     B, T = kb.shape
     n_ub = 0
-    same = True
+    same = True  # every query's type is its key bucket (the rank table, below)
+    mirror = True  # and every tracked key is a query (cooc's deferral, above)
+    N = K - 2
     for b in range(B):
         for j in range(T):
             t = kb[b, j]
@@ -103,11 +107,13 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                 same = same and s == t
                 query_count[s] += 1
                 position_count[j] += 1
+            if s >= 0 or t < N:
+                mirror = mirror and s == t
     # ±w co-occurrence, excluding the query itself: the keys after it here (all of them, or only <other> ones while
     # the tracked ones are deferred, see above); the keys before it are pairs of the query's causal prefix, counted
     # per compact cell below (cache-resident there: every increment here is a cache miss in the [N*K, 3] counts)
-    if cooc_deferred[0] == 1 and not same:
-        symmetrize_cooc(counts, K - 2, K, other_after)
+    if cooc_deferred[0] == 1 and not mirror:
+        symmetrize_cooc(counts, N, K, other_after)
         cooc_deferred[0] = 0
     deferred = cooc_deferred[0] == 1
     for b in range(B):

@@ -14,6 +14,9 @@ each reduction is one loop over the data it reads, in the order torch adds it:
 - ``kernel_heads``: the pairs' probabilities read row by row from the layer's [B,H,T,T] tensor (no index of the
   pairs into it is stored or gathered), a pair's heads side by side in blocks of a compile-time width (8, 4, 2, 1:
   the block's adds into a cell's row vectorize), summed per compact cell;
+- ``add_batch_sums``: at the end of a batch, its cells' counts and kernel sums into their rows, in one pass;
+- ``symmetrize_cooc``: once, when the sums are read, the forward half of cooc's tracked columns, which the plan
+  leaves out (the transpose of the backward half, see ``plan_batch``);
 - ``bucket_sums`` / ``add_bucket_sums`` / ``add_square_sums``: the per-position statistics by bucket;
 - ``bucket_norm_sums`` / ``add_affine_bucket_sums``: the attention-input norm's sums without its module, where the
   adapter gives the norm's form (:func:`checked_norm_forms`): the normalised rows by bucket, then the affine.
@@ -88,7 +91,9 @@ class NativeEngine:
         return self.rank_table
 
     def plan(self, kb, qt, group: int, rank_table_max: int, deferred_max: int, scratch) -> dict:
-        """Plan a batch (``plan_batch``) and add its model-free counts; the plan's arrays live in ``scratch``.
+        """Plan a batch (``plan_batch``) and add its model-free counts (the cell counts at :meth:`end_batch`, the
+        forward half of cooc's tracked columns at :meth:`flush_counts` with ``complete``); the plan's arrays live in
+        ``scratch``.
         ``group`` windows per pair chunk; the batch sums ``[U, L*H]`` are kept for one add at the end of the batch
         where they take at most ``deferred_max`` bytes (else each layer adds into P at once)."""
         self.flush_counts()  # a batch planned but not ended: its counts, before this plan reuses their buffers

@@ -247,7 +247,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         """Register a batch's key buckets / query types ``[B,T]``, add its model-free counts and plan its
         reductions (shared by all layers). (The native engine adds the batch's nbar / C parts and the half of cooc
         with keys before the query at :meth:`end_batch`, in one pass with its kernel sums, or, for a batch that does not
-        end, at the next ``begin_batch`` or at :meth:`sums`: the counts read from :meth:`sums` are the same.)"""
+        end, at the next ``begin_batch`` or at :meth:`sums`; and the half of cooc's tracked columns with keys after the
+        query at :meth:`sums`, for all batches at once: the counts read from :meth:`sums` are the same, those read
+        from the accumulator's own tensors before it are not.)"""
         B, T = tuple(kb.shape)
         if T != self.T:
             raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")

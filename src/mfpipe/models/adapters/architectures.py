@@ -4,7 +4,9 @@ Adding an architecture: subclass :class:`~mfpipe.models.adapters.base.Adapter` w
 (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base model; ``ATTN``, ``V_SRC``, ``O_PROJ``, the norms
 and ``MLP`` from one block), override ``_values_from_src`` / ``value_map`` / ``value_weights`` / ``out_proj_slices`` where
 its weights are fused or transposed, register it in ``_ADAPTERS`` and add a recipe to
-``tests/tiny_models.py`` plus its module paths to ``tests/hf_reference.py`` (the independent check).
+``tests/tiny_models.py`` plus its module paths to ``tests/hf_reference.py`` (the independent check). A block must
+add ``attn_out + mlp_out`` to the residual, and ``FINAL_NORM``'s input must be the last block's output (the statistics
+pass derives the mlp_out sums from that: ``Adapter.mlp_out_from_resid``); where not, override that property to False.
 """
 
 from __future__ import annotations
