@@ -20,33 +20,22 @@ cell-major and layer-minor ``[N*K, L*H]`` (one run of L*H contiguous floats per 
 the forward evicts the sum between layers; above ``DEFERRED_SUMS_MAX`` bytes each layer is added as it comes); each
 per-position statistic is summed in float32 over the batch's buckets and added once into its float64 sum over the K
 buckets (the square around the batch's bucket mean, ``sum x² = M2 + S1²/n``, so E[x²] - c² never cancels in
-float32). The per-head values and, where no norm follows the output projection, the attention output are not summed
-per position: they are affine maps of the norm's output and of the reads, whose sums :meth:`Accumulator.sums` maps
-(:mod:`mfpipe.stats.derived`; the capture then does not read them). Nor, in a float32 model
-(``mlp_out_from_resid``), is the MLP's output: a block adds ``attn_out + mlp_out`` to the residual, so the mlp_out sums
-are ``resid_sum[l+1] - resid_sum[l] - attn_out_sum``, and a layer is reduced when its attention has run, before its
-MLP (the mini models: 0.6 ms of a batch's ~5.5 ms over the bare forward). The difference carries the forward's
-rounding of the two residual additions, ``<= u (|resid_mid| + |resid_out|)`` per position and element (``u =
-2^-24``), and the float32 rounding of three batch sums at the residual's scale instead of one at mlp_out's (``<= m u
-sum |x|`` each over the ``m`` rows of a bucket in a batch, as for every per-position sum): far below the mean's own
-sampling spread (tests/test_stats_reference.py compares it with the captured mlp_out at the brute-force tolerance,
-1e-5 of its scale, on all six architectures).
+float32). What is an affine map of another statistic's rows (the per-head values, attn_out where no norm follows
+the output projection) or a difference of the others (mlp_out in a float32 model) is not summed per position, nor read
+by the capture: :meth:`Accumulator.sums` derives it (:mod:`mfpipe.stats.derived`, with its error bounds), and a layer
+whose MLP output is not read is reduced before its MLP runs.
 
 Two engines compute these sums (``engine=``). On CPU with numba installed (the default there, ``"native"``) each
-reduction is one compiled loop of :mod:`mfpipe.stats.native` instead of a few torch ops: the plan (model-free counts,
-the batch's buckets, the pairs' compact cells) in one pass over the batch's tokens; per layer the kernel read row by
-row from the probabilities with all heads of a pair side by side, and each per-position statistic in one pass over
-its rows. They add the same terms in the same order and precision as the torch ops, so the two engines' sums are
-equal bit for bit (tests/test_stats_native.py); on the mini models the reducer's CPU time fell from ~11 to ~6 ms per
-2048-token batch (issue 13). One exception: where the adapter writes its attention-input norm as a
-:class:`~mfpipe.models.adapters.NormForm` (``attn_input_norm_form``: layer norm, RMS norm or none, its affine
-weights) and that form reproduces the module on a probe, the native engine sums the normalised rows ``z`` in its
-own loop and applies the affine to the bucket sums in float64 (``scale * sum z + n shift``) instead of calling the
-module and summing its output; ``ln_in_sum`` and the value sums made from it then agree with the torch engine's to
-float32 rounding, not bit for bit. ``"torch"`` (every device, GPUs included) runs torch ops
-(:mod:`mfpipe.stats.torch_engine`: gathers, ``scatter_add_`` / ``index_add_``). The counts
-``nbar``, ``C`` and ``cooc`` of a cell are kept side by side (one [N*K, 3] tensor): a batch adds into a few
-thousand scattered cells of it, one cache miss per cell instead of three.
+reduction is one compiled loop of :mod:`mfpipe.stats.native` (the plan in one pass over the batch's tokens, per layer
+the kernel and each per-position statistic in one pass over its rows; the mini models' reducer fell from ~11 to ~6
+ms per 2048-token batch). It adds the same terms in the same order and precision as the torch ops, so the two
+engines' sums are equal bit for bit (tests/test_stats_native.py), except ``ln_in_sum`` and the value sums made from
+it where the adapter writes its attention-input norm as a :class:`~mfpipe.models.adapters.NormForm`
+(``attn_input_norm_form``) that reproduces the module on a probe: the native engine then sums the normalised rows in
+its own loop and applies the affine in float64, equal to float32 rounding. ``"torch"`` (every device, GPUs
+included) runs torch ops (:mod:`mfpipe.stats.torch_engine`). The counts ``nbar``, ``C`` and ``cooc`` of a cell are
+kept side by side (one [N*K, 3] tensor): a batch adds into a few thousand scattered cells of it, one cache miss per
+cell instead of three.
 
 On CPU, where the job has two or more threads, each layer's reduction (from ``HELPER_MIN_PROBS`` attention
 elements on) is split between the calling thread and one helper thread (:class:`HelperThread`): half the heads of the kernel and part of the per-position statistics each, written
@@ -399,7 +388,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         """Numpy sums (see the module docstring): ``P_sum`` float32, the other float sums float64, counts int64.
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
         batch)."""
-        L, H, N, K, d, dh = self.L, self.H, self.N, self.K, self.d, self.dh
+        L, H, N, K, dh = self.L, self.H, self.N, self.K, self.dh
         # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
         # for GPT-2 small at N = 1000), so they do not add up at the shard's end; a later batch grows them again
         if self._native is not None:  # a batch begun and not ended: its model-free counts, and cooc's deferred half
@@ -413,16 +402,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         def np_(t):
             return t.detach().cpu().numpy()
 
-        col = {name: np_(t) for name, t in self.pos.items()}  # views of the CPU accumulators, no copies
-        resid = col["resid"]
         key_count = np_(self.key_count)
-        attn_out = col["attn_out"] if "attn_out" in col else derived.attn_out_sums(col["reads"], self.attn_out_weights,
-                                                                                   key_count)
-        ln_in = col["ln_in"] if "ln_in" in col else np.full((L, K, d), np.nan)
-        if "values" in col:
-            value_sum = col["values"].reshape(L, K, H, dh).transpose(0, 2, 1, 3)
-        else:
-            value_sum = derived.value_sums(ln_in, self.value_weights, key_count, H, dh)
+        # views of the CPU accumulators, no copies; with the sums derived from them
+        position = derived.position_sums({name: np_(t) for name, t in self.pos.items()}, key_count, H, dh,
+                                         self.attn_out_weights, self.value_weights)
         return {
             "n_windows": np.asarray(self.n_windows, dtype=np.int64),
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
@@ -433,12 +416,5 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "cooc": np_(self.cooc).reshape(N, K),
             "P_sum": np_(self.P).reshape(N, K, L, H).transpose(2, 3, 0, 1),  # a view [L, H, N, K]
             "nbar_sum": np_(self.nbar).reshape(N, K),
-            "resid_sum": resid,
-            "resid_sq_sum": col["resid_sq"],
-            "attn_out_sum": attn_out,
-            "resid_mid_sum": resid[:L] + attn_out,  # resid_mid = resid_in + attn_out (the adapter's definition)
-            "mlp_out_sum": col["mlp_out"] if "mlp_out" in col else resid[1:] - resid[:L] - attn_out,
-            "ln_in_sum": ln_in,
-            "value_sum": value_sum,
-            "read_sum": col["reads"].reshape(L, K, H, dh).transpose(0, 2, 1, 3),
+            **position,
         }
