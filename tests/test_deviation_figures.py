@@ -86,3 +86,15 @@ def test_exp3_figure_plots_its_inputs(tmp_path, monkeypatch):
     assert len(span) == 1 and span[0].get_x() == 1000 and span[0].get_x() + span[0].get_width() == 2000
     with pytest.raises(ValueError, match="training step"):
         exp3_figure(df.assign(step=[0, None, 2, 3]), tmp_path / "bad")
+
+
+def test_figure_outputs_keep_the_dots_of_a_model_name():
+    """A stem such as `ccmf_scatter_llama-3.2-3b_main` names its files by appending the suffix (with_suffix would cut
+    it at the model name's dot and write `ccmf_scatter_llama-3.pdf`)."""
+    from pathlib import Path
+
+    from mfpipe.figures import _outputs
+
+    stem = Path("results/figures/ccmf_scatter_llama-3.2-3b_main")
+    want = (Path(f"{stem}.pdf"), Path(f"{stem}.png"))
+    assert _outputs(stem) == want and _outputs(f"{stem}.png") == want and _outputs(f"{stem}.pdf") == want

@@ -114,3 +114,16 @@ def test_context_free_kernel_on_tiny_model():
         att = model(torch.tensor([[1, 9]]), output_attentions=True).attentions
     np.testing.assert_allclose(cf[1, :, 1, 3], att[1][0, :, 1, 0].numpy(), atol=1e-6)
     np.testing.assert_allclose(cf[1, :, 1, 1], att[1][0, :, 1, 1].numpy(), atol=1e-6)
+
+
+def test_probability_rounding_bounds_the_row_sums_of_a_bfloat16_softmax():
+    """Rows of attention probabilities computed in bfloat16 (Gemma-2, Llama-3 presets) sum to 1 only to the format's
+    rounding: within probability_rounding('bfloat16'), and beyond the float32 tolerance the rollout used before."""
+    gen = torch.Generator().manual_seed(0)
+    # a kernel's shape [..., N, N + 2]: 128 query types, 128 key types, BOS and <other>
+    probs = torch.softmax(torch.randn(4, 128, 130, generator=gen).to(torch.bfloat16), dim=-1).double().numpy()
+    dev = np.abs(probs.sum(-1) - 1).max()
+    assert 1e-4 < dev <= K.probability_rounding("bfloat16")
+    K.check_row_stochastic(probs, atol=1e-4 + K.probability_rounding("bfloat16"))
+    with pytest.raises(ValueError, match="do not sum to 1"):
+        K.check_row_stochastic(probs, atol=1e-4 + K.probability_rounding("float32"))

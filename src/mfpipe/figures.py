@@ -81,8 +81,9 @@ def _outputs(out, png=None) -> tuple[Path, Path]:
     if png is not None:
         return Path(out), Path(png)
     p = Path(out)
-    stem = p.with_suffix("") if p.suffix in (".pdf", ".png") else p
-    return stem.with_suffix(".pdf"), stem.with_suffix(".png")
+    # by name, not with_suffix: a stem may hold dots of its own (`rollout_llama-3.2-3b_main`)
+    stem = p.parent / p.stem if p.suffix in (".pdf", ".png") else p
+    return stem.parent / f"{stem.name}.pdf", stem.parent / f"{stem.name}.png"
 
 
 def save_figure(fig, pdf: str | Path, png: str | Path, dpi: int = 150) -> None:
