@@ -1,7 +1,8 @@
 # mfpipe: attention mean-field analysis of language models.
 #   snakemake --cores 2                       # the embedded default (mini suite on Shakespeare)
 #   snakemake --cores 8 --configfile config/presets/gpt2-small.yaml
-#   snakemake --profile profiles/default      # the same with the project's default options
+#   snakemake --profile profiles/slurm        # on a SLURM cluster (and no --cores: it caps each job's threads)
+#   (profiles/default, the workflow profile, applies to every run by itself: options right for all of them)
 #   snakemake -n                              # what would run, and why
 
 from snakemake.utils import min_version
@@ -12,7 +13,7 @@ min_version("8.0")
 configfile: "config/config.yaml"
 
 
-# the config is validated against workflow/schemas/config.schema.yaml in workflow/rules/common.smk, with
+# the config is validated against src/mfpipe/schemas/config.schema.yaml in workflow/rules/common.smk, with
 # one-line messages that name the key
 
 

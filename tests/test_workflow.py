@@ -371,6 +371,86 @@ def slurm_test_profile(dest: Path) -> Path:
     return dest
 
 
+PROFILES = REPO / "profiles"
+
+
+def profile_settings(name: str) -> dict:
+    """The keys a profile of profiles/ sets, as its YAML says."""
+    path = next(p for p in (PROFILES / name).glob("*.yaml"))  # config.yaml or config.v8+.yaml
+    return yaml.safe_load(path.read_text())
+
+
+def cli_args(*argv: str) -> tuple[dict, str]:
+    """The arguments Snakemake's own command-line parsing (snakemake.cli.parse_args: --profile files, then the
+    workflow profile profiles/default it finds by itself, then the command line) gives `snakemake ARGV` started
+    in the checkout, and what it printed."""
+    import json
+
+    code = """if True:
+        import json, sys
+        from snakemake.cli import parse_args
+
+        def plain(v):  # sets in a fixed order; objects by type, not by their address
+            if isinstance(v, (set, frozenset)):
+                return sorted(map(str, v))
+            return type(v).__name__ if " at 0x" in repr(v) else str(v)
+
+        print(json.dumps(vars(parse_args(sys.argv[1:])[1]), default=plain, sort_keys=True))
+    """
+    out = subprocess.run([sys.executable, "-c", code, "--snakefile", str(REPO / "Snakefile"), *argv], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+
+def run_settings(workdir: Path) -> dict:
+    """What the latest run in ``workdir`` ran with: logs/run_settings.json, written by the workflow's onstart
+    handler (workflow/rules/common.smk) from Snakemake's own settings objects."""
+    import json
+
+    return json.loads((workdir / "logs" / "run_settings.json").read_text())
+
+
+def run_got(settings: dict, profile: dict) -> dict:
+    """For each key of ``profile``, the value the run recorded in ``settings`` (run_settings): an executor
+    plugin's option `slurm-x-y` under executor_settings.x_y, any other key under its own name."""
+    got = {}
+    for key in profile:
+        name = key.replace("-", "_")
+        got[key] = (settings["executor_settings"][name.removeprefix("slurm_")] if key.startswith("slurm-")
+                    else settings[name])
+    return got
+
+
+def test_workflow_profile_leaves_the_slurm_profile_its_settings(tmp_path):
+    """Issue 27, item 4, without a cluster: Snakemake applies profiles/default (the workflow profile) to a
+    `--profile profiles/slurm` run too, its keys over the cluster profile's. It sets only keys profiles/slurm also
+    states, with the same values, and neither sets --cores (it would cap every submitted job's threads), so the
+    run's arguments are exactly the cluster profile's, the same as with `--workflow-profile none`. And a real run
+    (on this machine: --executor local --cores 1, the one cheap job) records in logs/run_settings.json the
+    execution settings the cluster profile states."""
+    pytest.importorskip("snakemake_executor_plugin_slurm")
+    default, slurm = profile_settings("default"), profile_settings("slurm")
+    assert {k: slurm.get(k) for k in default} == default, "the workflow profile would override profiles/slurm"
+    assert "cores" not in default and "cores" not in slurm and "local-cores" not in slurm
+
+    args, printed = cli_args("--profile", "profiles/slurm")
+    assert "workflow specific profile profiles/default" in printed, printed  # the merge under test did happen
+    assert {k: args[k.replace("-", "_")] for k in slurm} == slurm
+    assert args["cores"] is None, "--cores would cap the threads of every job submitted to SLURM"
+    alone, _ = cli_args("--profile", "profiles/slurm", "--workflow-profile", "none")
+    assert {k: v for k, v in alone.items() if k != "workflow_profile"} == {
+        k: v for k, v in args.items() if k != "workflow_profile"}, "the workflow profile changes a cluster run"
+
+    wd = clone(tmp_path)
+    snakemake(wd, "--profile", str(PROFILES / "slurm"), "--executor", "local", "--cores", "1",
+              "results/minisuite/tokenizer")
+    got = run_settings(wd)
+    assert got["executor"] == "local" and got["cores"] == 1, got  # the command line's
+    stated = {k: v for k, v in slurm.items() if k != "executor"}
+    assert run_got(got, stated) == stated, got
+
+
 def result_files(root: Path) -> dict[str, Path]:
     """Every result file by path relative to ``root``; a Zarr store counts as one entry."""
     out = {}
@@ -420,7 +500,9 @@ def without_timings(value):
 
 def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):
     """Issue 12: the ci config through `--profile profiles/slurm` on a real (single-node) SLURM completes,
-    submits its forward-pass jobs to SLURM, and gives the same results as the local run of `built`."""
+    submits its forward-pass jobs to SLURM, and gives the same results as the local run of `built`. Issue 27,
+    item 4: the run got every setting the profile states (the workflow profile profiles/default overrode none, and
+    no --cores caps the submitted jobs' threads), as Snakemake held them when it started (logs/run_settings.json)."""
     reason = slurm_available()
     if reason:
         pytest.skip(reason)
@@ -432,10 +514,19 @@ def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):
     targets += ["results/substitution/mini-neox/step20/substitution.zarr", "results/tables/coverage_positions.csv"]
     text = snakemake(wd, "--profile", str(profile), *targets)
     ids = re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+)/", text)
+    settings = run_settings(wd)
     report = os.environ.get("MFPIPE_SLURM_REPORT")
     if report:
-        Path(report).write_text("SLURM profile run of the ci config, submitted jobs (SLURM jobid rule):\n"
-                                + "".join(f"  {j} {r}\n" for j, r in ids))
+        Path(report).write_text(
+            "SLURM profile run of the ci config, the settings it ran with (logs/run_settings.json):\n"
+            + "".join(f"  {k}: {v}\n" for k, v in settings.items() if k != "executor_settings")
+            + "".join(f"  executor_settings.{k}: {v}\n" for k, v in settings["executor_settings"].items())
+            + "submitted jobs (SLURM jobid rule):\n" + "".join(f"  {j} {r}\n" for j, r in ids))
+    stated = yaml.safe_load((profile / "config.v8+.yaml").read_text())  # profiles/slurm + this cluster's needs
+    assert run_got(settings, stated) == stated, settings
+    assert settings["executor"] == "slurm" and settings["jobs"] == 100 and settings["cores"] is None, settings
+    # what runs on the submitting host (the localrules) runs in the local executor's pool (profiles/slurm says 5)
+    assert settings["login_node_job_slots"] == 5, settings
     rules = {r for _, r in ids}
     assert {"minisuite_train", "corpus_shards", "stats_shard", "deviation_shard", "rollout_scores", "error_accounting",
             "substitution"} <= rules, ids
@@ -703,16 +794,29 @@ def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revi
     kernel job; the rollout stage (with its eval-half statistics) runs at the last revision only; one more revision
     inserted adds its own. A dry run: no weights or corpus needed."""
     import collections
+    import json
 
     preset = REPO / "config" / "presets" / "pythia-160m.yaml"
     revs = yaml.safe_load(preset.read_text())["models"][0]["revisions"]
     assert len(revs) == 19 and revs[0] == "step0" and revs[-1] == "step143000"
 
+    # the DAG resolves every revision to its commit: an offline cache holding each revision's config and tokenizer
+    # (one snapshot, every ref on it; tests/hub_cache.py) is all a dry run needs
+    from hub_cache import PRESET_MODELS, add_snapshot, set_ref, tokenizer_files
+    from hub_cache import small_tokenizer
+
+    hub = tmp_path / "hub"
+    spec = PRESET_MODELS["pythia-160m"]
+    files, tok = tokenizer_files(spec, small_tokenizer(spec, ["to be or not to be"] * 20))
+    files["config.json"] = json.dumps({"model_type": "gpt_neox", "vocab_size": 50304}).encode()
+    commit = add_snapshot(hub, spec.repo_id, files, "main")
+    for rev in revs + ["step100000"]:
+        set_ref(hub, spec.repo_id, rev, commit)
+
     def plan(*extra):
         cmd = [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--directory",
                str(tmp_path), "--configfile", str(preset), *extra]
-        # as on a workstation with network: revisions not in the cache are checked when their job downloads them
-        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "hf")}
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         return planned_jobs(out.stdout + out.stderr)

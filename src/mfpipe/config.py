@@ -1,31 +1,46 @@
 """Config checks beyond the JSON schema: cross-references the schema cannot express.
 
-The schema (`workflow/schemas/config.schema.yaml`) is applied first by the Snakefile
-(`snakemake.utils.validate`); `check_config` then checks what relates one part to another.
-Every message names the key and says what to change.
+The schema ships inside the package (`mfpipe/schemas/config.schema.yaml`, in a checkout
+`src/mfpipe/schemas/config.schema.yaml`), so the workflow, an installed wheel and the tests read one file.
+`validate_schema` applies it first (the workflow calls it in workflow/rules/common.smk); `check_config` then
+checks what relates one part to another. Every message names the key and says what to change.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
 
 from .revisions import ALL_CHECKPOINTS, checkpoint_steps, resolve_minisuite_revision, step_name
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+# the packaged resource (a plain path wherever the package is a folder: an editable install, a wheel, src/ on sys.path)
+SCHEMA_PATH: Traversable = resources.files(__package__).joinpath("schemas", "config.schema.yaml")
 
 
 class ConfigError(ValueError):
     pass
 
 
-def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
-    return yaml.safe_load(Path(path).read_text())
+def load_schema(path: str | os.PathLike | Traversable = SCHEMA_PATH) -> dict:
+    text = Path(path).read_text() if isinstance(path, (str, os.PathLike)) else path.read_text()
+    return yaml.safe_load(text)
 
 
-def validate_schema(config: dict, schema_path: str | Path = SCHEMA_PATH) -> None:
+def _shown(path) -> str:
+    """The schema file as a user finds it: relative to the working directory where it lies below it."""
+    try:
+        rel = os.path.relpath(str(path))
+    except ValueError:  # another drive
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def validate_schema(config: dict, schema_path: str | os.PathLike | Traversable = SCHEMA_PATH) -> None:
     """JSON-schema validation with an error that names the offending key (for use without Snakemake)."""
     import jsonschema
 
@@ -38,7 +53,7 @@ def validate_schema(config: dict, schema_path: str | Path = SCHEMA_PATH) -> None
             lines.append(f"config key {where}: {e.message}")
         # one line: a console shows it last, where a user looks first
         raise ConfigError("; ".join(lines) + " (fix it in your config file; every key, its allowed values and "
-                          "default: workflow/schemas/config.schema.yaml)")
+                          f"default: {_shown(schema_path)})")
     apply_defaults(config)
 
 

@@ -206,8 +206,11 @@ def write_corpus(
     tokenizer_name: str,
     documents: Iterable[Document] | None = None,
     progress: Callable[[str], None] | None = None,
+    tokenizer_revision: str | None = None,
+    tokenizer_commit: str | None = None,
 ) -> dict:
-    """Build both halves and write shards plus `fingerprint.json` into `out_dir`."""
+    """Build both halves and write shards plus `fingerprint.json` into `out_dir` (a hub tokenizer: with the revision
+    it was asked for and the commit that revision resolved to)."""
     out_dir = Path(out_dir)
     docs = documents if documents is not None else iter_documents(cfg)
     halves = build_halves(
@@ -220,6 +223,7 @@ def write_corpus(
         "corpus": cfg.get("name"),
         "source": {k: cfg.get(k) for k in ("source", "document_unit", "path", "hf_name", "hf_config", "split", "text_field") if cfg.get(k) is not None},
         "tokenizer": tokenizer_name,
+        **{k: v for k, v in (("tokenizer_revision", tokenizer_revision), ("tokenizer_commit", tokenizer_commit)) if v},
         "bos_id": int(bos_id),
         "vocab_size": int(len(tokenizer)),
         "context_length": int(cfg["context_length"]),

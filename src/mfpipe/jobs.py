@@ -15,8 +15,9 @@ CAUSE_PREFIX = "mfpipe error: "
 
 
 def load_job_model(params: Any, threads: int | None = None):
-    """(model, adapter) for a rule whose params carry ``model_spec``, ``revision``, ``dtype``, ``device``
-    and ``results`` (see ``model_params()`` in workflow/rules/common.smk)."""
+    """(model, adapter) for a rule whose params carry ``model_spec``, ``revision``, ``commit`` (a hub revision's
+    resolved commit, or None), ``dtype``, ``device`` and ``results`` (see ``model_params()`` in
+    workflow/rules/common.smk)."""
     import torch
 
     from mfpipe.models.adapters import get_adapter
@@ -25,7 +26,7 @@ def load_job_model(params: Any, threads: int | None = None):
     if threads:
         torch.set_num_threads(int(threads))
     model = load_model(dict(params.model_spec), params.revision, dtype=params.dtype, device=params.device,
-                       results_dir=params.results)
+                       results_dir=params.results, commit=getattr(params, "commit", None))
     return model, get_adapter(model)
 
 

@@ -2,16 +2,17 @@
 so a bad input stops the run before any job, with one line naming the key, file or model and what to do:
 every model's architecture is supported (read from its config.json: the local folder, or the Hugging Face
 cache when it holds it), an offline hub model is in the cache, corpus files exist, the tracked-type count N fits
-each vocabulary, and revisions are well-formed. Nothing here loads weights, tokenizes or downloads."""
+each vocabulary, and revisions are well-formed; and it resolves every hub revision, of the model and of its tokenizer,
+to the commit it stands for now (:func:`hub_commits`), which the jobs load and the stores record. Nothing here loads
+weights, tokenizes or downloads."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
-from .config import ConfigError, corpora
+from .config import ConfigError, corpora, resolve_revisions, resolve_rollout_revisions
 
 REVISION_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # the workflow's `revision` wildcard: used in paths
 
@@ -23,17 +24,45 @@ def _supported_model_types() -> tuple[str, ...]:
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    from .models.loader import hub_offline
+
+    return hub_offline()
 
 
 def _hub_config(hub_id: str, revision: str) -> Path | None:
     """config.json of ``hub_id`` at ``revision`` from the local Hugging Face cache, or None if not cached."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - transformers depends on it
-        return None
+    from huggingface_hub import try_to_load_from_cache
+
     found = try_to_load_from_cache(hub_id, "config.json", revision=revision)
     return Path(found) if isinstance(found, str) else None
+
+
+TOKENIZER = None  # the key of a model's tokenizer in hub_commits (its revisions are strings)
+
+
+def hub_commits(config: dict, prefer_cache: bool = False) -> dict[tuple[str, str | None], str]:
+    """``{(model, revision): commit}`` for every revision of every hub model, and ``{(model, TOKENIZER): commit}``
+    for its tokenizer (``tokenizer_revision``, default the ``main`` branch): what each names now (the hub, or the
+    local cache offline; mfpipe.models.loader.resolve_commit; ``prefer_cache``: the cache first). A revision that
+    cannot be resolved -- offline and not in the cache -- raises :class:`ConfigError` naming the ``hf download``
+    command, before any job runs."""
+    from .models.loader import TOKENIZER_FILES, ModelLoadError, resolve_commit
+
+    out: dict[tuple[str, str | None], str] = {}
+    for spec in config["models"]:
+        if spec["source"] != "hub":
+            continue
+        try:
+            revisions = resolve_revisions(config, spec) + resolve_rollout_revisions(config, spec)
+            for rev in dict.fromkeys(revisions):
+                out[(spec["name"], rev)] = resolve_commit(spec["hub_id"], rev, what=f"model {spec['name']!r}",
+                                                          prefer_cache=prefer_cache)
+            out[(spec["name"], TOKENIZER)] = resolve_commit(spec["hub_id"], spec.get("tokenizer_revision"), TOKENIZER_FILES,
+                                                            what=f"the tokenizer of model {spec['name']!r}",
+                                                            prefer_cache=prefer_cache)
+        except ModelLoadError as e:
+            raise ConfigError(f"models: {spec['name']!r}: {e}") from None
+    return out
 
 
 def model_config(spec: dict, revision: str) -> tuple[dict | None, str]:

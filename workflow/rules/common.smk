@@ -21,7 +21,7 @@ from mfpipe.config import (  # noqa: E402
 )
 from mfpipe.revisions import parse_step  # noqa: E402
 from mfpipe.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
-from mfpipe.preflight import check_inputs  # noqa: E402
+from mfpipe.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
 
 # Everything that can be checked before a job runs is checked here, when the DAG is built: the schema (every
 # option's default lives there, once, and is filled in), the cross-checks, then the inputs themselves (model
@@ -32,6 +32,10 @@ try:
     validate_schema(config)
     check_config(config)
     check_inputs(config)
+    # every hub revision, of a model and of its tokenizer, as the commit it names now: the jobs load that commit and
+    # take it as a param, so a branch that moves (a re-download of `main`) reruns exactly that revision's jobs. A job's
+    # own process (a cluster job re-reads the workflow) takes the cache's commit first, the one its run planned with.
+    HUB_COMMITS = hub_commits(config, prefer_cache=not workflow.is_main_process)
 except ConfigError as e:
     raise SystemExit(CAUSE_PREFIX + str(e)) from None
 
@@ -49,6 +53,49 @@ onerror:
         print("Complete log: " + ", ".join(map(str, logs)), file=sys.stderr)
         print("\n".join(causes), file=sys.stderr, flush=True)
         raise SystemExit(1)
+
+
+# What a run got from the command line, the workflow profile (profiles/default, which Snakemake applies to every
+# run, its keys over a --profile's) and a --profile: the settings as Snakemake holds them when the run starts,
+# written to logs/run_settings.json (the latest run's; tests/test_workflow.py checks a profiles/slurm run's).
+RUN_SETTINGS = Path("logs") / "run_settings.json"
+
+
+def run_settings():
+    import dataclasses
+    from snakemake import __version__
+
+    res, exe, out = workflow.resource_settings, workflow.execution_settings, workflow.output_settings
+    remote, plugin = workflow.remote_execution_settings, workflow.executor_plugin
+    plugin_settings = workflow.executor_settings  # the executor plugin's own options (slurm: status_command, ...)
+    # on a cluster the jobs that run here (localrules) go to Snakemake's local executor, a pool of this many threads
+    local_executor = getattr(getattr(workflow, "scheduler", None), "_local_executor", None)
+    return {
+        "snakemake": __version__,
+        "executor": plugin.name if plugin else None,
+        "jobs": "unlimited" if res.nodes == sys.maxsize else res.nodes,  # --jobs (null: a local run, --cores)
+        "cores": res.cores,  # also caps the threads of every job, a submitted one's too
+        "local_cores": res.local_cores,
+        "max_threads": res.max_threads,
+        "login_node_job_slots": getattr(local_executor, "workers", None),
+        "keep_going": exe.keep_going,
+        "retries": exe.retries,
+        "latency_wait": exe.latency_wait,
+        "rerun_incomplete": workflow.dag_settings.force_incomplete,
+        "printshellcmds": out.printshellcmds,
+        "show_failed_logs": out.show_failed_logs,
+        "seconds_between_status_checks": remote.seconds_between_status_checks if remote else None,
+        "executor_settings": dataclasses.asdict(plugin_settings) if dataclasses.is_dataclass(plugin_settings) else None,
+    }
+
+
+onstart:
+    import json
+
+    RUN_SETTINGS.parent.mkdir(parents=True, exist_ok=True)
+    part = RUN_SETTINGS.with_name(f".{RUN_SETTINGS.name}.tmp")
+    part.write_text(json.dumps(run_settings(), indent=1, sort_keys=True, default=str) + "\n")
+    part.replace(RUN_SETTINGS)
 
 
 def _canonical(value):
@@ -131,8 +178,18 @@ SWEEP_KEYS = ("revisions", "rollout_revisions", "induction_window")
 
 
 def model_spec(wildcards):
-    """The model entry as a job sees it (name, source, hub_id/path, dtype, bos_token, tokenizer_revision)."""
-    return {k: v for k, v in MODELS[wildcards.model].items() if k not in SWEEP_KEYS}
+    """The model entry as a job sees it (name, source, hub_id/path, dtype, bos_token, tokenizer_revision; for a hub
+    model the commit its tokenizer_revision resolved to, `tokenizer_commit`: every job depends on the tokenizer
+    through the corpus shards)."""
+    spec = {k: v for k, v in MODELS[wildcards.model].items() if k not in SWEEP_KEYS}
+    if (wildcards.model, TOKENIZER) in HUB_COMMITS:
+        spec["tokenizer_commit"] = HUB_COMMITS[(wildcards.model, TOKENIZER)]
+    return spec
+
+
+def revision_commit(wildcards):
+    """The commit a hub model's revision resolved to (None for the mini suite and local folders)."""
+    return HUB_COMMITS.get((wildcards.model, wildcards.revision))
 
 
 def results_dir(wildcards):
@@ -146,6 +203,7 @@ def model_params():
     return dict(
         model_spec=model_spec,
         revision="{revision}",
+        commit=revision_commit,
         dtype=lambda wc: MODELS[wc.model].get("dtype", config["runtime"]["dtype"]),
         device=config["runtime"]["device"],
         results=results_dir,

@@ -41,6 +41,7 @@ rule stats_merge:
         revision="{revision}",
         half=lambda wc: dataset_parts(wc.dataset)[1],
         hub_id=lambda wc: MODELS[wc.model].get("hub_id") or MODELS[wc.model].get("path") or wc.model,
+        commit=revision_commit,
     localrule: True
     conda:
         ENV

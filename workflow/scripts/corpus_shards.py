@@ -12,13 +12,14 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     spec, cfg = sm.params.model, dict(sm.params.corpus)
-    revision = spec.get("tokenizer_revision") if spec["source"] == "hub" else None
-    tokenizer = load_tokenizer(spec, revision, results_dir=sm.params.results)
+    tokenizer = load_tokenizer(spec, results_dir=sm.params.results)
     bos_id = resolve_bos_id(tokenizer, spec.get("bos_token"))
     log.info("corpus %s for model %s: BOS id %d (%r), T=%d, budget %d tokens per half",
              cfg["name"], spec["name"], bos_id, tokenizer.convert_ids_to_tokens(bos_id), cfg["context_length"], cfg["tokens_per_half"])
     with atomic_dir(sm.output[0]) as tmp:
-        info = write_corpus(cfg, tokenizer, bos_id, tmp, tokenizer_name=spec.get("hub_id") or spec["name"], progress=log.info)
+        info = write_corpus(cfg, tokenizer, bos_id, tmp, tokenizer_name=spec.get("hub_id") or spec["name"], progress=log.info,
+                            tokenizer_revision=spec.get("tokenizer_revision") or ("main" if spec["source"] == "hub" else None),
+                            tokenizer_commit=spec.get("tokenizer_commit"))
     log.info("fingerprint %s", info["fingerprint"])
 
 

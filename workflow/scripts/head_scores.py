@@ -21,7 +21,7 @@ def main() -> None:
     model, adapter = load_job_model(p, sm.threads)
     # the draw is over the tokenizer's ids (the embedding matrix may be padded beyond them), specials excluded;
     # the BOS prefix is the tokenizer's, else the model config's
-    tok = load_tokenizer(spec, revision, p.results)
+    tok = load_tokenizer(spec, results_dir=p.results)
     bos = tok.bos_token_id if tok.bos_token_id is not None else "auto"
     log.info("%s @ %s (%r on %s): %d sequences, context %d, vocabulary %d, BOS %s, seed %d",
              name, revision, adapter, adapter.device, int(p.n_sequences), int(p.context_length), len(tok), bos,

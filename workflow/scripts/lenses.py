@@ -44,8 +44,7 @@ def main() -> None:
                               f"the corpus {info['context_length']}: rerun the deviation stage for this corpus")
     model, adapter = load_job_model(p, sm.threads)
     check_model(adapter, st)
-    tokenizer = load_tokenizer(spec, spec.get("tokenizer_revision") if spec["source"] == "hub" else None,
-                               results_dir=p.results)
+    tokenizer = load_tokenizer(spec, results_dir=p.results)
     kernel = SU.kernel_from_store(st, tracked, min_count=ds.attrs.get("min_count")).to(adapter.device)
     t0 = time.perf_counter()
     rows = LE.mine_contexts(ds, shard_paths, heads=list(p.heads or []), per_head=int(p.per_head),

@@ -25,6 +25,7 @@ def main() -> None:
     fp_path = getattr(sm.input, "fingerprint", None) or str(Path(sm.input.shards) / "fingerprint.json")
     info = json.loads(Path(fp_path).read_text())
     model, revision, half = str(sm.params.model), str(sm.params.revision), str(sm.params.half)
+    commit = sm.params.commit
     partials = sorted(str(p) for p in sm.input.partials)
     if not partials:
         raise StatsError(f"no partials for {model} @ {revision} ({half}); the {half} half has no shards")
@@ -50,6 +51,8 @@ def main() -> None:
         fingerprint), and of its shape."""
         expect = {"tracked_fingerprint": tracked.fingerprint, "n_tracked": tracked.n, "model": model,
                   "revision": revision, "context_length": int(info["context_length"])}
+        if commit:  # a hub revision: the commit it resolved to when the run was planned (a branch moves)
+            expect["revision_commit"] = commit
         for p in partials:
             try:
                 sums, meta = open_partial(p)
@@ -88,6 +91,9 @@ def main() -> None:
         "tokenizer": info.get("tokenizer"),
         "n_shards": len(partials),
     }
+    # hub models: the commits the revision and the tokenizer's revision stood for (branches move; commits do not)
+    meta.update({k: v for k, v in (("revision_commit", commit), ("tokenizer_revision", info.get("tokenizer_revision")),
+                                   ("tokenizer_commit", info.get("tokenizer_commit"))) if v})
     for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual"):
         if k in first_meta:
             meta[k] = first_meta[k]

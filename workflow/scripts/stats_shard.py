@@ -32,7 +32,7 @@ def main() -> None:
         "n_layers": adapter.n_layers, "n_heads": adapter.n_heads, "n_kv_heads": adapter.n_kv_heads,
         "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
         "shard": str(sm.input.shard),
-    })
+    } | ({"revision_commit": str(sm.params.commit)} if sm.params.commit else {}))
     bits = sm.params.mantissa_bits
     save_partial(sm.output[0], sums, meta, mantissa_bits=None if bits is None else int(bits))
     log.info("%d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %s (%.0f MiB on disk)",

@@ -17,8 +17,7 @@ def main() -> None:
     shards = Path(sm.input.shards)
     info = json.loads((shards / "fingerprint.json").read_text())
     spec = sm.params.model
-    revision = spec.get("tokenizer_revision") if spec["source"] == "hub" else None
-    tokenizer = load_tokenizer(spec, revision, results_dir=sm.params.results)
+    tokenizer = load_tokenizer(spec, results_dir=sm.params.results)
     counts = count_types((read_shard(p).tokens for p in list_shards(shards / "stats")), info["vocab_size"])
     tracked = select_tracked(
         counts, int(sm.params.n_types), info["bos_id"],

@@ -70,7 +70,8 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
                                 progress=progress, desc=desc, reducer=reducer)
     sums["gram"] = grams.cpu().numpy()
     a = kernel.attrs
-    meta = {"model": a.get("model"), "revision": a.get("revision"), "tracked_fingerprint": tracked.fingerprint,
+    meta = {"model": a.get("model"), "revision": a.get("revision"), "revision_commit": a.get("revision_commit"),
+            "tracked_fingerprint": tracked.fingerprint,
             "n_tracked": int(tracked.n), "context_length": int(tokens.shape[1]), "n_windows": int(tokens.shape[0]),
             "corpus_fingerprint": a.get("corpus_fingerprint"), "stats_fingerprint": stats_fingerprint(stats),
             "stats_tokens": a.get("n_tokens"), "min_count": a.get("min_count"), "kernel": a.get("kernel"),

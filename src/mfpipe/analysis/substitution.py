@@ -132,8 +132,8 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
         layers.append(torch.from_numpy(np.asarray(Wl.transpose("head", "query", "key").values)).to(dtype))
     mu = stats.mu().transpose("layer", "head", "key", "head_dim")
     key_lut, query_lut, n, _ = bucket_luts(tracked)
-    attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "tracked_fingerprint", "corpus_fingerprint",
-                                            "n_tracked", "context_length", "n_tokens")}
+    attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "revision_commit", "tracked_fingerprint",
+                                            "corpus_fingerprint", "n_tracked", "context_length", "n_tokens")}
     attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
     attrs["min_count"] = mc
     return MeanFieldKernel(torch.stack(layers), torch.from_numpy(np.asarray(mu.values)).to(dtype), key_lut, query_lut,

