@@ -194,7 +194,7 @@ def test_the_tokenizer_comes_from_the_hub_id_at_tokenizer_revision(presets_run, 
     r = presets_run["wd"] / "results"
     name, rev, vocab = TOKENIZER_REVISION
     info = json.loads((r / "corpus" / CORPUS_PRESET / name / "shards" / "fingerprint.json").read_text())
-    want = AutoTokenizer.from_pretrained(str(hub["root"] / "hub" / f"models--openai-community--gpt2" / "snapshots"
+    want = AutoTokenizer.from_pretrained(str(hub["root"] / "hub" / "models--openai-community--gpt2" / "snapshots"
                                              / hub["commits"]["gpt2-small"][rev]))
     assert info["tokenizer"] == "openai-community/gpt2" and info["tokenizer_revision"] == rev
     assert info["tokenizer_commit"] == hub["commits"]["gpt2-small"][rev] and info["vocab_size"] == len(want) < vocab + 8

@@ -802,12 +802,11 @@ def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revi
 
     # the DAG resolves every revision to its commit: an offline cache holding each revision's config and tokenizer
     # (one snapshot, every ref on it; tests/hub_cache.py) is all a dry run needs
-    from hub_cache import PRESET_MODELS, add_snapshot, set_ref, tokenizer_files
-    from hub_cache import small_tokenizer
+    from hub_cache import PRESET_MODELS, add_snapshot, set_ref, small_tokenizer, tokenizer_files
 
     hub = tmp_path / "hub"
     spec = PRESET_MODELS["pythia-160m"]
-    files, tok = tokenizer_files(spec, small_tokenizer(spec, ["to be or not to be"] * 20))
+    files, _ = tokenizer_files(spec, small_tokenizer(spec, ["to be or not to be"] * 20))
     files["config.json"] = json.dumps({"model_type": "gpt_neox", "vocab_size": 50304}).encode()
     commit = add_snapshot(hub, spec.repo_id, files, "main")
     for rev in revs + ["step100000"]:
