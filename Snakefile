@@ -26,8 +26,8 @@ include: "workflow/rules/corpus.smk"
 include: "workflow/rules/stats.smk"
 include: "workflow/rules/rollout.smk"
 include: "workflow/rules/substitution.smk"
-include: "workflow/rules/deviation.smk"
-include: "workflow/rules/figures.smk"
+include: "workflow/rules/ranking.smk"
+include: "workflow/rules/prompts.smk"
 
 
 rule all:

@@ -4,7 +4,7 @@
 Prints tokens/s and ratios to (a) the bare forward (the model body, eager attention, no LM head: the baseline of
 benchmarks/stats_pass.py) of (b) the traced forward that captures what pass 2 reads (probabilities, values, reads)
 with a no-op callback (tracing overhead alone) and (c) pass 2 itself: the shard loop
-(:func:`mfpipe.stats.shards.accumulate_shard`) with the :class:`~mfpipe.stats.pass2.DeviationAccumulator`, per
+(:func:`mfpipe.stats.loop.run_reducer`) with the :class:`~mfpipe.experiments.ranking.pass2.DeviationAccumulator`, per
 batch (goal: (c) <= 1.5x (a), issue 11); the once-per-shard copy of the sums to the host is timed and counted in
 (c). Then peak memory (process RSS; CUDA peak on a GPU). The three are interleaved batch by batch. On CPU the
 pass-2 reductions run on one torch thread (as in the workflow; ``--reducer-threads``), the forwards on torch's
@@ -32,13 +32,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats_pass import add_common_args, bare_peaks, benchmark_tracked, device_sync, interleaved_times, peak_rss_mb, setup_model, split_batches, zipf_windows  # noqa: E402
 from substitution import random_kernel  # noqa: E402
-from stats_pass import (add_common_args, benchmark_tracked, interleaved_times, peak_rss_mb, setup_model,  # noqa: E402
-                        zipf_windows)
 
 
 class OneBatch:
-    """Reducer for :func:`accumulate_shard` that feeds a long-lived accumulator: the shard loop runs one batch per
+    """Reducer for :func:`run_reducer` that feeds a long-lived accumulator: the shard loop runs one batch per
     call (so the three timings interleave) and the shard's single ``sums()`` is left to the end of the run."""
 
     def __init__(self, acc):
@@ -73,9 +72,9 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, profile one more pass-2 batch (torch.profiler) and print its top ops")
     args = ap.parse_args(argv)
-    from mfpipe.deviation import layer_grams
-    from mfpipe.stats.pass2 import DeviationAccumulator, window_halves
-    from mfpipe.stats.shards import accumulate_shard
+    from mfpipe.experiments.ranking.pass2 import DeviationAccumulator, window_halves
+    from mfpipe.meanfield.deviation import layer_grams
+    from mfpipe.stats.loop import run_reducer
 
     dev, model, adapter, V, bos = setup_model(args)
     B, T, nb = args.batch_size, args.context_length, args.batches + 1 + int(args.profile)
@@ -89,12 +88,8 @@ def main(argv=None) -> None:
     acc = DeviationAccumulator(kernel.W, kernel.mu, layer_grams(adapter), n, T, window_halves(doc_ids), dev,
                                cpu_threads=args.reducer_threads or None)
     shim = OneBatch(acc)
-    batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
-    cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+    batches, cover = split_batches(toks, B, nb, tracked)
+    sync = device_sync(dev)
 
     def bare(chunk):
         with torch.no_grad():
@@ -105,16 +100,9 @@ def main(argv=None) -> None:
 
     def pass2(chunk):
         with torch.no_grad():
-            accumulate_shard(model, adapter, chunk, tracked, batch_size=B, device=dev, progress=False, reducer=shim)
+            run_reducer(model, adapter, chunk, tracked, shim, batch_size=B, device=dev, progress=False)
 
-    bare(batches[0])
-    rss_bare = peak_rss_mb()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        bare(batches[0])
-        sync()
-        cuda_bare = torch.cuda.max_memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
+    rss_bare, cuda_bare = bare_peaks(bare, batches[0], dev, sync)
     times = interleaved_times(batches[: args.batches + 1], {"bare": bare, "capture": capture, "pass2": pass2}, sync)
     t0 = time.perf_counter()
     sums = acc.sums()

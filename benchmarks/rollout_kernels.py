@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Benchmark: every rollout kernel (Sec. 4.2) for N tracked types on the mini models -- kernel construction,
-Alg. 1 and the four metrics per layer, as ``mfpipe.analysis.rollouts.run_rollouts`` does them. Goal: all kernels for
+Alg. 1 and the four metrics per layer, as ``mfpipe.experiments.rollout.runs.run_rollouts`` does them. Goal: all kernels for
 N = 1000 on the mini models in < 60 s on 2 cores.
 
     python benchmarks/rollout_kernels.py                      # both mini architectures, random weights, N=1000
@@ -41,8 +41,8 @@ def mini_model(arch: str):
 
 
 def synthetic_store(model, adapter, n: int, T: int, half: str, path: Path, seed: int) -> Path:
+    from mfpipe.corpus.tracked import TrackedSet
     from mfpipe.stats import finalize, write_store
-    from mfpipe.tracked import TrackedSet
 
     rng = np.random.default_rng(seed)
     L, H, d, dh = adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head
@@ -74,10 +74,10 @@ def synthetic_store(model, adapter, n: int, T: int, half: str, path: Path, seed:
 
 
 def bench(arch: str | None, args) -> float:
-    from mfpipe.analysis import rollouts as RO
-    from mfpipe.analysis import stores as S
+    from mfpipe.experiments.rollout import runs as RO
     from mfpipe.models.adapters import get_adapter
     from mfpipe.models.loader import load_model
+    from mfpipe.stats import halves as S
 
     t_all = time.perf_counter()
     if args.model:
@@ -109,7 +109,7 @@ def bench(arch: str | None, args) -> float:
 
 
 def main() -> None:
-    from mfpipe.tables import DEFAULT_KERNELS
+    from mfpipe.experiments.rollout.tables import DEFAULT_KERNELS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=["gpt2", "gpt_neox", "both"], default="both")

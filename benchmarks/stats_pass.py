@@ -62,7 +62,7 @@ def zipf_windows(V: int, n_windows: int, T: int, bos: int, seed: int = 0) -> tup
 def benchmark_tracked(toks: np.ndarray, V: int, bos: int, n_tracked: int, ranked: np.ndarray | None = None):
     """The tracked set of the benchmark: the ``n_tracked`` most probable types of the Zipf law (``ranked``: a few
     batches do not show N distinct types at N = 4000), else the most frequent types of ``toks``."""
-    from mfpipe.tracked import TrackedSet
+    from mfpipe.corpus.tracked import TrackedSet
 
     counts = np.bincount(toks[:, 1:].ravel(), minlength=V)
     counts[bos] = 0
@@ -111,7 +111,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--default-allocator", action="store_true",
                     help="leave glibc's malloc at its defaults (by default the benchmark sets it as the workflow's jobs "
-                         "do, mfpipe.allocator.keep_freed_memory, before any form runs: every form, the bare forward "
+                         "do, mfpipe.heap.keep_freed_memory, before any form runs: every form, the bare forward "
                          "included, runs without paging freed activations back in batch after batch)")
 
 
@@ -122,9 +122,8 @@ def minor_faults() -> int:
 def interleaved_times(batches, forms, sync=lambda: None, after_warmup=None, faults: dict | None = None) -> dict:
     """Wall time of each form ``name -> fn(batch)`` summed over ``batches[1:]`` (``batches[0]`` is the warm-up), the
     forms run batch by batch on the same batch so that a slow spell of the machine hits them alike. Their order is
-    rotated from batch to batch: in the fixed order (bare, capture, stats) the no-op capture read 3-18 % slower than
-    the bare forward, while rotated over the same batches the two measured alike (GPT-2 small on this 2-core VM);
-    a fixed order charges any such effect of a form's place to the same form every time. With a number of timed
+    rotated from batch to batch: in the fixed order (bare, capture, stats) the no-op capture read slower than the
+    bare forward, while rotated over the same batches the two measured alike (benchmarks/HISTORY.md); a fixed order charges any such effect of a form's place to the same form every time. With a number of timed
     batches that is a multiple of the number of forms, each form runs in each place equally often. ``after_warmup()`` is called once the warm-up batch is done.
     ``faults``, where given, gets each form's minor page faults over the timed batches (the process's: a helper
     thread's count too)."""
@@ -149,11 +148,41 @@ def interleaved_times(batches, forms, sync=lambda: None, after_warmup=None, faul
     return times
 
 
+def split_batches(toks: np.ndarray, batch_size: int, n_batches: int, tracked) -> tuple[list[np.ndarray], float]:
+    """The timed batches of ``toks`` and the share of their query positions (1..T-1) whose type is tracked."""
+    batches = [toks[i * batch_size : (i + 1) * batch_size] for i in range(n_batches)]
+    return batches, float(np.isin(toks[:, 1:], tracked.type_ids).mean())
+
+
+def bare_peaks(bare, batch, dev, sync) -> tuple[float, float | None]:
+    """Peak RSS (MiB) after the model and one bare forward of ``batch``, and on CUDA the bare forward's own peak of
+    allocated device memory (MiB; None elsewhere), the device's peak counter reset afterwards."""
+    import torch
+
+    bare(batch)
+    rss = peak_rss_mb()
+    if dev.type != "cuda":
+        return rss, None
+    torch.cuda.reset_peak_memory_stats()
+    bare(batch)
+    sync()
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    torch.cuda.reset_peak_memory_stats()
+    return rss, peak
+
+
+def device_sync(dev):
+    """A function that waits for the device's queued work (a no-op on CPU), for timings that end where work does."""
+    import torch
+
+    return torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+
 def setup_model(args):
     """(device, model, adapter, vocabulary size, BOS id) for :func:`add_common_args`' flags; sets torch's threads and
     (unless --default-allocator) the C allocator as the workflow's jobs do."""
-    from mfpipe.allocator import keep_freed_memory
     from mfpipe.models.adapters import get_adapter
+    from mfpipe.heap import keep_freed_memory
 
     args.allocator = "glibc defaults" if args.default_allocator else (
         "keeps freed memory" if keep_freed_memory() else "defaults (not glibc)")
@@ -223,12 +252,8 @@ def main(argv=None) -> None:
     toks, tracked, perm, bos = benchmark_batches(args, V, bos)
     T = toks.shape[1]
     key_lut, query_lut, n, _ = bucket_luts(tracked)
-    batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
-    cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+    batches, cover = split_batches(toks, B, nb, tracked)
+    sync = device_sync(dev)
 
     def bare(ids):
         with torch.no_grad():
@@ -250,7 +275,8 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats()
 
     acc = make_accumulator(args, adapter, n, T, dev)
-    tensors = [t for v in vars(acc).values() for t in (v.values() if isinstance(v, dict) else [v])]
+    tensors = [t for obj in (acc, acc._totals) for v in vars(obj).values()  # the sums live in acc._totals
+               for t in (v.values() if isinstance(v, dict) else [v])]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # views counted once
                 for t in tensors if isinstance(t, torch.Tensor)}
     acc_mb = sum(storages.values()) / 2**20
@@ -388,8 +414,9 @@ def instrument(acc) -> dict:
             return out
         return run
 
-    acc._kernel_heads = timed(acc._kernel_heads, "kernel")
-    acc._kernel_flush = timed(acc._kernel_flush, "kernel")
+    eng = acc._engine  # mfpipe.stats.engine.Engine: the accumulator calls these through its instance attributes
+    eng.kernel_heads = timed(eng.kernel_heads, "kernel")
+    eng.kernel_flush = timed(eng.kernel_flush, "kernel")
     acc._position_sums = timed(acc._position_sums, "positions")
     acc.begin_batch = timed(acc.begin_batch, "plan", wall=True)
     acc.on_layer = walled(acc.on_layer)

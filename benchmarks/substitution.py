@@ -24,14 +24,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stats_pass import (add_common_args, benchmark_tracked, interleaved_times, peak_rss_mb, setup_model,  # noqa: E402
-                        zipf_windows)
+from stats_pass import add_common_args, bare_peaks, benchmark_tracked, device_sync, interleaved_times, peak_rss_mb, setup_model, split_batches, zipf_windows  # noqa: E402
 
 
 def random_kernel(adapter, tracked, device):
     """A :class:`MeanFieldKernel` of random positive W and random μ for ``tracked`` on ``device`` (timing does not
     depend on their values; a dense positive W makes every tracked query a valid context: the most work)."""
-    from mfpipe.analysis.substitution import MeanFieldKernel
+    from mfpipe.meanfield.kernel import MeanFieldKernel
     from mfpipe.stats.buckets import bucket_luts
 
     key_lut, query_lut, n, _ = bucket_luts(tracked)
@@ -46,7 +45,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
     args = ap.parse_args(argv)
-    from mfpipe.analysis.substitution import substitution_batch
+    from mfpipe.experiments.substitution.substitute import substitution_batch
 
     dev, model, adapter, V, bos = setup_model(args)
     B, T, nb = args.batch_size, args.context_length, args.batches + 1
@@ -54,12 +53,8 @@ def main(argv=None) -> None:
     tracked = benchmark_tracked(toks, V, bos, args.n_tracked, perm)
     kernel = random_kernel(adapter, tracked, dev)
     L, H, n = adapter.n_layers, adapter.n_heads, kernel.n
-    batches = [toks[i * B : (i + 1) * B] for i in range(nb)]
-    cover = float(np.isin(toks[:, 1:], tracked.type_ids).mean())
-
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+    batches, cover = split_batches(toks, B, nb, tracked)
+    sync = device_sync(dev)
 
     def bare(chunk):
         ids = torch.as_tensor(chunk.astype(np.int64), device=dev)
@@ -80,14 +75,7 @@ def main(argv=None) -> None:
     def job(chunk):  # what the workflow's substitution job does per batch
         substitution_batch(adapter, kernel, chunk)
 
-    bare(batches[0])
-    rss_bare = peak_rss_mb()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        bare(batches[0])
-        sync()
-        cuda_bare = torch.cuda.max_memory_allocated() / 2**20
-        torch.cuda.reset_peak_memory_stats()
+    rss_bare, cuda_bare = bare_peaks(bare, batches[0], dev, sync)
     times = interleaved_times(batches, {"bare": bare, "substitution": substituted, "job": job}, sync)
     ntok = args.batches * B * T
     print(f"model {args.model} ({adapter.model_type}, L={L}, H={H}, d={adapter.d_model}); device {dev}; "

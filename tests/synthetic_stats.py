@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mfpipe.calibration import corpus_pass, window_batches
-from mfpipe.corpus import Shard, write_shards
+from mfpipe.corpus.tracked import TrackedSet
+from mfpipe.corpus.windows import Shard, write_shards
+from mfpipe.experiments.substitution.calibration import corpus_pass, window_batches
 from mfpipe.stats import Accumulator, finalize, write_store
 from mfpipe.stats.buckets import bucket_luts, window_buckets
-from mfpipe.tracked import TrackedSet
 
 VOCAB, BOS, N_TRACKED, T = 40, 39, 10, 12
 

@@ -13,13 +13,12 @@ from test_rollout import Ref, estimators_reference, forward_residuals
 from test_stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
-from mfpipe import figures as F
-from mfpipe import kernels as K
-from mfpipe import metrics as M
-from mfpipe import tables as T
-from mfpipe.analysis import accounting as AC
-from mfpipe.analysis import rollouts as RO
-from mfpipe.analysis import stores as S
+from mfpipe.experiments.rollout import accounting as AC
+from mfpipe.experiments.rollout import figures as F
+from mfpipe.experiments.rollout import kernels as K
+from mfpipe.experiments.rollout import metrics as M
+from mfpipe.experiments.rollout import runs as RO
+from mfpipe.experiments.rollout import tables as RT
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import (
     ProvenanceError,
@@ -28,6 +27,7 @@ from mfpipe.stats import (
     open_stats,
     write_store,
 )
+from mfpipe.stats import halves as S
 
 N_WINDOWS = 24
 
@@ -106,8 +106,8 @@ def test_scores_match_independent_references(stores, scores):
     scored against the evaluation centroids."""
     mt, model, ad, p, _ = stores
     L = ad.n_layers
-    assert set(scores["kernel"]) == set(T.DEFAULT_KERNELS)
-    assert len(scores) == len(T.DEFAULT_KERNELS) * L * len(M.METRICS)
+    assert set(scores["kernel"]) == set(RT.DEFAULT_KERNELS)
+    assert len(scores) == len(RT.DEFAULT_KERNELS) * L * len(M.METRICS)
     assert sorted(scores["depth"].unique()) == list(range(1, L + 1))
     assert np.isfinite(scores["value"]).all()
     assert not scores["pinned"].any()
@@ -133,8 +133,8 @@ def test_scores_match_independent_references(stores, scores):
 
 
 def test_summary_shape_and_standard_error(scores):
-    s = T.rollout_summary(scores)
-    assert list(s["kernel"]) == list(T.DEFAULT_KERNELS)  # paper order
+    s = RT.rollout_summary(scores)
+    assert list(s["kernel"]) == list(RT.DEFAULT_KERNELS)  # paper order
     for m in M.METRICS:
         assert f"{m}_se" in s
     for k in ("mean_field", "cooc"):
@@ -143,8 +143,8 @@ def test_summary_shape_and_standard_error(scores):
             row = s[s["kernel"] == k].iloc[0]
             assert row[m] == pytest.approx(v.mean())
             assert row[f"{m}_se"] == pytest.approx(v.std(ddof=1) / np.sqrt(v.size))
-    md = T.summary_markdown(s, title="t")
-    assert md.count("\n| ") == len(T.DEFAULT_KERNELS) + 1 and "Mean field" in md and "best on both metrics" in md
+    md = RT.summary_markdown(s, title="t")
+    assert md.count("\n| ") == len(RT.DEFAULT_KERNELS) + 1 and "Mean field" in md and "best on both metrics" in md
 
 
 def test_summary_se_on_known_values():
@@ -153,7 +153,7 @@ def test_summary_se_on_known_values():
         for d, v in enumerate(vals, start=1):
             for m in M.METRICS:
                 rows.append({"kernel": k, "pinned": False, "depth": d, "metric": m, "value": v, "n_types": 10})
-    s = T.rollout_summary(pd.DataFrame(rows)).set_index("kernel")
+    s = RT.rollout_summary(pd.DataFrame(rows)).set_index("kernel")
     assert s.loc["mean_field", "cosine"] == pytest.approx(0.8)
     assert s.loc["mean_field", "cosine_se"] == pytest.approx(0.1 / np.sqrt(3))
     assert s.loc["meanq", "cosine_se"] == pytest.approx(0.0)
@@ -164,9 +164,9 @@ def test_claim_check():
     def summ(vals):
         return pd.DataFrame([{"kernel": k, "pinned": False, "cosine": c, "rel_error": e} for k, (c, e) in vals.items()])
 
-    ok = T.claim_check(summ({"mean_field": (0.9, 0.4), "cooc": (0.8, 0.5), "P0only": (0.9, 0.4)}))
+    ok = RT.claim_check(summ({"mean_field": (0.9, 0.4), "cooc": (0.8, 0.5), "P0only": (0.9, 0.4)}))
     assert ok["holds"] and ok["cosine"]["ties"] == ["P0only"] and ok["cosine"]["best_baseline"] == "cooc"
-    bad = T.claim_check(summ({"mean_field": (0.9, 0.6), "cooc": (0.8, 0.5)}))
+    bad = RT.claim_check(summ({"mean_field": (0.9, 0.6), "cooc": (0.8, 0.5)}))
     assert bad["cosine"]["holds"] and not bad["rel_error"]["holds"] and not bad["holds"]
     assert bad["rel_error"]["best_baseline"] == "cooc"
 
@@ -177,8 +177,8 @@ def test_pinning_adds_pinned_rows(stores):
     pinned = df[df["pinned"]]
     assert len(pinned) == len(df) // 2 and (pinned["n_pinned"] > 0).all()
     assert np.isfinite(df["value"]).all()
-    s = T.rollout_summary(df)
-    assert len(s) == 4 and "(pinned, " in T.summary_markdown(s)
+    s = RT.rollout_summary(df)
+    assert len(s) == 4 and "(pinned, " in RT.summary_markdown(s)
     none = RO.run_rollouts(model, ad, p["stats"], p["eval"], kernels=["mean_field"], pin=True, rogue_factor=1e9)
     assert not none["pinned"].any()  # no rogue dimension: no duplicate rows
 
@@ -245,9 +245,9 @@ def test_cross_corpus_diagonal_equals_plain_rollout(stores, scores):
     n = df.groupby(["stats_corpus", "eval_corpus"])["n_types"].max()
     assert n[("zipf", "zipf")] == S.eval_types(open_stats(p["stats"]), open_stats(p["eval"])).size
     assert n[("other", "zipf")] <= n[("zipf", "zipf")] - 2 and n[("zipf", "other")] <= n[("zipf", "zipf")] - 2
-    s = T.cross_corpus_summary(df)
+    s = RT.cross_corpus_summary(df)
     assert len(s) == 3 * 2
-    md = T.matrix_markdown(s)
+    md = RT.matrix_markdown(s)
     assert "**" in md and "context-free" in md
     with pytest.raises(ProvenanceError):
         RO.cross_corpus(model, ad, {**corpora, "bad": (p["eval"], p["eval"])}, "zipf")
@@ -276,9 +276,9 @@ def test_error_accounting_tables(stores):
     want = estimators_reference(ref, zipf_windows(N_WINDOWS, seed=1).astype(np.int64), tracked)  # the stats windows
     for k in "abc":
         sub = ed[ed["estimator"] == k]
-        assert set(sub["label"]) == {T.ESTIMATORS[k]}
+        assert set(sub["label"]) == {RT.ESTIMATORS[k]}
         check(sub, "layer", want[k], truth[1:], k)
-    assert "unconditional value means" in T.error_decomposition_markdown(ed, "t")
+    assert "unconditional value means" in RT.error_decomposition_markdown(ed, "t")
 
     # teacher-forced: sum_h (sum_t P_st v_h(c_t)) W_O^h from the stats half vs sum_h zbar^h W_O^h of the eval half,
     # both without the output-projection bias (o_proj(reads) - o_proj(0))
@@ -333,7 +333,7 @@ def test_figures_write_pdf_and_png(stores, scores, tmp_path):
         "teacher_forced": AC.teacher_forced_table(ad, setup),
         "error_decomposition": AC.error_decomposition_table(ad, setup),
         "clustering": AC.clustering_table(ad, ev),
-        "cross_corpus": T.cross_corpus_summary(RO.cross_corpus(model, ad, corpora, "zipf", context_free=False)),
+        "cross_corpus": RT.cross_corpus_summary(RO.cross_corpus(model, ad, corpora, "zipf", context_free=False)),
     }
     fns = {"rollout": F.rollout_figure, "teacher_forced": F.teacher_forced_figure,
            "error_decomposition": F.error_decomposition_figure, "clustering": F.clustering_figure,

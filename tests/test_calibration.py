@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mfpipe.calibration import (
+from mfpipe.experiments.substitution.calibration import (
     bias_table,
     calibrate,
     corpus_pass,
@@ -271,7 +271,7 @@ def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
         write_corpus,
     )
 
-    from mfpipe.calibrated_store import load_calibrated
+    from mfpipe.meanfield.calibrated import load_calibrated
     from mfpipe.stats import ProvenanceError, open_stats
 
     tok = windows(30, seed=3)

@@ -93,3 +93,45 @@ def test_static_dependencies_cover_what_the_script_really_imports(script):
     assert executed, "the script imports no mfpipe module?"
     missing = executed - static
     assert not missing, f"{script.name}: imported at run time but not declared: {sorted(missing)}"
+
+
+def test_importlib_and_lazy_exports(tmp_path):
+    """A literal importlib.import_module counts like an import; a computed one is refused; a package's lazy
+    __getattr__ counts only for `from package import <name it serves>`, not for the package's other users."""
+    from mfpipe.codedeps import UnfollowedImport
+
+    write(tmp_path / "src", {
+        "mfpipe/__init__.py": ("try:\n    X = 1\nexcept ImportError:\n    X = 0\n\ndef __getattr__(name):\n    if name == 'heavy':\n"
+                               "        from mfpipe.heavy import heavy\n        return heavy\n    raise AttributeError(name)\n"),
+        "mfpipe/heavy.py": "heavy = 1\n",
+        "mfpipe/light.py": "import importlib\n\ndef f():\n    return importlib.import_module('mfpipe.loops')\n",
+        "mfpipe/loops.py": "",
+        "mfpipe/computed.py": "import importlib\n\ndef f(n):\n    return importlib.import_module(f'mfpipe.{n}')\n",
+    })
+    write(tmp_path / "scripts", {
+        "plain.py": "import mfpipe\nfrom mfpipe import X\nfrom mfpipe import light\n",
+        "lazy.py": "from mfpipe import heavy\n",
+        "computed.py": "from mfpipe import computed\n",
+    })
+    src = tmp_path / "src"
+    assert names(script_dependencies(src, tmp_path / "scripts" / "plain.py"), tmp_path) == [
+        "mfpipe/__init__.py", "mfpipe/light.py", "mfpipe/loops.py"]
+    assert names(script_dependencies(src, tmp_path / "scripts" / "lazy.py"), tmp_path) == [
+        "mfpipe/__init__.py", "mfpipe/heavy.py"]
+    with pytest.raises(UnfollowedImport, match=r"computed\.py:4: importlib\.import_module of a computed name"):
+        script_dependencies(src, tmp_path / "scripts" / "computed.py")
+
+
+def test_the_real_lazy_exports_are_followed():
+    """mfpipe.stats exports the pass lazily: a script importing it from the package depends on pass 1's files."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "s.py"
+        script.write_text("from mfpipe.stats import accumulate_shard\n")
+        got = {Path(p).relative_to(REPO / "src").as_posix() for p in script_dependencies(REPO / "src", script)}
+        assert {"mfpipe/stats/shards.py", "mfpipe/stats/pass1.py", "mfpipe/stats/_native_loops.py"} <= got
+        script = Path(d) / "s2.py"  # another file: the analysis caches per file
+        script.write_text("from mfpipe.stats import open_stats\n")
+        got = {Path(p).relative_to(REPO / "src").as_posix() for p in script_dependencies(REPO / "src", script)}
+        assert "mfpipe/stats/pass1.py" not in got and "mfpipe/stats/api.py" in got

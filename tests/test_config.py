@@ -49,10 +49,17 @@ def test_unknown_key_is_named():
         validate_schema(cfg)
 
 
+def test_a_renamed_key_is_named_with_its_new_name():
+    cfg = default_config()
+    cfg["tracked"] = {"n_types": 100}
+    with pytest.raises(ConfigError, match=r"tracked\.n_types was renamed tracked\.n_tracked"):
+        validate_schema(cfg)
+
+
 def test_bad_value_is_named():
     cfg = default_config()
-    cfg["tracked"]["n_types"] = "many"
-    with pytest.raises(ConfigError, match=r"tracked\.n_types"):
+    cfg["tracked"]["n_tracked"] = "many"
+    with pytest.raises(ConfigError, match=r"tracked\.n_tracked"):
         validate_schema(cfg)
     cfg = default_config()
     cfg["corpus"]["source"] = "web"

@@ -3,19 +3,19 @@ import json
 import numpy as np
 import pytest
 
-from mfpipe.corpus import (
-    build_halves,
-    list_shards,
-    pack_windows,
-    read_shard,
-    write_corpus,
-)
-from mfpipe.documents import (
+from mfpipe.corpus.documents import (
     CorpusError,
     Document,
     assign_split,
     iter_documents,
     split_documents,
+)
+from mfpipe.corpus.windows import (
+    build_halves,
+    list_shards,
+    pack_windows,
+    read_shard,
+    write_corpus,
 )
 
 

@@ -11,16 +11,15 @@ from hf_reference import head_maps
 from test_stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe.analysis import deviation_pass as DP
-from mfpipe.analysis import substitution as SU
-from mfpipe.ccmf import pair_kernel
-from mfpipe.deviation import corpus_deviation, meters, occurrence_terms
-from mfpipe.deviation_queries import query_plan, query_terms
+from mfpipe.experiments.ranking import deviation_pass as DP
+from mfpipe.experiments.ranking.pass2 import window_halves
+from mfpipe.experiments.ranking.queries import query_plan, query_terms
+from mfpipe.meanfield.ccmf import pair_kernel
+from mfpipe.meanfield.deviation import corpus_deviation, layer_grams, meters, occurrence_terms
+from mfpipe.meanfield.kernel import kernel_from_store
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.buckets import window_buckets
-from mfpipe.deviation import layer_grams
-from mfpipe.stats.pass2 import window_halves
 
 N_WIN = 12
 
@@ -102,7 +101,7 @@ def test_pass2_equals_per_position_reference(setup):
     """Acceptance: pass-2 statistics equal a slow per-position reference (1e-5), every architecture."""
     mt, model, ad, tracked, st, tokens, doc_ids = setup
     sums, meta = DP.deviation_shard(model, ad, tokens, doc_ids, tracked, st, min_count=1, batch_size=5, progress=False)
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     ref = slow_pass2(model, tokens, doc_ids, tracked, kernel)
     np.testing.assert_array_equal(sums["count"], ref["count"])
     assert sums["count"].sum() > 0 and (sums["count"][1] > 0).any() and (sums["count"][0] > 0).any()
@@ -115,7 +114,7 @@ def test_pass2_equals_per_position_reference(setup):
 def test_meters_sum_to_the_deviation_and_terms_to_the_error(setup):
     """Acceptance: M_cov + M_ctx = D per occurrence (1e-6); (a) + (b) = z − ẑ exactly (1e-6)."""
     mt, model, ad, tracked, st, tokens, doc_ids = setup
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     kb, qt = (torch.from_numpy(x) for x in window_buckets(tokens, kernel.key_lut, kernel.query_lut, kernel.n))
     grams = layer_grams(ad)
     seen = []
@@ -147,7 +146,7 @@ def test_meters_fail_when_the_mixed_term_is_wrong(setup):
     mt, model, ad, tracked, st, tokens, doc_ids = setup
     if mt != "gpt2":
         pytest.skip("one architecture suffices")
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     kb, qt = (torch.from_numpy(x) for x in window_buckets(tokens, kernel.key_lut, kernel.query_lut, kernel.n))
     grams = layer_grams(ad)
     res = {}
@@ -287,7 +286,7 @@ def test_meters_from_gram_products_equal_the_explicit_split():
     z = zhat + 0.3 * torch.randn(n, H, dh, generator=g)
     mixed = 0.5 * (z + zhat) + 0.2 * torch.randn(n, H, dh, generator=g)
     z[0], z[1], z[2] = 2.0 * zhat[0], -zhat[1], zhat[2]  # collinear: D = 0, D = 2, and e = 0
-    from mfpipe.deviation import OccurrenceTerms
+    from mfpipe.meanfield.deviation import OccurrenceTerms
 
     m = meters(OccurrenceTerms(z, zhat, mixed, None), G)
     for i in range(n):

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from mfpipe.deviation_figures import EXP3_COLUMNS, exp3_figure, exp3_table, induction_correlation
+from mfpipe.experiments.ranking.figures import EXP3_COLUMNS, exp3_figure, exp3_table, induction_correlation
 
 
 def _da(a, dims=("layer", "head")):
@@ -62,7 +62,7 @@ def test_exp3_table_training_order_and_computed_rows():
 
 
 def test_exp3_figure_plots_its_inputs(tmp_path, monkeypatch):
-    from mfpipe import figures
+    from mfpipe.experiments.ranking import figures
 
     captured = {}
     real = figures.save_figure
@@ -93,8 +93,8 @@ def test_figure_outputs_keep_the_dots_of_a_model_name():
     it at the model name's dot and write `ccmf_scatter_llama-3.pdf`)."""
     from pathlib import Path
 
-    from mfpipe.figures import _outputs
+    from mfpipe.plots import figure_paths
 
     stem = Path("results/figures/ccmf_scatter_llama-3.2-3b_main")
     want = (Path(f"{stem}.pdf"), Path(f"{stem}.png"))
-    assert _outputs(stem) == want and _outputs(f"{stem}.png") == want and _outputs(f"{stem}.pdf") == want
+    assert figure_paths(stem) == want and figure_paths(f"{stem}.png") == want and figure_paths(f"{stem}.pdf") == want

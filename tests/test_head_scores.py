@@ -9,8 +9,15 @@ import transformers
 from test_induction import PatternModel
 from tiny_models import make_tiny_model
 
-from mfpipe.head_scores import SCORES, head_scores, open_head_scores, score_targets, scores_table, write_head_scores
-from mfpipe.induction import induction_scores
+from mfpipe.experiments.ranking.head_scores import (
+    SCORES,
+    head_scores,
+    open_head_scores,
+    score_targets,
+    scores_table,
+    write_head_scores,
+)
+from mfpipe.models.induction import induction_scores
 
 
 def test_score_targets():

@@ -17,10 +17,11 @@ from test_stats_reference import reference_capture, tracked_for, zipf_windows
 from test_substitution import slow_zhat
 from tiny_models import make_tiny_model
 
-from mfpipe.analysis import icl as I
-from mfpipe.analysis import icl_meter as IM
-from mfpipe.analysis import icl_prompts as P
-from mfpipe.analysis import substitution as SU
+from mfpipe.experiments.prompts import classes as I
+from mfpipe.experiments.prompts import figures as PF
+from mfpipe.experiments.prompts import meter as IM
+from mfpipe.experiments.prompts import sets as P
+from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 
@@ -48,7 +49,7 @@ def setup(request, tmp_path_factory):
     st_tok, ev = allw[:24], allw[24:]
     tracked = tracked_for(st_tok)
     st = _store(model, ad, st_tok, tracked, tmp_path_factory.mktemp(f"icl-{mt}") / "stats.zarr")
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     doc = np.repeat((np.arange(len(ev)) // 2)[:, None], T_CTX, axis=1)  # documents of two windows
     return mt, model, ad, tracked, kernel, ev, doc
 
@@ -286,7 +287,7 @@ def test_prompts_whose_query_has_no_mean_field_are_skipped_and_counted(setup):
     prompts = _prompts(setup, n=3)
     untracked = int(np.flatnonzero(kernel.query_lut < 0)[0])
     bad = P.Prompt("natural", np.r_[prompts[0].tokens[:-1], untracked], 3)
-    k2 = SU.MeanFieldKernel(kernel.W.clone(), kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
+    k2 = MeanFieldKernel(kernel.W.clone(), kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
     s = int(kernel.query_lut[prompts[1].query])
     k2.W[:, :, s] = float("nan")  # a type never seen as a query
     df, skipped = I.measure_prompts(ad, k2, prompts + [bad], batch_size=8)
@@ -420,7 +421,7 @@ def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path):
     assert colon in tracked.type_ids.tolist()
     tracked.strings = [tok.decode([int(i)]) for i in tracked.type_ids]
     st = _store(model, ad, windows[: n_win // 2], tracked, tmp_path / "stats.zarr")
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     ev = windows[n_win // 2 :]
     doc = np.repeat(np.arange(len(ev))[:, None], T, axis=1)
     prompts, info = P.prompt_classes(I.queryable_types(kernel), tok, tracked, T, ev, doc, n=6, n_fewshot=6,
@@ -434,11 +435,16 @@ def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path):
     sep = I.separation_table(df)
     assert table["class"].tolist() == list(P.CLASSES) and len(sep) == 4 * 3
     write_table(table, csv=tmp_path / "icl.csv")
+    write_table(df, csv=tmp_path / "prompts.csv")
     (tmp_path / "icl.md").write_text(I.class_markdown(table))
-    pdf, png = I.icl_figure(df, tmp_path / "icl")
+    # the figures are drawn by their own rules from the CSVs the forward jobs wrote (no model in the figure job)
+    pdf, png = PF.icl_figure(tmp_path / "prompts.csv", tmp_path / "icl")
     seqs, _ = P.meter_sequences(ev, doc, 2, bos_id=0)
     tabs = IM.meter_tables(IM.instance_meter(ad, kernel, seqs), n_bins=4)
-    pdf2, png2 = IM.meter_figure(tabs["curves"], tabs["bins"], tabs["summary"], tmp_path / "meter")
+    for key in ("curves", "bins", "summary"):
+        write_table(tabs[key], csv=tmp_path / f"meter_{key}.csv")
+    pdf2, png2 = PF.meter_figure(*(tmp_path / f"meter_{key}.csv" for key in ("curves", "bins", "summary")),
+                                 tmp_path / "meter")
     for f in (pdf, png, pdf2, png2, tmp_path / "icl.md"):
         assert f.stat().st_size > 0
     md = (tmp_path / "icl.md").read_text()

@@ -8,13 +8,13 @@ import torch
 from hf_reference import reference_run
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe.induction import (
+from mfpipe.models.adapters import Adapter, LayerCapture, RunResult
+from mfpipe.models.induction import (
     induction_metrics,
     induction_scores,
     induction_targets,
     repeated_random_tokens,
 )
-from mfpipe.models.adapters import Adapter, LayerCapture, RunResult
 
 
 def test_repeated_random_tokens_layout():

@@ -42,7 +42,7 @@ def test_figures_get_umask_permissions(tmp_path, umask_022):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from mfpipe.figures import save_figure
+    from mfpipe.experiments.rollout.figures import save_figure
 
     fig, ax = plt.subplots()
     ax.plot([0, 1], [0, 1])

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mfpipe.kernel_dynamics import (
+from mfpipe.experiments.substitution.kernel_dynamics import (
     adjacent_cka,
     cka_matrix,
     cka_per_head,
@@ -155,16 +155,16 @@ def _lines(ax):
 
 
 def test_cka_figure_plots_its_inputs(tmp_path, monkeypatch):
-    from mfpipe import figures, sweep_figures
+    from mfpipe.experiments.substitution import figures as sweep_figures
 
     captured = {}
-    real = figures.save_figure
+    real = sweep_figures.save_figure
 
     def spy(fig, pdf, png, dpi=150):
         captured["fig"] = fig
         real(fig, pdf, png, dpi=dpi)
 
-    monkeypatch.setattr(figures, "save_figure", spy)
+    monkeypatch.setattr(sweep_figures, "save_figure", spy)
     steps = [0, 1, 2, 4, 64, 1000]
     rng = np.random.default_rng(0)
     M = rng.uniform(0.5, 1.0, size=(6, 6))
@@ -189,11 +189,11 @@ def test_cka_figure_plots_its_inputs(tmp_path, monkeypatch):
 def test_spread_figure_plots_its_inputs(tmp_path, monkeypatch):
     import pandas as pd
 
-    from mfpipe import figures, sweep_figures
+    from mfpipe.experiments.substitution import figures as sweep_figures
 
     captured = {}
-    real = figures.save_figure
-    monkeypatch.setattr(figures, "save_figure",
+    real = sweep_figures.save_figure
+    monkeypatch.setattr(sweep_figures, "save_figure",
                         lambda fig, pdf, png, dpi=150: (captured.setdefault("fig", fig), real(fig, pdf, png, dpi=dpi)))
     rng = np.random.default_rng(1)
     steps = [0, 16, 256, 4096]
@@ -246,7 +246,7 @@ def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
     import pandas as pd
     from synthetic_stats import NamedList, run_script
 
-    from mfpipe.kernel_dynamics import open_kernel
+    from mfpipe.experiments.substitution.kernel_dynamics import open_kernel
     from mfpipe.stats import open_stats
 
     stores = _revision_stores(tmp_path)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from mfpipe import kernels as K
+from mfpipe.experiments.rollout import kernels as K
 
 L, H, N = 3, 2, 6
 

@@ -15,9 +15,9 @@ from hf_reference import final_norm, head_maps
 from test_stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe.analysis import deviation_pass as DP
-from mfpipe.analysis import lenses as LE
-from mfpipe.analysis import substitution as SU
+from mfpipe.experiments.prompts import lenses as LE
+from mfpipe.experiments.ranking import deviation_pass as DP
+from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 
@@ -78,7 +78,7 @@ def setup(request, tmp_path_factory):
     parts = [DP.deviation_shard(model, ad, tokens[sl], doc_ids[sl], tracked, st, min_count=1, batch_size=5,
                                 progress=False, top_k=TOP_K) for sl in (slice(0, 10), slice(10, None))]
     merged = DP.deviation_dataset(*DP.merge_partials(parts), tracked, min_occurrences=3)
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     tok = StubTokenizer()
     S = merged["S_bar"].values
     named = [(0, int(np.argmax(S[0])))]  # the top heads are in layer 1: name one of layer 0 as well
@@ -115,7 +115,7 @@ def test_recomputed_D_equals_stored_top_D(setup):
     assert df["D_ok"].all()
     np.testing.assert_allclose(df["M_cov"] + df["M_ctx"], df["D_recomputed"], atol=1e-6)
     k = setup["kernel"]
-    wrong = SU.MeanFieldKernel(k.W, k.mu * 1.3 + 0.05, k.key_lut, k.query_lut, k.n, dict(k.attrs))
+    wrong = MeanFieldKernel(k.W, k.mu * 1.3 + 0.05, k.key_lut, k.query_lut, k.n, dict(k.attrs))
     bad = LE.context_details(setup["ad"], wrong, setup["tok"], setup["shards"], setup["rows"].iloc[:6])
     assert not bad["D_ok"].all()
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mfpipe import metrics as M
+from mfpipe.experiments.rollout import metrics as M
 
 
 def _cloud(n=12, d=7, seed=0, offset=5.0):
@@ -95,7 +95,7 @@ def test_shape_mismatch_raises():
 
 
 # ------------------------------------------------------------------------------ diagnostics (App. D, H, K)
-from mfpipe import diagnostics as D  # noqa: E402
+from mfpipe.experiments.rollout import diagnostics as D  # noqa: E402
 
 
 def _occurrences(seed=0, n_types=5, d=6, offset=50.0):

@@ -235,7 +235,7 @@ def test_tiny_model_learns_induction(char_tok_dir, tmp_path):
     assert info["wall_time_s"] > 0 and summary["model"] == "tiny-induction"
 
     # each checkpoint is a standalone HF model dir that reproduces the recorded scores
-    from mfpipe.induction import induction_scores
+    from mfpipe.models.induction import induction_scores
 
     final = out / "checkpoints" / f"step{steps[-1]}"
     model = AutoModelForCausalLM.from_pretrained(str(final), attn_implementation="eager")

@@ -1,7 +1,6 @@
 """Issue 12: bad inputs stop the run when the DAG is built, with one line naming the key/file/model and what to do;
 a failing job puts its one-line cause in its rule log (above the traceback) and as the last line on stderr."""
 import json
-import logging
 import subprocess
 import sys
 
@@ -53,11 +52,11 @@ def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
 
 def test_n_larger_than_the_vocabulary():
     cfg = ci_config()
-    cfg["tracked"]["n_types"] = 600
+    cfg["tracked"]["n_tracked"] = 600
     with pytest.raises(ConfigError) as e:
         preflight(cfg)
     msg = one_line(e)
-    assert "tracked.n_types 600" in msg and "512" in msg and "set tracked.n_types below 512" in msg
+    assert "tracked.n_tracked 600" in msg and "512" in msg and "set tracked.n_tracked below 512" in msg
 
 
 def test_unknown_kernel_name():
@@ -159,8 +158,8 @@ DAG_CASES = {
     "unknown architecture": (_mistral, None, ["'mine'", "'mistral'", "supported architecture"]),
     "missing corpus file": (lambda c, t: c["corpus"].update(source="files", path=str(t / "nope.txt")), None,
                             ["corpus 'shakespeare-ci'", "nope.txt", "point `path`"]),
-    "N above the vocabulary": (lambda c, t: c["tracked"].update(n_types=600), None,
-                               ["tracked.n_types 600", "set tracked.n_types below 512"]),
+    "N above the vocabulary": (lambda c, t: c["tracked"].update(n_tracked=600), None,
+                               ["tracked.n_tracked 600", "set tracked.n_tracked below 512"]),
     "unknown kernel": (lambda c, t: c.setdefault("rollout", {}).update(kernels=["mean_field", "nosuch"]), None,
                        ["rollout.kernels.1", "'nosuch'"]),
     "zero tokens": (lambda c, t: c["corpus"].update(tokens_per_half=0), None, ["corpus.tokens_per_half"]),

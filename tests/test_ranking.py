@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from mfpipe import figures
-from mfpipe.analysis.ranking import heads_table, split_half_stability, top_bottom
-from mfpipe.deviation_figures import ccmf_scatter, head_roles
+from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
+from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
+from mfpipe.experiments.ranking import figures
 
 
 def _store(L=3, H=4, seed=0):

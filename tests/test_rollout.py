@@ -23,14 +23,14 @@ import pytest
 import torch
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe import kernels as K
-from mfpipe import metrics as M
-from mfpipe import rollout as R
-from mfpipe.analysis import accounting as AC
-from mfpipe.analysis import rollouts as RO
+from mfpipe.corpus.tracked import TrackedSet
+from mfpipe.experiments.rollout import accounting as AC
+from mfpipe.experiments.rollout import algorithm as R
+from mfpipe.experiments.rollout import kernels as K
+from mfpipe.experiments.rollout import metrics as M
+from mfpipe.experiments.rollout import runs as RO
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
-from mfpipe.tracked import TrackedSet
 
 RTOL, ATOL = 2e-4, 2e-4
 
@@ -400,7 +400,7 @@ def paper_b_reference(ref, toks, tracked):
 def test_paper_estimator_b_from_pass2_matches_reference(tiny):
     """Issue 11: with pass 2's sum_t P_st E_s[vbar_t] the pipeline's (b) is the paper's (E_s[vbar_t] swapped for
     v(c_t), the covariance kept), equal to its per-occurrence definition; it differs from the mu_t stand-in."""
-    from mfpipe.analysis import deviation_pass as DP
+    from mfpipe.experiments.ranking import deviation_pass as DP
 
     mt, model, ad, ref, bos_id, b = tiny
     if mt not in ("gpt2", "gemma2", "olmo2"):

@@ -87,20 +87,23 @@ def test_native_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeyp
     N, K, T = tracked.n, tracked.n + 2, kb.shape[1]
     acc = pass1.Accumulator(1, 3, 1, 1, N, T, engine="native")
     acc.begin_batch(kb, qt)
-    pl = acc._plan
+    pl = acc._plan.pairs
     got_cell = []
-    for c in range(len(pl["m_off"]) - 1):
-        cells = pl["cells"][pl["u_off"][c] : pl["u_off"][c + 1]]
+    for c in range(len(pl.m_off) - 1):
+        cells = pl.cells[pl.u_off[c] : pl.u_off[c + 1]]
         assert len(np.unique(cells)) == len(cells)
-        got_cell.append(cells[pl["pinv"][pl["m_off"][c] : pl["m_off"][c + 1]]])
+        got_cell.append(cells[pl.pinv[pl.m_off[c] : pl.m_off[c + 1]]])
     assert len(got_cell) == (6 if pair_chunk else 1)
     bb, jj, kk = next(causal_pairs(torch.as_tensor(qt), chunk=None))
     cell = torch.as_tensor(qt)[bb, jj] * K + torch.as_tensor(kb)[bb, kk]
     np.testing.assert_array_equal(np.concatenate(got_cell), cell)
-    assert not acc.nbar.numpy().any()  # nbar's batch part goes in with the kernel sums (end_batch) ...
-    acc._native.flush_counts()  # ... or, for a batch that never ends, at the next plan or at sums()
-    np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
-    eng = acc._native  # the tables are left clean (the next batch's plan does not reset them)
+    # nbar's batch part waits in the plan's cell counts, to go in with the kernel sums (end_batch) or, for a batch
+    # that never ends, at the next plan or at sums()
+    waiting = np.zeros(N * K, dtype=np.int64)
+    np.add.at(waiting, pl.cells, pl.cell_counts[:, 0])
+    np.testing.assert_array_equal(waiting, np.bincount(cell.numpy(), minlength=N * K))
+    np.testing.assert_array_equal(acc.sums()["nbar_sum"].reshape(-1), np.bincount(cell.numpy(), minlength=N * K))
+    eng = acc._engine  # the tables are left clean (the next batch's plan does not reset them)
     assert (eng.cell_lut == -1).all() and (eng.bucket_lut == -1).all() and (eng.rank_table == -1).all()
 
 
@@ -118,7 +121,7 @@ def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, p
     acc = pass1.Accumulator(1, H, 1, 1, N, T, engine="torch")
     acc.begin_batch(kb, qt)
     got_b, got_j, got_k, got_cell = [], [], [], []
-    for ch in acc._torch.chunks:
+    for ch in acc._plan.pairs:
         assert ch.cells.unique().numel() == ch.cells.numel()
         got_b.append(ch.gidx // (H * T * T))
         got_j.append(ch.gidx % (T * T) // T)
@@ -130,11 +133,11 @@ def test_kernel_plan_is_the_causal_pairs_with_their_compact_cells(monkeypatch, p
     np.testing.assert_array_equal(torch.cat(got_k), kk)
     cell = torch.as_tensor(qt)[bb, jj] * K + torch.as_tensor(kb)[bb, kk]
     np.testing.assert_array_equal(torch.cat(got_cell), cell)
-    np.testing.assert_array_equal(acc.nbar.numpy(), np.bincount(cell.numpy(), minlength=N * K))
+    np.testing.assert_array_equal(acc.sums()["nbar_sum"].reshape(-1), np.bincount(cell.numpy(), minlength=N * K))
 
 
 def test_read_side_does_not_import_torch_nor_the_pass_numba():
-    """The read side loads no torch; the pass loads torch, and numba (~130 MiB resident) only once a native-engine
+    """The read side loads no torch; the pass loads torch, and numba (much resident memory) only once a native-engine
     reducer is built."""
     code = ("import sys\n"
             "import mfpipe.stats, mfpipe.stats.api, mfpipe.stats.store, mfpipe.stats.partials, mfpipe.stats.buckets\n"

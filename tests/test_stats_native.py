@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from test_stats_reference import tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
@@ -29,7 +30,8 @@ def _sums(model, adapter, tokens, tracked, engine, helper=False, norm_form=True)
                                 helper_thread=helper, engine=engine,
                                 attn_input_norm_form=ad.attn_input_norm_form if norm_form else None,
                                 attn_out_weights=ad.attn_out_weights, mlp_out_from_resid=ad.mlp_out_from_resid)
-        assert (acc._norm_forms is not None) == (engine == "native" and norm_form)  # every tiny model has a form
+        # every tiny model has a form
+        assert (getattr(acc._engine, "norm_forms", None) is not None) == (engine == "native" and norm_form)
         return acc
 
     return accumulate_shard(model, adapter, tokens, tracked, batch_size=5, device="cpu", progress=False, reducer=make)
@@ -90,22 +92,23 @@ def test_kernel_head_blocks_sum_each_head_in_pair_order(deferred, monkeypatch):
     kb = rng.integers(0, N + 2, size=(B, T))
     qt = np.where(kb < N, kb, -1)
     acc.begin_batch(kb, qt)
-    plan, eng = acc._plan, acc._native
+    plan, eng = acc._plan, acc._engine
+    pairs = plan.pairs
     p4 = rng.random((B, H, T, T), dtype=np.float32)
     # the pairs of each group in the plan's order, and their values of every head
     b_, j_, k_ = zip(*[(b, j, k) for b in range(B) for j in range(T) if qt[b, j] >= 0 for k in range(j + 1)])
     vals = p4[np.array(b_), :, np.array(j_), np.array(k_)]  # [M, H]
-    assert len(plan["m_off"]) == 2 and plan["m_off"][1] == len(b_)  # one group: the whole batch
-    ref = np.zeros((len(plan["cells"]), H), np.float32)
-    np.add.at(ref, plan["pinv"][: len(b_)], vals)
+    assert len(pairs.m_off) == 2 and pairs.m_off[1] == len(b_)  # one group: the whole batch
+    ref = np.zeros((len(pairs.cells), H), np.float32)
+    np.add.at(ref, pairs.pinv[: len(b_)], vals)
     for heads in (range(0, 15), range(3, 12), range(7, 8), range(9, 15)):
         l = 1
-        eng.kernel_heads(plan, l, p4, heads, acc._scratch)
+        eng.kernel_heads(plan, l, torch.from_numpy(p4).reshape(-1), heads, acc._scratch)
         cols = slice(l * H + heads.start, l * H + heads.stop)
         if deferred:
-            got = plan["sums"][:, cols]
+            got = pairs.sums[:, cols]
         else:
-            got = eng.arrays["P"][plan["cells"], cols]
+            got = eng.arrays["P"][pairs.cells, cols]
             eng.arrays["P"][:] = 0
         assert np.array_equal(got, ref[:, heads.start : heads.stop]), heads
 
@@ -171,7 +174,7 @@ def test_counts_of_batches_that_never_end_reach_the_sums():
 
 
 def test_sums_taken_before_a_batch_ends_do_not_count_it_twice():
-    """sums() adds the counts of a batch that is begun and not ended (flush_counts); when that batch then ends, its
+    """sums() adds the counts of a batch that is begun and not ended (complete_counts); when that batch then ends, its
     end_batch adds only its kernel sums: the final counts equal the torch engine's, which adds them at begin_batch."""
     from mfpipe.stats.buckets import window_buckets
 
@@ -231,6 +234,6 @@ def test_deferred_cooc_half_equals_the_direct_count_whatever_the_order_of_batche
                 assert np.array_equal(got["torch"][k], got["native"][k]), (name, sums_between, k)
     acc = pass1.Accumulator(1, 1, 4, 4, n, 20, engine="native")
     acc.begin_batch(kb, qt)
-    assert acc._native.cooc_deferred[0] == 1  # window_buckets' batches defer it
+    assert acc._engine.cooc_deferred[0] == 1  # window_buckets' batches defer it
     acc.sums()
-    assert acc._native.cooc_deferred[0] == 0
+    assert acc._engine.cooc_deferred[0] == 0

@@ -15,10 +15,10 @@ import torch
 from hf_reference import reference_run
 from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
+from mfpipe.corpus.tracked import TrackedSet
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize, merge_sums
 from mfpipe.stats.errors import StatsError
-from mfpipe.tracked import TrackedSet
 
 N_TRACKED = 20
 T = 16

@@ -17,7 +17,7 @@ import zarr
 from test_stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
-from mfpipe.corpus import Shard, write_shards
+from mfpipe.corpus.windows import Shard, write_shards
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import (
     ProvenanceError,
@@ -428,7 +428,7 @@ def shard_partials(model, adapter, shards, partials, tracked) -> list[Path]:
     """What the workflow does per shard (Snakemake reruns exactly the stats_shard jobs whose partial is
     missing; each job runs workflow/scripts/stats_shard.py): one shard's sums -> one partial, written
     atomically. Returns the partials computed."""
-    from mfpipe.corpus import read_shard
+    from mfpipe.corpus.windows import read_shard
 
     done = []
     for sp, pp in zip(shards, partials):
@@ -455,7 +455,7 @@ def test_interrupted_run_resumes_missing_shards_only(tmp_path, hard_kill):
             import sys; sys.path.insert(0, {str(TESTS)!r})
             from tiny_models import make_tiny_model
             from mfpipe.models.adapters import get_adapter
-            from mfpipe.tracked import TrackedSet
+            from mfpipe.corpus.tracked import TrackedSet
             from test_stats_store import CountingAdapter, shard_partials
             model = make_tiny_model("gpt2", seed=2)
             ad = CountingAdapter(get_adapter(model), fail_at_call=6, hard_kill=True)

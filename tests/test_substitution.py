@@ -12,8 +12,9 @@ from hf_reference import head_maps, patched_reads, reference_run
 from test_stats_reference import tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe.analysis import substitution as SU
-from mfpipe.ccmf import ccmf_reads, pair_kernel, type_kernel
+from mfpipe.experiments.substitution import substitute as SU
+from mfpipe.meanfield.ccmf import ccmf_reads, pair_kernel, type_kernel
+from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store, own_reads_replacement
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.buckets import prefix_counts
@@ -39,7 +40,7 @@ def setup(request, tmp_path_factory):
     path = write_store(finalize(sums, tracked, meta), tmp_path_factory.mktemp(f"sub-{mt}") / "stats.zarr")
     st = open_stats(path)
     # min_count 1: the tiny corpus is far too small for the default C >= 20 support
-    kernel = SU.kernel_from_store(st, tracked, min_count=1)
+    kernel = kernel_from_store(st, tracked, min_count=1)
     ev_tok = zipf_windows(N_EVAL, seed=2)
     return mt, model, ad, kernel, ev_tok
 
@@ -132,7 +133,7 @@ def test_zhat_is_invariant_to_permuting_the_context(setup):
 def test_own_reads_written_back_leave_the_loss_unchanged(setup):
     """Acceptance: the same intervention writing the model's own reads back: |ΔL| < 1e-6, every architecture."""
     mt, model, ad, kernel, ev = setup
-    s = SU.substitution_pass(ad, kernel, ev, batch_size=4, replacement=SU.own_reads_replacement)
+    s = SU.substitution_pass(ad, kernel, ev, batch_size=4, replacement=own_reads_replacement)
     summ = s.summary()
     assert summ["n_substituted"] > 10
     assert abs(summ["delta_L"]) < 1e-6, summ
@@ -145,7 +146,7 @@ def test_untracked_and_unseen_query_types_keep_their_own_reads(setup):
     """A query type with no row (never a query in the statistics half: NaN) is not substituted; with every row
     NaN nothing is, and the loss is exactly the model's."""
     mt, model, ad, kernel, ev = setup
-    k2 = SU.MeanFieldKernel(kernel.W.clone(), kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
+    k2 = MeanFieldKernel(kernel.W.clone(), kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
     k2.W[:, :, 0] = float("nan")  # type 0 unseen
     kb, qt = k2.buckets(ev)
     _, sub = k2.zhat(kb, qt)
@@ -235,7 +236,7 @@ def test_pair_kernel_is_causal_and_normalised():
 
 # ------------------------------------------------------------------ results across training
 def test_induction_window_from_curve():
-    from mfpipe.induction import induction_window, training_window
+    from mfpipe.models.induction import induction_window, training_window
 
     curve = [{"step": s, "max_induction": v} for s, v in
              [(0, 0.02), (512, 0.05), (1024, 0.099), (1100, 0.2), (1200, 0.5), (1300, 0.85), (1500, 0.93)]]
@@ -251,7 +252,7 @@ def test_sweep_table_and_waypoint_figure(setup, tmp_path):
     mt, model, ad, kernel, ev = setup
     if mt != "gpt2":
         pytest.skip("one architecture is enough for the table and figure")
-    from mfpipe import sweep_figures as F
+    from mfpipe.experiments.substitution import figures as F
     from mfpipe.stats.api import ProvenanceError
 
     paths = []
@@ -279,7 +280,7 @@ def test_topn_table_and_figure(setup, tmp_path):
     mt, model, ad, kernel, ev = setup
     if mt != "gpt2":
         pytest.skip("one architecture is enough for the table and figure")
-    from mfpipe import sweep_figures as F
+    from mfpipe.experiments.substitution import figures as F
     from mfpipe.stats.api import ProvenanceError
 
     arms, paths = [], []
@@ -289,7 +290,7 @@ def test_topn_table_and_figure(setup, tmp_path):
             if sub:  # a smaller arm: only the first `sub` tracked types have a row
                 W = kernel.W.clone()
                 W[:, :, sub:] = float("nan")
-                k = SU.MeanFieldKernel(W, kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
+                k = MeanFieldKernel(W, kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
             ds = SU.result_dataset(SU.substitution_pass(ad, k, ev, batch_size=6),
                                    dict(kernel.attrs, model="tiny", revision=rev, n_tracked=n))
             p = tmp_path / f"N{n}" / rev / "substitution.zarr"

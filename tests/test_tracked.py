@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mfpipe.tracked import TrackedSet, count_types, select_tracked
+from mfpipe.corpus.tracked import TrackedSet, count_types, select_tracked
 
 
 def test_top_n_excludes_bos_and_breaks_ties_by_id():

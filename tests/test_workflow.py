@@ -1,5 +1,6 @@
 """Drive the real Snakemake workflow on the tiny `ci` config in a scratch working directory."""
 
+import json
 import os
 import re
 import shutil
@@ -17,11 +18,12 @@ CI_CONFIG = REPO / "config" / "ci.yaml"
 pytestmark = pytest.mark.slow
 
 
-def snakemake(workdir: Path, *args: str, configfiles=(CI_CONFIG,), timeout=1800) -> str:
+def snakemake(workdir: Path, *args: str, configfiles=(CI_CONFIG,), timeout=1800, env: dict | None = None) -> str:
     """Run the workflow of the checkout at ``workdir`` (a clone made by :func:`clone`) in ``workdir``."""
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
            "--configfile", *map(str, configfiles), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **env} if env else None)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
     return text
@@ -66,7 +68,8 @@ def clone(dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     wd = clone(tmp_path_factory.mktemp("wf"))
-    snakemake(wd, "--cores", "2")
+    # every job records the mfpipe modules it loaded (mfpipe.jobs.record_loaded_modules), for the code-input test
+    snakemake(wd, "--cores", "2", env={"MFPIPE_LOADED_MODULES": str(wd / "loaded_modules")})
     return wd
 
 
@@ -117,7 +120,7 @@ def test_head_ranking_outputs(built):
     table and figure across the sweep, and at the rollout revision the ranking tables and the M_cov / M_ctx scatter."""
     import pandas as pd
 
-    from mfpipe.analysis.deviation_pass import open_deviation
+    from mfpipe.experiments.ranking.deviation_pass import open_deviation
 
     r = built / "results"
     for m, revs in (("mini-gpt2", ["step4", "step20"]), ("mini-neox", ["step20"])):
@@ -138,6 +141,18 @@ def test_head_ranking_outputs(built):
     assert exp3["revision"].tolist() == ["step4", "step20"] and exp3["n_heads"].tolist() == [2, 2]
     assert (r / "figures" / "exp3_correlation_mini-gpt2.png").stat().st_size > 0
     assert not (r / "tables" / "exp3_correlation_mini-neox.csv").exists()  # one revision is no sweep
+
+
+def test_example_notebook_reads_the_run(built, tmp_path):
+    """examples/reading_results.ipynb runs on this run's results (the reading API, provenance, its figure);
+    the helpers and the API's own tests are in tests/test_examples.py."""
+    from test_examples import check_executed, execute_notebook
+
+    import mfpipe
+
+    held = mfpipe.list_results(built / "results")
+    assert {"stats", "deviation", "substitution", "kernel", "calibrated"} <= set(held["experiment"])
+    check_executed(execute_notebook(built / "results", tmp_path), tmp_path)
 
 
 def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
@@ -182,7 +197,7 @@ def test_token_budget_change_rebuilds_only_corpus_onward(built, tmp_path):
 
 
 def test_n_change_rebuilds_only_tracked_onward(built, tmp_path):
-    cfg = variant(tmp_path, "n", lambda c: c["tracked"].update(n_types=c["tracked"]["n_types"] // 2))
+    cfg = variant(tmp_path, "n", lambda c: c["tracked"].update(n_tracked=c["tracked"]["n_tracked"] // 2))
     rules = {r for r, _ in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))}
     assert "tracked_types" in rules
     assert not rules & {"corpus_shards", "minisuite_tokenizer", "minisuite_train", "induction_table"}, rules
@@ -208,13 +223,15 @@ def test_training_option_change_retrains_only_that_model(built, tmp_path):
     assert not [w for r, w in jobs if "mini-gpt2" in w], jobs
 
 
-def test_deleting_a_figure_reruns_only_its_plotting_job(built):
-    figs = sorted((built / "results" / "figures").glob("rollout_mini-gpt2_*.png"))
-    assert figs, "the ci DAG builds the rollout figure"
+@pytest.mark.parametrize("figure, rule", [("rollout", "figure_rollout"), ("icl_classes", "figure_icl_classes")])
+def test_deleting_a_figure_reruns_only_its_plotting_job(built, figure, rule):
+    """A figure is drawn by its own rule from a table (never inside the forward-pass job that wrote the table)."""
+    figs = sorted((built / "results" / "figures").glob(f"{figure}_mini-gpt2_*.png"))
+    assert figs, f"the ci DAG builds the {figure} figure"
     png = figs[0]
     png.unlink()
     jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n")) if r != "all"]
-    assert [r for r, _ in jobs] == ["figure_rollout"] and "model=mini-gpt2" in jobs[0][1], jobs
+    assert [r for r, _ in jobs] == [rule] and "model=mini-gpt2" in jobs[0][1], jobs
     snakemake(built, "--cores", "1", str(png.relative_to(built)))
     assert png.is_file() and png.stat().st_size > 0
     assert planned_jobs(snakemake(built, "-n")) == []
@@ -310,11 +327,23 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
             wrong.append(f"{rule}: declares {sorted(declared - deps[rule])} it does not import, lacks "
                          f"{sorted(deps[rule] - declared)}")
     assert seen == rules and not wrong, "\n".join(wrong)
-    # 2. edits of a sample of modules
+    # 2. at run time: every mfpipe module a job of the run has loaded is one of its rule's code inputs (a lazy or
+    # importlib import the static analysis missed would show up here). Exempt: what _mfpipe_checkout loads for every
+    # job on purpose (the package and its heap control, which change a job's speed, not its result).
+    exempt = {str((src / "mfpipe" / f).resolve()) for f in ("__init__.py", "heap.py")}
+    records = [json.loads(p.read_text()) for p in sorted((built / "loaded_modules").glob("*.json"))]
+    assert {r["rule"] for r in records} >= rules - {"corpus_shards"} - {r for r in rules if r.startswith("figure_")}, (
+        "every kind of job recorded what it loaded", sorted(rules - {r["rule"] for r in records}))
+    missed = {f"{r['rule']}: {sorted(set(r['files']) - deps[r['rule']] - exempt)}" for r in records
+              if set(r["files"]) - deps[r["rule"]] - exempt}
+    assert not missed, "jobs loaded mfpipe modules their rule does not declare:\n" + "\n".join(sorted(missed))
+    # 3. edits of a sample of modules
     importers_of = {m: {r for r in rules if m in deps[r]} for m in modules}
     by_count = sorted(m for m in modules if importers_of[m])
     by_count.sort(key=lambda m: len(importers_of[m]))
-    sample = {by_count[0], by_count[len(by_count) // 2], by_count[-1], str(src / "mfpipe" / "deviation.py")}
+    native_loops = str(src / "mfpipe" / "stats" / "_native_loops.py")
+    sample = {by_count[0], by_count[len(by_count) // 2], by_count[-1], str(src / "mfpipe" / "meanfield" / "deviation.py"),
+              native_loops}
     mismatches = []
     for name in sorted(sample):
         module = Path(name)
@@ -335,6 +364,11 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
         if "corpus_shards" in want:
             # the shard jobs of a checkpoint that reruns exist only once it has run: a dry run cannot list them
             want -= {"stats_shard", "deviation_shard"}
+        if name == native_loops:
+            # pass 1's compiled loops (loaded lazily, on the first batch): the statistics shards are stale; pass 2's
+            # shards are not stale by themselves (they rerun only as consumers of the statistics they read)
+            assert "stats_shard" in importers and "deviation_shard" not in importers, sorted(importers)
+            assert "stats_shard" in planned and not stale_others, (sorted(planned), sorted(stale_others))
         if planned != want or stale_others:
             mismatches.append(f"{module.relative_to(src)}: planned {sorted(planned)}, want {sorted(want)} (imported "
                               f"by {sorted(importers)}); stale although not importing it: {sorted(stale_others)}")

@@ -1,8 +1,39 @@
-"""mfpipe: attention mean-field analysis of language models."""
+"""mfpipe: attention mean-field analysis of language models.
 
-from importlib.metadata import PackageNotFoundError, version as _version
+Reading a finished run (mfpipe.results, loaded on first use so that ``import mfpipe`` stays light: every job
+imports it): ``mfpipe.list_results(results)``, ``mfpipe.open_stats(model, revision, results=...)``,
+``mfpipe.open_results(experiment, model, revision, results)``.
+"""
 
-try:
-    __version__ = _version("mfpipe")
-except PackageNotFoundError:  # running from a source tree without install
-    __version__ = "0.0.0+unknown"
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+
+def _installed_version() -> str:
+    try:
+        return _version("mfpipe")
+    except PackageNotFoundError:  # running from a source tree without install
+        return "0.0.0+unknown"
+
+
+# a plain top-level assignment: mfpipe.codedeps counts `from mfpipe import __version__` (which library modules
+# do) as served by the lazy __getattr__ below, and so as a dependency on mfpipe.results, unless it sees the name bound
+__version__ = _installed_version()
+
+# served by __getattr__ from mfpipe.results, which is imported only when one of them is asked for
+_READING = ("open_stats", "open_results", "list_results")
+
+__all__ = ["__version__", *_READING]
+
+
+def __getattr__(name: str):
+    # a static import, so mfpipe.codedeps sees what the lazily exported names load
+    if name in _READING:
+        from mfpipe import results
+
+        return getattr(results, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -7,8 +7,17 @@ The rule is static and deliberately coarse: every ``import`` / ``from … import
 anywhere in a file counts, including imports inside functions (a lazy import still runs when the function
 does), and importing ``mfpipe.a.b`` also depends on the package files ``mfpipe/__init__.py`` and
 ``mfpipe/a/__init__.py`` that Python executes first. ``from mfpipe.a import b`` depends on the submodule
-``mfpipe/a/b.py`` when there is one. Non-``mfpipe`` imports (torch, numpy, …) are not followed: their
-versions are the software environment's business, not a code input.
+``mfpipe/a/b.py`` when there is one. ``importlib.import_module("mfpipe.x")`` with a literal name counts like
+``import mfpipe.x``; with a computed name it cannot be followed, and is refused (:class:`UnfollowedImport`):
+write the import statically. Non-``mfpipe`` imports (torch, numpy, …) are not followed: their versions are the
+software environment's business, not a code input.
+
+A package's module-level ``__getattr__`` (a lazy export, as :mod:`mfpipe` and :mod:`mfpipe.stats` have) runs only
+when a name the package does not define is asked for: its imports count for ``from package import name`` where
+``name`` is neither a submodule nor bound at the package's top level, and not for the package's other users. So
+``import mfpipe`` stays a dependency on ``mfpipe/__init__.py`` alone. (Attribute access on an imported package,
+``mfpipe.open_results(...)``, is not followed: job scripts import names, and the workflow's touch test checks at run
+time that every mfpipe module a job has loaded is one of its code inputs.)
 
 Pure standard library: the Snakefile calls it while it builds the DAG.
 """
@@ -19,7 +28,7 @@ import ast
 import functools
 from pathlib import Path
 
-__all__ = ["script_dependencies", "module_dependencies"]
+__all__ = ["script_dependencies", "module_dependencies", "UnfollowedImport"]
 
 PACKAGE = "mfpipe"
 
@@ -43,11 +52,52 @@ def _dotted_of(src: Path, path: Path) -> tuple[str, bool]:
     return ".".join(parts), False
 
 
-def _imported_names(tree: ast.AST, current: str | None, is_package: bool) -> set[str]:
-    """Dotted names a file imports (absolute; relative imports resolved against ``current``)."""
+class UnfollowedImport(ValueError):
+    """An ``importlib.import_module`` of a computed name: its target is not known until the code runs."""
+
+
+def _lazy_getattr(tree: ast.Module) -> ast.FunctionDef | None:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return node
+    return None
+
+
+def _walk_skipping(tree: ast.AST, skip: ast.AST | None):
+    """ast.walk without the subtree ``skip``."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if node is skip:
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _import_module_target(node: ast.Call, where: str) -> str | None:
+    """The module an ``importlib.import_module(...)`` call loads, when it names an mfpipe module."""
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if name != "import_module" or not node.args:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value if arg.value.split(".")[0] == PACKAGE else None
+    raise UnfollowedImport(f"{where}:{node.lineno}: importlib.import_module of a computed name cannot be followed "
+                           "by mfpipe.codedeps; import the module statically (inside the function, to keep it lazy)")
+
+
+def _imported_names(tree: ast.AST, current: str | None, is_package: bool, skip: ast.AST | None = None,
+                    where: str = "") -> set[str]:
+    """Dotted names a file imports (absolute; relative imports resolved against ``current``), leaving out the
+    subtree ``skip`` (a package's lazy ``__getattr__``)."""
     names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+    for node in _walk_skipping(tree, skip):
+        if isinstance(node, ast.Call):
+            target = _import_module_target(node, where)
+            if target:
+                names.add(target)
+        elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -76,15 +126,74 @@ def _files_for(src: Path, dotted: str) -> list[Path]:
 
 
 @functools.lru_cache(maxsize=None)
-def _direct(src: Path, path: Path) -> frozenset[Path]:
+def _parsed(src: Path, path: Path):
+    """(tree, dotted name or None, is_package, lazy ``__getattr__`` node of a package or None)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     try:
         current, is_package = _dotted_of(src, path)
     except ValueError:
         current, is_package = None, False
+    return tree, current, is_package, (_lazy_getattr(tree) if is_package else None)
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (assignments, defs, classes, imports)."""
+    out: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.If, ast.Try, ast.With)):  # bound at import time whichever branch runs
+            body += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            body += [s for h in getattr(node, "handlers", []) for s in h.body]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for tgt in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                out.update(n.id for n in ast.walk(tgt) if isinstance(n, ast.Name))
+    return out
+
+
+def _lazy_files(src: Path, package_init: Path, names: set[str]) -> set[Path]:
+    """What a package's lazy ``__getattr__`` loads for ``from package import names`` (none when every name is a
+    submodule or bound at the package's top level)."""
+    tree, current, is_package, lazy = _parsed(src, package_init)
+    if lazy is None:
+        return set()
+    bound = _top_level_names(tree)
+    pkg_dir = package_init.parent
+    asked = {n for n in names if n not in bound and _module_file(src, f"{current}.{n}") is None}
+    if not asked or not pkg_dir.is_dir():
+        return set()
     files: set[Path] = set()
-    for name in _imported_names(tree, current, is_package):
+    for name in _imported_names(lazy, current, is_package, where=str(package_init)):
         files.update(_files_for(src, name))
+    return files
+
+
+@functools.lru_cache(maxsize=None)
+def _direct(src: Path, path: Path) -> frozenset[Path]:
+    tree, current, is_package, lazy = _parsed(src, path)
+    files: set[Path] = set()
+    for name in _imported_names(tree, current, is_package, skip=lazy, where=str(path)):
+        files.update(_files_for(src, name))
+    # `from package import name` served by the package's lazy __getattr__
+    for node in _walk_skipping(tree, lazy):
+        if isinstance(node, ast.ImportFrom) and node.names[0].name != "*":
+            if node.level:
+                if current is None:
+                    continue
+                pkg = current.split(".") if is_package else current.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != PACKAGE:
+                continue
+            init = _module_file(src, base)
+            if init is not None and init.name == "__init__.py":
+                files.update(_lazy_files(src, init, {a.name for a in node.names}))
     return frozenset(files)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from .revisions import ALL_CHECKPOINTS, checkpoint_steps, resolve_minisuite_revision, step_name
+from mfpipe.revisions import ALL_CHECKPOINTS, checkpoint_steps, resolve_minisuite_revision, step_name
 
 # the packaged resource (a plain path wherever the package is a folder: an editable install, a wheel, src/ on sys.path)
 SCHEMA_PATH: Traversable = resources.files(__package__).joinpath("schemas", "config.schema.yaml")
@@ -40,10 +40,18 @@ def _shown(path) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
+#: keys a config of an earlier release may still use -> their name now
+RENAMED_KEYS = {("tracked", "n_types"): "n_tracked"}
+
+
 def validate_schema(config: dict, schema_path: str | os.PathLike | Traversable = SCHEMA_PATH) -> None:
     """JSON-schema validation with an error that names the offending key (for use without Snakemake)."""
     import jsonschema
 
+    for (section, old), new in RENAMED_KEYS.items():
+        if isinstance(config.get(section), dict) and old in config[section]:
+            raise ConfigError(f"config key {section}.{old} was renamed {section}.{new} (same meaning): rename it in "
+                              "your config file")
     validator = jsonschema.Draft202012Validator(load_schema(schema_path))
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:

@@ -3,11 +3,17 @@ revision) a rule names with its adapter, and report a failure where users look."
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+# Where a job records the mfpipe modules it has loaded, when the variable is set (tests/test_workflow.py checks
+# them against the rule's declared code inputs: a lazy import the static analysis missed would show up there).
+LOADED_MODULES_ENV = "MFPIPE_LOADED_MODULES"
 
 # The prefix of the one line that states a failed job's cause; the workflow's `onerror` handler finds it in the
 # rule logs and repeats it as the last console output (workflow/rules/common.smk).
@@ -55,12 +61,35 @@ def one_line_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def loaded_mfpipe_files() -> list[str]:
+    """The files of every mfpipe module this process has loaded (resolved paths, sorted)."""
+    out = set()
+    for name, mod in list(sys.modules.items()):
+        if (name == "mfpipe" or name.startswith("mfpipe.")) and getattr(mod, "__file__", None):
+            out.add(str(Path(mod.__file__).resolve()))
+    return sorted(out)
+
+
+def record_loaded_modules() -> None:
+    """With ``MFPIPE_LOADED_MODULES`` set to a folder, write there which mfpipe files this job loaded (one JSON file
+    per job: its rule and the files). Called once the job's work is done, so lazy imports are in."""
+    folder = os.environ.get(LOADED_MODULES_ENV)
+    if not folder:
+        return
+    sm = getattr(sys.modules.get("__main__"), "snakemake", None)
+    rule = getattr(sm, "rule", None) or Path(sys.argv[0]).stem
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    record = {"rule": rule, "pid": os.getpid(), "files": loaded_mfpipe_files()}
+    (Path(folder) / f"{rule}-{os.getpid()}.json").write_text(json.dumps(record))
+
+
 def run_logged(main: Callable[[], None], log: logging.Logger) -> None:
     """Run a job's ``main``. On failure the rule's log gets the one-line cause and, below it, the traceback;
     stderr gets only the cause, as its last line (a traceback there buries the advice under screens of frames).
     The job then exits non-zero, so Snakemake marks it failed and removes its outputs."""
     try:
         main()
+        record_loaded_modules()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:

@@ -12,19 +12,19 @@ import json
 import re
 from pathlib import Path
 
-from .config import ConfigError, corpora, resolve_revisions, resolve_rollout_revisions
+from mfpipe.config import ConfigError, corpora, resolve_revisions, resolve_rollout_revisions
 
 REVISION_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # the workflow's `revision` wildcard: used in paths
 
 
 def _supported_model_types() -> tuple[str, ...]:
-    from .models.adapters import SUPPORTED_MODEL_TYPES
+    from mfpipe.models.adapters import SUPPORTED_MODEL_TYPES
 
     return tuple(SUPPORTED_MODEL_TYPES)
 
 
 def _offline() -> bool:
-    from .models.loader import hub_offline
+    from mfpipe.models.loader import hub_offline
 
     return hub_offline()
 
@@ -46,7 +46,7 @@ def hub_commits(config: dict, prefer_cache: bool = False) -> dict[tuple[str, str
     local cache offline; mfpipe.models.loader.resolve_commit; ``prefer_cache``: the cache first). A revision that
     cannot be resolved -- offline and not in the cache -- raises :class:`ConfigError` naming the ``hf download``
     command, before any job runs."""
-    from .models.loader import TOKENIZER_FILES, ModelLoadError, resolve_commit
+    from mfpipe.models.loader import TOKENIZER_FILES, ModelLoadError, resolve_commit
 
     out: dict[tuple[str, str | None], str] = {}
     for spec in config["models"]:
@@ -97,7 +97,7 @@ def model_config(spec: dict, revision: str) -> tuple[dict | None, str]:
 
 def check_inputs(config: dict) -> None:
     """Raise :class:`ConfigError` (one line) for the first input that would fail a job later."""
-    n_types = config["tracked"]["n_types"]
+    n_tracked = config["tracked"]["n_tracked"]
     for c in corpora(config).values():
         if c["source"] == "files" and not Path(c["path"]).exists():
             raise ConfigError(
@@ -130,8 +130,8 @@ def check_inputs(config: dict) -> None:
                         f"for; use a model of a supported architecture ({', '.join(supported)})"
                     )
                 vocab = cfg.get("vocab_size") or vocab
-        if vocab is not None and n_types >= vocab:
+        if vocab is not None and n_tracked >= vocab:
             raise ConfigError(
-                f"tracked.n_types {n_types} does not fit the vocabulary of model {spec['name']!r} ({vocab} tokens, "
-                f"{where}; BOS is never tracked): set tracked.n_types below {vocab}"
+                f"tracked.n_tracked {n_tracked} does not fit the vocabulary of model {spec['name']!r} ({vocab} tokens, "
+                f"{where}; BOS is never tracked): set tracked.n_tracked below {vocab}"
             )

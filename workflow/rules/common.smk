@@ -224,7 +224,7 @@ def all_targets():
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
     targets += rollout_targets()  # workflow/rules/rollout.smk
     targets += training_targets()  # workflow/rules/substitution.smk
-    targets += deviation_targets()  # workflow/rules/deviation.smk
+    targets += deviation_targets()  # workflow/rules/ranking.smk, prompts.smk
     return targets
 
 
@@ -284,7 +284,7 @@ def figure_targets(model, revision):
 SUBSTITUTION = config["substitution"]
 KERNELS = config["kernels"]
 # App. M: the substitution repeated with other tracked-set sizes (the configured N is always an arm)
-TOPN = sorted({int(n) for n in SUBSTITUTION["top_n"]} - {int(config["tracked"]["n_types"])})
+TOPN = sorted({int(n) for n in SUBSTITUTION["top_n"]} - {int(config["tracked"]["n_tracked"])})
 
 
 def revision_steps(model):
@@ -352,14 +352,14 @@ def training_targets():
 def topn_results(wildcards):
     """(N, revision, result) of every arm and revision of a model: the configured N first."""
     out = []
-    for n in [int(config["tracked"]["n_types"])] + TOPN:
-        arm = "" if n == int(config["tracked"]["n_types"]) else f"N{n}/"
+    for n in [int(config["tracked"]["n_tracked"])] + TOPN:
+        arm = "" if n == int(config["tracked"]["n_tracked"]) else f"N{n}/"
         out += [(n, rev, f"{R}/substitution/{wildcards.model}/{rev}/{arm}substitution.zarr")
                 for rev in REVISIONS[wildcards.model]]
     return out
 
 
-# ------------------------------------------------------- head ranking (workflow/rules/deviation.smk)
+# ------------------------------------------------------- head ranking (workflow/rules/ranking.smk, prompts.smk)
 DEVIATION = config["deviation"]
 
 

@@ -31,7 +31,7 @@ rule tracked_types:
     output:
         f"{R}/corpus/{{corpus}}/{{model}}/tracked.json",
     params:
-        n_types=config["tracked"]["n_types"],
+        n_tracked=config["tracked"]["n_tracked"],
         model=model_spec,
         results=results_dir,
     localrule: True
@@ -66,7 +66,7 @@ use rule tracked_types as tracked_types_topn with:
     output:
         f"{R}/corpus/{{corpus}}/{{model}}/tracked-N{{n}}.json",
     params:
-        n_types=lambda wc: int(wc.n),
+        n_tracked=lambda wc: int(wc.n),
         model=model_spec,
         results=results_dir,
     log:

@@ -2,9 +2,9 @@
 its rule's code inputs track, not an installed mfpipe. Snakemake puts the script folder on the path of a
 local script; PYTHONPATH is not used because a conda environment (`--sdm conda`) blocks it.
 
-It also sets the job's C allocator to keep freed memory (mfpipe.allocator: a forward pass frees and re-allocates
+It also sets the job's C allocator to keep freed memory (mfpipe.heap: a forward pass frees and re-allocates
 the same activations batch after batch). That changes a job's speed, not its result, so it is done here and not
-through an ``mfpipe`` import of the script, which would make mfpipe/allocator.py a code input of every rule."""
+through an ``mfpipe`` import of the script, which would make mfpipe/heap.py a code input of every rule."""
 import sys
 from pathlib import Path
 
@@ -12,6 +12,6 @@ _SRC = str(Path(__file__).resolve().parents[2] / "src")
 if sys.path[:1] != [_SRC]:
     sys.path.insert(0, _SRC)
 
-from mfpipe.allocator import keep_freed_memory  # noqa: E402
+from mfpipe.heap import keep_freed_memory  # noqa: E402
 
 keep_freed_memory()

@@ -2,7 +2,7 @@
 attention) from each model's statistics-half kernel P."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe import tables as T
-from mfpipe.analysis import accounting as AC
+from mfpipe.experiments.rollout import accounting as AC
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import to_markdown

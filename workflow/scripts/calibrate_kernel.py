@@ -1,7 +1,7 @@
 """Snakemake script: the bias of the context-conditional kernel Â and the calibrated kernel U of one (model,
 revision) (App. B: Table tab:ahat-empirical-bias, Alg. sinkhorn, Table tab:calib2M), from its statistics store and
 the shards of the half the store was measured on. U is written as a labelled zarr store (atomically) carrying
-the statistics store's provenance, so `mfpipe.calibrated_store.load_calibrated(path, expect=...)` can check it.
+the statistics store's provenance, so `mfpipe.meanfield.calibrated.load_calibrated(path, expect=...)` can check it.
 
 input.stats      the revision's statistics-half store; input.shards: that half's shard .npz files;
                  input.tracked: tracked.json (must be the store's tracked set)
@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from mfpipe.calibrated_store import calibrated_dataset, write_calibrated
-from mfpipe.calibration import calibrate_stats, residual_markdown
-from mfpipe.corpus import read_shard
+from mfpipe.meanfield.calibrated import calibrated_dataset, write_calibrated
+from mfpipe.experiments.substitution.calibration import calibrate_stats, residual_markdown
+from mfpipe.corpus.windows import read_shard
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.stats import open_stats
 from mfpipe.tables import to_markdown, write_csv, write_text
-from mfpipe.tracked import TrackedSet
+from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0] if sm.log else None)

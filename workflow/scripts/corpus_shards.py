@@ -1,6 +1,6 @@
 """Snakemake script: tokenize the corpus with the model's tokenizer and write the shards."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.corpus import resolve_bos_id, write_corpus
+from mfpipe.corpus.windows import resolve_bos_id, write_corpus
 from mfpipe.io import atomic_dir
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging

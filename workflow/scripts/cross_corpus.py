@@ -2,7 +2,8 @@
 corpus's statistics scored against each corpus's held-out centroids (+ the context-free baseline)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe import tables as T
-from mfpipe.analysis import rollouts as RO
+from mfpipe.experiments.rollout import tables as RT
+from mfpipe.experiments.rollout import runs as RO
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 
@@ -18,11 +19,11 @@ def main() -> None:
     df = RO.cross_corpus(model, adapter, corpora, p.primary, init=str(p.init), min_count=int(p.min_count),
                         model_name=p.model_spec["name"], revision=p.revision)
     T.write_csv(df, sm.output.scores)
-    summary = T.cross_corpus_summary(df)
+    summary = RT.cross_corpus_summary(df)
     T.write_csv(summary, sm.output.csv)
     tag = f"{p.model_spec['name']} @ {p.revision}"
-    md = T.matrix_markdown(summary, "cosine", title=f"Cross-corpus matrix, centered cosine: {tag}")
-    md += "\n" + T.matrix_markdown(summary, "rel_error", title=f"Cross-corpus matrix, centered rel. error: {tag}")
+    md = RT.matrix_markdown(summary, "cosine", title=f"Cross-corpus matrix, centered cosine: {tag}")
+    md += "\n" + RT.matrix_markdown(summary, "rel_error", title=f"Cross-corpus matrix, centered rel. error: {tag}")
     T.write_text(md, sm.output.md)
     log.info("\n%s", md)
 

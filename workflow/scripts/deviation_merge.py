@@ -1,11 +1,11 @@
 """Snakemake script: merge one (model, revision)'s pass-2 partials into the deviation store (per head S̄ of eq:ddec,
 M_cov / M_ctx of eq:head-meters, per query type the same terms, top-deviation contexts, provenance)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.analysis import deviation_pass as DP
+from mfpipe.experiments.ranking import deviation_pass as DP
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.stats.store import write_store
-from mfpipe.tracked import TrackedSet
+from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

@@ -4,7 +4,7 @@ sequences [BOS; c; c], measured from attention alone (no mean field) -> head_sco
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
-from mfpipe.head_scores import head_scores, scores_table, write_head_scores
+from mfpipe.experiments.ranking.head_scores import head_scores, scores_table, write_head_scores
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.models.loader import load_tokenizer

@@ -1,32 +1,28 @@
 """Snakemake script: mean-field deviation across the prompt classes of one (model, revision) (Sec. 6.1 Experiment 2,
 Sec. 6.2, App. O): induction, few-shot, natural and random-control prompts measured with the statistics half's
-kernel -> the per-prompt table, Tables icl / icl-terms (one class table), Table icl-corr and Fig. icl.
+kernel -> the per-prompt table, Tables icl / icl-terms (one class table) and Table icl-corr. Fig. icl is drawn from
+the per-prompt table by rule figure_icl_classes.
 
 input.stats      the revision's statistics-half store; input.shards: the corpus shards (natural prompts from the
                  eval half); input.tracked: tracked.json; input.model / input.tokenizer: dependencies only (the
                  mini suite's checkpoints and tokenizer); input.tasks: the user's few-shot task files (JSON,
-                 mfpipe.analysis.icl_prompts.load_task_file)
-output.prompts   per-prompt CSV (mfpipe.analysis.icl.PROMPT_COLUMNS)
+                 mfpipe.experiments.prompts.sets.load_task_file)
+output.prompts   per-prompt CSV (mfpipe.experiments.prompts.classes.PROMPT_COLUMNS)
 output.table, output.table_md    per class: n, D_MF, M_cov, M_ctx, ΔL, ΔL_perm, max Δẑ_perm, accuracy
 output.corr, output.corr_md      Hedges' g and Welch p of each class against the random control
-output.pdf, output.png           Fig. icl: per-prompt ΔL_perm against D_MF by class
 params           n_prompts, n_fewshot, n_random, seed, min_count, batch_size, builtin_tasks, task_files,
                  natural_length (null: T-1), and model_params() (model_spec, revision, dtype, device, results)
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
-from pathlib import Path
 
-from mfpipe.analysis import icl as I
-from mfpipe.analysis import icl_prompts as P
-from mfpipe.analysis.stores import check_model, open_stats_half
-from mfpipe.analysis.substitution import kernel_from_store
+from mfpipe.experiments.prompts import classes as I
+from mfpipe.experiments.prompts import sets as P
 from mfpipe.io import atomic_write_text
-from mfpipe.jobs import load_job_model, run_logged
+from mfpipe.meanfield.context import open_forward_job
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.models.loader import load_tokenizer
 from mfpipe.tables import write_table
-from mfpipe.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
@@ -34,16 +30,12 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     p = sm.params
-    name, revision = p.model_spec["name"], str(p.revision)
-    tracked = TrackedSet.load(sm.input.tracked)
-    shards = Path(sm.input.shards)
-    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
-    model, adapter = load_job_model(p, sm.threads)
-    check_model(adapter, st)
-    tokenizer = load_tokenizer(dict(p.model_spec), revision, p.results)
-    kernel = kernel_from_store(st, tracked, min_count=int(p.min_count))
+    job = open_forward_job(sm)
+    name, revision, adapter, tracked = job.name, job.revision, job.adapter, job.tracked
+    tokenizer = job.tokenizer()
+    kernel = job.kernel(int(p.min_count))
     n = int(p.n_prompts)
-    tokens, doc_ids = P.eval_windows(shards, max(50 * n, 1000))
+    tokens, doc_ids = P.eval_windows(job.shards, max(50 * n, 1000))
     T = int(tokens.shape[1])
     pool = I.queryable_types(kernel)
     prompts, pinfo = P.prompt_classes(pool, tokenizer, tracked, T, tokens, doc_ids, n=n, n_fewshot=int(p.n_fewshot),
@@ -72,7 +64,6 @@ def main() -> None:
     atomic_write_text(sm.output.table_md, I.class_markdown(table))
     write_table(sep, csv=sm.output.corr)
     atomic_write_text(sm.output.corr_md, I.separation_markdown(sep))
-    I.icl_figure(df, sm.output.pdf, sm.output.png, title=f"{name} @ {revision}")
     for r in table.itertuples(index=False):
         log.info("%-10s n=%3d  D_MF %.3f  M_cov %.3f  M_ctx %.3f  ΔL %+.3f  ΔL_perm %+.3f  max Δẑ_perm %.1e  acc %.2f",
                  r[2], r.n, r.D_MF, r.M_cov, r.M_ctx, r.delta_L, r.delta_L_perm, r.dzhat_perm_max, r.accuracy)

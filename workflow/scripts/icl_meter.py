@@ -1,6 +1,6 @@
 """Snakemake script: the instance meter of one (model, revision) (Sec. 6.1 Experiment 1): eval-half chunks c
 presented as [BOS; c; c], per query position the mean next-token loss and mean D_MF, the head whose deviation rises
-most across the copy boundary, and the in-context loss reduction binned by the deviation rise -> Fig. icl-meter.
+most across the copy boundary, and the in-context loss reduction binned by the deviation rise -> the tables Fig. icl-meter is drawn from (rule figure_icl_meter).
 
 input.stats      the revision's statistics-half store; input.shards: the corpus shards (chunks from the eval
                  half); input.tracked: tracked.json; input.model: dependency only (mini-suite checkpoints)
@@ -8,45 +8,35 @@ output.curves    per position: copy, loss (valid positions), loss_all, D_MF, n_v
 output.heads     per head: mean D over copy 1 and copy 2, rise (CSV)
 output.bins      loss reduction binned by deviation rise, equal-count bins, mean ± s.e.m. (CSV)
 output.summary, output.summary_md  one row: top head and its rise, copy means, Spearman of the pairs
-output.pdf, output.png             Fig. icl-meter
 params           n_sequences, chunk_length (null: (T-1)//2), n_bins, seed, min_count, batch_size, model_params()
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
-from pathlib import Path
 
-from mfpipe.analysis import icl_meter as IM
-from mfpipe.analysis import icl_prompts as P
-from mfpipe.analysis.stores import check_model, open_stats_half
-from mfpipe.analysis.substitution import kernel_from_store
-from mfpipe.jobs import load_job_model, run_logged
+from mfpipe.experiments.prompts import meter as IM
+from mfpipe.experiments.prompts import sets as P
+from mfpipe.meanfield.context import open_forward_job
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.tables import write_table
-from mfpipe.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    p = sm.params
-    name, revision = p.model_spec["name"], str(p.revision)
-    tracked = TrackedSet.load(sm.input.tracked)
-    shards = Path(sm.input.shards)
-    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
-    model, adapter = load_job_model(p, sm.threads)
-    check_model(adapter, st)
-    kernel = kernel_from_store(st, tracked, min_count=int(p.min_count))
-    n = int(p.n_sequences)
-    tokens, doc_ids = P.eval_windows(shards, 4 * n)
+    p, n = sm.params, int(sm.params.n_sequences)
+    job = open_forward_job(sm)
+    name, revision = job.name, job.revision
+    tokens, doc_ids = P.eval_windows(job.shards, 4 * n)
     k = None if p.chunk_length in (None, "", "null") else int(p.chunk_length)
-    seqs, spanning = P.meter_sequences(tokens, doc_ids, n, k, bos_id=tracked.bos_id, seed=int(p.seed))
+    seqs, spanning = P.meter_sequences(tokens, doc_ids, n, k, bos_id=job.tracked.bos_id, seed=int(p.seed))
     if len(seqs) < n:
         log.warning("the eval half has only %d windows: %d of %d sequences", len(tokens), len(seqs), n)
     log.info("%s @ %s: %d sequences [BOS; c; c], k=%d (%d chunks span a document boundary), W on C >= %d",
              name, revision, len(seqs), (seqs.shape[1] - 1) // 2, spanning, int(p.min_count))
     t0 = time.perf_counter()
-    res = IM.instance_meter(adapter, kernel, seqs, batch_size=int(p.batch_size), progress=True,
+    res = IM.instance_meter(job.adapter, job.kernel(int(p.min_count)), seqs, batch_size=int(p.batch_size), progress=True,
                             desc=f"icl meter {name}@{revision}")
     tabs = IM.meter_tables(res, n_bins=int(p.n_bins))
     summary = tabs["summary"]
@@ -56,8 +46,6 @@ def main() -> None:
     write_table(tabs["heads"], csv=sm.output.heads)
     write_table(tabs["bins"], csv=sm.output.bins)
     write_table(summary, csv=sm.output.summary, md=sm.output.summary_md)
-    IM.meter_figure(tabs["curves"], tabs["bins"], summary, sm.output.pdf, sm.output.png,
-                    title=f"{name} @ {revision}: [c; c], k={res.k}")
     s = summary.iloc[0]
     log.info("in %.1f s: loss copy 1 %.3f -> copy 2 %.3f, D_MF %.3f -> %.3f; top-rising head L%dH%d (+%.3f); "
              "Spearman(rise, loss reduction) %.3f over %d pairs", time.perf_counter() - t0, s["loss_copy1"],

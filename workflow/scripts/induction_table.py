@@ -2,7 +2,8 @@
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.tables import induction_summary, to_markdown, write_table
+from mfpipe.models.induction import induction_summary
+from mfpipe.tables import to_markdown, write_table
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

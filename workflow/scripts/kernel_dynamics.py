@@ -10,10 +10,10 @@ params.model, params.revisions (list), params.steps (list of int, same order), p
 Refuses kernels of another model, tracked set, corpus sample, support or rank, or listed out of revision order.
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.sweep_figures import cka_figure, spread_figure
+from mfpipe.experiments.substitution.figures import cka_figure, spread_figure
 from mfpipe.jobs import run_logged
-from mfpipe.induction import training_window
-from mfpipe.kernel_dynamics import check_same_source, dynamics_tables, open_kernel
+from mfpipe.models.induction import training_window
+from mfpipe.experiments.substitution.kernel_dynamics import check_same_source, dynamics_tables, open_kernel
 from mfpipe.logs import setup_logging
 from mfpipe.stats.api import ProvenanceError
 from mfpipe.tables import write_csv

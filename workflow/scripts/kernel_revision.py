@@ -9,7 +9,7 @@ params.model, params.revision (checked against the store), params.min_count (20)
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.jobs import run_logged
-from mfpipe.kernel_dynamics import kernel_dataset
+from mfpipe.experiments.substitution.kernel_dynamics import kernel_dataset
 from mfpipe.logs import setup_logging
 from mfpipe.stats import open_stats
 from mfpipe.stats.store import write_store

@@ -6,16 +6,15 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import time
 from pathlib import Path
 
-from mfpipe.analysis import deviation_pass as DP
-from mfpipe.analysis import lenses as LE
-from mfpipe.analysis import substitution as SU
-from mfpipe.analysis.stores import ProvenanceError, check_model, open_stats_half
-from mfpipe.corpus import list_shards
+from mfpipe.experiments.ranking import deviation_pass as DP
+from mfpipe.experiments.prompts import lenses as LE
+from mfpipe.stats.halves import ProvenanceError, open_stats_half
+from mfpipe.corpus.windows import list_shards
 from mfpipe.io import atomic_write_text
-from mfpipe.jobs import load_job_model, run_logged
+from mfpipe.meanfield.context import open_forward_job
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.models.loader import load_tokenizer
-from mfpipe.tracked import TrackedSet
+from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
@@ -23,8 +22,7 @@ log = setup_logging(sm.log[0])
 
 def main() -> None:
     p = sm.params
-    spec = dict(p.model_spec)
-    name, revision = spec["name"], str(p.revision)
+    name, revision = p.model_spec["name"], str(p.revision)
     tracked = TrackedSet.load(sm.input.tracked)
     shards = Path(sm.input.shards)
     st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
@@ -42,10 +40,9 @@ def main() -> None:
     if int(ds.attrs.get("context_length", info["context_length"])) != int(info["context_length"]):
         raise ProvenanceError(f"deviation store {sm.input.deviation} has context length {ds.attrs['context_length']}, "
                               f"the corpus {info['context_length']}: rerun the deviation stage for this corpus")
-    model, adapter = load_job_model(p, sm.threads)
-    check_model(adapter, st)
-    tokenizer = load_tokenizer(spec, results_dir=p.results)
-    kernel = SU.kernel_from_store(st, tracked, min_count=ds.attrs.get("min_count")).to(adapter.device)
+    job = open_forward_job(sm)  # the stores are checked above before the model loads
+    adapter, tokenizer = job.adapter, job.tokenizer()
+    kernel = job.kernel(ds.attrs.get("min_count")).to(adapter.device)
     t0 = time.perf_counter()
     rows = LE.mine_contexts(ds, shard_paths, heads=list(p.heads or []), per_head=int(p.per_head),
                             n_heads=int(p.n_heads), tokenizer=tokenizer)

@@ -1,6 +1,6 @@
 """Snakemake script: one figure (PDF + PNG) from its result table; `params.kind` names the figure function."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe import figures as F
+from mfpipe.experiments.rollout import figures as F
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 

@@ -3,8 +3,8 @@ params.kind = topn its top-N sensitivity (fig:vocab-robustness), with the induct
 or from the mini model's recorded induction-score curve)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
-from mfpipe import sweep_figures as F
-from mfpipe.induction import training_window
+from mfpipe.experiments.substitution import figures as F
+from mfpipe.models.induction import training_window
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 

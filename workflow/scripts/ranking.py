@@ -4,10 +4,10 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import pandas as pd
 
 from mfpipe import tables as T
-from mfpipe.analysis.deviation_pass import open_deviation
-from mfpipe.analysis.ranking import heads_table, split_half_stability, top_bottom
-from mfpipe.deviation_figures import ccmf_scatter, head_roles
-from mfpipe.head_scores import open_head_scores
+from mfpipe.experiments.ranking.deviation_pass import open_deviation
+from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
+from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
+from mfpipe.experiments.ranking.head_scores import open_head_scores
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 

@@ -4,7 +4,8 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import time
 
 from mfpipe import tables as T
-from mfpipe.analysis import rollouts as RO
+from mfpipe.experiments.rollout import tables as RT
+from mfpipe.experiments.rollout import runs as RO
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 
@@ -21,7 +22,7 @@ def main() -> None:
                         min_count=int(p.min_count), model_name=p.model_spec["name"], revision=p.revision)
     log.info("%d kernels%s in %.1f s", len(p.kernels), " (+ pinned)" if p.pin_rogue else "", time.perf_counter() - t0)
     T.write_csv(df, sm.output[0])
-    log.info("\n%s", T.summary_markdown(T.rollout_summary(df)))
+    log.info("\n%s", RT.summary_markdown(RT.rollout_summary(df)))
 
 
 run_logged(main, log)

@@ -3,6 +3,7 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import pandas as pd
 
 from mfpipe import tables as T
+from mfpipe.experiments.rollout import tables as RT
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 
@@ -11,9 +12,9 @@ log = setup_logging(sm.log[0])
 
 
 def main() -> None:
-    summary = T.rollout_summary(pd.read_csv(sm.input.scores))
+    summary = RT.rollout_summary(pd.read_csv(sm.input.scores))
     T.write_csv(summary, sm.output.csv)
-    md = T.summary_markdown(summary, title=f"Rollout fidelity: {sm.wildcards.model} @ {sm.wildcards.revision}")
+    md = RT.summary_markdown(summary, title=f"Rollout fidelity: {sm.wildcards.model} @ {sm.wildcards.revision}")
     T.write_text(md, sm.output.md)
     log.info("\n%s", md)
 

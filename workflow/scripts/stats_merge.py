@@ -7,14 +7,14 @@ import json
 import shutil
 from pathlib import Path
 
-from mfpipe.corpus import read_shard
+from mfpipe.corpus.windows import read_shard
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.stats import StatsError, merge_sums
 from mfpipe.stats.errors import PartialError
 from mfpipe.stats.partials import check_partial, open_partial, tokens_fingerprint
 from mfpipe.stats.store import write_stats
-from mfpipe.tracked import TrackedSet
+from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

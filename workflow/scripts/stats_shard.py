@@ -3,12 +3,12 @@ layers at once) -> one partial (a compressed Zarr folder, mfpipe.stats.partials)
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
-from mfpipe.corpus import read_shard
+from mfpipe.corpus.windows import read_shard
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.stats.partials import partial_meta, partial_size, save_partial
 from mfpipe.stats.shards import accumulate_shard
-from mfpipe.tracked import TrackedSet
+from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

@@ -9,13 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from mfpipe import __version__
-from mfpipe.analysis import substitution as SU
-from mfpipe.analysis.stores import check_model, open_stats_half
-from mfpipe.corpus import list_shards, read_shard
+from mfpipe.experiments.substitution import substitute as SU
+from mfpipe.corpus.windows import list_shards, read_shard
 from mfpipe.io import atomic_dir
-from mfpipe.jobs import load_job_model, run_logged
+from mfpipe.meanfield.context import open_forward_job
+from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
-from mfpipe.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])
@@ -37,20 +36,10 @@ def eval_windows(shards_dir: Path, n_tokens: int) -> tuple[np.ndarray, list[str]
 
 def main() -> None:
     p = sm.params
-    name, revision = p.model_spec["name"], str(p.revision)
-    tracked = TrackedSet.load(sm.input.tracked)
-    shards = Path(sm.input.shards)
-    st, info = open_stats_half(sm.input.stats, shards, tracked, name, revision)
-    calibrated = None
-    if str(p.kernel) == "calibrated":
-        from mfpipe.calibrated_store import load_calibrated
-
-        calibrated = load_calibrated(sm.input.kernel, expect={"model": name, "revision": revision,
-                                                              "tracked_fingerprint": tracked.fingerprint})
-    model, adapter = load_job_model(p, sm.threads)
-    check_model(adapter, st)
-    kernel = SU.kernel_from_store(st, tracked, min_count=int(p.min_count), calibrated=calibrated)
-    tokens, used = eval_windows(shards, int(p.eval_tokens))
+    job = open_forward_job(sm)
+    name, revision, adapter, info = job.name, job.revision, job.adapter, job.corpus
+    kernel = job.kernel(int(p.min_count))
+    tokens, used = eval_windows(job.shards, int(p.eval_tokens))
     log.info("%s @ %s: substitution with %s (C >= %d) on %d eval windows x T=%d (%d tokens, shards %s)",
              name, revision, kernel.attrs["kernel"], int(p.min_count), tokens.shape[0], tokens.shape[1], tokens.size,
              ", ".join(used))

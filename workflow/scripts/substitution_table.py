@@ -3,7 +3,7 @@ and coverage (CSV + Markdown), and the per-head deviation at every checkpoint (l
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
 from mfpipe import tables as T
-from mfpipe.analysis import substitution as SU
+from mfpipe.experiments.substitution import substitute as SU
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 

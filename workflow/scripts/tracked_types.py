@@ -3,11 +3,11 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import json
 from pathlib import Path
 
-from mfpipe.corpus import list_shards, read_shard
+from mfpipe.corpus.windows import list_shards, read_shard
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.models.loader import load_tokenizer
-from mfpipe.tracked import count_types, select_tracked
+from mfpipe.corpus.tracked import count_types, select_tracked
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])
@@ -20,13 +20,13 @@ def main() -> None:
     tokenizer = load_tokenizer(spec, results_dir=sm.params.results)
     counts = count_types((read_shard(p).tokens for p in list_shards(shards / "stats")), info["vocab_size"])
     tracked = select_tracked(
-        counts, int(sm.params.n_types), info["bos_id"],
+        counts, int(sm.params.n_tracked), info["bos_id"],
         decode=lambda i: tokenizer.decode([i]),
         meta={"model": spec["name"], "corpus": info["corpus"], "corpus_fingerprint": info["fingerprint"],
               "context_length": info["context_length"]},
     )
-    if tracked.n < int(sm.params.n_types):
-        log.warning("only %d types occur on the stats half; tracking all of them (asked for %d)", tracked.n, sm.params.n_types)
+    if tracked.n < int(sm.params.n_tracked):
+        log.warning("only %d types occur on the stats half; tracking all of them (asked for %d)", tracked.n, sm.params.n_tracked)
     tracked.save(sm.output[0])
     log.info("tracked %d types, position coverage %.4f, fingerprint %s", tracked.n, tracked.coverage, tracked.fingerprint)
 

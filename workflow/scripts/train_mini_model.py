@@ -3,7 +3,7 @@ log-spaced steps, induction score of every head at every checkpoint)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from pathlib import Path
 
-from mfpipe.documents import load_documents, split_documents
+from mfpipe.corpus.documents import load_documents, split_documents
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging
 from mfpipe.minisuite.train import train_mini_model

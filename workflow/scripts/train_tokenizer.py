@@ -1,6 +1,6 @@
 """Snakemake script: train the mini suite's byte-level BPE tokenizer on the corpus's train split."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.documents import load_documents, split_documents
+from mfpipe.corpus.documents import load_documents, split_documents
 from mfpipe.io import atomic_dir
 from mfpipe.jobs import run_logged
 from mfpipe.logs import setup_logging

@@ -2,6 +2,7 @@
 trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniature Pythia suite).
 
 - :func:`mfpipe.minisuite.tokenizer.train_tokenizer`
+- :mod:`mfpipe.minisuite.data` — the training rows (the document stream; ``[BOS, text…]`` and repeated-chunk rows)
 - :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.model.build_model`,
   :func:`mfpipe.revisions.checkpoint_steps`
 """

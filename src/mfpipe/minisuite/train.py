@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mfpipe.induction import induction_metrics
 from mfpipe.io import atomic_dir
 from mfpipe.minisuite.data import RowSampler, token_stream
 from mfpipe.minisuite.model import (
     build_model,
     resolve_config,
 )
+from mfpipe.models.induction import induction_metrics
 from mfpipe.revisions import checkpoint_steps, step_name
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def train_mini_model(
     Writes ``out_dir/checkpoints/step<k>/`` (a standalone HF model dir: config, safetensors
     weights, tokenizer files) for every ``k`` in ``checkpoint_steps(cfg["steps"], cfg["linear_checkpoints"])``,
     ``out_dir/induction.csv`` (model, step, layer, head, score: every head at every checkpoint,
-    :func:`mfpipe.induction.induction_scores` with ``k = (context_length - 1) // 2``) and
+    :func:`mfpipe.models.induction.induction_scores` with ``k = (context_length - 1) // 2``) and
     ``out_dir/training.json`` (``model``, resolved ``cfg``, ``vocab_size``, ``n_params``,
     ``train_tokens``, ``threads``, ``checkpoint_steps``, ``checkpoints``: per checkpoint
     ``step``, ``train_loss`` (mean training loss since the previous checkpoint; None at step 0),

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..revisions import minisuite_checkpoint_dir
+from mfpipe.revisions import minisuite_checkpoint_dir
 
 SOURCES = ("hub", "local", "minisuite")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

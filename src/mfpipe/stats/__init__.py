@@ -2,21 +2,26 @@
 
 - :mod:`mfpipe.stats.buckets` — windows -> key buckets / query types; prefix counts ``n_t(X_j)``.
 - :mod:`mfpipe.stats.pass1` — the pass-1 reducer (:class:`Accumulator`): additive sums of every statistic.
-- :mod:`mfpipe.stats.shards` — the shard loop, generic over a reducer (one traced forward per batch).
+- :mod:`mfpipe.stats.loop` — the shard loop, generic over a reducer (one traced forward per batch).
+- :mod:`mfpipe.stats.shards` — pass 1 over one shard (the loop with pass 1's reducer).
 - :mod:`mfpipe.stats.partials` — per-shard partials: save, load, merge by addition, provenance.
 - :mod:`mfpipe.stats.store` — merged sums -> labelled xarray means -> zarr store (one layer per chunk).
 - :mod:`mfpipe.stats.api` — :func:`open_stats` with provenance checks and accessors.
+- :mod:`mfpipe.stats.halves` — a statistics half paired with an evaluation half, each refused if it belongs to
+  another model, revision, tracked set or corpus; a model checked against a store.
+- :mod:`mfpipe.stats.buckets`, :mod:`mfpipe.stats.derived`, :mod:`mfpipe.stats.native`,
+  :mod:`mfpipe.stats.torch_engine`, :mod:`mfpipe.stats.workspace` — pass 1's machinery (the
+  C allocator's settings are :mod:`mfpipe.heap`).
+- :mod:`mfpipe.stats.errors` — the stage's errors, each saying what to change.
 
 The read side (``api``, ``store``, ``partials``) never imports torch; the names of the torch-using modules
 are exported lazily, so ``from mfpipe.stats import open_stats`` stays light.
 """
 
-from .api import MeanFieldStats, ProvenanceError, check_provenance, open_stats
-from .errors import StatsError
-from .partials import load_partial, merge_sums, partial_meta, save_partial
-from .store import PROVENANCE_KEYS, finalize, read_attrs, write_store
-
-_LAZY = {"Accumulator": "pass1", "accumulate_shard": "shards"}
+from mfpipe.stats.api import MeanFieldStats, ProvenanceError, check_provenance, open_stats
+from mfpipe.stats.errors import StatsError
+from mfpipe.stats.partials import load_partial, merge_sums, partial_meta, save_partial
+from mfpipe.stats.store import PROVENANCE_KEYS, finalize, read_attrs, write_store
 
 __all__ = [
     "Accumulator",
@@ -38,8 +43,13 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    # static imports, so mfpipe.codedeps sees what each lazily exported name loads
+    if name == "Accumulator":
+        from mfpipe.stats.pass1 import Accumulator
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return Accumulator
+    if name == "accumulate_shard":
+        from mfpipe.stats.shards import accumulate_shard
+
+        return accumulate_shard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The compiled loops of :mod:`mfpipe.stats.native` (imported on first use: importing numba and loading its
-machine code costs ~130 MiB of resident memory and about a second, which a process that never runs pass 1 on
-CPU should not pay)."""
+machine code costs resident memory and time, which a process that never runs pass 1 on CPU should not pay;
+measured: benchmarks/HISTORY.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 
 _jit = njit(nogil=True, cache=True, boundscheck=False)
 # rows this far ahead are prefetched in the scattered adds: after the forward none of them is in the cache, and
-# asking early keeps more misses in flight (the kernel add: 0.48 -> 0.33 ms for 13.6 k rows of a 64 MB P)
+# asking early keeps more misses in flight (measured on the kernel add: benchmarks/HISTORY.md)
 PREFETCH_AHEAD = 16
 
 
@@ -66,9 +66,8 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
     prefix, wherever every tracked key is a query of its own type (``mirror``, always for window_buckets' buckets of
     a TrackedSet). So while ``cooc_deferred[0]`` is 1 a batch with ``mirror`` counts the forward half only for the
     ``<other>`` column, into ``other_after`` [N] (the BOS never follows a query), and leaves the tracked columns to
-    :func:`symmetrize_cooc`, run once when the sums are read (``NativeEngine.flush_counts``): not ~8 k scattered
-    increments of the [N*K, 3] counts per mini batch, each a cache miss after the forward (0.2 of the plan's 1.1
-    ms). A batch without ``mirror`` symmetrizes what was deferred, sets ``cooc_deferred[0]`` to 0 and counts the
+    :func:`symmetrize_cooc`, run once when the sums are read (``NativeEngine.complete_counts``): not ~8 k scattered
+    increments of the [N*K, 3] counts per mini batch, each a cache miss after the forward. A batch without ``mirror`` symmetrizes what was deferred, sets ``cooc_deferred[0]`` to 0 and counts the
     forward half directly, as do all batches after it.
 
     ``cell_lut`` [N*K], ``bucket_lut`` [K] and ``rank_table`` [R] int32 are -1 on entry and left so (the rank
@@ -184,9 +183,8 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
     return n_ub
 
 # Head blocks of a constant width: with the width a compile-time constant, the adds of a pair's heads into its
-# cell's row are one vector add (the same per-head float32 additions in the same order as any other width): a mini
-# layer's kernel (8 heads) 0.58 -> 0.35 ms warm, 0.98 -> 0.60 ms cold in place, against a width known only at run
-# time. HEAD_BLOCKS: the widths compiled, widest first (a layer's heads go in blocks of these).
+# cell's row are one vector add (the same per-head float32 additions in the same order as any other width), markedly
+# faster than a width known only at run time. HEAD_BLOCKS: the widths compiled, widest first (a layer's heads go in blocks of these).
 HEAD_BLOCKS = (8, 4, 2, 1)
 
 
@@ -221,24 +219,18 @@ def _kernel_block(p, qt, h0, W, group, pinv, cells, m_off, u_off, buf, sums, col
                     P[cells[u0 + r], col + h] += buf[r, h]
 
 
-@_jit
-def kernel_block8(p, qt, h0, group, pinv, cells, m_off, u_off, buf, sums, col, P):
-    _kernel_block(p, qt, h0, 8, group, pinv, cells, m_off, u_off, buf, sums, col, P)
+def _block_kernel(width: int):
+    """The compiled kernel of heads blocks of ``width``: a closure, so numba freezes ``width`` as a compile-time
+    constant (one specialisation per width, each cached under its own name)."""
+
+    def kernel_block(p, qt, h0, group, pinv, cells, m_off, u_off, buf, sums, col, P):
+        _kernel_block(p, qt, h0, width, group, pinv, cells, m_off, u_off, buf, sums, col, P)
+
+    kernel_block.__name__ = kernel_block.__qualname__ = f"kernel_block{width}"
+    return _jit(kernel_block)
 
 
-@_jit
-def kernel_block4(p, qt, h0, group, pinv, cells, m_off, u_off, buf, sums, col, P):
-    _kernel_block(p, qt, h0, 4, group, pinv, cells, m_off, u_off, buf, sums, col, P)
-
-
-@_jit
-def kernel_block2(p, qt, h0, group, pinv, cells, m_off, u_off, buf, sums, col, P):
-    _kernel_block(p, qt, h0, 2, group, pinv, cells, m_off, u_off, buf, sums, col, P)
-
-
-@_jit
-def kernel_block1(p, qt, h0, group, pinv, cells, m_off, u_off, buf, sums, col, P):
-    _kernel_block(p, qt, h0, 1, group, pinv, cells, m_off, u_off, buf, sums, col, P)
+_BLOCK_KERNELS = {w: _block_kernel(w) for w in HEAD_BLOCKS}
 
 
 def kernel_heads(p, qt, h0, h1, group, pinv, cells, m_off, u_off, buf, sums, col0, P):
@@ -253,9 +245,6 @@ def kernel_heads(p, qt, h0, h1, group, pinv, cells, m_off, u_off, buf, sums, col
         while h + W <= h1:
             fn(p, qt, h, group, pinv, cells, m_off, u_off, buf, sums, col0 + h, P)
             h += W
-
-
-_BLOCK_KERNELS = {8: kernel_block8, 4: kernel_block4, 2: kernel_block2, 1: kernel_block1}
 
 @_jit
 def zero_rows(a, n):
@@ -311,7 +300,7 @@ def add_bucket_sums(acc, ub, part, n_u):
 def add_square_sums(acc_sq, x, kinv, ub, part, count32, count64, n_u, m2):
     """Float64 ``sum x²`` by bucket into ``acc_sq`` [K, c]: the float32 sum of ``(x - c_b)²`` around the
     batch's bucket mean ``c_b = part / count32`` plus ``S1² / n`` in float64 (as
-    :meth:`mfpipe.stats.pass1.Accumulator._square_sum`)."""
+    :meth:`mfpipe.stats.torch_engine.TorchEngine.square_sum`)."""
     width = x.shape[1]
     zero_rows(m2, n_u)
     for r in range(x.shape[0]):
@@ -331,7 +320,7 @@ def add_square_sums(acc_sq, x, kinv, ub, part, count32, count64, n_u, m2):
 
 # The norm's row moments may add in any order (they are checked against the norm module to a tolerance, not to
 # the bit), so their sums vectorize; the sums of the normalised rows themselves keep the pass's fixed order. In
-# float32, as the norm modules compute them (float64 moments took 0.14 ms per mini layer, these 0.06).
+# float32, as the norm modules compute them (float64 moments took about twice as long).
 @njit(nogil=True, boundscheck=False, fastmath={"reassoc", "contract", "nsz"})
 def _row_moments(x, r, kind, eps):
     """(mean, 1 / sqrt(second moment + eps)) of row ``r`` of float32 ``x`` for a norm of kind ``kind`` (0: layer

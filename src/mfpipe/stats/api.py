@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import xarray as xr
 
-from .store import DEFAULT_MIN_COUNT, PROVENANCE_KEYS, open_zarr
+from mfpipe.stats.store import DEFAULT_MIN_COUNT, PROVENANCE_KEYS, open_zarr
 
 # accepted spellings of provenance keys in `expect`
 ALIASES = {
@@ -38,7 +38,7 @@ class ProvenanceError(ValueError):
     """A statistics store was computed for something else than what the caller expects."""
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
         return int(a) == int(b)
     if isinstance(a, (float, np.floating)) or isinstance(b, (float, np.floating)):
@@ -59,7 +59,7 @@ def check_provenance(attrs: Mapping[str, Any], expect: Mapping[str, Any] | None,
                 f"different mfpipe — delete it and rerun the stats stage (snakemake recreates it)"
             )
         have = attrs[name]
-        if not _same(have, want):
+        if not same_value(have, want):
             raise ProvenanceError(
                 f"statistics store {path} does not match: {name} is {have!r}, expected {want!r}. It was computed for "
                 f"another {name.replace('_', ' ')}; point to the store for {want!r} or delete {path} and rerun the "

@@ -19,14 +19,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .errors import StatsError
+from mfpipe.stats.errors import StatsError
 
 PAIR_CHUNK = 1 << 22  # (query, key) pairs enumerated at once
 COOC_WINDOW = 5  # ±w co-occurrence window of the `cooc` kernel (Sec. 4.2 footnote)
 
 
 def bucket_luts(tracked) -> tuple[np.ndarray, np.ndarray, int, int | None]:
-    """(key-bucket LUT, query LUT, N, bos_id) from a :class:`mfpipe.tracked.TrackedSet`, or from a mapping
+    """(key-bucket LUT, query LUT, N, bos_id) from a :class:`mfpipe.corpus.tracked.TrackedSet`, or from a mapping
     ``{"key_lut": ..., "query_lut": ..., "n": N, "bos_id": optional}`` (plain lookup tables, for tests)."""
     if isinstance(tracked, Mapping):
         key = np.asarray(tracked["key_lut"], dtype=np.int64)

@@ -13,7 +13,7 @@ shard in float64 from the sums it does accumulate (:func:`position_sums`):
   of one at mlp_out's (``<= m u sum |x|`` each over the ``m`` rows of a bucket in a batch, as for every per-position
   sum): far below the mean's own sampling spread (tests/test_stats_reference.py compares it with the captured
   mlp_out at the brute-force tolerance, 1e-5 of its scale, on all six architectures; measured 1-3e-7). Not reading
-  the MLP's output saved the mini models 0.6 ms of a batch's ~5.5 ms over the bare forward.
+  the MLP's output saves the capture's copy of it (measured: benchmarks/HISTORY.md).
 - ``resid_mid = resid_in + attn_out`` (the adapters' definition) is never accumulated."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .errors import StatsError
+from mfpipe.stats.errors import StatsError
 
 Weights = Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -40,7 +40,7 @@ def check_layout(weights: Weights, name: str, w_shape: tuple, b_shape: tuple, ad
 def affine_sums(x_sums: np.ndarray, w: torch.Tensor, b: torch.Tensor | None, counts: np.ndarray) -> np.ndarray:
     """``(sum x) W + n b``: bucket sums ``x_sums [K, din]`` of ``counts [K]`` rows each through ``w [din, dout]`` and
     ``b [dout]`` (or None), in float64 (one matmul, torch's: numpy's BLAS starts threads of its own, which after the
-    forward contend with torch's still-spinning ones: a mini layer's 0.35 ms took 1.8 ms, torch's 0.6 ms)."""
+    forward contend with torch's still-spinning ones and made it several times slower)."""
     out = (torch.from_numpy(np.ascontiguousarray(x_sums, dtype=np.float64))
            @ w.detach().to("cpu", torch.float64)).numpy()
     if b is not None:

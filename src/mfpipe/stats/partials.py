@@ -9,8 +9,8 @@ accumulates the kernel in float32; the error bound is in :mod:`mfpipe.stats.pass
 tests/test_stats_precision.py). ``resid_mid_sum`` is not stored: it is ``resid_sum[:L] + attn_out_sum`` (the
 adapter's definition of resid_mid) and :func:`load_partial` rebuilds it. Chunks: one (layer, head) of the
 kernel, one layer of the per-position sums; Blosc-zstd at level 1 with byte shuffle (bit shuffle for the counts and
-rounded floats; level 3 wrote GPT-2 small's and the mini models' partials 30-40 % slower for 0.6-2 % less on disk:
-the shuffled mantissa bits do not compress further), then a CRC-32C checksum per chunk,
+rounded floats; a higher level writes markedly slower for little less on disk: the shuffled mantissa bits do not
+compress further; benchmarks/HISTORY.md), then a CRC-32C checksum per chunk,
 and every chunk written: a truncated, altered or missing chunk file is an error when read, never a silent zero.
 
 Smaller partials, at a stated precision (``mantissa_bits``, the workflow's ``stats.partial_mantissa_bits``): the
@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from ..io import atomic_dir
-from .buckets import bucket_luts
-from .errors import PartialError, StatsError
+from mfpipe.io import atomic_dir
+from mfpipe.stats.buckets import bucket_luts
+from mfpipe.stats.errors import PartialError, StatsError
 
 PARTIAL_FORMAT = 2
 INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count", "cooc")
@@ -255,7 +255,7 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
             # a run of chunks at a time along the last axis chunked by 1 (the kernel's heads of one layer), as many
             # as WRITE_BLOCK_BYTES hold (GPT-2 small: a layer's 12 heads at N = 1000, one head's 64 MB at N = 4000,
             # not a layer's 0.8 GB): no full-size converted / rounded copy, and Zarr compresses the run's chunks
-            # side by side (one chunk per call: ~1.5x the write time)
+            # side by side (one chunk per call was markedly slower: benchmarks/HISTORY.md)
             chunks = _chunks(key, a.shape) if a.ndim else ()
             n_lead = next((i for i, c in enumerate(chunks) if c != 1), len(chunks))
             for idx in _write_blocks(a.shape, n_lead, np.dtype(dt).itemsize):

@@ -25,23 +25,21 @@ the output projection) or a difference of the others (mlp_out in a float32 model
 by the capture: :meth:`Accumulator.sums` derives it (:mod:`mfpipe.stats.derived`, with its error bounds), and a layer
 whose MLP output is not read is reduced before its MLP runs.
 
-Two engines compute these sums (``engine=``). On CPU with numba installed (the default there, ``"native"``) each
-reduction is one compiled loop of :mod:`mfpipe.stats.native` (the plan in one pass over the batch's tokens, per layer
-the kernel and each per-position statistic in one pass over its rows; the mini models' reducer fell from ~11 to ~6
-ms per 2048-token batch). It adds the same terms in the same order and precision as the torch ops, so the two
-engines' sums are equal bit for bit (tests/test_stats_native.py), except ``ln_in_sum`` and the value sums made from
-it where the adapter writes its attention-input norm as a :class:`~mfpipe.models.adapters.NormForm`
-(``attn_input_norm_form``) that reproduces the module on a probe: the native engine then sums the normalised rows in
-its own loop and applies the affine in float64, equal to float32 rounding. ``"torch"`` (every device, GPUs
-included) runs torch ops (:mod:`mfpipe.stats.torch_engine`). The counts ``nbar``, ``C`` and ``cooc`` of a cell are
-kept side by side (one [N*K, 3] tensor): a batch adds into a few thousand scattered cells of it, one cache miss per
-cell instead of three.
+Two engines compute these sums (``engine=``), behind one protocol (:class:`mfpipe.stats.engine.Engine`): on CPU
+with numba installed (the default there, ``"native"``) each reduction is one compiled loop of
+:mod:`mfpipe.stats.native`, adding the same terms in the same order and precision as the torch ops of ``"torch"``
+(every device, GPUs included; :mod:`mfpipe.stats.torch_engine`), so the two engines' sums are equal bit for bit
+(tests/test_stats_native.py), except ``ln_in_sum`` and the value sums made from it where the adapter writes its
+attention-input norm as a :class:`~mfpipe.models.adapters.NormForm` (``attn_input_norm_form``) that reproduces the
+module on a probe: the native engine then sums the normalised rows in its own loop and applies the affine in
+float64, equal to float32 rounding. The engine adds into the sums the accumulator owns
+(:class:`~mfpipe.stats.engine.Totals`); the counts ``nbar``, ``C``, ``cooc`` are complete only in :meth:`sums`.
 
 On CPU, where the job has two or more threads, each layer's reduction (from ``HELPER_MIN_PROBS`` attention
-elements on) is split between the calling thread and one helper thread (:class:`HelperThread`): half the heads of the kernel and part of the per-position statistics each, written
-into disjoint sums, so the sums are bit for bit those of one thread. The forward is parked while a callback runs,
-so the job's second core would otherwise idle; on GPT-2 small (N = 1000, T = 512) the reducer's wall time fell by
-26-35 % on this project's 2-core machine (benchmarks/stats_pass.py --breakdown, --helper on / off).
+elements on) is split between the calling thread and one helper thread (:class:`HelperThread`): half the heads of
+the kernel and part of the per-position statistics each, written into disjoint sums, so the sums are bit for bit
+those of one thread. The forward is parked while a callback runs, so the job's second core would otherwise idle.
+Measurements of both: benchmarks/HISTORY.md, "Pass 1 (statistics)".
 
 The temporaries of the hot path are reused buffers (:class:`~mfpipe.stats.workspace.Scratch`): on CPU a fresh multi-MB tensor is
 page-faulted in on first touch, which on a VM cost as much as the arithmetic of these reductions.
@@ -52,8 +50,8 @@ E[x²] - c² cancels), float32 for the kernel (``L H N K`` cells: 0.6 GB at N=10
 GPT-2 small, where float64 would be 1.2 / 18.4 GB). The kernel's error is then at most one float32 rounding per
 batch and cell on top of the batch sums: ``|err| <= (m + n_b) u S`` with ``u = 2^-24``, ``m`` the most pairs of one
 cell in a batch, ``n_b`` the batches of the shard and ``S`` the exact sum (a worst-case bound; the measured error
-is far smaller: 2.7e-7 per cell on 2.05 M tokens, tests/test_stats_precision.py). ``resid_mid`` is not accumulated: it is ``resid_in +
-attn_out`` (the adapter's definition), so its sum is the sum of theirs. Counts are int64.
+is far smaller: 2.7e-7 per cell on 2.05 M tokens, tests/test_stats_precision.py). ``resid_mid`` is not accumulated:
+it is ``resid_in + attn_out`` (the adapter's definition), so its sum is the sum of theirs. Counts are int64.
 
 Sums returned by :meth:`Accumulator.sums` (the shard loop: :func:`mfpipe.stats.shards.accumulate_shard`) (``L``
 layers, ``H`` heads, ``d`` width, ``dh`` head width, ``T`` context length)::
@@ -87,18 +85,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import derived, native
-from .buckets import COOC_WINDOW, PAIR_CHUNK
-from .errors import StatsError
-from .torch_engine import TorchEngine
-from .workspace import HelperThread, Scratch, hold_heap_blocks, reducer_threads, release_free_memory
+from mfpipe.stats import derived
+from mfpipe.stats.buckets import COOC_WINDOW, PAIR_CHUNK
+from mfpipe.stats.engine import BatchPlan, Totals, engine_name, make_engine
+from mfpipe.stats.errors import StatsError
+from mfpipe.heap import hold_heap_blocks, release_free_memory
+from mfpipe.stats.workspace import HelperThread, Scratch, reducer_threads
 
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
 # P at the end of the batch; above it (large models: L*H in the thousands) each layer is added as it comes
 DEFERRED_SUMS_MAX = 1 << 28
-# attention elements [B*H*T*T] of a layer from which its reduction is split with the helper thread (HelperThread): below,
-# handing half the work over costs about what it saves (the mini models' 1 M: no gain measured; GPT-2 small at
-# batch 4, T = 512: 12.6 M, the reducer's wall time 26-35 % lower)
+# attention elements [B*H*T*T] of a layer from which its reduction is split with the helper thread (HelperThread):
+# below, handing half the work over costs about what it saves (measured: benchmarks/HISTORY.md)
 HELPER_MIN_PROBS = 1 << 22
 # entries of the native plan's [n_ub, n_ub] compaction table (4 MB of int32: up to 1024 buckets in a batch)
 RANK_TABLE_MAX = 1 << 20
@@ -137,22 +135,18 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.device = torch.device(device)
         self.cooc_window = int(cooc_window)
         # The reductions are gather / scatter dominated and gain nothing from intra-op threads on CPU; on a busy
-        # machine OpenMP barriers make small parallel ops 10-100x slower. So on CPU they run on `cpu_threads`
+        # machine OpenMP barriers make small parallel ops many times slower. So on CPU they run on `cpu_threads`
         # threads (the model's forward keeps its own setting); None leaves torch alone.
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        # "native": on CPU the reductions run as compiled loops (mfpipe.stats.native, numba), the same sums bit for
+        # bit; "torch": as torch ops (any device); "auto": native where it can run
+        self.engine = engine_name(engine, self.device)
         # On CPU each layer's reduction is split between this thread and a helper thread (HelperThread) where the job
         # has a second thread to give (torch's threads, set from the job's `threads`); None: that rule, True /
         # False: force. On a GPU the reductions are asynchronous kernels already.
         if helper_thread is None:
             helper_thread = self.device.type == "cpu" and torch.get_num_threads() >= 2
         self._helper = HelperThread(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
-        # "native": on CPU the reductions run as compiled loops (mfpipe.stats.native, numba), the same sums bit for
-        # bit; "torch": as torch ops (any device); "auto": native where it can run
-        if engine not in ("auto", "native", "torch"):
-            raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
-        if engine == "native" and (self.device.type != "cpu" or not native.available()):
-            raise StatsError("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
-        self.engine = "native" if engine != "torch" and self.device.type == "cpu" and native.available() else "torch"
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
         # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
         if value_weights is not None and attn_input_norm is None:
@@ -179,54 +173,37 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.select = (("resid_in", "attn_probs", "reads") + (("mlp_out",) if not self.mlp_out_from_resid else ())
                        + (("values",) if value_weights is None else ())
                        + (("attn_out",) if self.attn_out_weights is None else ()))
-        L, H, N, K, T, d, dh, dev = self.L, self.H, self.N, self.K, self.T, self.d, self.dh, self.device
-        i64 = dict(dtype=torch.int64, device=dev)
         # per-position sums, float64, one tensor per statistic (sums() hands them out without copies); the residual
         # and its square have depth L + 1 (l = L: the final residual before the last norm)
-        self._cols = {"resid": d, "attn_out": d, "mlp_out": d}
+        self._cols = {"resid": self.d, "attn_out": self.d, "mlp_out": self.d}
         if self.attn_out_weights is not None:
             del self._cols["attn_out"]
         if self.mlp_out_from_resid:
             del self._cols["mlp_out"]
         if attn_input_norm is not None:
-            self._cols["ln_in"] = d
+            self._cols["ln_in"] = self.d
         if value_weights is None:
-            self._cols["values"] = H * dh
-        self._cols["reads"] = H * dh
-        f64 = dict(dtype=torch.float64, device=dev)
-        self.pos = {name: torch.zeros(L + (name == "resid"), K, width, **f64) for name, width in self._cols.items()}
-        self.pos["resid_sq"] = torch.zeros(L + 1, K, d, **f64)
-        # kernel sums, cell-major and layer-minor: row s*K + t holds the L*H (layer, head) sums of that cell (see the
-        # module docstring)
-        self.P = torch.zeros(N * K, L * H, dtype=torch.float32, device=dev)
-        # the per-cell counts side by side, [nbar, C, cooc] of a cell in one cache line: a batch adds into a few
-        # thousand scattered cells of these 24 MB (N = 1000), one miss per cell instead of three
-        self._counts = torch.zeros(N * K + 1, 3, **i64)
-        self.nbar, self.ctx = self._counts[: N * K, 0], self._counts[: N * K, 1]
-        self._cooc_buf = self._counts[:, 2]  # the cooc counts and one spare slot (see begin_batch)
-        self.cooc = self._cooc_buf[: N * K]
-        self.query_count = torch.zeros(N, **i64)
-        self.key_count = torch.zeros(K, **i64)
-        self.position_count = torch.zeros(T, **i64)
+            self._cols["values"] = self.H * self.dh
+        self._cols["reads"] = self.H * self.dh
+        # the sums, which the engine adds into: kernel sums cell-major and layer-minor ([N*K, L*H]: row s*K + t holds
+        # the cell's L*H (layer, head) sums, see the module docstring), the counts (nbar, C, cooc side by side:
+        # complete only in sums()), the per-position sums
+        self._totals = Totals.zeros(self.L, self.H, self.N, self.T, self._cols, self.device)
+        self.P, self.pos = self._totals.P, self._totals.pos
+        self.query_count, self.key_count = self._totals.query_count, self._totals.key_count
+        self.position_count = self._totals.position_count
         self.n_windows = 0
         self.n_tokens = 0
-        self._kinv: torch.Tensor | None = None  # [B*T] rank of each position's bucket among the batch's buckets
-        self._ub: torch.Tensor | None = None  # [U_b] the batch's distinct buckets (sorted)
+        self._plan: BatchPlan | None = None  # the batch's plan (begin_batch to end_batch)
         self._layers_seen: set[int] = set()
         self._final_seen = False
-        self._scratch = Scratch(dev)
-        self._scratch_helper = Scratch(dev)  # the helper thread's own work buffers
-        # the engine: the compiled loops (mfpipe.stats.native) or the torch ops (mfpipe.stats.torch_engine)
-        self._native = native.NativeEngine(self) if self.engine == "native" else None
-        self._torch = TorchEngine(self) if self.engine == "torch" else None
-        # native: the ln1(x) sums from the normalised rows in the engine's own loop where the norm has a form
-        # (layer -> NormForm, e.g. adapter.attn_input_norm_form) that reproduces attn_input_norm on a probe: no module
-        # call and no [B*T, d] output per layer (the mini models: 0.28 ms of a layer's 1.15 ms); else the module
-        self._norm_forms = None
-        if self._native is not None and attn_input_norm is not None and attn_input_norm_form is not None:
-            self._norm_forms = native.checked_norm_forms(attn_input_norm_form, attn_input_norm, self.L, self.d)
-        self._plan = None  # native: the batch's plan (begin_batch)
-        self._holding_heap = False  # CPU: the C heap holds every block while batches run (workspace.hold_heap_blocks)
+        self._scratch = Scratch(self.device)
+        self._scratch_helper = Scratch(self.device)  # the helper thread's own work buffers
+        # the engine (mfpipe.stats.engine.Engine); the native one sums ln1(x) from the normalised rows in its own loop
+        # where the norm has a form (layer -> NormForm, e.g. adapter.attn_input_norm_form) that reproduces
+        # attn_input_norm on a probe: no module call and no [B*T, d] output per layer
+        self._engine = make_engine(self.engine, self._totals, self.cooc_window, attn_input_norm, attn_input_norm_form)
+        self._holding_heap = False  # CPU: the C heap holds every block while batches run (heap.hold_heap_blocks)
 
     def _threads(self):
         return reducer_threads(self.cpu_threads)
@@ -234,11 +211,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     # ------------------------------------------------------------------ per batch, model-free
     def begin_batch(self, kb: np.ndarray | torch.Tensor, qt: np.ndarray | torch.Tensor) -> None:
         """Register a batch's key buckets / query types ``[B,T]``, add its model-free counts and plan its
-        reductions (shared by all layers). (The native engine adds the batch's nbar / C parts and the half of cooc
-        with keys before the query at :meth:`end_batch`, in one pass with its kernel sums, or, for a batch that does not
-        end, at the next ``begin_batch`` or at :meth:`sums`; and the half of cooc's tracked columns with keys after the
-        query at :meth:`sums`, for all batches at once: the counts read from :meth:`sums` are the same, those read
-        from the accumulator's own tensors before it are not.)"""
+        reductions (shared by all layers). (An engine may add part of the counts later, at :meth:`end_batch` or
+        when the sums are read: the counts read from :meth:`sums` are complete, at any time.)"""
         B, T = tuple(kb.shape)
         if T != self.T:
             raise StatsError(f"batch has context length {T}, the accumulator expects {self.T}")
@@ -250,11 +224,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if self.device.type == "cpu" and not self._holding_heap:  # the forward's blocks stay in the heap (to sums())
             self._holding_heap = hold_heap_blocks(True)
         with self._threads():
-            if self._native is not None:
-                self._plan = self._native.plan(kb, qt, group, RANK_TABLE_MAX, DEFERRED_SUMS_MAX, self._scratch)
-                self._kinv, self._ub = self._plan["kinv_t"], self._plan["ub_t"]
-            else:
-                self._kinv, self._ub = self._torch.plan(kb, qt, group, DEFERRED_SUMS_MAX, self._scratch)
+            self._plan = self._engine.plan(kb, qt, group, self._scratch, DEFERRED_SUMS_MAX, RANK_TABLE_MAX)
 
     # ------------------------------------------------------------------ adapter callbacks
     def on_layer(self, cap) -> None:
@@ -262,39 +232,16 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         with self._threads():
             self._on_layer(cap)
 
-    def _kernel(self, l: int, probs: torch.Tensor) -> None:
-        """Layer ``l``'s attention probabilities summed by (query type, key bucket, head) over the batch. Per head,
-        one gather of the pairs' probabilities (the pair index plus the head's offset: no per-head index is built or
-        streamed) and one float32 ``scatter_add_`` into that head's row of a small, cache-resident [H, U] buffer;
-        the buffer goes into the layer's columns of the chunk's [U, L*H] batch sums, which :meth:`end_batch` adds
-        into the kernel sum once for all layers (without batch sums, above ``DEFERRED_SUMS_MAX``: into the layer's
-        columns of the kernel sum at once)."""
-        self._kernel_heads(l, self._flat_probs(probs), range(self.H), self._scratch)
-        self._kernel_flush(l)
-
     @staticmethod
     def _flat_probs(probs: torch.Tensor) -> torch.Tensor:
         pf = probs.reshape(-1) if probs.is_contiguous() else probs.contiguous().reshape(-1)
         return pf.to(torch.float32)
 
-    def _kernel_heads(self, l: int, pf: torch.Tensor, heads: range, scratch: Scratch) -> None:
-        """The kernel sums of ``heads`` into their rows of each pair chunk's [H, U] buffer (see :meth:`_kernel`);
-        native: into their columns of the batch sums (or of P) at once."""
-        if self._native is not None:
-            self._native.kernel_heads(self._plan, l, pf.numpy().reshape(-1, self.H, self.T, self.T), heads, scratch)
-            return
-        self._torch.kernel_heads(pf, heads, scratch)
-
-    def _kernel_flush(self, l: int) -> None:
-        """Each chunk's [H, U] buffer of layer ``l`` into the layer's columns of its batch sums (or of P)."""
-        if self._torch is not None:  # (NativeEngine.kernel_heads wrote them)
-            self._torch.kernel_flush(l)
-
     def _on_layer(self, cap) -> None:
         l = int(cap.layer)
-        if self._kinv is None:
+        if self._plan is None:
             raise StatsError("Accumulator.on_layer called before begin_batch")
-        H, T = self.H, self.T
+        H, T, eng, plan = self.H, self.T, self._engine, self._plan
         probs = cap.attn_probs
         B = probs.shape[0]
         if tuple(probs.shape) != (B, H, T, T):
@@ -304,36 +251,35 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         if "values" in self._cols:
             parts["values"] = cap.values.permute(0, 2, 1, 3)
         ln_from = cap.resid_in if "ln_in" in self._cols else None
+        pf = self._flat_probs(probs)
         if self._helper is None or probs.numel() < HELPER_MIN_PROBS:
-            self._kernel(l, probs)
+            # the kernel: per head, the pairs' probabilities summed by compact cell (float32) into the batch sums
+            # [U, L*H], which end_batch adds into P once for all layers (above DEFERRED_SUMS_MAX: into P at once)
+            eng.kernel_heads(plan, l, pf, range(H), self._scratch)
+            eng.kernel_flush(plan, l)
             self._position_sums(l, parts, self._scratch, ln_from)
         else:
             # the helper takes the second half of the heads, the residual (with its square) and one branch output
             # where one is summed (attn_out, else mlp_out); this thread the first half and the rest, ln1(x) included
             # (a module call where the norm has no form: it stays on the trace's thread)
-            pf, half = self._flat_probs(probs), (H + 1) // 2
+            half = (H + 1) // 2
             branch = next((name for name in ("attn_out", "mlp_out") if name in parts), None)
             there = {name: parts.pop(name) for name in ("resid", branch) if name is not None}
             self._helper.both(
-                lambda: (self._kernel_heads(l, pf, range(half), self._scratch),
+                lambda: (eng.kernel_heads(plan, l, pf, range(half), self._scratch),
                          self._position_sums(l, parts, self._scratch, ln_from)),
-                lambda: (self._kernel_heads(l, pf, range(half, H), self._scratch_helper),
+                lambda: (eng.kernel_heads(plan, l, pf, range(half, H), self._scratch_helper),
                          self._position_sums(l, there, self._scratch_helper)),
             )
-            self._kernel_flush(l)
+            eng.kernel_flush(plan, l)
         self._layers_seen.add(l)
 
     def _position_sums(self, l: int, parts: dict, scratch: Scratch, ln_from: torch.Tensor | None = None) -> None:
         """Per-position sums of layer ``l``: per statistic in ``parts`` (and ``ln1(ln_from)`` as ``ln_in``), a float32
-        sum over the batch's distinct buckets (one index_add_ of the [B*T, width] rows, or its native loop), then
-        added once into its float64 sum; ``ln_in`` on the native engine with norm forms: the sums of the normalised
-        rows and the norm's affine (NativeEngine.norm_sum)."""
-        BT = self._kinv.numel()
-        if ln_from is not None and self._norm_forms is not None:
-            x = ln_from.reshape(BT, self.d)
-            x = x if x.is_contiguous() and x.dtype == torch.float32 else x.to(torch.float32).contiguous()
-            self._native.norm_sum(self._plan, self._native.arrays["ln_in"][l], x.numpy(), self._norm_forms[l], scratch)
-        elif ln_from is not None:
+        sum over the batch's distinct buckets, then added once into its float64 sum (Engine.position_sum); ``ln_in``
+        where the engine sums the norm itself (Engine.norm_sum) without the module's output."""
+        BT = self._plan.n_positions
+        if ln_from is not None and not self._engine.norm_sum(self._plan, l, ln_from, scratch):
             parts = {**parts, "ln_in": self.attn_input_norm(l, ln_from)}
         for name, t in parts.items():
             c = self._cols[name]
@@ -341,25 +287,12 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 x = t.view(BT, c)
             else:  # values are head-major [B,H,T,dh]: rows [B*T, H*dh] into a reused buffer
                 x = scratch.get("posx", BT * c, torch.float32).view(t.shape).copy_(t).view(BT, c)
-            if self._native is not None:
-                sq = self._native.arrays["resid_sq"][l] if name == "resid" else None
-                self._native.position_sum(self._plan, self._native.arrays[name][l], sq, x.numpy(), scratch)
-            else:
-                sq = self.pos["resid_sq"][l] if name == "resid" else None
-                self._torch.position_sum(self.pos[name][l], sq, x, scratch)
+            self._engine.position_sum(self._plan, name, l, x, scratch)
 
     def on_final(self, resid: torch.Tensor) -> None:
         with self._threads():
-            self._on_final(resid)
-
-    def _on_final(self, resid: torch.Tensor) -> None:
-        x = resid.reshape(self._kinv.numel(), self.d).to(torch.float32)
-        if self._native is not None:
-            arr = self._native.arrays
-            self._native.position_sum(self._plan, arr["resid"][self.L], arr["resid_sq"][self.L],
-                                      x.contiguous().numpy(), self._scratch)
-        else:
-            self._torch.position_sum(self.pos["resid"][self.L], self.pos["resid_sq"][self.L], x, self._scratch)
+            x = resid.reshape(self._plan.n_positions, self.d).to(torch.float32)
+            self._engine.position_sum(self._plan, "resid", self.L, x, self._scratch)
         self._final_seen = True
 
     def end_batch(self) -> None:
@@ -369,13 +302,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
                 f"the capture delivered layers {sorted(self._layers_seen)} and final={self._final_seen}; "
                 f"expected all {self.L} layers and the final residual"
             )
-        with self._threads():  # the batch's kernel sums into P, all layers at once: one run of L*H floats per cell
-            if self._torch is not None:
-                self._torch.end_batch()
-            elif self._plan is not None:
-                self._native.end_batch(self._plan)
+        if self._plan is not None:
+            with self._threads():  # the batch's kernel sums into P, all layers at once: one run of L*H floats per cell
+                self._engine.end_batch(self._plan)
         self._plan = None
-        self._kinv = self._ub = None
 
     def close(self) -> None:
         """Stop the helper thread, if any (the sums stay readable)."""
@@ -389,10 +319,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
         batch)."""
         L, H, N, K, dh = self.L, self.H, self.N, self.K, self.dh
+        self._engine.complete_counts()  # what the engine left for later (a batch begun and not ended included)
         # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
         # for GPT-2 small at N = 1000), so they do not add up at the shard's end; a later batch grows them again
-        if self._native is not None:  # a batch begun and not ended: its model-free counts, and cooc's deferred half
-            self._native.flush_counts(complete=True)  # (NativeEngine.flush_counts)
         self._scratch, self._scratch_helper = Scratch(self.device), Scratch(self.device)
         if self.device.type == "cpu":
             if self._holding_heap:  # the arrays built below are mapped again, and handed back when freed
@@ -402,7 +331,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         def np_(t):
             return t.detach().cpu().numpy()
 
-        key_count = np_(self.key_count)
+        key_count, tot = np_(self.key_count), self._totals
         # views of the CPU accumulators, no copies; with the sums derived from them
         position = derived.position_sums({name: np_(t) for name, t in self.pos.items()}, key_count, H, dh,
                                          self.attn_out_weights, self.value_weights)
@@ -412,9 +341,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "query_count": np_(self.query_count),
             "key_count": key_count,
             "position_count": np_(self.position_count),
-            "context_count": np_(self.ctx).reshape(N, K),
-            "cooc": np_(self.cooc).reshape(N, K),
+            "context_count": np_(tot.ctx).reshape(N, K),
+            "cooc": np_(tot.cooc).reshape(N, K),
             "P_sum": np_(self.P).reshape(N, K, L, H).transpose(2, 3, 0, 1),  # a view [L, H, N, K]
-            "nbar_sum": np_(self.nbar).reshape(N, K),
+            "nbar_sum": np_(tot.nbar).reshape(N, K),
             **position,
         }

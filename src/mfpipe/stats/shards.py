@@ -1,40 +1,29 @@
-"""The shard loop of a corpus pass, generic over a reducer: one traced forward per batch (all layers at once)
-through the adapter's read site, each layer handed to the reducer while the forward runs.
-
-A reducer has the adapter-callback protocol (:class:`Reducer`): ``begin_batch(kb, qt)`` with the batch's key
-buckets and query types ``[B, T]`` (:func:`mfpipe.stats.buckets.window_buckets`), ``on_layer(LayerCapture)``
-per layer in order, ``on_final(resid)`` with the final residual before the last norm, ``end_batch()``, and
-``sums()`` -> the additive numpy sums of everything seen (and, optionally, ``close()`` once done). Pass 1 is :class:`mfpipe.stats.pass1.Accumulator`;
-a second corpus pass (e.g. the mean-field deviation of Sec. 6) is another reducer over the same loop.
-"""
+"""Pass 1 over one shard: the shard loop (:func:`mfpipe.stats.loop.run_reducer`) with pass 1's reducer
+(:class:`mfpipe.stats.pass1.Accumulator`) built for the adapter's model."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import torch
 
-from .buckets import bucket_luts, window_buckets
-from .errors import StatsError
-from .pass1 import Accumulator
+from mfpipe.stats.loop import Reducer, run_reducer
+from mfpipe.stats.pass1 import Accumulator
+
+__all__ = ["accumulate_shard", "pass1_reducer"]
 
 
-class Reducer(Protocol):
-    def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None: ...
-    def on_layer(self, cap) -> None: ...
-    def on_final(self, resid: torch.Tensor) -> None: ...
-    def end_batch(self) -> None: ...
-    def sums(self) -> dict[str, np.ndarray]: ...
-
-
-def _progress(iterable, total: int, enabled: bool, desc: str):
-    if not enabled:
-        return iterable
-    from tqdm.auto import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit="batch", dynamic_ncols=True, mininterval=1.0)
+def pass1_reducer(adapter, n_tracked: int, context_length: int, device) -> Accumulator:
+    """Pass 1's :class:`Accumulator` for ``adapter``'s model (the reducer factory of :func:`accumulate_shard`)."""
+    return Accumulator(
+        adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n_tracked, context_length,
+        device=device, attn_input_norm=getattr(adapter, "attn_input_norm", None),
+        value_weights=getattr(adapter, "value_weights", None),
+        attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
+        attn_out_weights=getattr(adapter, "attn_out_weights", None),
+        mlp_out_from_resid=bool(getattr(adapter, "mlp_out_from_resid", False)),
+    )
 
 
 def accumulate_shard(
@@ -48,52 +37,7 @@ def accumulate_shard(
     desc: str = "stats",
     reducer: Callable[..., Reducer] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Additive sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard.
-
-    ``model`` is the loaded HF model (only its device is used), ``adapter`` its
-    :class:`~mfpipe.models.adapters.Adapter`; ``tracked`` a TrackedSet (or plain lookup tables, see
-    :func:`bucket_luts`). Position 0 of every window must hold the tracked set's BOS id. ``device`` defaults
-    to the model's device. ``reducer(adapter, n_tracked, context_length, device)`` builds another pass's reducer
-    (default: pass 1's :class:`Accumulator`).
-    """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2:
-        raise StatsError(f"tokens must be [n_windows, T], got shape {tokens.shape}")
-    key_lut, query_lut, n, bos = bucket_luts(tracked)
-    if bos is not None and tokens.shape[0] and not np.all(tokens[:, 0] == bos):
-        bad = int(np.nonzero(tokens[:, 0] != bos)[0][0])
-        raise StatsError(
-            f"window {bad} starts with token {int(tokens[bad, 0])}, not the BOS id {bos} of the tracked set; "
-            "windows must be [BOS, t1 … t(T-1)] (rebuild the corpus shards)"
-        )
-    if device is None:
-        device = getattr(adapter, "device", None) or next(model.parameters()).device
-    device = torch.device(device)
-    batch_size = max(1, int(batch_size))
-    if reducer is None:
-        acc: Reducer = Accumulator(
-            adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, tokens.shape[1],
-            device=device, attn_input_norm=getattr(adapter, "attn_input_norm", None),
-            value_weights=getattr(adapter, "value_weights", None),
-            attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
-            attn_out_weights=getattr(adapter, "attn_out_weights", None),
-            mlp_out_from_resid=bool(getattr(adapter, "mlp_out_from_resid", False)),
-        )
-    else:
-        acc = reducer(adapter, n, tokens.shape[1], device)
-    n_batches = (tokens.shape[0] + batch_size - 1) // batch_size
-    try:
-        for i in _progress(range(n_batches), n_batches, progress, desc):
-            chunk = tokens[i * batch_size : (i + 1) * batch_size]
-            kb, qt = window_buckets(chunk, key_lut, query_lut, n)
-            ids = torch.as_tensor(chunk.astype(np.int64), device=device)
-            acc.begin_batch(kb, qt)
-            # a reducer names the capture fields it reads (Accumulator.select; default: all of them)
-            adapter.run(ids, select=getattr(acc, "select", "all"), on_layer=acc.on_layer, on_final=acc.on_final)
-            acc.end_batch()
-        return acc.sums()
-    finally:
-        if hasattr(acc, "close"):
-            acc.close()  # pass 1's helper thread
-
-
+    """Pass 1's additive sums of every statistic over the windows ``tokens`` [n_windows, T] of one shard
+    (:func:`mfpipe.stats.loop.run_reducer`; ``reducer`` replaces pass 1's own, as the tests and benchmarks do)."""
+    return run_reducer(model, adapter, tokens, tracked, reducer or pass1_reducer, batch_size=batch_size,
+                       device=device, progress=progress, desc=desc)

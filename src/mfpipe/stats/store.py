@@ -48,9 +48,9 @@ from typing import Any, Mapping
 import numpy as np
 import xarray as xr
 
-from .buckets import COOC_WINDOW, bucket_luts
-from .errors import StatsError
-from .partials import SUM_KEYS
+from mfpipe.stats.buckets import COOC_WINDOW, bucket_luts
+from mfpipe.stats.errors import StatsError
+from mfpipe.stats.partials import SUM_KEYS
 
 STORE_FORMAT = 1
 DEFAULT_MIN_COUNT = 20
@@ -66,7 +66,7 @@ PROVENANCE_KEYS = (
 )
 
 
-def _mfpipe_version() -> str:
+def code_version() -> str:
     try:
         from mfpipe import __version__
 
@@ -221,7 +221,7 @@ def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset
             "bos_id": None if bos is None else int(bos),
             "min_count": int(min_count),
             "cooc_window": int(attrs.get("cooc_window", COOC_WINDOW)),
-            "mfpipe_version": _mfpipe_version(),
+            "mfpipe_version": code_version(),
         }
     )
     attrs = {k: v for k, v in attrs.items() if v is not None}

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -74,7 +72,7 @@ class HelperThread:
 def reducer_threads(n: int | None):
     """Run a reducer's work on ``n`` torch threads (None: leave torch alone), restoring the caller's setting after:
     gather / scatter dominated reductions gain little from intra-op threads on CPU, and on a busy machine OpenMP
-    barriers make their many small parallel ops 10-100x slower (the model's forward keeps its own setting)."""
+    barriers make their many small parallel ops many times slower (the model's forward keeps its own setting)."""
     prev = torch.get_num_threads()
     if n is None or n == prev:
         yield
@@ -84,61 +82,3 @@ def reducer_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(prev)
-
-
-def release_free_memory() -> bool:
-    """Hand the C heap's free memory back to the kernel now (glibc ``malloc_trim(0)``: the free top and the free
-    pages between live blocks). Pass 1's ``sums()`` calls it between the batches and the arrays it builds: where the
-    job keeps freed memory (:func:`mfpipe.allocator.keep_freed_memory`), those arrays then reuse pages that are no
-    longer resident instead of adding to the job's peak. Returns whether glibc released any (False off glibc)."""
-    libc = _glibc()
-    return bool(libc.malloc_trim(0)) if libc is not None else False
-
-
-# glibc's mallopt parameter M_MMAP_MAX and its default (<malloc.h>, malloc.c DEFAULT_MMAP_MAX)
-_M_MMAP_MAX, _GLIBC_MMAP_MAX = -4, 65536
-
-
-def hold_heap_blocks(hold: bool) -> bool:
-    """Where the job keeps freed memory (:func:`mfpipe.allocator.keep_freed_memory` ran in this process), serve
-    every C heap block from the heap while a pass runs its batches (``hold=True``: glibc ``M_MMAP_MAX`` = 0), and let
-    glibc map blocks above its threshold on their own again after (``False``; pass 1's ``sums()``). Returns whether
-    the setting was made (False without glibc or without the kept-memory setting: the process's allocator is left
-    alone).
-
-    Why. Above 32 MiB (glibc's largest mmap threshold) a block comes from the heap only while the heap's top has
-    room; else it is mapped on its own and unmapped when freed, and the next one is fresh pages. A GPT-2-small
-    forward's attention tensors at batch 4 x 512 are 48 MiB: the bare forward settled after one batch, but the
-    statistics job, whose reducer keeps blocks live between the forward's, never did: over 20 batches it paged in
-    12-307 k pages (up to 1.2 GB) in one batch of every two or three, through the whole run (median batch 2.86-3.19 s
-    in three runs); holding the blocks, it settled after 2-5 batches to 0-3 faults per batch (2.81-2.84 s). After the
-    batches the arrays that ``sums()`` builds and the partial's write go back to mapped blocks, which are handed back
-    when freed: a job that held every block throughout (the merge, tried through keep_freed_memory) peaked 330-430 MiB
-    higher.
-
-    ``mfpipe.allocator`` is looked up, not imported: it changes no result and is no code input of the statistics
-    rules."""
-    allocator = sys.modules.get("mfpipe.allocator")
-    if getattr(allocator, "_applied", None) is not True:
-        return False
-    libc = _glibc()
-    return libc is not None and libc.mallopt(_M_MMAP_MAX, 0 if hold else _GLIBC_MMAP_MAX) == 1
-
-
-@lru_cache(maxsize=1)
-def _glibc():
-    """This process's C library where it is glibc (``ctypes.CDLL(None)``: the library already loaded, no
-    ``ctypes.util.find_library``, which runs ``ldconfig`` in a subprocess: 7 ms a call, and a fork of a process that
-    may hold many GB), with ``mallopt`` and ``malloc_trim`` typed; looked up once per process. None off glibc."""
-    import ctypes
-
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only: musl has no such symbol, nor malloc_trim)
-        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc

@@ -11,13 +11,13 @@ Supported HF ``model_type``s: gpt2, gpt_neox, llama, qwen3, gemma2, olmo2. Anyth
 :class:`UnsupportedArchitectureError`.
 """
 
-from .architectures import (
+from mfpipe.models.adapters.architectures import (
     SUPPORTED_MODEL_TYPES,
     UnsupportedArchitectureError,
     get_adapter,
 )
-from .base import Adapter, NormForm
-from .site import CAPTURE_FIELDS, LayerCapture, RunResult, resolve_select
+from mfpipe.models.adapters.base import Adapter, NormForm
+from mfpipe.models.adapters.site import CAPTURE_FIELDS, LayerCapture, RunResult, resolve_select
 
 __all__ = [
     "CAPTURE_FIELDS",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .base import Adapter, NormForm, _base_model, _no_grad
-from .site import _get_path
+from mfpipe.models.adapters.base import Adapter, NormForm, base_model, no_grad
+from mfpipe.models.adapters.site import module_at
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "UnsupportedArchitectureError", "get_adapter"]
 
@@ -52,7 +52,7 @@ class GPT2Adapter(Adapter):
         d = self.d_model
         return super()._values_from_src(src_out[..., 2 * d : 3 * d])
 
-    @_no_grad
+    @no_grad
     def value_map(self, layer: int, x: Tensor) -> Tensor:
         d = self.d_model
         h = self._sub(layer, self.ATTN_NORM)(self._in(x))
@@ -60,19 +60,19 @@ class GPT2Adapter(Adapter):
         v = torch.addmm(c_attn.bias[2 * d :], h.reshape(-1, d), c_attn.weight[:, 2 * d :])
         return v.view(*h.shape[:-1], self.n_heads, self.d_head).to(x.dtype)
 
-    @_no_grad
+    @no_grad
     def value_weights(self, layer: int) -> tuple[Tensor, Tensor]:
         d, H, dh = self.d_model, self.n_heads, self.d_head
         c_attn = self._sub(layer, self.V_SRC)  # Conv1D: weight [d, 3d], columns [q | k | v]
         w = c_attn.weight.detach()[:, 2 * d :].reshape(d, H, dh).transpose(0, 1)
         return w, c_attn.bias.detach()[2 * d :].reshape(H, dh)
 
-    @_no_grad
+    @no_grad
     def out_proj_slices(self, layer: int) -> Tensor:
         w = self._sub(layer, self.O_PROJ).weight  # Conv1D: [d_in = H*dh, d_out = d]
         return w.detach().reshape(self.n_heads, self.d_head, self.d_model)
 
-    @_no_grad
+    @no_grad
     def position_offset(self, context_length: int | None = None, position_count=None) -> Tensor | None:
         """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1``
         (position 0 holds BOS, never a query, so ``wpe[0]`` is left out).
@@ -121,7 +121,7 @@ class GPTNeoXAdapter(Adapter):
         qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)  # as HF: [B,H,T,3dh]
         return qkv[..., 2 * self.d_head :]
 
-    @_no_grad
+    @no_grad
     def value_map(self, layer: int, x: Tensor) -> Tensor:
         H, dh, d = self.n_heads, self.d_head, self.d_model
         h = self._sub(layer, self.ATTN_NORM)(self._in(x))
@@ -131,7 +131,7 @@ class GPTNeoXAdapter(Adapter):
         v = nn.functional.linear(h, w, b)
         return v.unflatten(-1, (H, dh)).to(x.dtype)
 
-    @_no_grad
+    @no_grad
     def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
         H, dh, d = self.n_heads, self.d_head, self.d_model
         qkv = self._sub(layer, self.V_SRC)  # Linear d -> 3d, rows laid out [H, (q|k|v), dh]
@@ -171,7 +171,7 @@ class Gemma2Adapter(LlamaAdapter):
         m = self._sub(layer, self.ATTN_NORM)
         return NormForm("rms", float(m.eps), 1.0 + m.weight.detach())
 
-    @_no_grad
+    @no_grad
     def embed(self, ids: Tensor) -> Tensor:
         """Token embedding times sqrt(d), rounded to the embedding dtype as the model does. Where the scale
         lives moved between transformers releases: recent ones use ``Gemma2TextScaledWordEmbedding`` (the module
@@ -215,7 +215,7 @@ def get_adapter(model: nn.Module) -> Adapter:
     if cls is None:
         raise UnsupportedArchitectureError(model_type)
     try:
-        _get_path(_base_model(model), cls.LAYERS)
+        module_at(base_model(model), cls.LAYERS)
     except AttributeError as exc:
         raise ValueError(
             f"{type(model).__name__} (model_type={model_type!r}) has no `{cls.LAYERS}` in its base model: "

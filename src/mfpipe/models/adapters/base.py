@@ -44,7 +44,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from .site import LayerCapture, TracedSite, _get_path
+from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
 
 __all__ = ["Adapter", "LayerCapture", "NormForm"]
 
@@ -66,7 +66,7 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-def _no_grad(fn):
+def no_grad(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with torch.no_grad():
@@ -75,7 +75,7 @@ def _no_grad(fn):
     return wrapper
 
 
-def _base_model(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> nn.Module:
     """The decoder stack of an HF model (``model.base_model``; the model itself if already bare)."""
     base = getattr(model, "base_model", None)
     return model if base is None else base
@@ -109,7 +109,7 @@ class Adapter(TracedSite):
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.base: nn.Module = _base_model(model)
+        self.base: nn.Module = base_model(model)
         cfg = model.config
         self.config = cfg
         self.n_layers: int = int(cfg.num_hidden_layers)
@@ -121,7 +121,7 @@ class Adapter(TracedSite):
         self.has_post_attn_norm: bool = self.POST_ATTN_NORM is not None
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        self._layer_modules = _get_path(self.base, self.LAYERS)
+        self._layer_modules = module_at(self.base, self.LAYERS)
         if len(self._layer_modules) != self.n_layers:
             raise ValueError(
                 f"{self.model_type}: config says {self.n_layers} layers, model has {len(self._layer_modules)}"
@@ -151,13 +151,13 @@ class Adapter(TracedSite):
 
     # ------------------------------------------------------------------ module access
     def _embedding(self) -> nn.Module:
-        return _get_path(self.base, self.EMBED)
+        return module_at(self.base, self.EMBED)
 
     def _block(self, layer: int) -> nn.Module:
         return self._layer_modules[layer]
 
     def _sub(self, layer: int, path: str) -> nn.Module:
-        return _get_path(self._layer_modules[layer], path)
+        return module_at(self._layer_modules[layer], path)
 
     def _opt_module(self, layer: int, path: str | None) -> Callable[[Tensor], Tensor]:
         return _identity if path is None else self._sub(layer, path)
@@ -175,7 +175,7 @@ class Adapter(TracedSite):
         return v
 
     # ------------------------------------------------------------------ block pieces
-    @_no_grad
+    @no_grad
     def embed(self, ids: Tensor) -> Tensor:
         """Token embedding ``[..., d]`` incl. any embedding scale (Gemma-2: sqrt(d)); no positions."""
         return self._embedding()(ids.to(self.device))
@@ -188,7 +188,7 @@ class Adapter(TracedSite):
         """
         return None
 
-    @_no_grad
+    @no_grad
     def attn_input_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm applied to the residual stream before attention (identity where absent: OLMo-2)."""
         return self._opt_module(layer, self.ATTN_NORM)(self._in(x)).to(x.dtype)
@@ -212,7 +212,7 @@ class Adapter(TracedSite):
             return NormForm("rms", eps, w)
         return None
 
-    @_no_grad
+    @no_grad
     def value_map(self, layer: int, x: Tensor) -> Tensor:
         """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, dh]`` (incl. the pre-attention
         norm and the value bias; GQA KV heads expanded to query heads)."""
@@ -223,7 +223,7 @@ class Adapter(TracedSite):
             v = v.repeat_interleave(self.n_rep, dim=-2)
         return v.to(x.dtype)
 
-    @_no_grad
+    @no_grad
     def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
         """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
         output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded to
@@ -239,13 +239,13 @@ class Adapter(TracedSite):
             b = None if b is None else b.repeat_interleave(self.n_rep, dim=0)
         return w, b
 
-    @_no_grad
+    @no_grad
     def out_proj_slices(self, layer: int) -> Tensor:
         """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection."""
         w = self._sub(layer, self.O_PROJ).weight  # nn.Linear: [d, H*dh]
         return w.detach().t().reshape(self.n_heads, self.d_head, self.d_model)
 
-    @_no_grad
+    @no_grad
     def out_proj_bias(self, layer: int) -> Tensor | None:
         b = self._sub(layer, self.O_PROJ).bias
         return None if b is None else b.detach()
@@ -269,12 +269,12 @@ class Adapter(TracedSite):
         its residual additions round to the model's dtype (bfloat16: 2^-9 of the residual, not of mlp_out)."""
         return self.dtype == torch.float32
 
-    @_no_grad
+    @no_grad
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm on the attention output before it joins the residual (identity where absent)."""
         return self._opt_module(layer, self.POST_ATTN_NORM)(self._in(x)).to(x.dtype)
 
-    @_no_grad
+    @no_grad
     def mlp(self, layer: int, x_resid: Tensor) -> Tensor:
         """The MLP branch as a function of the residual stream it reads (``resid_mid`` for sequential
         blocks, the block input for GPT-NeoX parallel residual): pre-norm, MLP, post-norm where present."""
@@ -282,18 +282,18 @@ class Adapter(TracedSite):
         h = self._sub(layer, self.MLP)(h)
         return self._opt_module(layer, self.POST_MLP_NORM)(h).to(x_resid.dtype)
 
-    @_no_grad
+    @no_grad
     def final_norm(self, x: Tensor) -> Tensor:
-        return _get_path(self.base, self.FINAL_NORM)(self._in(x)).to(x.dtype)
+        return module_at(self.base, self.FINAL_NORM)(self._in(x)).to(x.dtype)
 
-    @_no_grad
+    @no_grad
     def unembed(self, x: Tensor) -> Tensor:
         """Logits ``[..., V]`` (float32) of residual-stream vectors ``[..., d]``: the final norm, then the LM head
         (``get_output_embeddings``), then any final logit transform of the architecture (:meth:`_final_logits`).
         The raw logit lens of a vector inserted into the residual stream (App. P). Needs the causal LM."""
         if not self.has_lm_head:
             raise ValueError(f"unembed needs the causal LM, but this adapter wraps the bare {type(self.base).__name__}")
-        h = _get_path(self.base, self.FINAL_NORM)(self._in(x))
+        h = module_at(self.base, self.FINAL_NORM)(self._in(x))
         return self._final_logits(self.model.get_output_embeddings()(h)).float()
 
     def _final_logits(self, logits: Tensor) -> Tensor:

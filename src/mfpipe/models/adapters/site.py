@@ -99,7 +99,7 @@ def resolve_select(select: Select) -> frozenset[str]:
     return chosen
 
 
-def _get_path(root, path: str):
+def module_at(root, path: str):
     """``root.a.b.c`` for ``path="a.b.c"`` (works on modules and on nnsight envoys)."""
     obj = root
     for part in path.split("."):
@@ -147,7 +147,7 @@ class TracedSite:
             )
         if self._lm_envoy is None:
             self._lm_envoy = NNsight(self.model)
-        return self._lm_envoy, _get_path(self._lm_envoy, self.model.base_model_prefix)
+        return self._lm_envoy, module_at(self._lm_envoy, self.model.base_model_prefix)
 
     def run(
         self,
@@ -210,13 +210,13 @@ class TracedSite:
     # ------------------------------------------------------------------ inside the trace
     def _trace_body(self, root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result) -> None:
         """Runs in the nnsight worker, interleaved with the forward pass."""
-        layers_env = _get_path(base_env, self.LAYERS)
+        layers_env = module_at(base_env, self.LAYERS)
         for layer in range(self.n_layers):
             cap = self._layer_site(layers_env[layer], layer, sel, patch_reads)
             if on_layer is not None:
                 on_layer(cap)
         if on_final is not None:
-            on_final(_get_path(base_env, self.FINAL_NORM).input.float())
+            on_final(module_at(base_env, self.FINAL_NORM).input.float())
         if logits or loss:
             out = root.output
             lg = (out.logits if hasattr(out, "logits") else out[0]).float()
@@ -241,9 +241,9 @@ class TracedSite:
         cap = LayerCapture(layer=layer)
         resid_in = layer_env.input.float() if need_resid_in else None
         if "values" in sel:
-            cap.values = self._values_from_src(_get_path(layer_env, self.V_SRC).output).float()
+            cap.values = self._values_from_src(module_at(layer_env, self.V_SRC).output).float()
         if "reads" in sel or patch_reads is not None:
-            o_env = _get_path(layer_env, self.O_PROJ)
+            o_env = module_at(layer_env, self.O_PROJ)
             flat = o_env.input  # [B,T,H*dh]
             B, T = flat.shape[:2]
             reads = flat.view(B, T, self.n_heads, self.d_head).float()
@@ -255,19 +255,19 @@ class TracedSite:
                     o_env.input = self._patched_input(new, flat, layer)
         attn_out = None
         if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None):
-            attn_res = _get_path(layer_env, self.ATTN).output
+            attn_res = module_at(layer_env, self.ATTN).output
             if "attn_probs" in sel:
                 cap.attn_probs = attn_res[1].float()
             if need_attn_out and self.POST_ATTN_NORM is None:
                 attn_out = attn_res[0]
         if need_attn_out and self.POST_ATTN_NORM is not None:
-            attn_out = _get_path(layer_env, self.POST_ATTN_NORM).output
+            attn_out = module_at(layer_env, self.POST_ATTN_NORM).output
         if need_attn_out:
             attn_out = attn_out.float()
             if "attn_out" in sel:
                 cap.attn_out = attn_out
         if "mlp_out" in sel:
-            cap.mlp_out = _get_path(layer_env, self.POST_MLP_NORM or self.MLP).output.float()
+            cap.mlp_out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output.float()
         if "resid_in" in sel:
             cap.resid_in = resid_in
         if "resid_mid" in sel:

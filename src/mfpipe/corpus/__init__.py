@@ -1,0 +1,9 @@
+"""The corpus and its tracked type set, the first stage every experiment shares (paper Sec. 3.1, App. E).
+
+- :mod:`mfpipe.corpus.documents` — a corpus's documents (the embedded plays, local files, ``datasets`` corpora) and
+  their split into the ``stats`` / ``eval`` (/ ``train``) halves.
+- :mod:`mfpipe.corpus.windows` — documents → BOS-led windows → fixed-size token shards, and reading them back.
+- :mod:`mfpipe.corpus.tracked` — the tracked type set: the top-N token types by frequency on the ``stats`` half.
+
+This package imports none of its modules, so a job's code inputs stay the modules it uses.
+"""

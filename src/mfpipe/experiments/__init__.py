@@ -1,0 +1,13 @@
+"""One package per experiment of the paper, each holding its computation, its store I/O, its tables and its figures
+(docs/architecture.md, "Adding an experiment"). Below them the core they share: :mod:`mfpipe.corpus`,
+:mod:`mfpipe.stats`, :mod:`mfpipe.models`, :mod:`mfpipe.meanfield` and the plumbing (:mod:`mfpipe.io`,
+:mod:`mfpipe.config`, :mod:`mfpipe.revisions`, :mod:`mfpipe.logs`, :mod:`mfpipe.tables`, :mod:`mfpipe.plots`).
+An experiment imports the core and never another experiment.
+
+- :mod:`mfpipe.experiments.rollout` — Alg. 1 and the error accounting (Sec. 4, App. D–K).
+- :mod:`mfpipe.experiments.substitution` — mean-field substitution across training checkpoints, the calibrated
+  kernel and the kernel dynamics (Sec. 5, App. B, M, N).
+- :mod:`mfpipe.experiments.ranking` — pass 2, the deviation of every head on the corpus, head ranking and the
+  behavioural head scores (Sec. 6.1 Exp. 3, Sec. 6.3, App. O).
+- :mod:`mfpipe.experiments.prompts` — prompt classes, the instance meter and the lenses (Sec. 6.1–6.2, App. P).
+"""

@@ -1,0 +1,71 @@
+"""Head ranking by mean-field deviation (paper Sec. 6.3, Tables ranking-cc and bottom, Fig. ccmf-scatter, App. P
+split-half stability): every head of a deviation store (:mod:`mfpipe.experiments.ranking.deviation_pass`) with its corpus
+deviation S̄ (eq:ddec), meters M_cov / M_ctx (eq:head-meters) and the behavioural scores measured without the mean
+field (:mod:`mfpipe.experiments.ranking.head_scores`), ranked by S̄."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from mfpipe.experiments.ranking.head_scores import head_label
+
+__all__ = ["heads_table", "top_bottom", "split_half_stability", "HEAD_COLUMNS"]
+
+SCORES = ("induction", "previous_token", "duplicate_token", "bos_sink")
+HEAD_COLUMNS = ["rank", "head_label", "layer", "head", "S_bar", "M_cov", "M_ctx", "D", *SCORES, "S_bar_half0",
+                "S_bar_half1", "model", "revision"]
+
+
+def heads_table(dev, scores=None) -> pd.DataFrame:
+    """One row per head, ranked by S̄ (rank 1 = largest deviation; heads without an S̄ last): S̄, the meters, the
+    occurrence-mean D, each half's S̄ and, when ``scores`` (a head-scores Dataset) is given, the four behavioural
+    scores. ``dev`` is a deviation store (xarray Dataset)."""
+    L, H = dev.sizes["layer"], dev.sizes["head"]
+    layer, head = np.meshgrid(np.arange(L), np.arange(H), indexing="ij")
+    df = pd.DataFrame({"layer": layer.ravel(), "head": head.ravel()})
+    df["head_label"] = [head_label(int(l), int(h)) for l, h in zip(df["layer"], df["head"])]
+    for k in ("S_bar", "M_cov", "M_ctx", "D"):
+        df[k] = np.asarray(dev[k].transpose("layer", "head").values).ravel()
+    for i in (0, 1):
+        df[f"S_bar_half{i}"] = np.asarray(dev["S_bar_half"].sel(half=i).transpose("layer", "head").values).ravel()
+    for k in SCORES:
+        if scores is not None:
+            if (scores.sizes.get("layer"), scores.sizes.get("head")) != (L, H):
+                raise ValueError(f"head scores have {scores.sizes.get('layer')} x {scores.sizes.get('head')} heads, the "
+                                 f"deviation store {L} x {H}: they belong to different models")
+            df[k] = np.asarray(scores[k].transpose("layer", "head").values).ravel()
+        else:
+            df[k] = np.nan
+    df["model"], df["revision"] = dev.attrs.get("model"), dev.attrs.get("revision")
+    df = df.sort_values(["S_bar", "layer", "head"], ascending=[False, True, True], na_position="last", kind="stable")
+    df.insert(0, "rank", np.arange(1, len(df) + 1))
+    return df[HEAD_COLUMNS].reset_index(drop=True)
+
+
+def top_bottom(table: pd.DataFrame, top: int = 20, bottom: int = 15) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Table ranking-cc (the ``top`` heads by S̄) and Table bottom (the ``bottom`` lowest, lowest first)."""
+    ranked = table[np.isfinite(table["S_bar"])]
+    low = ranked.sort_values(["S_bar", "layer", "head"], ascending=[True, True, True], kind="stable").head(bottom)
+    return ranked.head(top).reset_index(drop=True), low.reset_index(drop=True)
+
+
+def split_half_stability(table: pd.DataFrame, top: int = 20) -> dict:
+    """App. P: the Spearman correlation of the two document-interleaved halves' S̄ over the heads, and how many of
+    each half's top ``top`` heads they share."""
+    from scipy.stats import spearmanr
+
+    ok = np.isfinite(table["S_bar_half0"]) & np.isfinite(table["S_bar_half1"])
+    a, b = table.loc[ok, "S_bar_half0"].to_numpy(), table.loc[ok, "S_bar_half1"].to_numpy()
+    n = int(ok.sum())
+    if n >= 3 and np.ptp(a) > 0 and np.ptp(b) > 0:
+        rho, p = spearmanr(a, b)
+    else:
+        rho, p = np.nan, np.nan
+    k = min(top, n)
+    labels = table.loc[ok, "head_label"].to_numpy()
+    top0 = set(labels[np.argsort(-a, kind="stable")[:k]])
+    top1 = set(labels[np.argsort(-b, kind="stable")[:k]])
+    return {"model": table["model"].iloc[0] if len(table) else None,
+            "revision": table["revision"].iloc[0] if len(table) else None, "n_heads": n,
+            "spearman": float(rho), "p_value": float(p), "top": k, "top_shared": len(top0 & top1)}

@@ -1,0 +1,175 @@
+"""Pass 2, the deviation reducer (paper Sec. 6, App. P): a second corpus pass over the statistics half that reads
+pass 1's kernel ``W`` and value means ``μ`` (never recomputing them) and accumulates, per layer, head and query
+type, the mean-field deviation of every context and its covariance / contextualization split
+(:mod:`mfpipe.meanfield.deviation`).
+
+It is a reducer of the shard loop (:func:`mfpipe.stats.loop.run_reducer`): one traced forward per batch
+with only the attention probabilities, values and reads selected; per layer the three reads z, ẑ, mixed at the
+query positions (:func:`mfpipe.experiments.ranking.queries.query_terms`: the context-conditional kernel Â per key type, float32; its
+model-free plan built once per batch), the meters (float64) and scatter-adds over query types.
+Every window belongs to one of two document-interleaved halves (the parity of its first token's document: the
+split-half stability of App. P), so the additive sums carry a leading ``split`` axis of 2.
+
+Sums (``L`` layers, ``H`` heads, ``N`` tracked types, ``dh`` head width; float64 unless said)::
+
+    n_windows, n_tokens      int64 []           windows / tokens seen
+    count                    int64 [2,L,N]      valid contexts (a tracked query with a valid Â row) per split
+    D_sum, M_cov_sum,
+    M_ctx_sum                [2,L,H,N]          Σ D, Σ σ_cov D, Σ σ_ctx D (eq:deviation, eq:mcov-mctx)
+    z_sum, zhat_sum          [2,L,H,N,dh]       Σ z and Σ ẑ (head space) -> z̄_s, E_s[ẑ] of eq:ddec
+    vbar_tracked_sum         [L,H,N,dh]         Σ N_X Σ_{t<N} Â_stX v̄_tX = Σ Σ_{t∈X, t<N} W_st n_t(X) v̄_tX over the
+                                                tracked key types: its mean is Σ_{t<N} P_st E_s[v̄_t] (E_s the
+                                                n_t-weighted mean over type-s contexts; on W's C >= min_count
+                                                support, as P_st = W_st E_s[n_t] there), estimator (b) of Sec. 4.3
+    degenerate               int64 [L,H]        contexts whose error is collinear with ẑ (shares split evenly)
+    top_D                    [L,H,K]            the K largest D per head (lens: top-deviation contexts), -inf pad
+    top_window, top_position int64 [L,H,K]      where they are (window of the shard, query position)
+
+Top-deviation contexts skip occurrences where the head puts more than ``other_share_max`` of its attention on
+untracked (``<other>``) keys: App. P's filter (their deviation is an artifact of the pooled value).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mfpipe.experiments.ranking.queries import QueryTerms, query_plan, query_terms
+from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
+from mfpipe.stats.workspace import reducer_threads
+
+__all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
+
+TOP_K = 32
+OTHER_SHARE_MAX = 0.10
+ADDITIVE = ("n_windows", "n_tokens", "count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum",
+            "vbar_tracked_sum", "degenerate")
+
+
+def window_halves(doc_ids: np.ndarray) -> np.ndarray:
+    """Split of each window ``[n]`` (0/1): the parity of the document of its first token (position 1), so both
+    halves interleave whole documents."""
+    doc_ids = np.asarray(doc_ids)
+    return (doc_ids[:, 1] % 2).astype(np.int64) if doc_ids.shape[1] > 1 else np.zeros(len(doc_ids), np.int64)
+
+
+class DeviationAccumulator:
+    """Pass-2 reducer. ``W [L,H,N,K]`` (the substitution kernel, :func:`~mfpipe.meanfield.kernel.kernel_from_store`)
+    and ``mu [L,H,K,dh]`` as tensors, ``grams [L,H,dh,dh]`` (:func:`~mfpipe.meanfield.deviation.residual_gram` of each layer's
+    output projection slices), ``halves [n_windows]`` of the shard (:func:`window_halves`; windows arrive in order)."""
+
+    select = ("attn_probs", "values", "reads")
+
+    def __init__(self, W, mu, grams, n: int, context_length: int, halves, device, top_k: int = TOP_K,
+                 other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | None = 1):
+        self.device = torch.device(device)
+        # like pass 1: the reductions run on `cpu_threads` torch threads on CPU (reducer_threads says why)
+        self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        self.W = W  # stays where it is (host for big kernels); one layer moved per batch
+        self.mu = mu.to(self.device, torch.float32)
+        self.grams = grams.to(self.device, torch.float64)
+        L, H, K, dh = mu.shape
+        self.L, self.H, self.N, self.K, self.dh = L, H, int(n), K, dh
+        if K != self.N + 2 or tuple(W.shape) != (L, H, self.N, K):
+            raise ValueError(f"kernel W {tuple(W.shape)} / mu {tuple(mu.shape)} do not fit N={n} tracked types")
+        self.halves = torch.as_tensor(np.asarray(halves), dtype=torch.long)
+        self.top_k, self.other_share_max = int(top_k), float(other_share_max)
+        dev, f64 = self.device, torch.float64
+        self.count = torch.zeros(2, L, self.N, dtype=torch.long, device=dev)
+        # D, M_cov, M_ctx and z, ẑ per layer over a flat (half, type, head) axis: one index_add_ each per layer
+        self.scal = torch.zeros(3, L, 2 * self.N * H, dtype=f64, device=dev)
+        self.vec = torch.zeros(2, L, 2 * self.N * H, dh, dtype=f64, device=dev)
+        self.vbar_tracked = torch.zeros(L, self.N * H, dh, dtype=f64, device=dev)
+        self.degenerate = torch.zeros(L, H, dtype=torch.long, device=dev)
+        self.top_D = torch.full((L, H, self.top_k), -torch.inf, dtype=f64, device=dev)
+        self.top_idx = torch.full((L, H, self.top_k), -1, dtype=torch.long, device=dev)  # window * T + position
+        self.T = int(context_length)
+        self.n_windows = 0
+        self.n_tokens = 0
+
+    # ------------------------------------------------------------------ reducer protocol
+    def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
+        with reducer_threads(self.cpu_threads):
+            self._begin_batch(kb, qt)
+
+    def on_layer(self, cap) -> None:
+        with reducer_threads(self.cpu_threads):
+            self._on_layer(cap)
+
+    def _begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
+        B, T = np.shape(kb)
+        # the model-free part of every layer's terms: query rows, key types, prefix counts, gather indices
+        self.plan = query_plan(kb, qt, self.K, self.device)
+        self.half = self.halves[self.n_windows : self.n_windows + B].to(self.device)
+        if self.half.shape[0] != B:
+            raise ValueError(f"the shard has {len(self.halves)} windows; batch {B} at window {self.n_windows} overruns it")
+        self.B = B
+        self.first_window = self.n_windows
+        self.n_windows += B
+        self.n_tokens += B * T
+
+    def _on_layer(self, cap) -> None:
+        l = cap.layer
+        B, T, H, N, dh = self.B, self.T, self.H, self.N, self.dh
+        plan = self.plan
+        t = query_terms(plan, cap.attn_probs.float(), cap.values.float(), self.W[l].to(self.device, torch.float32),
+                        self.mu[l], reads=cap.reads, n_tracked=N)  # [n, H, dh] at the batch's query rows
+        valid = t.valid
+        if not bool(valid.any()):
+            return
+        if not bool(valid.all()):  # rows whose W row is empty in this layer: dropped before the float64 work
+            t = QueryTerms(t.z[valid], t.zhat[valid], t.mixed[valid], t.mixed_tracked[valid], nx=t.nx[valid],
+                           valid=valid[valid], other=t.other[valid])
+        m = meters_head_major(stack_head_major(t), self.grams[l])  # [H, n] each
+        # scatter-add over (half, query type) of the valid contexts; head-major rows (head, context)
+        half = self.half[plan.b[valid]]
+        s = plan.s[valid]
+        self.count[:, l].index_put_((half, s), torch.ones_like(s), accumulate=True)
+        cols = torch.arange(H, device=self.device)[:, None]
+        flat = ((half * N + s)[None, :] * H + cols).reshape(-1)  # (half, type, head) -> index into [2 * N * H]
+        self.scal[:, l].index_add_(1, flat, torch.stack([m["D"], m["M_cov"], m["M_ctx"]]).reshape(3, -1))
+        # z, ẑ from the context-major terms [n, H, dh]: rows of dh (the fast index_add), (context, head) order
+        zz = torch.stack([t.z, t.zhat]).to(torch.float64).reshape(2, -1, dh)
+        self.vec[:, l].index_add_(1, flat.view(H, -1).T.reshape(-1), zz)
+        # N_X Σ_{t<N} Â_t v̄_t = Σ_{t∈X, t<N} W_st n_t v̄_t, head-major rows
+        yb = (t.mixed_tracked.transpose(0, 1).double() * t.nx.T.double()[..., None]).reshape(-1, dh)
+        self.vbar_tracked[l].index_add_(0, (s[None, :] * H + cols).reshape(-1), yb)
+        self.degenerate[l] += m["degenerate"].sum(1)
+        # top-deviation contexts (App. P filter: at most other_share_max of the attention on untracked keys)
+        D = torch.where(t.other.T <= self.other_share_max, m["D"], torch.full_like(m["D"], -torch.inf))
+        cand = torch.full((H, B * T), -torch.inf, dtype=D.dtype, device=self.device)
+        cand[:, plan.b[valid] * T + plan.j[valid]] = D
+        k = min(self.top_k, B * T)
+        v, i = cand.topk(k, dim=1)
+        idx = i + self.first_window * T  # window * T + position, windows counted from the shard's first
+        allv = torch.cat([self.top_D[l], v], 1)
+        alli = torch.cat([self.top_idx[l], torch.where(torch.isfinite(v), idx, torch.full_like(idx, -1))], 1)
+        best, pos = allv.topk(self.top_k, dim=1)
+        self.top_D[l] = best
+        self.top_idx[l] = alli.gather(1, pos)
+
+    def on_final(self, resid) -> None:
+        pass
+
+    def end_batch(self) -> None:
+        pass
+
+    def sums(self) -> dict[str, np.ndarray]:
+        L, H, N, dh = self.L, self.H, self.N, self.dh
+        # [.., L, (half, type, head), (dh)] -> [.., half, L, head, type, (dh)]
+        scal = self.scal.reshape(3, L, 2, N, H).permute(0, 2, 1, 4, 3).cpu().numpy()
+        vec = self.vec.reshape(2, L, 2, N, H, dh).permute(0, 2, 1, 4, 3, 5).cpu().numpy()
+        vk = self.vbar_tracked.reshape(L, N, H, dh).permute(0, 2, 1, 3).cpu().numpy()
+        T = self.T
+        idx = self.top_idx.cpu().numpy()
+        return {
+            "n_windows": np.asarray(self.n_windows, dtype=np.int64),
+            "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),
+            "count": self.count.cpu().numpy(),
+            "D_sum": scal[0], "M_cov_sum": scal[1], "M_ctx_sum": scal[2],
+            "z_sum": vec[0], "zhat_sum": vec[1], "vbar_tracked_sum": vk,
+            "degenerate": self.degenerate.cpu().numpy(),
+            "top_D": self.top_D.cpu().numpy(),
+            "top_window": np.where(idx >= 0, idx // T, -1), "top_position": np.where(idx >= 0, idx % T, -1),
+        }
+

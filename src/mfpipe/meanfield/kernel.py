@@ -1,0 +1,128 @@
+"""The mean-field kernel object every forward-pass experiment reads: per layer the context-conditional kernel ``W``
+(paper eq:w-def-appendix; or the calibrated U of App. B) and the heads' mean values ``mu``, with the tracked set's
+bucket look-up tables, built from a statistics half by :func:`kernel_from_store`. Its :meth:`MeanFieldKernel.zhat`
+is the context-conditional mean field ẑ_sX of eq:ccmf (:func:`mfpipe.meanfield.ccmf.ccmf_reads`) for every layer.
+What is written back at the read site with it: :func:`mean_field_replacement` (ẑ at substituted positions, the
+substitution of Sec. 5.1) or :func:`own_reads_replacement` (the model's own reads: the identity check, ΔL = 0).
+Used by substitution (Sec. 5), pass 2 (Sec. 6), the prompt classes and the lenses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mfpipe.meanfield.ccmf import ccmf_reads
+from mfpipe.meanfield.deviation import layer_grams
+from mfpipe.stats.buckets import window_buckets
+
+__all__ = ["MeanFieldKernel", "kernel_from_store", "RESIDENT_KERNEL_BYTES", "Replacement", "mean_field_replacement",
+           "own_reads_replacement"]
+
+# replacement(layer, reads [B,T,H,dh], zhat [B,T,H,dh], substituted [B,T]) -> the reads to write back
+Replacement = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+def mean_field_replacement(layer: int, reads: Tensor, zhat: Tensor, substituted: Tensor) -> Tensor:
+    """The substitution of Sec. 5.1: ẑ at substituted positions, the model's own read elsewhere."""
+    return torch.where(substituted[:, :, None, None], zhat.to(reads.dtype), reads)
+
+
+def own_reads_replacement(layer: int, reads: Tensor, zhat: Tensor, substituted: Tensor) -> Tensor:
+    """Writes the model's own reads back through the same intervention (the identity check: ΔL = 0)."""
+    return reads
+
+
+# W above this size stays on the host and goes to the model's device one layer at a time (per batch)
+RESIDENT_KERNEL_BYTES = 4 << 30
+
+
+@dataclass
+class MeanFieldKernel:
+    """What the substitution needs from the statistics half: per layer ``W [L,H,N,K]`` (or the calibrated U of
+    App. B) and the heads' mean values ``mu [L,H,K,dh]``, with the tracked set's bucket lookup tables.
+
+    Memory: ``W`` is ``L H N (N+2)`` floats (GPT-2 small at N = 1000: 0.58 GB in float32). :meth:`to` moves it
+    to the model's device whole when it is at most ``RESIDENT_KERNEL_BYTES``, else keeps it on the host and
+    :meth:`zhat` moves one layer at a time."""
+
+    W: Tensor
+    mu: Tensor
+    key_lut: np.ndarray
+    query_lut: np.ndarray
+    n: int
+    attrs: dict = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _grams: tuple | None = field(default=None, repr=False, compare=False)  # (adapter, [L,H,dh,dh]) cache
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.W.shape[0])
+
+    def to(self, device, dtype=torch.float32, resident_bytes: int = RESIDENT_KERNEL_BYTES) -> "MeanFieldKernel":
+        device = torch.device(device)
+        fits = self.W.numel() * torch.finfo(dtype).bits // 8 <= resident_bytes
+        home = device if fits else torch.device("cpu")
+        return MeanFieldKernel(self.W.to(device=home, dtype=dtype), self.mu.to(device=device, dtype=dtype),
+                               self.key_lut, self.query_lut, self.n, dict(self.attrs), device)
+
+    def grams(self, adapter) -> Tensor:
+        """The residual-stream grams ``[L,H,dh,dh]`` of the adapter's output projections (cached: the weights are
+        frozen), on the kernel's device."""
+        if self._grams is None or self._grams[0] is not adapter:
+            self._grams = (adapter, layer_grams(adapter).to(self.device))
+        return self._grams[1]
+
+    def buckets(self, tokens) -> tuple[Tensor, Tensor]:
+        kb, qt = window_buckets(np.asarray(tokens), self.key_lut, self.query_lut, self.n)
+        return torch.from_numpy(kb), torch.from_numpy(qt)
+
+    def zhat(self, kb: Tensor, qt: Tensor) -> tuple[list[Tensor], Tensor]:
+        """ẑ per layer ``[B,T,H,dh]`` and the substituted positions ``[B,T]`` (valid in every layer), on
+        :attr:`device`."""
+        dev = self.device
+        kb, qt = kb.to(dev), qt.to(dev)
+        zs, valid = [], None
+        for l in range(self.n_layers):
+            z, v = ccmf_reads(self.W[l].to(dev, non_blocking=True), self.mu[l].to(dev), kb, qt)
+            zs.append(z)
+            valid = v if valid is None else valid & v
+        return zs, valid
+
+
+def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrated=None,
+                      dtype: torch.dtype = torch.float32) -> MeanFieldKernel:
+    """The substitution kernel of a statistics store (:class:`~mfpipe.stats.api.MeanFieldStats`, the ``stats``
+    half): ``W`` on the ``C_st >= min_count`` support (store default 20) or, with ``calibrated`` (an
+    xarray ``U`` from :func:`mfpipe.meanfield.calibrated.load_calibrated`, same dims as ``W``), U instead; μ from the
+    store. ``tracked`` is the :class:`~mfpipe.corpus.tracked.TrackedSet` whose fingerprint the store records. Read one
+    layer at a time into ``dtype`` (no float64 copy of the whole kernel)."""
+    from mfpipe.stats.buckets import bucket_luts
+
+    if stats.attrs.get("tracked_fingerprint") not in (None, tracked.fingerprint):
+        from mfpipe.stats.api import ProvenanceError
+
+        raise ProvenanceError(
+            f"statistics store {stats.path} was computed with another tracked set "
+            f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {tracked.fingerprint!r}); rerun the stats stage")
+    layers = []
+    mc = None
+    for l in range(stats.n_layers):
+        if calibrated is None:
+            Wl = stats.W(min_count=min_count, layer=l)
+            mc = int(Wl.attrs["min_count"])
+        else:
+            Wl = calibrated.isel(layer=l)
+            mc = int(calibrated.attrs.get("min_count", stats.attrs.get("min_count", 20)))
+        layers.append(torch.from_numpy(np.asarray(Wl.transpose("head", "query", "key").values)).to(dtype))
+    mu = stats.mu().transpose("layer", "head", "key", "head_dim")
+    key_lut, query_lut, n, _ = bucket_luts(tracked)
+    attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "revision_commit", "tracked_fingerprint",
+                                            "corpus_fingerprint", "n_tracked", "context_length", "n_tokens")}
+    attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
+    attrs["min_count"] = mc
+    return MeanFieldKernel(torch.stack(layers), torch.from_numpy(np.asarray(mu.values)).to(dtype), key_lut, query_lut,
+                           n, attrs)

@@ -1,0 +1,341 @@
+"""Reading a finished run from Python (a notebook, a script): every store the workflow writes, found by
+experiment, model and revision, opened by the library's own reader and checked against what was asked for.
+
+Example (examples/reading_results.ipynb does more)::
+
+    import mfpipe
+    mfpipe.list_results("results")                      # one row per store: experiment, model, revision, ...
+    st = mfpipe.open_stats("mini-gpt2", "step1500")     # MeanFieldStats: st.ds, st.attrs, st.P(), st.W(), ...
+    dev = mfpipe.open_results("deviation", "mini-gpt2", "step1500")  # xarray Dataset, provenance in dev.attrs
+    dev["S_bar"].sel(layer=1, head=3)
+
+Experiments (:data:`STORES`): ``stats`` (pass 1, a half ``stats`` / ``eval`` of the primary corpus, of a cross
+corpus with ``corpus=``, or a top-N arm with ``top_n=``), ``deviation`` (pass 2), ``substitution`` (one revision's
+mean-field substitution; ``top_n=`` an App. M arm), ``kernel`` (the revision's rank-r kernel factors and row
+spread) and ``calibrated`` (the calibrated kernel U of App. B). Each is read by the reader the workflow's own jobs
+use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.experiments.ranking.deviation_pass.open_deviation`,
+:func:`~mfpipe.experiments.substitution.substitute.open_result`,
+:func:`~mfpipe.experiments.substitution.kernel_dynamics.open_kernel`,
+:func:`~mfpipe.meanfield.calibrated.load_calibrated`); this module adds none.
+
+Before a store is opened, the model and revision it records (and the half, corpus or tracked-set size asked for)
+are compared with the request: a store of another model or revision (copied, renamed, another run's) is refused
+with :class:`~mfpipe.stats.api.ProvenanceError`; a missing or incomplete one with :class:`ResultsNotFoundError`
+(a ``FileNotFoundError``). Both messages name the path and the command that builds it.
+
+:data:`STORES` spells out the path of each store for readers, relative to the results folder (config key
+``results``), with the workflow's wildcard names ``{model}``, ``{revision}``, ``{dataset}``, ``{n}``:
+``results + "/" + STORES[name]`` is the output pattern of the rule that writes it (:data:`RULES`), which
+tests/test_examples.py checks against the rule files.
+
+``import mfpipe`` does not import this module: ``mfpipe.open_results`` and friends load it on first use. The
+experiments' readers (torch, for the substitution result's) are imported only when their store is opened.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mfpipe.revisions import parse_step
+from mfpipe.stats.api import ProvenanceError  # what every reader raises, re-exported
+
+__all__ = [
+    "RESULTS",
+    "STORES",
+    "RULES",
+    "EXPERIMENTS",
+    "ResultsNotFoundError",
+    "ProvenanceError",
+    "store_path",
+    "list_results",
+    "open_results",
+    "open_stats",
+]
+
+RESULTS = "results"  # the default results folder (config key `results`, src/mfpipe/schemas/config.schema.yaml)
+
+# Every store a run writes, relative to the results folder, in the wildcards of the rule that writes it. `dataset`
+# is `stats` / `eval` (the primary corpus), `<cross corpus>/stats|eval` or `N<n>/stats` (a top-N arm: the primary
+# statistics half with that tracked set); `n` the tracked-set size of an App. M substitution arm.
+STORES = {
+    "stats": "stats/{model}/{revision}/{dataset}.zarr",
+    "deviation": "deviation/{model}/{revision}/deviation.zarr",
+    "substitution": "substitution/{model}/{revision}/substitution.zarr",
+    "substitution_topn": "substitution/{model}/{revision}/N{n}/substitution.zarr",
+    "kernel": "kernels/{model}/{revision}/kernel.zarr",
+    "calibrated": "kernels/{model}/{revision}/calibrated.zarr",
+}
+# the rule (workflow/rules/*.smk) that writes each store
+RULES = {
+    "stats": "stats_merge",
+    "deviation": "deviation_merge",
+    "substitution": "substitution",
+    "substitution_topn": "substitution_topn",
+    "kernel": "kernel_revision",
+    "calibrated": "calibrate_kernel",
+}
+# what open_results() and list_results() call each (an App. M arm is `substitution` with top_n)
+EXPERIMENTS = ("stats", "deviation", "substitution", "kernel", "calibrated")
+_WHAT = {
+    "stats": "statistics store",
+    "deviation": "deviation store",
+    "substitution": "substitution result",
+    "substitution_topn": "substitution result",
+    "kernel": "kernel store",
+    "calibrated": "calibrated kernel store",
+}
+HALVES = ("stats", "eval")
+# the regular expression of each wildcard: those of the workflow's wildcard_constraints (common.smk)
+_WILDCARDS = {
+    "model": r"(?P<model>[^/]+)",
+    "revision": r"(?P<revision>[A-Za-z0-9._-]+)",
+    "dataset": r"(?P<dataset>(?:[^/]+/)?(?:stats|eval))",
+    "n": r"(?P<n>[0-9]+)",
+}
+
+
+def _regex(pattern: str) -> re.Pattern:
+    parts = re.split(r"\{(\w+)\}", pattern)  # literal, name, literal, name, ..., literal
+    return re.compile("".join(re.escape(p) if i % 2 == 0 else _WILDCARDS[p] for i, p in enumerate(parts)) + "$")
+
+
+_REGEX = {name: _regex(p) for name, p in STORES.items()}
+
+
+class ResultsNotFoundError(FileNotFoundError):
+    """A store asked for that the results folder does not hold (not built yet, or its write was interrupted)."""
+
+
+# ------------------------------------------------------------------ paths
+def _store_key(experiment: str, half: str, corpus: str | None, top_n: int | None) -> tuple[str, dict]:
+    """(the STORES key, its wildcards other than model and revision) of a request; refuses options that do not
+    apply to the experiment."""
+    if experiment not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {experiment!r}: one of {', '.join(EXPERIMENTS)}")
+    if experiment != "stats" and (half != "stats" or corpus is not None):
+        raise ValueError(f"half= and corpus= select a statistics store; {experiment!r} has one store per revision")
+    if top_n is not None and experiment not in ("stats", "substitution"):
+        raise ValueError(f"top_n= selects a top-N arm of 'stats' or 'substitution', not of {experiment!r}")
+    if experiment == "stats":
+        if half not in HALVES:
+            raise ValueError(f"half must be one of {HALVES}, not {half!r}")
+        if top_n is not None and (corpus is not None or half != "stats"):
+            raise ValueError("a top-N arm has statistics of the primary corpus's `stats` half only (no corpus=, eval)")
+        prefix = f"N{int(top_n)}/" if top_n is not None else (f"{corpus}/" if corpus else "")
+        return "stats", {"dataset": prefix + half}
+    if experiment == "substitution" and top_n is not None:
+        return "substitution_topn", {"n": int(top_n)}
+    return experiment, {}
+
+
+def store_path(experiment: str, model: str, revision: str, results: str | os.PathLike = RESULTS, *,
+               half: str = "stats", corpus: str | None = None, top_n: int | None = None) -> Path:
+    """Where the workflow writes a store (:data:`STORES`), under the results folder ``results``: e.g.
+    ``store_path("stats", "mini-gpt2", "step1500", half="eval")`` is ``results/stats/mini-gpt2/step1500/eval.zarr``.
+    ``half``, ``corpus`` (a cross corpus; None: the primary) for ``stats``; ``top_n`` for a top-N arm of ``stats`` or
+    ``substitution``."""
+    key, wild = _store_key(experiment, half, corpus, top_n)
+    return Path(results) / STORES[key].format(model=model, revision=revision, **wild)
+
+
+def _stores_under(results: Path):
+    """Every complete store (``*.zarr`` with its ``zarr.json``) under the experiments' folders, partials left out."""
+    for top in dict.fromkeys(p.split("/")[0] for p in STORES.values()):
+        base = results / top
+        if not base.is_dir():
+            continue
+        for dirpath, dirnames, _ in os.walk(base):
+            keep = []
+            for d in sorted(dirnames):
+                if d.endswith(".zarr"):
+                    if (Path(dirpath, d) / "zarr.json").is_file():
+                        yield Path(dirpath, d)
+                elif d != "partials" and not d.startswith("."):
+                    keep.append(d)
+            dirnames[:] = keep
+
+
+def _revision_key(revision: str):
+    step = parse_step(revision)
+    return (0, step, "") if step is not None else (1, 0, revision)
+
+
+def _entries(results: str | os.PathLike) -> list[dict]:
+    root = Path(results)
+    rows = []
+    for path in _stores_under(root):
+        rel = path.relative_to(root).as_posix()
+        for key, rx in _REGEX.items():
+            m = rx.match(rel)
+            if not m:
+                continue
+            g = m.groupdict()
+            row = {"experiment": "substitution" if key == "substitution_topn" else key, "model": g["model"],
+                   "revision": g["revision"], "step": parse_step(g["revision"]), "half": None, "corpus": None,
+                   "top_n": int(g["n"]) if g.get("n") else None, "path": path}
+            if key == "stats":
+                prefix, _, half = g["dataset"].rpartition("/")
+                row["half"] = half
+                if re.fullmatch(r"N[0-9]+", prefix):
+                    row["top_n"] = int(prefix[1:])
+                elif prefix:
+                    row["corpus"] = prefix
+            rows.append(row)
+            break
+    order = {e: i for i, e in enumerate(EXPERIMENTS)}
+    rows.sort(key=lambda r: (order[r["experiment"]], r["model"], _revision_key(r["revision"]), r["corpus"] or "",
+                             r["top_n"] or 0, HALVES.index(r["half"]) if r["half"] else 0))
+    return rows
+
+
+def list_results(results: str | os.PathLike = RESULTS):
+    """What a results folder holds: a :class:`pandas.DataFrame` with one row per complete store, columns
+    ``experiment, model, revision, step, half, corpus, top_n, path`` (``step``: k of a revision ``step<k>``;
+    ``half``: of a ``stats`` store; ``corpus``: a cross corpus, None for the primary; ``top_n``: a top-N arm),
+    in training order within a model. A row's values are :func:`open_results`' arguments."""
+    import pandas as pd
+
+    root = Path(results)
+    if not root.is_dir():
+        raise ResultsNotFoundError(f"results folder {root} does not exist: run the workflow (snakemake --cores 2) "
+                                   "or point to the folder a run wrote (its config's `results`)")
+    cols = ["experiment", "model", "revision", "step", "half", "corpus", "top_n", "path"]
+    rows = _entries(root)
+    return pd.DataFrame({c: pd.Series([r[c] for r in rows], dtype=object) for c in cols}, columns=cols)
+
+
+# ------------------------------------------------------------------ opening
+def _held(results: Path, experiment: str, model: str) -> str:
+    """One line on what the folder holds of ``experiment``, for a not-found message."""
+    try:
+        rows = [r for r in _entries(results) if r["experiment"] == experiment]
+    except OSError:  # pragma: no cover
+        return ""
+    if not rows:
+        return f" The folder holds no {experiment} store at all."
+    mine = [r for r in rows if r["model"] == model]
+    if mine:
+        revs = list(dict.fromkeys(r["revision"] for r in mine))
+        return f" It holds {experiment} stores of {model} for revision(s) {', '.join(revs)}."
+    return f" It holds {experiment} stores of model(s) {', '.join(dict.fromkeys(r['model'] for r in rows))}."
+
+
+def _missing(path: Path, key: str, results: Path, experiment: str, model: str) -> ResultsNotFoundError:
+    return ResultsNotFoundError(
+        f"{_WHAT[key]} {path} does not exist or is incomplete (no zarr.json). Build it with the workflow (rule "
+        f"{RULES[key]}), from the checkout: `snakemake --cores 2 {path}`, with the config whose `results` is "
+        f"{str(results)!r}." + _held(results, experiment, model))
+
+
+def _wanted(key: str, model: str, revision: str, half: str, corpus: str | None, top_n: int | None) -> dict:
+    want: dict[str, Any] = {"model": model, "revision": revision}
+    if key == "stats":
+        want["half"] = half
+        if corpus:
+            want["corpus"] = corpus
+    if top_n is not None:
+        want["n_tracked"] = int(top_n)
+    return want
+
+
+def _check_owner(attrs: Mapping[str, Any], want: Mapping[str, Any], path: Path, key: str) -> None:
+    """Refuse a store whose own record differs from the request, naming every key that differs."""
+    bad = [(k, attrs.get(k), v) for k, v in want.items() if str(attrs.get(k)) != str(v)]
+    if bad:
+        diff = "; ".join(f"{k} is {have!r}, not {v!r}" if have is not None else f"it records no {k!r} (wanted {v!r})"
+                         for k, have, v in bad)
+        raise ProvenanceError(
+            f"{_WHAT[key]} {path} is not the one asked for: {diff}. It was copied or renamed, or another run (or an "
+            f"older mfpipe) wrote it. Open it as what it records, or delete it and rebuild it "
+            f"with the workflow (rule {RULES[key]}): `snakemake --cores 2 {path}`.")
+
+
+def _resolve(experiment: str, model: str, revision: str, results, half: str, corpus: str | None,
+             top_n: int | None) -> tuple[str, Path, dict]:
+    """(STORES key, path of an existing complete store, its attributes), after the model / revision check."""
+    from mfpipe.stats.store import read_attrs
+
+    results = Path(results)
+    key, _ = _store_key(experiment, half, corpus, top_n)
+    path = store_path(experiment, model, revision, results, half=half, corpus=corpus, top_n=top_n)
+    if corpus and not (path / "zarr.json").is_file():  # the primary corpus named by its name
+        primary = store_path(experiment, model, revision, results, half=half)
+        if (primary / "zarr.json").is_file() and read_attrs(primary).get("corpus") == corpus:
+            path = primary
+    if not (path / "zarr.json").is_file():
+        raise _missing(path, key, results, experiment, model)
+    attrs = read_attrs(path)
+    _check_owner(attrs, _wanted(key, model, revision, half, corpus, top_n), path, key)
+    return key, path, attrs
+
+
+def open_results(experiment: str, model: str, revision: str, results: str | os.PathLike = RESULTS, *,
+                 half: str = "stats", corpus: str | None = None, top_n: int | None = None,
+                 expect: Mapping[str, Any] | None = None, layer: int | None = None):
+    """A store of a finished run as a labelled :class:`xarray.Dataset`, its provenance (model, revision, corpus
+    and tracked-set fingerprints, ``mfpipe_version``, the stage's parameters, as stored) in ``.attrs``.
+
+    ``experiment``: ``stats`` (lazy: values are read on access; ``half`` ``stats`` / ``eval``, ``corpus`` a cross
+    corpus, ``top_n`` a top-N arm), ``deviation``, ``substitution`` (``top_n``: an App. M arm), ``kernel`` (lazy) or
+    ``calibrated`` (its variable ``U``). ``results``: the run's results folder. ``expect``: further attribute values
+    to require (e.g. ``corpus_fingerprint``, ``tracked_fingerprint``), checked by the reader. ``layer``: only that
+    layer (for ``calibrated`` only that layer is read).
+
+    Raises :class:`ResultsNotFoundError` when the store is not there, :class:`~mfpipe.stats.api.ProvenanceError`
+    when it records another model, revision, half, corpus or tracked-set size than asked for."""
+    key, path, attrs = _resolve(experiment, model, revision, results, half, corpus, top_n)
+    if key == "stats":
+        from mfpipe.stats.api import open_stats as _open_stats
+
+        ds = _open_stats(path, expect).ds
+    elif key == "deviation":
+        from mfpipe.experiments.ranking.deviation_pass import open_deviation
+
+        ds = open_deviation(path, expect)
+    elif key in ("substitution", "substitution_topn"):
+        from mfpipe.experiments.substitution.substitute import open_result
+
+        ds = open_result(path, expect)
+    elif key == "kernel":
+        from mfpipe.experiments.substitution.kernel_dynamics import open_kernel
+        from mfpipe.stats.api import check_provenance
+
+        ds = open_kernel(path)
+        check_provenance(ds.attrs, expect, path)
+    else:  # calibrated
+        import xarray as xr
+
+        from mfpipe.meanfield.calibrated import load_calibrated
+
+        U = load_calibrated(path, expect, layer=layer)
+        return xr.Dataset({"U": U}, attrs=attrs)
+    if layer is not None and "layer" in ds.dims:
+        ds = ds.sel(layer=layer)
+    return ds
+
+
+def open_stats(path_or_model: str | os.PathLike, revision: str | None = None, *, results: str | os.PathLike = RESULTS,
+               half: str = "stats", corpus: str | None = None, top_n: int | None = None,
+               expect: Mapping[str, Any] | None = None):
+    """A statistics store as :class:`~mfpipe.stats.api.MeanFieldStats` (``.ds`` the lazy labelled Dataset, ``.attrs``
+    its provenance; ``.P()``, ``.W()``, ``.centroids()``, ``.mu()``, ...), as :func:`mfpipe.stats.api.open_stats`.
+
+    ``open_stats(path, expect=...)`` opens the store at ``path``; ``open_stats(model, revision, results=..., half=...,
+    corpus=..., top_n=...)`` the one the workflow wrote for that model and revision under ``results``, refused
+    like :func:`open_results`' stores when missing or another model's or revision's."""
+    from mfpipe.stats.api import open_stats as _open_stats
+
+    if revision is None:
+        path = Path(path_or_model)
+        if not (path / "zarr.json").is_file() and len(path.parts) == 1 and path.suffix != ".zarr":
+            model = str(path_or_model)
+            raise TypeError(f"open_stats({model!r}): a model name needs its revision, open_stats({model!r}, "
+                            f"'<revision>', results={str(results)!r}); or give a store's path."
+                            + _held(Path(results), "stats", model))
+        return _open_stats(path, expect)
+    _, path, _ = _resolve("stats", str(path_or_model), revision, results, half, corpus, top_n)
+    return _open_stats(path, expect)

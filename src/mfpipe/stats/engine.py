@@ -1,0 +1,161 @@
+"""Pass 1's engines behind one protocol (:class:`Engine`): what :class:`mfpipe.stats.pass1.Accumulator` calls,
+whichever engine computes its sums (:func:`make_engine`): the compiled CPU loops (:mod:`mfpipe.stats.native`) or
+the torch ops (:mod:`mfpipe.stats.torch_engine`).
+
+The accumulator owns the shard's sums (:class:`Totals`) and hands them to its engine at construction; the engine
+adds into them and owns everything else it needs (its look-up tables, its plan). Per batch the engine plans once
+(:meth:`Engine.plan` -> :class:`BatchPlan`, shared by all layers), then reduces each layer's tensors with that plan
+(:meth:`Engine.kernel_heads` / :meth:`Engine.kernel_flush`, :meth:`Engine.position_sum`, :meth:`Engine.norm_sum`)
+and ends the batch (:meth:`Engine.end_batch`); :meth:`Engine.complete_counts` before the sums are read.
+Every method may run on pass 1's helper thread beside another call on the same plan: two calls write disjoint
+sums, each with its own ``scratch``.
+
+No torch import at module level: this module is imported by :mod:`mfpipe.stats.native`, whose :func:`available`
+the read side may ask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from mfpipe.stats.workspace import Scratch
+
+
+@dataclass
+class Totals:
+    """The shard's sums that an engine adds into (see :mod:`mfpipe.stats.pass1` for their meaning). The counts of a
+    cell (``nbar``, ``C``, ``cooc``) are side by side in ``counts`` [N*K + 1, 3] (a batch adds into a few thousand
+    scattered cells of it: one cache miss per cell instead of three), its last row a spare slot of cooc (the torch
+    plan counts what is no (query, neighbour) there). ``nbar`` / ``ctx`` / ``cooc`` are complete only after
+    :meth:`Engine.complete_counts`."""
+
+    L: int
+    H: int
+    N: int
+    T: int
+    P: torch.Tensor  # [N*K, L*H] float32 kernel sums, cell-major and layer-minor
+    counts: torch.Tensor  # [N*K + 1, 3] int64
+    query_count: torch.Tensor  # [N] int64
+    key_count: torch.Tensor  # [K] int64
+    position_count: torch.Tensor  # [T] int64
+    pos: dict[str, torch.Tensor]  # name -> [depth, K, width] float64 per-position sums (resid, resid_sq: depth L + 1)
+
+    @classmethod
+    def zeros(cls, L: int, H: int, N: int, T: int, cols: dict[str, int], device) -> Totals:
+        """All sums zero; ``cols``: the per-position statistics summed, name -> row width (``resid`` among them:
+        its square ``resid_sq`` is added)."""
+        import torch
+
+        K = N + 2
+        i64, f64 = dict(dtype=torch.int64, device=device), dict(dtype=torch.float64, device=device)
+        pos = {name: torch.zeros(L + (name == "resid"), K, width, **f64) for name, width in cols.items()}
+        pos["resid_sq"] = torch.zeros(L + 1, K, cols["resid"], **f64)
+        return cls(L, H, N, T, torch.zeros(N * K, L * H, dtype=torch.float32, device=device),
+                   torch.zeros(N * K + 1, 3, **i64), torch.zeros(N, **i64), torch.zeros(K, **i64),
+                   torch.zeros(T, **i64), pos)
+
+    @property
+    def K(self) -> int:
+        return self.N + 2
+
+    @property
+    def nbar(self) -> torch.Tensor:
+        return self.counts[: self.N * self.K, 0]
+
+    @property
+    def ctx(self) -> torch.Tensor:
+        return self.counts[: self.N * self.K, 1]
+
+    @property
+    def cooc(self) -> torch.Tensor:
+        return self.counts[: self.N * self.K, 2]
+
+    def rows(self, name: str, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the [K, width] sums of statistic ``name`` at ``layer``, those of its square where one is kept)."""
+        return self.pos[name][layer], self.pos["resid_sq"][layer] if name == "resid" else None
+
+
+@dataclass
+class BatchPlan:
+    """An engine's plan of one batch (:meth:`Engine.plan`), shared by all its layers: numpy arrays on the native
+    engine, tensors on the torch engine."""
+
+    kinv: Any  # [B*T] each position's rank among the batch's buckets
+    ub: Any  # [U_b] the batch's distinct buckets
+    count32: Any  # [U_b] positions per distinct bucket, float32 ...
+    count64: Any  # ... and float64
+    pairs: Any  # the engine's plan of the kernel: its (query, key <= query) pairs and their compact cells
+
+    @property
+    def n_positions(self) -> int:
+        """B*T: the rows of a layer's per-position tensors."""
+        return int(self.kinv.shape[0])
+
+
+class Engine(Protocol):
+    """What :class:`~mfpipe.stats.pass1.Accumulator` calls; each engine adds into the :class:`Totals` it was made
+    with. ``scratch`` (:class:`~mfpipe.stats.workspace.Scratch`): the calling thread's work buffers."""
+
+    name: str  # "native" or "torch"
+
+    def plan(self, kb, qt, group: int, scratch: Scratch, deferred_max: int, rank_table_max: int) -> BatchPlan:
+        """Plan a batch of key buckets / query types ``[B,T]`` and add its model-free counts (``group`` windows per
+        pair chunk; the batch's kernel sums ``[U, L*H]`` kept for one add at :meth:`end_batch` where they take at
+        most ``deferred_max`` bytes, else each layer adds into P at once; ``rank_table_max``: the entries of the
+        native plan's bucket-pair table)."""
+
+    def kernel_heads(self, plan: BatchPlan, layer: int, probs: torch.Tensor, heads: range, scratch: Scratch) -> None:
+        """The kernel sums of ``heads`` of one layer's flat float32 probabilities ``probs`` ([B,H,T,T] contiguous)."""
+
+    def kernel_flush(self, plan: BatchPlan, layer: int) -> None:
+        """After :meth:`kernel_heads` of every head of ``layer``: its sums into the batch sums (or P)."""
+
+    def position_sum(self, plan: BatchPlan, name: str, layer: int, x: torch.Tensor, scratch: Scratch) -> None:
+        """Float32 rows ``x`` [B*T, width] of statistic ``name`` at ``layer`` summed by bucket into its sums (the
+        residual's square too)."""
+
+    def norm_sum(self, plan: BatchPlan, layer: int, resid: torch.Tensor, scratch: Scratch) -> bool:
+        """The attention-input norm of ``resid`` [B,T,d] summed into ``ln_in`` without the norm module, where the
+        engine can (True); False: the caller sums the module's output with :meth:`position_sum`."""
+
+    def end_batch(self, plan: BatchPlan) -> None:
+        """The batch's kernel sums (and what else it deferred) into the sums."""
+
+    def complete_counts(self) -> None:
+        """Complete the counts before the sums are read (also mid-batch: they are not counted twice)."""
+
+
+def engine_name(engine: str, device) -> str:
+    """The engine that ``engine`` names on ``device``: "native" (the compiled loops: CPU with numba installed),
+    "torch" (torch ops: any device) or, for "auto", native where it can run, else torch."""
+    from mfpipe.stats import native
+    from mfpipe.stats.errors import StatsError
+
+    if engine not in ("auto", "native", "torch"):
+        raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
+    runs_native = device.type == "cpu" and native.available()
+    if engine == "native" and not runs_native:
+        raise StatsError("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
+    return "native" if engine != "torch" and runs_native else "torch"
+
+
+def make_engine(name: str, totals: Totals, cooc_window: int, attn_input_norm: Callable | None = None,
+                attn_input_norm_form: Callable | None = None) -> Engine:
+    """The engine ``name`` (:func:`engine_name`) adding into ``totals``. The native engine sums the attention-input
+    norm itself where every layer has a form (``attn_input_norm_form(layer)``) that reproduces ``attn_input_norm``
+    on a probe (:func:`mfpipe.stats.native.checked_norm_forms`)."""
+    if name == "native":
+        from mfpipe.stats import native
+
+        forms = None
+        if attn_input_norm is not None and attn_input_norm_form is not None:
+            forms = native.checked_norm_forms(attn_input_norm_form, attn_input_norm, totals.L,
+                                              totals.pos["resid"].shape[-1])
+        return native.NativeEngine(totals, cooc_window, forms)
+    from mfpipe.stats.torch_engine import TorchEngine
+
+    return TorchEngine(totals, cooc_window)

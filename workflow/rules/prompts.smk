@@ -1,0 +1,150 @@
+# Prompt classes, the instance meter and the lenses (paper Sec. 6.1-6.2, App. O, P; library
+# mfpipe.experiments.prompts). Per rollout revision: the lenses over pass 2's top contexts, the prompt classes of
+# Exp. 2 and the instance meter of Exp. 1 (forward-pass jobs writing tables), and their figures (figure rules).
+
+
+rule lenses:
+    input:
+        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        tokenizer=tokenizer_input,
+        code=code("lenses.py"),
+    output:
+        contexts_md=f"{R}/lenses/{{model}}/{{revision}}/contexts.md",
+        contexts_html=f"{R}/lenses/{{model}}/{{revision}}/contexts.html",
+        decode_md=f"{R}/lenses/{{model}}/{{revision}}/decode.md",
+        csv=f"{R}/lenses/{{model}}/{{revision}}/contexts.csv",
+    params:
+        n_heads=DEVIATION["lenses"]["n_heads"],
+        per_head=DEVIATION["lenses"]["per_head"],
+        heads=DEVIATION["lenses"]["heads"],
+        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        **model_params(),
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/lenses/{model}/{revision}.log",
+    script:
+        "../scripts/lenses.py"
+
+
+rule icl_classes:
+    input:
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        tokenizer=tokenizer_input,
+        tasks=DEVIATION["icl"]["task_files"],
+        code=code("icl_classes.py"),
+    output:
+        prompts=f"{R}/tables/icl_prompts_{{model}}_{{revision}}.csv",
+        table=table_report(f"{R}/tables/icl_classes_{{model}}_{{revision}}.csv", "in-context learning"),
+        table_md=f"{R}/tables/icl_classes_{{model}}_{{revision}}.md",
+        corr=table_report(f"{R}/tables/icl_corr_{{model}}_{{revision}}.csv", "in-context learning"),
+        corr_md=f"{R}/tables/icl_corr_{{model}}_{{revision}}.md",
+    params:
+        n_prompts=DEVIATION["icl"]["n_prompts"],
+        n_fewshot=DEVIATION["icl"]["n_fewshot"],
+        n_random=DEVIATION["icl"]["n_random"],
+        seed=DEVIATION["icl"]["seed"],
+        builtin_tasks=DEVIATION["icl"]["builtin_tasks"],
+        task_files=DEVIATION["icl"]["task_files"],
+        natural_length=DEVIATION["icl"]["natural_length"],
+        min_count=SUBSTITUTION["min_count"],
+        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        **model_params(),
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/icl/{model}/{revision}/classes.log",
+    script:
+        "../scripts/icl_classes.py"
+
+
+rule icl_meter:
+    input:
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        code=code("icl_meter.py"),
+    output:
+        curves=f"{R}/tables/icl_meter_curves_{{model}}_{{revision}}.csv",
+        heads=f"{R}/tables/icl_meter_heads_{{model}}_{{revision}}.csv",
+        bins=f"{R}/tables/icl_meter_bins_{{model}}_{{revision}}.csv",
+        summary=table_report(f"{R}/tables/icl_meter_{{model}}_{{revision}}.csv", "in-context learning"),
+        summary_md=f"{R}/tables/icl_meter_{{model}}_{{revision}}.md",
+    params:
+        n_sequences=DEVIATION["icl_meter"]["n_sequences"],
+        chunk_length=DEVIATION["icl_meter"]["chunk_length"],
+        n_bins=DEVIATION["icl_meter"]["n_bins"],
+        seed=DEVIATION["icl_meter"]["seed"],
+        min_count=SUBSTITUTION["min_count"],
+        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        **model_params(),
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/icl/{model}/{revision}/meter.log",
+    script:
+        "../scripts/icl_meter.py"
+
+
+# The prompt experiments' figures, drawn from the tables their forward jobs wrote (deleting a figure reruns only
+# its plotting job, never a forward pass):
+#   snakemake --cores 1 results/figures/icl_classes_mini-gpt2_final.png
+rule figure_icl_classes:
+    input:
+        prompts=f"{R}/tables/icl_prompts_{{model}}_{{revision}}.csv",
+        code=code("plot_prompts.py"),
+    output:
+        pdf=report(f"{R}/figures/icl_classes_{{model}}_{{revision}}.pdf", caption="../report/figure_icl_classes.rst",
+                   category="Figures", subcategory="in-context learning"),
+        png=report(f"{R}/figures/icl_classes_{{model}}_{{revision}}.png", caption="../report/figure_icl_classes.rst",
+                   category="Figures", subcategory="in-context learning"),
+    params:
+        kind="icl_classes",
+        title="{model} @ {revision}",
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/figures/icl_classes_{model}_{revision}.log",
+    script:
+        "../scripts/plot_prompts.py"
+
+
+rule figure_icl_meter:
+    input:
+        curves=f"{R}/tables/icl_meter_curves_{{model}}_{{revision}}.csv",
+        bins=f"{R}/tables/icl_meter_bins_{{model}}_{{revision}}.csv",
+        summary=f"{R}/tables/icl_meter_{{model}}_{{revision}}.csv",
+        code=code("plot_prompts.py"),
+    output:
+        pdf=report(f"{R}/figures/icl_meter_{{model}}_{{revision}}.pdf", caption="../report/figure_icl_meter.rst",
+                   category="Figures", subcategory="in-context learning"),
+        png=report(f"{R}/figures/icl_meter_{{model}}_{{revision}}.png", caption="../report/figure_icl_meter.rst",
+                   category="Figures", subcategory="in-context learning"),
+    params:
+        kind="icl_meter",
+        title="{model} @ {revision}: [c; c]",
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/figures/icl_meter_{model}_{revision}.log",
+    script:
+        "../scripts/plot_prompts.py"

@@ -1,0 +1,138 @@
+# Deviation and head ranking (paper Sec. 6.1 Exp. 3, Sec. 6.3, App. O; library mfpipe.experiments.ranking). Per
+# revision of each model's `revisions`: pass 2 over the statistics half (one job per shard, reading pass 1's W and
+# mu; merged into deviation.zarr) and the behavioural head scores; per model the Exp. 3 correlation across
+# training; per rollout revision the ranking.
+#   snakemake --cores 2 results/figures/ccmf_scatter_mini-gpt2_final.png
+
+
+rule deviation_shard:
+    input:
+        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        shard=f"{R}/corpus/{CORPUS}/{{model}}/shards/stats/{{shard}}.npz",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        kernel=substitution_kernel_input,
+        code=code("deviation_shard.py"),
+    output:
+        directory(f"{R}/deviation/{{model}}/{{revision}}/partials/{{shard}}.zarr"),
+    wildcard_constraints:
+        shard=r"shard-\d+",
+    params:
+        kernel=SUBSTITUTION["kernel"],
+        min_count=SUBSTITUTION["min_count"],
+        top_k=DEVIATION["top_k"],
+        other_share_max=DEVIATION["other_share_max"],
+        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        **model_params(),
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/deviation/{model}/{revision}/{shard}.log",
+    script:
+        "../scripts/deviation_shard.py"
+
+
+rule deviation_merge:
+    input:
+        partials=deviation_partials,
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        code=code("deviation_merge.py"),
+    output:
+        directory(f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr"),
+    params:
+        model=lambda wc: wc.model,
+        revision="{revision}",
+        min_occurrences=DEVIATION["min_occurrences"],
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/deviation/{model}/{revision}/merge.log",
+    script:
+        "../scripts/deviation_merge.py"
+
+
+rule head_scores:
+    input:
+        model=model_input,
+        tokenizer=tokenizer_input,
+        code=code("head_scores.py"),
+    output:
+        csv=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
+    params:
+        n_sequences=DEVIATION["head_scores"]["n_sequences"],
+        seed=DEVIATION["head_scores"]["seed"],
+        context_length=config["corpus"]["context_length"],
+        batch_size=config["runtime"]["batch_size"],
+        **model_params(),
+    threads: cluster_threads("forward")
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    log:
+        "logs/heads/{model}/{revision}.log",
+    script:
+        "../scripts/head_scores.py"
+
+
+rule exp3_correlation:
+    input:
+        deviation=deviation_results,
+        heads=head_score_results,
+        training=training_summary,
+        code=code("exp3_correlation.py"),
+    output:
+        csv=table_report(f"{R}/tables/exp3_correlation_{{model}}.csv", "head ranking"),
+        pdf=report(f"{R}/figures/exp3_correlation_{{model}}.pdf", caption="../report/figure_exp3.rst",
+                   category="Figures", subcategory="head ranking"),
+        png=report(f"{R}/figures/exp3_correlation_{{model}}.png", caption="../report/figure_exp3.rst",
+                   category="Figures", subcategory="head ranking"),
+    params:
+        model=lambda wc: wc.model,
+        revisions=lambda wc: REVISIONS[wc.model],
+        steps=lambda wc: revision_steps(wc.model),
+        window=lambda wc: MODELS[wc.model].get("induction_window"),
+        band=SUBSTITUTION["induction_band"],
+        title=lambda wc: f"Mean-field deviation vs induction score: {wc.model}",
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/figures/exp3_correlation_{model}.log",
+    script:
+        "../scripts/exp3_correlation.py"
+
+
+rule ranking:
+    input:
+        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
+        heads=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
+        code=code("ranking.py"),
+    output:
+        heads=f"{R}/tables/ranking_heads_{{model}}_{{revision}}.csv",
+        top_csv=table_report(f"{R}/tables/ranking_top_{{model}}_{{revision}}.csv", "head ranking"),
+        top_md=f"{R}/tables/ranking_top_{{model}}_{{revision}}.md",
+        bottom_csv=table_report(f"{R}/tables/ranking_bottom_{{model}}_{{revision}}.csv", "head ranking"),
+        bottom_md=f"{R}/tables/ranking_bottom_{{model}}_{{revision}}.md",
+        stability_csv=table_report(f"{R}/tables/ranking_stability_{{model}}_{{revision}}.csv", "head ranking"),
+        stability_md=f"{R}/tables/ranking_stability_{{model}}_{{revision}}.md",
+        pdf=report(f"{R}/figures/ccmf_scatter_{{model}}_{{revision}}.pdf", caption="../report/figure_ccmf_scatter.rst",
+                   category="Figures", subcategory="head ranking"),
+        png=report(f"{R}/figures/ccmf_scatter_{{model}}_{{revision}}.png", caption="../report/figure_ccmf_scatter.rst",
+                   category="Figures", subcategory="head ranking"),
+    params:
+        model=lambda wc: wc.model,
+        revision="{revision}",
+        top=DEVIATION["top"],
+        bottom=DEVIATION["bottom"],
+    localrule: True
+    conda:
+        ENV
+    log:
+        "logs/tables/ranking_{model}_{revision}.log",
+    script:
+        "../scripts/ranking.py"
