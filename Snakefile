@@ -28,9 +28,11 @@ include: "workflow/rules/rollout.smk"
 include: "workflow/rules/substitution.smk"
 include: "workflow/rules/ranking.smk"
 include: "workflow/rules/prompts.smk"
+include: "workflow/rules/costs.smk"
 
 
 rule all:
     default_target: True
     input:
         all_targets(),
+        rules.run_costs.output,

@@ -183,7 +183,7 @@ def test_list_results_lists_every_store_in_training_order(run):
 def test_open_results_gives_what_the_library_readers_give(run):
     """Each experiment is read by the reader its jobs use: the same data, coordinates and provenance attributes."""
     import mfpipe
-    from mfpipe.experiments.ranking.deviation_pass import open_deviation
+    from mfpipe.experiments.ranking.store import open_deviation
     from mfpipe.experiments.substitution.kernel_dynamics import open_kernel
     from mfpipe.experiments.substitution.substitute import open_result
     from mfpipe.meanfield.calibrated import load_calibrated

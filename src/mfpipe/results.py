@@ -13,7 +13,7 @@ Experiments (:data:`STORES`): ``stats`` (pass 1, a half ``stats`` / ``eval`` of 
 corpus with ``corpus=``, or a top-N arm with ``top_n=``), ``deviation`` (pass 2), ``substitution`` (one revision's
 mean-field substitution; ``top_n=`` an App. M arm), ``kernel`` (the revision's rank-r kernel factors and row
 spread) and ``calibrated`` (the calibrated kernel U of App. B). Each is read by the reader the workflow's own jobs
-use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.experiments.ranking.deviation_pass.open_deviation`,
+use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.experiments.ranking.store.open_deviation`,
 :func:`~mfpipe.experiments.substitution.substitute.open_result`,
 :func:`~mfpipe.experiments.substitution.kernel_dynamics.open_kernel`,
 :func:`~mfpipe.meanfield.calibrated.load_calibrated`); this module adds none.
@@ -293,7 +293,7 @@ def open_results(experiment: str, model: str, revision: str, results: str | os.P
 
         ds = _open_stats(path, expect).ds
     elif key == "deviation":
-        from mfpipe.experiments.ranking.deviation_pass import open_deviation
+        from mfpipe.experiments.ranking.store import open_deviation
 
         ds = open_deviation(path, expect)
     elif key in ("substitution", "substitution_topn"):

@@ -431,6 +431,12 @@ def cluster_threads(kind):
     return config["cluster"][kind]["cpus"]
 
 
+def model_threads(wildcards):
+    """Threads of a forward-pass job of model `wildcards.model`: the model's `threads`, else
+    `cluster.forward.cpus` (a workstation's --cores caps them)."""
+    return MODELS[wildcards.model].get("threads") or cluster_threads("forward")
+
+
 wildcard_constraints:
     model="|".join(MODELS) if MODELS else "NONE",
     mini="|".join(MINI) if MINI else "NONE",

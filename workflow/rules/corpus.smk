@@ -17,6 +17,8 @@ checkpoint corpus_shards:
         **cluster_resources("cpu"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/corpus_shards/corpus/{corpus}/{model}/shards.tsv",
     log:
         "logs/corpus/{corpus}/{model}/shards.log",
     script:
@@ -37,6 +39,8 @@ rule tracked_types:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/tracked_types/corpus/{corpus}/{model}/tracked.tsv",
     log:
         "logs/corpus/{corpus}/{model}/tracked.log",
     script:
@@ -55,6 +59,8 @@ rule coverage_table:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/coverage_table/tables/coverage_positions.tsv",
     log:
         "logs/tables/coverage_positions.log",
     script:
@@ -69,5 +75,7 @@ use rule tracked_types as tracked_types_topn with:
         n_tracked=lambda wc: int(wc.n),
         model=model_spec,
         results=results_dir,
+    benchmark:
+        "logs/benchmarks/tracked_types_topn/corpus/{corpus}/{model}/tracked-N{n}.tsv",
     log:
         "logs/corpus/{corpus}/{model}/tracked-N{n}.log",

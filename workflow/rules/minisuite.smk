@@ -14,6 +14,8 @@ rule minisuite_tokenizer:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/minisuite_tokenizer/minisuite/tokenizer.tsv",
     log:
         "logs/minisuite/tokenizer.log",
     script:
@@ -36,6 +38,8 @@ rule minisuite_train:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/minisuite_train/minisuite/{mini}.tsv",
     log:
         "logs/minisuite/{mini}.log",
     script:
@@ -51,6 +55,8 @@ rule induction_table:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/induction_table/tables/induction.tsv",
     log:
         "logs/tables/induction.log",
     script:

@@ -23,11 +23,13 @@ rule lenses:
         heads=DEVIATION["lenses"]["heads"],
         batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/lenses/lenses/{model}/{revision}.tsv",
     log:
         "logs/lenses/{model}/{revision}.log",
     script:
@@ -60,11 +62,13 @@ rule icl_classes:
         min_count=SUBSTITUTION["min_count"],
         batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/icl_classes/icl/{model}/{revision}/classes.tsv",
     log:
         "logs/icl/{model}/{revision}/classes.log",
     script:
@@ -92,11 +96,13 @@ rule icl_meter:
         min_count=SUBSTITUTION["min_count"],
         batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/icl_meter/icl/{model}/{revision}/meter.tsv",
     log:
         "logs/icl/{model}/{revision}/meter.log",
     script:
@@ -121,6 +127,8 @@ rule figure_icl_classes:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/figure_icl_classes/figures/icl_classes_{model}_{revision}.tsv",
     log:
         "logs/figures/icl_classes_{model}_{revision}.log",
     script:
@@ -144,6 +152,8 @@ rule figure_icl_meter:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/figure_icl_meter/figures/icl_meter_{model}_{revision}.tsv",
     log:
         "logs/figures/icl_meter_{model}_{revision}.log",
     script:

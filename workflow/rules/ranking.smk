@@ -24,11 +24,13 @@ rule deviation_shard:
         other_share_max=DEVIATION["other_share_max"],
         batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/deviation_shard/deviation/{model}/{revision}/{shard}.tsv",
     log:
         "logs/deviation/{model}/{revision}/{shard}.log",
     script:
@@ -49,6 +51,8 @@ rule deviation_merge:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/deviation_merge/deviation/{model}/{revision}/merge.tsv",
     log:
         "logs/deviation/{model}/{revision}/merge.log",
     script:
@@ -68,11 +72,13 @@ rule head_scores:
         context_length=config["corpus"]["context_length"],
         batch_size=config["runtime"]["batch_size"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/head_scores/heads/{model}/{revision}.tsv",
     log:
         "logs/heads/{model}/{revision}.log",
     script:
@@ -101,6 +107,8 @@ rule exp3_correlation:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/exp3_correlation/figures/exp3_correlation_{model}.tsv",
     log:
         "logs/figures/exp3_correlation_{model}.log",
     script:
@@ -132,6 +140,8 @@ rule ranking:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/ranking/tables/ranking_{model}_{revision}.tsv",
     log:
         "logs/tables/ranking_{model}_{revision}.log",
     script:

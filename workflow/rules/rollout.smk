@@ -22,11 +22,13 @@ rule rollout_scores:
         init=ROLLOUT["init"],
         min_count=ROLLOUT["min_count"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/rollout_scores/rollout/{model}/{revision}/scores.tsv",
     log:
         "logs/rollout/{model}/{revision}/scores.log",
     script:
@@ -43,6 +45,8 @@ rule rollout_table:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/rollout_table/rollout/{model}/{revision}/table.tsv",
     log:
         "logs/rollout/{model}/{revision}/table.log",
     script:
@@ -71,11 +75,13 @@ rule error_accounting:
         min_count=ROLLOUT["min_count"],
         diagnostics_half=ROLLOUT["diagnostics_half"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/error_accounting/rollout/{model}/{revision}/error_accounting.tsv",
     log:
         "logs/rollout/{model}/{revision}/error_accounting.log",
     script:
@@ -92,6 +98,8 @@ rule attention_coverage:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/attention_coverage/tables/coverage_attention.tsv",
     log:
         "logs/tables/coverage_attention.log",
     script:
@@ -114,11 +122,13 @@ rule cross_corpus:
         init=ROLLOUT["init"],
         min_count=ROLLOUT["min_count"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/cross_corpus/rollout/{model}/{revision}/cross_corpus.tsv",
     log:
         "logs/rollout/{model}/{revision}/cross_corpus.log",
     script:
@@ -163,6 +173,8 @@ for _fig, (_table, _title) in FIGURES.items():
         localrule: True
         conda:
             ENV
+        benchmark:
+            f"logs/benchmarks/figure_{_fig}/figures/{_fig}_{{model}}_{{revision}}.tsv",
         log:
             f"logs/figures/{_fig}_{{model}}_{{revision}}.log",
         script:

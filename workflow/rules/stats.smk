@@ -17,11 +17,13 @@ rule stats_shard:
         batch_size=config["runtime"]["batch_size"],
         mantissa_bits=config["stats"]["partial_mantissa_bits"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/stats_shard/stats/{model}/{revision}/{dataset}/shard-{i}.tsv",
     log:
         "logs/stats/{model}/{revision}/{dataset}/shard-{i}.log",
     script:
@@ -45,6 +47,8 @@ rule stats_merge:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/stats_merge/stats/{model}/{revision}/{dataset}/merge.tsv",
     log:
         "logs/stats/{model}/{revision}/{dataset}/merge.log",
     script:

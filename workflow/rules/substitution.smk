@@ -21,11 +21,13 @@ rule substitution:
         min_count=SUBSTITUTION["min_count"],
         batch_size=SUBSTITUTION["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/substitution/substitution/{model}/{revision}.tsv",
     log:
         "logs/substitution/{model}/{revision}.log",
     script:
@@ -47,6 +49,8 @@ rule substitution_table:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/substitution_table/tables/substitution_{model}.tsv",
     log:
         "logs/tables/substitution_{model}.log",
     script:
@@ -70,6 +74,8 @@ rule figure_waypoint:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/figure_waypoint/figures/waypoint_{model}.tsv",
     log:
         "logs/figures/waypoint_{model}.log",
     script:
@@ -92,6 +98,8 @@ rule kernel_revision:
         **cluster_resources("cpu"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/kernel_revision/kernels/{model}/{revision}/kernel.tsv",
     log:
         "logs/kernels/{model}/{revision}/kernel.log",
     script:
@@ -124,6 +132,8 @@ rule kernel_dynamics:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/kernel_dynamics/kernels/{model}/dynamics.tsv",
     log:
         "logs/kernels/{model}/dynamics.log",
     script:
@@ -151,11 +161,13 @@ rule calibrate_kernel:
         batch_size=config["runtime"]["batch_size"],
         device=config["runtime"]["device"],
         dtype="float32",
-    threads: cluster_threads("forward")
+    threads: model_threads
     resources:
         **cluster_resources("forward"),
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/calibrate_kernel/kernels/{model}/{revision}/calibration.tsv",
     log:
         "logs/kernels/{model}/{revision}/calibration.log",
     script:
@@ -179,6 +191,8 @@ use rule substitution as substitution_topn with:
         min_count=SUBSTITUTION["min_count"],
         batch_size=SUBSTITUTION["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
+    benchmark:
+        "logs/benchmarks/substitution_topn/substitution/{model}/{revision}/N{n}.tsv",
     log:
         "logs/substitution/{model}/{revision}/N{n}.log",
 
@@ -196,6 +210,8 @@ rule substitution_topn_table:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/substitution_topn_table/tables/substitution_topn_{model}.tsv",
     log:
         "logs/tables/substitution_topn_{model}.log",
     script:
@@ -220,6 +236,8 @@ rule figure_topn:
     localrule: True
     conda:
         ENV
+    benchmark:
+        "logs/benchmarks/figure_topn/figures/topn_{model}.tsv",
     log:
         "logs/figures/topn_{model}.log",
     script:

@@ -7,7 +7,7 @@ from mfpipe.experiments.rollout import tables as RT
 from mfpipe.experiments.rollout import accounting as AC
 from mfpipe.experiments.rollout import runs as RO
 from mfpipe.stats import halves as S
-from mfpipe.experiments.ranking.deviation_pass import open_deviation
+from mfpipe.experiments.ranking.store import open_deviation
 from mfpipe.jobs import load_job_model, run_logged
 from mfpipe.logs import setup_logging
 

@@ -4,7 +4,7 @@ behavioural induction score (per-revision head_scores.csv) -> table (CSV) and fi
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
 from mfpipe import tables as T
-from mfpipe.experiments.ranking.deviation_pass import open_deviation
+from mfpipe.experiments.ranking.store import open_deviation
 from mfpipe.experiments.ranking.figures import exp3_figure, exp3_table
 from mfpipe.experiments.ranking.head_scores import open_head_scores
 from mfpipe.models.induction import training_window

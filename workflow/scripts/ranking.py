@@ -4,7 +4,7 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import pandas as pd
 
 from mfpipe import tables as T
-from mfpipe.experiments.ranking.deviation_pass import open_deviation
+from mfpipe.experiments.ranking.store import open_deviation
 from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
 from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
 from mfpipe.experiments.ranking.head_scores import open_head_scores

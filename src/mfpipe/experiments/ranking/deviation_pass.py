@@ -21,7 +21,8 @@ import numpy as np
 from mfpipe import __version__
 from mfpipe.experiments.ranking.pass2 import ADDITIVE, OTHER_SHARE_MAX, TOP_K
 from mfpipe.meanfield.deviation import MIN_OCCURRENCES, corpus_deviation
-from mfpipe.stats.api import ProvenanceError, check_provenance
+from mfpipe.experiments.ranking.store import open_deviation, stats_fingerprint
+from mfpipe.stats.api import ProvenanceError
 from mfpipe.stats.errors import StatsError
 
 __all__ = ["deviation_shard", "save_partial", "open_partial", "merge_partials", "deviation_dataset", "open_deviation",
@@ -79,13 +80,6 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
             "n_heads": adapter.n_heads, "d_head": adapter.d_head, "model_type": adapter.model_type,
             "mfpipe_version": __version__}
     return sums, meta
-
-
-def stats_fingerprint(stats) -> str:
-    """What identifies pass 1's store: model, revision, half, corpus and tracked fingerprints and N tokens."""
-    a = stats.attrs
-    return "|".join(str(a.get(k)) for k in ("model", "revision", "half", "corpus_fingerprint", "tracked_fingerprint",
-                                            "n_tokens"))
 
 
 def _dataset(sums: Mapping[str, Any], meta: Mapping[str, Any]):
@@ -224,13 +218,4 @@ def deviation_dataset(sums: Mapping[str, Any], meta: Mapping[str, Any], tracked,
                   "n_contexts": int(count.sum() // max(L, 1)), "mfpipe_version": __version__,
                   "n_types_scored": int((count.sum(0)[0] >= int(min_occurrences)).sum()) if L else 0})
     ds.attrs.update(attrs)
-    return ds
-
-
-def open_deviation(path, expect: Mapping[str, Any] | None = None):
-    """A deviation store (``deviation.zarr``), loaded and provenance-checked (:func:`check_provenance`)."""
-    from mfpipe.stats.store import open_zarr
-
-    ds = open_zarr(path, "deviation store", "run its deviation_merge job").load()
-    check_provenance(ds.attrs, expect, path)
     return ds

@@ -1,0 +1,28 @@
+# Where the run's time went (issue 31): every rule writes Snakemake's benchmark file (wall time, peak RSS, CPU time)
+# under logs/benchmarks/<rule>/; this rule, run after every other target, sums them by rule and by stage (the
+# rule file that defines the rule) into results/tables/run_costs.{csv,md}, a report table too.
+
+
+def rule_stages(wildcards):
+    return {r.name: Path(r.snakefile).stem for r in workflow.rules}
+
+
+rule run_costs:
+    input:
+        targets=all_targets(),
+        code=code("run_costs.py"),
+    output:
+        csv=table_report(f"{R}/tables/run_costs.csv", "run costs"),
+        md=f"{R}/tables/run_costs.md",
+    params:
+        benchmarks="logs/benchmarks",
+        stages=rule_stages,
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/run_costs/tables/run_costs.tsv",
+    log:
+        "logs/tables/run_costs.log",
+    script:
+        "../scripts/run_costs.py"
