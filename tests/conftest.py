@@ -27,3 +27,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# The two files that run the workflow end to end (test_workflow.py: the ci DAG, its SLURM run; test_presets.py:
+# every preset) take most of the suite's time, one pytest-xdist worker each. Collected first (and sent out in
+# collection order, pyproject's --no-loadscope-reorder), they start side by side; the short files fill the gaps.
+LONGEST_FIRST = ("test_workflow.py", "test_presets.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: in-file order kept
