@@ -145,3 +145,15 @@ def test_a_damaged_shard_is_refused_naming_it_and_what_to_do(tmp_path):
     first.write_bytes(first.read_bytes()[:100])
     with pytest.raises(CorpusError, match=f"corpus shard {first} is corrupt \\(unreadable: .*delete the folder"):
         read_shard(first)
+
+
+def test_shard_groups_are_runs_of_consecutive_shards_named_by_their_first():
+    from mfpipe.corpus.windows import shard_groups
+
+    ids = ["00002", "00000", "00001", "00003", "00004"]
+    assert shard_groups(ids) == {"00000": ["00000", "00001", "00002", "00003", "00004"]}
+    assert shard_groups(ids, 1) == {i: [i] for i in sorted(ids)}
+    assert shard_groups(ids, 2) == {"00000": ["00000", "00001"], "00002": ["00002", "00003"], "00004": ["00004"]}
+    assert shard_groups([], None) == {}
+    with pytest.raises(ValueError, match="at least 1"):
+        shard_groups(ids, 0)

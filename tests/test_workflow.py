@@ -227,10 +227,23 @@ def test_n_change_rebuilds_only_tracked_onward(built, tmp_path):
 
 
 def test_partial_rounding_change_rebuilds_only_statistics_onward(built, tmp_path):
-    cfg = variant(tmp_path, "bits", lambda c: c.update(stats={"partial_mantissa_bits": None}))
+    """... and with `stats.shards_per_job: 1` (the ci run takes a half's two shards in one job) every shard is a job."""
+    cfg = variant(tmp_path, "bits", lambda c: c.update(stats={"partial_mantissa_bits": None, "shards_per_job": 1}))
     jobs = planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))
     rules = {r for r, _ in jobs}
     assert {"stats_shard", "stats_merge"} <= rules, rules
+
+    def wc(w):
+        return dict(kv.split("=", 1) for kv in w.split(", "))
+
+    # the primary corpus's halves: a job per shard, where the ci run had one per half
+    corpus = built / "results" / "corpus" / "shakespeare-ci"
+    merges = [wc(w) for r, w in jobs if r == "stats_merge" and wc(w)["dataset"] in ("stats", "eval")]
+    want = sorted((m["model"], m["revision"], m["dataset"], p.stem.removeprefix("shard-")) for m in merges
+                  for p in (corpus / m["model"] / "shards" / m["dataset"]).glob("shard-*.npz"))
+    got = sorted((w["model"], w["revision"], w["dataset"], w["i"]) for w in map(wc, (w for r, w in jobs if r == "stats_shard"))
+                 if w["dataset"] in ("stats", "eval"))
+    assert got == want and any(i == "00001" for *_, i in got), (got, want)
     assert not rules & {"corpus_shards", "tracked_types", "minisuite_tokenizer", "minisuite_train", "induction_table"}, rules
 
 
@@ -717,13 +730,15 @@ def test_killed_figure_shard_and_merge_jobs_leave_nothing_half_written_and_resum
     kill_while_publishing(built, fig, tmp_path)
     rerun_cleanly(built, fig)
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and fig.read_bytes()[-8:-4] == b"IEND"
-    # a statistics shard
-    part = stats / "partials" / "stats" / "shard-00000.zarr"
-    want_part = partial_arrays(part)
-    shutil.rmtree(part)
-    kill_while_publishing(built, part, tmp_path)
-    rerun_cleanly(built, part)
-    assert arrays_equal(partial_arrays(part), want_part)
+    # a statistics job (its run of shards: both of the half's, one partial each)
+    group = stats / "partials" / "stats" / "group-00000"
+    want_parts = {p.name: partial_arrays(p) for p in sorted(group.glob("shard-*.zarr"))}
+    assert sorted(want_parts) == ["shard-00000.zarr", "shard-00001.zarr"]
+    shutil.rmtree(group)
+    kill_while_publishing(built, group, tmp_path)
+    rerun_cleanly(built, group)
+    assert sorted(p.name for p in group.glob("shard-*.zarr")) == sorted(want_parts)
+    assert all(arrays_equal(partial_arrays(group / name), want) for name, want in want_parts.items())
     # the merge (the store now also holds the rebuilt partial): bit-identical to the uninterrupted run's store
     store = stats / "stats.zarr"
     want_store = files_bytes(store)
@@ -742,8 +757,8 @@ def test_a_damaged_partial_is_refused_deleted_and_rebuilt_not_merged(built):
     refused by the merge with one line naming the partial, deleted, and rebuilt by the rerun; the stores then equal
     the uninterrupted run's, bit for bit."""
     stats = built / "results" / "stats" / "mini-gpt2" / "step20"
-    truncated = stats / "partials" / "stats" / "shard-00001.zarr"
-    swapped = stats / "partials" / "eval" / "shard-00001.zarr"
+    truncated = stats / "partials" / "stats" / "group-00000" / "shard-00001.zarr"
+    swapped = stats / "partials" / "eval" / "group-00000" / "shard-00001.zarr"
     stores = [stats / "stats.zarr", stats / "eval.zarr"]
     want = {s: files_bytes(s) for s in stores}
     chunk = sorted(p for p in (truncated / "P_sum").rglob("*") if p.is_file() and p.name != "zarr.json")[-1]
@@ -773,7 +788,8 @@ def test_a_damaged_partial_is_refused_deleted_and_rebuilt_not_merged(built):
     assert any(rel(truncated) in ln and "is unreadable" in ln and "rerun to rebuild it" in ln for ln in lines), lines
     assert any(rel(swapped) in ln and "was not computed from corpus shard" in ln and "rerun to rebuild it" in ln
                for ln in lines), lines
-    assert not truncated.exists() and not swapped.exists(), "a damaged partial must not stay to be merged again"
+    # deleted with the folder of the job that wrote it, so that the rerun runs that job again
+    assert not truncated.parent.exists() and not swapped.parent.exists(), "a damaged partial must not stay to be merged again"
     snakemake(built, "--cores", "1", *(rel(s) for s in stores))
     assert all(files_bytes(s) == want[s] for s in stores)
     snakemake(built, "--cores", "1", "--touch")
@@ -787,9 +803,9 @@ def test_a_corrupted_corpus_shard_is_refused_with_one_line_naming_it(built):
 
     shards = built / "results" / "corpus" / "shakespeare-ci" / "mini-gpt2" / "shards"
     shard = shards / "stats" / "shard-00001.npz"
-    part = built / "results" / "stats" / "mini-gpt2" / "step20" / "partials" / "stats" / "shard-00001.zarr"
+    part = built / "results" / "stats" / "mini-gpt2" / "step20" / "partials" / "stats" / "group-00000"
     original, st = shard.read_bytes(), shard.stat()
-    part_copy = part.with_name("shard-00001.zarr.aside")
+    part_copy = part.with_name("group-00000.aside")
     shutil.copytree(part, part_copy)  # copy2: the files keep their times
     with np.load(shard) as z:
         tokens, doc_ids = z["tokens"].copy(), z["doc_ids"]
@@ -802,7 +818,7 @@ def test_a_corrupted_corpus_shard_is_refused_with_one_line_naming_it(built):
         text, cause = failing_run(built, "--cores", "1", str(part.relative_to(built)))
         assert cause.startswith(f"mfpipe error: CorpusError: corpus shard {shard.relative_to(built)} is corrupt")
         assert f"delete the folder {shards.relative_to(built)} and rerun" in cause
-        log = (built / "logs" / "stats" / "mini-gpt2" / "step20" / "stats" / "shard-00001.log").read_text()
+        log = (built / "logs" / "stats" / "mini-gpt2" / "step20" / "stats" / "group-00000.log").read_text()
         assert cause in log and log.index(cause) < log.index("Traceback")
     finally:  # put back what the test broke, as old as it was (rebuilding the corpus would rerun the whole DAG)
         shard.write_bytes(original)

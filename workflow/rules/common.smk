@@ -19,6 +19,7 @@ from mfpipe.config import (  # noqa: E402
     resolve_rollout_revisions,
     validate_schema,
 )
+from mfpipe.corpus.windows import shard_groups  # noqa: E402
 from mfpipe.revisions import parse_step  # noqa: E402
 from mfpipe.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
@@ -237,16 +238,26 @@ def shard_ids(wildcards):
     return sorted(Path(p).name[len("shard-") : -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
 
 
+def stats_groups(wildcards):
+    """The dataset's shards as its statistics jobs take them ({first shard: [shards]}, `stats.shards_per_job`)."""
+    return shard_groups(shard_ids(wildcards), config["stats"]["shards_per_job"])
+
+
 def stats_partials(wildcards):
+    """The statistics jobs' outputs of a dataset: a folder per run of shards, one partial per shard inside."""
     return [
-        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/shard-{i}.zarr"
-        for i in shard_ids(wildcards)
+        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/group-{i}"
+        for i in stats_groups(wildcards)
     ]
 
 
-def dataset_shard(wildcards):
+def dataset_group_shards(wildcards):
+    """The corpus shards of one statistics job (the run of shards starting at shard `i`)."""
     corpus, half = dataset_parts(wildcards.dataset)
-    return f"{R}/corpus/{corpus}/{wildcards.model}/shards/{half}/shard-{wildcards.i}.npz"
+    group = stats_groups(wildcards).get(wildcards.i)
+    if group is None:
+        raise ValueError(f"shard {wildcards.i} does not start a run of stats.shards_per_job shards of {wildcards.dataset}")
+    return [f"{R}/corpus/{corpus}/{wildcards.model}/shards/{half}/shard-{i}.npz" for i in group]
 
 
 def dataset_shards_dir(wildcards):

@@ -1,18 +1,19 @@
-# Corpus-pass statistics: one forward pass per shard (all layers at once) writes additive partial
-# sums; a merge per (model, revision, dataset) writes the labelled, layer-chunked Zarr store.
+# Corpus-pass statistics: one forward pass per batch (all layers at once) writes additive partial sums, one
+# partial per corpus shard; a job runs through `stats.shards_per_job` shards (default: all of a half's, so the
+# model loads once); a merge per (model, revision, dataset) writes the labelled, layer-chunked Zarr store.
 # A dataset is a half of the primary corpus (`stats`, `eval`) or of a cross corpus (`<name>/stats`).
 
-# (helpers: shard_ids, stats_partials, dataset_shard(s_dir) in common.smk)
+# (helpers: shard_ids, stats_groups, stats_partials, dataset_group_shards, dataset_shards_dir in common.smk)
 
 
 rule stats_shard:
     input:
-        shard=dataset_shard,
+        shards=dataset_group_shards,
         tracked=dataset_tracked,
         model=model_input,
         code=code("stats_shard.py"),
     output:
-        directory(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/shard-{{i}}.zarr"),
+        directory(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/group-{{i}}"),
     params:
         batch_size=config["runtime"]["batch_size"],
         mantissa_bits=config["stats"]["partial_mantissa_bits"],
@@ -23,9 +24,9 @@ rule stats_shard:
     conda:
         ENV
     benchmark:
-        "logs/benchmarks/stats_shard/stats/{model}/{revision}/{dataset}/shard-{i}.tsv",
+        "logs/benchmarks/stats_shard/stats/{model}/{revision}/{dataset}/group-{i}.tsv",
     log:
-        "logs/stats/{model}/{revision}/{dataset}/shard-{i}.log",
+        "logs/stats/{model}/{revision}/{dataset}/group-{i}.log",
     script:
         "../scripts/stats_shard.py"
 

@@ -26,23 +26,44 @@ def main() -> None:
     info = json.loads(Path(fp_path).read_text())
     model, revision, half = str(sm.params.model), str(sm.params.revision), str(sm.params.half)
     commit = sm.params.commit
-    partials = sorted(str(p) for p in sm.input.partials)
-    if not partials:
-        raise StatsError(f"no partials for {model} @ {revision} ({half}); the {half} half has no shards")
-
     first_meta: dict = {}
     shapes: dict = {}  # the first partial's array shapes: every later one must have them
     bits_seen: list[int] = []  # the partials' mantissa_bits (stats.partial_mantissa_bits), where rounded
 
     def refuse(p: str, why: str) -> StatsError:
         """A partial that is not what its shard's job wrote is deleted, not merged: it is an intermediate, and
-        deleting it is what makes the rerun rebuild it (Snakemake reruns the stats_shard job of a missing partial)."""
+        deleting it is what makes the rerun rebuild it (Snakemake reruns the stats_shard job of a missing output:
+        the folder of the job's run of shards, which goes with it)."""
         path = Path(p)
+        if path.parent.name.startswith("group-"):
+            path = path.parent
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-        return StatsError(f"statistics partial {p} {why}; deleted it: rerun to rebuild it")
+        gone = "it" if str(path) == str(p) else f"it with its job's folder {path}"
+        return StatsError(f"statistics partial {p} {why}; deleted {gone}: rerun to rebuild it")
+
+    # one partial per corpus shard of the half, each in the folder of the statistics job whose run of shards holds
+    # it: a job's folder is named by its first shard and runs to the next job's (stats.shards_per_job)
+    want = sorted(p.stem for p in (Path(sm.input.shards) / half).glob("shard-*.npz"))
+    if not want:
+        raise StatsError(f"no partials for {model} @ {revision} ({half}); the {half} half has no shards")
+    groups = sorted(map(str, sm.input.partials), key=lambda g: Path(g).name)
+    starts = [Path(g).name.replace("group-", "shard-") for g in groups]
+    partials = []
+    for k, g in enumerate(groups):
+        mine = [s for s in want if s >= starts[k] and (k + 1 == len(groups) or s < starts[k + 1])]
+        if not mine or mine[0] != starts[k]:
+            raise StatsError(f"statistics job folder {g} does not start at a corpus shard of {Path(sm.input.shards) / half}; "
+                             "rerun (the corpus changed after the statistics ran)")
+        for s in mine:
+            part = str(Path(g) / f"{s}.zarr")
+            if not Path(part).exists():
+                raise refuse(part, "is missing")
+            partials.append(part)
+    if want[0] != starts[0]:
+        raise StatsError(f"no statistics job folder holds corpus shard {want[0]} of {Path(sm.input.shards) / half}; rerun")
 
     def sums_iter():
         """Open one partial at a time (its kernel sum stays on disk) and check it belongs to this store: readable

@@ -153,6 +153,18 @@ def write_shards(windows: Shard, out_dir: str | Path, shard_windows: int) -> lis
     return paths
 
 
+def shard_groups(shard_ids: Sequence[str], per_job: int | None = None) -> dict[str, list[str]]:
+    """The shards of one half as the statistics jobs take them: runs of ``per_job`` consecutive shards (None: all of
+    them in one run), each named by its first shard's id, ``{first id: [ids]}`` in shard order. A job loads the
+    model and imports its libraries once for its run, so on a small model a run of shards costs little more than
+    one shard's forward passes (``stats.shards_per_job``)."""
+    ids = sorted(shard_ids)
+    if per_job is not None and int(per_job) < 1:
+        raise ValueError(f"shards per job must be at least 1 (got {per_job})")
+    k = max(len(ids), 1) if per_job is None else int(per_job)
+    return {ids[i]: ids[i : i + k] for i in range(0, len(ids), k)}
+
+
 def shard_fingerprint(shard: Shard) -> str:
     """Checksum of one shard's contents, recorded per shard in `fingerprint.json` and checked on every read."""
     return fingerprint_arrays([shard.tokens, shard.doc_ids])
