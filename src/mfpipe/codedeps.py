@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import json
+import os
 from pathlib import Path
 
-__all__ = ["script_dependencies", "module_dependencies", "UnfollowedImport"]
+__all__ = ["script_dependencies", "module_dependencies", "scripts_dependencies", "UnfollowedImport"]
 
 PACKAGE = "mfpipe"
 
@@ -219,3 +222,38 @@ def module_dependencies(src: str | Path, paths) -> list[Path]:
 def script_dependencies(src: str | Path, script: str | Path) -> list[str]:
     """The library files a workflow script depends on (strings, for a rule's ``input:``)."""
     return [str(p) for p in module_dependencies(src, script)]
+
+
+def _sources_digest(src: Path, scripts: list[Path]) -> str:
+    """A digest of what the dependencies are derived from: every library file's and script's path and bytes."""
+    h = hashlib.sha256()
+    for f in sorted([*(src / PACKAGE).rglob("*.py"), *scripts]):
+        h.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def scripts_dependencies(src: str | Path, scripts_dir: str | Path, cache: str | Path | None = None) -> dict[str, list[str]]:
+    """:func:`script_dependencies` of every ``*.py`` of ``scripts_dir``, by file name. With ``cache`` (a JSON file)
+    the answer is kept there under a digest of the sources (every library file and script, path and bytes), so a
+    workflow that is planned again with the same code reads it instead of parsing the library (a second or two each
+    time the Snakefile is read: every run, every dry run and, on a cluster, every job)."""
+    src = Path(src).resolve()
+    scripts = sorted(Path(scripts_dir).resolve().glob("*.py"))
+    digest = _sources_digest(src, scripts) if cache is not None else None
+    if cache is not None:
+        try:
+            held = json.loads(Path(cache).read_text())
+            if held.get("digest") == digest:
+                return held["scripts"]
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass  # no cache yet, or one this function cannot read: derive the answer again
+    out = {p.name: script_dependencies(src, p) for p in scripts}
+    if cache is not None:
+        try:  # written whole then renamed: workflows read while planning (a cluster's jobs) never see half of it
+            Path(cache).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(cache).with_name(f".{Path(cache).name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"digest": digest, "scripts": out}))
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a read-only working directory: plan without the cache
+    return out

@@ -9,7 +9,7 @@ SRC = Path(workflow.basedir) / "src"
 # environment blocks): each job script first imports workflow/scripts/_mfpipe_checkout.py, which puts SRC first.
 sys.path.insert(0, str(SRC))
 
-from mfpipe.codedeps import script_dependencies  # noqa: E402
+from mfpipe.codedeps import scripts_dependencies  # noqa: E402
 from mfpipe.config import (  # noqa: E402
     ConfigError,
     check_config,
@@ -129,10 +129,14 @@ HALVES = ["stats", "eval"]
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
 
+# every job script's library files, derived from the sources once per change of them (.snakemake/ holds the answer)
+CODE_INPUTS = scripts_dependencies(SRC, SCRIPTS, cache=Path(".snakemake") / "mfpipe-code-inputs.json")
+
+
 def code(script):
     """The library files job script `script` imports, directly or not (mfpipe.codedeps). Rules list them as
     inputs, so editing a module reruns exactly the jobs that run it, and no hand-written list can drift."""
-    return script_dependencies(SRC, SCRIPTS / script)
+    return CODE_INPUTS[script]
 
 
 def tokenizer_input(wildcards):

@@ -132,8 +132,9 @@ def deviation_cosine(z: Tensor, zhat: Tensor, G: Tensor | None = None) -> Tensor
     z, zhat = z.to(torch.float64), zhat.to(torch.float64)
     if G is None:
         zz, hh, zh = (z * z).sum(-1), (zhat * zhat).sum(-1), (z * zhat).sum(-1)
-    else:
-        zz, hh, zh = gram_dot(z, z, G), gram_dot(zhat, zhat, G), gram_dot(z, zhat, G)
+    else:  # gram_dot's terms, with z's gram product computed once for ⟨z,z⟩ and ⟨z,ẑ⟩ (the same arithmetic)
+        Gz, Gh = (torch.einsum("...hd,hde->...he", x, G.to(torch.float64)) for x in (z, zhat))
+        zz, hh, zh = (Gz * z).sum(-1), (Gh * zhat).sum(-1), (Gz * zhat).sum(-1)
     return 1.0 - zh / (zz * hh).clamp_min(TINY).sqrt()
 
 

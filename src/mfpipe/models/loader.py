@@ -17,12 +17,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mfpipe.revisions import minisuite_checkpoint_dir
 
 SOURCES = ("hub", "local", "minisuite")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the torch dtypes by name (torch is imported where a model loads: the workflow imports this module when it
+# plans the DAG, to resolve hub revisions, and must not pay for torch there)
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ModelLoadError(RuntimeError):
@@ -181,7 +181,9 @@ def load_tokenizer(spec: dict, revision: str | None = None, results_dir: str | P
         raise ModelLoadError(f"could not load the tokenizer of {_describe(spec, revision)}: {e}") from e
 
 
-def resolve_device(device: str | None) -> torch.device:
+def resolve_device(device: str | None):
+    import torch
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -200,6 +202,7 @@ def load_model(
     """A `transformers` causal LM in eval mode with eager attention. ``commit``: for a hub model, the commit
     ``revision`` was resolved to when the run was planned (:func:`resolve_commit`): that is what is loaded, so a
     branch that moves mid-run cannot mix two models' weights in one result."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -225,7 +228,7 @@ def load_model(
             path,
             config=config,
             attn_implementation="eager",
-            dtype=DTYPES[dtype],
+            dtype=getattr(torch, dtype),
             use_safetensors=True,
             **kwargs,
         )

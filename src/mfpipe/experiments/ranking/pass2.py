@@ -38,10 +38,14 @@ from mfpipe.experiments.ranking.queries import QueryTerms, query_plan, query_ter
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
 from mfpipe.stats.workspace import reducer_threads
 
-__all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE"]
+__all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE", "THREADED_MIN_PROBS"]
 
 TOP_K = 32
 OTHER_SHARE_MAX = 0.10
+# attention elements [B*H*T*T] of a layer from which its reductions use the job's torch threads on CPU (below, one:
+# small parallel ops gain nothing and stall on a busy machine). GPT-2 small at B=4, T=512: 12.6 M, where the second
+# thread took pass 2 from 1.42-1.47x a bare forward to 1.26x (benchmarks/deviation_pass.py, 2-core machine)
+THREADED_MIN_PROBS = 1 << 22
 ADDITIVE = ("n_windows", "n_tokens", "count", "D_sum", "M_cov_sum", "M_ctx_sum", "z_sum", "zhat_sum",
             "vbar_tracked_sum", "degenerate")
 
@@ -61,9 +65,10 @@ class DeviationAccumulator:
     select = ("attn_probs", "values", "reads")
 
     def __init__(self, W, mu, grams, n: int, context_length: int, halves, device, top_k: int = TOP_K,
-                 other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | None = 1):
+                 other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | str | None = "auto"):
         self.device = torch.device(device)
-        # like pass 1: the reductions run on `cpu_threads` torch threads on CPU (reducer_threads says why)
+        # like pass 1: the reductions run on `cpu_threads` torch threads on CPU (reducer_threads says why); "auto":
+        # one for a layer below THREADED_MIN_PROBS attention elements, the job's own setting from there on
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
         self.W = W  # stays where it is (host for big kernels); one layer moved per batch
         self.mu = mu.to(self.device, torch.float32)
@@ -89,11 +94,14 @@ class DeviationAccumulator:
 
     # ------------------------------------------------------------------ reducer protocol
     def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
-        with reducer_threads(self.cpu_threads):
+        with reducer_threads(1 if self.cpu_threads == "auto" else self.cpu_threads):  # the plan: small ops
             self._begin_batch(kb, qt)
 
     def on_layer(self, cap) -> None:
-        with reducer_threads(self.cpu_threads):
+        n = self.cpu_threads
+        if n == "auto":
+            n = None if cap.attn_probs.numel() >= THREADED_MIN_PROBS else 1
+        with reducer_threads(n):
             self._on_layer(cap)
 
     def _begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
