@@ -56,11 +56,12 @@ def main(argv=None) -> None:
     batches, cover = split_batches(toks, B, nb, tracked)
     sync = device_sync(dev)
 
-    def bare(chunk):
+    def bare(chunk):  # the loss as transformers computes it (labels shifted, not the logits)
         ids = torch.as_tensor(chunk.astype(np.int64), device=dev)
         with torch.no_grad():
             lg = model(ids, use_cache=False).logits.float()
-            torch.nn.functional.cross_entropy(lg[:, :-1].reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1))
+            targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+            torch.nn.functional.cross_entropy(lg.view(-1, lg.shape[-1]), targets.reshape(-1))
 
     def substituted(chunk):  # ẑ + the patched forward with its loss
         kb, qt = kernel.buckets(chunk)

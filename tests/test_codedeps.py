@@ -135,3 +135,31 @@ def test_the_real_lazy_exports_are_followed():
         script.write_text("from mfpipe.stats import open_stats\n")
         got = {Path(p).relative_to(REPO / "src").as_posix() for p in script_dependencies(REPO / "src", script)}
         assert "mfpipe/stats/pass1.py" not in got and "mfpipe/stats/api.py" in got
+
+
+def test_the_answers_are_kept_under_a_digest_of_the_sources(pkg, monkeypatch):
+    """The workflow plans from a cache of every script's dependencies (.snakemake/mfpipe-code-inputs.json): read back
+    while no library file or script changed, derived again (in the next process, as every planning is) after an
+    edit that changes them."""
+    import mfpipe.codedeps as C
+
+    src, scripts, cache = pkg / "src", pkg / "scripts", pkg / "cache" / "code-inputs.json"
+    first = C.scripts_dependencies(src, scripts, cache=cache)
+    assert sorted(first) == ["s1.py", "s2.py", "s3.py", "s4.py"] and cache.is_file()
+    assert first["s3.py"] == script_dependencies(src, scripts / "s3.py")
+
+    def parse(*_):
+        raise AssertionError("the sources did not change: the cache answers")
+
+    monkeypatch.setattr(C, "script_dependencies", parse)
+    assert C.scripts_dependencies(src, scripts, cache=cache) == first
+    monkeypatch.undo()
+    (src / "mfpipe" / "e.py").write_text("from mfpipe import lazy\nE = 1\n")  # s3 now also runs lazy.py
+    code = ("import importlib.util, json; "  # this checkout's codedeps, run on the synthetic package
+            f"spec = importlib.util.spec_from_file_location('codedeps', {C.__file__!r}); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            f"print(json.dumps(m.scripts_dependencies({str(src)!r}, {str(scripts)!r}, cache={str(cache)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    again = json.loads(out.stdout)
+    assert names(again["s3.py"], pkg) == ["mfpipe/__init__.py", "mfpipe/e.py", "mfpipe/lazy.py"], again["s3.py"]
+    assert json.loads(cache.read_text())["scripts"] == again

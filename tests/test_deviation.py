@@ -13,7 +13,8 @@ from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 from mfpipe.experiments.ranking import deviation_pass as DP
 from mfpipe.experiments.ranking.pass2 import window_halves
-from mfpipe.experiments.ranking.queries import query_plan, query_terms
+from mfpipe.experiments.ranking.queries import query_terms
+from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.ccmf import pair_kernel
 from mfpipe.meanfield.deviation import corpus_deviation, layer_grams, meters, occurrence_terms
 from mfpipe.meanfield.kernel import kernel_from_store

@@ -234,6 +234,34 @@ def test_pair_kernel_is_causal_and_normalised():
     assert torch.allclose(z1, z2, atol=1e-14)
 
 
+def test_type_space_zhat_equals_the_pair_form():
+    """The form MeanFieldKernel.zhat runs (ccmf_rows over query_plan's spans, Â per key type) against ccmf_reads
+    (Â over key positions): the same valid rows and the same ẑ (float64, 1e-12), with a NaN row (a type never seen as
+    a query), a row whose only weight is on a type absent from most prefixes, and spans of several sizes."""
+    from mfpipe.meanfield.plan import ccmf_rows, query_plan
+
+    g = torch.Generator().manual_seed(1)
+    H, N, K, B, T, dh = 3, 5, 7, 4, 40, 6
+    W = torch.rand(H, N, K, generator=g, dtype=torch.float64)
+    W[1, 2] = float("nan")
+    W[:, 3] = 0.0
+    W[:, 3, 4] = 1.0  # type 3 queries weigh only keys of type 4
+    kb = torch.randint(0, K, (B, T), generator=g)
+    kb[:, 0] = N  # <bos>
+    kb[0, 1:] = torch.where(kb[0, 1:] == 4, 0, kb[0, 1:])  # window 0 has no key of type 4
+    qt = torch.where(kb < N, kb, -1)
+    qt[:, 0] = -1
+    mu = torch.randn(H, K, dh, generator=g, dtype=torch.float64)
+    z_pair, v_pair = ccmf_reads(W, mu, kb, qt)
+    assert v_pair.any() and not v_pair.all() and not v_pair[qt < 0].any()
+    for block in (None, 7, 1):
+        plan = query_plan(kb, qt, K, block=block)
+        assert plan.n == int((qt >= 0).sum())
+        z, v = ccmf_rows(plan, W, mu)
+        assert torch.equal(v, v_pair[plan.b, plan.j])
+        torch.testing.assert_close(z[v], z_pair[plan.b, plan.j][v], atol=1e-12, rtol=0)
+
+
 # ------------------------------------------------------------------ results across training
 def test_induction_window_from_curve():
     from mfpipe.models.induction import induction_window, training_window

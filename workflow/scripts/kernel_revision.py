@@ -19,6 +19,9 @@ log = setup_logging(sm.log[0] if sm.log else None)
 
 
 def main() -> None:
+    import torch  # the factors' Gram products and eigendecompositions: on the job's threads, not torch's default
+
+    torch.set_num_threads(int(sm.threads))
     model, revision = str(sm.params.model), str(sm.params.revision)
     stats = open_stats(sm.input.stats, expect={"model": model, "revision": revision})
     ds = kernel_dataset(stats, min_count=int(sm.params.min_count), rank=int(sm.params.rank))

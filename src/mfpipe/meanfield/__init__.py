@@ -2,6 +2,8 @@
 
 - :mod:`mfpipe.meanfield.ccmf` — the context-conditional mean field ẑ_sX (eq:ctx-kernel, eq:ccmf) from a window's
   key buckets and a kernel, and the pair kernel Â of App. B.
+- :mod:`mfpipe.meanfield.plan` — a batch's query rows laid out once (:func:`~mfpipe.meanfield.plan.query_plan`) and
+  Â and ẑ at those rows per key type: the form the substitution and pass 2 run.
 - :mod:`mfpipe.meanfield.kernel` — :class:`~mfpipe.meanfield.kernel.MeanFieldKernel`: W (or the calibrated U) and μ
   of a statistics half, ready to produce ẑ on the model's device (:func:`~mfpipe.meanfield.kernel.kernel_from_store`).
 - :mod:`mfpipe.meanfield.calibrated` — the calibrated kernel U of App. B as a labelled store (written by the

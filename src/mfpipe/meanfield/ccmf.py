@@ -23,6 +23,10 @@ Two equivalent forms, one definition (tests tie them together and to a per-posit
   ẑ is then one batched matmul with the per-position mean values, like attention itself; memory ``H B T²``,
   independent of N. :func:`ccmf_reads` uses this form.
 
+What the substitution and pass 2 run is a third form, :func:`mfpipe.meanfield.plan.ccmf_rows`: Â per key type at
+the query rows only, ``[H, B, rows, U]`` with U the distinct buckets of the prefix (T / U times less work than the
+pair form); tests tie it to :func:`ccmf_reads` and both to a per-position loop.
+
 ẑ depends on the token types of the prefix only (not on the residual stream, not on the order of the prefix:
 ``Δẑ_perm = 0``), so one computation serves the clean and the substituted forward.
 

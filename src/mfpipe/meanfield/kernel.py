@@ -1,7 +1,7 @@
 """The mean-field kernel object every forward-pass experiment reads: per layer the context-conditional kernel ``W``
 (paper eq:w-def-appendix; or the calibrated U of App. B) and the heads' mean values ``mu``, with the tracked set's
 bucket look-up tables, built from a statistics half by :func:`kernel_from_store`. Its :meth:`MeanFieldKernel.zhat`
-is the context-conditional mean field ẑ_sX of eq:ccmf (:func:`mfpipe.meanfield.ccmf.ccmf_reads`) for every layer.
+is the context-conditional mean field ẑ_sX of eq:ccmf (:func:`mfpipe.meanfield.plan.ccmf_rows`) for every layer.
 What is written back at the read site with it: :func:`mean_field_replacement` (ẑ at substituted positions, the
 substitution of Sec. 5.1) or :func:`own_reads_replacement` (the model's own reads: the identity check, ΔL = 0).
 Used by substitution (Sec. 5), pass 2 (Sec. 6), the prompt classes and the lenses."""
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mfpipe.meanfield.ccmf import ccmf_reads
+from mfpipe.meanfield.plan import ccmf_rows, query_plan
 from mfpipe.meanfield.deviation import layer_grams
 from mfpipe.stats.buckets import window_buckets
 
@@ -82,15 +82,23 @@ class MeanFieldKernel:
 
     def zhat(self, kb: Tensor, qt: Tensor) -> tuple[list[Tensor], Tensor]:
         """ẑ per layer ``[B,T,H,dh]`` and the substituted positions ``[B,T]`` (valid in every layer), on
-        :attr:`device`."""
+        :attr:`device`; ẑ is 0 where not substituted. The type-space form (:func:`mfpipe.meanfield.plan.ccmf_rows`,
+        at the query rows only, one plan for every layer): the pair form over key positions
+        (:func:`~mfpipe.meanfield.ccmf.ccmf_reads`) computes the same ẑ with T / U times the work."""
         dev = self.device
-        kb, qt = kb.to(dev), qt.to(dev)
+        B, T = kb.shape
+        plan = query_plan(kb, qt, self.n + 2, dev)
         zs, valid = [], None
         for l in range(self.n_layers):
-            z, v = ccmf_reads(self.W[l].to(dev, non_blocking=True), self.mu[l].to(dev), kb, qt)
-            zs.append(z)
+            z, v = ccmf_rows(plan, self.W[l].to(dev, non_blocking=True), self.mu[l].to(dev))
+            full = torch.zeros(B, T, *z.shape[1:], dtype=z.dtype, device=dev)
+            full[plan.b, plan.j] = torch.where(v[:, None, None], z, torch.zeros_like(z))  # 0 where not valid
+            zs.append(full)
             valid = v if valid is None else valid & v
-        return zs, valid
+        sub = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        if valid is not None:
+            sub[plan.b, plan.j] = valid
+        return zs, sub
 
 
 def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrated=None,

@@ -34,7 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mfpipe.experiments.ranking.queries import QueryTerms, query_plan, query_terms
+from mfpipe.experiments.ranking.queries import QueryTerms, query_terms
+from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
 from mfpipe.stats.workspace import reducer_threads
 

@@ -3,8 +3,8 @@
 :func:`query_terms` computes what :func:`mfpipe.meanfield.deviation.occurrence_terms` spells out over every (query, key)
 position pair (z, ẑ, the mixed prediction, N_X; the definitions are in :mod:`mfpipe.meanfield.deviation`), at the tracked
 query positions of a batch only, with the context-conditional kernel Â and the attention per key type held in type
-space; :func:`query_plan` is its model-free plan of a batch, shared by all layers. Tests tie the two forms together,
-underflowed attention included.
+space; :func:`mfpipe.meanfield.plan.query_plan` is its model-free plan of a batch, shared by all layers (and by the
+substitution's ẑ). Tests tie the two forms together, underflowed attention included.
 
 occurrence_terms is the definition: every [B, H, T, T] tensor spelled out (tests and small inputs). query_terms reads
 the same three quantities at the query positions only, with Â and the attention per key type held in *type space*
@@ -12,68 +12,24 @@ the same three quantities at the query positions only, with Â and the attention
 bucket) instead of spread over key positions: Â_stX = n_t(X) W_st / N_X straight from the prefix counts,
 ẑ = Â @ μ_types, and the mixed weight Â_t A_i / A_t = (Â_t / A_t) · A_i is one gather and one product at the key
 positions. All windows of a batch go through each op together (rows padded to the longest window): on a CPU the
-number of ops, not only their arithmetic, is what a per-window loop would pay. The model-free parts (query rows,
-types, prefix counts, gather indices) are built once per batch (query_plan) and serve every layer.
+number of ops, not only their arithmetic, is what a per-window loop would pay.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from mfpipe.meanfield.deviation import TINY, OccurrenceTerms
+from mfpipe.meanfield.plan import QueryPlan, span_kernel
 
-__all__ = ["QueryPlan", "query_plan", "QueryTerms", "query_terms", "QUERY_BLOCK"]
+__all__ = ["QueryTerms", "query_terms"]
 
-# query_terms works on spans of this many positions: a span's keys stop at its last query (causal), so n spans
-# cover about (1 + 1/n) / 2 of the T x T square, at n times the number of ops, and bound the temporaries to
-# [H, B, <= QUERY_BLOCK, T] (at most the size of the attention probabilities). Two spans at T = 512 beat one and
-# four did not beat two (benchmarks/HISTORY.md).
-QUERY_BLOCK = 256
 # a key type whose attention total A_t is below this takes the exact per-position formula: Â_t / A_t would overflow
 # float32 (Â_t <= 1) and A_t = 0 (every probability of the type underflowed) has its own definition
 _UNDERFLOW = 1e-30
-
-
-@dataclass
-class _Span:
-    """The query rows of every window inside positions ``[j0, j0 + block)``, padded to ``R`` rows per window; their
-    keys are ``0..k-1`` (k = the last row + 1: causal) and hold at most ``U`` distinct buckets per window, ranked in
-    order of first occurrence (rank 0: position 0's bucket, in every prefix). Padding rows have no key (counts 0)."""
-
-    R: int
-    k: int
-    U: int
-    window: Tensor  # [B, 1] window index (broadcasts against rows)
-    rows: Tensor  # [B, R] positions (padding: 0)
-    counts: Tensor  # [B, R, U] float32 n_t(X_j), the prefix count of each key type of the window (0: not in X_j)
-    absent: Tensor  # [B, R, U] float32 1.0 where counts == 0
-    w_index: Tensor  # [B * R * U] into W.reshape(H, N * K): (query type of row j) * K + bucket of type u, or of
-    #                  rank 0 where type u is not in X_j (that weight is multiplied by 0; rank 0's W is part of N_X)
-    key_ranks: Tensor  # [B, k] rank of each key position's bucket
-    types: Tensor  # [B, U] bucket of each rank (padding: 0)
-    other: Tensor  # [B] rank of the <other> bucket among the span's keys (0 where it has none: see has_other)
-    has_other: Tensor  # [B] float32 1.0 / 0.0
-    keep: Tensor  # [r] the real rows (not padding) in the span's flattened (window, row) axis
-    offset: int  # where the span's rows start in the plan's rows
-
-
-@dataclass
-class QueryPlan:
-    """The model-free part of :func:`query_terms` for one batch (:func:`query_plan`): its spans and, per query row
-    (span by span, each in (window, position) order), ``b``, ``j`` and its query type ``s`` (``[n]`` each)."""
-
-    spans: list
-    b: Tensor
-    j: Tensor
-    s: Tensor
-
-    @property
-    def n(self) -> int:
-        return int(self.b.shape[0])
 
 
 @dataclass
@@ -88,71 +44,9 @@ class QueryTerms(OccurrenceTerms):
     other: Tensor = None
 
 
-def query_plan(kb, qt, n_buckets: int, device=None, block: int | None = None) -> QueryPlan:
-    """The model-free part of :func:`query_terms` for ``kb``/``qt [B, T]`` (:func:`mfpipe.stats.buckets.window_buckets`;
-    ``n_buckets`` = K = N + 2, the ``<other>`` bucket being K - 1) on ``device``; spans of ``block`` positions
-    (default :data:`QUERY_BLOCK`)."""
-    block = int(block or QUERY_BLOCK)
-    kb = np.asarray(kb.cpu() if isinstance(kb, Tensor) else kb, dtype=np.int64)
-    qt = np.asarray(qt.cpu() if isinstance(qt, Tensor) else qt, dtype=np.int64)
-    B, T = kb.shape
-    K = int(n_buckets)
-
-    def dev(x, dtype=torch.long):
-        return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype, device=device)
-
-    ranks, types, n_types, prefix, other = [], [], [], [], []
-    for b in range(B):
-        uniq, first, inv = np.unique(kb[b], return_index=True, return_inverse=True)
-        # ranks in order of first occurrence: the keys 0..k-1 then use ranks below their own number of types
-        order = np.argsort(first, kind="stable")
-        rank_of = np.empty_like(order)
-        rank_of[order] = np.arange(len(order))
-        ranks.append(rank_of[inv.reshape(-1)])
-        types.append(uniq[order])
-        n_types.append(np.maximum.accumulate(ranks[-1]) + 1)  # distinct buckets among keys 0..j
-        onehot = np.zeros((T, len(uniq)), np.float32)
-        onehot[np.arange(T), ranks[-1]] = 1.0
-        prefix.append(onehot.cumsum(0))  # [T, U_b]: n_t(X_j)
-        other.append(int(rank_of[np.searchsorted(uniq, K - 1)]) if (uniq == K - 1).any() else -1)
-    spans, span_b, span_j = [], [], []
-    offset = 0
-    for j0 in range(0, T, block):
-        rows = [np.nonzero(qt[b, j0 : j0 + block] >= 0)[0] + j0 for b in range(B)]
-        R = max(len(r) for r in rows)
-        if R == 0:
-            continue
-        k = max(int(r[-1]) + 1 for r in rows if len(r))
-        U = max(int(n_types[b][k - 1]) for b in range(B))
-        rows_p = np.zeros((B, R), np.int64)
-        keep = np.zeros((B, R), bool)
-        counts = np.zeros((B, R, U), np.float32)
-        types_p = np.zeros((B, U), np.int64)
-        w_index = np.zeros((B, R, U), np.int64)
-        for b, r in enumerate(rows):
-            u = int(n_types[b][k - 1])
-            rows_p[b, : len(r)], keep[b, : len(r)] = r, True
-            counts[b, : len(r), :u] = prefix[b][r, :u]
-            types_p[b, :u] = types[b][:u]
-            s = qt[b, r] * K
-            w_index[b, : len(r)] = np.where(counts[b, : len(r)] > 0, s[:, None] + types_p[b][None, :], (s + types[b][0])[:, None])
-            span_b.append(np.full(len(r), b))
-            span_j.append(r)
-        o = np.array([x if 0 <= x < int(n_types[b][k - 1]) else -1 for b, x in enumerate(other)])
-        keep_idx = np.flatnonzero(keep)
-        spans.append(_Span(R, k, U, dev(np.arange(B)[:, None]), dev(rows_p), dev(counts, torch.float32),
-                           dev(counts == 0, torch.float32), dev(w_index.reshape(-1)),
-                           dev(np.stack([r[:k] for r in ranks])), dev(types_p), dev(np.maximum(o, 0)),
-                           dev(o >= 0, torch.float32), dev(keep_idx), offset))
-        offset += len(keep_idx)
-    b_all = np.concatenate(span_b) if span_b else np.zeros(0, np.int64)
-    j_all = np.concatenate(span_j) if span_j else np.zeros(0, np.int64)
-    return QueryPlan(spans, dev(b_all), dev(j_all), dev(qt[b_all, j_all]))
-
-
 def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: Tensor,
                 reads: Tensor | None = None, n_tracked: int | None = None) -> QueryTerms:
-    """z, ẑ and the mixed term at the query rows of ``plan`` (:func:`query_plan`), as :func:`occurrence_terms` gives
+    """z, ẑ and the mixed term at the query rows of ``plan`` (:func:`mfpipe.meanfield.plan.query_plan`), as :func:`occurrence_terms` gives
     them at those rows with Â from :func:`mfpipe.meanfield.ccmf.pair_kernel` (tests tie the two forms).
 
     ``probs [B, H, T, T]``, ``values [B, H, T, dh]``, ``W [H, N, K]`` one layer's kernel (NaN rows allowed),
@@ -178,10 +72,7 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
         idx = sp.key_ranks[None, :, None, :].expand(H, B, R, k)
         P = P_hb[:, sp.window, sp.rows, :k]  # [H, B, R, k] the query rows' attention
         # Â per key type: n_t(X) W_st / N_X (types not in X_j read a weight of the prefix, times 0)
-        ahat = W_flat.index_select(1, sp.w_index).view(H, B, R, U).mul_(sp.counts)
-        nx = ahat.sum(-1)  # [H, B, R]
-        valid = torch.isfinite(nx).all(0) & (nx > 0).all(0)  # [B, R]
-        ahat.div_(torch.where(valid, nx, torch.ones_like(nx))[..., None])
+        ahat, nx, valid = span_kernel(sp, W_flat)  # Â per key type [H, B, R, U], N_X, validity
         V = V_hb[:, :, :k]
         res = {"zhat": torch.matmul(ahat, mu[:, sp.types]), "nx": nx, "valid": valid}  # ẑ = Σ_t Â_t μ_t
         if reads is None:

@@ -223,12 +223,13 @@ class TracedSite:
             if logits:
                 result.logits = lg
             if loss:
+                # as transformers' own causal-LM loss: the targets shifted, not the logits (lg[:, :-1] would copy
+                # all B*T*V of them), the last position's target ignored (its loss is 0 and dropped)
                 B, T, V = lg.shape
-                tl = torch.nn.functional.cross_entropy(
-                    lg[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none"
-                )
-                result.token_loss = tl.view(B, T - 1)
-                result.loss = tl.mean()
+                targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+                tl = torch.nn.functional.cross_entropy(lg.view(-1, V), targets.reshape(-1), reduction="none")
+                result.token_loss = tl.view(B, T)[:, :-1].contiguous()
+                result.loss = result.token_loss.reshape(-1).mean()
 
     def _layer_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None) -> LayerCapture:
         """One block: read the selected tensors and patch the reads, in forward-execution order.
