@@ -227,7 +227,7 @@ class TracedSite:
                 # all B*T*V of them), the last position's target ignored (its loss is 0 and dropped)
                 B, T, V = lg.shape
                 targets = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
-                tl = torch.nn.functional.cross_entropy(lg.view(-1, V), targets.reshape(-1), reduction="none")
+                tl = torch.nn.functional.cross_entropy(lg.reshape(-1, V), targets.reshape(-1), reduction="none")
                 result.token_loss = tl.view(B, T)[:, :-1].contiguous()
                 result.loss = result.token_loss.reshape(-1).mean()
 
