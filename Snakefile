@@ -28,6 +28,7 @@ include: "workflow/rules/rollout.smk"
 include: "workflow/rules/substitution.smk"
 include: "workflow/rules/ranking.smk"
 include: "workflow/rules/prompts.smk"
+include: "workflow/rules/crossmodel.smk"
 include: "workflow/rules/costs.smk"
 
 
@@ -35,4 +36,5 @@ rule all:
     default_target: True
     input:
         all_targets(),
+        crossmodel_targets(),
         rules.run_costs.output,

@@ -54,6 +54,23 @@ PATHS: dict[str, dict] = {
     "qwen3": _LLAMA,
     "gemma2": dict(_LLAMA, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
     "olmo2": dict(_LLAMA, attn_norm=None, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+    # the families placed by structure (issue 30), written out here again by hand
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "gemma": _LLAMA,
+    "stablelm": _LLAMA,
+    "phi3": dict(_LLAMA, v_src="self_attn.qkv_proj"),
+    "gemma3_text": dict(_LLAMA, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+    "gptj": dict(
+        layers="transformer.h",
+        final="transformer.ln_f",
+        v_src="attn.v_proj",
+        o_proj="attn.out_proj",
+        attn="attn",
+        attn_norm="ln_1",
+        attn_out=None,
+        mlp_out="mlp",
+    ),
 }
 
 
@@ -98,6 +115,9 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
         v = out[..., 2 * d : 3 * d].reshape(B, T, H, dh)
     elif mt == "gpt_neox":  # fused, per head [q | k | v]
         v = out.reshape(B, T, H, 3, dh)[..., 2, :]
+    elif mt == "phi3":  # fused [q (H heads) | k (KV heads) | v (KV heads)]
+        kv = out[..., (H + KV) * dh :].reshape(B, T, KV, dh)
+        v = torch.stack([kv[:, :, h // (H // KV)] for h in range(H)], dim=2)
     else:
         kv = out.reshape(B, T, KV, dh)
         v = torch.stack([kv[:, :, h // (H // KV)] for h in range(H)], dim=2)

@@ -58,6 +58,19 @@ PRESET_MODELS: dict[str, HubModel] = {
 }
 
 
+# the presets of the families placed by structure (issue 30): planned (`snakemake -n`) against tiny copies, not run
+NEW_PRESET_MODELS: dict[str, HubModel] = {
+    "gpt-j-6b": HubModel("EleutherAI/gpt-j-6b", "gptj", "GPT2Tokenizer", "<|endoftext|>", "<|endoftext|>"),
+    "mistral-7b": HubModel("mistralai/Mistral-7B-v0.1", "mistral", "LlamaTokenizer", "<s>", "</s>", ("<unk>",)),
+    "qwen2-7b": HubModel("Qwen/Qwen2-7B", "qwen2", "Qwen2Tokenizer", None, "<|endoftext|>"),
+    "phi-3-mini": HubModel("microsoft/Phi-3-mini-4k-instruct", "phi3", "LlamaTokenizer", "<s>", "<|endoftext|>",
+                           ("<unk>",)),
+    "gemma-7b": HubModel("google/gemma-7b", "gemma", "GemmaTokenizer", "<bos>", "<eos>", ("<pad>", "<unk>")),
+    "gemma-3-1b": HubModel("google/gemma-3-1b-pt", "gemma3_text", "GemmaTokenizer", "<bos>", "<eos>",
+                           ("<pad>", "<unk>")),
+}
+
+
 def _git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 

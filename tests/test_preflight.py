@@ -30,15 +30,29 @@ def preflight(cfg):
     check_inputs(cfg)
 
 
-def test_unknown_architecture_is_refused_before_any_job(tmp_path):
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000}))
-    cfg = ci_config()
-    cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / "m")})
-    with pytest.raises(ConfigError) as e:
-        preflight(cfg)
-    msg = one_line(e)
-    assert "'mine'" in msg and "'mistral'" in msg and "gpt2" in msg and "supported architecture" in msg
+def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatch):
+    """Issue 30: a model type the suite does not verify is checked on a tiny copy of its config.json at planning: one
+    that cannot be placed (OPT: its blocks sit one level down), or whose conformance fails (CodeGen's fused qkv
+    layout), stops the run with one line; one that passes (StarCoder2) runs, and the verdict is cached."""
+    monkeypatch.chdir(tmp_path)
+    cases = {"opt": ["'mine'", "'opt'", "no structure mfpipe knows", "cannot place the list of its 2 blocks",
+                     "mfpipe conformance"],
+             "codegen": ["'codegen'", "conformance check(s) failed", "site: reads = probabilities x values"],
+             "starcoder2": None}
+    for model_type, want in cases.items():
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 512}))
+        cfg = ci_config()
+        cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / model_type)})
+        if want is None:
+            preflight(cfg)
+            continue
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg)
+        msg = one_line(e)
+        assert all(w in msg for w in want), msg
+    cache = json.loads((tmp_path / ".snakemake" / "mfpipe-conformance.json").read_text())
+    assert sorted(v["model_type"] for v in cache.values()) == ["codegen", "opt", "starcoder2"]
 
 
 def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
@@ -143,9 +157,9 @@ def dry_run_last_line(tmp_path, edit, env=None) -> str:
     return lines[-1]
 
 
-def _mistral(cfg, tmp):
+def _opt(cfg, tmp):
     (tmp / "m").mkdir()
-    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "mistral", "vocab_size": 32000}))
+    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "opt", "vocab_size": 32000}))
     cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp / "m")})
 
 
@@ -155,7 +169,7 @@ def _offline(cfg, tmp):
 
 
 DAG_CASES = {
-    "unknown architecture": (_mistral, None, ["'mine'", "'mistral'", "supported architecture"]),
+    "unplaceable architecture": (_opt, None, ["'mine'", "'opt'", "no structure mfpipe knows", "mfpipe conformance"]),
     "missing corpus file": (lambda c, t: c["corpus"].update(source="files", path=str(t / "nope.txt")), None,
                             ["corpus 'shakespeare-ci'", "nope.txt", "point `path`"]),
     "N above the vocabulary": (lambda c, t: c["tracked"].update(n_tracked=600), None,

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from hub_cache import PRESET_MODELS, set_ref, write_cached_dataset, write_hub_model
+from hub_cache import NEW_PRESET_MODELS, PRESET_MODELS, set_ref, write_cached_dataset, write_hub_model
 from test_workflow import clone, planned_jobs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -275,3 +276,29 @@ def test_the_corpus_preset_and_the_presets_own_corpus_stream_offline(presets_run
     own = preset("gpt2-small")["corpus"]
     docs = [d for _, d in zip(range(3), iter_documents(own))]
     assert own["hf_name"] == "Skylion007/openwebtext" and len(docs) == 3 and all(d.text for d in docs)
+
+
+def test_the_new_families_presets_plan_offline(hub, tmp_path):
+    """Issue 30: the presets of the families placed by structure (GPT-J-6B, the paper's second function-vector model,
+    and those beyond the paper) plan their whole DAG offline against a cache of tiny copies, in one run of
+    `snakemake -n` with every one of their models; their settings beyond the model are the paper presets'."""
+    texts = corpus_texts(40)
+    env = dict(hub["env"], HF_HUB_CACHE=str(tmp_path / "hub"))
+    shutil.copytree(hub["root"] / "hub", tmp_path / "hub")  # the corpora's tokenizers stay as the fixture wrote them
+    models = []
+    common = {k: v for k, v in preset("gpt2-small").items() if k not in ("models", "runtime")}
+    for name, spec in sorted(NEW_PRESET_MODELS.items()):
+        write_hub_model(tmp_path / "hub", spec, texts, ["main"])
+        cfg = preset(name)
+        assert {k: v for k, v in cfg.items() if k not in ("models", "runtime")} == common, name
+        models += cfg["models"]
+    (tmp_path / "wd").mkdir()
+    wd = clone(tmp_path / "wd")
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump({**common, "models": models}))
+    _, text = run(wd, env, (path, CORPORA / f"{CORPUS_PRESET}.yaml", overlay(tmp_path)), "-n")
+    jobs = planned_jobs(text)
+    for name in NEW_PRESET_MODELS:  # (the statistics shards are known once the corpus checkpoint has run)
+        for rule in ("corpus_shards", "stats_merge", "rollout_scores", "substitution", "head_scores"):
+            assert any(r == rule and f"model={name}" in w for r, w in jobs), (name, rule, text[-3000:])
+    assert ("crossmodel_table", "") in jobs  # six models: one comparison table

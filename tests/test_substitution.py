@@ -12,6 +12,9 @@ from hf_reference import head_maps, patched_reads, reference_run
 from test_stats_reference import tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
+# the families placed by structure that issue 30 names: the loop and hook references run on them too
+FAMILIES = ("mistral", "qwen2", "phi3", "gptj", "gemma3_text")
+
 from mfpipe.experiments.substitution import substitute as SU
 from mfpipe.meanfield.ccmf import ccmf_reads, pair_kernel, type_kernel
 from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store, own_reads_replacement
@@ -27,7 +30,7 @@ def _one_thread(one_thread):
     yield
 
 
-@pytest.fixture(scope="module", params=TINY_MODEL_TYPES)
+@pytest.fixture(scope="module", params=TINY_MODEL_TYPES + FAMILIES)
 def setup(request, tmp_path_factory):
     mt = request.param
     model = make_tiny_model(mt, seed=5)
@@ -106,6 +109,8 @@ def test_zhat_and_kernel_match_per_position_loop(setup):
 
 def test_zhat_is_invariant_to_permuting_the_context(setup):
     """Acceptance: Δẑ_perm < 1e-6 (relative): ẑ at a query depends on the multiset of its prefix only."""
+    if setup[0] in FAMILIES:
+        pytest.skip("the six suffice for this property; the families run the loop and hook references")
     mt, model, ad, kernel, ev = setup
     rng = np.random.default_rng(0)
     kb, qt = kernel.buckets(ev)
@@ -145,6 +150,8 @@ def test_own_reads_written_back_leave_the_loss_unchanged(setup):
 def test_untracked_and_unseen_query_types_keep_their_own_reads(setup):
     """A query type with no row (never a query in the statistics half: NaN) is not substituted; with every row
     NaN nothing is, and the loss is exactly the model's."""
+    if setup[0] in FAMILIES:
+        pytest.skip("the six suffice for this property; the families run the loop and hook references")
     mt, model, ad, kernel, ev = setup
     k2 = MeanFieldKernel(kernel.W.clone(), kernel.mu, kernel.key_lut, kernel.query_lut, kernel.n)
     k2.W[:, :, 0] = float("nan")  # type 0 unseen
@@ -156,7 +163,7 @@ def test_untracked_and_unseen_query_types_keep_their_own_reads(setup):
     assert s["n_substituted"] == 0 and s["delta_L"] == 0.0
 
 
-@pytest.mark.parametrize("mt", ["gpt2", "gemma2"])
+@pytest.mark.parametrize("mt", ["gpt2", "gemma2", *FAMILIES])
 def test_substitution_equals_torch_hook_reference(setup, mt):
     """Acceptance: L_model, L_MF, D_MF and the per-head deviation equal a reference that patches one position at
     a time with plain torch forward_pre_hooks on the output projection (no nnsight), with ẑ from the loop."""

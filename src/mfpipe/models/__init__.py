@@ -2,8 +2,11 @@
 
 - :mod:`mfpipe.models.loader` — one loader for a hub name + ``revision`` (resolved to a commit), a local folder or a
   mini-suite checkpoint, and its tokenizer.
-- :mod:`mfpipe.models.adapters` — the per-architecture adapters: the one place that knows module paths, with the
-  read/patch site every corpus pass and intervention goes through.
+- :mod:`mfpipe.models.adapters` — the adapter, built on where a model keeps its pieces (placed by structure, not by
+  name): the one place that knows module paths, with the read/patch site every corpus pass and intervention goes
+  through.
+- :mod:`mfpipe.models.tiny` — tiny random models: the recipes of the verified architectures and a shrunk copy of
+  any config (the test suite's models and the conformance command's).
 - :mod:`mfpipe.models.induction` — induction-head scores on repeated random sequences (TransformerLens convention)
   and the probes the head scores share.
 

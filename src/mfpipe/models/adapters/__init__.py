@@ -5,28 +5,28 @@
 * ``site.py`` — the read/patch site mixed into every adapter: :meth:`Adapter.run` (one nnsight-traced
   forward that reads the selected :class:`LayerCapture` fields, replaces per-head reads at the output
   projection's input, and returns logits / loss) and :meth:`Adapter.capture` (all fields, no LM head).
-* ``architectures.py`` — one subclass per supported HF ``model_type`` and :func:`get_adapter`.
-
-Supported HF ``model_type``s: gpt2, gpt_neox, llama, qwen3, gemma2, olmo2. Anything else raises
-:class:`UnsupportedArchitectureError`.
+* ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it
+  by what the modules are and do (not by ``model_type``); a model it cannot place raises
+  :class:`UnsupportedArchitectureError` naming what did not match.
+* ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
+  every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
+  with ``mfpipe conformance`` first).
 """
 
-from mfpipe.models.adapters.architectures import (
-    SUPPORTED_MODEL_TYPES,
-    UnsupportedArchitectureError,
-    get_adapter,
-)
+from mfpipe.models.adapters.architectures import get_adapter
 from mfpipe.models.adapters.base import Adapter, NormForm
 from mfpipe.models.adapters.site import CAPTURE_FIELDS, LayerCapture, RunResult, resolve_select
+from mfpipe.models.adapters.structure import Structure, UnsupportedArchitectureError, describe
 
 __all__ = [
     "CAPTURE_FIELDS",
-    "SUPPORTED_MODEL_TYPES",
     "Adapter",
     "LayerCapture",
     "NormForm",
     "RunResult",
+    "Structure",
     "UnsupportedArchitectureError",
+    "describe",
     "get_adapter",
     "resolve_select",
 ]

@@ -14,7 +14,8 @@ offers two things:
    tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
    rollout (paper Alg. 1, App. E); ``unembed`` (final norm + LM head) for the logit lens of App. P.
 
-The per-architecture subclasses (module paths, fused-QKV / Conv1D layouts) are in ``architectures.py``.
+Where a model keeps its pieces is its :class:`~mfpipe.models.adapters.structure.Structure` (``structure.py``: found
+by what the modules are and do, not by ``model_type``); ``architectures.py`` builds the adapter from it.
 
 Conventions shared by all adapters
 ----------------------------------
@@ -39,14 +40,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
+from mfpipe.models.adapters.structure import Structure, base_model
 
-__all__ = ["Adapter", "LayerCapture", "NormForm"]
+__all__ = ["Adapter", "LayerCapture", "NormForm", "base_model"]
 
 
 @dataclass(frozen=True)
@@ -75,49 +76,33 @@ def no_grad(fn):
     return wrapper
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The decoder stack of an HF model (``model.base_model``; the model itself if already bare)."""
-    base = getattr(model, "base_model", None)
-    return model if base is None else base
-
-
 class Adapter(TracedSite):
-    """Architecture adapter for one loaded HF causal LM. Build it with :func:`get_adapter`.
+    """Architecture adapter for one loaded HF causal LM. Build it with :func:`get_adapter`, which places the model by
+    structure (:func:`~mfpipe.models.adapters.structure.describe`).
 
     Attributes: ``model`` (the HF model given), ``base`` (its decoder stack, ``model.base_model``:
-    ``GPT2Model`` / ``GPTNeoXModel`` / ``LlamaModel`` ...), ``config``, and the shape fields below.
-
-    Subclasses set the module paths (relative to the base model for ``LAYERS`` / ``FINAL_NORM`` /
-    ``EMBED``, relative to one block otherwise) and override the few methods whose weights are laid
-    out differently (fused QKV, Conv1D).
+    ``GPT2Model`` / ``GPTNeoXModel`` / ``LlamaModel`` ...), ``config``, ``structure`` and the shape fields below.
+    The module paths (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base model, the rest from one block) are the
+    structure's; the value layouts (fused or separate, nn.Linear or GPT-2's Conv1D) are handled here.
     """
 
-    model_type: ClassVar[str]
-    # paths from the base model (model.base_model)
-    LAYERS: ClassVar[str]
-    EMBED: ClassVar[str]
-    FINAL_NORM: ClassVar[str]
-    # paths from one block
-    ATTN: ClassVar[str]
-    V_SRC: ClassVar[str]  # module whose output holds the values
-    O_PROJ: ClassVar[str]  # output projection; its input is the per-head reads
-    ATTN_NORM: ClassVar[str | None]  # pre-attention norm (None: absent)
-    POST_ATTN_NORM: ClassVar[str | None] = None  # norm on the attention output (Gemma-2, OLMo-2)
-    MLP: ClassVar[str] = "mlp"
-    MLP_NORM: ClassVar[str | None]  # pre-MLP norm (None: absent)
-    POST_MLP_NORM: ClassVar[str | None] = None  # norm on the MLP output (Gemma-2, OLMo-2)
-
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, structure: Structure):
         self.model = model
         self.base: nn.Module = base_model(model)
         cfg = model.config
         self.config = cfg
+        self.structure = s = structure
+        self.model_type: str = str(cfg.model_type)
+        self.LAYERS, self.EMBED, self.FINAL_NORM = s.layers, s.embed, s.final_norm
+        self.ATTN, self.V_SRC, self.O_PROJ = s.attn, s.value_source, s.out_proj
+        self.ATTN_NORM, self.POST_ATTN_NORM = s.attn_norm, s.post_attn_norm
+        self.MLP, self.MLP_NORM, self.POST_MLP_NORM = s.mlp, s.mlp_norm, s.post_mlp_norm
         self.n_layers: int = int(cfg.num_hidden_layers)
         self.n_heads: int = int(cfg.num_attention_heads)
         self.n_kv_heads: int = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.d_model: int = int(cfg.hidden_size)
         self.d_head: int = int(getattr(cfg, "head_dim", None) or self.d_model // self.n_heads)
-        self.parallel_residual: bool = False
+        self.parallel_residual: bool = bool(s.parallel_residual)
         self.has_post_attn_norm: bool = self.POST_ATTN_NORM is not None
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
@@ -126,11 +111,13 @@ class Adapter(TracedSite):
             raise ValueError(
                 f"{self.model_type}: config says {self.n_layers} layers, model has {len(self._layer_modules)}"
             )
+        # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
+        self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(model_type={self.model_type!r}, n_layers={self.n_layers}, "
+            f"Adapter(model_type={self.model_type!r}, n_layers={self.n_layers}, "
             f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_model={self.d_model}, "
             f"d_head={self.d_head}, parallel_residual={self.parallel_residual}, "
             f"has_post_attn_norm={self.has_post_attn_norm})"
@@ -166,27 +153,62 @@ class Adapter(TracedSite):
         return x.to(device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ layouts
+    def _conv1d(self, m: nn.Module) -> bool:
+        return type(m).__name__ == "Conv1D"  # transformers' GPT-2 projection: weight [d_in, d_out]
+
+    def _expand_kv(self, v: Tensor, dim: int) -> Tensor:
+        return v.repeat_interleave(self.n_rep, dim=dim) if self.n_rep > 1 else v
+
     def _values_from_src(self, src_out: Tensor) -> Tensor:
         """[B,T,*] output of ``V_SRC`` -> values [B,H,T,dh] (GQA expanded)."""
         B, T = src_out.shape[:2]
+        if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
+            qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
+            return qkv[..., 2 * self.d_head :]
+        if self._v_offset:
+            src_out = src_out[..., self._v_offset : self._v_offset + self.n_kv_heads * self.d_head]
         v = src_out.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # [B,KV,T,dh]
-        if self.n_rep > 1:
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        return v
+        return self._expand_kv(v, 1)
 
     # ------------------------------------------------------------------ block pieces
     @no_grad
     def embed(self, ids: Tensor) -> Tensor:
-        """Token embedding ``[..., d]`` incl. any embedding scale (Gemma-2: sqrt(d)); no positions."""
-        return self._embedding()(ids.to(self.device))
+        """Token embedding ``[..., d]`` incl. any embedding scale (the Gemma family: sqrt(d), in the embedding module
+        or, where the forward applies it, here as the forward does: a tensor of the embedding's dtype); no positions."""
+        e = self._embedding()(ids.to(self.device))
+        if self.structure.embed_scale != 1.0:
+            e = e * torch.tensor(self.structure.embed_scale, dtype=e.dtype)
+        return e
 
+    @no_grad
     def position_offset(self, context_length: int | None = None, position_count=None) -> Tensor | None:
-        """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy (``1..T-1``,
-        weighted by ``position_count [T]`` when given), or None where positions are rotary (GPT-2 overrides).
+        """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1``
+        (position 0 holds BOS, never a query, so its row is left out), or None where positions are not a learned
+        table added to the embedding (rotary).
 
-        ``context_length`` T defaults to the whole learned table; pass the window length.
+        A type's true layer-0 centroid is its embedding plus the mean of the table over ITS occurrences; one
+        offset shared by all types comes closest to those (occurrence-weighted squared error) when it is the
+        mean over all tracked-query occurrences, i.e. the table weighted by ``position_count [T]`` (the
+        statistics half's tracked-query count per position; it is 0 at position 0). Without it: uniform over
+        ``1..T-1``, which is what packed full windows give. ``context_length`` T defaults to
+        ``len(position_count)``, else to the whole learned table.
         """
-        return None
+        if self.structure.position_table is None:
+            return None
+        wpe = module_at(self.base, self.structure.position_table).weight.detach()
+        if position_count is not None:
+            w = torch.as_tensor(position_count, dtype=torch.float64).reshape(-1)
+            if context_length is not None and int(context_length) != w.numel():
+                raise ValueError(f"position_count has {w.numel()} positions, context_length is {context_length}")
+            if not 1 < w.numel() <= wpe.shape[0] or (w < 0).any() or w[1:].sum() <= 0:
+                raise ValueError(f"position_count must be [T] with 1 < T <= {wpe.shape[0]}, non-negative, with "
+                                 "tracked queries at positions >= 1")
+            w[0] = 0.0  # BOS's own position, never a query
+            return ((w / w.sum()).to(wpe.dtype).to(wpe.device) @ wpe[: w.numel()]).to(wpe.dtype)
+        n = wpe.shape[0] if context_length is None else int(context_length)
+        if not 1 < n <= wpe.shape[0]:
+            raise ValueError(f"context_length={context_length} outside 2..{wpe.shape[0]} (queries need positions >= 1)")
+        return wpe[1:n].mean(0)
 
     @no_grad
     def attn_input_norm(self, layer: int, x: Tensor) -> Tensor:
@@ -197,8 +219,8 @@ class Adapter(TracedSite):
         """:meth:`attn_input_norm` as a :class:`NormForm` (its weights, no copies), or None where it has none the
         statistics pass can use: a norm module of another kind, or a model that is not float32 (its norm rounds its
         output to the model's dtype; a form's sums would not). nn.LayerNorm -> ``layer``; an RMS norm with
-        ``variance_epsilon`` and a ``weight`` it multiplies by (Llama, Qwen-3) -> ``rms``; none (OLMo-2) ->
-        ``identity``. Architectures whose norm differs (Gemma-2: ``1 + weight``) override this; the statistics pass
+        ``variance_epsilon`` (or ``eps``) and a ``weight`` it multiplies by (Llama, Qwen-3), or by ``1 + weight`` (the
+        Gemma family: the structure's ``rms_offset``) -> ``rms``; none (OLMo-2) -> ``identity``. The statistics pass
         also checks the form against the module on a probe before it uses it."""
         if self.dtype != torch.float32:
             return None
@@ -207,9 +229,12 @@ class Adapter(TracedSite):
         m = self._sub(layer, self.ATTN_NORM)
         if type(m) is nn.LayerNorm:
             return NormForm("layer", float(m.eps), m.weight, m.bias)
-        w, eps = getattr(m, "weight", None), getattr(m, "variance_epsilon", None)
+        w = getattr(m, "weight", None)
+        eps = getattr(m, "variance_epsilon", None)
+        eps = getattr(m, "eps", None) if eps is None else eps
         if isinstance(w, Tensor) and w.ndim == 1 and isinstance(eps, float):
-            return NormForm("rms", eps, w)
+            off = self.structure.rms_offset  # the Gemma family scales by 1 + weight
+            return NormForm("rms", eps, w if not off else off + w.detach())
         return None
 
     @no_grad
@@ -217,11 +242,22 @@ class Adapter(TracedSite):
         """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, dh]`` (incl. the pre-attention
         norm and the value bias; GQA KV heads expanded to query heads)."""
         h = self._opt_module(layer, self.ATTN_NORM)(self._in(x))
-        v = self._sub(layer, self.V_SRC)(h)
-        v = v.unflatten(-1, (self.n_kv_heads, self.d_head))
-        if self.n_rep > 1:
-            v = v.repeat_interleave(self.n_rep, dim=-2)
-        return v.to(x.dtype)
+        src = self._sub(layer, self.V_SRC)
+        H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
+        if self.structure.value_layout == "neox":  # rows laid out per head [H, (q|k|v), dh]
+            w = src.weight.view(H, 3, dh, d)[:, 2].reshape(H * dh, d)
+            b = None if src.bias is None else src.bias.view(H, 3, dh)[:, 2].reshape(H * dh)
+            return nn.functional.linear(h, w, b).unflatten(-1, (H, dh)).to(x.dtype)
+        if self._v_offset and self._conv1d(src):  # GPT-2's Conv1D: weight [d, (q|k|v)]
+            o, n = self._v_offset, KV * dh
+            v = torch.addmm(src.bias[o : o + n], h.reshape(-1, d), src.weight[:, o : o + n])
+            v = v.view(*h.shape[:-1], n)
+        elif self._v_offset:  # one nn.Linear [(q|k|v), d] (Phi-3)
+            o, n = self._v_offset, KV * dh
+            v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
+        else:
+            v = src(h)
+        return self._expand_kv(v.unflatten(-1, (KV, dh)), -2).to(x.dtype)
 
     @no_grad
     def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
@@ -230,20 +266,26 @@ class Adapter(TracedSite):
         query heads), so that ``value_map(layer, x)`` is that map of the norm. Being affine, it maps a sum of ``h``
         over n positions to the sum of their values: ``sum v = (sum h) @ W + n b`` (the statistics pass derives its
         per-head value sums from the norm's sums this way)."""
-        proj = self._sub(layer, self.V_SRC)
-        KV, dh = self.n_kv_heads, self.d_head
-        w = proj.weight.detach().view(KV, dh, -1).transpose(1, 2)  # nn.Linear: [KV*dh, d] -> [KV, d, dh]
-        b = None if proj.bias is None else proj.bias.detach().view(KV, dh)
-        if self.n_rep > 1:
-            w = w.repeat_interleave(self.n_rep, dim=0)
-            b = None if b is None else b.repeat_interleave(self.n_rep, dim=0)
-        return w, b
+        src = self._sub(layer, self.V_SRC)
+        H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
+        wt, bias = src.weight.detach(), None if src.bias is None else src.bias.detach()
+        if self.structure.value_layout == "neox":
+            w = wt.view(H, 3, dh, d)[:, 2].transpose(1, 2)
+            return w, None if bias is None else bias.view(H, 3, dh)[:, 2]
+        o, n = self._v_offset, KV * dh
+        if self._conv1d(src):  # [d, (q|k|v)] -> [KV, d, dh]
+            w = wt[:, o : o + n].reshape(d, KV, dh).transpose(0, 1)
+        else:  # nn.Linear: [KV*dh, d] -> [KV, d, dh]
+            w = wt[o : o + n].view(KV, dh, -1).transpose(1, 2)
+        b = None if bias is None else bias[o : o + n].view(KV, dh)
+        return self._expand_kv(w, 0), None if b is None else self._expand_kv(b, 0)
 
     @no_grad
     def out_proj_slices(self, layer: int) -> Tensor:
         """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection."""
-        w = self._sub(layer, self.O_PROJ).weight  # nn.Linear: [d, H*dh]
-        return w.detach().t().reshape(self.n_heads, self.d_head, self.d_model)
+        proj = self._sub(layer, self.O_PROJ)
+        w = proj.weight.detach() if self._conv1d(proj) else proj.weight.detach().t()  # -> [H*dh, d]
+        return w.reshape(self.n_heads, self.d_head, self.d_model)
 
     @no_grad
     def out_proj_bias(self, layer: int) -> Tensor | None:
@@ -297,4 +339,6 @@ class Adapter(TracedSite):
         return self._final_logits(self.model.get_output_embeddings()(h)).float()
 
     def _final_logits(self, logits: Tensor) -> Tensor:
-        return logits
+        """The architecture's final logit transform: Gemma-2's soft-cap, as ``Gemma2ForCausalLM.forward`` applies it."""
+        cap = self.structure.logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

@@ -1,0 +1,22 @@
+"""The ``mfpipe`` console command: ``mfpipe conformance MODEL [--revision R]`` (:mod:`mfpipe.conformance`)."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {"conformance": "check that mfpipe reads a model's internals right, on a tiny random copy of it"}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        lines = [f"  {name:<12} {what}" for name, what in COMMANDS.items()]
+        print("usage: mfpipe COMMAND ...\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from mfpipe.conformance import main as conformance
+
+    return conformance(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

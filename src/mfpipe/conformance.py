@@ -1,0 +1,309 @@
+"""``mfpipe conformance MODEL``: check, before spending GPU days, that mfpipe reads a model's internals right.
+
+It builds a tiny random copy of the model's config (same ``model_type`` and switches, shrunk sizes:
+:func:`mfpipe.models.tiny.shrink_config`), places it by structure (:func:`mfpipe.models.adapters.describe`), and
+checks every piece the analyses use against the model's own ``transformers`` forward, which knows nothing of the
+description: its ``output_attentions``, ``output_hidden_states`` and logits (:func:`reference_forward`).
+
+* the read/patch site: captured probabilities and residual stream equal the forward's; the captured reads are the
+  probabilities times the captured values (the value layout and the output projection's input are right);
+* the block pieces: the value map of the residual gives the values, and the block rebuilt from the forward's
+  probabilities with the adapter's value map, output projection, norms and residual form gives the forward's next
+  residual (a norm in the wrong place, a wrong residual form or embedding scale fails here); the final norm and LM
+  head give the logits;
+* the statistics pass: P, n̄, the context and query counts and the residual centroids of pass 1 equal per-position
+  loops over the forward's attentions and hidden states (:func:`reference_stats`);
+* the substitution write-back: the model's own reads written back leave the logits bit-identical, and mean-field
+  reads (a kernel from that statistics pass) written back through the site give the logits of a plain torch
+  ``forward_pre_hook`` on the output projection.
+
+:func:`check_model` returns the rows (check, max error, tolerance, pass); :func:`main` prints them as one table and
+exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CACHE", "Check", "check_model", "conformance_cached", "main", "reference_forward", "reference_stats",
+           "tiny_copy"]
+
+B, T = 4, 16
+# results of conformance_cached, in the working directory's .snakemake folder (a workflow's planning reads it)
+CACHE = Path(".snakemake") / "mfpipe-conformance.json"
+
+
+@dataclass
+class Check:
+    name: str
+    error: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.error)) and self.error <= self.tolerance
+
+
+def reference_forward(model, ids):
+    """The model's own forward, nothing of mfpipe: ``(attentions [L] of [B,H,T,T], hidden_states [L+1] of [B,T,d],
+    logits [B,T,V])``, float64."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.as_tensor(ids), output_attentions=True, output_hidden_states=True, use_cache=False)
+    return ([a.double() for a in out.attentions], [h.double() for h in out.hidden_states], out.logits.double())
+
+
+def reference_stats(attentions, hidden, tokens: np.ndarray, tracked) -> dict[str, np.ndarray]:
+    """Per-position loops over windows, queries and keys: P [L,H,N,K], n̄ [N,K], context counts C [N,K], query
+    counts [N] and the residual centroids [L,K,d] (mean of the forward's hidden state entering each block by key
+    bucket), from :func:`reference_forward`'s outputs of ``tokens``."""
+    N = tracked.n
+    K = N + 2
+    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
+    bucket = [[N if j == 0 else rank.get(int(tokens[w, j]), N + 1) for j in range(tokens.shape[1])]
+              for w in range(tokens.shape[0])]
+    L, H = len(attentions), attentions[0].shape[1]
+    P = np.zeros((L, H, N, K))
+    nbar, C, qn = np.zeros((N, K)), np.zeros((N, K)), np.zeros(N)
+    d = hidden[0].shape[-1]
+    csum, ccount = np.zeros((L, K, d)), np.zeros(K)
+    probs = [a.numpy() for a in attentions]
+    for w in range(tokens.shape[0]):
+        for j in range(tokens.shape[1]):
+            t = bucket[w][j]
+            ccount[t] += 1
+            for l in range(L):
+                csum[l, t] += hidden[l][w, j].numpy()
+            if j == 0 or t >= N:
+                continue
+            qn[t] += 1
+            counts = np.bincount(bucket[w][: j + 1], minlength=K)
+            nbar[t] += counts
+            C[t] += counts > 0
+            for k in range(j + 1):
+                for l in range(L):
+                    P[l, :, t, bucket[w][k]] += probs[l][w, :, j, k]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return dict(P=P / qn[None, None, :, None], nbar=nbar / qn[:, None], context_count=C, query_count=qn,
+                    centroid=csum / ccount[None, :, None])
+
+
+def tiny_copy(source: str, revision: str | None = None, seed: int = 0):
+    """A tiny random model of ``source``'s architecture: a verified ``model_type`` name (its test recipe), a local
+    folder with config.json, or a Hugging Face id (its config.json only, from the cache or the hub)."""
+    from mfpipe.models.tiny import VERIFIED_MODEL_TYPES, make_tiny_model, random_model, shrink_config
+
+    if source in VERIFIED_MODEL_TYPES:
+        return make_tiny_model(source, seed=seed)
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"mfpipe conformance: cannot read the config of {source!r} (revision {revision!r}): {e}") from None
+    return random_model(shrink_config(config), seed=seed)
+
+
+def check_model(model, structure=None, seed: int = 0) -> list[Check]:
+    """The conformance rows of a (tiny, float32, eager, eval) causal LM; ``structure`` replaces the placed one
+    (tests give a deliberately wrong description and see the failure)."""
+    import torch
+
+    from mfpipe.models.adapters import Adapter, describe
+
+    adapter = Adapter(model, structure or describe(model))
+    vocab = int(model.config.vocab_size)
+    rng = np.random.default_rng(seed)
+    bos = vocab - 1
+    tokens = rng.integers(0, min(vocab - 1, 24), size=(B, T))  # a small alphabet: types repeat in a window
+    tokens[:, 0] = bos
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    att, hid, logits = reference_forward(model, ids)
+    caps, finals = [], []
+    adapter.capture(ids, caps.append, finals.append)
+    rows: list[Check] = []
+
+    def err(a, b):
+        a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
+        return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+
+    L = adapter.n_layers
+    rows.append(Check("site: attention probabilities", max(err(c.attn_probs, att[c.layer]) for c in caps), 1e-5))
+    rows.append(Check("site: residual stream entering each block", max(err(c.resid_in, hid[c.layer]) for c in caps),
+                      1e-4))
+    rows.append(Check("site: reads = probabilities x values", max(
+        err(c.reads, torch.einsum("bhqk,bhkd->bqhd", att[c.layer], c.values.double())) for c in caps), 1e-4))
+    rows.append(Check("block: value map of the residual", max(
+        err(adapter.value_map(c.layer, hid[c.layer].float()).transpose(1, 2), c.values) for c in caps), 1e-4))
+    W_v = [adapter.value_weights(l) for l in range(L)]
+    rows.append(Check("block: value weights of the attention-input norm", max(
+        err(torch.einsum("btd,hde->bhte", adapter.attn_input_norm(l, hid[l].float()), W_v[l][0])
+            + (0 if W_v[l][1] is None else W_v[l][1][None, :, None, :]), caps[l].values) for l in range(L)), 1e-4))
+    # every block rebuilt from the forward's probabilities and the adapter's pieces -> the forward's next residual
+    worst = 0.0
+    for l in range(L):
+        x = hid[l].float()
+        v = adapter.value_map(l, x)  # [B,T,H,dh]
+        reads = torch.einsum("bhqk,bkhd->bqhd", att[l].float(), v)
+        o = torch.einsum("bthk,hkd->btd", reads, adapter.out_proj_slices(l))
+        if adapter.out_proj_bias(l) is not None:
+            o = o + adapter.out_proj_bias(l)
+        mid = x + adapter.post_attn_norm(l, o)
+        nxt = x + adapter.post_attn_norm(l, o) + adapter.mlp(l, x) if adapter.parallel_residual else mid + adapter.mlp(l, mid)
+        want = hid[l + 1]
+        if l == L - 1:  # transformers' last hidden state is the final norm's output
+            nxt = adapter.final_norm(nxt)
+        worst = max(worst, err(nxt, want) / max(1.0, float(want.abs().max())))
+    rows.append(Check("block: pieces rebuild the next residual (relative)", worst, 1e-4))
+    rows.append(Check("unembed: final norm and LM head give the logits",
+                      err(adapter.unembed(finals[0]), logits) / max(1.0, float(logits.abs().max())), 1e-5))
+    own = adapter.run(ids, patch_reads=lambda layer, r: r, logits=True)
+    rows.append(Check("substitution: own reads written back (exact)", err(own.logits, logits.float()), 0.0))
+    rows += _stats_and_substitution(model, adapter, tokens, att, hid, seed)
+    return rows
+
+
+def _stats_and_substitution(model, adapter, tokens, att, hid, seed) -> list[Check]:
+    import torch
+
+    from mfpipe.corpus.tracked import TrackedSet
+    from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+
+    vocab = int(model.config.vocab_size)
+    counts = np.bincount(tokens[:, 1:].ravel(), minlength=vocab)
+    counts[vocab - 1] = 0
+    order = np.lexsort((np.arange(vocab), -counts))[:8]
+    tracked = TrackedSet(type_ids=order, strings=[f"t{i}" for i in order], counts=counts[order], bos_id=vocab - 1,
+                         vocab_size=vocab)
+    ref = reference_stats(att, hid, tokens, tracked)
+    sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=B, device="cpu", progress=False)
+    meta = {"model": "conformance", "revision": "tiny", "half": "stats", "corpus": "random", "corpus_fingerprint": "-",
+            "model_type": adapter.model_type}
+    ds = finalize(sums, tracked, meta, dtype=np.float64)
+    rows = []
+    for name in ("P", "nbar", "context_count", "query_count"):
+        got = np.asarray(ds[name].values, dtype=np.float64)
+        rows.append(Check(f"statistics: {name} vs a per-position loop", _nan_err(got, ref[name]), 1e-5))
+    got = np.asarray(ds["centroid"].values, dtype=np.float64)[: adapter.n_layers]
+    rows.append(Check("statistics: residual centroids vs a per-position loop", _nan_err(got, ref["centroid"]), 1e-4))
+    with tempfile.TemporaryDirectory() as tmp:
+        kernel = kernel_from_store(open_stats(write_store(finalize(sums, tracked, meta), Path(tmp) / "s.zarr")),
+                                   tracked, min_count=1)
+        kb, qt = kernel.buckets(tokens)
+        zhat, sub = kernel.zhat(kb, qt)
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+
+    def replace(layer, reads):
+        return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
+
+    got = adapter.run(ids, patch_reads=replace, logits=True).logits
+    proj = [adapter._sub(l, adapter.O_PROJ) for l in range(adapter.n_layers)]
+    H, dh = adapter.n_heads, adapter.d_head
+
+    def hook_for(layer):
+        def hook(mod, args):
+            x = args[0]
+            return (replace(layer, x.reshape(*x.shape[:2], H, dh)).reshape(x.shape), *args[1:])
+        return hook
+
+    handles = [p.register_forward_pre_hook(hook_for(l)) for l, p in enumerate(proj)]
+    try:
+        with torch.no_grad():
+            want = model(ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    rows.append(Check(f"substitution: mean-field write-back vs a torch hook ({int(sub.sum())} positions)",
+                      float((got - want).abs().max()) if int(sub.sum()) else float("inf"), 1e-5))
+    return rows
+
+
+def _nan_err(got: np.ndarray, want: np.ndarray) -> float:
+    if got.shape != want.shape or not np.array_equal(np.isnan(got), np.isnan(want)):
+        return float("inf")
+    scale = max(1.0, float(np.nanmax(np.abs(want)))) if np.isfinite(want).any() else 1.0
+    return float(np.nanmax(np.abs(got - want))) / scale if np.isfinite(want).any() else 0.0
+
+
+def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
+    """Run the conformance checks on a tiny copy of ``config`` (a config.json's contents) and return None when all
+    pass, else one line saying what failed (the structure that could not be placed, or the failing checks). Kept in
+    ``cache`` (default :data:`CACHE`) per model type, config and the versions of torch, transformers and mfpipe's
+    adapter code, so the DAG pays for it once."""
+    import hashlib
+    import json
+
+    import torch
+    import transformers
+
+    from mfpipe.models.adapters import UnsupportedArchitectureError, describe
+    from mfpipe.models.tiny import random_model, shrink_config
+
+    code = hashlib.sha256()
+    for f in sorted((Path(__file__).parent / "models" / "adapters").glob("*.py")) + [Path(__file__)]:
+        code.update(f.read_bytes())
+    key = hashlib.sha256(json.dumps([config, torch.__version__, transformers.__version__, code.hexdigest()],
+                                    sort_keys=True, default=str).encode()).hexdigest()
+    path = Path(cache or CACHE)
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    if key in known:
+        return known[key]["failure"]
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    try:
+        full = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
+                                                                 if k not in ("architectures", "auto_map")})
+        torch.manual_seed(0)
+        model = random_model(shrink_config(full))
+        rows = check_model(model, describe(model))
+        bad = [f"{r.name} (error {r.error:.2g} > {r.tolerance:g})" for r in rows if not r.ok]
+        failure = f"conformance check(s) failed on a tiny copy: {'; '.join(bad)}" if bad else None
+    except UnsupportedArchitectureError as e:
+        failure = f"no structure mfpipe knows ({e.reason})"
+    except (ValueError, KeyError, TypeError) as e:  # a config transformers cannot build
+        failure = f"transformers cannot build a tiny copy of its config ({type(e).__name__}: {e})"
+    known[key] = {"model_type": model_type, "failure": failure}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(known, indent=1))
+    tmp.replace(path)
+    return failure
+
+
+def table(rows: list[Check]) -> str:
+    w = max(len(r.name) for r in rows)
+    out = [f"{'check':<{w}}  {'max error':>10}  {'tolerance':>9}  pass"]
+    out += [f"{r.name:<{w}}  {r.error:>10.2e}  {r.tolerance:>9.0e}  {'yes' if r.ok else 'NO'}" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="mfpipe conformance", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a Hugging Face id, a local folder with config.json, or a verified model_type")
+    ap.add_argument("--revision", default=None, help="the hub revision whose config.json to copy")
+    args = ap.parse_args(argv)
+    import torch
+
+    from mfpipe.models.adapters import UnsupportedArchitectureError, describe
+
+    torch.manual_seed(0)
+    model = tiny_copy(args.model, args.revision)
+    try:
+        structure = describe(model)
+    except UnsupportedArchitectureError as e:
+        print(f"mfpipe conformance: {args.model}: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.model} ({model.config.model_type}): a tiny random copy, placed as {structure}")
+    rows = check_model(model, structure)
+    print(table(rows))
+    bad = [r.name for r in rows if not r.ok]
+    print(f"{len(rows) - len(bad)} of {len(rows)} checks pass" + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0

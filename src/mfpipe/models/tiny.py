@@ -1,0 +1,224 @@
+"""Tiny random models: the recipes of the verified architectures, and a shrunk copy of any config.
+
+``make_tiny_model(model_type, seed=0, **overrides)`` builds a seeded, float32, eager-attention
+``*ForCausalLM`` from its ``transformers`` config class (2 layers, d=64, 4 heads, 2 KV heads where the
+architecture has grouped-query attention, vocab 128), in eval mode, with every parameter perturbed by
+small seeded noise so that biases and norm weights are non-trivial (HF initialises them to 0 / 1, which
+would hide a missing bias or norm in a test). Config fields can be overridden by keyword.
+:data:`VERIFIED_MODEL_TYPES` are the types with a recipe here: the test suite checks each of them against
+brute-force references on every commit. :func:`shrink_config` makes the same kind of tiny copy of any
+model's config (same ``model_type``, shrunk sizes): what ``mfpipe conformance`` runs on.
+"""
+
+from __future__ import annotations
+
+
+# the paper's six architectures, then the families placed by structure (issue 30)
+PAPER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "gpt_neox", "llama", "qwen3", "gemma2", "olmo2")
+NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma", "gemma3_text", "stablelm")
+VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES
+TINY_MODEL_TYPES = PAPER_MODEL_TYPES  # the six every test parametrizes over (the new ones: tests/test_families.py)
+
+VOCAB = 128
+D_MODEL = 64
+N_HEADS = 4
+N_KV_HEADS = 2
+N_LAYERS = 2
+MAX_POS = 128
+
+
+def _base_config(model_type: str) -> tuple[type, dict]:
+    import transformers
+
+    common_rope = dict(
+        hidden_size=D_MODEL,
+        intermediate_size=4 * D_MODEL,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        vocab_size=VOCAB,
+        max_position_embeddings=MAX_POS,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if model_type == "gpt2":
+        return transformers.GPT2Config, dict(
+            n_layer=N_LAYERS,
+            n_embd=D_MODEL,
+            n_head=N_HEADS,
+            n_positions=MAX_POS,
+            vocab_size=VOCAB,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            initializer_range=0.1,
+            bos_token_id=VOCAB - 1,
+            eos_token_id=VOCAB - 1,
+        )
+    if model_type == "gpt_neox":
+        return transformers.GPTNeoXConfig, dict(
+            common_rope,
+            use_parallel_residual=True,
+            attention_bias=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tie_word_embeddings=False,
+        )
+    head_dim = D_MODEL // N_HEADS
+    if model_type == "llama":
+        return transformers.LlamaConfig, dict(common_rope, num_key_value_heads=N_KV_HEADS, head_dim=head_dim)
+    if model_type == "qwen3":
+        return transformers.Qwen3Config, dict(common_rope, num_key_value_heads=N_KV_HEADS, head_dim=head_dim)
+    if model_type == "gemma2":
+        return transformers.Gemma2Config, dict(
+            common_rope,
+            num_key_value_heads=N_KV_HEADS,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            layer_types=["sliding_attention", "full_attention"][:N_LAYERS],
+        )
+    if model_type == "olmo2":
+        return transformers.Olmo2Config, dict(common_rope, num_key_value_heads=N_KV_HEADS)
+    gqa = dict(common_rope, num_key_value_heads=N_KV_HEADS, head_dim=head_dim)
+    if model_type == "mistral":
+        return transformers.MistralConfig, dict(gqa, sliding_window=None)
+    if model_type == "qwen2":  # biases on q, k, v
+        return transformers.Qwen2Config, {k: v for k, v in gqa.items() if k != "head_dim"}
+    if model_type == "phi3":  # fused qkv_proj, fused gate_up_proj, partial rotary
+        return transformers.Phi3Config, dict({k: v for k, v in gqa.items() if k != "head_dim"},
+                                             partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
+                                             attention_dropout=0.0, original_max_position_embeddings=MAX_POS)
+    if model_type == "gptj":  # parallel attention and MLP reading one norm, partial interleaved rotary
+        return transformers.GPTJConfig, dict(
+            n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=MAX_POS, vocab_size=VOCAB, rotary_dim=8,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1, bos_token_id=VOCAB - 1,
+            eos_token_id=VOCAB - 1, tie_word_embeddings=False)
+    if model_type == "gemma":  # RMS norms by 1 + weight, embedding scaled by sqrt(d)
+        return transformers.GemmaConfig, gqa
+    if model_type == "gemma3_text":  # + q/k norms, pre- and post-feedforward norms, local/global layers
+        return transformers.Gemma3TextConfig, dict(gqa, query_pre_attn_scalar=head_dim, sliding_window=4,
+                                                   layer_types=["sliding_attention", "full_attention"][:N_LAYERS])
+    if model_type == "stablelm":  # LayerNorms, partial rotary; parallel residual as an option
+        return transformers.StableLmConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
+                                                 partial_rotary_factor=0.25, hidden_dropout=0.0,
+                                                 attention_dropout=0.0)
+    raise ValueError(f"no tiny model recipe for model_type {model_type!r}; known: {VERIFIED_MODEL_TYPES}")
+
+
+def make_tiny_config(model_type: str, **overrides):
+    """The config `make_tiny_model` would use (eager attention), with ``overrides`` applied."""
+    cls, kw = _base_config(model_type)
+    kw.update(overrides)
+    n_layers = kw.get("num_hidden_layers", kw.get("n_layer"))
+    if model_type in ("gemma2", "gemma3_text") and "layer_types" not in overrides:
+        kw["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(n_layers)]
+    config = cls(**kw)
+    config._attn_implementation = "eager"
+    return config
+
+
+def make_tiny_model(model_type: str, seed: int = 0, noise: float = 0.05, **overrides):
+    """A seeded tiny random causal LM of ``model_type`` (float32, eager attention, eval mode).
+
+    ``noise``: std of the seeded Gaussian perturbation added to every parameter after HF init
+    (0 keeps the plain HF init).
+    """
+    return random_model(make_tiny_config(model_type, **overrides), seed=seed, noise=noise)
+
+
+def random_model(config, seed: int = 0, noise: float = 0.05):
+    """A seeded random causal LM of ``config`` (float32, eager attention, eval mode; see :func:`make_tiny_model`)."""
+    import torch
+    import transformers
+
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    if noise:
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    model.eval()
+    return model
+
+
+def random_ids(batch: int = 2, seq: int = 16, vocab: int = VOCAB, seed: int = 0, bos: int | None = None):
+    """Seeded random token ids ``[batch, seq]``; position 0 set to ``bos`` when given."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    if bos is not None:
+        ids[:, 0] = bos
+    return ids
+
+
+# a config's size fields under the names configs give them (GPT-2 / GPT-J keep their own)
+_SIZE_KEYS = {
+    "width": ("hidden_size", "n_embd"),
+    "layers": ("num_hidden_layers", "n_layer"),
+    "heads": ("num_attention_heads", "n_head"),
+    "inner": ("intermediate_size", "n_inner"),
+    "positions": ("max_position_embeddings", "n_positions"),
+}
+
+
+def shrink_config(config, width: int = D_MODEL, layers: int = N_LAYERS, heads: int = N_HEADS, vocab: int = VOCAB):
+    """A tiny copy of ``config`` (a transformers config of any decoder): the same class and ``model_type`` and every
+    switch as set (biases, norms, parallel residual, rotary share, soft-caps, tied embeddings...), with the sizes
+    shrunk: width, layers, heads (a grouped-query config keeps a KV-head count below the heads: 1 stays 1, else 2),
+    head width ``width // heads``, the MLP 2 x width, the vocabulary, at most 128 positions, the rotary dimensions
+    and per-frequency rope factors cut in proportion, the layer-type pattern cut to ``layers`` with both kinds
+    kept, a sliding window of at most 8. Special token ids outside the new vocabulary are dropped."""
+    d = config.to_dict()
+    out = {k: v for k, v in d.items() if k not in ("architectures", "auto_map", "_name_or_path", "transformers_version")}
+
+    def put(role, value):
+        for k in _SIZE_KEYS[role]:
+            if k in out and (out[k] is not None or role != "inner"):
+                out[k] = value
+
+    H0 = int(config.num_attention_heads)
+    dh0 = int(getattr(config, "head_dim", None) or config.hidden_size // H0)
+    put("width", width), put("layers", layers), put("heads", heads), put("inner", 2 * width)
+    dh = width // heads
+    if "head_dim" in out and out["head_dim"] is not None:
+        out["head_dim"] = dh
+    kv0 = out.get("num_key_value_heads")
+    if kv0 is not None:
+        out["num_key_value_heads"] = heads if kv0 >= H0 else (1 if kv0 == 1 else 2)
+    for k in _SIZE_KEYS["positions"]:
+        if isinstance(out.get(k), int):
+            out[k] = min(out[k], MAX_POS)
+    if isinstance(out.get("original_max_position_embeddings"), int):
+        out["original_max_position_embeddings"] = min(out["original_max_position_embeddings"], MAX_POS)
+    if isinstance(out.get("rotary_dim"), int):  # GPT-J: the same share of the head, even
+        out["rotary_dim"] = max(2, 2 * round(out["rotary_dim"] * dh / dh0 / 2))
+    if isinstance(out.get("query_pre_attn_scalar"), (int, float)):
+        out["query_pre_attn_scalar"] = dh
+    for key in ("rope_scaling", "rope_parameters"):
+        rs = out.get(key)
+        if isinstance(rs, dict):
+            share = float(out.get("partial_rotary_factor") or 1.0)
+            n = max(1, int(dh * share) // 2)
+            out[key] = {k: (v[:n] + [v[-1]] * max(0, n - len(v)) if isinstance(v, list) else v) for k, v in rs.items()}
+    if isinstance(out.get("sliding_window"), int):
+        out["sliding_window"] = min(out["sliding_window"], 8)
+    lt = out.get("layer_types")
+    if isinstance(lt, list) and lt:
+        kinds = list(dict.fromkeys(lt))
+        out["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    for k in list(out):
+        if k.endswith("_token_id") and isinstance(out[k], int) and not 0 <= out[k] < vocab:
+            out[k] = None
+    out["vocab_size"] = vocab
+    for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout"):
+        if k in out:
+            out[k] = 0.0
+    cfg = type(config)(**out)
+    cfg._attn_implementation = "eager"
+    return cfg

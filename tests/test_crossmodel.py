@@ -1,0 +1,52 @@
+"""Issue 30: models side by side -- the comparison table's rows from the tables a run writes, and the cross-model
+waypoint figure on a common training-token axis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mfpipe.experiments.crossmodel import compare as C
+from mfpipe.experiments.crossmodel import figures as F
+
+
+def sweep(name, steps, dl, d):
+    return pd.DataFrame({"model": name, "revision": [f"step{s}" for s in steps], "step": steps,
+                         "L_model": [5.0 - 0.1 * i for i in range(len(steps))], "L_MF": 5.0 + np.asarray(dl) - 0.1 * np.arange(len(steps)),
+                         "delta_L": dl, "D_MF": d})
+
+
+ROLLOUT = pd.DataFrame({"kernel": ["mean_field", "context_free", "uniform", "mean_field"], "pinned": [False, False, False, True],
+                        "cosine": [0.98, 0.72, 0.40, 0.99], "rel_error": [0.29, 0.71, 0.95, 0.1]})
+RANKING = pd.DataFrame({"rank": [2, 1, 3, 4], "head_label": ["L1H7", "L1H0", "L1H1", "L0H2"],
+                        "role": ["induction", np.nan, "duplicate-token", ""], "S_bar": [0.22, 0.31, 0.19, 0.1]})
+
+
+def test_a_row_reads_every_table_and_finds_the_peaks():
+    row = C.comparison_row("a", substitution=sweep("a", [0, 16, 256, 1500], [0.0, 0.3, 0.1, 0.2], [0.2, 0.1, 0.4, 0.3]),
+                           rollout=ROLLOUT, ranking=RANKING, tokens_per_step=4096)
+    assert row["rollout_cosine"] == 0.98 and row["rollout_rel_error"] == 0.29  # the unpinned mean field
+    assert row["best_baseline"] == "context_free" and row["best_baseline_cosine"] == 0.72
+    assert row["revision"] == "step1500" and row["delta_L"] == 0.2 and row["D_MF"] == 0.3
+    assert row["tokens"] == 1500 * 4096
+    assert (row["delta_L_peak"], row["delta_L_peak_revision"], row["delta_L_peak_tokens"]) == (0.3, "step16", 16 * 4096)
+    assert (row["D_MF_peak"], row["D_MF_peak_revision"]) == (0.4, "step256")
+    assert row["top_heads"] == "L1H0, L1H7 (induction), L1H1 (duplicate-token)"
+    # a model without tokens per step keeps its row, without tokens; one without tables has only its name
+    assert np.isnan(C.comparison_row("b", substitution=sweep("b", [0, 8], [0.0, 0.1], [0.1, 0.2]))["tokens"])
+    df = C.comparison_table([row, C.comparison_row("c")])
+    assert list(df["model"]) == ["a", "c"] and list(df.columns[:3]) == ["model", "rollout_cosine", "rollout_rel_error"]
+
+
+def test_the_figure_puts_every_model_on_one_token_axis(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    a, b = sweep("a", [0, 16, 256], [0.0, 0.3, 0.1], [0.2, 0.1, 0.4]), sweep("b", [0, 8, 64], [0.0, 0.1, 0.2], [0.1, 0.2, 0.3])
+    pdf, png = F.crossmodel_figure([{"name": "a", "table": a, "tokens_per_step": 4096, "window": (10, 20)},
+                                    {"name": "b", "table": b, "tokens_per_step": 2 ** 21, "window": None}],
+                                   tmp_path / "x.pdf", tmp_path / "x.png")
+    assert pdf.stat().st_size > 1000 and png.stat().st_size > 1000
+    with pytest.raises(ValueError, match="tokens per step"):
+        F.crossmodel_figure([{"name": "a", "table": a, "tokens_per_step": None}], tmp_path / "y.pdf")

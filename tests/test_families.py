@@ -1,0 +1,132 @@
+"""Issue 30: adapters by structure and the conformance command.
+
+Every verified architecture (the paper's six and the families placed by structure) passes ``mfpipe conformance`` on
+its tiny recipe; so do tiny copies of full-size default configs (the real switches: Llama-3's rope scaling, Phi-3's
+long-rope factors, GPT-J's rotary share, Gemma-3's layer pattern); a deliberately mis-described model fails, naming
+the check, with a non-zero exit; a model that cannot be placed is refused with one line naming what did not match.
+(The statistics and the substitution of Mistral, Qwen2, Phi-3, GPT-J and Gemma-3 against the brute-force references:
+tests/test_stats_reference.py and tests/test_substitution.py.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from tiny_models import NEW_MODEL_TYPES, VERIFIED_MODEL_TYPES, make_tiny_model
+
+from mfpipe import cli, conformance
+from mfpipe.models.adapters import UnsupportedArchitectureError, describe, get_adapter
+from mfpipe.models.tiny import random_model, shrink_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def failing(rows):
+    return [r.name for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize("model_type", VERIFIED_MODEL_TYPES)
+def test_every_verified_architecture_passes_conformance(model_type):
+    rows = conformance.check_model(make_tiny_model(model_type, seed=2))
+    assert not failing(rows), conformance.table(rows)
+    assert len(rows) == 14 and all(r.error <= r.tolerance for r in rows)
+
+
+@pytest.mark.parametrize("model_type,overrides", [("stablelm", {"use_parallel_residual": True}),
+                                                  ("gemma3_text", {"num_key_value_heads": 1})])
+def test_variants_place_and_pass(model_type, overrides):
+    model = make_tiny_model(model_type, **overrides)
+    s = describe(model)
+    if model_type == "stablelm":  # x + attn(ln(x)) + mlp(ln(x)): the MLP shares the attention's norm
+        assert s.parallel_residual and s.mlp_norm == s.attn_norm == "input_layernorm"
+    assert not failing(conformance.check_model(model))
+
+
+FULL_SIZE = {
+    "llama3": lambda: transformers.LlamaConfig(num_key_value_heads=8, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}),
+    "phi3-128k": lambda: transformers.Phi3Config(
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [1.5] * 48},
+        original_max_position_embeddings=4096, max_position_embeddings=131072),
+    "gptj-6b": transformers.GPTJConfig,
+    "gemma3": transformers.Gemma3TextConfig,
+    "mistral": transformers.MistralConfig,
+}
+
+
+@pytest.mark.parametrize("name", FULL_SIZE)
+def test_a_tiny_copy_of_a_full_size_config_keeps_its_switches_and_passes(name, tmp_path):
+    full = FULL_SIZE[name]()
+    full.save_pretrained(tmp_path)
+    tiny = conformance.tiny_copy(str(tmp_path))
+    assert tiny.config.model_type == full.model_type and tiny.config.hidden_size == 64
+    assert sum(p.numel() for p in tiny.parameters()) < 200_000
+    if name == "gptj-6b":  # the rotary share of the head is kept: 64 of 256 -> 4 of 16
+        assert tiny.config.rotary_dim == 4
+    if name == "gemma3":  # both layer kinds survive the cut to two layers
+        assert set(tiny.config.layer_types) == {"sliding_attention", "full_attention"}
+    assert not failing(conformance.check_model(tiny))
+
+
+def test_a_mis_described_model_fails_naming_the_check(monkeypatch, capsys):
+    """The MLP's norm left out of a Llama description (as if it read the raw residual), or GPT-J described as
+    sequential: conformance fails on the block rebuild; the command exits non-zero and prints the failing row."""
+    llama = make_tiny_model("llama")
+    s = describe(llama)
+    bad = failing(conformance.check_model(llama, dataclasses.replace(s, mlp_norm=None)))
+    assert "block: pieces rebuild the next residual (relative)" in bad
+    gptj = make_tiny_model("gptj")
+    bad = failing(conformance.check_model(gptj, dataclasses.replace(describe(gptj), parallel_residual=False)))
+    assert "block: pieces rebuild the next residual (relative)" in bad
+    # the command: a description broken where the norm sits after attention (OLMo-2's post-norm dropped)
+    monkeypatch.setattr("mfpipe.models.adapters.describe",
+                        lambda m: dataclasses.replace(describe(m), post_attn_norm=None))
+    assert cli.main(["conformance", "olmo2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "NO" in out
+
+
+def test_the_command_passes_and_refuses(capsys, tmp_path):
+    assert cli.main(["conformance", "phi3"]) == 0
+    assert "14 of 14 checks pass" in capsys.readouterr().out
+    # a decoder whose blocks sit one level down (OPT: decoder.layers) is not placed: one line, exit 2
+    transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                           max_position_embeddings=64).save_pretrained(tmp_path)
+    assert cli.main(["conformance", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot place the list of its 2 blocks" in err[0] and "mfpipe conformance" in err[0]
+    assert cli.main([]) == 2
+
+
+def test_placement_is_by_structure_not_by_name():
+    """A Llama-shaped model under a name mfpipe has never seen is placed like Llama, with identical captures."""
+    model = make_tiny_model("llama")
+    ref = get_adapter(model)
+    model.config.model_type = "my-own-llama"
+    a = get_adapter(model)
+    assert a.structure == ref.structure and a.model_type == "my-own-llama"
+    ids = torch.randint(0, 128, (1, 8))
+    got, want = [], []
+    a.capture(ids, got.append)
+    ref.capture(ids, want.append)
+    assert all(torch.equal(g.reads, w.reads) and torch.equal(g.attn_probs, w.attn_probs) for g, w in zip(got, want))
+
+
+def test_unplaceable_structures_say_what_did_not_match():
+    model = make_tiny_model("llama")
+    model.model.layers[0].extra_norm = type(model.model.norm)(64)  # a norm in the block that nothing calls: fine
+    describe(model)
+    config = shrink_config(transformers.BertConfig())
+    with pytest.raises(UnsupportedArchitectureError, match="blocks"):
+        describe(transformers.AutoModel.from_config(config))
+    assert set(NEW_MODEL_TYPES) <= set(VERIFIED_MODEL_TYPES)
+    # grouped-query attention stays grouped (8 KV heads of 32 -> 2 of 4), none stays none
+    assert random_model(shrink_config(transformers.Qwen2Config(num_key_value_heads=8))).config.num_key_value_heads == 2
+    assert shrink_config(transformers.Qwen2Config()).num_key_value_heads == 4
