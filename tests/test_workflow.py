@@ -191,6 +191,10 @@ def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     assert sum(r == "substitution" for r, _ in per_revision) == 1
     assert sum(r == "deviation_merge" for r, _ in per_revision) == 1 and sum(r == "head_scores" for r, _ in per_revision) == 1
     others = {(r, w) for r, w in jobs if "revision=" not in w}
+    # the models-side-by-side table and figure gather every model's sweep: they follow it
+    crossmodel = {("crossmodel_table", ""), ("figure_crossmodel", "")}
+    assert crossmodel <= others, others
+    others -= crossmodel
     assert all("model=mini-gpt2" in w for _, w in others) and {r for r, _ in others} <= {
         "substitution_table", "figure_waypoint", "kernel_dynamics", "substitution_topn_table", "figure_topn",
         "exp3_correlation"}, others
@@ -618,8 +622,8 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
 
     figures = sorted(p.name for p in (built / "results" / "figures").iterdir())
     # 5 rollout figures x 2 models, mini-gpt2's sweep: waypoint, kernel CKA, kernel spread, Exp. 3; the head-ranking
-    # scatter, prompt classes and instance meter x 2 models; x (pdf, png)
-    assert len(figures) == (5 * 2 + 4 + 3 * 2) * 2, figures
+    # scatter, prompt classes and instance meter x 2 models; the two models side by side; x (pdf, png)
+    assert len(figures) == (5 * 2 + 4 + 3 * 2 + 1) * 2, figures
     out = tmp_path / "report.zip"
     snakemake(built, "--report", str(out))
     with zipfile.ZipFile(out) as z:
