@@ -205,7 +205,7 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed) -> list[Chec
         return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
 
     got = adapter.run(ids, patch_reads=replace, logits=True).logits
-    proj = [adapter._sub(l, adapter.O_PROJ) for l in range(adapter.n_layers)]
+    proj = [adapter.out_proj_module(l) for l in range(adapter.n_layers)]
     H, dh = adapter.n_heads, adapter.d_head
 
     def hook_for(layer):

@@ -287,6 +287,11 @@ class Adapter(TracedSite):
         w = proj.weight.detach() if self._conv1d(proj) else proj.weight.detach().t()  # -> [H*dh, d]
         return w.reshape(self.n_heads, self.d_head, self.d_model)
 
+    def out_proj_module(self, layer: int) -> nn.Module:
+        """The output projection of block ``layer`` (its input is the per-head reads): where a plain torch hook that
+        replaces the reads goes (the conformance check's reference for the site's write-back)."""
+        return self._sub(layer, self.O_PROJ)
+
     @no_grad
     def out_proj_bias(self, layer: int) -> Tensor | None:
         b = self._sub(layer, self.O_PROJ).bias
