@@ -27,7 +27,9 @@ include: "workflow/rules/stats.smk"
 include: "workflow/rules/rollout.smk"
 include: "workflow/rules/substitution.smk"
 include: "workflow/rules/ranking.smk"
+include: "workflow/rules/jlens.smk"
 include: "workflow/rules/prompts.smk"
+include: "workflow/rules/fv.smk"
 include: "workflow/rules/crossmodel.smk"
 include: "workflow/rules/costs.smk"
 
@@ -36,5 +38,6 @@ rule all:
     default_target: True
     input:
         all_targets(),
+        fv_targets(),
         crossmodel_targets(),
         rules.run_costs.output,

@@ -33,3 +33,13 @@ def test_stats_pass_benchmark_runs(engine, tmp_path):
     if engine == "auto":  # bare forward and stats job each in a fresh process, their peaks printed
         assert re.search(r"job peak RSS, each form alone in a fresh process: bare forward \d+ MiB, stats job .* \d+ MiB "
                          r"\(\+-?\d+ MiB", out), out[-2000:]
+
+
+def test_function_vector_benchmark_runs():
+    cmd = [sys.executable, str(REPO / "benchmarks" / "function_vectors.py"), "--model", "mini-gpt2-random",
+           "--clean", "4", "--corrupted", "2", "--shots", "3", "--batch-size", "16", "--repeats", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "MFA selection: 4 prompt-forwards" in out and "AIE selection: 34 prompt-forwards" in out, out
+    assert re.search(r"ratio AIE / MFA: forwards 8\.5x, wall time [0-9.]+x", out), out

@@ -50,3 +50,29 @@ def test_the_figure_puts_every_model_on_one_token_axis(tmp_path):
     assert pdf.stat().st_size > 1000 and png.stat().st_size > 1000
     with pytest.raises(ValueError, match="tokens per step"):
         F.crossmodel_figure([{"name": "a", "table": a, "tokens_per_step": None}], tmp_path / "y.pdf")
+
+
+def test_the_comparison_row_carries_the_function_vector_transfer():
+    """Issue 29: a model with function vectors gets its zero-shot floor, the AIE·raw and MFA·r transfer (summed
+    injection, mean over tasks) and its best pipeline; a model without has no such cells."""
+    import pandas as pd
+
+    from mfpipe.experiments.crossmodel import compare as C
+
+    rows = []
+    for task, acc in (("a", (0.1, 0.5, 0.7)), ("b", (0.3, 0.2, 0.4))):
+        rows.append(dict(task=task, protocol="zero-shot", selection="none", construction="none", accuracy=acc[0],
+                         ci_lo=0.0, ci_hi=0.5))
+        rows.append(dict(task=task, protocol="sum", selection="AIE", construction="raw", accuracy=acc[1], ci_lo=0.4,
+                         ci_hi=0.6))
+        rows.append(dict(task=task, protocol="sum", selection="MFA", construction="r", accuracy=acc[2], ci_lo=0.6,
+                         ci_hi=0.8))
+        rows.append(dict(task=task, protocol="sum", selection="random", construction="r", accuracy=0.9, ci_lo=0.8,
+                         ci_hi=1.0))
+    row = C.comparison_row("m", fv=pd.DataFrame(rows))
+    assert row["fv_tasks"] == 2 and row["fv_zero_shot"] == pytest.approx(0.2)
+    assert row["fv_AIE_raw"] == pytest.approx(0.35) and row["fv_MFA_r"] == pytest.approx(0.55)
+    assert row["fv_best"] == "MFA·r 0.70 [0.60, 0.80] on a"  # the controls are not pipelines
+    assert "fv_best" not in C.comparison_row("m")
+    table = C.comparison_table([row, C.comparison_row("n")])
+    assert list(table.columns[-5:]) == ["fv_tasks", "fv_zero_shot", "fv_AIE_raw", "fv_MFA_r", "fv_best"]

@@ -425,7 +425,7 @@ def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path):
     ev = windows[n_win // 2 :]
     doc = np.repeat(np.arange(len(ev))[:, None], T, axis=1)
     prompts, info = P.prompt_classes(I.queryable_types(kernel), tok, tracked, T, ev, doc, n=6, n_fewshot=6,
-                                     n_random=8, seed=0, builtin=("copying", "successor"))
+                                     n_random=8, seed=0, tasks=("copying", "successor"))
     assert info["counts"] == {"induction": 6, "few-shot": 6, "natural": 6, "random": 6}
     assert set(info["tasks"]) == {"copying", "successor"}
     df, skipped = I.measure_prompts(ad, kernel, prompts, batch_size=4)

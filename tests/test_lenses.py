@@ -262,3 +262,47 @@ def test_unembed_is_the_models_own_lm_head(mt):
     np.testing.assert_allclose(ad.unembed(seen["final"]), res.logits, atol=1e-5, rtol=1e-5)
     if mt == "gemma2":
         assert res.logits.abs().max() <= 2.0
+
+
+def test_jlens_decode_columns(setup):
+    """With the model's J-lens store, context_details adds the J-lens decode softmax(lm_head(final_norm(J_ℓ Δ O_h)))
+    (the attn point of the row's layer) beside the unchanged raw decode, checked against plain torch on one row of
+    each layer; with J = I at the attn points the two decodes coincide; the writers show both."""
+    from mfpipe import jlens as JL
+
+    df0, model, kernel, ad = setup["df"], setup["model"], setup["kernel"], setup["ad"]
+    J = JL.estimate_jlens(ad, setup["tokens"], n_positions=8, seed=0, batch_size=4, progress=False)
+    rows = setup["rows"]
+    df = LE.context_details(ad, kernel, setup["tok"], setup["shards"], rows, k_keys=3, decode_k=5, batch_size=4,
+                            jlens=J)
+    for c in ("decode_ids", "decode_tokens", "decode_probs", "D_recomputed"):
+        assert df[c].tolist() == df0[c].tolist(), c
+    assert all(len(x) == 5 for x in df["jlens_ids"]) and df["jlens_tokens"].iloc[0][0].startswith(" w")
+    for l in (0, 1):
+        r = df[df["layer"] == l].iloc[0]
+        row, j, h = _window(setup, r), int(r["position"]), int(r["head"])
+        ref = reference_capture(model, torch.as_tensor(row[None].astype(np.int64)))
+        delta = (ref["reads"][l, 0, j, h] - _zhat_by_hand(row, j, l, h, kernel)) @ head_maps(model, l)[h]
+        Jd = J["J"].sel(point="attn", layer=l).values.astype(np.float64) @ delta
+        with torch.no_grad():
+            logits = model.lm_head(final_norm(model)(torch.as_tensor(Jd, dtype=torch.float32)))
+        want_p, want_i = torch.softmax(logits.double(), -1).topk(5)
+        assert r["jlens_ids"] == want_i.tolist()
+        np.testing.assert_allclose(r["jlens_probs"], want_p.numpy(), rtol=1e-4, atol=1e-6)
+    eye = J.copy(deep=True)
+    eye["J"].loc[dict(point="attn", layer=[0, 1])] = np.eye(ad.d_model, dtype=np.float32)
+    same = LE.context_details(ad, kernel, setup["tok"], setup["shards"], rows.iloc[:6], jlens=eye)
+    assert same["jlens_ids"].tolist() == same["decode_ids"].tolist()
+    np.testing.assert_allclose(np.stack(same["jlens_probs"]), np.stack(same["decode_probs"]), rtol=0, atol=1e-7)
+    md = LE.contexts_markdown(df, "tiny", "r1")
+    assert "J-lens decode of Δ" in md and "final_norm(J_ℓ Δ O_h)" in md and "not applied" not in md
+    for line in (x for x in md.splitlines() if x.startswith("|")):  # 9 columns with the J-lens
+        assert len(re.findall(r"(?<!\\)\|", line)) == 10, line
+    dmd = LE.decode_markdown(df, "tiny", "r1")
+    assert "Tokens in more than one J-lens decode" in dmd and "| J-lens decode (softmax probability) |" in dmd
+    for line in (x for x in dmd.splitlines() if x.startswith("|")):
+        assert len(re.findall(r"(?<!\\)\|", line)) == 7, line
+    assert "<th>J-lens decode of Δ</th>" in LE.contexts_html(df, "tiny", "r1")
+    back = pd.read_csv(__import__("io").StringIO(LE.contexts_csv(df)))
+    assert "jlens_tokens" in back and "decode_tokens" in back
+    assert "not applied" in LE.contexts_markdown(df0, "tiny", "r1")  # without a store: the raw lens only

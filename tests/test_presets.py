@@ -302,6 +302,24 @@ def test_the_new_families_presets_plan_offline(hub, tmp_path):
         for rule in ("corpus_shards", "stats_merge", "rollout_scores", "substitution", "head_scores"):
             assert any(r == rule and f"model={name}" in w for r, w in jobs), (name, rule, text[-3000:])
     assert ("crossmodel_table", "") in jobs  # six models: one comparison table
+    # GPT-J-6B, the paper's second function-vector model, plans its function-vector run (Table fvj-matrix)
+    assert [w for r, w in jobs if r == "function_vectors"] == ["model=gpt-j-6b, revision=main"], jobs
+    assert ("jlens", "model=gpt-j-6b, revision=main") in jobs
+
+
+def test_the_gemma_preset_plans_the_paper_function_vector_run(presets_run, hub):
+    """Issue 29: Gemma-2-2B (and GPT-2 small) plan the paper's six-task function-vector run with its J-lens; the
+    other paper presets' models run none (the presets' shared `function_vectors.models`)."""
+    wd = presets_run["wd"]
+    models = run_models()
+    targets = [f"results/tables/fv_{m}_{revs[-1]}.md" for m, revs in models.items() if m in ("gemma-2-2b", "gpt2-small")]
+    _, text = run(wd, hub["env"], presets_run["configs"], "-n", *targets)
+    jobs = planned_jobs(text)
+    assert sorted(w for r, w in jobs if r == "function_vectors") == [
+        "model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"], text[-3000:]
+    assert {w for r, w in jobs if r == "jlens"} == {"model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"}
+    _, text = run(wd, hub["env"], presets_run["configs"], "-n", check=False)
+    assert not [w for r, w in planned_jobs(text) if r == "function_vectors" and "gemma" not in w and "gpt2" not in w]
 
 
 @pytest.mark.skipif(not os.environ.get("MFPIPE_FAMILIES_E2E"),

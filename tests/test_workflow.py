@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -174,7 +175,9 @@ def test_example_notebook_reads_the_run(built, tmp_path):
     import mfpipe
 
     held = mfpipe.list_results(built / "results")
-    assert {"stats", "deviation", "substitution", "kernel", "calibrated"} <= set(held["experiment"])
+    assert {"stats", "deviation", "substitution", "kernel", "calibrated", "jlens"} <= set(held["experiment"])
+    J = mfpipe.open_results("jlens", "mini-gpt2", "step20", built / "results")["J"]  # App. P: J at the final point is I
+    assert float(abs(J.sel(point="block").isel(layer=-1) - np.eye(J.sizes["out"])).max()) <= 1e-6
     check_executed(execute_notebook(built / "results", tmp_path), tmp_path)
 
 
@@ -263,7 +266,7 @@ def test_training_option_change_retrains_only_that_model(built, tmp_path):
     assert not [w for r, w in jobs if "mini-gpt2" in w], jobs
 
 
-@pytest.mark.parametrize("figure, rule", [("icl_classes", "figure_icl_classes")])
+@pytest.mark.parametrize("figure, rule", [("icl_classes", "figure_icl_classes"), ("fv", "figure_fv")])
 def test_deleting_a_figure_reruns_only_its_plotting_job(built, figure, rule):
     """A figure is drawn by its own rule from a table (never inside the forward-pass job that wrote the table); the
     rollout figures are made the same way (one loop in workflow/rules/rollout.smk), the prompt figures were not."""
@@ -622,8 +625,9 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
 
     figures = sorted(p.name for p in (built / "results" / "figures").iterdir())
     # 5 rollout figures x 2 models, mini-gpt2's sweep: waypoint, kernel CKA, kernel spread, Exp. 3; the head-ranking
-    # scatter, prompt classes and instance meter x 2 models; the two models side by side; x (pdf, png)
-    assert len(figures) == (5 * 2 + 4 + 3 * 2 + 1) * 2, figures
+    # scatter, prompt classes, instance meter and function vectors x 2 models; the two models side by side;
+    # x (pdf, png)
+    assert len(figures) == (5 * 2 + 4 + 4 * 2 + 1) * 2, figures
     out = tmp_path / "report.zip"
     snakemake(built, "--report", str(out))
     with zipfile.ZipFile(out) as z:
@@ -638,11 +642,11 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
     want_tables += [f"{t}_{m}_step20.csv" for t in ("kernel_bias", "calibration") for m in ("mini-gpt2", "mini-neox")]
     want_tables += [f"kernel_{t}_mini-gpt2.csv" for t in ("cka", "cka_adjacent", "spread")]
     want_tables += [f"{t}_{m}_step20.csv" for t in ("ranking_top", "ranking_bottom", "ranking_stability", "icl_classes",
-                                                     "icl_corr", "icl_meter") for m in ("mini-gpt2", "mini-neox")]
+                                                     "icl_corr", "icl_meter", "fv") for m in ("mini-gpt2", "mini-neox")]
     want_tables += ["exp3_correlation_mini-gpt2.csv", "run_costs.csv"]  # and where the run's time went
     assert not [t for t in want_tables if t not in in_zip], sorted(in_zip)
     for fig in ("rollout", "teacher_forced", "error_decomposition", "clustering", "cross_corpus", "ccmf_scatter", "exp3",
-                "icl_classes", "icl_meter"):
+                "icl_classes", "icl_meter", "fv"):
         caption = (REPO / "workflow" / "report" / f"figure_{fig}.rst").read_text().split(":")[0]
         first = caption.split("{{")[0].strip()
         assert first and first in html, f"caption of {fig} missing from the report"

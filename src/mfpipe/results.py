@@ -12,7 +12,8 @@ Example (examples/reading_results.ipynb does more)::
 Experiments (:data:`STORES`): ``stats`` (pass 1, a half ``stats`` / ``eval`` of the primary corpus, of a cross
 corpus with ``corpus=``, or a top-N arm with ``top_n=``), ``deviation`` (pass 2), ``substitution`` (one revision's
 mean-field substitution; ``top_n=`` an App. M arm), ``kernel`` (the revision's rank-r kernel factors and row
-spread) and ``calibrated`` (the calibrated kernel U of App. B). Each is read by the reader the workflow's own jobs
+spread), ``calibrated`` (the calibrated kernel U of App. B) and ``jlens`` (the J-lens of App. P: the average
+same-position Jacobians J_ℓ, :func:`mfpipe.jlens.open_jlens`). Each is read by the reader the workflow's own jobs
 use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.experiments.ranking.store.open_deviation`,
 :func:`~mfpipe.experiments.substitution.substitute.open_result`,
 :func:`~mfpipe.experiments.substitution.kernel_dynamics.open_kernel`,
@@ -68,6 +69,7 @@ STORES = {
     "substitution_topn": "substitution/{model}/{revision}/N{n}/substitution.zarr",
     "kernel": "kernels/{model}/{revision}/kernel.zarr",
     "calibrated": "kernels/{model}/{revision}/calibrated.zarr",
+    "jlens": "jlens/{model}/{revision}/jlens.zarr",
 }
 # the rule (workflow/rules/*.smk) that writes each store
 RULES = {
@@ -77,9 +79,10 @@ RULES = {
     "substitution_topn": "substitution_topn",
     "kernel": "kernel_revision",
     "calibrated": "calibrate_kernel",
+    "jlens": "jlens",
 }
 # what open_results() and list_results() call each (an App. M arm is `substitution` with top_n)
-EXPERIMENTS = ("stats", "deviation", "substitution", "kernel", "calibrated")
+EXPERIMENTS = ("stats", "deviation", "substitution", "kernel", "calibrated", "jlens")
 _WHAT = {
     "stats": "statistics store",
     "deviation": "deviation store",
@@ -87,6 +90,7 @@ _WHAT = {
     "substitution_topn": "substitution result",
     "kernel": "kernel store",
     "calibrated": "calibrated kernel store",
+    "jlens": "J-lens store",
 }
 HALVES = ("stats", "eval")
 # the regular expression of each wildcard: those of the workflow's wildcard_constraints (common.smk)
@@ -280,8 +284,8 @@ def open_results(experiment: str, model: str, revision: str, results: str | os.P
     and tracked-set fingerprints, ``mfpipe_version``, the stage's parameters, as stored) in ``.attrs``.
 
     ``experiment``: ``stats`` (lazy: values are read on access; ``half`` ``stats`` / ``eval``, ``corpus`` a cross
-    corpus, ``top_n`` a top-N arm), ``deviation``, ``substitution`` (``top_n``: an App. M arm), ``kernel`` (lazy) or
-    ``calibrated`` (its variable ``U``). ``results``: the run's results folder. ``expect``: further attribute values
+    corpus, ``top_n`` a top-N arm), ``deviation``, ``substitution`` (``top_n``: an App. M arm), ``kernel`` (lazy),
+    ``calibrated`` (its variable ``U``) or ``jlens`` (``J``: point, layer, out, in). ``results``: the run's results folder. ``expect``: further attribute values
     to require (e.g. ``corpus_fingerprint``, ``tracked_fingerprint``), checked by the reader. ``layer``: only that
     layer (for ``calibrated`` only that layer is read).
 
@@ -306,6 +310,10 @@ def open_results(experiment: str, model: str, revision: str, results: str | os.P
 
         ds = open_kernel(path)
         check_provenance(ds.attrs, expect, path)
+    elif key == "jlens":
+        from mfpipe.jlens import open_jlens
+
+        ds = open_jlens(path, expect)
     else:  # calibrated
         import xarray as xr
 

@@ -36,12 +36,14 @@ rule crossmodel_table:
         substitution=[f"{R}/tables/substitution_{m}.csv" for m in MODELS],
         rollout=last_rollout_tables("rollout"),
         ranking=last_rollout_tables("ranking_top"),
+        fv=[f"{R}/tables/fv_{m}_{ROLLOUT_REVISIONS[m][-1]}.csv" for m in MODELS if fv_tasks(m)],
         code=code("crossmodel_table.py"),
     output:
         csv=table_report(f"{R}/tables/crossmodel.csv", "crossmodel"),
         md=f"{R}/tables/crossmodel.md",
     params:
         models=list(MODELS),
+        fv_models=[m for m in MODELS if fv_tasks(m)],
         tokens_per_step={m: tokens_per_step(m) for m in MODELS},
     localrule: True
     conda:

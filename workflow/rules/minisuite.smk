@@ -22,9 +22,36 @@ rule minisuite_tokenizer:
         "../scripts/train_tokenizer.py"
 
 
+def minisuite_tasks_input(wildcards):
+    """The few-shot tasks, for a mini model that trains on few-shot rows (`fewshot_fraction` > 0)."""
+    if float(MINI[wildcards.mini].get("fewshot_fraction") or 0) > 0:
+        return [f"{R}/minisuite/tasks.json"]
+    return []
+
+
+rule minisuite_tasks:
+    input:
+        tokenizer=f"{R}/minisuite/tokenizer",
+        code=code("minisuite_tasks.py"),
+    output:
+        f"{R}/minisuite/tasks.json",
+    params:
+        tasks=config.get("minisuite", {}).get("tasks", {}),
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/minisuite_tasks/minisuite/tasks.tsv",
+    log:
+        "logs/minisuite/tasks.log",
+    script:
+        "../scripts/minisuite_tasks.py"
+
+
 rule minisuite_train:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
+        tasks=minisuite_tasks_input,
         code=code("train_mini_model.py"),
     output:
         checkpoints=directory(f"{R}/minisuite/{{mini}}/checkpoints"),

@@ -6,6 +6,7 @@
 rule lenses:
     input:
         deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
+        jlens=f"{R}/jlens/{{model}}/{{revision}}/jlens.zarr",
         stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
@@ -44,6 +45,12 @@ rule icl_classes:
         model=model_input,
         tokenizer=tokenizer_input,
         tasks=DEVIATION["icl"]["task_files"],
+        # the vendored datasets named in deviation.icl.tasks (mfpipe.tasks): editing one reruns the job
+        task_data=[
+            str(SRC / "mfpipe" / "tasks" / "data" / f"{t}.json")
+            for t in DEVIATION["icl"]["tasks"]
+            if (SRC / "mfpipe" / "tasks" / "data" / f"{t}.json").is_file()
+        ],
         code=code("icl_classes.py"),
     output:
         prompts=f"{R}/tables/icl_prompts_{{model}}_{{revision}}.csv",
@@ -56,7 +63,7 @@ rule icl_classes:
         n_fewshot=DEVIATION["icl"]["n_fewshot"],
         n_random=DEVIATION["icl"]["n_random"],
         seed=DEVIATION["icl"]["seed"],
-        builtin_tasks=DEVIATION["icl"]["builtin_tasks"],
+        tasks=DEVIATION["icl"]["tasks"],
         task_files=DEVIATION["icl"]["task_files"],
         natural_length=DEVIATION["icl"]["natural_length"],
         min_count=SUBSTITUTION["min_count"],

@@ -6,11 +6,12 @@ the per-prompt table by rule figure_icl_classes.
 input.stats      the revision's statistics-half store; input.shards: the corpus shards (natural prompts from the
                  eval half); input.tracked: tracked.json; input.model / input.tokenizer: dependencies only (the
                  mini suite's checkpoints and tokenizer); input.tasks: the user's few-shot task files (JSON,
-                 mfpipe.experiments.prompts.sets.load_task_file)
+                 mfpipe.tasks.load_task_file); input.task_data: the vendored datasets of params.tasks (mfpipe.tasks)
 output.prompts   per-prompt CSV (mfpipe.experiments.prompts.classes.PROMPT_COLUMNS)
 output.table, output.table_md    per class: n, D_MF, M_cov, M_ctx, ΔL, ΔL_perm, max Δẑ_perm, accuracy
 output.corr, output.corr_md      Hedges' g and Welch p of each class against the random control
-params           n_prompts, n_fewshot, n_random, seed, min_count, batch_size, builtin_tasks, task_files,
+params           n_prompts, n_fewshot, n_random, seed, min_count, batch_size, tasks (built-in or vendored names),
+                 task_files,
                  natural_length (null: T-1), and model_params() (model_spec, revision, dtype, device, results)
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
@@ -39,11 +40,13 @@ def main() -> None:
     T = int(tokens.shape[1])
     pool = I.queryable_types(kernel)
     prompts, pinfo = P.prompt_classes(pool, tokenizer, tracked, T, tokens, doc_ids, n=n, n_fewshot=int(p.n_fewshot),
-                                      n_random=int(p.n_random), seed=int(p.seed), builtin=list(p.builtin_tasks),
+                                      n_random=int(p.n_random), seed=int(p.seed), tasks=list(p.tasks),
                                       task_files=list(p.task_files), natural_length=p.natural_length)
     log.info("%s @ %s: %d prompts (T=%d, %d of %d tracked types with a kernel row, W on C >= %d): %s; few-shot "
              "tasks (pairs) %s", name, revision, len(prompts), T, len(pool), tracked.n, int(p.min_count),
              pinfo["counts"], pinfo["tasks"])
+    for t, src in pinfo["sources"].items():
+        log.info("few-shot task %s: %d usable pairs from %s", t, pinfo["tasks"][t], src)
     for cls, c in pinfo["counts"].items():
         want = int(p.n_fewshot) if cls == "few-shot" else n
         if c < want:

@@ -8,7 +8,8 @@ output.curves    per position: copy, loss (valid positions), loss_all, D_MF, n_v
 output.heads     per head: mean D over copy 1 and copy 2, rise (CSV)
 output.bins      loss reduction binned by deviation rise, equal-count bins, mean ± s.e.m. (CSV)
 output.summary, output.summary_md  one row: top head and its rise, copy means, Spearman of the pairs
-params           n_sequences, chunk_length (null: (T-1)//2), n_bins, seed, min_count, batch_size, model_params()
+params           n_sequences, chunk_length (the paper: 128; cut to (T-1)//2 where [BOS; c; c] does not fit the T-token
+                 windows; null: (T-1)//2), n_bins, seed, min_count, batch_size, model_params()
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
@@ -29,7 +30,10 @@ def main() -> None:
     job = open_forward_job(sm)
     name, revision = job.name, job.revision
     tokens, doc_ids = P.eval_windows(job.shards, 4 * n)
-    k = None if p.chunk_length in (None, "", "null") else int(p.chunk_length)
+    want = None if p.chunk_length in (None, "", "null") else int(p.chunk_length)
+    k, cut = P.meter_chunk_length(want, tokens.shape[1])
+    if cut:
+        log.info("chunk_length %d cut to %d: [BOS; c; c] needs 2k+1 <= T = %d tokens", want, k, tokens.shape[1])
     seqs, spanning = P.meter_sequences(tokens, doc_ids, n, k, bos_id=job.tracked.bos_id, seed=int(p.seed))
     if len(seqs) < n:
         log.warning("the eval half has only %d windows: %d of %d sequences", len(tokens), len(seqs), n)

@@ -1,6 +1,7 @@
 """Snakemake script: the lenses of App. P for one (model, revision) (issue 11 item 7): per head (the top-n by S̄
 plus any named), the top-deviation contexts pass 2 recorded, re-run for their surrounding text, top attended keys,
-next token, recomputed D and meters, and the raw logit-lens decode of the deviation vector ->
+next token, recomputed D and meters, and the raw logit-lens and J-lens decodes of the deviation vector (the J-lens
+store of rule jlens, mfpipe.jlens) ->
 results/lenses/<model>/<revision>/contexts.md|.html (context lens), decode.md (decode lens), contexts.csv."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from mfpipe.experiments.ranking import deviation_pass as DP
 from mfpipe.experiments.prompts import lenses as LE
+from mfpipe.jlens import open_jlens
 from mfpipe.stats.halves import ProvenanceError, open_stats_half
 from mfpipe.corpus.windows import list_shards
 from mfpipe.io import atomic_write_text
@@ -40,6 +42,8 @@ def main() -> None:
     if int(ds.attrs.get("context_length", info["context_length"])) != int(info["context_length"]):
         raise ProvenanceError(f"deviation store {sm.input.deviation} has context length {ds.attrs['context_length']}, "
                               f"the corpus {info['context_length']}: rerun the deviation stage for this corpus")
+    jlens = open_jlens(sm.input.jlens, {"model": name, "revision": revision, "half": "stats",
+                                        "corpus_fingerprint": info["fingerprint"]})
     job = open_forward_job(sm)  # the stores are checked above before the model loads
     adapter, tokenizer = job.adapter, job.tokenizer()
     kernel = job.kernel(ds.attrs.get("min_count")).to(adapter.device)
@@ -50,7 +54,7 @@ def main() -> None:
              len(rows), rows.groupby(["layer", "head"]).ngroups,
              int(rows.drop_duplicates(["layer", "head"])["n_garbled"].sum()), kernel.attrs["kernel"],
              kernel.attrs["min_count"])
-    df = LE.context_details(adapter, kernel, tokenizer, shard_paths, rows, batch_size=int(p.batch_size))
+    df = LE.context_details(adapter, kernel, tokenizer, shard_paths, rows, batch_size=int(p.batch_size), jlens=jlens)
     bad = df[~df["D_ok"]]
     if len(bad):
         log.warning("%d of %d contexts: recomputed D differs from the stored top_D by more than %g (max %.2e); they "

@@ -10,6 +10,8 @@ An experiment imports the core and never another experiment.
 - :mod:`mfpipe.experiments.ranking` — pass 2, the deviation of every head on the corpus, head ranking and the
   behavioural head scores (Sec. 6.1 Exp. 3, Sec. 6.3, App. O).
 - :mod:`mfpipe.experiments.prompts` — prompt classes, the instance meter and the lenses (Sec. 6.1–6.2, App. P).
+- :mod:`mfpipe.experiments.fv` — function vectors from mean-field deviation: MFA against AIE head selection, raw
+  and deviation vectors, injection into zero-shot prompts, the category analysis (Sec. 6.4, App. fv).
 - :mod:`mfpipe.experiments.crossmodel` — models side by side: the comparison table and the cross-model waypoint
   figure (App. waypoint-olmo, fig:crossmodel).
 """

@@ -2,7 +2,10 @@
 trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniature Pythia suite).
 
 - :func:`mfpipe.minisuite.tokenizer.train_tokenizer`
-- :mod:`mfpipe.minisuite.data` — the training rows (the document stream; ``[BOS, text…]`` and repeated-chunk rows)
+- :mod:`mfpipe.minisuite.data` — the training rows (the document stream; ``[BOS, text…]``, repeated-chunk and
+  few-shot rows)
+- :mod:`mfpipe.minisuite.tasks` — the few-shot tasks the suite learns (fixed random mappings of its own vocabulary)
+  and their few-shot / zero-shot accuracy
 - :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.model.build_model`,
   :func:`mfpipe.revisions.checkpoint_steps`
 """

@@ -33,6 +33,12 @@ repeat_fraction     fraction of rows that are ``[BOS, r1..rk, r1..rk, text...]``
 repeat_min/max      k is uniform in ``repeat_min..repeat_max`` (inclusive); r is drawn uniformly
                     from the whole vocabulary minus special tokens
 mask_first_copy     if true, the (unpredictable) first copy r1..rk is not a loss target
+fewshot_fraction    fraction of rows that are few-shot rows ``[BOS, x, sep, y, nl, …]`` of one task of
+                    :mod:`mfpipe.minisuite.tasks` (loss on the answers only), in steps after ``fewshot_start``;
+                    ``repeat_fraction`` is the repeat share of the other rows. Drawn after the other rows: with
+                    0, and before ``fewshot_start``, the rows are the old ones bit for bit
+fewshot_start       few-shot rows only in optimizer steps after this one (0: from the first)
+fewshot_mask_first  if true, a few-shot row's first answer is not a loss target
 seed                seeds ``torch.manual_seed`` (init) and a numpy Generator (data)
 induction_sequences number of test sequences for the per-checkpoint induction score
 induction_every     also record max induction score / induction loss every this many steps
@@ -85,6 +91,8 @@ def resolve_config(cfg: dict) -> dict:
         raise ValueError(f"1 + 2*repeat_max = {1 + 2 * out['repeat_max']} exceeds context_length {T}")
     if not 0.0 <= out["repeat_fraction"] <= 1.0:
         raise ValueError("repeat_fraction must be in [0, 1]")
+    if not 0.0 <= out["fewshot_fraction"] <= 1.0:
+        raise ValueError("fewshot_fraction must be in [0, 1]")
     if out["lr_schedule"] not in ("constant", "cosine"):
         raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {out['lr_schedule']!r}")
     out["optimizer_restarts"] = sorted(int(s) for s in (out["optimizer_restarts"] or []))

@@ -30,6 +30,7 @@ from mfpipe.minisuite.model import (
     build_model,
     resolve_config,
 )
+from mfpipe.minisuite.tasks import fewshot_accuracy, task_token_pairs, zeroshot_accuracy
 from mfpipe.models.induction import induction_metrics
 from mfpipe.revisions import checkpoint_steps, step_name
 
@@ -104,6 +105,7 @@ def train_mini_model(
     out_dir: str | os.PathLike,
     threads: int | None = None,
     progress: bool = True,
+    tasks: Sequence[dict] | None = None,
 ) -> dict:
     """Train one mini model on ``train_texts`` and write its outputs into ``out_dir``.
 
@@ -123,7 +125,11 @@ def train_mini_model(
     success (:func:`mfpipe.io.atomic_dir`: one rename when ``out_dir`` is absent or empty; if it holds other
     files, only the three outputs are replaced, ``training.json`` last). ``threads`` sets ``torch.set_num_threads`` for the run (default:
     all cores; restored afterwards). Training is deterministic given ``cfg["seed"]`` and the
-    thread count. Returns the ``training.json`` dict.
+    thread count. ``tasks``: the few-shot tasks (:func:`mfpipe.minisuite.tasks.make_tasks` dicts) of the
+    few-shot rows, needed when ``cfg["fewshot_fraction"] > 0``; then ``training.json`` also holds ``fewshot``:
+    per checkpoint ``step``, ``n_shots`` (5, fewer where the context is too short) and per task
+    ``fewshot_accuracy`` (128 prompts) / ``zeroshot_accuracy`` (every pair)
+    (:func:`mfpipe.minisuite.tasks.fewshot_accuracy`). Returns the ``training.json`` dict.
     """
     c = resolve_config(cfg)
     t_start = time.perf_counter()
@@ -131,11 +137,11 @@ def train_mini_model(
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out, entries=("checkpoints", "induction.csv", "training.json")) as tmp:
-        return _train(c, tokenizer_dir, train_texts, tmp, threads, progress, t_start, cpu_start)
+        return _train(c, tokenizer_dir, train_texts, tmp, threads, progress, t_start, cpu_start, tasks)
 
 
 def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, threads, progress: bool, t_start: float,
-           cpu_start: float) -> dict:
+           cpu_start: float, tasks: Sequence[dict] | None = None) -> dict:
     """The training run of :func:`train_mini_model`, writing into the temporary folder ``tmp``."""
     import torch
     from tqdm.auto import tqdm
@@ -163,7 +169,13 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
         adapter = get_adapter(model)
         n_params = sum(p.numel() for p in model.parameters())
         data_rng = np.random.default_rng(int(c["seed"]))
-        sampler = RowSampler(stream, c, vocab_size, special_ids, bos_id, data_rng)
+        use_tasks = float(c["fewshot_fraction"]) > 0
+        if use_tasks and not tasks:
+            raise ValueError(f"{c['name']}: fewshot_fraction {c['fewshot_fraction']} needs the few-shot tasks")
+        fewshot = task_token_pairs(tok, tasks) if use_tasks else None
+        # the accuracy prompts BOS x1:y1\n…xq: fit the context: five exemplars, fewer in a short one
+        n_shots = max(1, min(5, (int(c["context_length"]) - 3) // 4))
+        sampler = RowSampler(stream, c, vocab_size, special_ids, bos_id, data_rng, fewshot=fewshot)
         eval_rows = torch.from_numpy(sampler.text_rows(int(c["eval_rows"]), np.random.default_rng(12345)))
         eval_mask = torch.ones_like(eval_rows, dtype=torch.bool)
         opt = _make_optimizer(model, c)
@@ -176,6 +188,7 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
         window_losses: list[float] = []
 
         curve: list[dict] = []
+        fs_records: list[dict] = []
 
         def probe(step: int) -> tuple[np.ndarray, float]:
             scores, icl_loss = induction_metrics(
@@ -214,6 +227,17 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
             }
             window_losses.clear()
             records.append(rec)
+            if use_tasks:
+                fs = {"step": step, "n_shots": n_shots}
+                for t in tasks:
+                    fs[t["name"]] = {"fewshot_accuracy": fewshot_accuracy(model, tok, t, n_shots=n_shots,
+                                                                          n_prompts=128, seed=0),
+                                     "zeroshot_accuracy": zeroshot_accuracy(model, tok, t)}
+                fs_records.append(fs)
+                model.train()
+                log.info("%s step %d: few-shot / zero-shot accuracy %s", c["name"], step, ", ".join(
+                    f"{t['name']} {fs[t['name']]['fewshot_accuracy']:.2f} / {fs[t['name']]['zeroshot_accuracy']:.2f}"
+                    for t in tasks))
             log.info(
                 "%s step %d: train_loss %s text_loss %.3f induction_loss %.3f max induction %.3f (L%dH%d)",
                 c["name"], step, "-" if rec["train_loss"] is None else f"{rec['train_loss']:.3f}",
@@ -230,7 +254,7 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
             dynamic_ncols=True,
         )
         for step in bar:
-            rows, mask = sampler.sample(int(c["batch_size"]))
+            rows, mask = sampler.sample(int(c["batch_size"]), step)
             rows_t, mask_t = torch.from_numpy(rows), torch.from_numpy(mask)
             lr = _lr_at(step, c)
             for g in opt.param_groups:
@@ -271,6 +295,7 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
             "checkpoints": records,
             "induction_curve": curve,
             "final_max_induction": records[-1]["max_induction"],
+            **({"fewshot": fs_records} if use_tasks else {}),
             "wall_time_s": round(wall, 3),
             "cpu_time_s": round(time.process_time() - cpu_start, 3),
         }

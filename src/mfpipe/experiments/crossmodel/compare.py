@@ -4,7 +4,9 @@
   against held-out centroids, and the best ablated kernel by cosine with its cosine;
 * substitution (Sec. 5): ΔL and D_MF at the sweep's last revision, and the peak of each with the revision and the
   training tokens where it falls;
-* head ranking (Sec. 6): the ``top`` heads by S̄ with their roles.
+* head ranking (Sec. 6): the ``top`` heads by S̄ with their roles;
+* function vectors (Sec. 6.4), when the model has them: zero-shot accuracy without injection and the transfer of
+  the AIE·raw and MFA·r pipelines (summed injection, mean over the tasks), and the best pipeline and task.
 
 A model without one of the three tables gets NaN / empty cells there (a single-revision model has no sweep peak
 worth the name: its peak is its only revision).
@@ -26,7 +28,7 @@ def training_tokens(steps, tokens_per_step) -> list[float]:
 
 
 def comparison_row(model: str, substitution=None, rollout=None, ranking=None, tokens_per_step=None,
-                   top: int = 3) -> dict:
+                   top: int = 3, fv=None) -> dict:
     """One model's row from its tables (DataFrames or CSV paths; None where the run has none)."""
     row: dict = {"model": model}
     if rollout is not None:
@@ -56,6 +58,22 @@ def comparison_row(model: str, substitution=None, rollout=None, ranking=None, to
         row["top_heads"] = ", ".join(f"{lab} ({role})" if isinstance(role, str) and role else str(lab)
                                      for lab, role in zip(h["head_label"], h["role"]))
         row["top_S_bar"] = ", ".join(f"{v:.3f}" for v in h["S_bar"])
+    if fv is not None:
+        f = pd.read_csv(fv) if not isinstance(fv, pd.DataFrame) else fv
+        s = f[f["protocol"] == "sum"]
+        z = f[f["protocol"] == "zero-shot"]
+
+        def mean_of(sel, cons):
+            g = s[(s["selection"] == sel) & (s["construction"] == cons)]
+            return float(g["accuracy"].mean()) if len(g) else np.nan
+
+        pipes = s[s["selection"].isin(["AIE", "MFA"])]
+        row.update(fv_tasks=int(f["task"].nunique()), fv_zero_shot=float(z["accuracy"].mean()) if len(z) else np.nan,
+                   fv_AIE_raw=mean_of("AIE", "raw"), fv_MFA_r=mean_of("MFA", "r"))
+        if len(pipes):
+            b = pipes.sort_values("accuracy", ascending=False, kind="stable").iloc[0]
+            row["fv_best"] = (f"{b['selection']}·{b['construction']} {b['accuracy']:.2f} "
+                              f"[{b['ci_lo']:.2f}, {b['ci_hi']:.2f}] on {b['task']}")
     return row
 
 
@@ -63,6 +81,7 @@ def comparison_table(rows: list[dict]) -> pd.DataFrame:
     """The rows of :func:`comparison_row`, one per model, in the run's model order."""
     cols = ["model", "rollout_cosine", "rollout_rel_error", "best_baseline", "best_baseline_cosine", "revision",
             "tokens", "delta_L", "D_MF", "delta_L_peak", "delta_L_peak_revision", "delta_L_peak_tokens", "D_MF_peak",
-            "D_MF_peak_revision", "D_MF_peak_tokens", "top_heads", "top_S_bar"]
+            "D_MF_peak_revision", "D_MF_peak_tokens", "top_heads", "top_S_bar", "fv_tasks", "fv_zero_shot", "fv_AIE_raw",
+            "fv_MFA_r", "fv_best"]
     df = pd.DataFrame(rows)
     return df.reindex(columns=[c for c in cols if c in df.columns] + [c for c in df.columns if c not in cols])

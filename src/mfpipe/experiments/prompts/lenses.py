@@ -1,7 +1,8 @@
 """Lenses for mean-field analysis (paper App. P, Lens "top-deviation context mining" and Lens "vocabulary-space
 decode"; issue 11 item 7): per head, the top-K deviation contexts pass 2 recorded, re-run through the model to show
 the surrounding text, the head's top attended keys, the actual next token and the raw logit-lens decode of the
-deviation vector, written as readable tables (Markdown / HTML), one target per lens.
+deviation vector (and, given the model's J-lens store, :mod:`mfpipe.jlens`, its J-lens decode beside it), written as
+readable tables (Markdown / HTML), one target per lens.
 
 * :func:`mine_contexts` -- the recorded top contexts (``top_D``/``top_shard``/``top_window``/``top_position`` of the
   deviation store, :mod:`mfpipe.experiments.ranking.deviation_pass`) of the selected heads. App. P's first filter (more than
@@ -144,7 +145,7 @@ def mine_contexts(deviation_ds, shard_paths, heads=None, per_head: int = PER_HEA
 
 def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_keys: int = 3, decode_k: int = 5,
                     *, before: int = BEFORE, after: int = AFTER, batch_size: int = 8,
-                    atol: float = D_ATOL) -> pd.DataFrame:
+                    atol: float = D_ATOL, jlens=None) -> pd.DataFrame:
     """Re-run the windows of ``rows`` (from :func:`mine_contexts`) and add, per row: ``left``/``query``/``right``
     (the excerpt), ``next_token``, the head's top ``k_keys`` attended keys (``key_tokens``, ``key_shares``,
     ``key_positions``), ``other_share`` (attention on ``<other>`` keys), ``D_recomputed`` (``D_ok``: within
@@ -154,10 +155,14 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     ``decode_probs``; :meth:`Adapter.unembed`).
 
     ``kernel``: the :class:`~mfpipe.meanfield.kernel.MeanFieldKernel` pass 2 used (same ``min_count``);
-    ``tokens``: see :func:`window_tokens`. The J-lens refinement of App. P (W_U J_ℓ, with J_ℓ the corpus-averaged
-    Jacobian of the final residual with respect to layer ℓ's) is NOT implemented: it needs the Jacobian estimate,
-    so middle-layer decodes here are the raw lens's. On Gemma-2 / OLMo-2 Δ O_h is taken before the post-attention
-    norm, as pass 2's residual units are."""
+    ``tokens``: see :func:`window_tokens`. On Gemma-2 / OLMo-2 Δ O_h is taken before the post-attention norm, as
+    pass 2's residual units are.
+
+    ``jlens``: the model's J-lens store (:func:`mfpipe.jlens.open_jlens`; None: the raw lens only). With it, the
+    J-lens decode of App. P is added beside the raw one (``jlens_tokens``, ``jlens_ids``, ``jlens_probs``): the top
+    ``decode_k`` tokens of softmax(W_U final_norm(J_ℓ Δ_resid)), J_ℓ the corpus-averaged same-position Jacobian of
+    the final residual with respect to the output of layer ℓ's attention output projection (the ``attn`` point,
+    where Δ O_h lands: before any post-attention norm); :func:`mfpipe.jlens.jlens_decode`."""
     rows = rows.reset_index(drop=True)
     R = len(rows)
     win = window_tokens(tokens, rows)
@@ -172,6 +177,7 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     out["valid"] = np.zeros(R, bool)
     kpos, kshare = np.full((R, k_keys), -1, np.int64), np.full((R, k_keys), np.nan)
     dpos, dprob = np.full((R, decode_k), -1, np.int64), np.full((R, decode_k), np.nan)
+    jpos, jprob = np.full((R, decode_k), -1, np.int64), np.full((R, decode_k), np.nan)
     lay, hd, pos = (rows[c].to_numpy(np.int64) for c in ("layer", "head", "position"))
     for b0 in range(0, len(uniq), int(batch_size)):
         sel = np.flatnonzero((row_u >= b0) & (row_u < b0 + int(batch_size)))
@@ -211,6 +217,13 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
         if len(sel):
             p, i = torch.softmax(adapter.unembed(delta), dim=-1).topk(decode_k, dim=-1)
             dprob[sel], dpos[sel] = p.double().cpu().numpy(), i.cpu().numpy()
+            if jlens is not None:
+                from mfpipe.jlens import jlens_decode
+                for l in sorted(set(lay[sel].tolist())):
+                    m = np.flatnonzero(lay[sel] == l)
+                    logits = jlens_decode(adapter, jlens, l, "attn", delta[torch.as_tensor(m, device=dev)])
+                    p, i = torch.softmax(logits, dim=-1).topk(decode_k, dim=-1)
+                    jprob[sel[m]], jpos[sel[m]] = p.double().cpu().numpy(), i.cpu().numpy()
     df = rows.copy()
     df["D_recomputed"] = out["D_recomputed"]
     df["D_ok"] = np.abs(out["D_recomputed"] - rows["D"].to_numpy(np.float64)) <= atol
@@ -227,6 +240,10 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     df["decode_ids"] = [d[d >= 0].tolist() for d in dpos]
     df["decode_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in dpos]
     df["decode_probs"] = [p[np.isfinite(p)].tolist() for p in dprob]
+    if jlens is not None:
+        df["jlens_ids"] = [d[d >= 0].tolist() for d in jpos]
+        df["jlens_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in jpos]
+        df["jlens_probs"] = [p[np.isfinite(p)].tolist() for p in jprob]
     return df
 
 
@@ -269,55 +286,79 @@ def _keys(r, esc) -> str:
     return ", ".join(f"{esc(_tok(t))} ({s:.2f})" for t, s in zip(r.key_tokens, r.key_shares))
 
 
-def _decodes(r, esc, probs: bool = False) -> str:
-    return ", ".join(esc(_tok(t)) + (f" ({p:.3f})" if probs else "") for t, p in zip(r.decode_tokens, r.decode_probs))
+def _decodes(r, esc, probs: bool = False, lens: str = "decode") -> str:
+    """The raw logit-lens decode (``lens="decode"``) or the J-lens decode (``"jlens"``) of a row."""
+    toks, ps = getattr(r, f"{lens}_tokens"), getattr(r, f"{lens}_probs")
+    return ", ".join(esc(_tok(t)) + (f" ({p:.3f})" if probs else "") for t, p in zip(toks, ps))
+
+
+def _has_jlens(df: pd.DataFrame) -> bool:
+    return "jlens_tokens" in df.columns
 
 
 def _heads(df: pd.DataFrame):
     return df.groupby(["layer", "head"], sort=False)
 
 
-def _preamble(model: str, revision: str, what: str, md: bool = False) -> list[str]:
+def _preamble(model: str, revision: str, what: str, md: bool = False, jlens: bool = False) -> list[str]:
     lt, gt = ("&lt;", "&gt;") if md else ("<", ">")
+    decode = ("Decodes of Δ = z − ẑ: the raw logit lens softmax(W_U · final_norm(Δ O_h)) and the J-lens "
+              "softmax(W_U · final_norm(J_ℓ Δ O_h)), J_ℓ the model's average same-position Jacobian of the final "
+              "residual with respect to the output of layer ℓ's attention projection, estimated over the statistics "
+              "half (App. P; the two agree at late layers)." if jlens else
+              "Decode: raw logit lens softmax(W_U · final_norm(Δ O_h)) of Δ = z − ẑ (no J-lens store given: the J-lens "
+              "refinement is not applied).")
     return [f"# {what} — {model} @ {revision}", "",
             "Per head, the highest-deviation contexts (D = 1 − cos(z, ẑ) against the context-conditional mean "
             "field, residual-stream units) mined by pass 2 over the statistics half, without the contexts where the "
             f"head puts more than 10% of its attention on out-of-vocabulary ({lt}other{gt}) keys or whose text is "
-            "garbled (App. P). "
-            "Decode: raw logit lens softmax(W_U · final_norm(Δ O_h)) of Δ = z − ẑ (the J-lens refinement is not "
-            "applied).", ""]
+            "garbled (App. P). " + decode, ""]
 
 
 def contexts_markdown(df: pd.DataFrame, model: str, revision: str) -> str:
     """The context lens as Markdown: per head a heading "L{l}H{h} — S̄=…, M_cov=…, M_ctx=…" and a table of its
     contexts (query in «…»), top keys with their attention shares, next token, the decode, and the meters."""
-    lines = _preamble(model, revision, "Top-deviation contexts", md=True)
+    J = _has_jlens(df)
+    lines = _preamble(model, revision, "Top-deviation contexts", md=True, jlens=J)
     for _, g in _heads(df):
         lines += [f"## {_title(g)}", "", _note(g), "", "| # | D | context (query in «») | top keys (share) | next "
-                  "| logit-lens decode of Δ | M_cov | M_ctx |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| logit-lens decode of Δ |" + (" J-lens decode of Δ |" if J else "") + " M_cov | M_ctx |",
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if J else "")]
         for n, r in enumerate(g.itertuples(), 1):
             text = f"{md_escape(r.left)}«{md_escape(r.query)}»{md_escape(r.right)}"
             flag = "" if r.D_ok else " ⚠"
+            jl = f" {_decodes(r, md_escape, lens='jlens')} |" if J else ""
             lines.append(f"| {n} | {r.D:.3f}{flag} | {text} | {_keys(r, md_escape)} | {md_escape(_tok(r.next_token))} "
-                         f"| {_decodes(r, md_escape)} | {r.M_cov:+.3f} | {r.M_ctx:+.3f} |")
+                         f"| {_decodes(r, md_escape)} |{jl} {r.M_cov:+.3f} | {r.M_ctx:+.3f} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def decode_markdown(df: pd.DataFrame, model: str, revision: str) -> str:
     """The decode lens as Markdown: per head the logit-lens decode of each context's deviation vector (decoded one
-    by one, never averaged: App. P) with probabilities, and the tokens recurring across the head's decodes."""
-    lines = _preamble(model, revision, "Logit-lens decodes of the deviation vectors", md=True)
+    by one, never averaged: App. P) with probabilities, and the tokens recurring across the head's decodes; with
+    the J-lens columns of :func:`context_details` the J-lens decode beside it."""
+    J = _has_jlens(df)
+    lines = _preamble(model, revision, "Logit-lens and J-lens decodes of the deviation vectors" if J else
+                      "Logit-lens decodes of the deviation vectors", md=True, jlens=J)
+
+    def recurring(g, lens):
+        text = {i: t for ids, ts in zip(g[f"{lens}_ids"], g[f"{lens}_tokens"]) for i, t in zip(ids, ts)}
+        c = Counter(i for ids in g[f"{lens}_ids"] for i in dict.fromkeys(ids))  # by id: byte tokens may print alike
+        return ", ".join(f"{md_escape(_tok(text[i]))} ({k}/{len(g)})" for i, k in c.most_common(8) if k > 1) or "none"
+
     for _, g in _heads(df):
-        text = {i: t for ids, ts in zip(g["decode_ids"], g["decode_tokens"]) for i, t in zip(ids, ts)}
-        c = Counter(i for ids in g["decode_ids"] for i in dict.fromkeys(ids))  # by id: byte tokens may print alike
-        rec = ", ".join(f"{md_escape(_tok(text[i]))} ({k}/{len(g)})" for i, k in c.most_common(8) if k > 1) or "none"
-        lines += [f"## {_title(g)}", "", f"Tokens in more than one decode: {rec}", "",
-                  "| # | D | query | next | decode (softmax probability) |", "|---|---|---|---|---|"]
+        lines += [f"## {_title(g)}", "", f"Tokens in more than one decode: {recurring(g, 'decode')}", ""]
+        if J:
+            lines += [f"Tokens in more than one J-lens decode: {recurring(g, 'jlens')}", "",
+                      ("| # | D | query | next | logit-lens decode (softmax probability) "
+                       "| J-lens decode (softmax probability) |"), "|---|---|---|---|---|---|"]
+        else:
+            lines += ["| # | D | query | next | decode (softmax probability) |", "|---|---|---|---|---|"]
         for n, r in enumerate(g.itertuples(), 1):
+            jl = f" {_decodes(r, md_escape, probs=True, lens='jlens')} |" if J else ""
             lines.append(f"| {n} | {r.D:.3f} | {md_escape(_tok(r.query))} | {md_escape(_tok(r.next_token))} "
-                         f"| {_decodes(r, md_escape, probs=True)} |")
+                         f"| {_decodes(r, md_escape, probs=True)} |{jl}")
         lines.append("")
     return "\n".join(lines)
 
@@ -328,17 +369,20 @@ def _h(s: str) -> str:
 
 def contexts_html(df: pd.DataFrame, model: str, revision: str) -> str:
     """The context lens as a standalone HTML page (the same tables as :func:`contexts_markdown`, query marked)."""
-    pre = _preamble(model, revision, "Top-deviation contexts")
+    J = _has_jlens(df)
+    pre = _preamble(model, revision, "Top-deviation contexts", jlens=J)
     body = [f"<h1>{_h(pre[0][2:])}</h1>", f"<p>{_h(pre[2])}</p>"]
     for _, g in _heads(df):
         body += [f"<h2>{_h(_title(g))}</h2>", f"<p>{_h(_note(g).replace('**', ''))}</p>", "<table>",
                  "<tr><th>#</th><th>D</th><th>context</th><th>top keys (share)</th><th>next</th>"
-                 "<th>logit-lens decode of Δ</th><th>M_cov</th><th>M_ctx</th></tr>"]
+                 "<th>logit-lens decode of Δ</th>" + ("<th>J-lens decode of Δ</th>" if J else "")
+                 + "<th>M_cov</th><th>M_ctx</th></tr>"]
         for n, r in enumerate(g.itertuples(), 1):
+            jl = f"<td>{_decodes(r, _h, lens='jlens')}</td>" if J else ""
             body.append(f"<tr><td>{n}</td><td>{r.D:.3f}{'' if r.D_ok else ' ⚠'}</td><td>{_h(r.left)}"
                         f"<mark>{_h(r.query)}</mark>{_h(r.right)}</td><td>{_keys(r, _h)}</td>"
                         f"<td>{_h(_tok(r.next_token))}</td>"
-                        f"<td>{_decodes(r, _h)}</td><td>{r.M_cov:+.3f}</td><td>{r.M_ctx:+.3f}</td></tr>")
+                        f"<td>{_decodes(r, _h)}</td>{jl}<td>{r.M_cov:+.3f}</td><td>{r.M_ctx:+.3f}</td></tr>")
         body.append("</table>")
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:2em}"
              "td,th{border:1px solid #ccc;padding:3px 6px;vertical-align:top}mark{background:#fd5}")

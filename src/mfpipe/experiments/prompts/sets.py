@@ -27,6 +27,14 @@ Classes (:class:`Prompt` ``.cls``)
 
 Few-shot tasks
 --------------
+``deviation.icl.tasks`` names them (:func:`fewshot_tasks`, in the order given): a built-in task generated offline
+(below) or a vendored dataset (:mod:`mfpipe.tasks`): by default the paper's five, ``antonym``, ``country-capital``,
+``present-past``, ``singular-plural`` and ``capitalize`` from Todd et al.'s function-vector datasets. A vendored
+task keeps the pairs whose input and output each encode and decode back to themselves; inputs and outputs may be
+several tokens long (the target is the answer's first token, and the round trip above redraws a draw whose answer
+does not encode as a continuation of the prompt). Few-shot prompts over words the model does not know (the mini
+suite's) are left to the built-in tasks.
+
 Built offline from words the tokenizer encodes (:func:`builtin_tasks`): the words are the tracked types' strings
 that are lower-case alphabetic words (leading whitespace stripped, at least ``min_word_length`` letters, encoding
 to at most ``max_word_tokens`` tokens and decoding back to themselves; by default only types that begin a word,
@@ -38,26 +46,36 @@ i.e. whose string starts with whitespace, a heuristic against sub-word pieces):
 * ``successor``: number words ``one -> two .. nine -> ten``, letters ``a -> b .. y -> z``, digits
   ``0 -> 1 .. 8 -> 9``; three groups, each prompt draws all six pairs from one group.
 
-A user's own word-pair task (the paper's antonym, capital, past-tense and plural tasks come from published
-function-vector datasets) is a JSON file read by :func:`load_task_file`::
+A user's own word-pair task (``deviation.icl.task_files``) is a JSON file read by :func:`load_task_file`::
 
-    {"name": "antonym", "pairs": [["hot", "cold"], ["big", "small"], ...]}
+    {"name": "my-task", "pairs": [["hot", "cold"], ["big", "small"], ...]}
 
 ``name`` a non-empty string, ``pairs`` at least six ``[input, output]`` pairs of non-empty strings (an optional
-``"groups"``: one label per pair, prompts then draw within one group).
+``"groups"``: one label per pair, prompts then draw within one group). :class:`FewShotTask`, :func:`load_task_file`
+and :func:`fewshot_text` live in :mod:`mfpipe.tasks` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from mfpipe.tasks import (
+    N_EXEMPLARS,
+    TASK_FILE_FORMAT,
+    FewShotTask,
+    encodes_back,
+    fewshot_text,
+    load_task,
+    load_task_file,
+    vendored_tasks,
+)
+
 __all__ = ["Prompt", "FewShotTask", "CLASSES", "induction_and_random_prompts", "natural_prompts", "fewshot_prompts",
-           "builtin_tasks", "load_task_file", "task_words", "fewshot_text", "prompt_classes", "eval_windows",
-           "meter_sequences", "N_EXEMPLARS", "BUILTIN_TASKS"]
+           "builtin_tasks", "fewshot_tasks", "load_task_file", "task_words", "fewshot_text", "prompt_classes",
+           "eval_windows", "meter_sequences", "meter_chunk_length", "N_EXEMPLARS", "BUILTIN_TASKS"]
 
 #: the classes in the paper's table order (planted ICL, background ICL, control)
 CLASSES = ("induction", "few-shot", "natural", "random")
@@ -67,7 +85,8 @@ def ordered_classes(df, classes=CLASSES) -> list[str]:
     """The prompt classes present in a per-prompt table (its ``cls`` column): the paper's order first, then any other."""
     present = list(dict.fromkeys(df["cls"]))
     return [c for c in classes if c in present] + [c for c in present if c not in classes]
-N_EXEMPLARS = 5
+
+
 BUILTIN_TASKS = ("capitalisation", "copying", "successor")
 NUMBER_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 
@@ -147,56 +166,12 @@ def natural_prompts(tokens: np.ndarray, doc_ids: np.ndarray, query_ids, n: int, 
 
 
 # ------------------------------------------------------------------ few-shot
-@dataclass
-class FewShotTask:
-    """A word-pair task: ``pairs`` of (input, output) strings; ``groups`` (optional, one label per pair): each
-    prompt draws its pairs from one group."""
-
-    name: str
-    pairs: list[tuple[str, str]]
-    groups: list[str] | None = None
-
-    def __post_init__(self):
-        self.pairs = [(str(a), str(b)) for a, b in self.pairs]
-        if self.groups is not None and len(self.groups) != len(self.pairs):
-            raise ValueError(f"task {self.name!r}: {len(self.groups)} group labels for {len(self.pairs)} pairs")
-
-    def pools(self, need: int = N_EXEMPLARS + 1) -> list[list[tuple[str, str]]]:
-        """The pair lists prompts draw from (one per group with at least ``need`` pairs)."""
-        if self.groups is None:
-            return [self.pairs] if len(self.pairs) >= need else []
-        by: dict[str, list] = {}
-        for g, p in zip(self.groups, self.pairs):
-            by.setdefault(g, []).append(p)
-        return [v for v in by.values() if len(v) >= need]
-
-
-def load_task_file(path) -> FewShotTask:
-    """A user's word-pair task (JSON, format in the module docstring)."""
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"few-shot task file {path}: {e}") from None
-    name, pairs = d.get("name") if isinstance(d, dict) else None, d.get("pairs") if isinstance(d, dict) else None
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"few-shot task file {path}: needs a non-empty string 'name'")
-    ok = isinstance(pairs, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) and s for s in p) for p in pairs)
-    if not ok:
-        raise ValueError(f"few-shot task file {path}: 'pairs' must be a list of [input, output] non-empty strings")
-    if len(pairs) < N_EXEMPLARS + 1:
-        raise ValueError(f"few-shot task file {path}: {len(pairs)} pairs; a prompt needs {N_EXEMPLARS + 1}")
-    return FewShotTask(name.strip(), [tuple(p) for p in pairs], d.get("groups"))
-
-
 def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _roundtrips(tokenizer, text: str, max_tokens: int) -> bool:
-    ids = _encode(tokenizer, text)
-    return 0 < len(ids) <= max_tokens and tokenizer.decode(ids) == text
+    return encodes_back(tokenizer, text, max_tokens)
 
 
 def task_words(tokenizer, strings, *, min_word_length: int = 2, max_word_tokens: int = 2,
@@ -234,9 +209,9 @@ def builtin_tasks(tokenizer, strings, names=BUILTIN_TASKS, *, style: str = "titl
         if name == "capitalisation":
             f = str.upper if style == "upper" else str.capitalize
             pairs = [(w, f(w)) for w in words if f(w) != w and _roundtrips(tokenizer, f(w), max_word_tokens)]
-            task = FewShotTask(name, pairs)
+            task = FewShotTask(name, pairs, source="built-in: the tracked types' words")
         elif name == "copying":
-            task = FewShotTask(name, [(w, w) for w in words])
+            task = FewShotTask(name, [(w, w) for w in words], source="built-in: the tracked types' words")
         elif name == "successor":
             fam = {"word": list(zip(NUMBER_WORDS[:-1], NUMBER_WORDS[1:])),
                    "letter": [(chr(c), chr(c + 1)) for c in range(ord("a"), ord("z"))],
@@ -246,7 +221,7 @@ def builtin_tasks(tokenizer, strings, names=BUILTIN_TASKS, *, style: str = "titl
                 ps = [p for p in ps if all(_roundtrips(tokenizer, s, max_word_tokens) for s in p)]
                 pairs += ps
                 groups += [g] * len(ps)
-            task = FewShotTask(name, pairs, groups)
+            task = FewShotTask(name, pairs, groups, source="built-in: number words, letters, digits")
         else:
             raise ValueError(f"unknown built-in few-shot task {name!r}; known: capitalisation, copying, successor")
         if task.pools():
@@ -254,8 +229,23 @@ def builtin_tasks(tokenizer, strings, names=BUILTIN_TASKS, *, style: str = "titl
     return tasks
 
 
-def fewshot_text(exemplars, query_input: str, sep: str = ":", joiner: str = "\n") -> str:
-    return joiner.join(f"{x}{sep}{y}" for x, y in exemplars) + f"{joiner}{query_input}{sep}"
+def fewshot_tasks(tokenizer, strings, names=BUILTIN_TASKS, task_files=()) -> list[FewShotTask]:
+    """The few-shot tasks ``names`` in order, each a built-in task (:func:`builtin_tasks`, from the tracked
+    ``strings``) or a vendored dataset (:func:`mfpipe.tasks.load_task`, pairs the tokenizer encodes back), then the
+    user's ``task_files``. A task with fewer than six usable pairs is left out."""
+    out = []
+    for name in names:
+        if name in BUILTIN_TASKS:
+            out += builtin_tasks(tokenizer, strings, (name,))
+        elif name not in vendored_tasks():
+            raise ValueError(f"unknown few-shot task {name!r}: a built-in task ({', '.join(BUILTIN_TASKS)}) or a "
+                             f"vendored dataset ({', '.join(vendored_tasks())}); a task of your own goes in "
+                             f"deviation.icl.task_files as {TASK_FILE_FORMAT}")
+        else:
+            task = load_task(name, tokenizer=tokenizer)
+            if task.pools():
+                out.append(task)
+    return out + [load_task_file(p) for p in task_files]
 
 
 def fewshot_prompts(tokenizer, tasks, bos_id: int, context_length: int, n: int, *, sep: str = ":",
@@ -288,25 +278,26 @@ def fewshot_prompts(tokenizer, tasks, bos_id: int, context_length: int, n: int, 
 
 # ------------------------------------------------------------------ all four classes
 def prompt_classes(pool, tokenizer, tracked, context_length: int, tokens: np.ndarray, doc_ids: np.ndarray, *,
-                   n: int = 60, n_fewshot: int = 48, n_random: int = 12, seed: int = 0, builtin=BUILTIN_TASKS,
+                   n: int = 60, n_fewshot: int = 48, n_random: int = 12, seed: int = 0, tasks=BUILTIN_TASKS,
                    task_files=(), natural_length: int | None = None, sep: str = ":", joiner: str = "\n"
                    ) -> tuple[list[Prompt], dict]:
     """The prompts of Experiment 2 in class order: ``n`` induction, ``n_fewshot`` few-shot (shared over the
-    built-in tasks ``builtin`` and the user's ``task_files``), ``n`` natural (from the eval windows ``tokens`` /
-    ``doc_ids``) and the ``n`` matched random controls. ``pool``: the token ids with a mean field (query types;
+    tasks named in ``tasks``, built-in or vendored, and the user's ``task_files``: :func:`fewshot_tasks`), ``n``
+    natural (from the eval windows ``tokens`` / ``doc_ids``) and the ``n`` matched random controls. ``pool``: the token ids with a mean field (query types;
     :func:`mfpipe.experiments.prompts.classes.queryable_types`), ``tracked`` the :class:`~mfpipe.corpus.tracked.TrackedSet` (BOS id,
     strings for the built-in tasks). Each class draws from its own generator of ``seed``. Also returns
-    ``info``: per class the count, the task names and the number of pairs per task."""
+    ``info``: per class the count (``counts``), per task its number of usable pairs (``tasks``) and its source
+    (``sources``)."""
     bos = int(tracked.bos_id)
     ind, rnd = induction_and_random_prompts(pool, bos, context_length, n, n_random=n_random,
                                             seed=np.random.default_rng([int(seed), 0]))
     nat = natural_prompts(tokens, doc_ids, pool, n, length=natural_length, seed=np.random.default_rng([int(seed), 1]))
-    tasks = builtin_tasks(tokenizer, tracked.strings, tuple(builtin)) + [load_task_file(p) for p in task_files]
+    tasks = fewshot_tasks(tokenizer, tracked.strings, tuple(tasks), task_files)
     few = fewshot_prompts(tokenizer, tasks, bos, context_length, n_fewshot, sep=sep, joiner=joiner,
                           seed=np.random.default_rng([int(seed), 2]))
     prompts = ind + few + nat + rnd
     info = {"counts": {c: sum(p.cls == c for p in prompts) for c in CLASSES},
-            "tasks": {t.name: len(t.pairs) for t in tasks}}
+            "tasks": {t.name: len(t.pairs) for t in tasks}, "sources": {t.name: t.source for t in tasks}}
     return prompts, info
 
 
@@ -328,6 +319,15 @@ def eval_windows(shards_dir, max_windows: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ------------------------------------------------------------------ Experiment 1
+def meter_chunk_length(requested: int | None, window_length: int) -> tuple[int, bool]:
+    """The chunk length ``k`` of ``[BOS; c; c]`` in windows of ``T = window_length`` tokens: ``requested`` (None:
+    the longest that fits), cut to ``(T-1) // 2`` where ``2k + 1 > T``. Returns (k, whether it was cut)."""
+    fit = (int(window_length) - 1) // 2
+    if requested is None or int(requested) <= fit:
+        return (fit if requested is None else int(requested)), False
+    return fit, True
+
+
 def meter_sequences(tokens: np.ndarray, doc_ids: np.ndarray, n: int, k: int | None = None, *, bos_id: int,
                     seed=0) -> tuple[np.ndarray, int]:
     """``[BOS; c; c]`` rows ``[n', 1 + 2k]`` (int64) with ``c`` the tokens at positions ``1..k`` of an eval-half

@@ -8,6 +8,9 @@
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it
   by what the modules are and do (not by ``model_type``); a model it cannot place raises
   :class:`UnsupportedArchitectureError` naming what did not match.
+* ``jacobian.py`` — :func:`~mfpipe.models.adapters.jacobian.position_jacobians`: same-position Jacobians of the final
+  residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
+  the adapter names), for the J-lens (:mod:`mfpipe.jlens`).
 * ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
   every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
   with ``mfpipe conformance`` first).

@@ -292,6 +292,16 @@ class Adapter(TracedSite):
         replaces the reads goes (the conformance check's reference for the site's write-back)."""
         return self._sub(layer, self.O_PROJ)
 
+    def block_module(self, layer: int) -> nn.Module:
+        """Block ``layer`` of the decoder stack; its hidden-states input (first positional argument or the
+        ``hidden_states`` keyword, by transformers version) is the residual stream entering it, ``resid_in[layer]``:
+        where a plain torch pre-hook reads or replaces that residual (the J-lens's ``block`` point, mfpipe.jlens)."""
+        return self._block(layer)
+
+    def final_norm_module(self) -> nn.Module:
+        """The decoder stack's final norm; its input is the final residual ``resid_in[L]`` (the J-lens's output)."""
+        return module_at(self.base, self.FINAL_NORM)
+
     @no_grad
     def out_proj_bias(self, layer: int) -> Tensor | None:
         b = self._sub(layer, self.O_PROJ).bias

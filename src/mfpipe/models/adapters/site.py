@@ -77,6 +77,7 @@ class RunResult:
 
 Select = str | Iterable[str] | Callable[[str], bool] | None
 PatchReads = Callable[[int, Tensor], Tensor | None]
+PatchResid = Callable[[int, Tensor], Tensor | None]
 
 
 def resolve_select(select: Select) -> frozenset[str]:
@@ -156,6 +157,7 @@ class TracedSite:
         select: Select = "all",
         on_layer: Callable[[LayerCapture], None] | None = None,
         patch_reads: PatchReads | None = None,
+        patch_resid: PatchResid | None = None,
         on_final: Callable[[Tensor], None] | None = None,
         logits: bool = False,
         loss: bool = False,
@@ -173,6 +175,11 @@ class TracedSite:
           replacement [B,T,H,dh] (any float dtype; cast to the model's dtype and written back before the
           output projection runs), or ``None`` to leave the layer untouched. Called before that layer's
           ``on_layer``; ``LayerCapture.reads`` stays the unpatched read.
+        * ``patch_resid(layer, resid)``: called once per layer, in layer order, at the block's input with the
+          residual stream entering block ``layer`` [B,T,d] (float32; do not modify in place). Return the
+          replacement [B,T,d] (cast to the model's dtype and written back before the block runs; e.g. a
+          function vector added at one position) or ``None`` to leave it. ``LayerCapture.resid_in`` is the
+          replaced residual.
         * ``on_final(final residual before the last norm [B,T,d], float32)``.
         * ``logits``: run the full causal LM (LM head included) and return ``RunResult.logits`` [B,T,V]
           float32. ``loss``: return ``RunResult.loss`` / ``token_loss`` (next-token cross entropy of the
@@ -192,7 +199,8 @@ class TracedSite:
         # nested, not one `with a, b:` — nnsight captures the trace's own `with` block from the source
         with torch.no_grad():  # noqa: SIM117
             with root.trace(ids, use_cache=False):
-                self._trace_body(root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result)
+                self._trace_body(root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result,
+                                 patch_resid)
         return result
 
     def capture(
@@ -208,11 +216,12 @@ class TracedSite:
         self.run(input_ids, select="all", on_layer=on_layer, on_final=on_final)
 
     # ------------------------------------------------------------------ inside the trace
-    def _trace_body(self, root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result) -> None:
+    def _trace_body(self, root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result,
+                    patch_resid=None) -> None:
         """Runs in the nnsight worker, interleaved with the forward pass."""
         layers_env = module_at(base_env, self.LAYERS)
         for layer in range(self.n_layers):
-            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads)
+            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads, patch_resid)
             if on_layer is not None:
                 on_layer(cap)
         if on_final is not None:
@@ -231,7 +240,8 @@ class TracedSite:
                 result.token_loss = tl.view(B, T)[:, :-1].contiguous()
                 result.loss = result.token_loss.reshape(-1).mean()
 
-    def _layer_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None) -> LayerCapture:
+    def _layer_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None,
+                    patch_resid: PatchResid | None = None) -> LayerCapture:
         """One block: read the selected tensors and patch the reads, in forward-execution order.
 
         Each ``.input`` / ``.output`` access parks until the forward pass reaches that module and returns
@@ -240,7 +250,20 @@ class TracedSite:
         need_resid_in = "resid_in" in sel or "resid_mid" in sel
         need_attn_out = "attn_out" in sel or "resid_mid" in sel
         cap = LayerCapture(layer=layer)
-        resid_in = layer_env.input.float() if need_resid_in else None
+        resid_in = None
+        if patch_resid is not None:
+            raw = layer_env.input
+            new = patch_resid(layer, raw.float())
+            if new is not None:
+                if not isinstance(new, Tensor) or tuple(new.shape) != tuple(raw.shape):
+                    got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+                    raise ValueError(f"patch_resid(layer={layer}) returned {got}; return the residual as a tensor of "
+                                     f"shape [B,T,d] = {list(raw.shape)} (or None to leave the layer unpatched)")
+                layer_env.input = new.to(device=raw.device, dtype=raw.dtype)
+                raw = layer_env.input
+            resid_in = raw.float() if need_resid_in else None
+        elif need_resid_in:
+            resid_in = layer_env.input.float()
         if "values" in sel:
             cap.values = self._values_from_src(module_at(layer_env, self.V_SRC).output).float()
         if "reads" in sel or patch_reads is not None:

@@ -1,0 +1,170 @@
+"""Per-head quantities of the function-vector experiment (Sec. 6.4, eq:taskresid; App. fv), all through the
+adapter's one read/patch site (:meth:`mfpipe.models.adapters.Adapter.run`).
+
+* :func:`cue_reads`: ONE forward per prompt (batched): every head's read ``z^{ℓh}`` at the final (cue) token,
+  and the model's own top-1 / answer probability there.
+* :func:`task_deviation`: ``r^{ℓh} = E_X[z^{ℓh}_{:,X}] − ẑ^{ℓh}_{:}`` (eq:taskresid) against the corpus null.
+* :func:`corpus_null`: the null at the cue type from the statistics half: the mean field ``Σ_t P_st μ_t``
+  (``"mean_field"``, the paper's ẑ_s) or the measured mean read at type-s positions (``"type_mean"``, the
+  estimate the paper uses for GPT-J).
+* :func:`head_norms`: ``‖O_h v‖`` per head (residual-stream units, output-projection bias excluded).
+* :func:`aie`: Todd et al.'s average indirect effect: each head's mean clean read patched into label-shuffled
+  prompts at the final token, scored by the recovered probability of the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mfpipe.experiments.fv.prompts import FVPrompt, by_length
+
+__all__ = ["CueReads", "cue_reads", "corpus_null", "task_deviation", "head_norms", "top_heads", "random_heads",
+           "aie", "last_logits"]
+
+
+class CueReads:
+    """Reads ``z [n, L, H, dh]`` at the cue of each prompt (float32, CPU), the model's ``top1 [n]`` and the
+    probability of the prompt's answer ``p_answer [n]`` there, in the prompts' order."""
+
+    def __init__(self, z: Tensor, top1: np.ndarray, p_answer: np.ndarray, answers: np.ndarray):
+        self.z, self.top1, self.p_answer, self.answers = z, top1, p_answer, answers
+
+    @property
+    def mean(self) -> Tensor:
+        return self.z.mean(0)
+
+    @property
+    def accuracy(self) -> float:
+        return float(np.mean(self.top1 == self.answers)) if len(self.answers) else float("nan")
+
+
+def last_logits(adapter, final: Tensor) -> Tensor:
+    """Logits ``[B, V]`` at the last position from the final residual ``[B, T, d]`` (the LM head on one position:
+    a batch of prompts never materialises ``B·T·V`` logits)."""
+    return adapter.unembed(final[:, -1])
+
+
+def _chunks(idx: Sequence[int], size: int):
+    for i in range(0, len(idx), max(1, int(size))):
+        yield idx[i : i + max(1, int(size))]
+
+
+def cue_reads(adapter, prompts: list[FVPrompt], *, batch_size: int = 16, progress=None) -> CueReads:
+    """Every head's read at each prompt's last token, and the model's next-token prediction there (one forward per
+    prompt, unpadded batches of equal length)."""
+    n, L, H, dh = len(prompts), adapter.n_layers, adapter.n_heads, adapter.d_head
+    z = torch.zeros(n, L, H, dh, dtype=torch.float32)
+    top1, pa = np.zeros(n, np.int64), np.zeros(n)
+    answers = np.asarray([p.answer for p in prompts], dtype=np.int64)
+    for _, idx in sorted(by_length(prompts).items()):
+        for ch in _chunks(idx, batch_size):
+            ids = torch.from_numpy(np.stack([prompts[i].tokens for i in ch]))
+            got: dict = {}
+
+            def on_layer(cap, got=got):
+                got[cap.layer] = cap.reads[:, -1].detach().cpu()
+
+            def on_final(x, got=got):
+                got["final"] = x
+
+            adapter.run(ids, select=("reads",), on_layer=on_layer, on_final=on_final)
+            lg = last_logits(adapter, got["final"]).float()
+            ch_t = torch.as_tensor(ch)
+            z[ch_t] = torch.stack([got[l] for l in range(L)], dim=1)
+            top1[ch] = lg.argmax(-1).cpu().numpy()
+            pr = torch.softmax(lg, -1)
+            pa[ch] = pr[torch.arange(len(ch)), torch.as_tensor(answers[ch], device=pr.device)].double().cpu().numpy()
+            if progress is not None:
+                progress.update(len(ch))
+    return CueReads(z, top1, pa, answers)
+
+
+def corpus_null(stats, tracked, cue_id: int, kind: str = "mean_field") -> Tensor:
+    """The corpus null ``ẑ^{ℓh}_s`` at the cue type ``s`` ``[L, H, dh]`` from the statistics half (float32)."""
+    lut = tracked.query_bucket_lut()
+    q = int(lut[int(cue_id)]) if 0 <= int(cue_id) < len(lut) else -1
+    if not 0 <= q < tracked.n:
+        raise ValueError(
+            f"the answer-cuing token id {cue_id} is not a tracked query type of this model's statistics, so it has "
+            "no corpus mean field; raise tracked.n (or use a separator the corpus contains often)")
+    if kind == "mean_field":
+        z = stats.zhat()
+    elif kind == "type_mean":
+        z = stats.zbar()
+    else:
+        raise ValueError(f"function_vectors.null = {kind!r}: use mean_field or type_mean")
+    z = z.isel(query=q).transpose("layer", "head", "head_dim")
+    return torch.from_numpy(np.asarray(z.values, dtype=np.float32))
+
+
+def task_deviation(mean_reads: Tensor, null: Tensor) -> Tensor:
+    """eq:taskresid: ``r^{ℓh} = E_X[z^{ℓh}_{:,X}] − ẑ^{ℓh}_{:}``, ``[L, H, dh]``."""
+    return mean_reads.float() - null.float()
+
+
+def out_slices(adapter) -> Tensor:
+    """``O [L, H, dh, d]``: each head's slice of its layer's output projection (float32, CPU)."""
+    return torch.stack([adapter.out_proj_slices(l).detach().float().cpu() for l in range(adapter.n_layers)])
+
+
+def head_norms(v: Tensor, O: Tensor) -> Tensor:
+    """``‖O_h v^{ℓh}‖`` ``[L, H]`` (residual-stream units)."""
+    return torch.einsum("lhe,lhed->lhd", v.float(), O).norm(dim=-1)
+
+
+def top_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
+    """The ``k`` heads with the largest score, best first (ties: lower layer, then head)."""
+    L, H = scores.shape
+    flat = scores.reshape(-1).double().cpu().numpy()
+    order = np.lexsort((np.arange(L * H), -flat))[: int(k)]
+    return [(int(i // H), int(i % H)) for i in order]
+
+
+def random_heads(n_layers: int, n_heads: int, k: int, seed) -> list[tuple[int, int]]:
+    pick = np.random.default_rng(seed).choice(n_layers * n_heads, size=min(int(k), n_layers * n_heads), replace=False)
+    return [(int(i // n_heads), int(i % n_heads)) for i in pick]
+
+
+def aie(adapter, corrupted: list[FVPrompt], clean_mean: Tensor, *, batch_size: int = 64, progress=None
+        ) -> tuple[Tensor, float, Tensor]:
+    """Average indirect effect of every head (Todd et al. 2024, their Eq. 4): for each corrupted prompt and head,
+    the head's read at the final token replaced by its mean over clean prompts (``clean_mean [L,H,dh]``), the rest
+    of the forward as is; AIE = mean over prompts of ``P(answer | patched) − P(answer | corrupted)``.
+
+    Returns ``(aie [L, H], mean corrupted-prompt answer probability, per-prompt effects [n, L, H])``. One forward
+    per (head, corrupted prompt), batched: row 0 of each prompt unpatched, rows 1.. one head each."""
+    L, H = adapter.n_layers, adapter.n_heads
+    heads = [(l, h) for l in range(L) for h in range(H)]
+    n = len(corrupted)
+    eff = torch.zeros(n, L, H, dtype=torch.float64)
+    base = np.zeros(n)
+    cm = clean_mean.float()
+    for k, p in enumerate(corrupted):
+        rows = [None] + heads
+        probs = []
+        for ch in _chunks(list(range(len(rows))), batch_size):
+            lay = torch.as_tensor([rows[i][0] if rows[i] else -1 for i in ch])
+            hd = torch.as_tensor([rows[i][1] if rows[i] else -1 for i in ch])
+            ids = torch.from_numpy(np.tile(p.tokens, (len(ch), 1)))
+            got: dict = {}
+
+            def patch(layer, reads, lay=lay, hd=hd):
+                m = torch.nonzero(lay == layer).flatten()
+                if not len(m):
+                    return None
+                out = reads.clone()
+                out[m.to(out.device), -1, hd[m].to(out.device)] = cm[layer, hd[m]].to(out.device, out.dtype)
+                return out
+
+            adapter.run(ids, select=(), patch_reads=patch, on_final=lambda x, got=got: got.setdefault("f", x))
+            probs.append(torch.softmax(last_logits(adapter, got["f"]).float(), -1)[:, p.answer].double().cpu())
+        pr = torch.cat(probs)
+        base[k] = float(pr[0])
+        eff[k] = (pr[1:] - pr[0]).view(L, H)
+        if progress is not None:
+            progress.update(1)
+    return eff.mean(0), float(base.mean()) if n else float("nan"), eff

@@ -1,0 +1,46 @@
+"""Snakemake script: the J-lens of App. P for one (model, revision) (mfpipe.jlens): J_l = E[d h^L_t / d h^l_t], the
+average same-position Jacobian of the final residual with respect to the residual entering block l ("block") and to
+block l's attention output ("attn"), over seeded positions of the statistics half's windows ->
+results/jlens/<model>/<revision>/jlens.zarr (provenance: model, revision, corpus)."""
+import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mfpipe import jlens as JL
+from mfpipe.corpus.windows import list_shards, read_shard
+from mfpipe.jobs import load_job_model, run_logged
+from mfpipe.logs import setup_logging
+from mfpipe.stats.halves import corpus_info
+
+sm = snakemake  # noqa: F821 (injected by Snakemake)
+log = setup_logging(sm.log[0])
+
+
+def main() -> None:
+    p = sm.params
+    name, revision = p.model_spec["name"], str(p.revision)
+    shards = Path(sm.input.shards)
+    info = corpus_info(shards)
+    paths = list_shards(shards / "stats")
+    if not paths:
+        raise FileNotFoundError(f"{shards / 'stats'} holds no shard: rerun the corpus stage (corpus_shards)")
+    windows = np.concatenate([read_shard(x).tokens for x in paths])
+    _, adapter = load_job_model(p, sm.threads)
+    log.info("%s @ %s: J-lens over %d positions of %d windows (T=%d) of the statistics half, seed %d, %d windows per "
+             "batch", name, revision, int(p.n_positions), windows.shape[0], windows.shape[1], int(p.seed),
+             int(p.batch_size))
+    t0 = time.perf_counter()
+    ds = JL.estimate_jlens(adapter, windows, n_positions=int(p.n_positions), seed=int(p.seed),
+                           batch_size=int(p.batch_size), grad_chunk=int(p.grad_chunk), desc=f"jlens {name}@{revision}")
+    L = adapter.n_layers
+    off = float(np.abs(ds["J"].sel(point="block", layer=L).values - np.eye(adapter.d_model)).max())
+    log.info("estimated in %.1f s; max |J_L - I| = %.2e (the final point's Jacobian is the identity)",
+             time.perf_counter() - t0, off)
+    prov = {"model": name, "revision": revision, "commit": getattr(p, "commit", None), "half": "stats",
+            "corpus": info.get("corpus"), "corpus_fingerprint": info["fingerprint"]}
+    JL.write_jlens(sm.output[0], ds, prov)
+
+
+run_logged(main, log)
