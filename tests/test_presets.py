@@ -308,8 +308,8 @@ def test_the_new_families_presets_plan_offline(hub, tmp_path):
 
 
 def test_the_gemma_preset_plans_the_paper_function_vector_run(presets_run, hub):
-    """Issue 29: Gemma-2-2B (and GPT-2 small) plan the paper's six-task function-vector run with its J-lens; the
-    other paper presets' models run none (the presets' shared `function_vectors.models`)."""
+    """Issue 29: Gemma-2-2B (and GPT-2 small) plan the paper's six-task function-vector run with its J-lens (the
+    presets' shared block names the models: tests/test_fv.py)."""
     wd = presets_run["wd"]
     models = run_models()
     targets = [f"results/tables/fv_{m}_{revs[-1]}.md" for m, revs in models.items() if m in ("gemma-2-2b", "gpt2-small")]
@@ -318,8 +318,6 @@ def test_the_gemma_preset_plans_the_paper_function_vector_run(presets_run, hub):
     assert sorted(w for r, w in jobs if r == "function_vectors") == [
         "model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"], text[-3000:]
     assert {w for r, w in jobs if r == "jlens"} == {"model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"}
-    _, text = run(wd, hub["env"], presets_run["configs"], "-n", check=False)
-    assert not [w for r, w in planned_jobs(text) if r == "function_vectors" and "gemma" not in w and "gpt2" not in w]
 
 
 @pytest.mark.skipif(not os.environ.get("MFPIPE_FAMILIES_E2E"),
