@@ -15,13 +15,17 @@ def fv_tasks(model):
 
 
 def fv_task_inputs(wildcards):
-    """The task files a job reads: the mini suite's tasks, and the user's files (vendored tasks ship with mfpipe)."""
+    """The task files a job reads: the mini suite's tasks, the user's files and the vendored datasets it names
+    (mfpipe.tasks): editing one reruns the job."""
     out = []
     for t in fv_tasks(wildcards.model):
+        vendored = SRC / "mfpipe" / "tasks" / "data" / f"{t}.json"
         if t == "minisuite":
             out.append(f"{R}/minisuite/tasks.json")
         elif t.endswith(".json"):
             out.append(t)
+        elif vendored.is_file():
+            out.append(str(vendored))
     return out
 
 
