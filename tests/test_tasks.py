@@ -142,6 +142,7 @@ def test_the_tasks_key_in_the_schema_the_default_config_and_the_presets():
         cfg = _layered(default, preset)
         assert tuple(cfg["deviation"]["icl"]["tasks"]) == T.PAPER_ICL_TASKS, preset.name
         assert cfg["deviation"]["icl_meter"]["chunk_length"] == 128
+        assert cfg["deviation"]["tokens"] is None, preset.name  # pass 2 over the whole half (README), not one shard
     bare = {"deviation": {}}  # a config that does not name the tasks gets the schema's default
     apply_defaults(bare)
     assert tuple(bare["deviation"]["icl"]["tasks"]) == T.PAPER_ICL_TASKS
