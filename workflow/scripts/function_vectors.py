@@ -61,22 +61,24 @@ def main() -> None:
     T = int(job.stats.attrs.get("context_length") or 1 << 30)
     bos = int(tracked.bos_id)
     null = lambda cue: Hd.corpus_null(job.stats, tracked, cue, cfg.get("null", "mean_field"))  # noqa: E731
-    # every task's answer category, for the "unrelated words" population of the others
-    cats = {}
+    # every task's pool, drawn once: its answer category is the "unrelated words" population of the others
     from mfpipe.experiments.fv.prompts import task_pool
 
+    pools, cats = {}, {}
     for t, over in tasks:
         c = {**cfg, **over}
         try:
-            cats[t.name] = task_pool(t, tokenizer, bos, n_pairs=int(c["n_pairs"]), seed=int(c["seed"]),
-                                     sep=c["separator"], answer_prefix=c["answer_prefix"]).category
-        except ValueError:
+            pools[t.name] = task_pool(t, tokenizer, bos, n_pairs=int(c["n_pairs"]), seed=int(c["seed"]),
+                                      sep=c["separator"], answer_prefix=c["answer_prefix"])
+            cats[t.name] = pools[t.name].category
+        except ValueError:  # run_task draws it again and stops the job with that error
             cats[t.name] = np.zeros(0, np.int64)
     parts, infos = {k: [] for k in ("transfer", "heads", "sweep", "ranks", "prompt_ranks")}, []
     with tqdm(desc=f"fv {name}@{revision}", unit="row", mininterval=5) as bar:
         for t, over in tasks:
             out = E.run_task(adapter, t, tokenizer, bos, null, {**cfg, **over}, jlens=jl, context_length=T, log=log,
-                             other_categories=[c for k, c in cats.items() if k != t.name], progress=bar)
+                             other_categories=[c for k, c in cats.items() if k != t.name], progress=bar,
+                             pool=pools.get(t.name))
             for k in parts:
                 parts[k].append(out[k])
             infos.append(out["info"])

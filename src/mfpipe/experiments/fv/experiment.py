@@ -71,10 +71,11 @@ def _ranks(logits: torch.Tensor, ids) -> np.ndarray:
 
 
 def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_categories=(),
-             jlens=None, context_length: int | None = None, log=None, progress=None) -> dict:
+             jlens=None, context_length: int | None = None, log=None, progress=None, pool=None) -> dict:
     """Everything of one task (module docstring). ``null``: ``cue token id -> the corpus null at that type [L,H,dh]``
     (e.g. :func:`~mfpipe.experiments.fv.heads.corpus_null` bound to the statistics half) or that tensor;
-    ``other_categories``: the answer tokens of the run's other tasks (the unrelated population).
+    ``other_categories``: the answer tokens of the run's other tasks (the unrelated population); ``pool``: the task's
+    :func:`~mfpipe.experiments.fv.prompts.task_pool` with these settings, where the caller has drawn it already.
 
     Returns a dict of DataFrames: ``transfer`` (per split × protocol × selection × construction, plus the
     zero-shot / few-shot rows), ``heads`` (per split and head: the three scores and the selections), ``sweep``,
@@ -84,8 +85,9 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
     T = int(context_length or 1 << 30)
     seed, k = int(c["seed"]), int(c["n_heads"])
     kw = dict(sep=c["separator"], answer_prefix=c["answer_prefix"], joiner=c["joiner"], context_length=T)
-    pool = Pr.task_pool(task, tokenizer, bos_id, n_pairs=int(c["n_pairs"]), seed=seed, sep=c["separator"],
-                        answer_prefix=c["answer_prefix"])
+    if pool is None:
+        pool = Pr.task_pool(task, tokenizer, bos_id, n_pairs=int(c["n_pairs"]), seed=seed, sep=c["separator"],
+                            answer_prefix=c["answer_prefix"])
     cues = {int(p.tokens[-1]) for p in pool.zeroshot}
     if len(cues) == 1 and callable(null):
         null = null(next(iter(cues)))

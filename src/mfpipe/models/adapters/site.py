@@ -1,6 +1,8 @@
 """The read/patch site: ONE nnsight-traced forward that reads, replaces and scores.
 
-:meth:`TracedSite.run` is the only code in mfpipe that touches activations inside a forward pass.
+:meth:`TracedSite.run` is the only code in mfpipe that reads or replaces activations inside a forward pass, apart
+from the J-lens's Jacobians (:mod:`mfpipe.models.adapters.jacobian`): they need the autograd graph of an ordinary
+forward, which this site runs under ``no_grad``, so that module hooks the modules the adapter names.
 Per layer it can
 
 * **read** the :class:`LayerCapture` fields named by ``select`` (like TransformerLens' ``names_filter``):
