@@ -196,6 +196,24 @@ def test_two_shards_merged_equal_one_pass(setup, tmp_path):
         DP.merge_partials([parts[0], (s, {**m, "revision": "r2"})], names=["p0", "p_other"])
 
 
+def test_top_contexts_list_ties_in_corpus_order(setup):
+    """A window the corpus repeats gives its contexts the same D, bit for bit: the top-deviation lists (which the
+    lenses print) keep such ties in corpus order, earlier window first, where topk leaves their order to the
+    device's kernel (the CPU and a GPU listed them differently)."""
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    if mt != "gpt2":
+        pytest.skip("one architecture suffices")
+    tokens, doc_ids = tokens.copy(), doc_ids.copy()
+    for copy in (3, 7):  # window 1 again, in its own batch (3) and in the next one (7)
+        tokens[copy], doc_ids[copy] = tokens[1], doc_ids[1]
+    sums, _ = DP.deviation_shard(model, ad, tokens, doc_ids, tracked, st, min_count=1, batch_size=4, progress=False,
+                                 top_k=48)
+    D, idx = sums["top_D"], sums["top_window"] * tokens.shape[1] + sums["top_position"]
+    tied = (D[..., 1:] == D[..., :-1]) & np.isfinite(D[..., 1:])
+    assert tied.sum() >= 4, "the repeated window gave no ties to order"
+    assert (idx[..., 1:] > idx[..., :-1])[tied].all(), "tied contexts out of corpus order"
+
+
 def test_deviation_store_and_corpus_deviation(setup, tmp_path):
     mt, model, ad, tracked, st, tokens, doc_ids = setup
     if mt != "gpt2":

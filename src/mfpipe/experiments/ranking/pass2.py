@@ -22,7 +22,8 @@ Sums (``L`` layers, ``H`` heads, ``N`` tracked types, ``dh`` head width; float64
                                                 n_t-weighted mean over type-s contexts; on W's C >= min_count
                                                 support, as P_st = W_st E_s[n_t] there), estimator (b) of Sec. 4.3
     degenerate               int64 [L,H]        contexts whose error is collinear with ẑ (shares split evenly)
-    top_D                    [L,H,K]            the K largest D per head (lens: top-deviation contexts), -inf pad
+    top_D                    [L,H,K]            the K largest D per head (lens: top-deviation contexts), ties in
+                                                corpus order, -inf pad
     top_window, top_position int64 [L,H,K]      where they are (window of the shard, query position)
 
 Top-deviation contexts skip occurrences where the head puts more than ``other_share_max`` of its attention on
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from mfpipe.experiments.ranking.queries import QueryTerms, query_terms
 from mfpipe.meanfield.plan import query_plan
@@ -148,12 +150,14 @@ class DeviationAccumulator:
         D = torch.where(t.other.T <= self.other_share_max, m["D"], torch.full_like(m["D"], -torch.inf))
         cand = torch.full((H, B * T), -torch.inf, dtype=D.dtype, device=self.device)
         cand[:, plan.b[valid] * T + plan.j[valid]] = D
-        k = min(self.top_k, B * T)
-        v, i = cand.topk(k, dim=1)
+        # ties go to the earlier context (a context the corpus repeats gives the same D bit for bit): a stable sort,
+        # not topk, whose order among equal values differs between the CPU and a GPU (the lenses print these)
+        v, i = _top(cand, min(self.top_k, B * T))
         idx = i + self.first_window * T  # window * T + position, windows counted from the shard's first
+        # the kept contexts come first (earlier windows), so a stable sort keeps ties in corpus order
         allv = torch.cat([self.top_D[l], v], 1)
         alli = torch.cat([self.top_idx[l], torch.where(torch.isfinite(v), idx, torch.full_like(idx, -1))], 1)
-        best, pos = allv.topk(self.top_k, dim=1)
+        best, pos = _top(allv, self.top_k)
         self.top_D[l] = best
         self.top_idx[l] = alli.gather(1, pos)
 
@@ -182,3 +186,9 @@ class DeviationAccumulator:
             "top_window": np.where(idx >= 0, idx // T, -1), "top_position": np.where(idx >= 0, idx % T, -1),
         }
 
+
+def _top(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest values of each row of ``x`` and their columns, ties in column order (``topk`` leaves their
+    order to the device's kernel)."""
+    v, i = torch.sort(x, dim=1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
