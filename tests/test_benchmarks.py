@@ -43,3 +43,14 @@ def test_function_vector_benchmark_runs():
     out = res.stdout
     assert "MFA selection: 4 prompt-forwards" in out and "AIE selection: 34 prompt-forwards" in out, out
     assert re.search(r"ratio AIE / MFA: forwards 8\.5x, wall time [0-9.]+x", out), out
+
+
+def test_jlens_benchmark_runs():
+    cmd = [sys.executable, str(REPO / "benchmarks" / "jlens.py"), "--model", "mini-gpt2-random", "--context-length",
+           "16", "--positions", "6", "--windows", "4", "--batch-size", "3", "--repeats", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert re.search(r"median: prefix as a key/value cache [0-9.]+ s, whole windows [0-9.]+ s: [0-9.]+x faster", out), out
+    apart = float(re.search(r"estimates apart by at most (\S+) ", out).group(1))
+    assert apart < 1e-4, out

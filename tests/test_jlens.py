@@ -157,6 +157,51 @@ def test_final_point_is_identity_and_decodes_as_the_raw_lens(mt, tmp_path):
                                position_jacobians(ad, ids, pos, grad_chunk=16).numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mt", TINY_MODEL_TYPES)
+def test_the_cached_prefix_gives_the_whole_window_jacobian(mt):
+    """Each backward pass runs through token t alone, its prefix held as the model's key/value cache: on a float64
+    copy of every architecture that equals the Jacobian of the whole window run (1e-10), for rows that share a
+    position, rows that do not and position 0."""
+    ad = get_adapter(copy.deepcopy(make_tiny_model(mt, seed=4)).double())
+    ids, pos = torch.as_tensor(_windows(6, seed=2)), torch.tensor([7, 3, 7, 0, 9, 3])
+    with _true_float64():
+        cached = position_jacobians(ad, ids, pos, grad_chunk=8)
+        whole = position_jacobians(ad, ids, pos, grad_chunk=8, prefix_cache=False)
+    assert torch.isfinite(cached[0]).all() and torch.isnan(cached[1, -1]).all()
+    scale = float(whole[0].abs().max())
+    torch.testing.assert_close(cached, whole, rtol=0, atol=1e-10 * scale, equal_nan=True)
+
+
+def test_a_model_without_a_usable_cache_runs_whole_windows(caplog):
+    """A forward that takes no ``past_key_values``, or takes them and does not attend to them (its token would sit at
+    position 0 of an empty context), falls back to whole windows, with a log line: the same Jacobian."""
+    import logging
+
+    ad = get_adapter(make_tiny_model("llama", seed=1))
+    ids, pos = torch.as_tensor(_windows(3, seed=4)), torch.tensor([5, 2, 8])
+    whole = position_jacobians(ad, ids, pos, prefix_cache=False)
+    forward = ad.base.forward
+
+    def refuses(*a, past_key_values=None, use_cache=None, **k):
+        if past_key_values is not None or use_cache:
+            raise TypeError("forward() got an unexpected keyword argument 'past_key_values'")
+        return forward(*a, use_cache=False, **k)
+
+    def ignores(*a, past_key_values=None, use_cache=None, **k):
+        return forward(*a, use_cache=past_key_values is None and bool(use_cache), **k)
+
+    for shim, said in ((refuses, "unexpected keyword"), (ignores, "another final residual")):
+        ad.base.forward = shim
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="mfpipe.models.adapters.jacobian"):
+                got = position_jacobians(ad, ids, pos)
+        finally:
+            del ad.base.forward
+        assert any(said in r.getMessage() and "whole" in r.getMessage() for r in caplog.records), caplog.text
+        torch.testing.assert_close(got, whole, rtol=0, atol=0, equal_nan=True)
+
+
 def test_position_sampling_is_seeded_and_skips_bos():
     w, p = JL.sample_positions(7, 12, 100, seed=4)
     assert p.min() >= 1 and p.max() <= 11 and len(set(p.tolist())) > 5

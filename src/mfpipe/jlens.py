@@ -79,8 +79,9 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     :func:`sample_positions` picks ``n_positions`` (window, position) pairs; batches of ``batch_size`` of them, in
     order of position (one position per batch row; a window may appear twice in a batch, rows are independent) go
     through
-    :func:`~mfpipe.models.adapters.jacobian.position_jacobians` (``grad_chunk`` backward passes batched at a time),
-    summed in float64 and divided by ``n_positions``.
+    :func:`~mfpipe.models.adapters.jacobian.position_jacobians` (``grad_chunk`` backward passes batched at a time,
+    each through the sampled token alone, its prefix held as the model's key/value cache), summed in float64 and
+    divided by ``n_positions``.
 
     Returns an :class:`xarray.Dataset`: ``J`` (point, layer, out, in) in ``dtype`` (NaN at ``attn``, layer ``L``),
     ``n_positions`` (scalar), ``sample_window`` / ``sample_position`` (sample) and attrs ``kind``, ``model_type``,
@@ -98,8 +99,8 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     win, pos = sample_positions(n_win, T, n_positions, seed)
     L, d, bs = adapter.n_layers, adapter.d_model, max(1, int(batch_size))
     total = torch.zeros(2, L + 1, d, d, dtype=torch.float64, device=adapter.device)
-    # batched in order of position: each batch is cut after its largest position, so similar positions together
-    # cost least (the sum does not depend on the order)
+    # batched in order of position: the rows of one position share a prefix forward (and, for a model without a
+    # key/value cache, each batch is cut after its largest position); the sum does not depend on the order
     order = np.argsort(pos, kind="stable")
     starts = range(0, len(win), bs)
     if progress:

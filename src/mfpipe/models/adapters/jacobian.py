@@ -13,6 +13,11 @@ gradient of ``sum_b y[b, i]`` with respect to a residual tensor ``x [B, T, d]``,
 insertion point at once. ``d`` backward passes (batched with ``is_grads_batched`` in chunks of ``grad_chunk``)
 give the full ``[d, d]`` blocks.
 
+Those ``d`` backward passes are the cost, so each runs through one position only: positions before ``t_b`` do not
+depend on ``x_{t_b}`` (causal attention), so their keys and values are constants of the Jacobian, and the rows of
+one ``t`` run their prefix once without a graph, into the model's key/value cache, and then token ``t`` alone with
+the graph (``prefix_cache``; a model without a cache runs each window whole, the same Jacobian up to rounding).
+
 Insertion points (``POINTS``):
 
 * ``"block"``: the residual entering block ``ℓ`` (``ℓ = 0..L-1``) and ``ℓ = L``, the final residual itself, whose
@@ -23,6 +28,7 @@ Insertion points (``POINTS``):
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -56,18 +62,25 @@ def _rows(g: Tensor, pos: Tensor) -> Tensor:
     return g[..., b, pos, :].double().sum(-2)
 
 
-def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16) -> Tensor:
+def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_cache: bool = True) -> Tensor:
     """``sum_b ∂h^L[b, t_b] / ∂x^p_ℓ[b, t_b]`` as float64 ``[2, L+1, d, d]`` (point, layer, out, in), with
     ``point`` as in :data:`POINTS` and NaN at ``("attn", L)``.
 
     ``ids [B, T]`` token ids (no padding, no mask), ``positions [B]`` one position per row (``0 <= t_b < T``).
-    The windows are cut after the largest position: a causal model's ``h^L[t]`` depends on positions ``<= t``
-    only. ``grad_chunk``: backward passes batched in one ``torch.autograd.grad(..., is_grads_batched=True)``
-    (``<= 1``: one at a time; a model whose backward cannot be batched falls back to that as well).
+    ``grad_chunk``: backward passes batched in one ``torch.autograd.grad(..., is_grads_batched=True)`` (``<= 1``: one
+    at a time; a model whose backward cannot be batched falls back to that as well).
+
+    ``prefix_cache`` (default): a causal model's prefix ``< t`` does not depend on ``x_t``, so its keys and values
+    are constants of the Jacobian. The rows of each distinct ``t`` run their prefix once without a graph (the model's
+    own key/value cache), then token ``t`` alone with the graph: each backward pass runs through one position instead
+    of ``t + 1`` (the backward passes are the cost: ``d`` of them; ``benchmarks/jlens.py`` times both). A model
+    whose forward takes or honours no key/value cache falls back, with a log line, to ``prefix_cache=False``: every window
+    cut after the largest position and run whole, each backward through every position (the same Jacobian, up to
+    float rounding; tests tie the two).
 
     The model runs as it is loaded (eval mode is set for the call), with its parameters' ``requires_grad``
     switched off for the call and restored after: only the residual tensors are differentiated."""
-    model, L, d = adapter.model, adapter.n_layers, adapter.d_model
+    model = adapter.model
     dev = adapter.device
     ids = torch.as_tensor(ids).to(device=dev, dtype=torch.long)
     pos = torch.as_tensor(positions).to(device=dev, dtype=torch.long).reshape(-1)
@@ -77,9 +90,111 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16) -> Tens
         raise ValueError("position_jacobians needs at least one window")
     if int(pos.min()) < 0 or int(pos.max()) >= ids.shape[1]:
         raise ValueError(f"positions must lie in 0..{ids.shape[1] - 1}, got {pos.min().item()}..{pos.max().item()}")
-    ids = ids[:, : int(pos.max()) + 1]
-    B = ids.shape[0]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    training = model.training
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        model.eval()
+        if prefix_cache:
+            try:
+                return _cached_prefix(adapter, ids, pos, grad_chunk)
+            except _NoCache as e:
+                log.warning("%s: no key/value cache (%s); the J-lens runs every window whole", adapter.model_type, e)
+        ids = ids[:, : int(pos.max()) + 1]  # h^L[t] depends on positions <= t only
+        return _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk)[0]
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+        model.train(training)
 
+
+class _NoCache(RuntimeError):
+    """The model's forward gave no key/value cache to run a token after its prefix with."""
+
+
+def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int) -> Tensor:
+    """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache."""
+    L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
+    kwarg = _cache_keyword(adapter.base)
+    total, checked = None, False
+    for t in torch.unique(pos).tolist():
+        rows = torch.nonzero(pos == t).reshape(-1)
+        token = ids[rows, t : t + 1]
+        if t == 0:  # nothing before it
+            def run(token=token):
+                return adapter.base(input_ids=token, use_cache=False)
+        else:
+            try:
+                with torch.no_grad():
+                    cache = _returned_cache(adapter.base(input_ids=ids[rows, :t], use_cache=True))
+            except TypeError as e:  # a forward without use_cache
+                raise _NoCache(str(e).splitlines()[0][:200]) from e
+            if cache is None:
+                raise _NoCache("its forward returned no cache")
+
+            def run(token=token, cache=cache):
+                try:
+                    return adapter.base(input_ids=token, use_cache=True, **{kwarg: cache})
+                except TypeError as e:
+                    raise _NoCache(str(e).splitlines()[0][:200]) from e
+        # a pass through one token holds 1 / (t + 1) of what a pass through the whole window holds: on a GPU the same
+        # memory takes (t + 1) times as many passes at once, one call instead of t + 1 launch-bound small ones (a
+        # CPU runs the wide batched passes slower than grad_chunk at a time: GPT-2 small 13 s a position against 6)
+        chunk = min(d, max(1, int(grad_chunk)) * ((t + 1) if dev.type == "cuda" else 1))
+        out, y = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk)
+        if t > 0 and not checked:
+            # a forward that takes past_key_values but does not attend to them would put the token at position 0
+            # of an empty context: its final residual must be the whole window's at t
+            ref = _final_residual(adapter, ids[rows, : t + 1])[:, t]
+            err = float((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+            if not err < 1e-3:
+                raise _NoCache(f"the token after its cached prefix gave another final residual than the whole window "
+                               f"(relative difference {err:.2g})")
+            checked = True
+        total = out if total is None else total + out
+    return total if total is not None else torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
+
+
+def _cache_keyword(module) -> str:
+    """The keyword a base model's forward takes its key/value cache by: ``cache`` (transformers >= 5.2x, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier, and a forward taking ``**kwargs``)."""
+    params = inspect.signature(module.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return "past_key_values"
+    raise _NoCache(f"{type(module).__name__}.forward takes no cache (neither cache nor past_key_values)")
+
+
+def _returned_cache(out):
+    """The key/value cache of a base model's output (``cache`` or ``past_key_values``), else None."""
+    if isinstance(out, dict):  # transformers' ModelOutput: only the fields that were set
+        for name in ("cache", "past_key_values"):
+            if out.get(name) is not None:
+                return out[name]
+    return None
+
+
+def _final_residual(adapter, ids: Tensor) -> Tensor:
+    """The input of the final norm, ``[B, T, d]``, of one forward without a graph."""
+    seen: list[Tensor] = []
+    handle = adapter.final_norm_module().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(_hidden(args, kwargs)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            adapter.base(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def _blocks(adapter, run, pos: Tensor, grad_chunk: int) -> Tensor:
+    """The Jacobian blocks of one forward ``run()`` (hooked here) whose row ``b`` is read at position ``pos[b]``:
+    float64 ``[2, L+1, d, d]``, summed over rows, and the final residual read there, ``[B, d]``."""
+    L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
+    B = pos.numel()
     block_in: list[Tensor | None] = [None] * L
     attn_out: list[Tensor | None] = [None] * L
     final: list[Tensor] = []
@@ -106,18 +221,13 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16) -> Tens
         final.append(_hidden(args, kwargs))
 
     handles = []
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    training = model.training
     try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        model.eval()
         for l in range(L):
             handles.append(adapter.block_module(l).register_forward_pre_hook(block_hook(l), with_kwargs=True))
             handles.append(adapter.out_proj_module(l).register_forward_hook(attn_hook(l)))
         handles.append(adapter.final_norm_module().register_forward_pre_hook(final_hook, with_kwargs=True))
         with torch.enable_grad():
-            adapter.base(input_ids=ids, use_cache=False)
+            run()
             for h in handles:
                 h.remove()
             handles = []
@@ -154,10 +264,7 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16) -> Tens
     finally:
         for h in handles:
             h.remove()
-        for p, f in flags:
-            p.requires_grad_(f)
-        model.train(training)
     out = torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
     out[0] = rows[: L + 1]
     out[1, :L] = rows[L + 1 :]
-    return out
+    return out, y.detach()

@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Benchmark: the J-lens estimate (`mfpipe.jlens.estimate_jlens`, rule `jlens`) with each backward pass through the
+sampled token alone (its prefix held as the model's key/value cache, the default) against each window run whole
+(`prefix_cache=False`, what the J-lens did before), on the same sampled positions, and how far the two estimates
+are apart.
+
+    PYTHONPATH=src python benchmarks/jlens.py --model gpt2-small-random --context-length 512 --positions 4 \
+        --batch-size 4 --device cpu
+    PYTHONPATH=src python benchmarks/jlens.py --model mini-gpt2-random --context-length 64 --positions 256 --batch-size 32
+
+Both forms are timed alternately, ``--repeats`` times each; the script prints each time, the medians and their
+ratio, and a cost estimate per position. Tokens are Zipf-distributed windows as in the corpus-pass benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stats_pass import device_sync, setup_model, zipf_windows  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2-small-random",
+                    help="gpt2-small-random, mini-gpt2-random, or a checkpoint folder (e.g. a mini-suite step)")
+    ap.add_argument("--context-length", type=int, default=512)
+    ap.add_argument("--positions", type=int, default=4, help="sampled positions (the job's jlens.n_positions)")
+    ap.add_argument("--windows", type=int, default=64, help="windows the positions are drawn from")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--grad-chunk", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--forms", nargs="+", choices=("cached", "whole"), default=["cached", "whole"],
+                    help="the forms to time (whole windows take hours at GPT-2 small's shape on a CPU)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--default-allocator", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    from mfpipe import jlens as JL
+
+    dev, _model, adapter, V, bos = setup_model(args)
+    sync = device_sync(dev)
+    windows, _ = zipf_windows(V, args.windows, args.context_length, bos, seed=0)
+    print(f"model {args.model} ({adapter.model_type}, L={adapter.n_layers}, d={adapter.d_model}); device {dev}; "
+          f"torch threads {torch.get_num_threads()}; T={args.context_length}, {args.positions} positions, batch "
+          f"{args.batch_size}, grad_chunk {args.grad_chunk}")
+    _, pos = JL.sample_positions(len(windows), args.context_length, args.positions, 0)
+    print(f"sampled positions: mean {pos.mean():.0f}, max {pos.max()}")
+
+    from mfpipe.models.adapters import jacobian
+
+    def estimate(prefix_cache: bool):
+        def pj(*a, **k):
+            return original(*a, **k, prefix_cache=prefix_cache)
+
+        jacobian.position_jacobians = pj
+        try:
+            sync()
+            t0 = time.perf_counter()
+            ds = JL.estimate_jlens(adapter, windows, n_positions=args.positions, seed=0, batch_size=args.batch_size,
+                                   progress=False, grad_chunk=args.grad_chunk)
+            sync()
+            return time.perf_counter() - t0, ds["J"].values
+        finally:
+            jacobian.position_jacobians = original
+
+    original = jacobian.position_jacobians
+    times = {form: [] for form in args.forms}
+    J = {}
+    for _ in range(args.repeats):
+        for form, flag in (("cached", True), ("whole", False)):
+            if form not in times:
+                continue
+            t, J[form] = estimate(flag)
+            times[form].append(t)
+            print(f"  {form:7s} {t:8.2f} s")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    if len(med) < 2:
+        (form, m), = med.items()
+        print(f"median: {form} {m:.2f} s ({m / args.positions:.3f} s per position)")
+        return
+    print(f"median: prefix as a key/value cache {med['cached']:.2f} s, whole windows {med['whole']:.2f} s: "
+          f"{med['whole'] / med['cached']:.1f}x faster ({med['cached'] / args.positions:.3f} s against "
+          f"{med['whole'] / args.positions:.3f} s per position)")
+    a, b = J["cached"][0], J["whole"][0]  # the block point, every layer
+    scale = float(np.abs(b).max())
+    print(f"estimates apart by at most {float(np.abs(a - b).max()):.2e} (block point; largest entry {scale:.3g})")
+
+
+if __name__ == "__main__":
+    main()
