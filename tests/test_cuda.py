@@ -12,8 +12,8 @@ the CPU either way, and both runs start from a copy of its checkpoints), and com
 - JSON: equal but for timings; figures: drawn; Markdown and HTML: rendered from the compared tables, not compared;
 - the run's cost table: timings, not compared.
 
-On a GPU machine: `pytest tests/test_cuda.py` (about 3 minutes on 8 cores; `MFPIPE_CUDA_REPORT=<file>` also writes
-every file's largest deviation there).
+On a GPU machine: `pytest tests/test_cuda.py` (about 2 minutes on an H100 with 16 cores;
+`MFPIPE_CUDA_REPORT=<file>` writes every file's largest deviation there).
 """
 
 from __future__ import annotations

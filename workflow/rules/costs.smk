@@ -9,7 +9,9 @@ def rule_stages(wildcards):
 
 rule run_costs:
     input:
-        targets=all_targets(),
+        # every target of `rule all` but this table: a job that may still be running when it sums would be missing
+        # from it (the function-vector and cross-model figures were, in a CI run where they finished last)
+        targets=all_targets() + fv_targets() + crossmodel_targets(),
         code=code("run_costs.py"),
     output:
         csv=table_report(f"{R}/tables/run_costs.csv", "run costs"),
