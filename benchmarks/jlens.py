@@ -55,24 +55,14 @@ def main(argv=None) -> None:
     _, pos = JL.sample_positions(len(windows), args.context_length, args.positions, 0)
     print(f"sampled positions: mean {pos.mean():.0f}, max {pos.max()}")
 
-    from mfpipe.models.adapters import jacobian
-
     def estimate(prefix_cache: bool):
-        def pj(*a, **k):
-            return original(*a, **k, prefix_cache=prefix_cache)
+        sync()
+        t0 = time.perf_counter()
+        ds = JL.estimate_jlens(adapter, windows, n_positions=args.positions, seed=0, batch_size=args.batch_size,
+                               progress=False, grad_chunk=args.grad_chunk, prefix_cache=prefix_cache)
+        sync()
+        return time.perf_counter() - t0, ds["J"].values
 
-        jacobian.position_jacobians = pj
-        try:
-            sync()
-            t0 = time.perf_counter()
-            ds = JL.estimate_jlens(adapter, windows, n_positions=args.positions, seed=0, batch_size=args.batch_size,
-                                   progress=False, grad_chunk=args.grad_chunk)
-            sync()
-            return time.perf_counter() - t0, ds["J"].values
-        finally:
-            jacobian.position_jacobians = original
-
-    original = jacobian.position_jacobians
     times = {form: [] for form in args.forms}
     J = {}
     for _ in range(args.repeats):

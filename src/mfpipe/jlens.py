@@ -73,7 +73,7 @@ def sample_positions(n_windows: int, context_length: int, n_positions: int, seed
 
 def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int, batch_size: int,
                    progress: bool = True, grad_chunk: int = 16, desc: str = "jlens",
-                   dtype=np.float32) -> xr.Dataset:
+                   dtype=np.float32, prefix_cache: bool = True) -> xr.Dataset:
     """The J-lens estimate of the model of ``adapter`` over ``windows [n, T]`` (token ids of the statistics half).
 
     :func:`sample_positions` picks ``n_positions`` (window, position) pairs; batches of ``batch_size`` of them, in
@@ -81,7 +81,8 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     through
     :func:`~mfpipe.models.adapters.jacobian.position_jacobians` (``grad_chunk`` backward passes batched at a time,
     each through the sampled token alone, its prefix held as the model's key/value cache), summed in float64 and
-    divided by ``n_positions``.
+    divided by ``n_positions``. ``prefix_cache=False`` runs every window whole instead (the same estimate up to
+    rounding; ``benchmarks/jlens.py`` times both).
 
     Returns an :class:`xarray.Dataset`: ``J`` (point, layer, out, in) in ``dtype`` (NaN at ``attn``, layer ``L``),
     ``n_positions`` (scalar), ``sample_window`` / ``sample_position`` (sample) and attrs ``kind``, ``model_type``,
@@ -110,7 +111,8 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     for b0 in starts:
         k = order[b0 : b0 + bs]
         ids = torch.from_numpy(windows[win[k]].astype(np.int64))
-        total += position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk)
+        total += position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                                    prefix_cache=prefix_cache)
     J = (total / len(win)).cpu().numpy().astype(dtype)
     attrs = {"kind": KIND, "model_type": adapter.model_type, "n_layers": int(L), "d_model": int(d),
              "context_length": int(T), "n_windows": int(n_win), "n_positions": len(win), "seed": int(seed),

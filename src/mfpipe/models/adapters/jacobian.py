@@ -74,9 +74,9 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
     are constants of the Jacobian. The rows of each distinct ``t`` run their prefix once without a graph (the model's
     own key/value cache), then token ``t`` alone with the graph: each backward pass runs through one position instead
     of ``t + 1`` (the backward passes are the cost: ``d`` of them; ``benchmarks/jlens.py`` times both). A model
-    whose forward takes or honours no key/value cache falls back, with a log line, to ``prefix_cache=False``: every window
-    cut after the largest position and run whole, each backward through every position (the same Jacobian, up to
-    float rounding; tests tie the two).
+    whose forward takes or honours no key/value cache falls back, with a log line, to ``prefix_cache=False``: every
+    window cut after the largest position and run whole, each backward through every position (the same Jacobian,
+    up to float rounding; tests tie the two).
 
     The model runs as it is loaded (eval mode is set for the call), with its parameters' ``requires_grad``
     switched off for the call and restored after: only the residual tensors are differentiated."""
@@ -115,9 +115,9 @@ class _NoCache(RuntimeError):
 
 def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int) -> Tensor:
     """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache."""
-    L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
+    d, dev = adapter.d_model, adapter.device
     kwarg = _cache_keyword(adapter.base)
-    total, checked = None, False
+    total, checked = 0, False
     for t in torch.unique(pos).tolist():
         rows = torch.nonzero(pos == t).reshape(-1)
         token = ids[rows, t : t + 1]
@@ -152,8 +152,8 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int) -> Tensor
                 raise _NoCache(f"the token after its cached prefix gave another final residual than the whole window "
                                f"(relative difference {err:.2g})")
             checked = True
-        total = out if total is None else total + out
-    return total if total is not None else torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
+        total = total + out
+    return total
 
 
 def _cache_keyword(module) -> str:
@@ -190,7 +190,7 @@ def _final_residual(adapter, ids: Tensor) -> Tensor:
     return seen[0]
 
 
-def _blocks(adapter, run, pos: Tensor, grad_chunk: int) -> Tensor:
+def _blocks(adapter, run, pos: Tensor, grad_chunk: int) -> tuple[Tensor, Tensor]:
     """The Jacobian blocks of one forward ``run()`` (hooked here) whose row ``b`` is read at position ``pos[b]``:
     float64 ``[2, L+1, d, d]``, summed over rows, and the final residual read there, ``[B, d]``."""
     L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
