@@ -43,6 +43,7 @@ class OneBatch:
     def __init__(self, acc):
         self.acc = acc
         self.select = acc.select
+        self.on_final = acc.on_final  # None: the forward stops after the last layer (Adapter.run)
 
     def __call__(self, adapter, n, T, device):  # the reducer factory of accumulate_shard
         return self
@@ -53,8 +54,6 @@ class OneBatch:
     def on_layer(self, cap):
         self.acc.on_layer(cap)
 
-    def on_final(self, resid):
-        self.acc.on_final(resid)
 
     def end_batch(self):
         self.acc.end_batch()
@@ -70,6 +69,8 @@ def main(argv=None) -> None:
                     help="torch threads of the pass-2 reductions on CPU (DeviationAccumulator's cpu_threads; default "
                          "auto as in the workflow: the forward's setting from THREADED_MIN_PROBS attention elements a "
                          "layer, else 1; 0: the forward's setting)")
+    ap.add_argument("--engine", default="auto", choices=("auto", "native", "torch"),
+                    help="the mixed weights' engine (DeviationAccumulator's engine; auto: the compiled loop on CPU)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, profile one more pass-2 batch (torch.profiler) and print its top ops")
     args = ap.parse_args(argv)
@@ -87,7 +88,8 @@ def main(argv=None) -> None:
     n = kernel.n
     doc_ids = np.repeat(np.arange(nb * B)[:, None], T, axis=1)  # one document per window
     acc = DeviationAccumulator(kernel.W, kernel.mu, layer_grams(adapter), n, T, window_halves(doc_ids), dev,
-                               cpu_threads="auto" if args.reducer_threads == "auto" else (int(args.reducer_threads) or None))
+                               cpu_threads="auto" if args.reducer_threads == "auto" else (int(args.reducer_threads) or None),
+                               engine=args.engine)
     shim = OneBatch(acc)
     batches, cover = split_batches(toks, B, nb, tracked)
     sync = device_sync(dev)
@@ -111,7 +113,8 @@ def main(argv=None) -> None:
     times["pass2"] += t_sums
     ntok = args.batches * B * T
     print(f"model {args.model} ({adapter.model_type}, L={L}, H={H}, d={adapter.d_model}); device {dev}; "
-          f"torch threads {torch.get_num_threads()} (pass-2 reductions: {acc.cpu_threads or torch.get_num_threads()}); "
+          f"torch threads {torch.get_num_threads()} (pass-2 reductions: {acc.cpu_threads or torch.get_num_threads()}, "
+          f"engine {acc.engine}); "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print(f"N={n} tracked (position coverage {cover:.3f}), T={T}, batch {B}, {args.batches} timed batches = {ntok} tokens")
     for name in times:

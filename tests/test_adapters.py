@@ -15,6 +15,7 @@ from mfpipe.models.adapters import (
     UnsupportedArchitectureError,
     get_adapter,
 )
+from mfpipe.models.adapters.site import module_at
 
 ATOL = 1e-5
 B, T = 2, 16
@@ -191,6 +192,33 @@ def test_capture_callback_errors_propagate_and_optional_final():
     seen = []
     a.capture(random_ids(), lambda c: seen.append(c.layer))  # works again after an error, no on_final
     assert seen == [0, 1]
+
+
+@pytest.mark.parametrize("mt", TINY_MODEL_TYPES)
+def test_a_run_without_final_or_logits_stops_after_the_last_layer(mt):
+    """Adapter.run with no on_final, logits or loss stops the forward once the last layer's on_layer returns: the
+    last block's MLP never runs (pass 2 reads no more), and every capture equals the full run's bit for bit."""
+    model = make_tiny_model(mt)
+    a = get_adapter(model)
+    ids = random_ids(seed=4)
+    mlp = module_at(module_at(a.base, a.LAYERS)[a.n_layers - 1], a.MLP)
+    calls = []
+    hook = mlp.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        full, early = [], []
+        sel = ("attn_probs", "values", "reads", "resid_in")
+        a.run(ids, select=sel, on_layer=full.append, on_final=lambda x: None)
+        assert len(calls) == 1
+        a.run(ids, select=sel, on_layer=early.append)
+        assert len(calls) == 1, "the last block's MLP ran without anything reading it"
+        assert [c.layer for c in early] == list(range(a.n_layers))
+        for f, e in zip(full, early):
+            for name in sel:
+                assert torch.equal(getattr(f, name), getattr(e, name)), (mt, f.layer, name)
+        a.run(ids, select=sel, on_layer=lambda c: None, logits=True)  # the LM head's run goes to its end
+        assert len(calls) == 2
+    finally:
+        hook.remove()
 
 
 def test_capture_one_layer_alive_at_a_time():

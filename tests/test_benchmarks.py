@@ -54,3 +54,24 @@ def test_jlens_benchmark_runs():
     assert re.search(r"median: prefix as a key/value cache [0-9.]+ s, whole windows [0-9.]+ s: [0-9.]+x faster", out), out
     apart = float(re.search(r"estimates apart by at most (\S+) ", out).group(1))
     assert apart < 1e-4, out
+
+
+@pytest.mark.parametrize("engine", ["native", "torch"])
+def test_deviation_and_substitution_benchmarks_run(engine):
+    """Pass 2's benchmark with either engine of the mixed weights (two threads: the compiled loop on half the heads
+    each), and the substitution job's."""
+    small = ["--model", "mini-gpt2-random", "--n-tracked", "50", "--context-length", "16", "--batch-size", "4",
+             "--batches", "3", "--threads", "2"]
+    if engine == "native" and not native.available():
+        pytest.skip("numba is not installed")
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "deviation_pass.py"), *small, "--engine", engine,
+                          "--reducer-threads", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"engine {engine}" in res.stdout and "ratio pass 2 / bare forward:" in res.stdout, res.stdout[-2000:]
+    assert re.search(r"max \|M_cov \+ M_ctx - D\| summed \d\.\d+e-(1[2-9]|[2-9]\d)", res.stdout), res.stdout[-2000:]
+    if engine == "torch":
+        res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "substitution.py"), *small],
+                             capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "ratio" in res.stdout, res.stdout[-2000:]

@@ -252,12 +252,9 @@ def test_corpus_deviation_is_centred_and_detects_type_dependent_reads():
     assert np.allclose(S2, S, equal_nan=True)
 
 
-@pytest.mark.parametrize("block,mostly_other", [(7, False), (256, False), (256, True)])
-def test_query_terms_equal_occurrence_terms(block, mostly_other):
-    """The fast form pass 2 runs (query_terms: Â per key type, query rows only, causal spans) equals the definition
-    (occurrence_terms with pair_kernel's Â) at every query row: validity, N_X, z, ẑ, mixed and the <other> share,
-    also where a key type's attention underflowed to 0 or is tiny (the exact per-position formula). The tracked
-    keys' mixed term is taken from whichever key set is smaller: both cases (mostly tracked, mostly <other>)."""
+def _query_case(mostly_other: bool):
+    """Key buckets, query types, a kernel with invalid rows, and attention where key type 0 underflowed (window 0:
+    to 0, window 1: tiny) for the query_terms tests."""
     g = torch.Generator().manual_seed(0)
     B, H, T, N, dh = 3, 2, 30, 5, 4
     K = N + 2
@@ -277,10 +274,27 @@ def test_query_terms_equal_occurrence_terms(block, mostly_other):
     probs[1] = torch.where(kb[1] == 0, probs[1] * 1e-34, probs[1])  # window 1: tiny (Â_t / A_t overflows float32)
     values = torch.randn(B, H, T, dh, generator=g)
     mu = torch.randn(H, K, dh, generator=g)
+    return kb, qt, W, probs, values, mu, N
+
+
+QUERY_TERMS = ("z", "zhat", "mixed", "mixed_tracked", "nx", "other", "valid")
+
+
+@pytest.mark.parametrize("engine", ["torch", "native"])
+@pytest.mark.parametrize("block,mostly_other", [(7, False), (256, False), (256, True)])
+def test_query_terms_equal_occurrence_terms(block, mostly_other, engine):
+    """The fast form pass 2 runs (query_terms: Â per key type, query rows only, causal spans) equals the definition
+    (occurrence_terms with pair_kernel's Â) at every query row: validity, N_X, z, ẑ, mixed and the <other> share,
+    also where a key type's attention underflowed to 0 or is tiny (the exact per-position formula). The tracked
+    keys' mixed term is taken from whichever key set is smaller: both cases (mostly tracked, mostly <other>). Both
+    engines of the mixed weights (torch ops; the compiled loop)."""
+    kb, qt, W, probs, values, mu, N = _query_case(mostly_other)
+    B, H, T, _ = probs.shape
+    K = N + 2
     a, nx, valid = pair_kernel(W, kb, qt)
     ref = occurrence_terms(probs, values, a.transpose(0, 1), mu, kb, n_tracked=N)
     plan = query_plan(kb, qt, K, block=block)
-    t = query_terms(plan, probs, values, W, mu, n_tracked=N)
+    t = query_terms(plan, probs, values, W, mu, n_tracked=N, engine=engine)
     bj = (plan.b, plan.j)
     assert torch.equal(plan.s, qt[bj]) and plan.n == int((qt >= 0).sum())
     assert torch.equal(t.valid, valid[bj]) and t.valid.any() and not t.valid.all()
@@ -292,6 +306,48 @@ def test_query_terms_equal_occurrence_terms(block, mostly_other):
     torch.testing.assert_close(t.other[v], other[bj][v], rtol=1e-5, atol=1e-7)
     # the underflow cases were exercised: a valid query row after position 1 in windows 0 and 1
     assert all(bool((v & (plan.b == w) & (plan.j > 1)).any()) for w in (0, 1))
+
+
+@pytest.mark.parametrize("block,mostly_other", [(7, False), (256, True)])
+def test_query_terms_native_loop_equals_torch_ops_bit_for_bit(block, mostly_other):
+    """The compiled loop of the mixed weights adds the same float32 terms in the same order as the torch ops: every
+    term at every valid row is equal bit for bit, the underflow rows included; and a view of some heads of the
+    layer's tensors (what each of pass 2's two threads reads) gives those heads' terms unchanged."""
+    kb, qt, W, probs, values, mu, N = _query_case(mostly_other)
+    plan = query_plan(kb, qt, N + 2, block=block)
+    ref = query_terms(plan, probs, values, W, mu, n_tracked=N, engine="torch")
+    got = query_terms(plan, probs, values, W, mu, n_tracked=N, engine="native")
+    v = ref.valid
+    assert torch.equal(got.valid, v)
+    for name in QUERY_TERMS:
+        assert torch.equal(getattr(got, name)[v], getattr(ref, name)[v]), name
+    one = query_terms(plan, probs[:, 1:], values[:, 1:], W[1:], mu[1:], n_tracked=N, engine="native")
+    for name in ("zhat", "mixed", "mixed_tracked", "nx", "other"):
+        x = getattr(one, name)
+        assert torch.equal(x[v], getattr(ref, name)[:, 1:][v]), name
+
+
+def test_pass2_on_two_threads_equals_one_thread_bit_for_bit(setup):
+    """Pass 2 with the compiled loop and half the heads on each of two threads (as on a CPU job with two or more
+    threads) gives the same sums as the torch ops on one thread, bit for bit, every architecture (rows that are not
+    valid in every head dropped alike)."""
+    from mfpipe.experiments.ranking.pass2 import DeviationAccumulator
+    from mfpipe.stats.loop import run_reducer
+
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    kernel = kernel_from_store(st, tracked, min_count=1)
+    grams = layer_grams(ad)
+    out = {}
+    for engine, threads in (("torch", 1), ("native", 2)):
+        def reducer(adapter, n, T, device, engine=engine, threads=threads):
+            return DeviationAccumulator(kernel.W, kernel.mu, grams, n, T, window_halves(doc_ids), device,
+                                        cpu_threads=threads, engine=engine)
+
+        with torch.no_grad():
+            out[engine] = run_reducer(model, ad, tokens, tracked, reducer, batch_size=5, device="cpu", progress=False)
+    assert out["torch"]["count"].sum() > 0 and ad.n_heads > 1
+    for k in out["torch"]:
+        np.testing.assert_array_equal(out["native"][k], out["torch"][k], err_msg=f"{mt}: {k}")
 
 
 def test_meters_from_gram_products_equal_the_explicit_split():

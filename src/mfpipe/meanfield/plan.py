@@ -15,7 +15,7 @@ not only their arithmetic, is what a per-window loop would pay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class Span:
     has_other: Tensor  # [B] float32 1.0 / 0.0
     keep: Tensor  # [r] the real rows (not padding) in the span's flattened (window, row) axis
     offset: int  # where the span's rows start in the plan's rows
+    cache: dict = field(default_factory=dict, repr=False)  # what a caller derives once per batch, shared by layers
 
 
 @dataclass

@@ -3,7 +3,8 @@ through the adapter's read site, each layer handed to the reducer while the forw
 
 A reducer has the adapter-callback protocol (:class:`Reducer`): ``begin_batch(kb, qt)`` with the batch's key
 buckets and query types ``[B, T]`` (:func:`mfpipe.stats.buckets.window_buckets`), ``on_layer(LayerCapture)``
-per layer in order, ``on_final(resid)`` with the final residual before the last norm, ``end_batch()``, and
+per layer in order, ``on_final(resid)`` with the final residual before the last norm (``on_final = None``: the
+reducer reads no final residual, and the forward stops after the last layer's ``on_layer``), ``end_batch()``, and
 ``sums()`` -> the additive numpy sums of everything seen (and, optionally, ``close()`` once done). Pass 1's is
 :class:`mfpipe.stats.pass1.Accumulator` (run by :func:`mfpipe.stats.shards.accumulate_shard`); pass 2's is
 :class:`mfpipe.experiments.ranking.pass2.DeviationAccumulator`. This module knows neither, so a pass-2 job does
@@ -27,7 +28,7 @@ __all__ = ["Reducer", "run_reducer"]
 class Reducer(Protocol):
     def begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None: ...
     def on_layer(self, cap) -> None: ...
-    def on_final(self, resid: torch.Tensor) -> None: ...
+    on_final: Callable[[torch.Tensor], None] | None
     def end_batch(self) -> None: ...
     def sums(self) -> dict[str, np.ndarray]: ...
 

@@ -7,6 +7,12 @@ It is a reducer of the shard loop (:func:`mfpipe.stats.loop.run_reducer`): one t
 with only the attention probabilities, values and reads selected; per layer the three reads z, ẑ, mixed at the
 query positions (:func:`mfpipe.experiments.ranking.queries.query_terms`: the context-conditional kernel Â per key type, float32; its
 model-free plan built once per batch), the meters (float64) and scatter-adds over query types.
+On CPU the mixed weights of each layer come from a compiled loop (numba; ``engine``, as pass 1's: "auto" takes it
+where it runs, "torch" the torch ops a GPU runs; the two agree bit for bit), and where the job has two or more
+threads the layer's heads are split in two halves, each on one thread with one torch thread (this one and a
+:class:`~mfpipe.stats.workspace.HelperThread`): a head's terms, meters and sums need no other head's, and every sum
+cell gets its terms in the same order as on one thread, so the sums do not depend on the split (tests). No final
+residual is read, so the forward stops after the last layer's attention (:meth:`Adapter.run`).
 Every window belongs to one of two document-interleaved halves (the parity of its first token's document: the
 split-half stability of App. P), so the additive sums carry a leading ``split`` axis of 2.
 
@@ -39,7 +45,8 @@ from torch import Tensor
 from mfpipe.experiments.ranking.queries import QueryTerms, query_terms
 from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
-from mfpipe.stats.workspace import reducer_threads
+from mfpipe.stats.engine import engine_name
+from mfpipe.stats.workspace import HelperThread, reducer_threads
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE", "THREADED_MIN_PROBS"]
 
@@ -68,11 +75,16 @@ class DeviationAccumulator:
     select = ("attn_probs", "values", "reads")
 
     def __init__(self, W, mu, grams, n: int, context_length: int, halves, device, top_k: int = TOP_K,
-                 other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | str | None = "auto"):
+                 other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | str | None = "auto",
+                 engine: str = "auto"):
         self.device = torch.device(device)
         # like pass 1: the reductions run on `cpu_threads` torch threads on CPU (reducer_threads says why); "auto":
         # one for a layer below THREADED_MIN_PROBS attention elements, the job's own setting from there on
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
+        # the mixed weights: the compiled loop on CPU (query_terms' engine), on a helper thread beside this one for
+        # half the heads where the layer's reductions take two or more threads
+        self.engine = engine_name(engine, self.device)
+        self._helper = None
         self.W = W  # stays where it is (host for big kernels); one layer moved per batch
         self.mu = mu.to(self.device, torch.float32)
         self.grams = grams.to(self.device, torch.float64)
@@ -104,8 +116,38 @@ class DeviationAccumulator:
         n = self.cpu_threads
         if n == "auto":
             n = None if cap.attn_probs.numel() >= THREADED_MIN_PROBS else 1
-        with reducer_threads(n):
-            self._on_layer(cap)
+        l = cap.layer
+        if self.engine == "native" and self.H > 1 and (n if n is not None else torch.get_num_threads()) >= 2:
+            # two threads, one torch thread each, half the heads each: a head's terms, meters and sums need no other
+            # head's (only a row's validity is over all heads), and two single-threaded halves beat every op on two
+            # OpenMP threads (no barrier per op, no OpenMP worker left spinning on the core the compiled loop wants)
+            if self._helper is None:
+                self._helper = HelperThread(1)
+            heads = (slice(0, self.H // 2), slice(self.H // 2, self.H))
+            terms = [None, None]
+
+            def run_terms(i: int) -> None:
+                terms[i] = self._terms(cap, heads[i])
+
+            with reducer_threads(1):
+                self._helper.both(lambda: run_terms(0), lambda: run_terms(1))
+                valid = terms[0].valid & terms[1].valid
+                if bool(valid.any()):
+                    self._helper.both(lambda: self._add_heads(l, terms[0], valid, heads[0]),
+                                      lambda: self._add_heads(l, terms[1], valid, heads[1]))
+                    self._add_counts(l, valid)
+        else:
+            with reducer_threads(n):
+                t = self._terms(cap, slice(0, self.H))
+                if bool(t.valid.any()):
+                    self._add_heads(l, t, t.valid, slice(0, self.H))
+                    self._add_counts(l, t.valid)
+
+    def close(self) -> None:
+        """Stop the helper thread (the shard loop calls this when the shard ends)."""
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     def _begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
         B, T = np.shape(kb)
@@ -119,50 +161,61 @@ class DeviationAccumulator:
         self.n_windows += B
         self.n_tokens += B * T
 
-    def _on_layer(self, cap) -> None:
+    def _terms(self, cap, heads: slice) -> QueryTerms:
+        """The terms of heads ``heads`` of layer ``cap.layer`` at the batch's query rows (``[n, h, dh]``)."""
         l = cap.layer
-        B, T, H, N, dh = self.B, self.T, self.H, self.N, self.dh
+        return query_terms(self.plan, cap.attn_probs[:, heads].float(), cap.values[:, heads].float(),
+                           self.W[l][heads].to(self.device, torch.float32), self.mu[l][heads],
+                           reads=cap.reads[:, :, heads], n_tracked=self.N, engine=self.engine)
+
+    def _add_counts(self, l: int, valid: Tensor) -> None:
         plan = self.plan
-        t = query_terms(plan, cap.attn_probs.float(), cap.values.float(), self.W[l].to(self.device, torch.float32),
-                        self.mu[l], reads=cap.reads, n_tracked=N)  # [n, H, dh] at the batch's query rows
-        valid = t.valid
-        if not bool(valid.any()):
-            return
+        s = plan.s[valid]
+        self.count[:, l].index_put_((self.half[plan.b[valid]], s), torch.ones_like(s), accumulate=True)
+
+    def _add_heads(self, l: int, t: QueryTerms, valid: Tensor, heads: slice) -> None:
+        """Add the terms ``t`` of heads ``heads`` at the rows ``valid`` (valid in every head) into the sums: the
+        cells of these heads only (two threads add their heads' side by side; each cell's terms arrive in
+        context order either way)."""
+        B, T, N, dh = self.B, self.T, self.N, self.dh
+        H = self.H
+        plan = self.plan
         if not bool(valid.all()):  # rows whose W row is empty in this layer: dropped before the float64 work
             t = QueryTerms(t.z[valid], t.zhat[valid], t.mixed[valid], t.mixed_tracked[valid], nx=t.nx[valid],
                            valid=valid[valid], other=t.other[valid])
-        m = meters_head_major(stack_head_major(t), self.grams[l])  # [H, n] each
+        m = meters_head_major(stack_head_major(t), self.grams[l][heads])  # [h, n] each
+        h = m["D"].shape[0]
         # scatter-add over (half, query type) of the valid contexts; head-major rows (head, context)
         half = self.half[plan.b[valid]]
         s = plan.s[valid]
-        self.count[:, l].index_put_((half, s), torch.ones_like(s), accumulate=True)
-        cols = torch.arange(H, device=self.device)[:, None]
+        cols = torch.arange(heads.start, heads.start + h, device=self.device)[:, None]
         flat = ((half * N + s)[None, :] * H + cols).reshape(-1)  # (half, type, head) -> index into [2 * N * H]
         self.scal[:, l].index_add_(1, flat, torch.stack([m["D"], m["M_cov"], m["M_ctx"]]).reshape(3, -1))
-        # z, ẑ from the context-major terms [n, H, dh]: rows of dh (the fast index_add), (context, head) order
+        # z, ẑ from the context-major terms [n, h, dh]: rows of dh (the fast index_add), (context, head) order
         zz = torch.stack([t.z, t.zhat]).to(torch.float64).reshape(2, -1, dh)
-        self.vec[:, l].index_add_(1, flat.view(H, -1).T.reshape(-1), zz)
+        self.vec[:, l].index_add_(1, flat.view(h, -1).T.reshape(-1), zz)
         # N_X Σ_{t<N} Â_t v̄_t = Σ_{t∈X, t<N} W_st n_t v̄_t, head-major rows
         yb = (t.mixed_tracked.transpose(0, 1).double() * t.nx.T.double()[..., None]).reshape(-1, dh)
         self.vbar_tracked[l].index_add_(0, (s[None, :] * H + cols).reshape(-1), yb)
-        self.degenerate[l] += m["degenerate"].sum(1)
+        self.degenerate[l, heads] += m["degenerate"].sum(1)
         # top-deviation contexts (App. P filter: at most other_share_max of the attention on untracked keys)
         D = torch.where(t.other.T <= self.other_share_max, m["D"], torch.full_like(m["D"], -torch.inf))
-        cand = torch.full((H, B * T), -torch.inf, dtype=D.dtype, device=self.device)
+        cand = torch.full((h, B * T), -torch.inf, dtype=D.dtype, device=self.device)
         cand[:, plan.b[valid] * T + plan.j[valid]] = D
         # ties go to the earlier context (a context the corpus repeats gives the same D bit for bit): a stable sort,
         # not topk, whose order among equal values differs between the CPU and a GPU (the lenses print these)
         v, i = _top(cand, min(self.top_k, B * T))
         idx = i + self.first_window * T  # window * T + position, windows counted from the shard's first
         # the kept contexts come first (earlier windows), so a stable sort keeps ties in corpus order
-        allv = torch.cat([self.top_D[l], v], 1)
-        alli = torch.cat([self.top_idx[l], torch.where(torch.isfinite(v), idx, torch.full_like(idx, -1))], 1)
+        allv = torch.cat([self.top_D[l, heads], v], 1)
+        alli = torch.cat([self.top_idx[l, heads], torch.where(torch.isfinite(v), idx, torch.full_like(idx, -1))], 1)
         best, pos = _top(allv, self.top_k)
-        self.top_D[l] = best
-        self.top_idx[l] = alli.gather(1, pos)
+        self.top_D[l, heads] = best
+        self.top_idx[l, heads] = alli.gather(1, pos)
 
-    def on_final(self, resid) -> None:
-        pass
+    # no final residual: the forward stops after the last layer's attention (the last block's MLP and the final norm
+    # would reach nothing pass 2 reads; Adapter.run)
+    on_final = None
 
     def end_batch(self) -> None:
         pass

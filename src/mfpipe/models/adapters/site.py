@@ -185,7 +185,10 @@ class TracedSite:
         * ``on_final(final residual before the last norm [B,T,d], float32)``.
         * ``logits``: run the full causal LM (LM head included) and return ``RunResult.logits`` [B,T,V]
           float32. ``loss``: return ``RunResult.loss`` / ``token_loss`` (next-token cross entropy of the
-          float32 logits; needs T >= 2). Without either, only the decoder stack runs (no LM head).
+          float32 logits; needs T >= 2). Without either, only the decoder stack runs (no LM head); without
+          either and without ``on_final``, the forward stops once the last layer's ``on_layer`` returns (what
+          comes after it, e.g. the last block's MLP and the final norm, reaches no output: pass 2 reads the
+          attention only).
 
         Exceptions raised by the callbacks propagate unchanged.
         """
@@ -200,9 +203,11 @@ class TracedSite:
         result = RunResult()
         # nested, not one `with a, b:` — nnsight captures the trace's own `with` block from the source
         with torch.no_grad():  # noqa: SIM117
-            with root.trace(ids, use_cache=False):
+            with root.trace(ids, use_cache=False) as tracer:
                 self._trace_body(root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result,
                                  patch_resid)
+                if on_final is None and not (logits or loss):
+                    tracer.stop()
         return result
 
     def capture(
