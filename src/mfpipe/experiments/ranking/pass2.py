@@ -42,10 +42,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mfpipe.experiments.ranking.queries import QueryTerms, query_terms
+from mfpipe.experiments.ranking.queries import QueryTerms, engine_name, query_terms
 from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
-from mfpipe.stats.engine import engine_name
 from mfpipe.stats.workspace import HelperThread, reducer_threads
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE", "THREADED_MIN_PROBS"]

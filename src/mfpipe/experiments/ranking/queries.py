@@ -20,6 +20,7 @@ torch ops bit for bit.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from torch import Tensor
 from mfpipe.meanfield.deviation import TINY, OccurrenceTerms
 from mfpipe.meanfield.plan import QueryPlan, span_kernel
 
-__all__ = ["QueryTerms", "query_terms"]
+__all__ = ["QueryTerms", "engine_name", "query_terms"]
 
 # a key type whose attention total A_t is below this takes the exact per-position formula: Â_t / A_t would overflow
 # float32 (Â_t <= 1) and A_t = 0 (every probability of the type underflowed) has its own definition
@@ -119,9 +120,19 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
                       other=out["other"])
 
 
-def _engine(engine: str, probs: Tensor) -> str:
-    from mfpipe.stats.engine import engine_name
+def engine_name(engine: str, device) -> str:
+    """The engine of the mixed weights that ``engine`` names on ``device``: "native" (the compiled loop: CPU with numba
+    installed), "torch" (any device) or, for "auto", native where it runs (as pass 1's engines, whose module a pass-2
+    job does not import: its result does not depend on pass 1's loops)."""
+    if engine not in ("auto", "native", "torch"):
+        raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
+    runs_native = torch.device(device).type == "cpu" and importlib.util.find_spec("numba") is not None
+    if engine == "native" and not runs_native:
+        raise ValueError("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
+    return "native" if engine != "torch" and runs_native else "torch"
 
+
+def _engine(engine: str, probs: Tensor) -> str:
     name = engine_name(engine, probs.device)
     if probs.dtype != torch.float32:
         if engine == "native":
