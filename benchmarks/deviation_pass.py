@@ -54,7 +54,6 @@ class OneBatch:
     def on_layer(self, cap):
         self.acc.on_layer(cap)
 
-
     def end_batch(self):
         self.acc.end_batch()
 
@@ -110,6 +109,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     sums = acc.sums()
     t_sums = time.perf_counter() - t0
+    acc.close()  # its helper thread (the shim leaves the accumulator open from batch to batch)
     times["pass2"] += t_sums
     ntok = args.batches * B * T
     print(f"model {args.model} ({adapter.model_type}, L={L}, H={H}, d={adapter.d_model}); device {dev}; "

@@ -327,6 +327,13 @@ def test_query_terms_native_loop_equals_torch_ops_bit_for_bit(block, mostly_othe
         assert torch.equal(x[v], getattr(ref, name)[:, 1:][v]), name
 
 
+def test_the_compiled_loop_uses_the_thresholds_of_the_torch_ops():
+    from mfpipe.experiments.ranking import _native_loops, queries
+    from mfpipe.meanfield import deviation
+
+    assert _native_loops._UNDERFLOW == np.float32(queries._UNDERFLOW) and _native_loops._TINY == np.float32(deviation.TINY)
+
+
 def test_pass2_on_two_threads_equals_one_thread_bit_for_bit(setup):
     """Pass 2 with the compiled loop and half the heads on each of two threads (as on a CPU job with two or more
     threads) gives the same sums as the torch ops on one thread, bit for bit, every architecture (rows that are not

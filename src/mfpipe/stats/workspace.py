@@ -1,5 +1,5 @@
 """The statistics reducers' CPU workspace: reusable work buffers (:class:`Scratch`), the reducers' torch threads
-(:func:`reducer_threads`) and pass 1's helper thread (:class:`HelperThread`)."""
+(:func:`reducer_threads`) and the helper thread of pass 1 and pass 2 (:class:`HelperThread`)."""
 
 from __future__ import annotations
 

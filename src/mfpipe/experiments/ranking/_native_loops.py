@@ -4,10 +4,11 @@ machine code cost import time and resident memory that a process not running pas
 :func:`span_mixed_weights` is the middle of :func:`~mfpipe.experiments.ranking.queries.query_terms` for one span, in
 one pass over each query row's attention instead of five tensor ops over ``[H, B, R, k]`` (the rows' gather out of
 the layer's probabilities, the scatter-add of the attention per key type, the ratio's gather, its product with the
-attention, and the exact weights' where): the same float32 operations in the same order, so its weights and
-``<other>`` shares equal the torch ops' bit for bit (tests/test_deviation.py). It reads the keys ``i <= j`` of a
-query row only (the causal attention is 0 above j, where both forms write 0) and releases the GIL, so two threads
-can take half the heads each.
+attention, and the exact weights' where): the same float32 operations in the same order, so at every valid query row
+its weights and ``<other>`` shares equal the torch ops' bit for bit (tests/test_deviation.py). It reads the keys
+``i <= j`` of a query row only (the causal attention is 0 above j, where it writes 0; the torch ops write 0 times the
+ratio there, NaN on rows that are not valid, which callers drop) and releases the GIL, so two threads can each run
+it on views of half the heads.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# as queries._UNDERFLOW and deviation.TINY (float32 constants: the arithmetic stays float32 as torch's)
+# as queries._UNDERFLOW and deviation.TINY (float32 constants: the arithmetic stays float32 as torch's; numba bakes
+# them into the machine code, and tests/test_deviation.py checks they equal those)
 _UNDERFLOW = np.float32(1e-30)
 _TINY = np.float32(1e-30)
 _ONE = np.float32(1.0)
@@ -25,7 +27,8 @@ _ZERO = np.float32(0.0)
 @njit(nogil=True, cache=True, boundscheck=False)
 def span_mixed_weights(probs, rows, key_ranks, ahat, absent, counts, other, has_other, part_cols, part_count, h0, h1,
                        mixed_w, other_out, w_part):
-    """For heads ``h0 <= h < h1``, every window ``b`` and span row ``r`` (query position ``j = rows[b, r]``):
+    """For heads ``h0 <= h < h1`` of the arrays given (pass 2 gives each thread views of its half, 0..H), every window
+    ``b`` and span row ``r`` (query position ``j = rows[b, r]``):
 
     - ``A[u]`` = Σ_{i <= j, rank(i) = u} probs[b, h, j, i] (the attention per key type, in key order: torch's
       scatter-add order); ``other_out[h, b, r]`` = A[other[b]] · has_other[b];

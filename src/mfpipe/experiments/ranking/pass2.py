@@ -8,10 +8,11 @@ with only the attention probabilities, values and reads selected; per layer the 
 query positions (:func:`mfpipe.experiments.ranking.queries.query_terms`: the context-conditional kernel Â per key type, float32; its
 model-free plan built once per batch), the meters (float64) and scatter-adds over query types.
 On CPU the mixed weights of each layer come from a compiled loop (numba; ``engine``, as pass 1's: "auto" takes it
-where it runs, "torch" the torch ops a GPU runs; the two agree bit for bit), and where the job has two or more
-threads the layer's heads are split in two halves, each on one thread with one torch thread (this one and a
-:class:`~mfpipe.stats.workspace.HelperThread`): a head's terms, meters and sums need no other head's, and every sum
-cell gets its terms in the same order as on one thread, so the sums do not depend on the split (tests). No final
+where it runs, "torch" the torch ops a GPU runs; the two agree bit for bit at every valid row), and with that loop,
+where the layer's reductions get two or more threads and the model has two or more heads, the layer's heads are split
+in two halves, each on its own thread (this one and a :class:`~mfpipe.stats.workspace.HelperThread`) with half the
+torch threads: a head's terms, meters and sums need no other head's, and every sum cell gets its terms in the same
+order as on one thread, so the sums equal a one-thread run's bit for bit (tests; measured on two cores). No final
 residual is read, so the forward stops after the last layer's attention (:meth:`Adapter.run`).
 Every window belongs to one of two document-interleaved halves (the parity of its first token's document: the
 split-half stability of App. P), so the additive sums carry a leading ``split`` axis of 2.
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mfpipe.experiments.ranking.queries import QueryTerms, engine_name, query_terms
+from mfpipe.experiments.ranking.queries import QueryTerms, engine_name, key_part, query_terms
 from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
 from mfpipe.stats.workspace import HelperThread, reducer_threads
@@ -116,19 +117,21 @@ class DeviationAccumulator:
         if n == "auto":
             n = None if cap.attn_probs.numel() >= THREADED_MIN_PROBS else 1
         l = cap.layer
-        if self.engine == "native" and self.H > 1 and (n if n is not None else torch.get_num_threads()) >= 2:
-            # two threads, one torch thread each, half the heads each: a head's terms, meters and sums need no other
-            # head's (only a row's validity is over all heads), and two single-threaded halves beat every op on two
-            # OpenMP threads (no barrier per op, no OpenMP worker left spinning on the core the compiled loop wants)
+        threads = n if n is not None else torch.get_num_threads()
+        if self.engine == "native" and self.H > 1 and threads >= 2:
+            # two threads, half the heads each (and half the job's torch threads: one each on two cores): a head's
+            # terms, meters and sums need no other head's (only a row's validity is over all heads), and on two cores
+            # two single-threaded halves beat every op on two OpenMP threads (no barrier per op, no OpenMP worker left
+            # spinning on the core the compiled loop wants; benchmarks/HISTORY.md)
             if self._helper is None:
-                self._helper = HelperThread(1)
+                self._helper = HelperThread(threads // 2)
             heads = (slice(0, self.H // 2), slice(self.H // 2, self.H))
             terms = [None, None]
 
             def run_terms(i: int) -> None:
                 terms[i] = self._terms(cap, heads[i])
 
-            with reducer_threads(1):
+            with reducer_threads(threads - threads // 2):
                 self._helper.both(lambda: run_terms(0), lambda: run_terms(1))
                 valid = terms[0].valid & terms[1].valid
                 if bool(valid.any()):
@@ -150,8 +153,11 @@ class DeviationAccumulator:
 
     def _begin_batch(self, kb: np.ndarray, qt: np.ndarray) -> None:
         B, T = np.shape(kb)
-        # the model-free part of every layer's terms: query rows, key types, prefix counts, gather indices
+        # the model-free part of every layer's terms: query rows, key types, prefix counts, gather indices, and the
+        # key set of mixed_tracked (made here, once, before any layer's halves run on two threads)
         self.plan = query_plan(kb, qt, self.K, self.device)
+        for sp in self.plan.spans:
+            key_part(sp, self.N)
         self.half = self.halves[self.n_windows : self.n_windows + B].to(self.device)
         if self.half.shape[0] != B:
             raise ValueError(f"the shard has {len(self.halves)} windows; batch {B} at window {self.n_windows} overruns it")

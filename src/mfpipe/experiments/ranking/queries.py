@@ -29,7 +29,7 @@ from torch import Tensor
 from mfpipe.meanfield.deviation import TINY, OccurrenceTerms
 from mfpipe.meanfield.plan import QueryPlan, span_kernel
 
-__all__ = ["QueryTerms", "engine_name", "query_terms"]
+__all__ = ["KeyPart", "QueryTerms", "engine_name", "key_part", "query_terms"]
 
 # a key type whose attention total A_t is below this takes the exact per-position formula: Â_t / A_t would overflow
 # float32 (Â_t <= 1) and A_t = 0 (every probability of the type underflowed) has its own definition
@@ -89,7 +89,7 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
             P = P_hb[:, sp.window, sp.rows, :k]  # [H, B, R, k] the query rows' attention
             if reads is None:
                 res["z"] = torch.matmul(P, V)
-        part = _key_part(sp, n_tracked) if n_tracked is not None else None
+        part = key_part(sp, n_tracked) if n_tracked is not None else None
         if loops is not None:
             mixed_w, res["other"], w_part = _native_mixed_weights(loops, probs_np, sp, ahat, H, part)
         else:
@@ -98,7 +98,7 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
             res["other"] = A.gather(-1, sp.other[None, :, None, None].expand(H, B, R, 1)).squeeze(-1).mul_(sp.has_other[:, None])
             # types not in X_j get A_t = 1 (their Â_t is 0): then A_t < _UNDERFLOW flags only the prefix's types
             A.add_(sp.absent)
-            exact = _exact_mixed_weights(A, ahat, sp, P, idx) if bool(A.amin() < _UNDERFLOW) else None
+            exact = _exact_mixed_weights(A, ahat, sp, P, idx) if bool((A < _UNDERFLOW).any()) else None
             ratio = ahat.div_(A.clamp_min_(_UNDERFLOW))  # Â_t / A_t, in place: ẑ is done
             mixed_w = ratio.gather(-1, idx).mul_(P)  # Â_t A_i / A_t at each key position i of type t (0 above j: P is)
             if exact is not None:
@@ -179,7 +179,7 @@ class KeyPart:
     real: Tensor  # [B, m] float 1.0 on a window's own columns, 0.0 on padding
 
 
-def _key_part(sp, n_tracked: int) -> KeyPart:
+def key_part(sp, n_tracked: int) -> KeyPart:
     """:class:`KeyPart` of span ``sp`` for ``n_tracked`` tracked types, once per batch (cached on the span)."""
     part = sp.cache.get(("key_part", int(n_tracked)))
     if part is None:

@@ -26,7 +26,10 @@ nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/d
   norm, MLP branch.
 * Without logits we trace the decoder stack (``model.base_model``) rather than the causal LM with
   ``tracer.stop()`` to skip the LM head: ``stop()`` raises an exception whose traceback keeps the last
-  layer's activations alive in a reference cycle until the next garbage collection.
+  layer's activations alive in a reference cycle until the next garbage collection. Where a run reads
+  nothing after the last layer's ``on_layer`` (no final residual, logits or loss), :meth:`TracedSite.run`
+  does stop there (the last block's MLP is not run) and collects the young generations right after, which
+  frees that cycle (tests/test_adapters.py).
 * Assigning ``envoy.input = tensor`` replaces the module's first positional input; writing back the
   module's own input leaves the logits bit-identical.
 * Wrapping a model with ``NNsight`` leaves its plain forward bit-identical; several wrappers of one
