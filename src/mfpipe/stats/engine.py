@@ -130,17 +130,12 @@ class Engine(Protocol):
 
 
 def engine_name(engine: str, device) -> str:
-    """The engine that ``engine`` names on ``device``: "native" (the compiled loops: CPU with numba installed),
-    "torch" (torch ops: any device) or, for "auto", native where it can run, else torch."""
-    from mfpipe.stats import native
+    """The engine that ``engine`` names on ``device`` (:func:`mfpipe.engines.engine_name`; a StatsError where
+    "native" cannot run)."""
+    from mfpipe import engines
     from mfpipe.stats.errors import StatsError
 
-    if engine not in ("auto", "native", "torch"):
-        raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
-    runs_native = device.type == "cpu" and native.available()
-    if engine == "native" and not runs_native:
-        raise StatsError("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
-    return "native" if engine != "torch" and runs_native else "torch"
+    return engines.engine_name(engine, device, StatsError)
 
 
 def make_engine(name: str, totals: Totals, cooc_window: int, attn_input_norm: Callable | None = None,

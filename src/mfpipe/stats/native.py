@@ -36,7 +36,6 @@ numba's user cache where that is read-only). Without numba the torch form runs (
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -55,7 +54,9 @@ _loops: ModuleType | None = None
 
 def available() -> bool:
     """Whether numba is installed (without importing it)."""
-    return importlib.util.find_spec("numba") is not None
+    from mfpipe.engines import numba_available
+
+    return numba_available()
 
 
 def loops() -> ModuleType:

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mfpipe.experiments.ranking.queries import QueryTerms, engine_name, key_part, query_terms
+from mfpipe.engines import engine_name
+from mfpipe.experiments.ranking.queries import QueryTerms, key_part, query_terms
 from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
 from mfpipe.stats.workspace import HelperThread, reducer_threads

@@ -20,16 +20,16 @@ torch ops bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from mfpipe.engines import engine_name
 from mfpipe.meanfield.deviation import TINY, OccurrenceTerms
 from mfpipe.meanfield.plan import QueryPlan, span_kernel
 
-__all__ = ["KeyPart", "QueryTerms", "engine_name", "key_part", "query_terms"]
+__all__ = ["KeyPart", "QueryTerms", "key_part", "query_terms"]
 
 # a key type whose attention total A_t is below this takes the exact per-position formula: Â_t / A_t would overflow
 # float32 (Â_t <= 1) and A_t = 0 (every probability of the type underflowed) has its own definition
@@ -118,18 +118,6 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
     z = reads[plan.b, plan.j].to(dt) if reads is not None else out["z"]
     return QueryTerms(z, out["zhat"], out["mixed"], out.get("mixed_tracked"), nx=out["nx"], valid=out["valid"],
                       other=out["other"])
-
-
-def engine_name(engine: str, device) -> str:
-    """The engine of the mixed weights that ``engine`` names on ``device``: "native" (the compiled loop: CPU with numba
-    installed), "torch" (any device) or, for "auto", native where it runs (as pass 1's engines, whose module a pass-2
-    job does not import: its result does not depend on pass 1's loops)."""
-    if engine not in ("auto", "native", "torch"):
-        raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
-    runs_native = torch.device(device).type == "cpu" and importlib.util.find_spec("numba") is not None
-    if engine == "native" and not runs_native:
-        raise ValueError("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
-    return "native" if engine != "torch" and runs_native else "torch"
 
 
 def _engine(engine: str, probs: Tensor) -> str:
