@@ -26,9 +26,14 @@ class ConfigError(ValueError):
     pass
 
 
+# libyaml's safe loader where PyYAML has it (its wheels do): the same documents, ~15x faster than the pure-Python
+# one, and every Snakemake invocation (each dry run, each job a cluster runs) loads the schema
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_schema(path: str | os.PathLike | Traversable = SCHEMA_PATH) -> dict:
     text = Path(path).read_text() if isinstance(path, (str, os.PathLike)) else path.read_text()
-    return yaml.safe_load(text)
+    return yaml.load(text, Loader=_SAFE_LOADER)
 
 
 def _shown(path) -> str:
