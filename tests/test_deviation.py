@@ -4,6 +4,8 @@ tiny random models of every architecture, shard merging, and the deviation store
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from mfpipe.meanfield.deviation import corpus_deviation, layer_grams, meters, oc
 from mfpipe.meanfield.kernel import kernel_from_store
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+from mfpipe.stats.errors import StatsError
 from mfpipe.stats.buckets import window_buckets
 
 N_WIN = 12
@@ -194,6 +197,49 @@ def test_two_shards_merged_equal_one_pass(setup, tmp_path):
     s, m = parts[1]
     with pytest.raises(Exception, match="p_other|revision"):
         DP.merge_partials([parts[0], (s, {**m, "revision": "r2"})], names=["p0", "p_other"])
+
+
+def test_job_folders_merge_in_shard_order_and_a_bad_partial_is_deleted_with_its_folder(setup, tmp_path):
+    """deviation.shards_per_job: the partials of runs of shards (one folder per pass-2 job) open in shard order, so
+    they merge bit for bit as one partial per job would; a missing partial, or one computed from another shard, is
+    refused by name and deleted with its job's folder (a rerun then runs that job again)."""
+    import shutil
+
+    mt, model, ad, tracked, st, tokens, doc_ids = setup
+    if mt != "gpt2":
+        pytest.skip("one architecture suffices")
+    kw = dict(min_count=1, batch_size=4, progress=False, top_k=8)
+    runs = {"00000": ["00000", "00001"], "00002": ["00002"]}
+    cuts = {"00000": slice(0, 3), "00001": slice(3, 5), "00002": slice(5, None)}
+    parts = {}
+    for i, sl in cuts.items():
+        s, m = DP.deviation_shard(model, ad, tokens[sl], doc_ids[sl], tracked, st, **kw)
+        parts[i] = (s, {**m, "shard": f"shard-{i}.npz"})
+    folders = []
+    for first, ids in runs.items():
+        folder = tmp_path / "partials" / f"group-{first}"
+        for i in ids:
+            DP.save_partial(folder / f"shard-{i}.zarr", *parts[i])
+        folders.append(str(folder))
+    opened, names = DP.open_job_partials(folders[::-1], runs)  # folder order as given does not matter
+    assert [Path(n).name for n in names] == ["shard-00000.zarr", "shard-00001.zarr", "shard-00002.zarr"]
+    merged, _ = DP.merge_partials(opened, names=names)
+    flat = [DP.open_partial(DP.save_partial(tmp_path / "flat" / f"shard-{i}.zarr", *parts[i])) for i in sorted(cuts)]
+    want, _ = DP.merge_partials(flat)
+    assert sorted(merged) == sorted(want) and all(np.array_equal(merged[k], want[k]) for k in want)
+    # a partial of another shard in a partial's place
+    bad = Path(folders[0]) / "shard-00001.zarr"
+    shutil.rmtree(bad)
+    DP.save_partial(bad, *parts["00002"])
+    with pytest.raises(StatsError, match=r"shard-00001\.zarr was computed from corpus shard shard-00002\.npz.*deleted it "
+                                         r"with its job's folder .*group-00000: rerun to rebuild it"):
+        DP.open_job_partials(folders, runs)
+    assert not Path(folders[0]).exists() and Path(folders[1]).exists()
+    # a missing one
+    shutil.rmtree(Path(folders[1]) / "shard-00002.zarr")
+    with pytest.raises(StatsError, match=r"shard-00002\.zarr is missing; deleted it with its job's folder"):
+        DP.open_job_partials(folders[1:], {"00002": ["00002"]})
+    assert not Path(folders[1]).exists()
 
 
 def test_top_contexts_list_ties_in_corpus_order(setup):

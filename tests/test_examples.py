@@ -145,7 +145,7 @@ def run(tmp_path_factory):
     write_calibrated(calibrated_dataset(st.W(min_count=1).fillna(0).values, st, {"calibration_iterations": 1}),
                      store_path("calibrated", MODEL, rev, root))
     # not results: a pass-2 partial (a store of its own) and a store whose write never finished (no zarr.json)
-    write_store(dev, root / "deviation" / MODEL / rev / "partials" / "shard-00000.zarr")
+    write_store(dev, root / "deviation" / MODEL / rev / "partials" / "group-00000" / "shard-00000.zarr")
     (root / "deviation" / MODEL / "step99" / "deviation.zarr").mkdir(parents=True)
     return root
 

@@ -234,8 +234,10 @@ def test_n_change_rebuilds_only_tracked_onward(built, tmp_path):
 
 
 def test_partial_rounding_change_rebuilds_only_statistics_onward(built, tmp_path):
-    """... and with `stats.shards_per_job: 1` (the ci run takes a half's two shards in one job) every shard is a job."""
-    cfg = variant(tmp_path, "bits", lambda c: c.update(stats={"partial_mantissa_bits": None, "shards_per_job": 1}))
+    """... and with `stats.shards_per_job: 1` and `deviation.shards_per_job: 1` (the ci run takes a half's two shards
+    in one job, in either pass) every shard is a job."""
+    cfg = variant(tmp_path, "bits", lambda c: c.update(stats={"partial_mantissa_bits": None, "shards_per_job": 1},
+                                                       deviation={"shards_per_job": 1}))
     jobs = planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))
     rules = {r for r, _ in jobs}
     assert {"stats_shard", "stats_merge"} <= rules, rules
@@ -251,6 +253,10 @@ def test_partial_rounding_change_rebuilds_only_statistics_onward(built, tmp_path
     got = sorted((w["model"], w["revision"], w["dataset"], w["i"]) for w in map(wc, (w for r, w in jobs if r == "stats_shard"))
                  if w["dataset"] in ("stats", "eval"))
     assert got == want and any(i == "00001" for *_, i in got), (got, want)
+    # pass 2 (the statistics half of each revision): a job per shard
+    dev = sorted((w["model"], w["revision"], w["i"]) for w in map(wc, (w for r, w in jobs if r == "deviation_shard")))
+    want_dev = sorted((model, revision, i) for model, revision, dataset, i in want if dataset == "stats")
+    assert dev == want_dev and len({d[:2] for d in dev}) == 3, (dev, want_dev)
     assert not rules & {"corpus_shards", "tracked_types", "minisuite_tokenizer", "minisuite_train", "induction_table"}, rules
 
 

@@ -378,15 +378,32 @@ def topn_results(wildcards):
 DEVIATION = config["deviation"]
 
 
-def deviation_partials(wildcards):
-    """Pass-2 partials of a (model, revision): the statistics half's shards, from the first, until
-    `deviation.tokens` (null: all of them)."""
-    shards = stats_half_shards(wildcards)
+def deviation_shard_ids(wildcards):
+    """The statistics half's shards pass 2 reads (ids), from the first, until `deviation.tokens` (null: all)."""
+    ids = [Path(p).name[len("shard-") : -len(".npz")] for p in stats_half_shards(wildcards)]
     limit = DEVIATION["tokens"]
     if limit is not None:
         per_shard = int(config["corpus"]["shard_windows"]) * int(config["corpus"]["context_length"])
-        shards = shards[: max(1, -(-int(limit) // per_shard))]
-    return [f"{R}/deviation/{wildcards.model}/{wildcards.revision}/partials/{Path(s).stem}.zarr" for s in shards]
+        ids = ids[: max(1, -(-int(limit) // per_shard))]
+    return ids
+
+
+def deviation_groups(wildcards):
+    """Those shards as the pass-2 jobs take them ({first shard: [shards]}, `deviation.shards_per_job`)."""
+    return shard_groups(deviation_shard_ids(wildcards), DEVIATION["shards_per_job"])
+
+
+def deviation_partials(wildcards):
+    """The pass-2 jobs' outputs of a (model, revision): a folder per run of shards, one partial per shard inside."""
+    return [f"{R}/deviation/{wildcards.model}/{wildcards.revision}/partials/group-{i}" for i in deviation_groups(wildcards)]
+
+
+def deviation_group_shards(wildcards):
+    """The corpus shards of one pass-2 job (the run of shards starting at shard `i`)."""
+    group = deviation_groups(wildcards).get(wildcards.i)
+    if group is None:
+        raise ValueError(f"shard {wildcards.i} does not start a run of deviation.shards_per_job shards of the statistics half")
+    return [f"{R}/corpus/{CORPUS}/{wildcards.model}/shards/stats/shard-{i}.npz" for i in group]
 
 
 def deviation_results(wildcards):

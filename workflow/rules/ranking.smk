@@ -1,22 +1,22 @@
 # Deviation and head ranking (paper Sec. 6.1 Exp. 3, Sec. 6.3, App. O; library mfpipe.experiments.ranking). Per
-# revision of each model's `revisions`: pass 2 over the statistics half (one job per shard, reading pass 1's W and
-# mu; merged into deviation.zarr) and the behavioural head scores; per model the Exp. 3 correlation across
-# training; per rollout revision the ranking.
+# revision of each model's `revisions`: pass 2 over the statistics half (a job per run of `deviation.shards_per_job`
+# shards, default all of them, one partial per shard, reading pass 1's W and mu; merged into deviation.zarr) and the
+# behavioural head scores; per model the Exp. 3 correlation across training; per rollout revision the ranking.
 #   snakemake --cores 2 results/figures/ccmf_scatter_mini-gpt2_final.png
 
 
 rule deviation_shard:
     input:
         stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
-        shard=f"{R}/corpus/{CORPUS}/{{model}}/shards/stats/{{shard}}.npz",
+        shards=deviation_group_shards,
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
         kernel=substitution_kernel_input,
         code=code("deviation_shard.py"),
     output:
-        directory(f"{R}/deviation/{{model}}/{{revision}}/partials/{{shard}}.zarr"),
+        directory(f"{R}/deviation/{{model}}/{{revision}}/partials/group-{{i}}"),
     wildcard_constraints:
-        shard=r"shard-\d+",
+        i=r"\d+",
     params:
         kernel=SUBSTITUTION["kernel"],
         min_count=SUBSTITUTION["min_count"],
@@ -30,9 +30,9 @@ rule deviation_shard:
     conda:
         ENV
     benchmark:
-        "logs/benchmarks/deviation_shard/deviation/{model}/{revision}/{shard}.tsv",
+        "logs/benchmarks/deviation_shard/deviation/{model}/{revision}/group-{i}.tsv",
     log:
-        "logs/deviation/{model}/{revision}/{shard}.log",
+        "logs/deviation/{model}/{revision}/group-{i}.log",
     script:
         "../scripts/deviation_shard.py"
 
@@ -45,6 +45,7 @@ rule deviation_merge:
     output:
         directory(f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr"),
     params:
+        groups=deviation_groups,
         model=lambda wc: wc.model,
         revision="{revision}",
         min_occurrences=DEVIATION["min_occurrences"],

@@ -1,5 +1,6 @@
-"""Snakemake script: merge one (model, revision)'s pass-2 partials into the deviation store (per head S̄ of eq:ddec,
-M_cov / M_ctx of eq:head-meters, per query type the same terms, top-deviation contexts, provenance)."""
+"""Snakemake script: merge one (model, revision)'s pass-2 partials (one per shard, in the folders of the jobs that
+wrote them) into the deviation store (per head S̄ of eq:ddec, M_cov / M_ctx of eq:head-meters, per query type the
+same terms, top-deviation contexts, provenance)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.experiments.ranking import deviation_pass as DP
 from mfpipe.jobs import run_logged
@@ -14,8 +15,8 @@ log = setup_logging(sm.log[0])
 def main() -> None:
     p = sm.params
     tracked = TrackedSet.load(sm.input.tracked)
-    paths = list(sm.input.partials)
-    parts = [DP.open_partial(path) for path in paths]
+    # one folder per pass-2 job, one partial per shard inside, merged in shard order (deviation.shards_per_job)
+    parts, paths = DP.open_job_partials(list(sm.input.partials), dict(p.groups))
     sums, meta = DP.merge_partials(parts, names=paths, expect={"model": p.model, "revision": str(p.revision),
                                                                "tracked_fingerprint": tracked.fingerprint})
     ds = DP.deviation_dataset(sums, meta, tracked, min_occurrences=int(p.min_occurrences))

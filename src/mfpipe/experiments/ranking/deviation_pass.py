@@ -118,6 +118,40 @@ def open_partial(path) -> tuple[dict, dict]:
     return {k: ds[k].values for k in ds.data_vars}, dict(ds.attrs["meta"])
 
 
+def open_job_partials(folders: Sequence[str | Path], groups: Mapping[str, Sequence[str]]) -> tuple[list, list[str]]:
+    """(parts, names) of a (model, revision)'s pass-2 partials in shard order, for :func:`merge_partials`.
+
+    Each pass-2 job writes one partial per corpus shard of its run into its folder ``group-<first shard id>``;
+    ``groups`` is ``{first shard id: [shard ids]}`` in shard order (``deviation.shards_per_job``). A partial that is
+    missing, unreadable or computed from another shard is not merged: it is deleted with its job's folder (so that a
+    rerun runs that job again) and refused by name."""
+    import re
+    import shutil
+
+    by_first = {Path(f).name.removeprefix("group-"): Path(f) for f in folders}
+    parts, names = [], []
+    for first, ids in groups.items():
+        folder = by_first.get(str(first))
+        if folder is None:
+            raise StatsError(f"no pass-2 job folder holds the run of shards from shard-{first}: rerun")
+        for i in ids:
+            path = folder / f"shard-{i}.zarr"
+            try:
+                if not path.exists():
+                    raise StatsError(f"deviation partial {path} is missing")
+                sums, meta = open_partial(path)
+                if meta.get("shard") not in (None, f"shard-{i}.npz"):
+                    raise StatsError(f"deviation partial {path} was computed from corpus shard {meta.get('shard')}, "
+                                     f"not shard-{i}.npz")
+            except (StatsError, FileNotFoundError) as e:
+                shutil.rmtree(folder, ignore_errors=True)
+                why = re.split(r"; (?:delete it|rerun)", str(e))[0]  # the remedy is this one now
+                raise StatsError(f"{why}; deleted it with its job's folder {folder}: rerun to rebuild it") from e
+            parts.append((sums, meta))
+            names.append(str(path))
+    return parts, names
+
+
 def merge_partials(parts: Sequence[tuple[dict, dict]], names: Sequence[str] | None = None,
                    expect: Mapping[str, Any] | None = None) -> tuple[dict, dict]:
     """Sum the additive sums of shards' partials; the top-deviation lists become the top-K of their union (with
