@@ -13,6 +13,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    """In a pytest-xdist worker, torch's intra-op threads times the workers stay within the cores: two workers on two
+    cores each with torch's default of two threads spun against each other (OpenMP waits actively), and the files
+    that run models in the worker took ~20 % longer. A test that needs threads sets them itself (the helper-thread and
+    two-thread tests force their split); `pytest -n 0` keeps torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
