@@ -235,11 +235,24 @@ def all_targets():
 
 
 # ------------------------------------------------------------------ statistics (workflow/rules/stats.smk)
+def half_shard_ids(corpus, model, half):
+    """Shard numbers of one half of a model's corpus, known once the corpus checkpoint has run."""
+    shards = checkpoints.corpus_shards.get(corpus=corpus, model=model).output[0]
+    return sorted(Path(p).name[len("shard-") : -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
+
+
+def run_of_shards(groups, i, corpus, model, half, option):
+    """The corpus shard files of the job whose run of shards starts at shard `i` (`groups`: {first: [ids]})."""
+    group = groups.get(i)
+    if group is None:
+        raise ValueError(f"shard {i} does not start a run of {option} shards of {corpus}/{half}")
+    return [f"{R}/corpus/{corpus}/{model}/shards/{half}/shard-{j}.npz" for j in group]
+
+
 def shard_ids(wildcards):
     """Shard numbers of a dataset, known once the corpus checkpoint has run."""
     corpus, half = dataset_parts(wildcards.dataset)
-    shards = checkpoints.corpus_shards.get(corpus=corpus, model=wildcards.model).output[0]
-    return sorted(Path(p).name[len("shard-") : -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
+    return half_shard_ids(corpus, wildcards.model, half)
 
 
 def stats_groups(wildcards):
@@ -258,10 +271,7 @@ def stats_partials(wildcards):
 def dataset_group_shards(wildcards):
     """The corpus shards of one statistics job (the run of shards starting at shard `i`)."""
     corpus, half = dataset_parts(wildcards.dataset)
-    group = stats_groups(wildcards).get(wildcards.i)
-    if group is None:
-        raise ValueError(f"shard {wildcards.i} does not start a run of stats.shards_per_job shards of {wildcards.dataset}")
-    return [f"{R}/corpus/{corpus}/{wildcards.model}/shards/{half}/shard-{i}.npz" for i in group]
+    return run_of_shards(stats_groups(wildcards), wildcards.i, corpus, wildcards.model, half, "stats.shards_per_job")
 
 
 def dataset_shards_dir(wildcards):
@@ -380,7 +390,7 @@ DEVIATION = config["deviation"]
 
 def deviation_shard_ids(wildcards):
     """The statistics half's shards pass 2 reads (ids), from the first, until `deviation.tokens` (null: all)."""
-    ids = [Path(p).name[len("shard-") : -len(".npz")] for p in stats_half_shards(wildcards)]
+    ids = half_shard_ids(CORPUS, wildcards.model, "stats")
     limit = DEVIATION["tokens"]
     if limit is not None:
         per_shard = int(config["corpus"]["shard_windows"]) * int(config["corpus"]["context_length"])
@@ -400,10 +410,8 @@ def deviation_partials(wildcards):
 
 def deviation_group_shards(wildcards):
     """The corpus shards of one pass-2 job (the run of shards starting at shard `i`)."""
-    group = deviation_groups(wildcards).get(wildcards.i)
-    if group is None:
-        raise ValueError(f"shard {wildcards.i} does not start a run of deviation.shards_per_job shards of the statistics half")
-    return [f"{R}/corpus/{CORPUS}/{wildcards.model}/shards/stats/shard-{i}.npz" for i in group]
+    return run_of_shards(deviation_groups(wildcards), wildcards.i, CORPUS, wildcards.model, "stats",
+                         "deviation.shards_per_job")
 
 
 def deviation_results(wildcards):
