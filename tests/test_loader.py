@@ -57,3 +57,33 @@ def test_offline_hub_model_gives_one_clear_message():
     assert "MSG" in out.stdout, out.stderr[-2000:]
     assert "EleutherAI/pythia-160m" in out.stdout and "--revision step1000" in out.stdout
     assert "Traceback" not in out.stdout
+
+
+def test_a_load_pauses_the_cyclic_collector_and_restores_its_state(tmp_path, monkeypatch):
+    """The collector is off while a model or tokenizer loads (a speed matter: benchmarks/HISTORY.md, "A job's start")
+    and in the state it was before once the load returns or fails, on or off."""
+    import gc
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import mfpipe.models.loader as loader
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)).save_pretrained(tmp_path)
+    seen = []
+    real = loader.resolve_location
+    monkeypatch.setattr(loader, "resolve_location", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k))[1])
+    spec = {"name": "tiny", "source": "local", "path": str(tmp_path)}
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            load_model(spec)
+            assert gc.isenabled() is state
+            gone = {"name": "gone", "source": "local", "path": str(tmp_path / "gone")}
+            for load in (load_model, load_tokenizer):
+                with pytest.raises(ModelLoadError):
+                    load(gone)
+                assert gc.isenabled() is state
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen and not any(seen), seen

@@ -197,3 +197,19 @@ def test_bad_input_ends_a_dry_run_with_its_one_actionable_line(case, tmp_path):
         env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path / "hf")}
     line = dry_run_last_line(tmp_path, edit, env)
     assert all(w in line for w in want), line
+
+
+def test_a_job_script_imports_without_the_collector_and_works_with_it(tmp_path):
+    """workflow/scripts/_mfpipe_checkout.py turns the cyclic collector off for a job script's imports; run_logged
+    freezes what they made and turns it back on before the job's work, which therefore runs as any Python does."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'workflow' / 'scripts')!r})\n"
+        "import _mfpipe_checkout  # noqa\nimport gc\n"
+        "print('imports', gc.isenabled())\nimport xarray  # noqa\n"
+        "from mfpipe.jobs import run_logged\nimport logging\n"
+        "def main():\n    print('work', gc.isenabled(), gc.get_freeze_count() > 1000)\n"
+        "run_logged(main, logging.getLogger('job'))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["imports False", "work True True"], out.stdout

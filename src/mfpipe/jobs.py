@@ -3,6 +3,7 @@ revision) a rule names with its adapter, and report a failure where users look."
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -86,7 +87,14 @@ def record_loaded_modules() -> None:
 def run_logged(main: Callable[[], None], log: logging.Logger) -> None:
     """Run a job's ``main``. On failure the rule's log gets the one-line cause and, below it, the traceback;
     stderr gets only the cause, as its last line (a traceback there buries the advice under screens of frames).
-    The job then exits non-zero, so Snakemake marks it failed and removes its outputs."""
+    The job then exits non-zero, so Snakemake marks it failed and removes its outputs.
+
+    The job script's imports ran with the cyclic garbage collector off (workflow/scripts/_mfpipe_checkout.py): what
+    they made lives for the whole job, so it is frozen (the collector never scans it again) and the collector
+    turned back on for the work."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
     try:
         main()
         record_loaded_modules()

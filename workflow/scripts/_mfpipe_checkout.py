@@ -4,8 +4,17 @@ local script; PYTHONPATH is not used because a conda environment (`--sdm conda`)
 
 It also sets the job's C allocator to keep freed memory (mfpipe.heap: a forward pass frees and re-allocates
 the same activations batch after batch). That changes a job's speed, not its result, so it is done here and not
-through an ``mfpipe`` import of the script, which would make mfpipe/heap.py a code input of every rule."""
-import sys
+through an ``mfpipe`` import of the script, which would make mfpipe/heap.py a code input of every rule.
+
+And it turns Python's cyclic garbage collector off while the script's imports run (mfpipe.jobs.run_logged turns it
+back on, with what they made frozen, when the job's work starts): the ~1,500 modules of torch, numba, xarray and
+pandas make hundreds of thousands of objects that live for the whole job, and the collector scanned them again
+and again as they came (benchmarks/HISTORY.md, "A job's start"). Speed only, like the allocator."""
+import gc
+
+gc.disable()
+
+import sys  # noqa: E402
 from pathlib import Path
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")

@@ -11,6 +11,8 @@ only. A model spec is the config's model entry::
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import re
@@ -32,6 +34,26 @@ class ModelLoadError(RuntimeError):
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 # what a repository holds its tokenizer in (any one of them means the tokenizer of that revision is there)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _collector_paused(load):
+    """``load`` with Python's cyclic garbage collector paused (its previous state restored after). Importing a model
+    class (transformers' modeling code, with torch.distributed, torch._dynamo and sympy behind it) and building the
+    model allocate hundreds of thousands of objects that live as long as the model; the collector scanned them again
+    and again as they came, ~0.3 s of a mini model's job (benchmarks/HISTORY.md, "A job's start"). Nothing a load
+    makes is cyclic garbage to be reclaimed during it."""
+
+    @functools.wraps(load)
+    def paused(*args, **kwargs):
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    return paused
 
 
 def hub_offline() -> bool:
@@ -156,6 +178,7 @@ def tokenizer_revision(spec: dict) -> str | None:
     return spec.get("tokenizer_commit") or spec.get("tokenizer_revision")
 
 
+@_collector_paused
 def load_tokenizer(spec: dict, revision: str | None = None, results_dir: str | Path = "results"):
     """The model's tokenizer; for a hub model from its ``hub_id`` at ``revision`` (default: :func:`tokenizer_revision`)."""
     from transformers import AutoTokenizer
@@ -191,6 +214,7 @@ def resolve_device(device: str | None):
     return torch.device(device)
 
 
+@_collector_paused
 def load_model(
     spec: dict,
     revision: str | None = None,
