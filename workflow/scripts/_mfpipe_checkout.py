@@ -9,7 +9,7 @@ through an ``mfpipe`` import of the script, which would make mfpipe/heap.py a co
 And it turns Python's cyclic garbage collector off while the script's imports run (mfpipe.jobs.run_logged turns it
 back on, with what they made frozen, when the job's work starts): the ~1,500 modules of torch, numba, xarray and
 pandas make hundreds of thousands of objects that live for the whole job, and the collector scanned them again
-and again as they came (benchmarks/HISTORY.md, "A job's start"). Speed only, like the allocator."""
+and again as they came (benchmarks/HISTORY.md, "A model job's start-up"). Speed only, like the allocator."""
 import gc
 
 gc.disable()
