@@ -60,8 +60,8 @@ def test_offline_hub_model_gives_one_clear_message():
 
 
 def test_a_load_pauses_the_cyclic_collector_and_restores_its_state(tmp_path, monkeypatch):
-    """The collector is off while a model or tokenizer loads (a speed matter: benchmarks/HISTORY.md, "A model job's start-up")
-    and in the state it was before once the load returns or fails, on or off."""
+    """The collector is off while a model or tokenizer loads (a speed matter: benchmarks/HISTORY.md, "A model job's
+    start-up") and in the state it was before once the load returns or fails, on or off."""
     import gc
 
     from transformers import GPT2Config, GPT2LMHeadModel
