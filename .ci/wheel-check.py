@@ -5,7 +5,7 @@ environment holding torch and the mfpipe wheel (non-editable) with its declared 
 
 Checks that mfpipe is the site-packages copy (not the checkout's src/), that every module of it imports, that the
 config schema is the packaged file and is the one read, and that CONFIG (the checkout's config/config.yaml)
-passes mfpipe.config.validate_schema and check_config. Exits non-zero on the first failure.
+passes mfpipe.workflow.config.validate_schema and check_config. Exits non-zero on the first failure.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main(config_path: str) -> None:
 
     import yaml
 
-    from mfpipe import config as cfgmod
+    from mfpipe.workflow import config as cfgmod
 
     schema = Path(str(cfgmod.SCHEMA_PATH)).resolve()
     assert schema == where / "schemas" / "config.schema.yaml", f"SCHEMA_PATH is {schema}, not the packaged schema"

@@ -4,7 +4,7 @@
 Prints tokens/s and ratios to (a) the bare forward (the model body, eager attention, no LM head: the baseline of
 benchmarks/stats_pass.py) of (b) the traced forward that captures what pass 2 reads (probabilities, values, reads)
 with a no-op callback (tracing overhead alone) and (c) pass 2 itself: the shard loop
-(:func:`mfpipe.stats.loop.run_reducer`) with the :class:`~mfpipe.experiments.ranking.pass2.DeviationAccumulator`, per
+(:func:`mfpipe.stats.loop.run_reducer`) with the :class:`~mfpipe.deviation.pass2.DeviationAccumulator`, per
 batch (goal: (c) <= 1.5x (a), issue 11); the once-per-shard copy of the sums to the host is timed and counted in
 (c). Then peak memory (process RSS; CUDA peak on a GPU). The three are interleaved batch by batch. On CPU the
 pass-2 reductions run as in the workflow (``--reducer-threads auto``: on the forward's threads where a layer's
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="after the timing, profile one more pass-2 batch (torch.profiler) and print its top ops")
     args = ap.parse_args(argv)
-    from mfpipe.experiments.ranking.pass2 import DeviationAccumulator, window_halves
+    from mfpipe.deviation.pass2 import DeviationAccumulator, window_halves
     from mfpipe.meanfield.deviation import layer_grams
     from mfpipe.stats.loop import run_reducer
 

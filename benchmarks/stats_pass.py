@@ -111,7 +111,7 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--default-allocator", action="store_true",
                     help="leave glibc's malloc at its defaults (by default the benchmark sets it as the workflow's jobs "
-                         "do, mfpipe.heap.keep_freed_memory, before any form runs: every form, the bare forward "
+                         "do, mfpipe.workflow.heap.keep_freed_memory, before any form runs: every form, the bare forward "
                          "included, runs without paging freed activations back in batch after batch)")
 
 
@@ -182,7 +182,7 @@ def setup_model(args):
     """(device, model, adapter, vocabulary size, BOS id) for :func:`add_common_args`' flags; sets torch's threads and
     (unless --default-allocator) the C allocator as the workflow's jobs do."""
     from mfpipe.models.adapters import get_adapter
-    from mfpipe.heap import keep_freed_memory
+    from mfpipe.workflow.heap import keep_freed_memory
 
     args.allocator = "glibc defaults" if args.default_allocator else (
         "keeps freed memory" if keep_freed_memory() else "defaults (not glibc)")

@@ -1,4 +1,4 @@
-"""mfpipe.heap: the C allocator setting of the workflow's forward-pass jobs (glibc)."""
+"""mfpipe.workflow.heap: the C allocator setting of the workflow's forward-pass jobs (glibc)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _PROBE = textwrap.dedent("""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.mallinfo2.restype = MallInfo2
     if sys.argv[1] == "keep":
-        from mfpipe.heap import keep_freed_memory
+        from mfpipe.workflow.heap import keep_freed_memory
         assert keep_freed_memory()
     before = libc.mallinfo2().hblkhd
     block = bytearray(30 << 20)  # 30 MiB through malloc
@@ -51,7 +51,7 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap():
 
 
 _ONCE = textwrap.dedent("""
-    import mfpipe.heap as a
+    import mfpipe.workflow.heap as a
     calls = []
     real = a.ctypes.CDLL
     a.ctypes.CDLL = lambda *args, **kw: calls.append(args) or real(*args, **kw)
@@ -67,7 +67,7 @@ def test_keep_freed_memory_is_applied_once():
 
 _RELEASE = textwrap.dedent("""
     import os, torch
-    from mfpipe.heap import keep_freed_memory, release_free_memory
+    from mfpipe.workflow.heap import keep_freed_memory, release_free_memory
     assert keep_freed_memory()
     def rss():
         with open("/proc/self/statm") as f:
@@ -99,7 +99,7 @@ _HOLD = textwrap.dedent("""
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = MallInfo2
     if sys.argv[1] == "keep":
-        from mfpipe.heap import keep_freed_memory
+        from mfpipe.workflow.heap import keep_freed_memory
         assert keep_freed_memory()
     from mfpipe.stats.pass1 import Accumulator
 

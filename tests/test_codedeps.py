@@ -1,4 +1,4 @@
-"""mfpipe.codedeps: the library files a workflow script depends on, from its imports."""
+"""mfpipe.workflow.codedeps: the library files a workflow script depends on, from its imports."""
 
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mfpipe.codedeps import module_dependencies, script_dependencies
+from mfpipe.workflow.codedeps import module_dependencies, script_dependencies
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p for p in (REPO / "workflow" / "scripts").glob("*.py") if not p.name.startswith("_"))  # job scripts, not helpers
@@ -98,7 +98,7 @@ def test_static_dependencies_cover_what_the_script_really_imports(script):
 def test_importlib_and_lazy_exports(tmp_path):
     """A literal importlib.import_module counts like an import; a computed one is refused; a package's lazy
     __getattr__ counts only for `from package import <name it serves>`, not for the package's other users."""
-    from mfpipe.codedeps import UnfollowedImport
+    from mfpipe.workflow.codedeps import UnfollowedImport
 
     write(tmp_path / "src", {
         "mfpipe/__init__.py": ("try:\n    X = 1\nexcept ImportError:\n    X = 0\n\ndef __getattr__(name):\n    if name == 'heavy':\n"
@@ -141,7 +141,7 @@ def test_the_answers_are_kept_under_a_digest_of_the_sources(pkg, monkeypatch):
     """The workflow plans from a cache of every script's dependencies (.snakemake/mfpipe-code-inputs.json): read back
     while no library file or script changed, derived again (in the next process, as every planning is) after an
     edit that changes them."""
-    import mfpipe.codedeps as C
+    import mfpipe.workflow.codedeps as C
 
     src, scripts, cache = pkg / "src", pkg / "scripts", pkg / "cache" / "code-inputs.json"
     first = C.scripts_dependencies(src, scripts, cache=cache)
@@ -162,4 +162,79 @@ def test_the_answers_are_kept_under_a_digest_of_the_sources(pkg, monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     again = json.loads(out.stdout)
     assert names(again["s3.py"], pkg) == ["mfpipe/__init__.py", "mfpipe/e.py", "mfpipe/lazy.py"], again["s3.py"]
-    assert json.loads(cache.read_text())["scripts"] == again
+    assert json.loads(cache.read_text())["code"] == again
+
+
+def test_a_job_depends_on_its_own_part_of_its_jobs_module(tmp_path):
+    """Two jobs of one jobs module: each depends on the module's top level, its own body's imports and those of the
+    helpers it calls, not on the other job's (so editing one job's science reruns that job only); the module comes
+    first (the job script finds it there); find_jobs lists the `def rule(job)` functions only."""
+    from mfpipe.workflow.codedeps import code_inputs, find_jobs, job_dependencies
+
+    write(tmp_path / "src", {
+        "mfpipe/__init__.py": "",
+        "mfpipe/runner.py": "",
+        "mfpipe/top.py": "",
+        "mfpipe/one.py": "",
+        "mfpipe/two.py": "",
+        "mfpipe/helper.py": "",
+        "mfpipe/exp/__init__.py": "",
+        "mfpipe/exp/jobs.py": """\
+            from mfpipe import top
+
+            def _shared():
+                from mfpipe import helper
+
+            def first(job):
+                from mfpipe import one
+                _shared()
+
+            def second(job):
+                from mfpipe import two
+
+            def not_a_job(x):
+                from mfpipe import two
+        """,
+    })
+    write(tmp_path / "scripts", {"job.py": "from mfpipe import runner\n", "old.py": "from mfpipe import one\n"})
+    src, run = tmp_path / "src", tmp_path / "scripts" / "job.py"
+    first = job_dependencies(src, "mfpipe.exp.jobs", "first", run)
+    assert names(first[:1], tmp_path) == ["mfpipe/exp/jobs.py"]
+    assert names(first, tmp_path) == sorted(["mfpipe/exp/jobs.py", "mfpipe/__init__.py", "mfpipe/exp/__init__.py",
+                                             "mfpipe/runner.py", "mfpipe/top.py", "mfpipe/one.py", "mfpipe/helper.py"])
+    second = names(job_dependencies(src, "mfpipe.exp.jobs", "second", run), tmp_path)
+    assert "mfpipe/two.py" in second and "mfpipe/one.py" not in second and "mfpipe/helper.py" not in second
+    assert find_jobs(src) == {"mfpipe.exp.jobs": ["first", "second"]}
+    code = code_inputs(src, tmp_path / "scripts")
+    assert set(code) == {"old.py", "mfpipe.exp.jobs:first", "mfpipe.exp.jobs:second"}
+    assert code["mfpipe.exp.jobs:first"] == first
+    with pytest.raises(KeyError, match="no job function 'third'"):
+        job_dependencies(src, "mfpipe.exp.jobs", "third", run)
+
+
+def test_every_rule_of_the_job_script_names_its_own_job_function():
+    """A rule run by workflow/scripts/job.py declares `code=job(package, function)` with `function` its own name (or
+    its params.job_function), and that function exists: the job script runs function `rule` of the module."""
+    import re
+
+    from mfpipe.workflow.codedeps import find_jobs
+
+    jobs = find_jobs(REPO / "src")
+    wrong = []
+    for f in sorted((REPO / "workflow" / "rules").glob("*.smk")):
+        for block in re.split(r"(?m)^(?=(?:rule|checkpoint) \w+:|\s+rule:)", f.read_text()):
+            if "JOB_SCRIPT" not in block or f.name == "common.smk":
+                continue
+            job = re.search(r'code=job\("([\w.]+)", "(\w+)"\)', block)
+            named = re.match(r"(?:rule|checkpoint) (\w+):", block)
+            alias = re.search(r'job_function="(\w+)"', block)
+            rule = named.group(1) if named else "(loop)"
+            if not job:
+                wrong.append(f"{f.name} {rule}: runs the job script without code=job(...)")
+                continue
+            module, function = f"mfpipe.{job.group(1)}.jobs", job.group(2)
+            if function not in jobs.get(module, []):
+                wrong.append(f"{f.name} {rule}: {module} has no job function {function}")
+            if function != (alias.group(1) if alias else rule):
+                wrong.append(f"{f.name} {rule}: declares the code of {function}")
+    assert not wrong, "\n".join(wrong)

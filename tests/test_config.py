@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mfpipe.config import ConfigError, check_config, resolve_revisions, validate_schema
+from mfpipe.workflow.config import ConfigError, check_config, resolve_revisions, validate_schema
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_cross_checks():
 def test_revisions_sweep_and_rollout_revisions():
     """`checkpoints` expands to every saved step (log-spaced + linear + last) in training order; the rollout
     stage takes the last one unless `rollout_revisions` says otherwise; `checkpoints` is refused for hub models."""
-    from mfpipe.config import resolve_rollout_revisions
+    from mfpipe.workflow.config import resolve_rollout_revisions
 
     cfg = default_config()
     mm = cfg["minisuite"]["models"][0]
@@ -127,7 +127,7 @@ NO_DEFAULT_BY_DESIGN = {
 
 
 def test_every_optional_option_has_its_default_in_the_schema():
-    from mfpipe.config import load_schema
+    from mfpipe.workflow.config import load_schema
 
     schema = load_schema()
     missing = []
@@ -149,7 +149,7 @@ def test_every_optional_option_has_its_default_in_the_schema():
 
 
 def test_defaults_come_from_the_schema_once():
-    from mfpipe.config import apply_defaults
+    from mfpipe.workflow.config import apply_defaults
     from mfpipe.minisuite.model import DEFAULT_CONFIG
 
     cfg = default_config()
@@ -179,7 +179,7 @@ def test_induction_every_is_a_settable_option():
 
 def test_revisions_are_named_in_one_place(tmp_path):
     from mfpipe.models.loader import resolve_location
-    from mfpipe.revisions import (
+    from mfpipe.workflow.revisions import (
         checkpoint_steps,
         minisuite_checkpoint_dir,
         resolve_minisuite_revision,

@@ -1,9 +1,9 @@
-"""mfpipe.costs: the run's benchmark files summed by rule and stage."""
+"""mfpipe.workflow.costs: the run's benchmark files summed by rule and stage."""
 
 import pandas as pd
 import pytest
 
-from mfpipe.costs import cost_tables, costs_markdown, read_benchmarks
+from mfpipe.workflow.costs import cost_tables, costs_markdown, read_benchmarks
 
 HEADER = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
 

@@ -13,9 +13,9 @@ from hf_reference import head_maps
 from test_stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
-from mfpipe.experiments.ranking import deviation_pass as DP
-from mfpipe.experiments.ranking.pass2 import window_halves
-from mfpipe.experiments.ranking.queries import query_terms
+from mfpipe.deviation import shards as DP
+from mfpipe.deviation.pass2 import window_halves
+from mfpipe.deviation.queries import query_terms
 from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.ccmf import pair_kernel
 from mfpipe.meanfield.deviation import corpus_deviation, layer_grams, meters, occurrence_terms
@@ -374,7 +374,7 @@ def test_query_terms_native_loop_equals_torch_ops_bit_for_bit(block, mostly_othe
 
 
 def test_the_compiled_loop_uses_the_thresholds_of_the_torch_ops():
-    from mfpipe.experiments.ranking import _native_loops, queries
+    from mfpipe.deviation import _native_loops, queries
     from mfpipe.meanfield import deviation
 
     assert _native_loops._UNDERFLOW == np.float32(queries._UNDERFLOW) and _native_loops._TINY == np.float32(deviation.TINY)
@@ -384,7 +384,7 @@ def test_pass2_on_two_threads_equals_one_thread_bit_for_bit(setup):
     """Pass 2 with the compiled loop and half the heads on each of two threads (as on a CPU job with two or more
     threads) gives the same sums as the torch ops on one thread, bit for bit, every architecture (rows that are not
     valid in every head dropped alike)."""
-    from mfpipe.experiments.ranking.pass2 import DeviationAccumulator
+    from mfpipe.deviation.pass2 import DeviationAccumulator
     from mfpipe.stats.loop import run_reducer
 
     mt, model, ad, tracked, st, tokens, doc_ids = setup

@@ -93,7 +93,7 @@ def test_figure_outputs_keep_the_dots_of_a_model_name():
     it at the model name's dot and write `ccmf_scatter_llama-3.pdf`)."""
     from pathlib import Path
 
-    from mfpipe.plots import figure_paths
+    from mfpipe.workflow.plots import figure_paths
 
     stem = Path("results/figures/ccmf_scatter_llama-3.2-3b_main")
     want = (Path(f"{stem}.pdf"), Path(f"{stem}.png"))

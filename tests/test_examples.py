@@ -81,9 +81,9 @@ def test_import_mfpipe_does_not_import_the_reading_api():
 
 
 def test_no_job_depends_on_the_reading_api(tmp_path):
-    """The rules' code inputs (mfpipe.codedeps) of every job script leave mfpipe/results.py out: editing it reruns
+    """The rules' code inputs (mfpipe.workflow.codedeps) of every job script leave mfpipe/results.py out: editing it reruns
     nothing; `from mfpipe import open_results` does depend on it."""
-    from mfpipe.codedeps import module_dependencies, script_dependencies
+    from mfpipe.workflow.codedeps import module_dependencies, script_dependencies
 
     src = REPO / "src"
     results_py = (src / "mfpipe" / "results.py").resolve()
@@ -183,7 +183,7 @@ def test_list_results_lists_every_store_in_training_order(run):
 def test_open_results_gives_what_the_library_readers_give(run):
     """Each experiment is read by the reader its jobs use: the same data, coordinates and provenance attributes."""
     import mfpipe
-    from mfpipe.experiments.ranking.store import open_deviation
+    from mfpipe.deviation.store import open_deviation
     from mfpipe.experiments.substitution.kernel_dynamics import open_kernel
     from mfpipe.experiments.substitution.substitute import open_result
     from mfpipe.meanfield.calibrated import load_calibrated

@@ -406,7 +406,7 @@ def test_instance_meter_equals_per_prefix_measurements(setup):
 def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path):
     """The job's path on a tiny GPT-2 with the trained tokenizer: all four classes generated and measured, the
     tables and both figures written."""
-    from mfpipe.tables import write_table
+    from mfpipe.workflow.tables import write_table
 
     tok, texts = tokenizer
     model = make_tiny_model("gpt2", seed=3, vocab_size=len(tok), bos_token_id=0, eos_token_id=0)

@@ -6,7 +6,7 @@ import stat
 import numpy as np
 import pytest
 
-from mfpipe.io import atomic_dir, atomic_savez, atomic_write_text
+from mfpipe.workflow.io import atomic_dir, atomic_savez, atomic_write_text
 from mfpipe.stats import save_partial
 from mfpipe.stats.partials import SUM_KEYS, sum_shapes
 

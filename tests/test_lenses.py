@@ -16,7 +16,7 @@ from test_stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 from mfpipe.experiments.prompts import lenses as LE
-from mfpipe.experiments.ranking import deviation_pass as DP
+from mfpipe.deviation import shards as DP
 from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store
 from mfpipe.models.adapters import get_adapter
 from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store

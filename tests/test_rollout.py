@@ -400,7 +400,7 @@ def paper_b_reference(ref, toks, tracked):
 def test_paper_estimator_b_from_pass2_matches_reference(tiny):
     """Issue 11: with pass 2's sum_t P_st E_s[vbar_t] the pipeline's (b) is the paper's (E_s[vbar_t] swapped for
     v(c_t), the covariance kept), equal to its per-occurrence definition; it differs from the mu_t stand-in."""
-    from mfpipe.experiments.ranking import deviation_pass as DP
+    from mfpipe.deviation import shards as DP
 
     mt, model, ad, ref, bos_id, b = tiny
     if mt not in ("gpt2", "gemma2", "olmo2"):

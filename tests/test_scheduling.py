@@ -1,4 +1,4 @@
-"""mfpipe.scheduling: one pending wake-up of Snakemake's scheduler at a time (the workflow applies it when it loads)."""
+"""mfpipe.workflow.scheduling: one pending wake-up of Snakemake's scheduler at a time (the workflow applies it when it loads)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from mfpipe.scheduling import one_pending_wakeup
+from mfpipe.workflow.scheduling import one_pending_wakeup
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -53,7 +53,7 @@ def test_snakemake_runs_one_round_per_finished_job_and_waiting_second(tmp_path):
     every finished job start a chain of rounds, one a second (25 rounds for these ten jobs); with one wake-up
     pending, a round per finished job and at most one per second of the run is left."""
     (tmp_path / "Snakefile").write_text(
-        f"import sys\nsys.path.insert(0, {str(SRC)!r})\nfrom mfpipe.scheduling import one_pending_wakeup\n"
+        f"import sys\nsys.path.insert(0, {str(SRC)!r})\nfrom mfpipe.workflow.scheduling import one_pending_wakeup\n"
         "assert one_pending_wakeup()\n"
         "rule all:\n    input: expand('o{i}.txt', i=range(10))\n"
         "rule a:\n    output: 'o{i}.txt'\n    shell: 'sleep 0.4; echo {wildcards.i} > {output}'\n")

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from mfpipe import tasks as T
-from mfpipe.config import apply_defaults, load_schema, validate_schema
+from mfpipe.workflow.config import apply_defaults, load_schema, validate_schema
 from mfpipe.experiments.prompts import sets as P
 
 REPO = Path(__file__).resolve().parents[1]

@@ -74,7 +74,7 @@ def clone(dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     wd = clone(tmp_path_factory.mktemp("wf"))
-    # every job records the mfpipe modules it loaded (mfpipe.jobs.record_loaded_modules), for the code-input test
+    # every job records the mfpipe modules it loaded (mfpipe.workflow.jobs.record_loaded_modules), for the code-input test
     snakemake(wd, "--cores", "2", env={"MFPIPE_LOADED_MODULES": str(wd / "loaded_modules")})
     return wd
 
@@ -144,7 +144,7 @@ def test_head_ranking_outputs(built):
     table and figure across the sweep, and at the rollout revision the ranking tables and the M_cov / M_ctx scatter."""
     import pandas as pd
 
-    from mfpipe.experiments.ranking.store import open_deviation
+    from mfpipe.deviation.store import open_deviation
 
     r = built / "results"
     for m, revs in (("mini-gpt2", ["step4", "step20"]), ("mini-neox", ["step20"])):
@@ -289,18 +289,25 @@ def test_deleting_a_figure_reruns_only_its_plotting_job(built, figure, rule):
 
 # ------------------------------------------------------------------------------------ code inputs
 def rule_scripts(repo: Path) -> dict[str, str]:
-    """rule name -> its `script:` file name, read from the rule files (the figure rules are made in a loop)."""
+    """rule name -> its code key, read from the rule files (the figure rules are made in a loop): the job function
+    ``mfpipe.<package>.jobs:<function>`` of a rule whose code is ``job("<package>", "<function>")``, else the file name
+    of its `script:` (the keys of mfpipe.workflow.codedeps.code_inputs)."""
     out, uses = {}, []
     for f in sorted((repo / "workflow" / "rules").glob("*.smk")):
         for block in re.split(r"(?m)^(?=(?:rule|checkpoint) \w+:|\s+rule:)", f.read_text()):
+            job = re.search(r'code=job\("([\w.]+)", "(\w+)"\)', block)
             script = re.search(r'script:\s*\n\s*"\.\./scripts/([\w.]+)"', block)
-            if not script:
+            if job:
+                key = f"mfpipe.{job.group(1)}.jobs:{job.group(2)}"
+            elif script:
+                key = script.group(1)
+            else:
                 continue
             named = re.match(r"(?:rule|checkpoint) (\w+):", block)
             if named:
-                out[named.group(1)] = script.group(1)
+                out[named.group(1)] = key
             elif 'f"figure_{_fig}"' in block:
-                out["figure_*"] = script.group(1)
+                out["figure_*"] = key
         # `use rule a as b with:` runs a's script
         for a, b in re.findall(r"(?m)^use rule (\w+) as (\w+) with:", f.read_text()):
             uses.append((a, b))
@@ -345,7 +352,7 @@ def job_inputs(text: str) -> list[tuple[str, list[str]]]:
 
 
 def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built):
-    """Issue 9: a rule's code inputs are derived from its script's imports (mfpipe.codedeps), so editing a
+    """Issue 9: a rule's code inputs are derived from its script's imports (mfpipe.workflow.codedeps), so editing a
     library module plans the rules whose script imports it, directly or not, and what consumes their outputs;
     and no other rule is stale by itself.
 
@@ -353,14 +360,15 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
     inputs exactly the library files its script imports (one forced dry run lists them all), and for a sample of
     modules (few, some and many importers) an edit plans exactly those rules and their consumers, and a dry run
     allowed to run only the other rules plans nothing."""
-    from mfpipe.codedeps import script_dependencies
+    from mfpipe.workflow.codedeps import code_inputs
 
     src = built / "src"
     scripts = rule_scripts(built)
     graph = rule_graph(built)
     rules = set(graph) - {"all"}
     script_of = {r: scripts[r if r in scripts else "figure_*"] for r in rules}
-    deps = {r: set(script_dependencies(src, built / "workflow" / "scripts" / s)) for r, s in script_of.items()}
+    code = code_inputs(src, built / "workflow" / "scripts")
+    deps = {r: set(code[key]) for r, key in script_of.items()}
     modules = sorted(str(p) for p in (src / "mfpipe").rglob("*.py"))
     # 1. declared code inputs, every job of every rule: a forced dry run lists every job but those a rerun
     # checkpoint (the corpus shards) would only create, a second one forcing every rule downstream of it lists them
@@ -380,7 +388,8 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
     # 2. at run time: every mfpipe module a job of the run has loaded is one of its rule's code inputs (a lazy or
     # importlib import the static analysis missed would show up here). Exempt: what _mfpipe_checkout loads for every
     # job on purpose (the package and its heap control, which change a job's speed, not its result).
-    exempt = {str((src / "mfpipe" / f).resolve()) for f in ("__init__.py", "heap.py")}
+    exempt = {str((src / "mfpipe" / f).resolve())
+              for f in ("__init__.py", "version.py", "workflow/__init__.py", "workflow/heap.py")}
     records = [json.loads(p.read_text()) for p in sorted((built / "loaded_modules").glob("*.json"))]
     assert {r["rule"] for r in records} >= rules - {"corpus_shards"} - {r for r in rules if r.startswith("figure_")}, (
         "every kind of job recorded what it loaded", sorted(rules - {r["rule"] for r in records}))
@@ -663,7 +672,7 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
 # All on the built clone, one output at a time (no whole-DAG rerun): each test deletes a single output, runs
 # Snakemake for it alone and kills the run -- SIGKILL to its whole process group -- at the moment its job has
 # written the output completely into the temporary sibling but not yet renamed it into place (the
-# MFPIPE_STALL_BEFORE_PUBLISH seam of mfpipe.io), then reruns it as a user would (`--unlock`, rerun).
+# MFPIPE_STALL_BEFORE_PUBLISH seam of mfpipe.workflow.io), then reruns it as a user would (`--unlock`, rerun).
 def kill_while_publishing(workdir: Path, target: Path, tmp_path: Path) -> None:
     import signal
     import time

@@ -5,20 +5,7 @@ imports it): ``mfpipe.list_results(results)``, ``mfpipe.open_stats(model, revisi
 ``mfpipe.open_results(experiment, model, revision, results)``.
 """
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-
-
-def _installed_version() -> str:
-    try:
-        return _version("mfpipe")
-    except PackageNotFoundError:  # running from a source tree without install
-        return "0.0.0+unknown"
-
-
-# a plain top-level assignment: mfpipe.codedeps counts `from mfpipe import __version__` (which library modules
-# do) as served by the lazy __getattr__ below, and so as a dependency on mfpipe.results, unless it sees the name bound
-__version__ = _installed_version()
+from mfpipe.version import __version__
 
 # served by __getattr__ from mfpipe.results, which is imported only when one of them is asked for
 _READING = ("open_stats", "open_results", "list_results")
@@ -27,7 +14,7 @@ __all__ = ["__version__", *_READING]
 
 
 def __getattr__(name: str):
-    # a static import, so mfpipe.codedeps sees what the lazily exported names load
+    # a static import, so mfpipe.workflow.codedeps sees what the lazily exported names load
     if name in _READING:
         from mfpipe import results
 

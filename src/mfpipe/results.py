@@ -14,7 +14,7 @@ corpus with ``corpus=``, or a top-N arm with ``top_n=``), ``deviation`` (pass 2)
 mean-field substitution; ``top_n=`` an App. M arm), ``kernel`` (the revision's rank-r kernel factors and row
 spread), ``calibrated`` (the calibrated kernel U of App. B) and ``jlens`` (the J-lens of App. P: the average
 same-position Jacobians J_ℓ, :func:`mfpipe.jlens.open_jlens`). Each is read by the reader the workflow's own jobs
-use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.experiments.ranking.store.open_deviation`,
+use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.deviation.store.open_deviation`,
 :func:`~mfpipe.experiments.substitution.substitute.open_result`,
 :func:`~mfpipe.experiments.substitution.kernel_dynamics.open_kernel`,
 :func:`~mfpipe.meanfield.calibrated.load_calibrated`); this module adds none.
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mfpipe.revisions import parse_step
+from mfpipe.workflow.revisions import parse_step
 from mfpipe.stats.api import ProvenanceError  # what every reader raises, re-exported
 
 __all__ = [
@@ -297,7 +297,7 @@ def open_results(experiment: str, model: str, revision: str, results: str | os.P
 
         ds = _open_stats(path, expect).ds
     elif key == "deviation":
-        from mfpipe.experiments.ranking.store import open_deviation
+        from mfpipe.deviation.store import open_deviation
 
         ds = open_deviation(path, expect)
     elif key in ("substitution", "substitution_topn"):

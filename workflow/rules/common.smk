@@ -9,8 +9,8 @@ SRC = Path(workflow.basedir) / "src"
 # environment blocks): each job script first imports workflow/scripts/_mfpipe_checkout.py, which puts SRC first.
 sys.path.insert(0, str(SRC))
 
-from mfpipe.codedeps import scripts_dependencies  # noqa: E402
-from mfpipe.config import (  # noqa: E402
+from mfpipe.workflow.codedeps import code_inputs  # noqa: E402
+from mfpipe.workflow.config import (  # noqa: E402
     ConfigError,
     check_config,
     corpora,
@@ -20,13 +20,13 @@ from mfpipe.config import (  # noqa: E402
     validate_schema,
 )
 from mfpipe.corpus.windows import shard_groups  # noqa: E402
-from mfpipe.revisions import parse_step  # noqa: E402
-from mfpipe.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
-from mfpipe.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
-from mfpipe.scheduling import one_pending_wakeup  # noqa: E402
+from mfpipe.workflow.revisions import parse_step  # noqa: E402
+from mfpipe.workflow.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
+from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
+from mfpipe.workflow.scheduling import one_pending_wakeup  # noqa: E402
 
 # Snakemake's job-rate limiter wakes its scheduler once a second per finished job while jobs wait for cores, ~15 % of
-# a core over the default run on two; one pending wake-up at a time does the same scheduling (mfpipe/scheduling.py)
+# a core over the default run on two; one pending wake-up at a time does the same scheduling (mfpipe/workflow/scheduling.py)
 one_pending_wakeup()
 
 # Everything that can be checked before a job runs is checked here, when the DAG is built: the schema (every
@@ -134,14 +134,22 @@ HALVES = ["stats", "eval"]
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
 
-# every job script's library files, derived from the sources once per change of them (.snakemake/ holds the answer)
-CODE_INPUTS = scripts_dependencies(SRC, SCRIPTS, cache=Path(".snakemake") / "mfpipe-code-inputs.json")
+# every job's library files, derived from the sources once per change of them (.snakemake/ holds the answer)
+CODE_INPUTS = code_inputs(SRC, SCRIPTS, cache=Path(".snakemake") / "mfpipe-code-inputs.json")
+# the one job script: it runs the rule's job function, `mfpipe.<package>.jobs.<rule>` (mfpipe.workflow.jobs.run_job)
+JOB_SCRIPT = "../scripts/job.py"
 
 
 def code(script):
-    """The library files job script `script` imports, directly or not (mfpipe.codedeps). Rules list them as
+    """The library files job script `script` imports, directly or not (mfpipe.workflow.codedeps). Rules list them as
     inputs, so editing a module reruns exactly the jobs that run it, and no hand-written list can drift."""
     return CODE_INPUTS[script]
+
+
+def job(package, rule):
+    """The code inputs of job function `rule` of `mfpipe.<package>.jobs` (the module first: the job script finds the
+    function there), from what the function imports (mfpipe.workflow.codedeps.job_dependencies)."""
+    return CODE_INPUTS[f"mfpipe.{package}.jobs:{rule}"]
 
 
 def tokenizer_input(wildcards):
@@ -209,7 +217,7 @@ def results_dir(wildcards):
 
 
 def model_params():
-    """Params of every job that loads (model, revision), read by mfpipe.jobs.load_job_model."""
+    """Params of every job that loads (model, revision), read by mfpipe.workflow.jobs.load_job_model."""
     return dict(
         model_spec=model_spec,
         revision="{revision}",

@@ -50,7 +50,7 @@ rule function_vectors:
         model=model_input,
         tokenizer=tokenizer_input,
         tasks=fv_task_inputs,
-        code=code("function_vectors.py"),
+        code=job("experiments.fv", "function_vectors"),
     output:
         transfer=f"{R}/fv/{{model}}/{{revision}}/transfer.csv",
         heads=f"{R}/fv/{{model}}/{{revision}}/heads.csv",
@@ -76,7 +76,7 @@ rule function_vectors:
     log:
         "logs/fv/{model}/{revision}.log",
     script:
-        "../scripts/function_vectors.py"
+        JOB_SCRIPT
 
 
 # Fig. fv, drawn from the transfer table (deleting it reruns only this job):
@@ -84,7 +84,7 @@ rule function_vectors:
 rule figure_fv:
     input:
         table=f"{R}/tables/fv_{{model}}_{{revision}}.csv",
-        code=code("plot_fv.py"),
+        code=job("experiments.fv", "figure_fv"),
     output:
         pdf=report(f"{R}/figures/fv_{{model}}_{{revision}}.pdf", caption="../report/figure_fv.rst",
                    category="Figures", subcategory="function vectors"),
@@ -100,4 +100,4 @@ rule figure_fv:
     log:
         "logs/figures/fv_{model}_{revision}.log",
     script:
-        "../scripts/plot_fv.py"
+        JOB_SCRIPT

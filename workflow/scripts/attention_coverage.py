@@ -1,11 +1,11 @@
 """Snakemake script: App. F attention-mass coverage (tracked / position 0 / other, tracked share of non-sink
 attention) from each model's statistics-half kernel P."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import accounting as AC
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
-from mfpipe.tables import to_markdown
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
+from mfpipe.workflow.tables import to_markdown
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

@@ -19,10 +19,10 @@ import torch
 from mfpipe.meanfield.calibrated import calibrated_dataset, write_calibrated
 from mfpipe.experiments.substitution.calibration import calibrate_stats, residual_markdown
 from mfpipe.corpus.windows import read_shard
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats import open_stats
-from mfpipe.tables import to_markdown, write_csv, write_text
+from mfpipe.workflow.tables import to_markdown, write_csv, write_text
 from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

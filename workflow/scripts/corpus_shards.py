@@ -1,9 +1,9 @@
 """Snakemake script: tokenize the corpus with the model's tokenizer and write the shards."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.corpus.windows import resolve_bos_id, write_corpus
-from mfpipe.io import atomic_dir
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.io import atomic_dir
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.models.loader import load_tokenizer
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

@@ -1,9 +1,9 @@
 """Snakemake script: App. F position-coverage table over the configured models."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
-from mfpipe.experiments.rollout.tables import coverage_table
-from mfpipe.tables import to_markdown, write_table
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
+from mfpipe.corpus.tracked import coverage_table
+from mfpipe.workflow.tables import to_markdown, write_table
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

@@ -1,11 +1,11 @@
 """Snakemake script: App. G cross-corpus matrix for one (model, revision): the mean-field rollout with each
 corpus's statistics scored against each corpus's held-out centroids (+ the context-free baseline)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import tables as RT
 from mfpipe.experiments.rollout import runs as RO
-from mfpipe.jobs import load_job_model, run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

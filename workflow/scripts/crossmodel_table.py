@@ -3,10 +3,10 @@ last revision and at their peak, the top heads by S̄ with their roles, the func
 has it)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.crossmodel import compare as C
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

@@ -6,12 +6,12 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import time
 from pathlib import Path
 
-from mfpipe.experiments.ranking import deviation_pass as DP
+from mfpipe.deviation import shards as DP
 from mfpipe.corpus.windows import read_shard
-from mfpipe.io import atomic_dir
-from mfpipe.meanfield.context import open_forward_job
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.io import atomic_dir
+from mfpipe.workflow.context import open_forward_job
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

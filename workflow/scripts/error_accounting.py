@@ -2,14 +2,14 @@
 teacher-forced attention, the nested estimators (a)(b)(c), the MLP gap, within-type clustering with the
 value-map Jensen gap, and anisotropy -> one CSV (+ Markdown) each under results/tables/."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import tables as RT
 from mfpipe.experiments.rollout import accounting as AC
 from mfpipe.experiments.rollout import runs as RO
 from mfpipe.stats import halves as S
-from mfpipe.experiments.ranking.store import open_deviation
-from mfpipe.jobs import load_job_model, run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.deviation.store import open_deviation
+from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

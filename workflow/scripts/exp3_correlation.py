@@ -3,13 +3,13 @@ cross-head Spearman correlation between the mean-field deviation S_bar (per-revi
 behavioural induction score (per-revision head_scores.csv) -> table (CSV) and figure (PDF + PNG)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
-from mfpipe import tables as T
-from mfpipe.experiments.ranking.store import open_deviation
+from mfpipe.workflow import tables as T
+from mfpipe.deviation.store import open_deviation
 from mfpipe.experiments.ranking.figures import exp3_figure, exp3_table
 from mfpipe.experiments.ranking.head_scores import open_head_scores
 from mfpipe.models.induction import training_window
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

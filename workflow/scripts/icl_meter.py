@@ -16,10 +16,10 @@ import time
 
 from mfpipe.experiments.prompts import meter as IM
 from mfpipe.experiments.prompts import sets as P
-from mfpipe.meanfield.context import open_forward_job
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
-from mfpipe.tables import write_table
+from mfpipe.workflow.context import open_forward_job
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
+from mfpipe.workflow.tables import write_table
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

@@ -1,9 +1,9 @@
 """Snakemake script: induction-score curve (max over heads) per mini-suite model and checkpoint."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.models.induction import induction_summary
-from mfpipe.tables import to_markdown, write_table
+from mfpipe.workflow.tables import to_markdown, write_table
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

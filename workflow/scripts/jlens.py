@@ -10,8 +10,8 @@ import numpy as np
 
 from mfpipe import jlens as JL
 from mfpipe.corpus.windows import list_shards, read_shard
-from mfpipe.jobs import load_job_model, run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats.halves import corpus_info
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

@@ -8,9 +8,9 @@ output[0]        kernel.zarr (directory): factor (layer, head, query, rank), spr
 params.model, params.revision (checked against the store), params.min_count (20), params.rank (96)
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.jobs import run_logged
+from mfpipe.workflow.jobs import run_logged
 from mfpipe.experiments.substitution.kernel_dynamics import kernel_dataset
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats import open_stats
 from mfpipe.stats.store import write_store
 

@@ -7,15 +7,15 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import time
 from pathlib import Path
 
-from mfpipe.experiments.ranking import deviation_pass as DP
+from mfpipe.deviation import shards as DP
 from mfpipe.experiments.prompts import lenses as LE
 from mfpipe.jlens import open_jlens
 from mfpipe.stats.halves import ProvenanceError, open_stats_half
 from mfpipe.corpus.windows import list_shards
-from mfpipe.io import atomic_write_text
-from mfpipe.meanfield.context import open_forward_job
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.io import atomic_write_text
+from mfpipe.workflow.context import open_forward_job
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.corpus.tracked import TrackedSet
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

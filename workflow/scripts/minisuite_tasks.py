@@ -3,9 +3,9 @@ mfpipe.minisuite.tasks) as `{"tasks": [...]}`, each task in the user task-file f
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import json
 
-from mfpipe.io import atomic_write_text
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.io import atomic_write_text
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.minisuite.tasks import make_tasks
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

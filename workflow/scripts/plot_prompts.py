@@ -5,8 +5,8 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import pandas as pd
 
 from mfpipe.experiments.prompts import figures as F
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

@@ -3,13 +3,13 @@ and the behavioural scores, Tables ranking-cc (top) and bottom, split-half stabi
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import pandas as pd
 
-from mfpipe import tables as T
-from mfpipe.experiments.ranking.store import open_deviation
+from mfpipe.workflow import tables as T
+from mfpipe.deviation.store import open_deviation
 from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
 from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
 from mfpipe.experiments.ranking.head_scores import open_head_scores
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

@@ -3,11 +3,11 @@ the held-out centroids -> results/rollout/<model>/<revision>/scores.csv (long ta
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import time
 
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import tables as RT
 from mfpipe.experiments.rollout import runs as RO
-from mfpipe.jobs import load_job_model, run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

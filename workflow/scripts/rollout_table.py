@@ -2,10 +2,10 @@
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 import pandas as pd
 
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import tables as RT
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

@@ -1,10 +1,10 @@
 """Snakemake script: where the run's time went, from every job's benchmark file -> run_costs.csv (by rule, with its
 stage) and run_costs.md (by stage and by rule)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.costs import cost_tables, costs_markdown, read_benchmarks
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
-from mfpipe.tables import write_table, write_text
+from mfpipe.workflow.costs import cost_tables, costs_markdown, read_benchmarks
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
+from mfpipe.workflow.tables import write_table, write_text
 
 sm = snakemake  # noqa: F821
 log = setup_logging(sm.log[0])

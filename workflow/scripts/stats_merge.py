@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 from mfpipe.corpus.windows import read_shard
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats import StatsError, merge_sums
 from mfpipe.stats.errors import PartialError
 from mfpipe.stats.partials import check_partial, open_partial, tokens_fingerprint

@@ -11,10 +11,10 @@ import numpy as np
 from mfpipe import __version__
 from mfpipe.experiments.substitution import substitute as SU
 from mfpipe.corpus.windows import list_shards, read_shard
-from mfpipe.io import atomic_dir
-from mfpipe.meanfield.context import open_forward_job
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.io import atomic_dir
+from mfpipe.workflow.context import open_forward_job
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

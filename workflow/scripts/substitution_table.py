@@ -2,10 +2,10 @@
 and coverage (CSV + Markdown), and the per-head deviation at every checkpoint (long CSV)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
-from mfpipe import tables as T
+from mfpipe.workflow import tables as T
 from mfpipe.experiments.substitution import substitute as SU
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)
 log = setup_logging(sm.log[0])

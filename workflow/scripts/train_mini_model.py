@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from mfpipe.corpus.documents import load_documents, split_documents
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.minisuite.train import train_mini_model
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

@@ -1,9 +1,9 @@
 """Snakemake script: train the mini suite's byte-level BPE tokenizer on the corpus's train split."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.corpus.documents import load_documents, split_documents
-from mfpipe.io import atomic_dir
-from mfpipe.jobs import run_logged
-from mfpipe.logs import setup_logging
+from mfpipe.workflow.io import atomic_dir
+from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.logs import setup_logging
 from mfpipe.minisuite.tokenizer import train_tokenizer
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from mfpipe.io import atomic_write_text
+from mfpipe.workflow.io import atomic_write_text
 
 BOS_LABEL = "<bos>"
 OTHER_LABEL = "<other>"
@@ -158,3 +158,15 @@ def select_tracked(
         total_positions=int(counts.sum()),
         meta=dict(meta or {}),
     )
+
+
+def coverage_table(tracked_paths: Sequence[str | Path], models: Sequence[str]):
+    """App. F Table (position coverage): model, vocabulary, N, position coverage (a DataFrame)."""
+    import pandas as pd
+
+    rows = []
+    for model, path in zip(models, tracked_paths):
+        ts = TrackedSet.load(path)
+        rows.append({"model": model, "corpus": ts.meta.get("corpus"), "vocabulary": ts.vocab_size,
+                     "n_tracked": ts.n, "position_coverage": round(ts.coverage, 4)})
+    return pd.DataFrame(rows)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 
 from mfpipe.corpus.documents import HALVES, CorpusError, Document, assign_split, iter_documents
-from mfpipe.io import atomic_savez, atomic_write_text
+from mfpipe.workflow.io import atomic_savez, atomic_write_text
 
 
 class Shard(NamedTuple):

@@ -1,7 +1,7 @@
 """One package per experiment of the paper, each holding its computation, its store I/O, its tables and its figures
 (docs/architecture.md, "Adding an experiment"). Below them the core they share: :mod:`mfpipe.corpus`,
-:mod:`mfpipe.stats`, :mod:`mfpipe.models`, :mod:`mfpipe.meanfield` and the plumbing (:mod:`mfpipe.io`,
-:mod:`mfpipe.config`, :mod:`mfpipe.revisions`, :mod:`mfpipe.logs`, :mod:`mfpipe.tables`, :mod:`mfpipe.plots`).
+:mod:`mfpipe.stats`, :mod:`mfpipe.models`, :mod:`mfpipe.meanfield` and the plumbing (:mod:`mfpipe.workflow.io`,
+:mod:`mfpipe.workflow.config`, :mod:`mfpipe.workflow.revisions`, :mod:`mfpipe.workflow.logs`, :mod:`mfpipe.workflow.tables`, :mod:`mfpipe.workflow.plots`).
 An experiment imports the core and never another experiment.
 
 - :mod:`mfpipe.experiments.rollout` — Alg. 1 and the error accounting (Sec. 4, App. D–K).

@@ -10,8 +10,6 @@
   substitution experiment's calibration, read wherever a rule asks for ``kernel: calibrated``).
 - :mod:`mfpipe.meanfield.deviation` — the deviation of a head's read from its mean field and its split into the
   covariance and contextualization terms (eq:deviation, eq:dev-decomp, eq:mcov-mctx), per occurrence and per corpus.
-- :mod:`mfpipe.meanfield.context` — :class:`~mfpipe.meanfield.context.ForwardJob`: what a forward-pass job starts
-  from (tracked set, statistics half, the model checked against it, the kernel).
 
 This package imports none of its modules, so a job's code inputs stay the modules it uses.
 """

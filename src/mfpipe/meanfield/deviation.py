@@ -27,7 +27,7 @@ prediction E_s[ẑ] by a cosine centred over the query types with at least ``min
 (:func:`corpus_deviation`).
 
 Two forms of the per-context terms, tied by tests: :func:`occurrence_terms` spells the definition out over every
-(query, key) position pair; :func:`mfpipe.experiments.ranking.queries.query_terms` (what pass 2 runs) computes the same at the
+(query, key) position pair; :func:`mfpipe.deviation.queries.query_terms` (what pass 2 runs) computes the same at the
 query positions only, with Â and the attention per key type held in type space.
 """
 

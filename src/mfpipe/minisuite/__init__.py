@@ -7,13 +7,13 @@ trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniatu
 - :mod:`mfpipe.minisuite.tasks` — the few-shot tasks the suite learns (fixed random mappings of its own vocabulary)
   and their few-shot / zero-shot accuracy
 - :func:`mfpipe.minisuite.train.train_mini_model`, :func:`~mfpipe.minisuite.model.build_model`,
-  :func:`mfpipe.revisions.checkpoint_steps`
+  :func:`mfpipe.workflow.revisions.checkpoint_steps`
 """
 
 from mfpipe.minisuite.model import DEFAULT_CONFIG, build_model, resolve_config
 from mfpipe.minisuite.tokenizer import BOS_TOKEN, train_tokenizer
 from mfpipe.minisuite.train import train_mini_model
-from mfpipe.revisions import checkpoint_steps
+from mfpipe.workflow.revisions import checkpoint_steps
 
 __all__ = [
     "BOS_TOKEN",

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import copy
 
-from mfpipe.config import schema_defaults
+from mfpipe.workflow.config import schema_defaults
 
 ARCHITECTURES = ("gpt2", "gpt_neox")
 

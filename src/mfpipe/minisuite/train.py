@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mfpipe.io import atomic_dir
+from mfpipe.workflow.io import atomic_dir
 from mfpipe.minisuite.data import RowSampler, token_stream
 from mfpipe.minisuite.model import (
     build_model,
@@ -32,7 +32,7 @@ from mfpipe.minisuite.model import (
 )
 from mfpipe.minisuite.tasks import fewshot_accuracy, task_token_pairs, zeroshot_accuracy
 from mfpipe.models.induction import induction_metrics
-from mfpipe.revisions import checkpoint_steps, step_name
+from mfpipe.workflow.revisions import checkpoint_steps, step_name
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def train_mini_model(
     ``induction_every`` steps; then ``final_max_induction``, ``wall_time_s``, ``cpu_time_s``).
 
     Everything is written into a temporary sibling directory first and moved into place only on
-    success (:func:`mfpipe.io.atomic_dir`: one rename when ``out_dir`` is absent or empty; if it holds other
+    success (:func:`mfpipe.workflow.io.atomic_dir`: one rename when ``out_dir`` is absent or empty; if it holds other
     files, only the three outputs are replaced, ``training.json`` last). ``threads`` sets ``torch.set_num_threads`` for the run (default:
     all cores; restored afterwards). Training is deterministic given ``cfg["seed"]`` and the
     thread count. ``tasks``: the few-shot tasks (:func:`mfpipe.minisuite.tasks.make_tasks` dicts) of the

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mfpipe.revisions import minisuite_checkpoint_dir
+from mfpipe.workflow.revisions import minisuite_checkpoint_dir
 
 SOURCES = ("hub", "local", "minisuite")
 # the torch dtypes by name (torch is imported where a model loads: the workflow imports this module when it

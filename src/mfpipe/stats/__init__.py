@@ -11,7 +11,7 @@
   another model, revision, tracked set or corpus; a model checked against a store.
 - :mod:`mfpipe.stats.buckets`, :mod:`mfpipe.stats.derived`, :mod:`mfpipe.stats.native`,
   :mod:`mfpipe.stats.torch_engine`, :mod:`mfpipe.stats.workspace` — pass 1's machinery (the
-  C allocator's settings are :mod:`mfpipe.heap`).
+  C allocator's settings are :mod:`mfpipe.workflow.heap`).
 - :mod:`mfpipe.stats.errors` — the stage's errors, each saying what to change.
 
 The read side (``api``, ``store``, ``partials``) never imports torch; the names of the torch-using modules
@@ -43,7 +43,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # static imports, so mfpipe.codedeps sees what each lazily exported name loads
+    # static imports, so mfpipe.workflow.codedeps sees what each lazily exported name loads
     if name == "Accumulator":
         from mfpipe.stats.pass1 import Accumulator
 

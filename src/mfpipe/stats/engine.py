@@ -1,6 +1,7 @@
 """Pass 1's engines behind one protocol (:class:`Engine`): what :class:`mfpipe.stats.pass1.Accumulator` calls,
-whichever engine computes its sums (:func:`make_engine`): the compiled CPU loops (:mod:`mfpipe.stats.native`) or
-the torch ops (:mod:`mfpipe.stats.torch_engine`).
+whichever engine computes its sums (:func:`mfpipe.stats.pass1.make_engine`): the compiled CPU loops
+(:mod:`mfpipe.stats.native`) or the torch ops (:mod:`mfpipe.stats.torch_engine`), and which engine a pass runs on
+(:func:`engine_name`). It imports neither engine, so the engines import their protocol from here without a cycle.
 
 The accumulator owns the shard's sums (:class:`Totals`) and hands them to its engine at construction; the engine
 adds into them and owns everything else it needs (its look-up tables, its plan). Per batch the engine plans once
@@ -16,6 +17,7 @@ the read side may ask.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -129,28 +131,21 @@ class Engine(Protocol):
         """Complete the counts before the sums are read (also mid-batch: they are not counted twice)."""
 
 
-def engine_name(engine: str, device) -> str:
-    """The engine that ``engine`` names on ``device`` (:func:`mfpipe.engines.engine_name`; a StatsError where
-    "native" cannot run)."""
-    from mfpipe import engines
-    from mfpipe.stats.errors import StatsError
-
-    return engines.engine_name(engine, device, StatsError)
+def numba_available() -> bool:
+    """Whether numba is installed (without importing it)."""
+    return importlib.util.find_spec("numba") is not None
 
 
-def make_engine(name: str, totals: Totals, cooc_window: int, attn_input_norm: Callable | None = None,
-                attn_input_norm_form: Callable | None = None) -> Engine:
-    """The engine ``name`` (:func:`engine_name`) adding into ``totals``. The native engine sums the attention-input
-    norm itself where every layer has a form (``attn_input_norm_form(layer)``) that reproduces ``attn_input_norm``
-    on a probe (:func:`mfpipe.stats.native.checked_norm_forms`)."""
-    if name == "native":
-        from mfpipe.stats import native
+def engine_name(engine: str, device, error: type[Exception] = ValueError) -> str:
+    """The engine that ``engine`` names on ``device``: "native" (the compiled loops: CPU with numba installed),
+    "torch" (torch ops: any device) or, for "auto", native where it can run, else torch. ``error``: the exception
+    class for an engine that cannot run here. One rule for pass 1 and pass 2 (:mod:`mfpipe.deviation.queries`),
+    in a module that imports neither's loops, so a job's code inputs list only the loops of its own pass."""
+    import torch
 
-        forms = None
-        if attn_input_norm is not None and attn_input_norm_form is not None:
-            forms = native.checked_norm_forms(attn_input_norm_form, attn_input_norm, totals.L,
-                                              totals.pos["resid"].shape[-1])
-        return native.NativeEngine(totals, cooc_window, forms)
-    from mfpipe.stats.torch_engine import TorchEngine
-
-    return TorchEngine(totals, cooc_window)
+    if engine not in ("auto", "native", "torch"):
+        raise ValueError(f"engine must be 'auto', 'native' or 'torch', not {engine!r}")
+    runs_native = torch.device(device).type == "cpu" and numba_available()
+    if engine == "native" and not runs_native:
+        raise error("engine='native' runs on CPU with numba installed (pip install numba); use engine='torch'")
+    return "native" if engine != "torch" and runs_native else "torch"

@@ -7,7 +7,7 @@ per layer in order, ``on_final(resid)`` with the final residual before the last 
 reducer reads no final residual, and the forward stops after the last layer's ``on_layer``), ``end_batch()``, and
 ``sums()`` -> the additive numpy sums of everything seen (and, optionally, ``close()`` once done). Pass 1's is
 :class:`mfpipe.stats.pass1.Accumulator` (run by :func:`mfpipe.stats.shards.accumulate_shard`); pass 2's is
-:class:`mfpipe.experiments.ranking.pass2.DeviationAccumulator`. This module knows neither, so a pass-2 job does
+:class:`mfpipe.deviation.pass2.DeviationAccumulator`. This module knows neither, so a pass-2 job does
 not depend on pass 1's engines.
 """
 

@@ -54,7 +54,7 @@ _loops: ModuleType | None = None
 
 def available() -> bool:
     """Whether numba is installed (without importing it)."""
-    from mfpipe.engines import numba_available
+    from mfpipe.stats.engine import numba_available
 
     return numba_available()
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from mfpipe.io import atomic_dir
+from mfpipe.workflow.io import atomic_dir
 from mfpipe.stats.buckets import bucket_luts
 from mfpipe.stats.errors import PartialError, StatsError
 

@@ -87,9 +87,9 @@ import torch
 
 from mfpipe.stats import derived
 from mfpipe.stats.buckets import COOC_WINDOW, PAIR_CHUNK
-from mfpipe.stats.engine import BatchPlan, Totals, engine_name, make_engine
+from mfpipe.stats.engine import BatchPlan, Engine, Totals, engine_name
 from mfpipe.stats.errors import StatsError
-from mfpipe.heap import hold_heap_blocks, release_free_memory
+from mfpipe.workflow.heap import hold_heap_blocks, release_free_memory
 from mfpipe.stats.workspace import HelperThread, Scratch, reducer_threads
 
 # bytes up to which a batch's kernel sums of all layers ([U, L*H] float32 per pair chunk) are kept for one add into
@@ -140,7 +140,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
         # "native": on CPU the reductions run as compiled loops (mfpipe.stats.native, numba), the same sums bit for
         # bit; "torch": as torch ops (any device); "auto": native where it can run
-        self.engine = engine_name(engine, self.device)
+        self.engine = engine_name(engine, self.device, StatsError)
         # On CPU each layer's reduction is split between this thread and a helper thread (HelperThread) where the job
         # has a second thread to give (torch's threads, set from the job's `threads`); None: that rule, True /
         # False: force. On a GPU the reductions are asynchronous kernels already.
@@ -347,3 +347,21 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             "nbar_sum": np_(tot.nbar).reshape(N, K),
             **position,
         }
+
+
+def make_engine(name: str, totals: Totals, cooc_window: int, attn_input_norm: Callable | None = None,
+                attn_input_norm_form: Callable | None = None) -> Engine:
+    """The engine ``name`` (:func:`engine_name`) adding into ``totals``. The native engine sums the attention-input
+    norm itself where every layer has a form (``attn_input_norm_form(layer)``) that reproduces ``attn_input_norm``
+    on a probe (:func:`mfpipe.stats.native.checked_norm_forms`)."""
+    if name == "native":
+        from mfpipe.stats import native
+
+        forms = None
+        if attn_input_norm is not None and attn_input_norm_form is not None:
+            forms = native.checked_norm_forms(attn_input_norm_form, attn_input_norm, totals.L,
+                                              totals.pos["resid"].shape[-1])
+        return native.NativeEngine(totals, cooc_window, forms)
+    from mfpipe.stats.torch_engine import TorchEngine
+
+    return TorchEngine(totals, cooc_window)

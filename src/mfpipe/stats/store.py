@@ -68,7 +68,7 @@ PROVENANCE_KEYS = (
 
 def code_version() -> str:
     try:
-        from mfpipe import __version__
+        from mfpipe.version import __version__
 
         return str(__version__)
     except Exception:  # pragma: no cover
@@ -247,7 +247,7 @@ def write_store(ds: xr.Dataset, path: str | Path) -> Path:
     """Write ``ds`` as a zarr (v3) store at ``path``, atomically: everything goes to a temporary sibling
     folder which is renamed into place only once complete, so an interrupted write leaves no store (only a
     hidden ``.<name>.tmp-*`` folder that the next write ignores). One layer per chunk."""
-    from mfpipe.io import atomic_dir
+    from mfpipe.workflow.io import atomic_dir
 
     path = Path(path)
     with atomic_dir(path) as tmp, warnings.catch_warnings():
@@ -270,7 +270,7 @@ def write_stats(sums: Mapping[str, Any], tracked, meta: Mapping[str, Any] | None
 
     import zarr
 
-    from mfpipe.io import atomic_dir
+    from mfpipe.workflow.io import atomic_dir
 
     path = Path(path)
     ds = _finalize(sums, tracked, meta, dtype, min_count, kernel=False)

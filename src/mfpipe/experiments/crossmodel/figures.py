@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from mfpipe.experiments.crossmodel.compare import training_tokens
-from mfpipe.plots import figure_paths, new_figure, read_table, save_figure
+from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
 
 __all__ = ["crossmodel_figure"]
 

@@ -35,7 +35,7 @@ from mfpipe.experiments.fv import heads as Hd
 from mfpipe.experiments.fv import inject as Inj
 from mfpipe.experiments.fv import prompts as Pr
 
-__all__ = ["DEFAULTS", "run_task", "SELECTIONS", "CONSTRUCTIONS", "PROTOCOLS"]
+__all__ = ["DEFAULTS", "run_task", "run_tasks", "resolve_tasks", "SELECTIONS", "CONSTRUCTIONS", "PROTOCOLS"]
 
 SELECTIONS = ("AIE", "MFA", "raw-magnitude", "random")
 CONSTRUCTIONS = ("raw", "r")
@@ -245,3 +245,58 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
                  best["sum"][1], best["per_head"][1], p_corrupt)
     return dict(transfer=pd.DataFrame(rows), heads=pd.DataFrame(head_rows), sweep=sweep,
                 ranks=pd.DataFrame(rank_rows), prompt_ranks=pd.DataFrame(prompt_rows), info=info)
+
+
+def resolve_tasks(names, files) -> list[tuple]:
+    """(task, settings it overrides) of every task name (mfpipe.tasks vendored names, JSON paths, or "minisuite":
+    the mini suite's tasks from its ``tasks.json`` among ``files``). The mini suite's tasks are written as it
+    trained on them, ``x:y`` (no space before the answer); the rest use the configured format."""
+    import json
+
+    from mfpipe.tasks import FewShotTask, load_task
+
+    tasks = []
+    for name in names:
+        if name == "minisuite":
+            path = next(f for f in files if str(f).endswith("minisuite/tasks.json"))
+            with open(path) as fh:
+                for t in json.load(fh)["tasks"]:
+                    tasks.append((FewShotTask(t["name"], [tuple(p) for p in t["pairs"]], source=t.get("source", path)),
+                                  {"answer_prefix": ""}))
+        else:
+            tasks.append((load_task(name), {}))
+    return tasks
+
+
+def run_tasks(adapter, tasks, tokenizer, tracked, stats, cfg: dict, *, jlens=None, log=None,
+              desc: str = "fv") -> tuple[dict, list]:
+    """:func:`run_task` of every (task, overrides) of ``tasks`` (:func:`resolve_tasks`) with the statistics half
+    ``stats`` (the corpus null at the cue) -> ({part: one DataFrame over the tasks}, [each task's info]). Every
+    task's pool is drawn once first: its answer category is the "unrelated words" population of the others."""
+    from tqdm.auto import tqdm
+
+    T = int(stats.attrs.get("context_length") or 1 << 30)
+    bos = int(tracked.bos_id)
+
+    def null(cue):
+        return Hd.corpus_null(stats, tracked, cue, cfg.get("null", "mean_field"))
+
+    pools, cats = {}, {}
+    for t, over in tasks:
+        c = {**cfg, **over}
+        try:
+            pools[t.name] = Pr.task_pool(t, tokenizer, bos, n_pairs=int(c["n_pairs"]), seed=int(c["seed"]),
+                                         sep=c["separator"], answer_prefix=c["answer_prefix"])
+            cats[t.name] = pools[t.name].category
+        except ValueError:  # run_task draws it again and stops the job with that error
+            cats[t.name] = np.zeros(0, np.int64)
+    parts, infos = {k: [] for k in ("transfer", "heads", "sweep", "ranks", "prompt_ranks")}, []
+    with tqdm(desc=desc, unit="row", mininterval=5) as bar:
+        for t, over in tasks:
+            out = run_task(adapter, t, tokenizer, bos, null, {**cfg, **over}, jlens=jlens, context_length=T, log=log,
+                           other_categories=[c for k, c in cats.items() if k != t.name], progress=bar,
+                           pool=pools.get(t.name))
+            for k in parts:
+                parts[k].append(out[k])
+            infos.append(out["info"])
+    return {k: pd.concat(v, ignore_index=True) for k, v in parts.items()}, infos

@@ -14,7 +14,7 @@ PIPES = [("AIE", "raw"), ("AIE", "r"), ("MFA", "raw"), ("MFA", "r"), ("raw-magni
 def plot_transfer(transfer: pd.DataFrame, path, *, title: str = "", protocol: str = "sum") -> None:
     """Grouped bars (one group per task) of pooled accuracy with Wilson intervals; dashes: zero-shot floor (grey)
     and few-shot ceiling (black)."""
-    from mfpipe.plots import figure_paths, new_figure, save_figure
+    from mfpipe.workflow.plots import figure_paths, new_figure, save_figure
 
     tasks = list(dict.fromkeys(transfer["task"]))
     fig, axes = new_figure(1, w=max(4.0, 1.6 * len(tasks) + 2.5), h=3.2)

@@ -209,7 +209,7 @@ def class_table(df: pd.DataFrame, classes=CLASSES) -> pd.DataFrame:
 
 def class_markdown(table: pd.DataFrame) -> str:
     """The class table as Markdown (3 decimals; Δẑ_perm, ~1e-7, in scientific notation)."""
-    from mfpipe.tables import to_markdown
+    from mfpipe.workflow.tables import to_markdown
 
     t = table.copy()
     t["dzhat_perm_max"] = [f"{v:.1e}" for v in t["dzhat_perm_max"]]
@@ -256,7 +256,7 @@ def separation_table(df: pd.DataFrame, control: str = "random", metrics=SEPARATI
 
 def separation_markdown(sep: pd.DataFrame, control: str = "random") -> str:
     """Table icl-corr as in App. O: metric rows, class columns, ``g (p)``."""
-    from mfpipe.tables import to_markdown
+    from mfpipe.workflow.tables import to_markdown
 
     classes = list(dict.fromkeys(sep["class"]))
     rows = []

@@ -5,7 +5,7 @@ forward-pass jobs wrote (no model, no torch): Fig. icl (per-prompt ΔL_perm agai
 from __future__ import annotations
 
 from mfpipe.experiments.prompts.sets import ordered_classes
-from mfpipe.plots import figure_paths, new_figure, read_table, save_figure
+from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
 
 __all__ = ["icl_figure", "meter_figure"]
 

@@ -5,7 +5,7 @@ deviation vector (and, given the model's J-lens store, :mod:`mfpipe.jlens`, its 
 readable tables (Markdown / HTML), one target per lens.
 
 * :func:`mine_contexts` -- the recorded top contexts (``top_D``/``top_shard``/``top_window``/``top_position`` of the
-  deviation store, :mod:`mfpipe.experiments.ranking.deviation_pass`) of the selected heads. App. P's first filter (more than
+  deviation store, :mod:`mfpipe.deviation.shards`) of the selected heads. App. P's first filter (more than
   ``other_share_max`` = 10% of the attention on ``<other>`` keys) was applied when pass 2 mined them; the second,
   garbled or rare-Unicode text (U+FFFD, control, private-use, unassigned or surrogate characters in the decoded
   excerpt around the query), is applied here.

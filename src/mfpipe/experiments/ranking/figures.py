@@ -5,7 +5,7 @@
   ``S_bar`` and the behavioural induction score (:mod:`mfpipe.experiments.ranking.head_scores`) at every training checkpoint.
 * :func:`ccmf_scatter` -- Sec. 6.3 ``fig:ccmf-scatter``: every head on the M_cov / M_ctx plane.
 
-The figures use the training-step axis, the window shade and the atomic writer of :mod:`mfpipe.plots`.
+The figures use the training-step axis, the window shade and the atomic writer of :mod:`mfpipe.workflow.plots`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mfpipe.plots import figure_paths, new_figure, read_table, save_figure, shade_window, step_axis
+from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure, shade_window, step_axis
 
 __all__ = ["induction_correlation", "exp3_table", "exp3_figure", "EXP3_COLUMNS", "SIGNIFICANCE", "ccmf_scatter",
            "head_roles"]

@@ -86,7 +86,7 @@ def scores_table(ds, model: str | None = None, revision: str | None = None):
 
 def write_head_scores(ds, path: str | Path, model: str, revision: str) -> None:
     """``head_scores.csv``: :func:`scores_table` with the model and revision, written atomically."""
-    from mfpipe.tables import write_csv
+    from mfpipe.workflow.tables import write_csv
 
     write_csv(scores_table(ds, model, revision), path)
 

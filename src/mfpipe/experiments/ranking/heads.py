@@ -1,5 +1,5 @@
 """Head ranking by mean-field deviation (paper Sec. 6.3, Tables ranking-cc and bottom, Fig. ccmf-scatter, App. P
-split-half stability): every head of a deviation store (:mod:`mfpipe.experiments.ranking.deviation_pass`) with its corpus
+split-half stability): every head of a deviation store (:mod:`mfpipe.deviation.shards`) with its corpus
 deviation S̄ (eq:ddec), meters M_cov / M_ctx (eq:head-meters) and the behavioural scores measured without the mean
 field (:mod:`mfpipe.experiments.ranking.head_scores`), ranked by S̄."""
 

@@ -268,7 +268,7 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu, vbar=None, s
     * (a) exact attention: the measured mean read ``zbar_s`` (eq:exact-contribution-by-type); only the MLP
       (and, Gemma-2 / OLMo-2, the post-attention norm) is taken at the centroid.
     * (b), the paper's, when pass 2's ``vbar [L, H, N, dh]`` = ``sum_{t<N, supp} P_st E_s[vbar_t]`` is given
-      (:mod:`mfpipe.experiments.ranking.pass2`, ``vbar_tracked``: E_s[vbar_t] the count-weighted mean over type-``s`` contexts of
+      (:mod:`mfpipe.deviation.pass2`, ``vbar_tracked``: E_s[vbar_t] the count-weighted mean over type-``s`` contexts of
       the attention-weighted in-context value of the type-``t`` keys, on the kernel's support ``support [N, N]``,
       C_st >= min_count): ``zbar_s + sum_{t<N, supp} P_st v(c_t) - vbar_s``, i.e. E_s[vbar_t] swapped for
       v(c_t) with the covariance kept; off the support the measured contribution stays inside ``zbar_s`` like

@@ -10,7 +10,7 @@ used through :class:`matplotlib.figure.Figure` with the Agg canvas -- no pyplot,
 * :func:`clustering_figure`      -- ``fig:clustering``: relative RMS, eta^2 / eta^2_z, value-map Jensen gap
 * :func:`cross_corpus_figure`    -- ``fig:heat``: statistics corpus x evaluation corpus, cross-layer cosine
 
-The plumbing every experiment's figures share (style, paths, the atomic writer) is :mod:`mfpipe.plots`.
+The plumbing every experiment's figures share (style, paths, the atomic writer) is :mod:`mfpipe.workflow.plots`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from mfpipe.experiments.rollout.tables import DEFAULT_KERNELS
-from mfpipe.plots import figure_paths, new_figure, read_table, save_figure
+from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
 
 __all__ = [
     "save_figure",

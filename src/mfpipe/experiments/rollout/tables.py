@@ -4,13 +4,11 @@ display labels in the paper's spelling, the claim check and the Markdown renderi
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mfpipe.corpus.tracked import TrackedSet
 from mfpipe.experiments.rollout import metrics as M
 
 #: Table 1 rows in paper order. ``context_free`` is no kernel: it is the model's own residual at position 1 of
@@ -239,13 +237,3 @@ def long_to_wide(df: pd.DataFrame, key: str, by: str | None = None) -> pd.DataFr
     w = df.pivot_table(index=idx, columns="metric", values="value", sort=False).reset_index()
     w.columns.name = None
     return w[[*idx, *[m for m in M.METRICS if m in w.columns]]]
-
-
-def coverage_table(tracked_paths: Sequence[str | Path], models: Sequence[str]) -> pd.DataFrame:
-    """App. F Table (position coverage): model, vocabulary, N, position coverage."""
-    rows = []
-    for model, path in zip(models, tracked_paths):
-        ts = TrackedSet.load(path)
-        rows.append({"model": model, "corpus": ts.meta.get("corpus"), "vocabulary": ts.vocab_size,
-                     "n_tracked": ts.n, "position_coverage": round(ts.coverage, 4)})
-    return pd.DataFrame(rows)

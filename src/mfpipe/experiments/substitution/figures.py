@@ -5,8 +5,8 @@
 * :func:`topn_figure`     -- ``fig:vocab-robustness``: the same for several tracked-set sizes N
 * :func:`cka_figure`, :func:`spread_figure` -- the kernel's change across checkpoints (CKA, head spread)
 
-Training steps go on a symmetric-log axis with the induction window shaded (:func:`mfpipe.plots.step_axis`,
-:func:`mfpipe.plots.shade_window`); the helpers and the atomic writer are those of :mod:`mfpipe.plots`.
+Training steps go on a symmetric-log axis with the induction window shaded (:func:`mfpipe.workflow.plots.step_axis`,
+:func:`mfpipe.workflow.plots.shade_window`); the helpers and the atomic writer are those of :mod:`mfpipe.workflow.plots`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mfpipe.plots import figure_paths, new_figure, read_table, save_figure, shade_window, step_axis
+from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure, shade_window, step_axis
 
 __all__ = ["waypoint_figure", "topn_figure"]
 

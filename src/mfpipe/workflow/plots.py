@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mfpipe.io import atomic_file
+from mfpipe.workflow.io import atomic_file
 
 __all__ = ["read_table", "new_figure", "figure_paths", "save_figure", "step_axis", "shade_window"]
 

@@ -53,7 +53,7 @@ def cost_tables(jobs: pd.DataFrame, stages: Mapping[str, str]) -> tuple[pd.DataF
 def costs_markdown(by_rule: pd.DataFrame, by_stage: pd.DataFrame) -> str:
     """Both tables as Markdown, with the total job-seconds (the wall time of the run is less where jobs ran side by
     side)."""
-    from mfpipe.tables import to_markdown
+    from mfpipe.workflow.tables import to_markdown
 
     def fmt(t: pd.DataFrame) -> pd.DataFrame:
         t = t.copy()

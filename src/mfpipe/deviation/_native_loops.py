@@ -1,7 +1,7 @@
-"""Pass 2's compiled CPU loop (numba), imported on first use by :mod:`mfpipe.experiments.ranking.queries` (numba and its
+"""Pass 2's compiled CPU loop (numba), imported on first use by :mod:`mfpipe.deviation.queries` (numba and its
 machine code cost import time and resident memory that a process not running pass 2 on CPU should not pay).
 
-:func:`span_mixed_weights` is the middle of :func:`~mfpipe.experiments.ranking.queries.query_terms` for one span, in
+:func:`span_mixed_weights` is the middle of :func:`~mfpipe.deviation.queries.query_terms` for one span, in
 one pass over each query row's attention instead of five tensor ops over ``[H, B, R, k]`` (the rows' gather out of
 the layer's probabilities, the scatter-add of the attention per key type, the ratio's gather, its product with the
 attention, and the exact weights' where): the same float32 operations in the same order, so at every valid query row

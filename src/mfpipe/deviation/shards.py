@@ -1,7 +1,7 @@
 """Pass 2 end to end (paper Sec. 6, App. P): one shard's deviation sums from pass 1's statistics store, the partials'
 merge, and the labelled deviation store ``results/deviation/<model>/<revision>/deviation.zarr``.
 
-The reducer and what it sums are in :mod:`mfpipe.experiments.ranking.pass2`, the per-context math in :mod:`mfpipe.meanfield.deviation`.
+The reducer and what it sums are in :mod:`mfpipe.deviation.pass2`, the per-context math in :mod:`mfpipe.meanfield.deviation`.
 A partial is an xarray Zarr store (atomic, like every mfpipe output) of those sums plus the layer grams; partials of
 one (model, revision) merge by addition (the top-deviation lists by a top-K over their union), so any split of the
 half into shards gives the same store. The store holds, per head, the occurrence means D, M_cov, M_ctx
@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from mfpipe import __version__
-from mfpipe.experiments.ranking.pass2 import ADDITIVE, OTHER_SHARE_MAX, TOP_K
+from mfpipe.version import __version__
+from mfpipe.deviation.pass2 import ADDITIVE, OTHER_SHARE_MAX, TOP_K
 from mfpipe.meanfield.deviation import MIN_OCCURRENCES, corpus_deviation
-from mfpipe.experiments.ranking.store import open_deviation, stats_fingerprint
+from mfpipe.deviation.store import open_deviation, stats_fingerprint
 from mfpipe.stats.api import ProvenanceError
 from mfpipe.stats.errors import StatsError
 
@@ -51,7 +51,7 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
     the calibrated kernel U of App. B instead of W (as the substitution: ``substitution.kernel``)."""
     import torch
 
-    from mfpipe.experiments.ranking.pass2 import DeviationAccumulator, window_halves
+    from mfpipe.deviation.pass2 import DeviationAccumulator, window_halves
     from mfpipe.meanfield.deviation import layer_grams
     from mfpipe.meanfield.kernel import kernel_from_store
     from mfpipe.stats.loop import run_reducer

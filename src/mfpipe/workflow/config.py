@@ -16,10 +16,10 @@ from pathlib import Path
 
 import yaml
 
-from mfpipe.revisions import ALL_CHECKPOINTS, checkpoint_steps, resolve_minisuite_revision, step_name
+from mfpipe.workflow.revisions import ALL_CHECKPOINTS, checkpoint_steps, resolve_minisuite_revision, step_name
 
 # the packaged resource (a plain path wherever the package is a folder: an editable install, a wheel, src/ on sys.path)
-SCHEMA_PATH: Traversable = resources.files(__package__).joinpath("schemas", "config.schema.yaml")
+SCHEMA_PATH: Traversable = resources.files("mfpipe").joinpath("schemas", "config.schema.yaml")
 
 
 class ConfigError(ValueError):

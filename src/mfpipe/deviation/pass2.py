@@ -5,7 +5,7 @@ type, the mean-field deviation of every context and its covariance / contextuali
 
 It is a reducer of the shard loop (:func:`mfpipe.stats.loop.run_reducer`): one traced forward per batch
 with only the attention probabilities, values and reads selected; per layer the three reads z, ẑ, mixed at the
-query positions (:func:`mfpipe.experiments.ranking.queries.query_terms`: the context-conditional kernel Â per key type, float32; its
+query positions (:func:`mfpipe.deviation.queries.query_terms`: the context-conditional kernel Â per key type, float32; its
 model-free plan built once per batch), the meters (float64) and scatter-adds over query types.
 On CPU the mixed weights of each layer come from a compiled loop (numba; ``engine``, as pass 1's: "auto" takes it
 where it runs, "torch" the torch ops a GPU runs; the two agree bit for bit at every valid row), and with that loop,
@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mfpipe.engines import engine_name
-from mfpipe.experiments.ranking.queries import QueryTerms, key_part, query_terms
+from mfpipe.stats.engine import engine_name
+from mfpipe.deviation.queries import QueryTerms, key_part, query_terms
 from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
 from mfpipe.stats.workspace import HelperThread, reducer_threads

@@ -14,7 +14,7 @@ bucket) instead of spread over key positions: Â_stX = n_t(X) W_st / N_X straigh
 positions. All windows of a batch go through each op together (rows padded to the longest window): on a CPU the
 number of ops, not only their arithmetic, is what a per-window loop would pay. On CPU the middle of that (the
 attention per key type, the ratio, the mixed weights, the <other> share, the gather of one key set's weights) is one
-compiled loop over each query row's keys up to the row (:mod:`mfpipe.experiments.ranking._native_loops`), equal to the
+compiled loop over each query row's keys up to the row (:mod:`mfpipe.deviation._native_loops`), equal to the
 torch ops bit for bit.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mfpipe.engines import engine_name
+from mfpipe.stats.engine import engine_name
 from mfpipe.meanfield.deviation import TINY, OccurrenceTerms
 from mfpipe.meanfield.plan import QueryPlan, span_kernel
 
@@ -59,7 +59,7 @@ def query_terms(plan: QueryPlan, probs: Tensor, values: Tensor, W: Tensor, mu: T
     ``n_tracked`` N also ``mixed_tracked``, the mixed sum over the tracked key types (buckets < N) only.
 
     ``engine``: "native" computes the mixed weights and the ``<other>`` shares of each span with the compiled loop of
-    :mod:`mfpipe.experiments.ranking._native_loops` (CPU, float32, numba installed), "torch" with torch ops (any
+    :mod:`mfpipe.deviation._native_loops` (CPU, float32, numba installed), "torch" with torch ops (any
     device), "auto" the first where it runs; the two agree bit for bit. ``probs``, ``values`` and ``reads`` may be
     views of some heads of a layer's tensors (pass 2 gives each of two threads half the heads): no copy is made."""
     H, N, K = W.shape
@@ -135,7 +135,7 @@ _loops = None
 def _native_loops():
     global _loops
     if _loops is None:
-        from mfpipe.experiments.ranking import _native_loops as loops
+        from mfpipe.deviation import _native_loops as loops
 
         _loops = loops
     return _loops

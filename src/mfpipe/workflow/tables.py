@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from mfpipe.io import atomic_write_text
+from mfpipe.workflow.io import atomic_write_text
 
 
 def write_csv(df: pd.DataFrame, path: str | Path) -> None:

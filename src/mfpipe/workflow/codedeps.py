@@ -31,7 +31,8 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["script_dependencies", "module_dependencies", "scripts_dependencies", "UnfollowedImport"]
+__all__ = ["script_dependencies", "module_dependencies", "scripts_dependencies", "job_dependencies", "find_jobs",
+           "code_inputs", "UnfollowedImport"]
 
 PACKAGE = "mfpipe"
 
@@ -87,7 +88,7 @@ def _import_module_target(node: ast.Call, where: str) -> str | None:
     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
         return arg.value if arg.value.split(".")[0] == PACKAGE else None
     raise UnfollowedImport(f"{where}:{node.lineno}: importlib.import_module of a computed name cannot be followed "
-                           "by mfpipe.codedeps; import the module statically (inside the function, to keep it lazy)")
+                           "by mfpipe.workflow.codedeps; import the module statically (inside the function, to keep it lazy)")
 
 
 def _imported_names(tree: ast.AST, current: str | None, is_package: bool, skip: ast.AST | None = None,
@@ -178,6 +179,11 @@ def _lazy_files(src: Path, package_init: Path, names: set[str]) -> set[Path]:
 @functools.lru_cache(maxsize=None)
 def _direct(src: Path, path: Path) -> frozenset[Path]:
     tree, current, is_package, lazy = _parsed(src, path)
+    return _direct_of_tree(src, path, tree, current, is_package, lazy)
+
+
+def _direct_of_tree(src: Path, path: Path, tree: ast.AST, current, is_package: bool, lazy) -> frozenset[Path]:
+    """The files the imports in ``tree`` (all of ``path``'s, or a job's part of it) execute first-hand."""
     files: set[Path] = set()
     for name in _imported_names(tree, current, is_package, skip=lazy, where=str(path)):
         files.update(_files_for(src, name))
@@ -224,6 +230,55 @@ def script_dependencies(src: str | Path, script: str | Path) -> list[str]:
     return [str(p) for p in module_dependencies(src, script)]
 
 
+def _job_part(tree: ast.Module, function: str, where: str) -> ast.Module:
+    """The part of a jobs module that running job ``function`` executes: its top-level statements with the bodies of
+    only those top-level functions that ``function`` reaches by name (itself, the helpers it calls, theirs, ...).
+    A job's lazy imports sit in its own body, so two jobs of one module depend on their own imports only."""
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    if function not in defs:
+        raise KeyError(f"{where} defines no job function {function!r}")
+    reached, todo = set(), [function]
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        todo += [n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name) and n.id in defs]
+    body = [n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) or n.name in reached]
+    return ast.Module(body=body, type_ignores=[])
+
+
+def job_dependencies(src: str | Path, module: str, function: str, runner: str | Path) -> list[str]:
+    """The library files job ``module.function`` depends on when the workflow's one job script ``runner`` runs it
+    (strings, for a rule's ``input:``; the jobs module's file first, which is how the runner finds it): what the
+    runner imports, the module's packages, and what the module's top level and the job's part of it import
+    (:func:`_job_part`), transitively."""
+    src = Path(src).resolve()
+    path = _module_file(src, module)
+    if path is None or path.name == "__init__.py":
+        raise KeyError(f"no jobs module {module} under {src}")
+    tree, current, is_package, lazy = _parsed(src, path)
+    part = _job_part(tree, function, str(path))
+    direct = set(_direct_of_tree(src, path, part, current, is_package, lazy)) - {path}
+    inits = [f for f in _files_for(src, module) if f != path]
+    deps = set(module_dependencies(src, [*direct, *inits, Path(runner)])) | {path}
+    return [str(path)] + [str(p) for p in sorted(deps - {path})]
+
+
+def find_jobs(src: str | Path) -> dict[str, list[str]]:
+    """Every job function of the library, ``{module: [function, ...]}``: the public top-level functions whose one
+    parameter is ``job`` in the modules named ``jobs.py`` (a package's jobs, one function per rule)."""
+    src = Path(src).resolve()
+    out = {}
+    for path in sorted((src / PACKAGE).rglob("jobs.py")):
+        tree = _parsed(src, path)[0]
+        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+                 and [a.arg for a in n.args.args] == ["job"]]
+        if names:
+            out[_dotted_of(src, path)[0]] = names
+    return out
+
+
 def _sources_digest(src: Path, scripts: list[Path]) -> str:
     """A digest of what the dependencies are derived from: every library file's and script's path and bytes."""
     h = hashlib.sha256()
@@ -232,11 +287,14 @@ def _sources_digest(src: Path, scripts: list[Path]) -> str:
     return h.hexdigest()
 
 
-def scripts_dependencies(src: str | Path, scripts_dir: str | Path, cache: str | Path | None = None) -> dict[str, list[str]]:
-    """:func:`script_dependencies` of every ``*.py`` of ``scripts_dir``, by file name. With ``cache`` (a JSON file)
-    the answer is kept there under a digest of the sources (every library file and script, path and bytes), so a
-    workflow that is planned again with the same code reads it instead of parsing the library (a second or two each
-    time the Snakefile is read: every run, every dry run and, on a cluster, every job)."""
+def code_inputs(src: str | Path, scripts_dir: str | Path, runner: str = "job.py",
+                cache: str | Path | None = None) -> dict[str, list[str]]:
+    """The code inputs of every job: ``{"module:function": files}`` for each job function (:func:`find_jobs`, run
+    by the script ``runner`` of ``scripts_dir``) and ``{script name: files}`` for each other script of
+    ``scripts_dir`` (:func:`script_dependencies`). With ``cache`` (a JSON file) the answer is kept there under a
+    digest of the sources (every library file and script, path and bytes), so a workflow that is planned again
+    with the same code reads it instead of parsing the library (a second or two each time the Snakefile is read:
+    every run, every dry run and, on a cluster, every job)."""
     src = Path(src).resolve()
     scripts = sorted(Path(scripts_dir).resolve().glob("*.py"))
     digest = _sources_digest(src, scripts) if cache is not None else None
@@ -244,16 +302,26 @@ def scripts_dependencies(src: str | Path, scripts_dir: str | Path, cache: str | 
         try:
             held = json.loads(Path(cache).read_text())
             if held.get("digest") == digest:
-                return held["scripts"]
+                return held["code"]
         except (OSError, ValueError, KeyError, AttributeError):
             pass  # no cache yet, or one this function cannot read: derive the answer again
-    out = {p.name: script_dependencies(src, p) for p in scripts}
+    out = {p.name: script_dependencies(src, p) for p in scripts if p.name != runner}
+    run = Path(scripts_dir).resolve() / runner
+    for module, functions in (find_jobs(src) if runner else {}).items():
+        for f in functions:
+            out[f"{module}:{f}"] = job_dependencies(src, module, f, run)
     if cache is not None:
         try:  # written whole then renamed: workflows read while planning (a cluster's jobs) never see half of it
             Path(cache).parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(cache).with_name(f".{Path(cache).name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"digest": digest, "scripts": out}))
+            tmp.write_text(json.dumps({"digest": digest, "code": out}))
             os.replace(tmp, cache)
         except OSError:
             pass  # a read-only working directory: plan without the cache
     return out
+
+
+def scripts_dependencies(src: str | Path, scripts_dir: str | Path, cache: str | Path | None = None) -> dict[str, list[str]]:
+    """:func:`script_dependencies` of every ``*.py`` of ``scripts_dir``, by file name (:func:`code_inputs` without
+    the jobs)."""
+    return {k: v for k, v in code_inputs(src, scripts_dir, runner="", cache=cache).items() if ":" not in k}

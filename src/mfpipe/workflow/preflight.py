@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from mfpipe.config import ConfigError, corpora, resolve_revisions, resolve_rollout_revisions
+from mfpipe.workflow.config import ConfigError, corpora, resolve_revisions, resolve_rollout_revisions
 
 REVISION_RE = re.compile(r"^[A-Za-z0-9._-]+$")  # the workflow's `revision` wildcard: used in paths
 

@@ -1,5 +1,5 @@
 """The deviation store's reading side (``results/deviation/<model>/<revision>/deviation.zarr``, written by
-:mod:`mfpipe.experiments.ranking.deviation_pass`): open it, provenance-checked, and the fingerprint of the
+:mod:`mfpipe.deviation.shards`): open it, provenance-checked, and the fingerprint of the
 statistics store it was computed from. No torch: the ranking, Exp. 3 and error-accounting jobs read it without
 loading the pass's machinery."""
 

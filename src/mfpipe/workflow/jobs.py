@@ -1,5 +1,7 @@
-"""What every analysis job script does before its own work: use the job's threads, load the (model,
-revision) a rule names with its adapter, and report a failure where users look."""
+"""How a rule's job runs: the workflow's one job script (workflow/scripts/job.py) calls :func:`run_job`, which finds
+the rule's job function (``<package>.jobs.<rule>``, named by the rule's first code input), hands it the
+:class:`Job` (the rule's input, output, params, threads and the job's logger), and reports a failure where users
+look. Also what many jobs need first: the (model, revision) a rule names, loaded with its adapter."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 # Where a job records the mfpipe modules it has loaded, when the variable is set (tests/test_workflow.py checks
@@ -117,3 +120,65 @@ def run_logged(main: Callable[[], None], log: logging.Logger) -> None:
         sys.stderr.write(cause + "\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
+
+
+@dataclass
+class Job:
+    """What a job function gets: the rule's Snakemake object (``input``, ``output``, ``params``, ``wildcards``,
+    ``threads``, ``resources``, ``rule``) and the job's logger (writing to the rule's ``log:``)."""
+
+    sm: Any
+    log: logging.Logger
+
+    @property
+    def input(self):
+        return self.sm.input
+
+    @property
+    def output(self):
+        return self.sm.output
+
+    @property
+    def params(self):
+        return self.sm.params
+
+    @property
+    def wildcards(self):
+        return self.sm.wildcards
+
+    @property
+    def threads(self) -> int:
+        return int(self.sm.threads)
+
+    @property
+    def rule(self) -> str:
+        return str(self.sm.rule)
+
+    def model(self, threads: int | None = None):
+        """(model, adapter) of the rule's (model, revision) (:func:`load_job_model`) with the job's threads."""
+        return load_job_model(self.params, self.threads if threads is None else threads)
+
+
+def job_module(code_file: str | Path) -> str:
+    """The dotted name of the jobs module whose file is ``code_file`` (a rule's first code input)."""
+    src = Path(__file__).resolve().parents[2]
+    rel = Path(code_file).resolve().relative_to(src).with_suffix("")
+    return ".".join(rel.parts)
+
+
+def run_job(sm: Any) -> None:
+    """Run the job of Snakemake object ``sm``: function ``sm.rule`` (or ``params.job_function``) of the jobs module
+    that is the rule's first code input (``code=job(...)`` in workflow/rules/common.smk, from mfpipe.workflow.codedeps.job_dependencies, which
+    declares that module and what the function imports), under :func:`run_logged`."""
+    from mfpipe.workflow.logs import setup_logging
+
+    log = setup_logging(sm.log[0])
+    module = job_module(sm.input.code[0])
+    # the rule's name, or params.job_function for rules made in a loop that share one function
+    name = getattr(sm.params, "job_function", None) or sm.rule
+    # not importlib.import_module: mfpipe.workflow.codedeps refuses a computed import it cannot follow; this one
+    # is followed, per job, by codedeps.job_dependencies (the module is the rule's own first code input)
+    function = getattr(__import__(module, fromlist=["__name__"]), name, None)
+    if function is None:
+        raise SystemExit(f"{CAUSE_PREFIX}rule {sm.rule}: {module} has no job function {name}")
+    run_logged(lambda: function(Job(sm, log)), log)

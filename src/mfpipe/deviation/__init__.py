@@ -1,0 +1,11 @@
+"""Pass 2 (paper Sec. 6, App. O): every head's mean-field deviation over the statistics half, split into the
+covariance and contextualization terms, with its top-deviation contexts; and the deviation store. Core, not an
+experiment: the head ranking, the prompt experiments and the rollout's error accounting all read it.
+
+- :mod:`~mfpipe.deviation.queries` — the per-context deviation terms at the query positions only.
+- :mod:`~mfpipe.deviation.pass2` — the pass-2 reducer (additive sums per shard).
+- :mod:`~mfpipe.deviation.shards` — pass 2 end to end: a shard's sums, its partial, the merge, the deviation store.
+- :mod:`~mfpipe.deviation.store` — the deviation store's reader (no torch).
+
+This package imports none of its modules, so a job's code inputs stay the modules it uses.
+"""

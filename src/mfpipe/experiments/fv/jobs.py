@@ -1,0 +1,70 @@
+"""The function-vector experiment's jobs, one function per rule of workflow/rules/fv.smk (run by
+mfpipe.workflow.jobs.run_job). Each imports what it runs inside its own body, so its code inputs are its own."""
+
+from __future__ import annotations
+
+
+def function_vectors(job) -> None:
+    """The function-vector experiment of one (model, revision) (Sec. 6.4, eq:taskresid; App. fv): every task's MFA
+    and AIE selections, the injection sweep, the held-out transfer with its controls, and the lens analysis; Tables
+    fv-matrix-body (summed injection) and fv-matrix (per-head injection), the stability and category details. Fig.
+    fv is drawn from output.table by rule figure_fv.
+
+    input.stats       the revision's statistics-half store (the corpus null at the cue type)
+    input.shards, input.tracked, input.model, input.tokenizer   as every forward job (mfpipe.workflow.context)
+    input.jlens       the revision's J-lens store (mfpipe.jlens; the lens analysis decodes through it)
+    input.tasks       task files: the mini suite's tasks.json and the user's JSON files
+    output.transfer, heads, sweep, ranks   per-split results (CSV); output.info: per task (JSON)
+    output.table      pooled transfer table (CSV); table_md / per_head_md / details_md the Markdown tables
+    params.tasks      task names (mfpipe.tasks vendored names, "minisuite", or JSON paths); params.fv the experiment
+                      settings (mfpipe.experiments.fv.experiment.DEFAULTS); batch_size; model_params()
+    """
+    import json
+
+    import pandas as pd
+
+    from mfpipe.experiments.fv import experiment as E
+    from mfpipe.experiments.fv import tables as Tb
+    from mfpipe.jlens import open_jlens
+    from mfpipe.workflow.context import open_forward_job
+    from mfpipe.workflow.io import atomic_write_text
+    from mfpipe.workflow.tables import write_table
+
+    p, out, log = job.params, job.output, job.log
+    fj = open_forward_job(job.sm)
+    name, revision = fj.name, fj.revision
+    jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision})
+    cfg = {**dict(p.fv), "batch_size": int(p.batch_size)}
+    tasks = E.resolve_tasks(list(p.tasks), list(job.input.tasks))
+    res, infos = E.run_tasks(fj.adapter, tasks, fj.tokenizer(), fj.tracked, fj.stats, cfg, jlens=jl, log=log,
+                             desc=f"fv {name}@{revision}")
+    tabs = Tb.fv_tables(res, infos)
+    for k, path in (("transfer", out.transfer), ("heads", out.heads), ("sweep", out.sweep)):
+        write_table(res[k], csv=path)
+    write_table(pd.concat([res["ranks"].assign(kind="vector"), res["prompt_ranks"].assign(kind="per-prompt")],
+                          ignore_index=True), csv=out.ranks)
+    atomic_write_text(out.info, json.dumps({"model": name, "revision": revision, "tasks": infos}, indent=1,
+                                           default=float) + "\n")
+    table = tabs["transfer"].copy()
+    table.insert(0, "revision", revision)
+    table.insert(0, "model", name)
+    write_table(table, csv=out.table)
+    atomic_write_text(out.table_md, Tb.matrix_markdown(tabs["transfer"], tabs["stability"], "sum", name, revision))
+    atomic_write_text(out.per_head_md,
+                      Tb.matrix_markdown(tabs["transfer"], tabs["stability"], "per_head", name, revision))
+    atomic_write_text(out.details_md, Tb.details_markdown(tabs, name, revision))
+    t = tabs["transfer"]
+    for r in t[t["protocol"].isin(["sum", "zero-shot", "few-shot"])].itertuples(index=False):
+        log.info("%-16s %-9s %-13s %-4s acc %.3f [%.3f, %.3f] (n=%d) category %.2f seen %.2f", r.task, r.protocol,
+                 r.selection, r.construction, r.accuracy, r.ci_lo, r.ci_hi, r.n, r.category_rate, r.seen_rate)
+
+
+def figure_fv(job) -> None:
+    """Fig. fv from the pooled transfer table (input.table, results/tables/fv_{model}_{revision}.csv; no model
+    loaded) -> output.pdf / output.png, titled params.title."""
+    import pandas as pd
+
+    from mfpipe.experiments.fv.figures import plot_transfer
+
+    plot_transfer(pd.read_csv(job.input.table), job.output.pdf, title=str(job.params.title))
+    job.log.info("wrote %s and %s", job.output.pdf, job.output.png)

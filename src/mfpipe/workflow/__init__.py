@@ -1,0 +1,20 @@
+"""The workflow's plumbing: what runs the science as Snakemake jobs, none of the science itself.
+
+- :mod:`~mfpipe.workflow.config` — the config's JSON-schema validation and cross-checks.
+- :mod:`~mfpipe.workflow.preflight` — the inputs checked when the DAG is built (architectures, files, hub commits).
+- :mod:`~mfpipe.workflow.revisions` — revision names (``step<k>``) and the mini suite's checkpoints.
+- :mod:`~mfpipe.workflow.codedeps` — each job script's library files, from its imports (the rules' code inputs).
+- :mod:`~mfpipe.workflow.scheduling` — Snakemake's scheduler wake-ups, one pending at a time.
+- :mod:`~mfpipe.workflow.jobs` — a job's model load and its run with a one-line cause on failure.
+- :mod:`~mfpipe.workflow.context` — :class:`~mfpipe.workflow.context.ForwardJob`: what a forward-pass job starts
+  from (tracked set, statistics half, the model checked against it, the kernel).
+- :mod:`~mfpipe.workflow.logs` — a job's log file.
+- :mod:`~mfpipe.workflow.heap` — the C allocator's settings for a job.
+- :mod:`~mfpipe.workflow.io` — atomic files and folders (no half-written output).
+- :mod:`~mfpipe.workflow.tables` — tables written as CSV and Markdown.
+- :mod:`~mfpipe.workflow.plots` — figures written as PDF and PNG.
+- :mod:`~mfpipe.workflow.costs` — where a run's time went (the benchmark files summed).
+
+This package imports none of its modules: a job script imports ``mfpipe.workflow.heap`` first of all, and a job's
+code inputs stay the modules it uses.
+"""
