@@ -37,7 +37,5 @@ include: "workflow/rules/costs.smk"
 rule all:
     default_target: True
     input:
-        all_targets(),
-        fv_targets(),
-        crossmodel_targets(),
+        every_target(),
         rules.run_costs.output,

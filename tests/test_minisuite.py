@@ -9,13 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from mfpipe.minisuite import (
-    build_model,
-    checkpoint_steps,
-    resolve_config,
-    train_mini_model,
-    train_tokenizer,
-)
+from mfpipe.minisuite.model import build_model, resolve_config
+from mfpipe.minisuite.tokenizer import train_tokenizer
+from mfpipe.minisuite.train import train_mini_model
+from mfpipe.workflow.revisions import checkpoint_steps
 from mfpipe.minisuite import train as train_mod
 
 pytestmark = pytest.mark.slow

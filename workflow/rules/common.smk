@@ -10,17 +10,13 @@ SRC = Path(workflow.basedir) / "src"
 sys.path.insert(0, str(SRC))
 
 from mfpipe.workflow.codedeps import code_inputs  # noqa: E402
-from mfpipe.workflow.config import (  # noqa: E402
-    ConfigError,
-    check_config,
-    corpora,
-    minimodel,
-    resolve_revisions,
-    resolve_rollout_revisions,
-    validate_schema,
-)
+from mfpipe.workflow.config import ConfigError, check_config, validate_schema  # noqa: E402
+from mfpipe.workflow.plan import HALVES as PLAN_HALVES, Plan  # noqa: E402
+# each slice's planning (its targets, its rules' input functions), on PLAN
+from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
+from mfpipe.experiments.fv import rules as fv_rules  # noqa: E402
+from mfpipe.experiments.crossmodel import rules as crossmodel_rules  # noqa: E402
 from mfpipe.corpus.windows import shard_groups  # noqa: E402
-from mfpipe.workflow.revisions import parse_step  # noqa: E402
 from mfpipe.workflow.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
 from mfpipe.workflow.scheduling import one_pending_wakeup  # noqa: E402
@@ -118,17 +114,19 @@ _sorted_config = _canonical(dict(config))
 config.clear()
 config.update(_sorted_config)
 
-R = config["results"]  # the one key every output path derives from
-CORPUS = config["corpus"]["name"]
-CORPORA = corpora(config)  # primary first, then cross corpora (App. G)
-CROSS = [c for c in CORPORA if c != CORPUS]
-MODELS = {m["name"]: m for m in config["models"]}
-MINI = {m["name"]: m for m in config.get("minisuite", {}).get("models", [])}
+# the run's plan (mfpipe.workflow.plan), which every slice's targets and input functions take (mfpipe.<slice>.rules)
+PLAN = Plan(config, SRC, checkpoints)
+R = PLAN.results  # the one key every output path derives from
+CORPUS = PLAN.corpus
+CORPORA = PLAN.corpora  # primary first, then cross corpora (App. G)
+CROSS = PLAN.cross
+MODELS = PLAN.models
+MINI = PLAN.mini
 # `revisions`: the training sweep (statistics, substitution, kernel per revision); the rollout stage analyses
 # `rollout_revisions` (default: the last of the sweep, the trained model)
-REVISIONS = {name: resolve_revisions(config, m) for name, m in MODELS.items()}
-ROLLOUT_REVISIONS = {name: resolve_rollout_revisions(config, m) for name, m in MODELS.items()}
-HALVES = ["stats", "eval"]
+REVISIONS = PLAN.revisions
+ROLLOUT_REVISIONS = PLAN.rollout_revisions
+HALVES = list(PLAN_HALVES)
 
 
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
@@ -247,19 +245,14 @@ def all_targets():
 
 
 
+def every_target():
+    """Every slice's targets: what the default target makes, and what the run's cost table waits for."""
+    return all_targets() + fv_rules.targets(PLAN) + crossmodel_rules.targets(PLAN)
+
+
 # ------------------------------------------------------------------ statistics (workflow/rules/stats.smk)
-def half_shard_ids(corpus, model, half):
-    """Shard numbers of one half of a model's corpus, known once the corpus checkpoint has run."""
-    shards = checkpoints.corpus_shards.get(corpus=corpus, model=model).output[0]
-    return sorted(Path(p).name[len("shard-") : -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
-
-
-def run_of_shards(groups, i, corpus, model, half, option):
-    """The corpus shard files of the job whose run of shards starts at shard `i` (`groups`: {first: [ids]})."""
-    group = groups.get(i)
-    if group is None:
-        raise ValueError(f"shard {i} does not start a run of {option} shards of {corpus}/{half}")
-    return [f"{R}/corpus/{corpus}/{model}/shards/{half}/shard-{j}.npz" for j in group]
+half_shard_ids = PLAN.half_shard_ids
+run_of_shards = PLAN.run_of_shards
 
 
 def shard_ids(wildcards):
@@ -325,9 +318,7 @@ KERNELS = config["kernels"]
 TOPN = sorted({int(n) for n in SUBSTITUTION["top_n"]} - {int(config["tracked"]["n_tracked"])})
 
 
-def revision_steps(model):
-    """Training step of each sweep revision (``step<k>``; None for a revision named otherwise, e.g. ``main``)."""
-    return [parse_step(r) for r in REVISIONS[model]]
+revision_steps = PLAN.revision_steps
 
 
 def training_summary(wildcards):
@@ -358,10 +349,7 @@ def kernel_results(wildcards):
     return [f"{R}/kernels/{wildcards.model}/{rev}/kernel.zarr" for rev in REVISIONS[wildcards.model]]
 
 
-def sweeps(model):
-    """Whether the model's revisions form a training sweep: at least two, each a training step."""
-    steps = revision_steps(model)
-    return len(steps) >= 2 and all(s is not None for s in steps)
+sweeps = PLAN.sweeps
 
 
 def training_targets():

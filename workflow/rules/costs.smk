@@ -3,22 +3,19 @@
 # rule file that defines the rule) into results/tables/run_costs.{csv,md}, a report table too.
 
 
-def rule_stages(wildcards):
-    return {r.name: Path(r.snakefile).stem for r in workflow.rules}
-
-
 rule run_costs:
     input:
         # every target of `rule all` but this table: a job that may still be running when it sums would be missing
         # from it (the function-vector and cross-model figures were, in a CI run where they finished last)
-        targets=all_targets() + fv_targets() + crossmodel_targets(),
+        targets=every_target(),
         code=code("run_costs.py"),
     output:
         csv=table_report(f"{R}/tables/run_costs.csv", "run costs"),
         md=f"{R}/tables/run_costs.md",
     params:
         benchmarks="logs/benchmarks",
-        stages=rule_stages,
+        # rule -> its stage, the rule file that defines it
+        stages=lambda wc: {r.name: Path(r.snakefile).stem for r in workflow.rules},
     localrule: True
     conda:
         ENV

@@ -5,42 +5,6 @@
 FV = config["function_vectors"]
 
 
-def fv_tasks(model):
-    """The function-vector tasks of `model`: `minisuite` (the tasks the mini suite trained on) only for mini-suite
-    models, the rest (vendored names, task files) for every model."""
-    if FV["models"] is not None and model not in FV["models"]:
-        return []
-    mini = MODELS[model]["source"] == "minisuite"
-    return [t for t in FV["tasks"] if t != "minisuite" or mini]
-
-
-def fv_task_inputs(wildcards):
-    """The task files a job reads: the mini suite's tasks, the user's files and the vendored datasets it names
-    (mfpipe.tasks): editing one reruns the job."""
-    out = []
-    for t in fv_tasks(wildcards.model):
-        vendored = SRC / "mfpipe" / "tasks" / "data" / f"{t}.json"
-        if t == "minisuite":
-            out.append(f"{R}/minisuite/tasks.json")
-        elif t.endswith(".json"):
-            out.append(t)
-        elif vendored.is_file():
-            out.append(str(vendored))
-    return out
-
-
-def fv_targets():
-    t = []
-    for m in MODELS:
-        if not fv_tasks(m):
-            continue
-        for rev in ROLLOUT_REVISIONS[m]:
-            t += [f"{R}/tables/fv_{m}_{rev}.{e}" for e in ("csv", "md")]
-            t += [f"{R}/tables/fv_per_head_{m}_{rev}.md", f"{R}/tables/fv_details_{m}_{rev}.md"]
-            t += [f"{R}/figures/fv_{m}_{rev}.{e}" for e in ("pdf", "png")]
-    return t
-
-
 rule function_vectors:
     input:
         stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
@@ -49,7 +13,7 @@ rule function_vectors:
         jlens=f"{R}/jlens/{{model}}/{{revision}}/jlens.zarr",
         model=model_input,
         tokenizer=tokenizer_input,
-        tasks=fv_task_inputs,
+        tasks=lambda wc: fv_rules.task_inputs(PLAN, wc),
         code=job("experiments.fv", "function_vectors"),
     output:
         transfer=f"{R}/fv/{{model}}/{{revision}}/transfer.csv",
@@ -62,7 +26,7 @@ rule function_vectors:
         per_head_md=f"{R}/tables/fv_per_head_{{model}}_{{revision}}.md",
         details_md=f"{R}/tables/fv_details_{{model}}_{{revision}}.md",
     params:
-        tasks=lambda wc: fv_tasks(wc.model),
+        tasks=lambda wc: fv_rules.fv_tasks(PLAN, wc.model),
         fv={k: v for k, v in FV.items() if k not in ("tasks", "models", "batch_size")},
         batch_size=FV["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),

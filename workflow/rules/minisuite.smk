@@ -22,13 +22,6 @@ rule minisuite_tokenizer:
         "../scripts/train_tokenizer.py"
 
 
-def minisuite_tasks_input(wildcards):
-    """The few-shot tasks, for a mini model that trains on few-shot rows (`fewshot_fraction` > 0)."""
-    if float(MINI[wildcards.mini].get("fewshot_fraction") or 0) > 0:
-        return [f"{R}/minisuite/tasks.json"]
-    return []
-
-
 rule minisuite_tasks:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
@@ -51,7 +44,7 @@ rule minisuite_tasks:
 rule minisuite_train:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
-        tasks=minisuite_tasks_input,
+        tasks=lambda wc: minisuite_rules.tasks_input(PLAN, wc),
         code=code("train_mini_model.py"),
     output:
         checkpoints=directory(f"{R}/minisuite/{{mini}}/checkpoints"),

@@ -5,4 +5,5 @@ other experiment).
 - :mod:`mfpipe.experiments.crossmodel.compare` — the comparison table: rollout accuracy, ΔL and D_MF at the last
   revision and at their peak, the top heads by S̄ with their roles.
 - :mod:`mfpipe.experiments.crossmodel.figures` — the cross-model waypoint figure.
+- :mod:`mfpipe.experiments.crossmodel.rules` — its targets and what its rules read.
 """

@@ -7,5 +7,6 @@
 - :mod:`~mfpipe.experiments.fv.experiment` — one task end to end: sweep, held-out evaluation, category analysis.
 - :mod:`~mfpipe.experiments.fv.tables`, :mod:`~mfpipe.experiments.fv.figures` — Tables fv-matrix-body /
   fv-matrix, stability and categories; Fig. fv.
-- :mod:`~mfpipe.experiments.fv.jobs` — the jobs of workflow/rules/fv.smk, one function per rule.
+- :mod:`~mfpipe.experiments.fv.jobs` — the jobs of workflow/rules/fv.smk, one function per rule;
+  :mod:`~mfpipe.experiments.fv.rules` — its targets and input functions.
 """

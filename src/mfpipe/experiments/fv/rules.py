@@ -1,0 +1,43 @@
+"""The function-vector slice's planning: its targets and the input functions of workflow/rules/fv.smk, on the run's
+plan (:class:`mfpipe.workflow.plan.Plan`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def fv_tasks(plan, model: str) -> list[str]:
+    """The function-vector tasks of ``model``: ``minisuite`` (the tasks the mini suite trained on) only for mini-suite
+    models, the rest (vendored names, task files) for every model; none for a model ``fv.models`` leaves out."""
+    fv = plan.config["function_vectors"]
+    if fv["models"] is not None and model not in fv["models"]:
+        return []
+    return [t for t in fv["tasks"] if t != "minisuite" or plan.is_mini(model)]
+
+
+def task_inputs(plan, wildcards) -> list[str]:
+    """The task files a job reads: the mini suite's tasks, the user's files and the vendored datasets it names
+    (mfpipe.tasks): editing one reruns the job."""
+    out = []
+    for t in fv_tasks(plan, wildcards.model):
+        vendored = Path(plan.src) / "mfpipe" / "tasks" / "data" / f"{t}.json"
+        if t == "minisuite":
+            out.append(f"{plan.results}/minisuite/tasks.json")
+        elif t.endswith(".json"):
+            out.append(t)
+        elif vendored.is_file():
+            out.append(str(vendored))
+    return out
+
+
+def targets(plan) -> list[str]:
+    """Per rollout revision of every model with tasks: the tables and the figure."""
+    R, t = plan.results, []
+    for m in plan.models:
+        if not fv_tasks(plan, m):
+            continue
+        for rev in plan.rollout_revisions[m]:
+            t += [f"{R}/tables/fv_{m}_{rev}.{e}" for e in ("csv", "md")]
+            t += [f"{R}/tables/fv_per_head_{m}_{rev}.md", f"{R}/tables/fv_details_{m}_{rev}.md"]
+            t += [f"{R}/figures/fv_{m}_{rev}.{e}" for e in ("pdf", "png")]
+    return t
