@@ -116,7 +116,7 @@ def test_malformed_revision():
 def test_failing_job_puts_its_cause_in_its_log_above_the_traceback_and_last_on_stderr(tmp_path):
     log = tmp_path / "job.log"
     code = (
-        "from mfpipe.workflow.logs import setup_logging\nfrom mfpipe.workflow.jobs import run_logged\n"
+        "from mfpipe.workflow.logs import setup_logging\nfrom mfpipe.workflow.runner import run_logged\n"
         "from mfpipe.models.loader import ModelLoadError\n"
         f"log = setup_logging({str(log)!r})\n"
         "def main():\n    raise ModelLoadError('model x: not cached; run hf download x')\n"
@@ -207,7 +207,7 @@ def test_a_job_script_imports_without_the_collector_and_works_with_it(tmp_path):
         f"import sys\nsys.path.insert(0, {str(REPO / 'workflow' / 'scripts')!r})\n"
         "import _mfpipe_checkout  # noqa\nimport gc\n"
         "print('imports', gc.isenabled())\nimport xarray  # noqa\n"
-        "from mfpipe.workflow.jobs import run_logged\nimport logging\n"
+        "from mfpipe.workflow.runner import run_logged\nimport logging\n"
         "def main():\n    print('work', gc.isenabled(), gc.get_freeze_count() > 1000)\n"
         "run_logged(main, logging.getLogger('job'))\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

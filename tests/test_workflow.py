@@ -74,7 +74,7 @@ def clone(dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     wd = clone(tmp_path_factory.mktemp("wf"))
-    # every job records the mfpipe modules it loaded (mfpipe.workflow.jobs.record_loaded_modules), for the code-input test
+    # every job records the mfpipe modules it loaded (mfpipe.workflow.runner.record_loaded_modules), for the code-input test
     snakemake(wd, "--cores", "2", env={"MFPIPE_LOADED_MODULES": str(wd / "loaded_modules")})
     return wd
 

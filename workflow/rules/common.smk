@@ -17,7 +17,7 @@ from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
 from mfpipe.experiments.fv import rules as fv_rules  # noqa: E402
 from mfpipe.experiments.crossmodel import rules as crossmodel_rules  # noqa: E402
 from mfpipe.corpus.windows import shard_groups  # noqa: E402
-from mfpipe.workflow.jobs import CAUSE_PREFIX, failed_job_causes  # noqa: E402
+from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
 from mfpipe.workflow.scheduling import one_pending_wakeup  # noqa: E402
 
@@ -134,7 +134,7 @@ SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
 # every job's library files, derived from the sources once per change of them (.snakemake/ holds the answer)
 CODE_INPUTS = code_inputs(SRC, SCRIPTS, cache=Path(".snakemake") / "mfpipe-code-inputs.json")
-# the one job script: it runs the rule's job function, `mfpipe.<package>.jobs.<rule>` (mfpipe.workflow.jobs.run_job)
+# the one job script: it runs the rule's job function, `mfpipe.<package>.jobs.<rule>` (mfpipe.workflow.runner.run_job)
 JOB_SCRIPT = "../scripts/job.py"
 
 
@@ -215,7 +215,7 @@ def results_dir(wildcards):
 
 
 def model_params():
-    """Params of every job that loads (model, revision), read by mfpipe.workflow.jobs.load_job_model."""
+    """Params of every job that loads (model, revision), read by mfpipe.workflow.runner.load_job_model."""
     return dict(
         model_spec=model_spec,
         revision="{revision}",

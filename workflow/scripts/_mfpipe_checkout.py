@@ -6,7 +6,7 @@ It also sets the job's C allocator to keep freed memory (mfpipe.workflow.heap: a
 the same activations batch after batch). That changes a job's speed, not its result, so it is done here and not
 through an ``mfpipe`` import of the script, which would make mfpipe/workflow/heap.py a code input of every rule.
 
-And it turns Python's cyclic garbage collector off while the script's imports run (mfpipe.workflow.jobs.run_logged turns it
+And it turns Python's cyclic garbage collector off while the script's imports run (mfpipe.workflow.runner.run_logged turns it
 back on, with what they made frozen, when the job's work starts): the ~1,500 modules of torch, numba, xarray and
 pandas make hundreds of thousands of objects that live for the whole job, and the collector scanned them again
 and again as they came (benchmarks/HISTORY.md, "A model job's start-up"). Speed only, like the allocator."""

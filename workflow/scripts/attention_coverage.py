@@ -3,7 +3,7 @@ attention) from each model's statistics-half kernel P."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import accounting as AC
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.workflow.tables import to_markdown
 

@@ -19,7 +19,7 @@ import torch
 from mfpipe.meanfield.calibrated import calibrated_dataset, write_calibrated
 from mfpipe.experiments.substitution.calibration import calibrate_stats, residual_markdown
 from mfpipe.corpus.windows import read_shard
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats import open_stats
 from mfpipe.workflow.tables import to_markdown, write_csv, write_text

@@ -1,6 +1,6 @@
 """Snakemake script: App. F position-coverage table over the configured models."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.corpus.tracked import coverage_table
 from mfpipe.workflow.tables import to_markdown, write_table

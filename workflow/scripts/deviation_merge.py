@@ -3,7 +3,7 @@ wrote them) into the deviation store (per head S̄ of eq:ddec, M_cov / M_ctx of 
 same terms, top-deviation contexts, provenance)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.deviation import shards as DP
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats.store import write_store
 from mfpipe.corpus.tracked import TrackedSet

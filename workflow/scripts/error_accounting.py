@@ -8,7 +8,7 @@ from mfpipe.experiments.rollout import accounting as AC
 from mfpipe.experiments.rollout import runs as RO
 from mfpipe.stats import halves as S
 from mfpipe.deviation.store import open_deviation
-from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.runner import load_job_model, run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821

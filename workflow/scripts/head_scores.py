@@ -5,7 +5,7 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import time
 
 from mfpipe.experiments.ranking.head_scores import head_scores, scores_table, write_head_scores
-from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.runner import load_job_model, run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.models.loader import load_tokenizer
 from mfpipe.workflow.tables import to_markdown

@@ -21,7 +21,7 @@ from mfpipe.experiments.prompts import classes as I
 from mfpipe.experiments.prompts import sets as P
 from mfpipe.workflow.io import atomic_write_text
 from mfpipe.workflow.context import open_forward_job
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.workflow.tables import write_table
 

@@ -17,7 +17,7 @@ import time
 from mfpipe.experiments.prompts import meter as IM
 from mfpipe.experiments.prompts import sets as P
 from mfpipe.workflow.context import open_forward_job
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.workflow.tables import write_table
 

@@ -1,6 +1,6 @@
 """Snakemake script: induction-score curve (max over heads) per mini-suite model and checkpoint."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.models.induction import induction_summary
 from mfpipe.workflow.tables import to_markdown, write_table

@@ -10,7 +10,7 @@ import numpy as np
 
 from mfpipe import jlens as JL
 from mfpipe.corpus.windows import list_shards, read_shard
-from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.runner import load_job_model, run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats.halves import corpus_info
 

@@ -11,7 +11,7 @@ Refuses kernels of another model, tracked set, corpus sample, support or rank, o
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.experiments.substitution.figures import cka_figure, spread_figure
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.models.induction import training_window
 from mfpipe.experiments.substitution.kernel_dynamics import check_same_source, dynamics_tables, open_kernel
 from mfpipe.workflow.logs import setup_logging

@@ -8,7 +8,7 @@ output[0]        kernel.zarr (directory): factor (layer, head, query, rank), spr
 params.model, params.revision (checked against the store), params.min_count (20), params.rank (96)
 """
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.experiments.substitution.kernel_dynamics import kernel_dataset
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats import open_stats

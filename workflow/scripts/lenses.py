@@ -14,7 +14,7 @@ from mfpipe.stats.halves import ProvenanceError, open_stats_half
 from mfpipe.corpus.windows import list_shards
 from mfpipe.workflow.io import atomic_write_text
 from mfpipe.workflow.context import open_forward_job
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.corpus.tracked import TrackedSet
 

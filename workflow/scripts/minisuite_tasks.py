@@ -4,7 +4,7 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import json
 
 from mfpipe.workflow.io import atomic_write_text
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.minisuite.tasks import make_tasks
 

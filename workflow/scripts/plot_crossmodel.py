@@ -3,7 +3,7 @@ or from the mini model's recorded induction-score curve) shaded in its colour.""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 
 from mfpipe.experiments.crossmodel import figures as F
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.models.induction import training_window
 

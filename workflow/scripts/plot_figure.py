@@ -1,7 +1,7 @@
 """Snakemake script: one figure (PDF + PNG) from its result table; `params.kind` names the figure function."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.experiments.rollout import figures as F
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821

@@ -5,7 +5,7 @@ import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.p
 import pandas as pd
 
 from mfpipe.experiments.prompts import figures as F
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821

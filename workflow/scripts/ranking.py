@@ -8,7 +8,7 @@ from mfpipe.deviation.store import open_deviation
 from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
 from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
 from mfpipe.experiments.ranking.head_scores import open_head_scores
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

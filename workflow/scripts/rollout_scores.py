@@ -6,7 +6,7 @@ import time
 from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import tables as RT
 from mfpipe.experiments.rollout import runs as RO
-from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.runner import load_job_model, run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

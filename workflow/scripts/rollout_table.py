@@ -4,7 +4,7 @@ import pandas as pd
 
 from mfpipe.workflow import tables as T
 from mfpipe.experiments.rollout import tables as RT
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821

@@ -2,7 +2,7 @@
 stage) and run_costs.md (by stage and by rule)."""
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.workflow.costs import cost_tables, costs_markdown, read_benchmarks
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.workflow.tables import write_table, write_text
 

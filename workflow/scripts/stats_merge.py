@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from mfpipe.corpus.windows import read_shard
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats import StatsError, merge_sums
 from mfpipe.stats.errors import PartialError

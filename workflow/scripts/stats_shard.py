@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mfpipe.corpus.windows import read_shard
 from mfpipe.workflow.io import atomic_dir
-from mfpipe.workflow.jobs import load_job_model, run_logged
+from mfpipe.workflow.runner import load_job_model, run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.stats.partials import partial_meta, partial_size, save_partial
 from mfpipe.stats.shards import accumulate_shard

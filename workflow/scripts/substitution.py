@@ -13,7 +13,7 @@ from mfpipe.experiments.substitution import substitute as SU
 from mfpipe.corpus.windows import list_shards, read_shard
 from mfpipe.workflow.io import atomic_dir
 from mfpipe.workflow.context import open_forward_job
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 
 sm = snakemake  # noqa: F821 (injected by Snakemake)

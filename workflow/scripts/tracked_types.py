@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from mfpipe.corpus.windows import list_shards, read_shard
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.models.loader import load_tokenizer
 from mfpipe.corpus.tracked import count_types, select_tracked

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from mfpipe.corpus.documents import load_documents, split_documents
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.minisuite.train import train_mini_model
 

@@ -2,7 +2,7 @@
 import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
 from mfpipe.corpus.documents import load_documents, split_documents
 from mfpipe.workflow.io import atomic_dir
-from mfpipe.workflow.jobs import run_logged
+from mfpipe.workflow.runner import run_logged
 from mfpipe.workflow.logs import setup_logging
 from mfpipe.minisuite.tokenizer import train_tokenizer
 

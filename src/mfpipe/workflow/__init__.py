@@ -5,7 +5,9 @@
 - :mod:`~mfpipe.workflow.revisions` — revision names (``step<k>``) and the mini suite's checkpoints.
 - :mod:`~mfpipe.workflow.codedeps` — each job script's library files, from its imports (the rules' code inputs).
 - :mod:`~mfpipe.workflow.scheduling` — Snakemake's scheduler wake-ups, one pending at a time.
-- :mod:`~mfpipe.workflow.jobs` — a job's model load and its run with a one-line cause on failure.
+- :mod:`~mfpipe.workflow.runner` — how a rule's job runs: the job function found, handed the
+  :class:`~mfpipe.workflow.runner.Job`, a failure reported in one line; a job's model load.
+- :mod:`~mfpipe.workflow.plan` — the run's plan (models, revisions, corpora, shards) that every slice plans on.
 - :mod:`~mfpipe.workflow.context` — :class:`~mfpipe.workflow.context.ForwardJob`: what a forward-pass job starts
   from (tracked set, statistics half, the model checked against it, the kernel).
 - :mod:`~mfpipe.workflow.logs` — a job's log file.

@@ -59,7 +59,7 @@ class ForwardJob:
 
 def open_forward_job(sm, *, shards_dir: str | Path | None = None, threads: int | None = None) -> ForwardJob:
     """Open the job of Snakemake object ``sm`` (see the module docstring for what its rule provides)."""
-    from mfpipe.workflow.jobs import load_job_model
+    from mfpipe.workflow.runner import load_job_model
 
     p, inp = sm.params, sm.input
     name, revision = p.model_spec["name"], str(p.revision)

@@ -1,5 +1,5 @@
 """The function-vector experiment's jobs, one function per rule of workflow/rules/fv.smk (run by
-mfpipe.workflow.jobs.run_job). Each imports what it runs inside its own body, so its code inputs are its own."""
+mfpipe.workflow.runner.run_job). Each imports what it runs inside its own body, so its code inputs are its own."""
 
 from __future__ import annotations
 
