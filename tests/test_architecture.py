@@ -1,6 +1,9 @@
 """The house rules of src/mfpipe (docs/architecture.md), checked on every module: imports go down (an experiment
-imports the core, never another experiment; the core never imports an experiment), no private name is imported
-across modules, no module is over 400 lines, and every package's docstring names each of its modules."""
+imports the core, never another experiment; the core never imports an experiment; the module graph has no cycle
+and every import goes to the same or a lower layer, never to an enclosing package), no private name is imported
+across modules, no module is over 400 lines, at most six modules sit loose beside the packages, and every
+package's docstring names each of its modules. The job scripts of workflow/scripts are held to the same import
+rule."""
 
 import ast
 from pathlib import Path
@@ -10,6 +13,16 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "mfpipe"
 MODULES = sorted(PKG.rglob("*.py"))
+SCRIPTS = sorted((SRC.parent / "workflow" / "scripts").glob("*.py"))
+# the layers, bottom up: a module imports its own layer (without a cycle) or a lower one
+#   0  the workflow's leaf plumbing (files, logs, tables, figures, config, code inputs) and the version
+#   1  the core: corpus, tasks, statistics, models, the mean field, pass 2, the mini suite, the J-lens, conformance
+#   2  the workflow's wiring (the job runner and context, the plan, the preflight checks, its own jobs)
+#   3  the experiments
+#   4  the public reading API (results), the command line, the package itself
+WORKFLOW_LEAVES = {"io", "heap", "logs", "tables", "plots", "revisions", "codedeps", "scheduling", "config", "costs"}
+CORE = {"corpus", "tasks", "stats", "models", "meanfield", "deviation", "minisuite", "jlens", "conformance"}
+MAX_LOOSE = 6
 # the public reading API opens every experiment's stores; the package's lazy export loads it
 MAY_IMPORT_EXPERIMENTS = {"mfpipe", "mfpipe.results"}
 MAX_LINES = 400
@@ -23,7 +36,7 @@ def dotted(path: Path) -> str:
 def imports(path: Path) -> list[tuple[str, list[str]]]:
     """(module, imported names) of every mfpipe import in ``path``, relative imports resolved."""
     tree = ast.parse(path.read_text())
-    here = dotted(path).split(".")
+    here = dotted(path).split(".") if path.is_relative_to(SRC) else []  # a job script: no relative imports
     pkg = here if path.name == "__init__.py" else here[:-1]
     out = []
     for node in ast.walk(tree):
@@ -59,6 +72,97 @@ def test_imports_go_down():
                 elif mine is not None and theirs != mine:
                     wrong.append(f"{me} (experiment {mine}) imports {target} of experiment {theirs}")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")
+    if name in ("mfpipe.version", "mfpipe.workflow"):
+        return 0
+    if len(parts) > 2 and parts[1] == "workflow":
+        return 0 if parts[2] in WORKFLOW_LEAVES else 2
+    if len(parts) > 1 and parts[1] in CORE:
+        return 1
+    if len(parts) > 1 and parts[1] == "experiments":
+        return 3
+    return 4
+
+
+def import_graph(modules=None) -> dict[str, set[str]]:
+    """module -> the mfpipe modules it imports. ``from package import submodule`` is an edge to the submodule only
+    (the package's ``__init__`` runs first for every import below it anyway)."""
+    paths = MODULES if modules is None else modules
+    known = {dotted(p) for p in paths}
+
+    def resolve(target: str) -> str:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        return target
+
+    graph = {}
+    for path in paths:
+        me, edges = dotted(path), set()
+        for module, names in imports(path):
+            subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in known]
+            for target in subs or [module] + [f"{module}.{n}" for n in names]:
+                r = resolve(target)
+                if r and r != me:
+                    edges.add(r)
+        graph[me] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (one per back edge a depth-first search meets)."""
+    state, stack, found = {}, [], []
+
+    def visit(u):
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                found.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_the_import_graph_is_acyclic_and_goes_down():
+    graph = import_graph()
+    assert not cycles(graph), cycles(graph)
+    up = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})" for a, bs in graph.items() for b in bs
+          if layer(b) > layer(a)]
+    # an enclosing package's own names (`from mfpipe import __version__` in mfpipe.stats.store) are an upward import
+    enclosing = [f"{a} imports names of its enclosing package {b}" for a, bs in graph.items() for b in bs
+                 if a.startswith(b + ".") and b != "mfpipe" or (b == "mfpipe" and a != "mfpipe")]
+    assert not up and not enclosing, "\n".join(sorted(up + enclosing))
+
+
+def test_job_scripts_import_at_most_one_experiment_and_only_the_workflow_besides():
+    wrong = []
+    for path in SCRIPTS:
+        found = {experiment_of(t) for m, names in imports(path) for t in [m] + [f"{m}.{n}" for n in names]}
+        found.discard(None)
+        if len(found) > 1:
+            wrong.append(f"{path.name} imports the experiments {sorted(found)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_at_most_six_modules_sit_loose_beside_the_packages():
+    loose = sorted(p.stem for p in PKG.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE, loose
+
+
+def test_the_graph_checks_see_a_cycle_and_an_upward_import():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert not cycles({"a": {"b"}, "b": {"c"}, "c": set()})
+    assert layer("mfpipe.workflow.io") < layer("mfpipe.stats.pass1") < layer("mfpipe.workflow.runner")
+    assert layer("mfpipe.workflow.runner") < layer("mfpipe.experiments.fv.jobs") < layer("mfpipe.results")
 
 
 def test_no_private_name_is_imported_across_modules():
