@@ -204,3 +204,24 @@ def test_the_meter_chunk_is_cut_to_the_window():
     assert P.meter_chunk_length(128, 256) == (127, True)
     assert P.meter_chunk_length(128, 64) == (31, True)  # the mini models' context
     assert P.meter_chunk_length(None, 64) == (31, False)
+
+
+def test_one_encoder_for_every_few_shot_prompt(tokenizer):
+    """mfpipe.tasks.encode_fewshot is the one place a prompt text and its answer are encoded and checked (Exp. 2's
+    few-shot class, the function vectors, the mini suite): the answer's first token is the one after the text's
+    tokens; a text over max_tokens, an answer that merges into the text's last token, or (exact) an answer that
+    does not decode back is refused."""
+    tok = tokenizer
+    text = T.fewshot_text([("hot", "cold"), ("big", "small")], "up", ":", "\n")
+    assert text == "hot:cold\nbig:small\nup:" and T.zeroshot_text("up", ":") == "up:"
+    ids, first = T.encode_fewshot(tok, text, "down")
+    full = T.encode_text(tok, text + "down")
+    assert ids == T.encode_text(tok, text) and full[: len(ids)] == ids and first == full[len(ids)]
+    assert T.encode_fewshot(tok, text, "down", max_tokens=len(ids)) is not None
+    assert T.encode_fewshot(tok, text, "down", max_tokens=len(ids) - 1) is None
+    # an answer whose first character merges with the text's last token does not continue its tokens
+    merged = next((a for a in (":", "::", ":=", ": ") if T.encode_text(tok, text + a)[: len(ids)] != ids), None)
+    if merged is not None:
+        assert T.encode_fewshot(tok, text, merged) is None
+    assert T.encode_fewshot(tok, text, "") is None  # no answer token at all
+    assert T.encode_fewshot(tok, text, " down", exact=True) is not None

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mfpipe.tasks import N_EXEMPLARS, fewshot_text
+from mfpipe.tasks import N_EXEMPLARS, encode_text, fewshot_text, zeroshot_text
 
 __all__ = ["TASK_NAMES", "candidate_words", "fewshot_accuracy", "make_tasks", "task_token_pairs",
            "zeroshot_accuracy"]
@@ -27,12 +27,8 @@ __all__ = ["TASK_NAMES", "candidate_words", "fewshot_accuracy", "make_tasks", "t
 TASK_NAMES = tuple(f"map-{c}" for c in "abcdefghijklmnopqrstuvwxyz")
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _single(tokenizer, text: str) -> int | None:
-    ids = _encode(tokenizer, text)
+    ids = encode_text(tokenizer, text)
     return ids[0] if len(ids) == 1 else None
 
 
@@ -51,7 +47,7 @@ def candidate_words(tokenizer, *, separator: str = ":", joiner: str = "\n", min_
         if len(w) < min_length or not (w.isascii() and w.isalpha()) or w in seen:
             continue
         # one token as an input (line start) and as an answer (after the separator), inside the prompt format
-        if _encode(tokenizer, fewshot_text([(w, w)], w, separator, joiner)) != [tid, sep, tid, nl, tid, sep]:
+        if encode_text(tokenizer, fewshot_text([(w, w)], w, separator, joiner)) != [tid, sep, tid, nl, tid, sep]:
             continue
         seen.add(w)
         out.append(w)
@@ -66,7 +62,7 @@ def _check_layout(tokenizer, pairs, separator: str, joiner: str) -> tuple[int, i
     ids = {w: _single(tokenizer, w) for p in pairs for w in p}
     text = fewshot_text(pairs[:-1], pairs[-1][0], separator, joiner)
     want = [t for x, y in pairs[:-1] for t in (ids[x], sep, ids[y], nl)] + [ids[pairs[-1][0]], sep]
-    if _encode(tokenizer, text) != want:
+    if encode_text(tokenizer, text) != want:
         raise ValueError(f"few-shot text {text[:60]!r}… does not encode to one token per word")
     return sep, nl
 
@@ -142,7 +138,7 @@ def _prompts(tokenizer, task: dict, n_shots: int, n_prompts: int, seed, separato
     rows, targets = [], []
     for _ in range(int(n_prompts)):
         pick = [pairs[j] for j in rng.choice(len(pairs), size=n_shots + 1, replace=False)]
-        rows.append([bos] + _encode(tokenizer, fewshot_text(pick[:-1], pick[-1][0], separator, joiner)))
+        rows.append([bos] + encode_text(tokenizer, fewshot_text(pick[:-1], pick[-1][0], separator, joiner)))
         targets.append(_single(tokenizer, pick[-1][1]))
     return rows, targets
 
@@ -159,6 +155,6 @@ def zeroshot_accuracy(model, tokenizer, task: dict, *, separator: str = ":", joi
     """Share of the task's pairs whose zero-shot prompt ``BOS x:`` (``x`` and the separator, no joiner before
     it) has the answer ``y``'s token as argmax."""
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0
-    rows = [[bos] + _encode(tokenizer, f"{x}{separator}") for x, _ in task["pairs"]]
+    rows = [[bos] + encode_text(tokenizer, zeroshot_text(x, separator)) for x, _ in task["pairs"]]
     targets = [_single(tokenizer, y) for _, y in task["pairs"]]
     return float(_next_token_hits(model, rows, targets).mean())

@@ -35,7 +35,7 @@ from pathlib import Path
 
 __all__ = ["FewShotTask", "N_EXEMPLARS", "PAPER_ICL_TASKS", "PAPER_FV_TASKS", "STAND_INS", "SOURCE_REPO",
            "SOURCE_COMMIT", "vendored_tasks", "vendored_path", "load_task", "load_task_file", "fewshot_text",
-           "encodes_back", "TASK_FILE_FORMAT"]
+           "zeroshot_text", "encode_text", "encode_fewshot", "encodes_back", "TASK_FILE_FORMAT"]
 
 #: exemplars per few-shot prompt (a prompt draws ``N_EXEMPLARS + 1`` distinct pairs: the exemplars and the query)
 N_EXEMPLARS = 5
@@ -88,9 +88,37 @@ def fewshot_text(exemplars, query_input: str, sep: str = ":", joiner: str = "\n"
     return joiner.join(f"{x}{sep}{y}" for x, y in exemplars) + f"{joiner}{query_input}{sep}"
 
 
+def zeroshot_text(query_input: str, sep: str = ":") -> str:
+    """The zero-shot prompt text: ``xq{sep}`` (no exemplars, no joiner before it; no BOS)."""
+    return f"{query_input}{sep}"
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``text``'s token ids without special tokens (the caller prepends BOS as a token)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_fewshot(tokenizer, text: str, answer: str, *, max_tokens: int | None = None,
+                   exact: bool = False) -> tuple[list[int], int] | None:
+    """A prompt text (:func:`fewshot_text`, :func:`zeroshot_text`) encoded, with the token its answer starts with:
+    ``(ids of text, first token of answer)``, where ``text + answer`` encodes as ``text``'s tokens followed by at
+    least one more (the answer continues the prompt's tokens). None where it does not, where ``text`` takes more
+    than ``max_tokens`` tokens, or (``exact``) where the answer's tokens do not decode back to ``answer``. The one
+    place the experiments encode and check a few-shot prompt (Exp. 2's class, function vectors, the mini suite)."""
+    ids = encode_text(tokenizer, text)
+    if max_tokens is not None and len(ids) > int(max_tokens):
+        return None
+    full = encode_text(tokenizer, text + answer)
+    if len(full) <= len(ids) or full[: len(ids)] != ids:
+        return None
+    if exact and tokenizer.decode(full[len(ids):]) != answer:
+        return None
+    return ids, int(full[len(ids)])
+
+
 def encodes_back(tokenizer, text: str, max_tokens: int | None = None) -> bool:
     """Whether ``text`` encodes (no special tokens) to 1..``max_tokens`` tokens that decode back to ``text``."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = encode_text(tokenizer, text)
     return 0 < len(ids) <= (len(ids) if max_tokens is None else int(max_tokens)) and tokenizer.decode(ids) == text
 
 

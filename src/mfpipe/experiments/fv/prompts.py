@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mfpipe.tasks import encode_fewshot, fewshot_text, zeroshot_text
+
 __all__ = ["FVPrompt", "TaskPool", "task_pool", "splits", "clean_prompts", "corrupted_prompts", "zeroshot_prompts",
            "fewshot_eval_prompts", "by_length"]
 
@@ -58,22 +60,8 @@ class TaskPool:
     meta: dict = field(default_factory=dict)
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def _text(exemplars, xq: str, sep: str, prefix: str, joiner: str) -> str:
-    from mfpipe.tasks import fewshot_text
-
     return fewshot_text([(x, prefix + y) for x, y in exemplars], xq, sep, joiner)
-
-
-def _answer_token(tokenizer, prompt_ids: list[int], text: str, answer: str) -> int | None:
-    """The first token of ``answer`` encoded after ``text`` (None where it does not continue the prompt's tokens)."""
-    full = _encode(tokenizer, text + answer)
-    if len(full) <= len(prompt_ids) or full[: len(prompt_ids)] != prompt_ids:
-        return None
-    return int(full[len(prompt_ids)])
 
 
 def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0, sep: str = ":",
@@ -88,14 +76,12 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
         if not x or not y or (x, y) in seen:
             continue
         seen.add((x, y))
-        text = f"{x}{sep}"
-        ids = _encode(tokenizer, text)
-        a = _answer_token(tokenizer, ids, text, answer_prefix + y)
-        if a is None or not ids:
+        encoded = encode_fewshot(tokenizer, zeroshot_text(x, sep), answer_prefix + y)
+        if encoded is None or not encoded[0]:
             dropped += 1
             continue
-        usable.append((x, y, ids))
-        answers.append(a)
+        usable.append((x, y, encoded[0]))
+        answers.append(encoded[1])
     if len(usable) < n_pairs:
         raise ValueError(
             f"function-vector task {task.name!r}: {len(usable)} pairs have a well-defined answer token with this "
@@ -106,7 +92,7 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
     rest = np.setdiff1d(np.arange(len(usable)), pick)
     all_answers = np.asarray(answers, dtype=np.int64)
     chosen = [usable[i] for i in pick]
-    zs = [FVPrompt(np.asarray([bos_id] + ids, dtype=np.int64), int(all_answers[i]), k, f"{x}{sep}")
+    zs = [FVPrompt(np.asarray([bos_id] + ids, dtype=np.int64), int(all_answers[i]), k, zeroshot_text(x, sep))
           for k, (i, (x, y, ids)) in enumerate(zip(pick, chosen))]
     chosen_answers = all_answers[pick]
     category = np.unique(all_answers)
@@ -138,13 +124,10 @@ def _fewshot(pool: TaskPool, tokenizer, bos_id: int, exemplar_idx, query: int, s
         ex = [(x, ys[j]) for (x, _), j in zip(ex, perm)]
     xq, yq = pool.pairs[query]
     text = _text(ex, xq, sep, prefix, joiner)
-    ids = _encode(tokenizer, text)
-    if 1 + len(ids) > T:
+    encoded = encode_fewshot(tokenizer, text, prefix + yq, max_tokens=T - 1)
+    if encoded is None:
         return None
-    a = _answer_token(tokenizer, ids, text, prefix + yq)
-    if a is None:
-        return None
-    return FVPrompt(np.asarray([bos_id] + ids, dtype=np.int64), a, int(query), text)
+    return FVPrompt(np.asarray([bos_id] + encoded[0], dtype=np.int64), encoded[1], int(query), text)
 
 
 def _prompts(pool, tokenizer, bos_id, queries, exemplar_from, n_shots, seed, tag, sep, prefix, joiner, T,

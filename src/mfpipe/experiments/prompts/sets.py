@@ -66,6 +66,7 @@ from mfpipe.tasks import (
     N_EXEMPLARS,
     TASK_FILE_FORMAT,
     FewShotTask,
+    encode_fewshot,
     encodes_back,
     fewshot_text,
     load_task,
@@ -166,14 +167,6 @@ def natural_prompts(tokens: np.ndarray, doc_ids: np.ndarray, query_ids, n: int, 
 
 
 # ------------------------------------------------------------------ few-shot
-def _encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _roundtrips(tokenizer, text: str, max_tokens: int) -> bool:
-    return encodes_back(tokenizer, text, max_tokens)
-
-
 def task_words(tokenizer, strings, *, min_word_length: int = 2, max_word_tokens: int = 2,
                word_initial: bool = True) -> list[str]:
     """Lower-case alphabetic words among ``strings`` (the tracked types' strings), in order, without duplicates,
@@ -188,7 +181,7 @@ def task_words(tokenizer, strings, *, min_word_length: int = 2, max_word_tokens:
             if need_space and not s[:1].isspace():
                 continue
             if (len(w) >= min_word_length and w.isascii() and w.isalpha() and w.islower() and w not in seen
-                    and _roundtrips(tokenizer, w, max_word_tokens)):
+                    and encodes_back(tokenizer, w, max_word_tokens)):
                 seen.add(w)
                 out.append(w)
         return out
@@ -208,7 +201,7 @@ def builtin_tasks(tokenizer, strings, names=BUILTIN_TASKS, *, style: str = "titl
     for name in names:
         if name == "capitalisation":
             f = str.upper if style == "upper" else str.capitalize
-            pairs = [(w, f(w)) for w in words if f(w) != w and _roundtrips(tokenizer, f(w), max_word_tokens)]
+            pairs = [(w, f(w)) for w in words if f(w) != w and encodes_back(tokenizer, f(w), max_word_tokens)]
             task = FewShotTask(name, pairs, source="built-in: the tracked types' words")
         elif name == "copying":
             task = FewShotTask(name, [(w, w) for w in words], source="built-in: the tracked types' words")
@@ -218,7 +211,7 @@ def builtin_tasks(tokenizer, strings, names=BUILTIN_TASKS, *, style: str = "titl
                    "digit": [(str(i), str(i + 1)) for i in range(9)]}
             pairs, groups = [], []
             for g, ps in fam.items():
-                ps = [p for p in ps if all(_roundtrips(tokenizer, s, max_word_tokens) for s in p)]
+                ps = [p for p in ps if all(encodes_back(tokenizer, s, max_word_tokens) for s in p)]
                 pairs += ps
                 groups += [g] * len(ps)
             task = FewShotTask(name, pairs, groups, source="built-in: number words, letters, digits")
@@ -265,12 +258,10 @@ def fewshot_prompts(tokenizer, tasks, bos_id: int, context_length: int, n: int, 
             pool = pools[int(rng.integers(len(pools)))]
             pick = [pool[j] for j in rng.choice(len(pool), size=N_EXEMPLARS + 1, replace=False)]
             text = fewshot_text(pick[:-1], pick[-1][0], sep, joiner)
-            ids = _encode(tokenizer, text)
-            full = _encode(tokenizer, text + pick[-1][1])
-            if (1 + len(ids) > context_length or full[: len(ids)] != ids or len(full) == len(ids)
-                    or tokenizer.decode(full[len(ids):]) != pick[-1][1]):
+            encoded = encode_fewshot(tokenizer, text, pick[-1][1], max_tokens=context_length - 1, exact=True)
+            if encoded is None:
                 continue
-            out.append(Prompt("few-shot", [bos_id] + ids, full[len(ids)], task=task.name,
+            out.append(Prompt("few-shot", [bos_id] + encoded[0], encoded[1], task=task.name,
                               meta={"text": text, "answer": pick[-1][1]}))
             break
     return out
