@@ -76,11 +76,14 @@ class NamedList(list):
             setattr(self, k, v)
 
 
-def run_script(repo, name: str, monkeypatch, **sm):
-    """Run workflow/scripts/<name> with a stand-in ``snakemake`` object, as Snakemake runs a job script."""
-    import runpy
+def run_job(package: str, rule: str, **sm):
+    """Run the job function ``rule`` of ``mfpipe.<package>.jobs`` as workflow/scripts/job.py runs it
+    (mfpipe.workflow.runner.run_job), with a stand-in ``snakemake`` object: its ``input`` gets the jobs module as
+    its first code input, as a rule's ``code=job(package, rule)`` gives it."""
     from types import SimpleNamespace
 
-    monkeypatch.syspath_prepend(str(repo / "workflow" / "scripts"))
-    obj = SimpleNamespace(threads=1, **sm)
-    runpy.run_path(str(repo / "workflow" / "scripts" / name), init_globals={"snakemake": obj})
+    from mfpipe.workflow import runner
+
+    module = Path(runner.__file__).resolve().parents[1].joinpath(*package.split("."), "jobs.py")
+    sm["input"].code = [str(module)]
+    runner.run_job(SimpleNamespace(threads=1, rule=rule, **sm))

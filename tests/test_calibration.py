@@ -255,7 +255,7 @@ def test_ipf_recovers_a_kernel_that_reproduces_P():
 
 
 # ------------------------------------------------------------------------------------------------ the job
-def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
+def test_calibrate_job_end_to_end(tmp_path):
     """calibrate_kernel on a store whose P comes from a known U*: the bias table's layers agree with the library on
     the store's own W, the residual falls, U is stored with the store's coordinates and provenance, and the reader
     refuses a foreign store; shards that are not the store's are refused."""
@@ -265,7 +265,7 @@ def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
     from synthetic_stats import (
         NamedList,
         make_store,
-        run_script,
+        run_job,
         tracked_set,
         windows,
         write_corpus,
@@ -284,9 +284,9 @@ def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
     outputs = NamedList(kernel=str(out / "calibrated.zarr"), bias=str(out / "bias.csv"), bias_md=str(out / "bias.md"),
                         residuals=str(out / "residuals.csv"), residuals_md=str(out / "residuals.md"))
     params = NamedList(model="synth", revision="step64", min_count=1, iterations=5, alpha=1.0, batch_size=4)
-    run_script(repo, "calibrate_kernel.py", monkeypatch,
-               input=NamedList(stats=str(store), shards=[str(p) for p in shards], tracked=str(tracked_json)),
-               output=outputs, params=params, log=[str(tmp_path / "cal.log")])
+    run_job("experiments.substitution", "calibrate_kernel",
+            input=NamedList(stats=str(store), shards=[str(p) for p in shards], tracked=str(tracked_json)),
+            output=outputs, params=params, log=[str(tmp_path / "cal.log")])
     for p in outputs:
         assert Path(p).exists(), p
     st = open_stats(store)
@@ -325,7 +325,7 @@ def test_calibrate_job_end_to_end(tmp_path, repo, monkeypatch):
 
     # shards that are not the ones the store was measured on are refused
     with pytest.raises(SystemExit):
-        run_script(repo, "calibrate_kernel.py", monkeypatch,
-                   input=NamedList(stats=str(store), shards=[str(p) for p in shards[:-1]], tracked=str(tracked_json)),
-                   output=outputs, params=params, log=[str(tmp_path / "bad.log")])
+        run_job("experiments.substitution", "calibrate_kernel",
+                input=NamedList(stats=str(store), shards=[str(p) for p in shards[:-1]], tracked=str(tracked_json)),
+                output=outputs, params=params, log=[str(tmp_path / "bad.log")])
     assert "calibrate on the shards of the half the store was computed from" in Path(tmp_path / "bad.log").read_text()

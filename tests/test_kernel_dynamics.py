@@ -238,13 +238,13 @@ def _revision_stores(tmp_path, n_revs=3, tracked_shift=0):
     return paths
 
 
-def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
+def test_kernel_jobs_end_to_end(tmp_path):
     """kernel_revision per checkpoint, then kernel_dynamics: the CKA table equals the textbook CKA of the stores'
     own W (full rank), the spread table equals row_spread of W, and foreign kernels are refused naming the file."""
     import json
 
     import pandas as pd
-    from synthetic_stats import NamedList, run_script
+    from synthetic_stats import NamedList, run_job
 
     from mfpipe.experiments.substitution.kernel_dynamics import open_kernel
     from mfpipe.stats import open_stats
@@ -255,8 +255,9 @@ def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
     kernels = []
     for rev, store in zip(revs, stores):
         out = tmp_path / "kernels" / rev / "kernel.zarr"
-        run_script(repo, "kernel_revision.py", monkeypatch, input=NamedList(stats=str(store)), output=NamedList(str(out)),
-                   params=NamedList(model="synth", revision=rev, min_count=3, rank=96), log=[str(tmp_path / f"{rev}.log")])
+        run_job("experiments.substitution", "kernel_revision", input=NamedList(stats=str(store)),
+                output=NamedList(str(out)), params=NamedList(model="synth", revision=rev, min_count=3, rank=96),
+                log=[str(tmp_path / f"{rev}.log")])
         kernels.append(str(out))
     st = open_stats(stores[1])
     k = open_kernel(kernels[1])
@@ -279,9 +280,9 @@ def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
     outputs = NamedList(cka=str(res / "cka.csv"), adjacent=str(res / "adjacent.csv"), spread=str(res / "spread.csv"),
                         cka_pdf=str(res / "cka.pdf"), cka_png=str(res / "cka.png"), spread_pdf=str(res / "spread.pdf"),
                         spread_png=str(res / "spread.png"))
-    run_script(repo, "kernel_dynamics.py", monkeypatch, input=NamedList(kernels=kernels, training=str(training)),
-               output=outputs, params=NamedList(model="synth", revisions=revs, steps=steps, window=None),
-               log=[str(tmp_path / "dyn.log")])
+    run_job("experiments.substitution", "kernel_dynamics", input=NamedList(kernels=kernels, training=str(training)),
+            output=outputs, params=NamedList(model="synth", revisions=revs, steps=steps, window=None),
+            log=[str(tmp_path / "dyn.log")])
     for p in outputs:
         assert Path(p).stat().st_size > 0, p
     cka = pd.read_csv(outputs.cka)
@@ -305,17 +306,18 @@ def test_kernel_jobs_end_to_end(tmp_path, repo, monkeypatch):
     # a kernel from another tracked set is refused, naming the file
     other = _revision_stores(tmp_path / "other", n_revs=1, tracked_shift=1)[0]
     foreign = tmp_path / "foreign" / "kernel.zarr"
-    run_script(repo, "kernel_revision.py", monkeypatch, input=NamedList(stats=str(other)), output=NamedList(str(foreign)),
-               params=NamedList(model="synth", revision="step0", min_count=3, rank=96), log=[str(tmp_path / "f.log")])
+    run_job("experiments.substitution", "kernel_revision", input=NamedList(stats=str(other)),
+            output=NamedList(str(foreign)), params=NamedList(model="synth", revision="step0", min_count=3, rank=96),
+            log=[str(tmp_path / "f.log")])
     with pytest.raises(SystemExit):
-        run_script(repo, "kernel_dynamics.py", monkeypatch, input=NamedList(kernels=[kernels[0], str(foreign)]),
-                   output=outputs, params=NamedList(model="synth", revisions=["step0", "step0"], steps=[0, 1],
-                                                    window=[1, 2]), log=[str(tmp_path / "bad.log")])
+        run_job("experiments.substitution", "kernel_dynamics", input=NamedList(kernels=[kernels[0], str(foreign)]),
+                output=outputs, params=NamedList(model="synth", revisions=["step0", "step0"], steps=[0, 1],
+                                                 window=[1, 2]), log=[str(tmp_path / "bad.log")])
     text = Path(tmp_path / "bad.log").read_text()
     assert f"kernel store {foreign} has tracked_fingerprint" in text
     # a store listed out of revision order is refused too
     with pytest.raises(SystemExit):
-        run_script(repo, "kernel_dynamics.py", monkeypatch, input=NamedList(kernels=kernels[::-1]), output=outputs,
-                   params=NamedList(model="synth", revisions=revs, steps=steps, window=None),
-                   log=[str(tmp_path / "order.log")])
+        run_job("experiments.substitution", "kernel_dynamics", input=NamedList(kernels=kernels[::-1]), output=outputs,
+                params=NamedList(model="synth", revisions=revs, steps=steps, window=None),
+                log=[str(tmp_path / "order.log")])
     assert "is for revision 'step256', expected 'step0'" in Path(tmp_path / "order.log").read_text()

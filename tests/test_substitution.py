@@ -342,3 +342,35 @@ def test_topn_table_and_figure(setup, tmp_path):
         SU.topn_table(paths, [(99, r, s) for _, r, s in arms], "tiny")
     pdf, png = F.topn_figure(df, tmp_path / "topn", window=(1, 4))
     assert png.stat().st_size > 0
+
+
+def test_eval_windows_and_result_provenance(tmp_path):
+    """The substitution's held-out windows are the first ceil(n / T) windows of the eval half in shard order (all of
+    them when the half is smaller), and its result store carries the kernel's provenance with the statistics store's
+    n_tokens as stats_tokens, the evaluation windows and the corpus fingerprints."""
+    from mfpipe.corpus.windows import Shard, write_shards
+    from mfpipe.experiments.substitution.heldout import eval_windows
+
+    tok = np.random.default_rng(0).integers(0, 50, size=(25, 8))
+    doc = np.zeros_like(tok)
+    doc[:, 0] = -1
+    write_shards(Shard(tok, doc), tmp_path / "eval", shard_windows=10)
+    got, used = eval_windows(tmp_path, 90)  # 12 windows of T = 8: the first shard and two of the second
+    np.testing.assert_array_equal(got, tok[:12])
+    assert used == ["shard-00000.npz", "shard-00001.npz"]
+    got, used = eval_windows(tmp_path, 10**6)
+    np.testing.assert_array_equal(got, tok)
+    assert len(used) == 3
+
+    sums = SU.SubstitutionSums(1, 2, n_windows=12, n_predictions=84, n_substituted=42, loss_model=84.0,
+                               loss_mf=90.0, deviation=4.2, head_deviation=np.ones((1, 2)))
+    kernel_attrs = {"kernel": "W", "min_count": 20, "n_tokens": 1234, "model": "tiny"}
+    corpus = {"fingerprint": "c0", "halves": {"eval": {"fingerprint": "e0"}}}
+    ds = SU.substitution_result(sums, kernel_attrs, model="tiny", revision="step8", corpus=corpus, tokens=tok[:12],
+                                shards=["shard-00000.npz", "shard-00001.npz"])
+    a = ds.attrs
+    assert a["kernel"] == "W" and a["revision"] == "step8" and a["eval_corpus_fingerprint"] == "c0"
+    assert a["eval_half_fingerprint"] == "e0" and a["eval_tokens"] == 96
+    assert a["eval_shards"] == "shard-00000.npz,shard-00001.npz" and a["stats_tokens"] == a["n_tokens"] == 1234
+    assert kernel_attrs["n_tokens"] == 1234  # the kernel's own attributes are left alone
+    assert float(ds["delta_L"]) == pytest.approx(6.0 / 84)

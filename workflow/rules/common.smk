@@ -16,6 +16,8 @@ from mfpipe.workflow.plan import HALVES as PLAN_HALVES, Plan  # noqa: E402
 from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
 from mfpipe.experiments.fv import rules as fv_rules  # noqa: E402
 from mfpipe.experiments.crossmodel import rules as crossmodel_rules  # noqa: E402
+from mfpipe.experiments.rollout import rules as rollout_rules  # noqa: E402
+from mfpipe.experiments.substitution import rules as substitution_rules  # noqa: E402
 from mfpipe.corpus.windows import shard_groups  # noqa: E402
 from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
@@ -238,8 +240,8 @@ def all_targets():
         for rev in ROLLOUT_REVISIONS[m]:
             targets += [f"{R}/stats/{m}/{rev}/{ds}.zarr" for c in CORPORA for ds in datasets(c)]
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
-    targets += rollout_targets()  # workflow/rules/rollout.smk
-    targets += training_targets()  # workflow/rules/substitution.smk
+    targets += rollout_rules.targets(PLAN)  # workflow/rules/rollout.smk
+    targets += substitution_rules.targets(PLAN)  # workflow/rules/substitution.smk
     targets += deviation_targets()  # workflow/rules/ranking.smk, prompts.smk
     return targets
 
@@ -289,33 +291,9 @@ def stats_store(dataset):
     return f"{R}/stats/{{model}}/{{revision}}/{dataset}.zarr"
 
 
-def table_stem(name):
-    """results/tables/<name>_{model}_{revision}: one table of the error accounting (CSV + Markdown)."""
-    return f"{R}/tables/{name}_{{model}}_{{revision}}"
-
-
-def rollout_targets():
-    """Every output of the rollout stage for the configured models and revisions."""
-    t = [f"{R}/tables/coverage_attention.csv", f"{R}/tables/coverage_attention.md"]
-    for m in MODELS:
-        for rev in ROLLOUT_REVISIONS[m]:
-            t.append(f"{R}/rollout/{m}/{rev}/scores.csv")
-            for name in ("rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy",
-                         "cross_corpus"):
-                t += [f"{R}/tables/{name}_{m}_{rev}.csv", f"{R}/tables/{name}_{m}_{rev}.md"]
-            t += figure_targets(m, rev)
-    return t
-
-
-def figure_targets(model, revision):
-    return [f"{R}/figures/{fig}_{model}_{revision}.{ext}" for fig in FIGURES for ext in ("pdf", "png")]
-
-
 # ------------------------------------------------- training sweep (workflow/rules/substitution.smk)
 SUBSTITUTION = config["substitution"]
 KERNELS = config["kernels"]
-# App. M: the substitution repeated with other tracked-set sizes (the configured N is always an arm)
-TOPN = sorted({int(n) for n in SUBSTITUTION["top_n"]} - {int(config["tracked"]["n_tracked"])})
 
 
 revision_steps = PLAN.revision_steps
@@ -328,10 +306,6 @@ def training_summary(wildcards):
     return []
 
 
-def substitution_results(wildcards):
-    return [f"{R}/substitution/{wildcards.model}/{rev}/substitution.zarr" for rev in REVISIONS[wildcards.model]]
-
-
 def substitution_kernel_input(wildcards):
     """The calibrated kernel U of the revision when `substitution.kernel` is `calibrated` (App. B)."""
     if SUBSTITUTION["kernel"] == "calibrated":
@@ -339,50 +313,7 @@ def substitution_kernel_input(wildcards):
     return []
 
 
-def stats_half_shards(wildcards):
-    """The shard files of the primary corpus's statistics half (known once the corpus checkpoint has run)."""
-    shards = checkpoints.corpus_shards.get(corpus=CORPUS, model=wildcards.model).output[0]
-    return sorted(str(p) for p in Path(shards, "stats").glob("shard-*.npz"))
-
-
-def kernel_results(wildcards):
-    return [f"{R}/kernels/{wildcards.model}/{rev}/kernel.zarr" for rev in REVISIONS[wildcards.model]]
-
-
 sweeps = PLAN.sweeps
-
-
-def training_targets():
-    """Per model: every sweep revision's substitution result and the sweep table; for a real sweep (>= 2
-    revisions named step<k>) the waypoint figure and the kernel dynamics; the bias table and calibration of the
-    rollout revisions' kernel (App. B)."""
-    t = []
-    for m in MODELS:
-        t += [f"{R}/substitution/{m}/{rev}/substitution.zarr" for rev in REVISIONS[m]]
-        t += [f"{R}/tables/substitution_{m}.csv", f"{R}/tables/substitution_{m}.md",
-              f"{R}/tables/substitution_heads_{m}.csv"]
-        if sweeps(m):
-            t += [f"{R}/figures/waypoint_{m}.pdf", f"{R}/figures/waypoint_{m}.png"]
-            t += [f"{R}/tables/kernel_cka_{m}.csv", f"{R}/tables/kernel_cka_adjacent_{m}.csv",
-                  f"{R}/tables/kernel_spread_{m}.csv"]
-            t += [f"{R}/figures/{f}_{m}.{e}" for f in ("kernel_cka", "kernel_spread") for e in ("pdf", "png")]
-        for rev in ROLLOUT_REVISIONS[m]:
-            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration") for e in ("csv", "md")]
-        if TOPN:
-            t += [f"{R}/tables/substitution_topn_{m}.csv", f"{R}/tables/substitution_topn_{m}.md"]
-            if sweeps(m):
-                t += [f"{R}/figures/topn_{m}.pdf", f"{R}/figures/topn_{m}.png"]
-    return t
-
-
-def topn_results(wildcards):
-    """(N, revision, result) of every arm and revision of a model: the configured N first."""
-    out = []
-    for n in [int(config["tracked"]["n_tracked"])] + TOPN:
-        arm = "" if n == int(config["tracked"]["n_tracked"]) else f"N{n}/"
-        out += [(n, rev, f"{R}/substitution/{wildcards.model}/{rev}/{arm}substitution.zarr")
-                for rev in REVISIONS[wildcards.model]]
-    return out
 
 
 # ------------------------------------------------------- head ranking (workflow/rules/ranking.smk, prompts.smk)

@@ -1,7 +1,8 @@
 # Rollout stage (paper Sec. 4, App. D-K): the open-loop mean-field rollout (Alg. 1) with every kernel scored
 # against the held-out centroids (Table 1), the error accounting of Sec. 4.3 and App. D/H/K, the attention-mass
 # coverage of App. F and the cross-corpus matrix of App. G. Statistics come from the `stats` half, the truth
-# from the `eval` half (results/stats/<model>/<revision>/{stats,eval}.zarr).
+# from the `eval` half (results/stats/<model>/<revision>/{stats,eval}.zarr). Library: mfpipe.experiments.rollout (its
+# jobs in jobs.py, its targets and figures in rules.py).
 
 ROLLOUT = config["rollout"]  # defaults filled from the schema (common.smk)
 
@@ -11,7 +12,7 @@ rule rollout_scores:
         stats=stats_store("stats"),
         eval=stats_store("eval"),
         model=model_input,
-        code=code("rollout_scores.py"),
+        code=job("experiments.rollout", "rollout_scores"),
     output:
         f"{R}/rollout/{{model}}/{{revision}}/scores.csv",
     params:
@@ -32,13 +33,13 @@ rule rollout_scores:
     log:
         "logs/rollout/{model}/{revision}/scores.log",
     script:
-        "../scripts/rollout_scores.py"
+        JOB_SCRIPT
 
 
 rule rollout_table:
     input:
         scores=f"{R}/rollout/{{model}}/{{revision}}/scores.csv",
-        code=code("rollout_table.py"),
+        code=job("experiments.rollout", "rollout_table"),
     output:
         csv=table_report(f"{R}/tables/rollout_{{model}}_{{revision}}.csv", "rollout"),
         md=f"{R}/tables/rollout_{{model}}_{{revision}}.md",
@@ -50,7 +51,7 @@ rule rollout_table:
     log:
         "logs/rollout/{model}/{revision}/table.log",
     script:
-        "../scripts/rollout_table.py"
+        JOB_SCRIPT
 
 
 rule error_accounting:
@@ -59,18 +60,19 @@ rule error_accounting:
         eval=stats_store("eval"),
         deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",  # pass 2: the paper's estimator (b)
         model=model_input,
-        code=code("error_accounting.py"),
+        code=job("experiments.rollout", "error_accounting"),
     output:
-        teacher_forced=table_report(table_stem("teacher_forced") + ".csv", "teacher_forced"),
-        teacher_forced_md=table_stem("teacher_forced") + ".md",
-        error_decomposition=table_report(table_stem("error_decomposition") + ".csv", "error_decomposition"),
-        error_decomposition_md=table_stem("error_decomposition") + ".md",
-        mlp_gap=table_report(table_stem("mlp_gap") + ".csv", "mlp_gap"),
-        mlp_gap_md=table_stem("mlp_gap") + ".md",
-        clustering=table_report(table_stem("clustering") + ".csv", "clustering"),
-        clustering_md=table_stem("clustering") + ".md",
-        anisotropy=table_report(table_stem("anisotropy") + ".csv", "anisotropy"),
-        anisotropy_md=table_stem("anisotropy") + ".md",
+        teacher_forced=table_report(rollout_rules.table_stem(PLAN, "teacher_forced") + ".csv", "teacher_forced"),
+        teacher_forced_md=rollout_rules.table_stem(PLAN, "teacher_forced") + ".md",
+        error_decomposition=table_report(rollout_rules.table_stem(PLAN, "error_decomposition") + ".csv",
+                                         "error_decomposition"),
+        error_decomposition_md=rollout_rules.table_stem(PLAN, "error_decomposition") + ".md",
+        mlp_gap=table_report(rollout_rules.table_stem(PLAN, "mlp_gap") + ".csv", "mlp_gap"),
+        mlp_gap_md=rollout_rules.table_stem(PLAN, "mlp_gap") + ".md",
+        clustering=table_report(rollout_rules.table_stem(PLAN, "clustering") + ".csv", "clustering"),
+        clustering_md=rollout_rules.table_stem(PLAN, "clustering") + ".md",
+        anisotropy=table_report(rollout_rules.table_stem(PLAN, "anisotropy") + ".csv", "anisotropy"),
+        anisotropy_md=rollout_rules.table_stem(PLAN, "anisotropy") + ".md",
     params:
         min_count=ROLLOUT["min_count"],
         diagnostics_half=ROLLOUT["diagnostics_half"],
@@ -85,13 +87,13 @@ rule error_accounting:
     log:
         "logs/rollout/{model}/{revision}/error_accounting.log",
     script:
-        "../scripts/error_accounting.py"
+        JOB_SCRIPT
 
 
 rule attention_coverage:
     input:
         stats=[f"{R}/stats/{m}/{rev}/stats.zarr" for m in MODELS for rev in ROLLOUT_REVISIONS[m]],
-        code=code("attention_coverage.py"),
+        code=job("experiments.rollout", "attention_coverage"),
     output:
         csv=table_report(f"{R}/tables/coverage_attention.csv", "coverage"),
         md=f"{R}/tables/coverage_attention.md",
@@ -103,7 +105,7 @@ rule attention_coverage:
     log:
         "logs/tables/coverage_attention.log",
     script:
-        "../scripts/attention_coverage.py"
+        JOB_SCRIPT
 
 
 rule cross_corpus:
@@ -111,7 +113,7 @@ rule cross_corpus:
         stats=[stats_store(ds) for c in CORPORA for ds in datasets(c) if ds.endswith("stats")],
         eval=[stats_store(ds) for c in CORPORA for ds in datasets(c) if ds.endswith("eval")],
         model=model_input,
-        code=code("cross_corpus.py"),
+        code=job("experiments.rollout", "cross_corpus"),
     output:
         scores=f"{R}/rollout/{{model}}/{{revision}}/cross_corpus_scores.csv",
         csv=table_report(f"{R}/tables/cross_corpus_{{model}}_{{revision}}.csv", "cross_corpus"),
@@ -132,36 +134,21 @@ rule cross_corpus:
     log:
         "logs/rollout/{model}/{revision}/cross_corpus.log",
     script:
-        "../scripts/cross_corpus.py"
+        JOB_SCRIPT
 
 
 # The rollout figures: one target per figure, results/figures/<name>_<model>_<revision>.{pdf,png}. Each rule reads only
 # its result table (CSV), so deleting a figure reruns only its plotting job:
 #   snakemake --cores 1 results/figures/rollout_mini-gpt2_step2400.png
 
-FIGURES = {
-    # figure name: (table it is drawn from, title)
-    "rollout": (f"{R}/rollout/{{model}}/{{revision}}/scores.csv",
-                "Mean-field rollout vs alternative kernels: {model} @ {revision}"),
-    "teacher_forced": (f"{R}/tables/teacher_forced_{{model}}_{{revision}}.csv",
-                       "Teacher-forced attention output: {model} @ {revision}"),
-    "error_decomposition": (f"{R}/tables/error_decomposition_{{model}}_{{revision}}.csv",
-                            "Per-layer error accounting: {model} @ {revision}"),
-    "clustering": (f"{R}/tables/clustering_{{model}}_{{revision}}.csv",
-                   "Within-type clustering: {model} @ {revision}"),
-    "cross_corpus": (f"{R}/tables/cross_corpus_{{model}}_{{revision}}.csv",
-                     "Cross-corpus rollout (centered cosine): {model} @ {revision}"),
-}
-
-
-for _fig, (_table, _title) in FIGURES.items():
+for _fig, (_table, _title) in rollout_rules.figures(PLAN).items():
 
     rule:
         name:
             f"figure_{_fig}"
         input:
             table=_table,
-            code=code("plot_figure.py"),
+            code=job("experiments.rollout", "plot_figure"),
         output:
             pdf=report(f"{R}/figures/{_fig}_{{model}}_{{revision}}.pdf", caption=f"../report/figure_{_fig}.rst",
                        category="Figures", subcategory="{model} @ {revision}"),
@@ -170,6 +157,7 @@ for _fig, (_table, _title) in FIGURES.items():
         params:
             kind=_fig,
             title=_title,
+            job_function="plot_figure",
         localrule: True
         conda:
             ENV
@@ -178,4 +166,4 @@ for _fig, (_table, _title) in FIGURES.items():
         log:
             f"logs/figures/{_fig}_{{model}}_{{revision}}.log",
         script:
-            "../scripts/plot_figure.py"
+            JOB_SCRIPT

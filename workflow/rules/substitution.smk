@@ -2,6 +2,7 @@
 # held-out text and the kernel summary (each its own job: a new revision adds jobs, the others stay built); per
 # model, the sweep table, the training-waypoint figure (fig:mfgap) and the kernel dynamics (fig:cka,
 # fig:spread); per rollout revision, the bias of the context-conditional kernel and its calibration (App. B).
+# Library: mfpipe.experiments.substitution (its jobs in jobs.py, its targets and input functions in rules.py).
 #   snakemake --cores 2 results/figures/waypoint_mini-gpt2.png
 
 
@@ -12,7 +13,7 @@ rule substitution:
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
         kernel=substitution_kernel_input,
-        code=code("substitution.py"),
+        code=job("experiments.substitution", "substitution"),
     output:
         directory(f"{R}/substitution/{{model}}/{{revision}}/substitution.zarr"),
     params:
@@ -31,13 +32,13 @@ rule substitution:
     log:
         "logs/substitution/{model}/{revision}.log",
     script:
-        "../scripts/substitution.py"
+        JOB_SCRIPT
 
 
 rule substitution_table:
     input:
-        results=substitution_results,
-        code=code("substitution_table.py"),
+        results=lambda wc: substitution_rules.substitution_results(PLAN, wc),
+        code=job("experiments.substitution", "substitution_table"),
     output:
         csv=table_report(f"{R}/tables/substitution_{{model}}.csv", "substitution"),
         md=f"{R}/tables/substitution_{{model}}.md",
@@ -54,14 +55,14 @@ rule substitution_table:
     log:
         "logs/tables/substitution_{model}.log",
     script:
-        "../scripts/substitution_table.py"
+        JOB_SCRIPT
 
 
 rule figure_waypoint:
     input:
         table=f"{R}/tables/substitution_{{model}}.csv",
         training=training_summary,
-        code=code("plot_waypoint.py"),
+        code=job("experiments.substitution", "figure_waypoint"),
     output:
         pdf=report(f"{R}/figures/waypoint_{{model}}.pdf", caption="../report/figure_waypoint.rst",
                    category="Figures", subcategory="training"),
@@ -79,13 +80,13 @@ rule figure_waypoint:
     log:
         "logs/figures/waypoint_{model}.log",
     script:
-        "../scripts/plot_waypoint.py"
+        JOB_SCRIPT
 
 
 rule kernel_revision:
     input:
         stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
-        code=code("kernel_revision.py"),
+        code=job("experiments.substitution", "kernel_revision"),
     output:
         directory(f"{R}/kernels/{{model}}/{{revision}}/kernel.zarr"),
     params:
@@ -103,14 +104,14 @@ rule kernel_revision:
     log:
         "logs/kernels/{model}/{revision}/kernel.log",
     script:
-        "../scripts/kernel_revision.py"
+        JOB_SCRIPT
 
 
 rule kernel_dynamics:
     input:
-        kernels=kernel_results,
+        kernels=lambda wc: substitution_rules.kernel_results(PLAN, wc),
         training=training_summary,
-        code=code("kernel_dynamics.py"),
+        code=job("experiments.substitution", "kernel_dynamics"),
     output:
         cka=table_report(f"{R}/tables/kernel_cka_{{model}}.csv", "kernel dynamics"),
         adjacent=table_report(f"{R}/tables/kernel_cka_adjacent_{{model}}.csv", "kernel dynamics"),
@@ -137,15 +138,15 @@ rule kernel_dynamics:
     log:
         "logs/kernels/{model}/dynamics.log",
     script:
-        "../scripts/kernel_dynamics.py"
+        JOB_SCRIPT
 
 
 rule calibrate_kernel:
     input:
         stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
-        shards=stats_half_shards,
+        shards=lambda wc: substitution_rules.stats_half_shards(PLAN, wc),
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
-        code=code("calibrate_kernel.py"),
+        code=job("experiments.substitution", "calibrate_kernel"),
     output:
         kernel=directory(f"{R}/kernels/{{model}}/{{revision}}/calibrated.zarr"),
         bias=table_report(f"{R}/tables/kernel_bias_{{model}}_{{revision}}.csv", "kernel bias"),
@@ -171,7 +172,7 @@ rule calibrate_kernel:
     log:
         "logs/kernels/{model}/{revision}/calibration.log",
     script:
-        "../scripts/calibrate_kernel.py"
+        JOB_SCRIPT
 
 
 # App. M: the substitution with the top-n tracked types of each arm of `substitution.top_n` (statistics of the
@@ -182,7 +183,7 @@ use rule substitution as substitution_topn with:
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked-N{{n}}.json",
         model=model_input,
-        code=code("substitution.py"),
+        code=job("experiments.substitution", "substitution_topn"),
     output:
         directory(f"{R}/substitution/{{model}}/{{revision}}/N{{n}}/substitution.zarr"),
     params:
@@ -199,14 +200,14 @@ use rule substitution as substitution_topn with:
 
 rule substitution_topn_table:
     input:
-        results=lambda wc: [p for _, _, p in topn_results(wc)],
-        code=code("substitution_table.py"),
+        results=lambda wc: [p for _, _, p in substitution_rules.topn_results(PLAN, wc)],
+        code=job("experiments.substitution", "substitution_topn_table"),
     output:
         csv=table_report(f"{R}/tables/substitution_topn_{{model}}.csv", "substitution"),
         md=f"{R}/tables/substitution_topn_{{model}}.md",
     params:
         model=lambda wc: wc.model,
-        arms=lambda wc: [[n, rev, s] for (n, rev, _), s in zip(topn_results(wc), revision_steps(wc.model) * (1 + len(TOPN)))],
+        arms=lambda wc: substitution_rules.topn_arms(PLAN, wc),
     localrule: True
     conda:
         ENV
@@ -215,14 +216,14 @@ rule substitution_topn_table:
     log:
         "logs/tables/substitution_topn_{model}.log",
     script:
-        "../scripts/substitution_table.py"
+        JOB_SCRIPT
 
 
 rule figure_topn:
     input:
         table=f"{R}/tables/substitution_topn_{{model}}.csv",
         training=training_summary,
-        code=code("plot_waypoint.py"),
+        code=job("experiments.substitution", "figure_topn"),
     output:
         pdf=report(f"{R}/figures/topn_{{model}}.pdf", caption="../report/figure_topn.rst",
                    category="Figures", subcategory="training"),
@@ -241,4 +242,4 @@ rule figure_topn:
     log:
         "logs/figures/topn_{model}.log",
     script:
-        "../scripts/plot_waypoint.py"
+        JOB_SCRIPT

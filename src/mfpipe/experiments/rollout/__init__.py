@@ -9,6 +9,8 @@ held-out centroids, the nested estimators of Sec. 4.3 and the descriptive diagno
 - :mod:`~mfpipe.experiments.rollout.accounting` — the error accounting (Sec. 4.3, App. D, F, H, K).
 - :mod:`~mfpipe.experiments.rollout.tables` — cross-layer summaries (Table 1 and its kin) and their Markdown.
 - :mod:`~mfpipe.experiments.rollout.figures` — the rollout figures, drawn from those tables.
+- :mod:`~mfpipe.experiments.rollout.jobs` — the jobs of workflow/rules/rollout.smk, one function per rule (one
+  for all the figures); :mod:`~mfpipe.experiments.rollout.rules` — its targets, figures and output paths.
 
 Held-out protocol (Sec. 4.1, App. E): every corpus quantity a prediction uses -- the kernel ``P``, the
 co-occurrence counts, ``mu``, the measured reads ``zbar``, the centroids fed to the teacher-forced

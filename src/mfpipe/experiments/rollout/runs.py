@@ -217,7 +217,7 @@ def cross_corpus(model, adapter, corpora: Mapping[str, tuple], primary: str, *, 
     "context-free"``). Long table ``stats_corpus, eval_corpus, depth, frac_depth, metric, value, n_types``; the
     cell (primary, primary) is exactly the plain rollout's ``mean_field`` score and the context-free cell of
     the primary column the plain rollout's ``context_free`` score. ``model`` (the HF model) is not needed any
-    more -- the adapter runs every forward -- and is kept for the scripts' call signature."""
+    more -- the adapter runs every forward -- and is kept for the jobs' call signature."""
     if primary not in corpora:
         raise ValueError(f"primary corpus {primary!r} not among {list(corpora)}")
     L = adapter.n_layers

@@ -51,6 +51,7 @@ __all__ = [
     "linear_cka",
     "masked_kernel",
     "open_kernel",
+    "open_model_kernels",
     "row_spread",
     "support_fingerprint",
     "support_mask",
@@ -290,6 +291,24 @@ def check_same_source(datasets, paths, revisions=None) -> None:
         if revisions is not None and str(ds.attrs.get("revision")) != str(revisions[i]):
             raise ProvenanceError(f"kernel store {path} is for revision {ds.attrs.get('revision')!r}, expected "
                                   f"{revisions[i]!r} at position {i} of the revision list")
+
+
+def open_model_kernels(paths, model: str, revisions, steps) -> list:
+    """The kernel stores of ``model`` at ``revisions`` (training ``steps``), one per path in revision order, opened
+    (:func:`open_kernel`) and checked: as many paths as revisions and steps, each of that model, revision and of the
+    same source as the first (:func:`check_same_source`). Raises
+    :class:`~mfpipe.stats.api.ProvenanceError` naming the offending file."""
+    from mfpipe.stats.api import ProvenanceError
+
+    if len(paths) != len(revisions) or len(steps) != len(revisions):
+        raise ValueError(f"{len(paths)} kernel stores, {len(revisions)} revisions and {len(steps)} steps: "
+                         "they must correspond one to one, in revision order")
+    datasets = [open_kernel(p) for p in paths]
+    for p, ds in zip(paths, datasets):
+        if str(ds.attrs.get("model")) != model:
+            raise ProvenanceError(f"kernel store {p} is for model {ds.attrs.get('model')!r}, expected {model!r}")
+    check_same_source(datasets, paths, revisions)
+    return datasets
 
 
 def dynamics_tables(datasets, revisions, steps):

@@ -28,7 +28,7 @@ import torch
 from mfpipe.meanfield.deviation import deviation_cosine
 from mfpipe.meanfield.kernel import MeanFieldKernel, Replacement, mean_field_replacement
 
-__all__ = ["SubstitutionSums", "substitution_batch", "substitution_pass", "result_dataset"]
+__all__ = ["SubstitutionSums", "substitution_batch", "substitution_pass", "result_dataset", "substitution_result"]
 
 @dataclass
 class SubstitutionSums:
@@ -157,6 +157,24 @@ def result_dataset(sums: SubstitutionSums, attrs: dict):
                               else np.full_like(sums.head_deviation, np.nan))
     ds = xr.Dataset(data, coords={"layer": np.arange(sums.n_layers), "head": np.arange(sums.n_heads)})
     ds.attrs.update({k: v for k, v in attrs.items() if v is not None})
+    return ds
+
+
+def substitution_result(sums: SubstitutionSums, kernel_attrs: dict, *, model: str, revision: str, corpus: dict,
+                        tokens: np.ndarray, shards: list[str]):
+    """The result store of one (model, revision) (:func:`result_dataset`): the kernel's provenance (its statistics
+    store's ``n_tokens`` as ``stats_tokens``), the model, revision, held-out corpus and half fingerprints
+    (``corpus``: the corpus info of :func:`mfpipe.workflow.context.open_forward_job`), the evaluation windows'
+    tokens and shards, and the mfpipe version; ``n_tokens`` is the statistics store's again."""
+    from mfpipe.version import __version__
+
+    attrs = dict(kernel_attrs)
+    attrs.update({"model": model, "revision": revision, "eval_corpus_fingerprint": corpus["fingerprint"],
+                  "eval_half_fingerprint": corpus.get("halves", {}).get("eval", {}).get("fingerprint"),
+                  "eval_tokens": int(tokens.size), "eval_shards": ",".join(shards), "mfpipe_version": __version__,
+                  "stats_tokens": attrs.pop("n_tokens", None)})
+    ds = result_dataset(sums, attrs)
+    ds.attrs["n_tokens"] = attrs.get("stats_tokens")
     return ds
 
 

@@ -1,0 +1,68 @@
+"""The training-sweep slice's planning: its targets and the input functions of workflow/rules/substitution.smk, on
+the run's plan (:class:`mfpipe.workflow.plan.Plan`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def topn(plan) -> list[int]:
+    """App. M: the substitution repeated with other tracked-set sizes (the configured N is always an arm): the
+    other sizes of ``substitution.top_n``, ascending."""
+    c = plan.config
+    return sorted({int(n) for n in c["substitution"]["top_n"]} - {int(c["tracked"]["n_tracked"])})
+
+
+def substitution_results(plan, wildcards) -> list[str]:
+    return [f"{plan.results}/substitution/{wildcards.model}/{rev}/substitution.zarr"
+            for rev in plan.revisions[wildcards.model]]
+
+
+def stats_half_shards(plan, wildcards) -> list[str]:
+    """The shard files of the primary corpus's statistics half (known once the corpus checkpoint has run)."""
+    shards = plan.checkpoints.corpus_shards.get(corpus=plan.corpus, model=wildcards.model).output[0]
+    return sorted(str(p) for p in Path(shards, "stats").glob("shard-*.npz"))
+
+
+def kernel_results(plan, wildcards) -> list[str]:
+    return [f"{plan.results}/kernels/{wildcards.model}/{rev}/kernel.zarr" for rev in plan.revisions[wildcards.model]]
+
+
+def topn_results(plan, wildcards) -> list[tuple]:
+    """(N, revision, result) of every arm and revision of a model: the configured N first."""
+    n_tracked = int(plan.config["tracked"]["n_tracked"])
+    out = []
+    for n in [n_tracked] + topn(plan):
+        arm = "" if n == n_tracked else f"N{n}/"
+        out += [(n, rev, f"{plan.results}/substitution/{wildcards.model}/{rev}/{arm}substitution.zarr")
+                for rev in plan.revisions[wildcards.model]]
+    return out
+
+
+def topn_arms(plan, wildcards) -> list[list]:
+    """[N, revision, step] of every result of :func:`topn_results`, in its order (the top-N table's rows)."""
+    steps = plan.revision_steps(wildcards.model) * (1 + len(topn(plan)))
+    return [[n, rev, s] for (n, rev, _), s in zip(topn_results(plan, wildcards), steps)]
+
+
+def targets(plan) -> list[str]:
+    """Per model: every sweep revision's substitution result and the sweep table; for a real sweep (>= 2
+    revisions named step<k>) the waypoint figure and the kernel dynamics; the bias table and calibration of the
+    rollout revisions' kernel (App. B)."""
+    R, t = plan.results, []
+    for m in plan.models:
+        t += [f"{R}/substitution/{m}/{rev}/substitution.zarr" for rev in plan.revisions[m]]
+        t += [f"{R}/tables/substitution_{m}.csv", f"{R}/tables/substitution_{m}.md",
+              f"{R}/tables/substitution_heads_{m}.csv"]
+        if plan.sweeps(m):
+            t += [f"{R}/figures/waypoint_{m}.pdf", f"{R}/figures/waypoint_{m}.png"]
+            t += [f"{R}/tables/kernel_cka_{m}.csv", f"{R}/tables/kernel_cka_adjacent_{m}.csv",
+                  f"{R}/tables/kernel_spread_{m}.csv"]
+            t += [f"{R}/figures/{f}_{m}.{e}" for f in ("kernel_cka", "kernel_spread") for e in ("pdf", "png")]
+        for rev in plan.rollout_revisions[m]:
+            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration") for e in ("csv", "md")]
+        if topn(plan):
+            t += [f"{R}/tables/substitution_topn_{m}.csv", f"{R}/tables/substitution_topn_{m}.md"]
+            if plan.sweeps(m):
+                t += [f"{R}/figures/topn_{m}.pdf", f"{R}/figures/topn_{m}.png"]
+    return t
