@@ -431,3 +431,27 @@ def test_meters_from_gram_products_equal_the_explicit_split():
             assert abs(float(m["sigma_cov"][i, h] - (zr - xr) @ ep / (ep @ ep))) < 1e-9
             assert abs(float(m["sigma_ctx"][i, h] - (xr - hr) @ ep / (ep @ ep))) < 1e-9
     assert abs(float(m["D"][0].max())) < 1e-12 and abs(float(m["D"][1].min()) - 2.0) < 1e-12
+
+
+def test_a_deviation_store_is_checked_against_the_statistics_half_it_was_computed_over():
+    """The lenses index the store's top contexts by (shard, window) of the statistics half: a half with fewer shards or
+    windows than the store was computed over, or another context length, is refused with advice; missing counts pass."""
+    import re
+
+    import xarray as xr
+
+    from mfpipe.deviation.store import check_against_half
+    from mfpipe.stats.api import ProvenanceError
+
+    ds = xr.Dataset(attrs={"n_partials": 2, "n_windows": 12, "context_length": 16})
+    info = {"context_length": 16, "halves": {"stats": {"n_windows": 12}}}
+    check_against_half(ds, "dev.zarr", Path("shards"), ["a", "b", "c"], info)
+    check_against_half(xr.Dataset(), "dev.zarr", Path("shards"), [], {"context_length": 16})
+    with pytest.raises(ProvenanceError, match=re.escape("deviation store dev.zarr was computed over 2 shards of the "
+                                                        "statistics half, shards has 1: rerun the deviation stage")):
+        check_against_half(ds, "dev.zarr", Path("shards"), ["a"], info)
+    with pytest.raises(ProvenanceError, match=re.escape("computed over 12 windows of the statistics half, shards has 6")):
+        check_against_half(ds, "dev.zarr", Path("shards"), ["a", "b"], {**info, "halves": {"stats": {"n_windows": 6}}})
+    with pytest.raises(ProvenanceError, match=re.escape("deviation store dev.zarr has context length 16, the corpus 32: "
+                                                        "rerun the deviation stage for this corpus")):
+        check_against_half(ds, "dev.zarr", Path("shards"), ["a", "b"], {**info, "context_length": 32})

@@ -18,6 +18,9 @@ from mfpipe.experiments.fv import rules as fv_rules  # noqa: E402
 from mfpipe.experiments.crossmodel import rules as crossmodel_rules  # noqa: E402
 from mfpipe.experiments.rollout import rules as rollout_rules  # noqa: E402
 from mfpipe.experiments.substitution import rules as substitution_rules  # noqa: E402
+from mfpipe.deviation import rules as deviation_rules  # noqa: E402
+from mfpipe.experiments.ranking import rules as ranking_rules  # noqa: E402
+from mfpipe.experiments.prompts import rules as prompts_rules  # noqa: E402
 from mfpipe.corpus.windows import shard_groups  # noqa: E402
 from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
@@ -242,7 +245,9 @@ def all_targets():
     targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
     targets += rollout_rules.targets(PLAN)  # workflow/rules/rollout.smk
     targets += substitution_rules.targets(PLAN)  # workflow/rules/substitution.smk
-    targets += deviation_targets()  # workflow/rules/ranking.smk, prompts.smk
+    targets += deviation_rules.targets(PLAN)  # workflow/rules/deviation.smk
+    targets += ranking_rules.targets(PLAN)  # workflow/rules/ranking.smk
+    targets += prompts_rules.targets(PLAN)  # workflow/rules/prompts.smk
     return targets
 
 
@@ -316,63 +321,8 @@ def substitution_kernel_input(wildcards):
 sweeps = PLAN.sweeps
 
 
-# ------------------------------------------------------- head ranking (workflow/rules/ranking.smk, prompts.smk)
-DEVIATION = config["deviation"]
-
-
-def deviation_shard_ids(wildcards):
-    """The statistics half's shards pass 2 reads (ids), from the first, until `deviation.tokens` (null: all)."""
-    ids = half_shard_ids(CORPUS, wildcards.model, "stats")
-    limit = DEVIATION["tokens"]
-    if limit is not None:
-        per_shard = int(config["corpus"]["shard_windows"]) * int(config["corpus"]["context_length"])
-        ids = ids[: max(1, -(-int(limit) // per_shard))]
-    return ids
-
-
-def deviation_groups(wildcards):
-    """Those shards as the pass-2 jobs take them ({first shard: [shards]}, `deviation.shards_per_job`)."""
-    return shard_groups(deviation_shard_ids(wildcards), DEVIATION["shards_per_job"])
-
-
-def deviation_partials(wildcards):
-    """The pass-2 jobs' outputs of a (model, revision): a folder per run of shards, one partial per shard inside."""
-    return [f"{R}/deviation/{wildcards.model}/{wildcards.revision}/partials/group-{i}" for i in deviation_groups(wildcards)]
-
-
-def deviation_group_shards(wildcards):
-    """The corpus shards of one pass-2 job (the run of shards starting at shard `i`)."""
-    return run_of_shards(deviation_groups(wildcards), wildcards.i, CORPUS, wildcards.model, "stats",
-                         "deviation.shards_per_job")
-
-
-def deviation_results(wildcards):
-    return [f"{R}/deviation/{wildcards.model}/{rev}/deviation.zarr" for rev in REVISIONS[wildcards.model]]
-
-
-def head_score_results(wildcards):
-    return [f"{R}/heads/{wildcards.model}/{rev}/head_scores.csv" for rev in REVISIONS[wildcards.model]]
-
-
-def deviation_targets():
-    """Per model: every sweep revision's deviation store and head scores; for a real sweep the Exp. 3 table and
-    figure; per rollout revision the ranking tables, the split-half stability, the M_cov / M_ctx scatter, the
-    lenses and the prompt classes and instance meter (Exp. 2, 1)."""
-    t = []
-    for m in MODELS:
-        t += [f"{R}/deviation/{m}/{rev}/deviation.zarr" for rev in REVISIONS[m]]
-        t += [f"{R}/heads/{m}/{rev}/head_scores.csv" for rev in REVISIONS[m]]
-        if sweeps(m):
-            t += [f"{R}/tables/exp3_correlation_{m}.csv"] + [f"{R}/figures/exp3_correlation_{m}.{e}" for e in ("pdf", "png")]
-        for rev in ROLLOUT_REVISIONS[m]:
-            t += [f"{R}/tables/ranking_{name}_{m}_{rev}.{e}" for name in ("top", "bottom", "stability") for e in ("csv", "md")]
-            t += [f"{R}/tables/ranking_heads_{m}_{rev}.csv"]
-            t += [f"{R}/figures/ccmf_scatter_{m}_{rev}.{e}" for e in ("pdf", "png")]
-            t += [f"{R}/lenses/{m}/{rev}/{f}" for f in ("contexts.md", "contexts.html", "decode.md", "contexts.csv")]
-            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("icl_classes", "icl_corr", "icl_meter")
-                  for e in ("csv", "md")]
-            t += [f"{R}/figures/{name}_{m}_{rev}.{e}" for name in ("icl_classes", "icl_meter") for e in ("pdf", "png")]
-    return t
+# ------------------------------------- pass 2 and head ranking (workflow/rules/deviation.smk, ranking.smk, prompts.smk)
+DEVIATION = config["deviation"]  # (their targets and input functions: mfpipe.deviation.rules, mfpipe.experiments.*.rules)
 
 
 # ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)

@@ -12,7 +12,7 @@ rule lenses:
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
         tokenizer=tokenizer_input,
-        code=code("lenses.py"),
+        code=job("experiments.prompts", "lenses"),
     output:
         contexts_md=f"{R}/lenses/{{model}}/{{revision}}/contexts.md",
         contexts_html=f"{R}/lenses/{{model}}/{{revision}}/contexts.html",
@@ -34,7 +34,7 @@ rule lenses:
     log:
         "logs/lenses/{model}/{revision}.log",
     script:
-        "../scripts/lenses.py"
+        JOB_SCRIPT
 
 
 rule icl_classes:
@@ -46,12 +46,8 @@ rule icl_classes:
         tokenizer=tokenizer_input,
         tasks=DEVIATION["icl"]["task_files"],
         # the vendored datasets named in deviation.icl.tasks (mfpipe.tasks): editing one reruns the job
-        task_data=[
-            str(SRC / "mfpipe" / "tasks" / "data" / f"{t}.json")
-            for t in DEVIATION["icl"]["tasks"]
-            if (SRC / "mfpipe" / "tasks" / "data" / f"{t}.json").is_file()
-        ],
-        code=code("icl_classes.py"),
+        task_data=prompts_rules.icl_task_data(PLAN),
+        code=job("experiments.prompts", "icl_classes"),
     output:
         prompts=f"{R}/tables/icl_prompts_{{model}}_{{revision}}.csv",
         table=table_report(f"{R}/tables/icl_classes_{{model}}_{{revision}}.csv", "in-context learning"),
@@ -79,7 +75,7 @@ rule icl_classes:
     log:
         "logs/icl/{model}/{revision}/classes.log",
     script:
-        "../scripts/icl_classes.py"
+        JOB_SCRIPT
 
 
 rule icl_meter:
@@ -88,7 +84,7 @@ rule icl_meter:
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        code=code("icl_meter.py"),
+        code=job("experiments.prompts", "icl_meter"),
     output:
         curves=f"{R}/tables/icl_meter_curves_{{model}}_{{revision}}.csv",
         heads=f"{R}/tables/icl_meter_heads_{{model}}_{{revision}}.csv",
@@ -113,7 +109,7 @@ rule icl_meter:
     log:
         "logs/icl/{model}/{revision}/meter.log",
     script:
-        "../scripts/icl_meter.py"
+        JOB_SCRIPT
 
 
 # The prompt experiments' figures, drawn from the tables their forward jobs wrote (deleting a figure reruns only
@@ -122,7 +118,7 @@ rule icl_meter:
 rule figure_icl_classes:
     input:
         prompts=f"{R}/tables/icl_prompts_{{model}}_{{revision}}.csv",
-        code=code("plot_prompts.py"),
+        code=job("experiments.prompts", "figure_icl_classes"),
     output:
         pdf=report(f"{R}/figures/icl_classes_{{model}}_{{revision}}.pdf", caption="../report/figure_icl_classes.rst",
                    category="Figures", subcategory="in-context learning"),
@@ -139,7 +135,7 @@ rule figure_icl_classes:
     log:
         "logs/figures/icl_classes_{model}_{revision}.log",
     script:
-        "../scripts/plot_prompts.py"
+        JOB_SCRIPT
 
 
 rule figure_icl_meter:
@@ -147,7 +143,7 @@ rule figure_icl_meter:
         curves=f"{R}/tables/icl_meter_curves_{{model}}_{{revision}}.csv",
         bins=f"{R}/tables/icl_meter_bins_{{model}}_{{revision}}.csv",
         summary=f"{R}/tables/icl_meter_{{model}}_{{revision}}.csv",
-        code=code("plot_prompts.py"),
+        code=job("experiments.prompts", "figure_icl_meter"),
     output:
         pdf=report(f"{R}/figures/icl_meter_{{model}}_{{revision}}.pdf", caption="../report/figure_icl_meter.rst",
                    category="Figures", subcategory="in-context learning"),
@@ -164,4 +160,4 @@ rule figure_icl_meter:
     log:
         "logs/figures/icl_meter_{model}_{revision}.log",
     script:
-        "../scripts/plot_prompts.py"
+        JOB_SCRIPT

@@ -1,70 +1,14 @@
-# Deviation and head ranking (paper Sec. 6.1 Exp. 3, Sec. 6.3, App. O; library mfpipe.experiments.ranking). Per
-# revision of each model's `revisions`: pass 2 over the statistics half (a job per run of `deviation.shards_per_job`
-# shards, default all of them, one partial per shard, reading pass 1's W and mu; merged into deviation.zarr) and the
-# behavioural head scores; per model the Exp. 3 correlation across training; per rollout revision the ranking.
+# Head ranking (paper Sec. 6.1 Exp. 3, Sec. 6.3, App. O; library mfpipe.experiments.ranking), from pass 2's deviation
+# stores (workflow/rules/deviation.smk). Per revision of each model's `revisions`: the behavioural head scores; per
+# model the Exp. 3 correlation across training; per rollout revision the ranking.
 #   snakemake --cores 2 results/figures/ccmf_scatter_mini-gpt2_final.png
-
-
-rule deviation_shard:
-    input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
-        shards=deviation_group_shards,
-        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
-        model=model_input,
-        kernel=substitution_kernel_input,
-        code=code("deviation_shard.py"),
-    output:
-        directory(f"{R}/deviation/{{model}}/{{revision}}/partials/group-{{i}}"),
-    wildcard_constraints:
-        i=r"\d+",
-    params:
-        kernel=SUBSTITUTION["kernel"],
-        min_count=SUBSTITUTION["min_count"],
-        top_k=DEVIATION["top_k"],
-        other_share_max=DEVIATION["other_share_max"],
-        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
-        **model_params(),
-    threads: model_threads
-    resources:
-        **cluster_resources("forward"),
-    conda:
-        ENV
-    benchmark:
-        "logs/benchmarks/deviation_shard/deviation/{model}/{revision}/group-{i}.tsv",
-    log:
-        "logs/deviation/{model}/{revision}/group-{i}.log",
-    script:
-        "../scripts/deviation_shard.py"
-
-
-rule deviation_merge:
-    input:
-        partials=deviation_partials,
-        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
-        code=code("deviation_merge.py"),
-    output:
-        directory(f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr"),
-    params:
-        groups=deviation_groups,
-        model=lambda wc: wc.model,
-        revision="{revision}",
-        min_occurrences=DEVIATION["min_occurrences"],
-    localrule: True
-    conda:
-        ENV
-    benchmark:
-        "logs/benchmarks/deviation_merge/deviation/{model}/{revision}/merge.tsv",
-    log:
-        "logs/deviation/{model}/{revision}/merge.log",
-    script:
-        "../scripts/deviation_merge.py"
 
 
 rule head_scores:
     input:
         model=model_input,
         tokenizer=tokenizer_input,
-        code=code("head_scores.py"),
+        code=job("experiments.ranking", "head_scores"),
     output:
         csv=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
     params:
@@ -83,15 +27,15 @@ rule head_scores:
     log:
         "logs/heads/{model}/{revision}.log",
     script:
-        "../scripts/head_scores.py"
+        JOB_SCRIPT
 
 
 rule exp3_correlation:
     input:
-        deviation=deviation_results,
-        heads=head_score_results,
+        deviation=lambda wc: ranking_rules.deviation_results(PLAN, wc),
+        heads=lambda wc: ranking_rules.head_score_results(PLAN, wc),
         training=training_summary,
-        code=code("exp3_correlation.py"),
+        code=job("experiments.ranking", "exp3_correlation"),
     output:
         csv=table_report(f"{R}/tables/exp3_correlation_{{model}}.csv", "head ranking"),
         pdf=report(f"{R}/figures/exp3_correlation_{{model}}.pdf", caption="../report/figure_exp3.rst",
@@ -113,14 +57,14 @@ rule exp3_correlation:
     log:
         "logs/figures/exp3_correlation_{model}.log",
     script:
-        "../scripts/exp3_correlation.py"
+        JOB_SCRIPT
 
 
 rule ranking:
     input:
         deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
         heads=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
-        code=code("ranking.py"),
+        code=job("experiments.ranking", "ranking"),
     output:
         heads=f"{R}/tables/ranking_heads_{{model}}_{{revision}}.csv",
         top_csv=table_report(f"{R}/tables/ranking_top_{{model}}_{{revision}}.csv", "head ranking"),
@@ -146,4 +90,4 @@ rule ranking:
     log:
         "logs/tables/ranking_{model}_{revision}.log",
     script:
-        "../scripts/ranking.py"
+        JOB_SCRIPT

@@ -5,7 +5,9 @@ experiment: the head ranking, the prompt experiments and the rollout's error acc
 - :mod:`~mfpipe.deviation.queries` — the per-context deviation terms at the query positions only.
 - :mod:`~mfpipe.deviation.pass2` — the pass-2 reducer (additive sums per shard).
 - :mod:`~mfpipe.deviation.shards` — pass 2 end to end: a shard's sums, its partial, the merge, the deviation store.
-- :mod:`~mfpipe.deviation.store` — the deviation store's reader (no torch).
+- :mod:`~mfpipe.deviation.store` — the deviation store's reader and its check against the statistics half (no torch).
+- :mod:`~mfpipe.deviation.jobs` — the jobs of workflow/rules/deviation.smk, one function per rule;
+  :mod:`~mfpipe.deviation.rules` — its targets and input functions.
 
 This package imports none of its modules, so a job's code inputs stay the modules it uses.
 """

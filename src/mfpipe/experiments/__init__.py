@@ -7,8 +7,8 @@ An experiment imports the core and never another experiment.
 - :mod:`mfpipe.experiments.rollout` — Alg. 1 and the error accounting (Sec. 4, App. D–K).
 - :mod:`mfpipe.experiments.substitution` — mean-field substitution across training checkpoints, the calibrated
   kernel and the kernel dynamics (Sec. 5, App. B, M, N).
-- :mod:`mfpipe.experiments.ranking` — pass 2, the deviation of every head on the corpus, head ranking and the
-  behavioural head scores (Sec. 6.1 Exp. 3, Sec. 6.3, App. O).
+- :mod:`mfpipe.experiments.ranking` — head ranking by the deviation of every head on the corpus (pass 2,
+  :mod:`mfpipe.deviation`) and the behavioural head scores (Sec. 6.1 Exp. 3, Sec. 6.3, App. O).
 - :mod:`mfpipe.experiments.prompts` — prompt classes, the instance meter and the lenses (Sec. 6.1–6.2, App. P).
 - :mod:`mfpipe.experiments.fv` — function vectors from mean-field deviation: MFA against AIE head selection, raw
   and deviation vectors, injection into zero-shot prompts, the category analysis (Sec. 6.4, App. fv).

@@ -5,4 +5,6 @@
 - :mod:`~mfpipe.experiments.prompts.meter` — Exp. 1's instance meter on ``[BOS; c; c]``.
 - :mod:`~mfpipe.experiments.prompts.lenses` — top-deviation contexts and the vocabulary-space decode (App. P).
 - :mod:`~mfpipe.experiments.prompts.figures` — Fig. icl and Fig. icl-meter, drawn from the tables.
+- :mod:`~mfpipe.experiments.prompts.jobs` — the jobs of workflow/rules/prompts.smk, one function per rule;
+  :mod:`~mfpipe.experiments.prompts.rules` — its targets and inputs.
 """

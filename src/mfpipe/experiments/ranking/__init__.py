@@ -4,4 +4,6 @@
 - :mod:`~mfpipe.experiments.ranking.head_scores` — behavioural head scores (induction, previous token, …).
 - :mod:`~mfpipe.experiments.ranking.heads` — the ranking tables and their split-half stability.
 - :mod:`~mfpipe.experiments.ranking.figures` — Exp. 3's correlation and the ccmf scatter.
+- :mod:`~mfpipe.experiments.ranking.jobs` — the jobs of workflow/rules/ranking.smk, one function per rule;
+  :mod:`~mfpipe.experiments.ranking.rules` — its targets and input functions.
 """

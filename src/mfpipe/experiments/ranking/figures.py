@@ -1,6 +1,6 @@
 """Figures and tables of the mean-field deviation (paper Sec. 6).
 
-* :func:`induction_correlation` / :func:`exp3_table` / :func:`exp3_figure` -- Sec. 6.1 Experiment 3,
+* :func:`induction_correlation` / :func:`exp3_rows` / :func:`exp3_table` / :func:`exp3_figure` -- Sec. 6.1 Experiment 3,
   ``fig:e15-correlation``: the cross-head Spearman correlation between the per-head deviation
   ``S_bar`` and the behavioural induction score (:mod:`mfpipe.experiments.ranking.head_scores`) at every training checkpoint.
 * :func:`ccmf_scatter` -- Sec. 6.3 ``fig:ccmf-scatter``: every head on the M_cov / M_ctx plane.
@@ -10,7 +10,7 @@ The figures use the training-step axis, the window shade and the atomic writer o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ import pandas as pd
 
 from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure, shade_window, step_axis
 
-__all__ = ["induction_correlation", "exp3_table", "exp3_figure", "EXP3_COLUMNS", "SIGNIFICANCE", "ccmf_scatter",
+__all__ = ["induction_correlation", "exp3_rows", "exp3_table", "exp3_figure", "EXP3_COLUMNS", "SIGNIFICANCE", "ccmf_scatter",
            "head_roles"]
 
 EXP3_COLUMNS = ("model", "revision", "step", "spearman", "p_value", "n_heads")
@@ -52,6 +52,29 @@ def induction_correlation(S_bar, induction) -> tuple[float, float, int]:
         return float("nan"), float("nan"), n
     res = spearmanr(x, y)
     return float(res.statistic), float(res.pvalue), n
+
+
+def exp3_rows(model: str, deviation: Sequence, heads: Sequence, revisions: Sequence, steps: Sequence) -> list[dict]:
+    """The rows of :func:`exp3_table` for one model: per revision (with its training step, None where unknown) its
+    deviation store's ``S_bar`` and its head scores' ``induction``, read from ``deviation`` and ``heads`` (one path
+    each per revision, in the order of ``revisions``)."""
+    from mfpipe.deviation.store import open_deviation
+    from mfpipe.experiments.ranking.head_scores import open_head_scores
+
+    deviation, heads = list(deviation), list(heads)
+    revisions, steps = [str(r) for r in revisions], [None if s is None else int(s) for s in steps]
+    if not len(deviation) == len(heads) == len(revisions) == len(steps):
+        raise ValueError(f"{len(deviation)} deviation stores, {len(heads)} head-score tables, {len(revisions)} "
+                         f"revisions and {len(steps)} steps: one of each per revision")
+    rows = []
+    for rev, step, dev_path, heads_path in zip(revisions, steps, deviation, heads):
+        scores = open_head_scores(heads_path)
+        if scores.attrs.get("revision") not in (None, rev):  # inputs listed out of revision order
+            raise ValueError(f"{heads_path} holds revision {scores.attrs['revision']}, expected {rev}")
+        dev = open_deviation(dev_path, {"model": str(model), "revision": rev})
+        rows.append({"model": str(model), "revision": rev, "step": step, "S_bar": dev["S_bar"],
+                     "induction": scores["induction"]})
+    return rows
 
 
 def exp3_table(rows: Iterable[Mapping]) -> pd.DataFrame:

@@ -1,0 +1,25 @@
+"""The prompt experiments' planning: their targets and the inputs of workflow/rules/prompts.smk, on the run's plan
+(:class:`mfpipe.workflow.plan.Plan`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def icl_task_data(plan) -> list[str]:
+    """The vendored datasets named in `deviation.icl.tasks` (mfpipe.tasks): editing one reruns the prompt-class jobs."""
+    data = Path(plan.src) / "mfpipe" / "tasks" / "data"
+    return [str(data / f"{t}.json") for t in plan.config["deviation"]["icl"]["tasks"] if (data / f"{t}.json").is_file()]
+
+
+def targets(plan) -> list[str]:
+    """Per rollout revision of every model: the lenses, the prompt-class and instance-meter tables and their
+    figures (Exp. 2, 1)."""
+    R, t = plan.results, []
+    for m in plan.models:
+        for rev in plan.rollout_revisions[m]:
+            t += [f"{R}/lenses/{m}/{rev}/{f}" for f in ("contexts.md", "contexts.html", "decode.md", "contexts.csv")]
+            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("icl_classes", "icl_corr", "icl_meter")
+                  for e in ("csv", "md")]
+            t += [f"{R}/figures/{name}_{m}_{rev}.{e}" for name in ("icl_classes", "icl_meter") for e in ("pdf", "png")]
+    return t
