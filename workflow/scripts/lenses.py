@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mfpipe.deviation import shards as DP
 from mfpipe.experiments.prompts import lenses as LE
-from mfpipe.jlens import open_jlens
+from mfpipe.jlens.lens import open_jlens
 from mfpipe.stats.halves import ProvenanceError, open_stats_half
 from mfpipe.corpus.windows import list_shards
 from mfpipe.workflow.io import atomic_write_text

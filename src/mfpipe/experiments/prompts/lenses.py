@@ -218,7 +218,7 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
             p, i = torch.softmax(adapter.unembed(delta), dim=-1).topk(decode_k, dim=-1)
             dprob[sel], dpos[sel] = p.double().cpu().numpy(), i.cpu().numpy()
             if jlens is not None:
-                from mfpipe.jlens import jlens_decode
+                from mfpipe.jlens.lens import jlens_decode
                 for l in sorted(set(lay[sel].tolist())):
                     m = np.flatnonzero(lay[sel] == l)
                     logits = jlens_decode(adapter, jlens, l, "attn", delta[torch.as_tensor(m, device=dev)])
