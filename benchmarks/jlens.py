@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: the J-lens estimate (`mfpipe.jlens.estimate_jlens`, rule `jlens`) with each backward pass through the
+"""Benchmark: the J-lens estimate (`mfpipe.jlens.lens.estimate_jlens`, rule `jlens`) with each backward pass through the
 sampled token alone (its prefix held as the model's key/value cache, the default) against each window run whole
 (`prefix_cache=False`, what the J-lens did before), on the same sampled positions, and how far the two estimates
 are apart.
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     ap.add_argument("--default-allocator", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    from mfpipe import jlens as JL
+    from mfpipe.jlens import lens as JL
 
     dev, _model, adapter, V, bos = setup_model(args)
     sync = device_sync(dev)

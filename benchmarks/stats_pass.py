@@ -499,7 +499,7 @@ def job_rss_line(argv: list[str]) -> str:
 
 
 def merge_only(paths: list[str]) -> None:
-    """The workflow's merge (workflow/scripts/stats_merge.py without the corpus checks): partials opened with the
+    """The workflow's merge (mfpipe.stats.merge.merge_half without the corpus checks): partials opened with the
     kernel sums on disk, merged by addition, P written one layer at a time (mfpipe.stats.store.write_stats)."""
     import shutil
     import tempfile

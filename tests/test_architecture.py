@@ -18,6 +18,7 @@ SCRIPTS = sorted((SRC.parent / "workflow" / "scripts").glob("*.py"))
 #   0  the workflow's leaf plumbing (files, logs, tables, figures, config, code inputs) and the version
 #   1  the core: corpus, tasks, statistics, models, the mean field, pass 2, the mini suite, the J-lens, conformance
 #   2  the workflow's wiring (the job runner and context, the plan, the preflight checks) and the core stages' jobs
+#      and planning (<package>.jobs, <package>.rules)
 #   3  the experiments
 #   4  the public reading API (results), the command line, the package itself
 WORKFLOW_LEAVES = {"io", "heap", "logs", "tables", "plots", "revisions", "codedeps", "scheduling", "config", "costs"}
@@ -81,7 +82,8 @@ def layer(name: str) -> int:
     if len(parts) > 2 and parts[1] == "workflow":
         return 0 if parts[2] in WORKFLOW_LEAVES else 2
     if len(parts) > 1 and parts[1] in CORE:
-        return 2 if parts[-1] == "jobs" else 1  # a core stage's jobs run it through the workflow's wiring
+        # a core stage's jobs and planning (its rules' targets and input functions) are the workflow's wiring
+        return 2 if parts[-1] in ("jobs", "rules") else 1
     if len(parts) > 1 and parts[1] == "experiments":
         return 3
     return 4

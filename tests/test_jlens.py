@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import TINY_MODEL_TYPES, VOCAB, make_tiny_model
 
-from mfpipe import jlens as JL
+from mfpipe.jlens import lens as JL
 from mfpipe.models.adapters import get_adapter
 from mfpipe.models.adapters.jacobian import position_jacobians
 

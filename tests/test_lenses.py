@@ -268,7 +268,7 @@ def test_jlens_decode_columns(setup):
     """With the model's J-lens store, context_details adds the J-lens decode softmax(lm_head(final_norm(J_ℓ Δ O_h)))
     (the attn point of the row's layer) beside the unchanged raw decode, checked against plain torch on one row of
     each layer; with J = I at the attn points the two decodes coincide; the writers show both."""
-    from mfpipe import jlens as JL
+    from mfpipe.jlens import lens as JL
 
     df0, model, kernel, ad = setup["df"], setup["model"], setup["kernel"], setup["ad"]
     J = JL.estimate_jlens(ad, setup["tokens"], n_positions=8, seed=0, batch_size=4, progress=False)

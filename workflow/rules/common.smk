@@ -14,6 +14,8 @@ from mfpipe.workflow.config import ConfigError, check_config, validate_schema  #
 from mfpipe.workflow.plan import HALVES as PLAN_HALVES, Plan  # noqa: E402
 # each slice's planning (its targets, its rules' input functions), on PLAN
 from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
+from mfpipe.corpus import rules as corpus_rules  # noqa: E402
+from mfpipe.stats import rules as stats_rules  # noqa: E402
 from mfpipe.experiments.fv import rules as fv_rules  # noqa: E402
 from mfpipe.experiments.crossmodel import rules as crossmodel_rules  # noqa: E402
 from mfpipe.experiments.rollout import rules as rollout_rules  # noqa: E402
@@ -169,16 +171,12 @@ def model_input(wildcards):
     return []
 
 
-def topn_arm(prefix):
-    """Whether a dataset prefix names a top-N arm (`N2000`: the primary corpus with another tracked set)."""
-    return prefix[:1] == "N" and prefix[1:].isdigit()
+topn_arm = stats_rules.topn_arm  # whether a dataset prefix names a top-N arm (`N2000`)
 
 
 def dataset_parts(dataset):
-    """(corpus, half) of a stats dataset: `stats` / `eval` of the primary corpus, `<corpus>/<half>` of a cross
-    corpus, or `N<n>/stats`: the primary corpus's statistics half with the top-n tracked set (App. M)."""
-    corpus, _, half = dataset.rpartition("/")
-    return (CORPUS if not corpus or topn_arm(corpus) else corpus), half
+    """(corpus, half) of a stats dataset (mfpipe.stats.rules.dataset_parts)."""
+    return stats_rules.dataset_parts(PLAN, dataset)
 
 
 def dataset_tracked(wildcards):
@@ -189,8 +187,8 @@ def dataset_tracked(wildcards):
 
 
 def datasets(corpus=None):
-    prefix = "" if corpus in (None, CORPUS) else f"{corpus}/"
-    return [prefix + h for h in HALVES]
+    """The datasets of a corpus's halves (mfpipe.stats.rules.datasets)."""
+    return stats_rules.datasets(PLAN, corpus)
 
 
 # what selects revisions is not part of what a job loads: listing another revision must not change the params of
@@ -232,17 +230,9 @@ def model_params():
 
 
 def all_targets():
-    targets = []
-    mini_used = sorted({m for m, spec in MODELS.items() if spec["source"] == "minisuite"})
-    for m in mini_used:
-        targets.append(f"{R}/minisuite/{m}/induction.csv")
-    if mini_used:
-        targets.append(f"{R}/tables/induction.md")
-    for m in MODELS:
-        targets.append(f"{R}/corpus/{CORPUS}/{m}/tracked.json")
-        for rev in ROLLOUT_REVISIONS[m]:
-            targets += [f"{R}/stats/{m}/{rev}/{ds}.zarr" for c in CORPORA for ds in datasets(c)]
-    targets += [f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
+    targets = minisuite_rules.targets(PLAN)  # workflow/rules/minisuite.smk
+    targets += corpus_rules.targets(PLAN)  # workflow/rules/corpus.smk
+    targets += stats_rules.targets(PLAN)  # workflow/rules/stats.smk
     targets += rollout_rules.targets(PLAN)  # workflow/rules/rollout.smk
     targets += substitution_rules.targets(PLAN)  # workflow/rules/substitution.smk
     targets += deviation_rules.targets(PLAN)  # workflow/rules/deviation.smk
@@ -258,37 +248,9 @@ def every_target():
 
 
 # ------------------------------------------------------------------ statistics (workflow/rules/stats.smk)
+# (the statistics stage's input functions: mfpipe.stats.rules)
 half_shard_ids = PLAN.half_shard_ids
 run_of_shards = PLAN.run_of_shards
-
-
-def shard_ids(wildcards):
-    """Shard numbers of a dataset, known once the corpus checkpoint has run."""
-    corpus, half = dataset_parts(wildcards.dataset)
-    return half_shard_ids(corpus, wildcards.model, half)
-
-
-def stats_groups(wildcards):
-    """The dataset's shards as its statistics jobs take them ({first shard: [shards]}, `stats.shards_per_job`)."""
-    return shard_groups(shard_ids(wildcards), config["stats"]["shards_per_job"])
-
-
-def stats_partials(wildcards):
-    """The statistics jobs' outputs of a dataset: a folder per run of shards, one partial per shard inside."""
-    return [
-        f"{R}/stats/{wildcards.model}/{wildcards.revision}/partials/{wildcards.dataset}/group-{i}"
-        for i in stats_groups(wildcards)
-    ]
-
-
-def dataset_group_shards(wildcards):
-    """The corpus shards of one statistics job (the run of shards starting at shard `i`)."""
-    corpus, half = dataset_parts(wildcards.dataset)
-    return run_of_shards(stats_groups(wildcards), wildcards.i, corpus, wildcards.model, half, "stats.shards_per_job")
-
-
-def dataset_shards_dir(wildcards):
-    return f"{R}/corpus/{dataset_parts(wildcards.dataset)[0]}/{wildcards.model}/shards"
 
 
 # ----------------------------------------------------------------- rollout (workflow/rules/rollout.smk)

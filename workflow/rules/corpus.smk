@@ -5,7 +5,7 @@
 checkpoint corpus_shards:
     input:
         tokenizer=tokenizer_input,
-        code=code("corpus_shards.py"),
+        code=job("corpus", "corpus_shards"),
     output:
         directory(f"{R}/corpus/{{corpus}}/{{model}}/shards"),
     params:
@@ -22,14 +22,14 @@ checkpoint corpus_shards:
     log:
         "logs/corpus/{corpus}/{model}/shards.log",
     script:
-        "../scripts/corpus_shards.py"
+        JOB_SCRIPT
 
 
 rule tracked_types:
     input:
         shards=f"{R}/corpus/{{corpus}}/{{model}}/shards",
         tokenizer=tokenizer_input,
-        code=code("tracked_types.py"),
+        code=job("corpus", "tracked_types"),
     output:
         f"{R}/corpus/{{corpus}}/{{model}}/tracked.json",
     params:
@@ -44,13 +44,13 @@ rule tracked_types:
     log:
         "logs/corpus/{corpus}/{model}/tracked.log",
     script:
-        "../scripts/tracked_types.py"
+        JOB_SCRIPT
 
 
 rule coverage_table:
     input:
         tracked=expand(f"{R}/corpus/{CORPUS}/{{model}}/tracked.json", model=list(MODELS)),
-        code=code("coverage_table.py"),
+        code=job("corpus", "coverage_table"),
     output:
         csv=table_report(f"{R}/tables/coverage_positions.csv", "coverage"),
         md=f"{R}/tables/coverage_positions.md",
@@ -64,7 +64,7 @@ rule coverage_table:
     log:
         "logs/tables/coverage_positions.log",
     script:
-        "../scripts/coverage_table.py"
+        JOB_SCRIPT
 
 
 # App. M: the tracked set of a top-N arm (substitution.top_n), the same selection with another N

@@ -8,7 +8,7 @@ rule run_costs:
         # every target of `rule all` but this table: a job that may still be running when it sums would be missing
         # from it (the function-vector and cross-model figures were, in a CI run where they finished last)
         targets=every_target(),
-        code=code("run_costs.py"),
+        code=job("workflow", "run_costs"),
     output:
         csv=table_report(f"{R}/tables/run_costs.csv", "run costs"),
         md=f"{R}/tables/run_costs.md",
@@ -24,4 +24,4 @@ rule run_costs:
     log:
         "logs/tables/run_costs.log",
     script:
-        "../scripts/run_costs.py"
+        JOB_SCRIPT

@@ -11,7 +11,7 @@ rule jlens:
     input:
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         model=model_input,
-        code=code("jlens.py"),
+        code=job("jlens", "jlens"),
     output:
         directory(f"{R}/jlens/{{model}}/{{revision}}/jlens.zarr"),
     params:
@@ -30,4 +30,4 @@ rule jlens:
     log:
         "logs/jlens/{model}/{revision}.log",
     script:
-        "../scripts/jlens.py"
+        JOB_SCRIPT

@@ -4,7 +4,7 @@
 
 rule minisuite_tokenizer:
     input:
-        code=code("train_tokenizer.py"),
+        code=job("minisuite", "minisuite_tokenizer"),
     output:
         directory(f"{R}/minisuite/tokenizer"),
     params:
@@ -19,13 +19,13 @@ rule minisuite_tokenizer:
     log:
         "logs/minisuite/tokenizer.log",
     script:
-        "../scripts/train_tokenizer.py"
+        JOB_SCRIPT
 
 
 rule minisuite_tasks:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
-        code=code("minisuite_tasks.py"),
+        code=job("minisuite", "minisuite_tasks"),
     output:
         f"{R}/minisuite/tasks.json",
     params:
@@ -38,14 +38,14 @@ rule minisuite_tasks:
     log:
         "logs/minisuite/tasks.log",
     script:
-        "../scripts/minisuite_tasks.py"
+        JOB_SCRIPT
 
 
 rule minisuite_train:
     input:
         tokenizer=f"{R}/minisuite/tokenizer",
         tasks=lambda wc: minisuite_rules.tasks_input(PLAN, wc),
-        code=code("train_mini_model.py"),
+        code=job("minisuite", "minisuite_train"),
     output:
         checkpoints=directory(f"{R}/minisuite/{{mini}}/checkpoints"),
         induction=f"{R}/minisuite/{{mini}}/induction.csv",
@@ -63,13 +63,13 @@ rule minisuite_train:
     log:
         "logs/minisuite/{mini}.log",
     script:
-        "../scripts/train_mini_model.py"
+        JOB_SCRIPT
 
 
 rule induction_table:
     input:
         induction=expand(f"{R}/minisuite/{{mini}}/induction.csv", mini=sorted(MINI.keys() & MODELS.keys())),
-        code=code("induction_table.py"),
+        code=job("minisuite", "induction_table"),
     output:
         table_report(f"{R}/tables/induction.md", "induction"),
     localrule: True
@@ -80,4 +80,4 @@ rule induction_table:
     log:
         "logs/tables/induction.log",
     script:
-        "../scripts/induction_table.py"
+        JOB_SCRIPT

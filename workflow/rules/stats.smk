@@ -3,15 +3,15 @@
 # model loads once); a merge per (model, revision, dataset) writes the labelled, layer-chunked Zarr store.
 # A dataset is a half of the primary corpus (`stats`, `eval`) or of a cross corpus (`<name>/stats`).
 
-# (helpers: shard_ids, stats_groups, stats_partials, dataset_group_shards, dataset_shards_dir in common.smk)
+# (input functions: mfpipe.stats.rules, on the run's plan)
 
 
 rule stats_shard:
     input:
-        shards=dataset_group_shards,
+        shards=lambda wc: stats_rules.dataset_group_shards(PLAN, wc),
         tracked=dataset_tracked,
         model=model_input,
-        code=code("stats_shard.py"),
+        code=job("stats", "stats_shard"),
     output:
         directory(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/group-{{i}}"),
     params:
@@ -28,15 +28,15 @@ rule stats_shard:
     log:
         "logs/stats/{model}/{revision}/{dataset}/group-{i}.log",
     script:
-        "../scripts/stats_shard.py"
+        JOB_SCRIPT
 
 
 rule stats_merge:
     input:
-        partials=stats_partials,
-        shards=dataset_shards_dir,
+        partials=lambda wc: stats_rules.stats_partials(PLAN, wc),
+        shards=lambda wc: stats_rules.dataset_shards_dir(PLAN, wc),
         tracked=dataset_tracked,
-        code=code("stats_merge.py"),
+        code=job("stats", "stats_merge"),
     output:
         directory(f"{R}/stats/{{model}}/{{revision}}/{{dataset}}.zarr"),
     params:
@@ -53,4 +53,4 @@ rule stats_merge:
     log:
         "logs/stats/{model}/{revision}/{dataset}/merge.log",
     script:
-        "../scripts/stats_merge.py"
+        JOB_SCRIPT

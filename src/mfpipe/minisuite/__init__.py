@@ -9,7 +9,8 @@ trained on CPU on the embedded corpus, with log-spaced HF checkpoints (a miniatu
 - :mod:`mfpipe.minisuite.model` — :func:`~mfpipe.minisuite.model.build_model` from a recipe
 - :mod:`mfpipe.minisuite.train` — :func:`~mfpipe.minisuite.train.train_mini_model`, with checkpoints at
   :func:`mfpipe.workflow.revisions.checkpoint_steps`
-- :mod:`mfpipe.minisuite.rules` — the input functions of workflow/rules/minisuite.smk
+- :mod:`mfpipe.minisuite.rules` — the targets and input functions of workflow/rules/minisuite.smk
+- :mod:`mfpipe.minisuite.jobs` — the jobs of workflow/rules/minisuite.smk, one function per rule
 
 This package imports none of its modules, so a job's code inputs stay the modules it uses (and the workflow reads
 its planning without importing torch).

@@ -1,4 +1,4 @@
-"""The mini suite's planning: the input functions of workflow/rules/minisuite.smk, on the run's plan
+"""The mini suite's planning: its targets and the input functions of workflow/rules/minisuite.smk, on the run's plan
 (:class:`mfpipe.workflow.plan.Plan`)."""
 
 from __future__ import annotations
@@ -9,3 +9,14 @@ def tasks_input(plan, wildcards) -> list[str]:
     if float(plan.mini[wildcards.mini].get("fewshot_fraction") or 0) > 0:
         return [f"{plan.results}/minisuite/tasks.json"]
     return []
+
+
+def targets(plan) -> list[str]:
+    """Per mini-suite model the run analyses: its induction scores; with any, the induction table."""
+    R, t = plan.results, []
+    mini_used = sorted({m for m, spec in plan.models.items() if spec["source"] == "minisuite"})
+    for m in mini_used:
+        t.append(f"{R}/minisuite/{m}/induction.csv")
+    if mini_used:
+        t.append(f"{R}/tables/induction.md")
+    return t

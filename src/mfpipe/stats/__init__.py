@@ -3,8 +3,10 @@
 - :mod:`mfpipe.stats.buckets` — windows -> key buckets / query types; prefix counts ``n_t(X_j)``.
 - :mod:`mfpipe.stats.pass1` — the pass-1 reducer (:class:`Accumulator`): additive sums of every statistic.
 - :mod:`mfpipe.stats.loop` — the shard loop, generic over a reducer (one traced forward per batch).
-- :mod:`mfpipe.stats.shards` — pass 1 over one shard (the loop with pass 1's reducer).
+- :mod:`mfpipe.stats.shards` — pass 1 over one shard (the loop with pass 1's reducer); a run of shards, one
+  partial each.
 - :mod:`mfpipe.stats.partials` — per-shard partials: save, load, merge by addition, provenance.
+- :mod:`mfpipe.stats.merge` — a half's partials checked against their shards and merged into its store.
 - :mod:`mfpipe.stats.store` — merged sums -> labelled xarray means -> zarr store (one layer per chunk).
 - :mod:`mfpipe.stats.api` — :func:`open_stats` with provenance checks and accessors.
 - :mod:`mfpipe.stats.halves` — a statistics half paired with an evaluation half, each refused if it belongs to
@@ -13,6 +15,8 @@
   :mod:`mfpipe.stats.torch_engine`, :mod:`mfpipe.stats.workspace` — pass 1's machinery (the
   C allocator's settings are :mod:`mfpipe.workflow.heap`).
 - :mod:`mfpipe.stats.errors` — the stage's errors, each saying what to change.
+- :mod:`mfpipe.stats.rules` — the targets and input functions of workflow/rules/stats.smk.
+- :mod:`mfpipe.stats.jobs` — the jobs of workflow/rules/stats.smk, one function per rule.
 
 The read side (``api``, ``store``, ``partials``) never imports torch; the names of the torch-using modules
 are exported lazily, so ``from mfpipe.stats import open_stats`` stays light.

@@ -1,17 +1,23 @@
 """Pass 1 over one shard: the shard loop (:func:`mfpipe.stats.loop.run_reducer`) with pass 1's reducer
-(:class:`mfpipe.stats.pass1.Accumulator`) built for the adapter's model."""
+(:class:`mfpipe.stats.pass1.Accumulator`) built for the adapter's model; a run of shards, one partial each
+(:func:`shard_partials`, the ``stats_shard`` job)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from mfpipe.corpus.windows import read_shard
 from mfpipe.stats.loop import Reducer, run_reducer
+from mfpipe.stats.partials import partial_meta, partial_size, save_partial
 from mfpipe.stats.pass1 import Accumulator
 
-__all__ = ["accumulate_shard", "pass1_reducer"]
+__all__ = ["accumulate_shard", "pass1_reducer", "shard_partials"]
 
 
 def pass1_reducer(adapter, n_tracked: int, context_length: int, device) -> Accumulator:
@@ -41,3 +47,30 @@ def accumulate_shard(
     (:func:`mfpipe.stats.loop.run_reducer`; ``reducer`` replaces pass 1's own, as the tests and benchmarks do)."""
     return run_reducer(model, adapter, tokens, tracked, reducer or pass1_reducer, batch_size=batch_size,
                        device=device, progress=progress, desc=desc)
+
+
+def shard_partials(model, adapter, shards: list[str], tracked, folder: Path, *, model_name: str, revision: str,
+                   dtype: str, commit=None, batch_size: int = 8, mantissa_bits: int | None = None,
+                   log: logging.Logger | None = None) -> None:
+    """Pass 1 over each corpus shard of ``shards`` in turn (:func:`accumulate_shard`), its sums saved as the
+    partial ``folder/<shard>.zarr`` (:func:`mfpipe.stats.partials.save_partial`, rounded to ``mantissa_bits``
+    where given), recording the model (``model_name``, ``revision``, ``dtype``, the adapter's shape), the shard and,
+    for a hub revision, the ``commit`` it resolved to."""
+    log = log or logging.getLogger("mfpipe")
+    for shard in shards:
+        tokens = read_shard(shard).tokens
+        t0 = time.perf_counter()
+        sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=batch_size,
+                                progress=True, desc=f"stats {Path(shard).stem}")
+        dt = time.perf_counter() - t0
+        meta = partial_meta(tracked, tokens, {
+            "model": model_name, "revision": revision, "dtype": dtype, "model_type": adapter.model_type,
+            "n_layers": adapter.n_layers, "n_heads": adapter.n_heads, "n_kv_heads": adapter.n_kv_heads,
+            "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
+            "shard": shard,
+        } | ({"revision_commit": str(commit)} if commit else {}))
+        part = folder / (Path(shard).stem + ".zarr")  # partial shard-NNNNN.zarr <- corpus shard-NNNNN.npz
+        save_partial(part, sums, meta, mantissa_bits=mantissa_bits)
+        log.info("%s: %d windows x T=%d, %d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %.0f MiB "
+                 "on disk", shard, tokens.shape[0], tokens.shape[1], tokens.size, dt, tokens.size / max(dt, 1e-9),
+                 int(sums["query_count"].sum()), partial_size(part) / 2**20)

@@ -16,6 +16,7 @@
 - :mod:`~mfpipe.workflow.tables` — tables written as CSV and Markdown.
 - :mod:`~mfpipe.workflow.plots` — figures written as PDF and PNG.
 - :mod:`~mfpipe.workflow.costs` — where a run's time went (the benchmark files summed).
+- :mod:`~mfpipe.workflow.jobs` — the workflow's own job: the run's cost table (rule ``run_costs``).
 
 This package imports none of its modules: a job script imports ``mfpipe.workflow.heap`` first of all, and a job's
 code inputs stay the modules it uses.

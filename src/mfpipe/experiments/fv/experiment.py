@@ -53,7 +53,7 @@ def _decoder(adapter, jlens):
         v = v.float().to(adapter.device)
         out = {"raw": adapter.unembed(v).float().cpu()}
         if jlens is not None:
-            from mfpipe.jlens import jlens_decode
+            from mfpipe.jlens.lens import jlens_decode
 
             out["J"] = jlens_decode(adapter, jlens, int(layer), point, v).float().cpu()
         return out

@@ -25,7 +25,7 @@ def function_vectors(job) -> None:
 
     from mfpipe.experiments.fv import experiment as E
     from mfpipe.experiments.fv import tables as Tb
-    from mfpipe.jlens import open_jlens
+    from mfpipe.jlens.lens import open_jlens
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_write_text
     from mfpipe.workflow.tables import write_table

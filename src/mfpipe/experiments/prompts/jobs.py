@@ -17,7 +17,7 @@ def lenses(job) -> None:
     from mfpipe.corpus.windows import list_shards
     from mfpipe.deviation.store import check_against_half, open_deviation, stats_fingerprint
     from mfpipe.experiments.prompts import lenses as LE
-    from mfpipe.jlens import open_jlens
+    from mfpipe.jlens.lens import open_jlens
     from mfpipe.stats.halves import open_stats_half
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_write_text

@@ -158,11 +158,11 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     ``tokens``: see :func:`window_tokens`. On Gemma-2 / OLMo-2 Δ O_h is taken before the post-attention norm, as
     pass 2's residual units are.
 
-    ``jlens``: the model's J-lens store (:func:`mfpipe.jlens.open_jlens`; None: the raw lens only). With it, the
+    ``jlens``: the model's J-lens store (:func:`mfpipe.jlens.lens.open_jlens`; None: the raw lens only). With it, the
     J-lens decode of App. P is added beside the raw one (``jlens_tokens``, ``jlens_ids``, ``jlens_probs``): the top
     ``decode_k`` tokens of softmax(W_U final_norm(J_ℓ Δ_resid)), J_ℓ the corpus-averaged same-position Jacobian of
     the final residual with respect to the output of layer ℓ's attention output projection (the ``attn`` point,
-    where Δ O_h lands: before any post-attention norm); :func:`mfpipe.jlens.jlens_decode`."""
+    where Δ O_h lands: before any post-attention norm); :func:`mfpipe.jlens.lens.jlens_decode`."""
     rows = rows.reset_index(drop=True)
     R = len(rows)
     win = window_tokens(tokens, rows)
@@ -218,7 +218,7 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
             p, i = torch.softmax(adapter.unembed(delta), dim=-1).topk(decode_k, dim=-1)
             dprob[sel], dpos[sel] = p.double().cpu().numpy(), i.cpu().numpy()
             if jlens is not None:
-                from mfpipe.jlens import jlens_decode
+                from mfpipe.jlens.lens import jlens_decode
                 for l in sorted(set(lay[sel].tolist())):
                     m = np.flatnonzero(lay[sel] == l)
                     logits = jlens_decode(adapter, jlens, l, "attn", delta[torch.as_tensor(m, device=dev)])

@@ -1,33 +1,32 @@
-"""Snakemake script: the J-lens of App. P for one (model, revision) (mfpipe.jlens): J_l = E[d h^L_t / d h^l_t], the
-average same-position Jacobian of the final residual with respect to the residual entering block l ("block") and to
-block l's attention output ("attn"), over seeded positions of the statistics half's windows ->
-results/jlens/<model>/<revision>/jlens.zarr (provenance: model, revision, corpus)."""
-import _mfpipe_checkout  # noqa: F401,I001 (first: this checkout's src/ on sys.path)
-import time
-from pathlib import Path
+"""The J-lens's job, the one rule of workflow/rules/jlens.smk (run by mfpipe.workflow.runner.run_job). It imports
+what it runs inside its own body, so its code inputs are its own."""
 
-import numpy as np
-
-from mfpipe import jlens as JL
-from mfpipe.corpus.windows import list_shards, read_shard
-from mfpipe.workflow.runner import load_job_model, run_logged
-from mfpipe.workflow.logs import setup_logging
-from mfpipe.stats.halves import corpus_info
-
-sm = snakemake  # noqa: F821 (injected by Snakemake)
-log = setup_logging(sm.log[0])
+from __future__ import annotations
 
 
-def main() -> None:
-    p = sm.params
+def jlens(job) -> None:
+    """The J-lens of App. P for one (model, revision) (mfpipe.jlens.lens): J_l = E[d h^L_t / d h^l_t], the average
+    same-position Jacobian of the final residual with respect to the residual entering block l ("block") and to
+    block l's attention output ("attn"), over seeded positions of the statistics half's windows ->
+    results/jlens/<model>/<revision>/jlens.zarr (provenance: model, revision, corpus)."""
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from mfpipe.corpus.windows import list_shards, read_shard
+    from mfpipe.jlens import lens as JL
+    from mfpipe.stats.halves import corpus_info
+
+    p, log = job.params, job.log
     name, revision = p.model_spec["name"], str(p.revision)
-    shards = Path(sm.input.shards)
+    shards = Path(job.input.shards)
     info = corpus_info(shards)
     paths = list_shards(shards / "stats")
     if not paths:
         raise FileNotFoundError(f"{shards / 'stats'} holds no shard: rerun the corpus stage (corpus_shards)")
     windows = np.concatenate([read_shard(x).tokens for x in paths])
-    _, adapter = load_job_model(p, sm.threads)
+    _, adapter = job.model()
     log.info("%s @ %s: J-lens over %d positions of %d windows (T=%d) of the statistics half, seed %d, %d windows per "
              "batch", name, revision, int(p.n_positions), windows.shape[0], windows.shape[1], int(p.seed),
              int(p.batch_size))
@@ -40,7 +39,4 @@ def main() -> None:
              time.perf_counter() - t0, off)
     prov = {"model": name, "revision": revision, "commit": getattr(p, "commit", None), "half": "stats",
             "corpus": info.get("corpus"), "corpus_fingerprint": info["fingerprint"]}
-    JL.write_jlens(sm.output[0], ds, prov)
-
-
-run_logged(main, log)
+    JL.write_jlens(job.output[0], ds, prov)

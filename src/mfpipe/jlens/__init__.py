@@ -1,0 +1,10 @@
+"""The J-lens of App. P (Lens "vocabulary-space decode"): the average same-position Jacobian of the final residual
+with respect to a layer's residual, the readout the lenses and the function vectors decode through.
+
+- :mod:`mfpipe.jlens.lens` — estimate it (:func:`~mfpipe.jlens.lens.estimate_jlens`), store it
+  (:func:`~mfpipe.jlens.lens.write_jlens`), open it checked against its provenance
+  (:func:`~mfpipe.jlens.lens.open_jlens`) and decode through it (:func:`~mfpipe.jlens.lens.jlens_decode`)
+- :mod:`mfpipe.jlens.jobs` — the job of workflow/rules/jlens.smk (rule ``jlens``)
+
+This package imports none of its modules, so a job's code inputs stay the modules it uses.
+"""
