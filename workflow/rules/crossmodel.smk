@@ -8,7 +8,7 @@ rule crossmodel_table:
         rollout=crossmodel_rules.last_rollout_tables(PLAN, "rollout"),
         ranking=crossmodel_rules.last_rollout_tables(PLAN, "ranking_top"),
         fv=[f"{R}/tables/fv_{m}_{ROLLOUT_REVISIONS[m][-1]}.csv" for m in MODELS if fv_rules.fv_tasks(PLAN, m)],
-        code=code("crossmodel_table.py"),
+        code=job("experiments.crossmodel", "crossmodel_table"),
     output:
         csv=table_report(f"{R}/tables/crossmodel.csv", "crossmodel"),
         md=f"{R}/tables/crossmodel.md",
@@ -24,14 +24,14 @@ rule crossmodel_table:
     log:
         "logs/tables/crossmodel.log",
     script:
-        "../scripts/crossmodel_table.py"
+        JOB_SCRIPT
 
 
 rule figure_crossmodel:
     input:
         tables=[f"{R}/tables/substitution_{m}.csv" for m in crossmodel_rules.plotted(PLAN)],
         training=[f"{R}/minisuite/{m}/training.json" for m in crossmodel_rules.plotted(PLAN) if MODELS[m]["source"] == "minisuite"],
-        code=code("plot_crossmodel.py"),
+        code=job("experiments.crossmodel", "figure_crossmodel"),
     output:
         pdf=report(f"{R}/figures/crossmodel.pdf", caption="../report/figure_crossmodel.rst", category="Figures",
                    subcategory="training"),
@@ -50,4 +50,4 @@ rule figure_crossmodel:
     log:
         "logs/figures/crossmodel.log",
     script:
-        "../scripts/plot_crossmodel.py"
+        JOB_SCRIPT

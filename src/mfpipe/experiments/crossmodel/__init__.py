@@ -6,4 +6,5 @@ other experiment).
   revision and at their peak, the top heads by S̄ with their roles.
 - :mod:`mfpipe.experiments.crossmodel.figures` — the cross-model waypoint figure.
 - :mod:`mfpipe.experiments.crossmodel.rules` — its targets and what its rules read.
+- :mod:`mfpipe.experiments.crossmodel.jobs` — the jobs of workflow/rules/crossmodel.smk, one function per rule.
 """
