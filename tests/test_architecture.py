@@ -1,9 +1,9 @@
 """The house rules of src/mfpipe (docs/architecture.md), checked on every module: imports go down (an experiment
 imports the core, never another experiment; the core never imports an experiment; the module graph has no cycle
 and every import goes to the same or a lower layer, never to an enclosing package), no private name is imported
-across modules, no module is over 400 lines, at most six modules sit loose beside the packages, and every
-package's docstring names each of its modules. The job scripts of workflow/scripts are held to the same import
-rule."""
+across modules, no module is over 400 lines and no function over 80, at most six modules sit loose beside the
+packages, and every package's docstring names each of its modules. The job scripts of workflow/scripts are held to
+the same import rule."""
 
 import ast
 from pathlib import Path
@@ -27,6 +27,7 @@ MAX_LOOSE = 6
 # the public reading API opens every experiment's stores; the package's lazy export loads it
 MAY_IMPORT_EXPERIMENTS = {"mfpipe", "mfpipe.results"}
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80  # from `def` to the function's last line, docstring included (issue 47 item 7)
 
 
 def dotted(path: Path) -> str:
@@ -178,6 +179,31 @@ def test_no_module_is_over_400_lines():
     assert not long, long
 
 
+def long_functions(source: str, module: str) -> list[str]:
+    """``module:function (n lines)`` of every function and method of ``source`` (nested ones too, by qualified
+    name) over :data:`MAX_FUNCTION_LINES` lines."""
+    out = []
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                n = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and n > MAX_FUNCTION_LINES:
+                    out.append(f"{module}:{name} ({n} lines)")
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def test_no_function_is_over_80_lines():
+    long = [f for p in MODULES for f in long_functions(p.read_text(), dotted(p))]
+    assert not long, "\n".join(long)
+
+
 @pytest.mark.parametrize("init", sorted(PKG.rglob("__init__.py")), ids=lambda p: dotted(p))
 def test_every_package_docstring_names_its_modules(init):
     doc = ast.get_docstring(ast.parse(init.read_text())) or ""
@@ -201,3 +227,12 @@ def test_the_checks_see_a_violation(tmp_path):
         assert imports(fake)[1] == ("mfpipe.stats.api", ["_private"])
     finally:
         SRC = old
+
+
+def test_the_function_length_check_sees_a_long_function():
+    """The length rule is not vacuous: a method of 81 lines (a decorator not counted) is found, one of 80 is not."""
+    body = "".join(f"        x{i} = {i}\n" for i in range(79))
+    source = (f"class A:\n    @staticmethod\n    def long():\n{body}        return x0\n\n"
+              f"    def fits():\n{body}\n\ndef outer():\n    def inner():\n{body}        return 1\n    return inner\n")
+    assert long_functions(source, "mfpipe.fake") == ["mfpipe.fake:A.long (81 lines)", "mfpipe.fake:outer (83 lines)",
+                                                     "mfpipe.fake:outer.inner (81 lines)"]

@@ -144,107 +144,139 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
            cpu_start: float, tasks: Sequence[dict] | None = None) -> dict:
     """The training run of :func:`train_mini_model`, writing into the temporary folder ``tmp``."""
     import torch
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
-    from mfpipe.models.adapters import get_adapter
 
     prev_threads = torch.get_num_threads()
     n_threads = int(threads) if threads else (os.cpu_count() or 1)
     torch.set_num_threads(n_threads)
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        vocab_size = len(tok)
-        bos_id = tok.bos_token_id if tok.bos_token_id is not None else 0
-        eos_id = tok.eos_token_id if tok.eos_token_id is not None else bos_id
-        special_ids = sorted(set(tok.all_special_ids) | {bos_id, eos_id})
+        run = _TrainingRun(c, tokenizer_dir, train_texts, tmp, t_start, tasks)
+        run.checkpoint(0)
+        run.optimize(progress)
+        return run.write_outputs(n_threads, cpu_start)
+    finally:
+        torch.set_num_threads(prev_threads)
 
-        stream = token_stream(tok, train_texts, eos_id)
-        log.info("%s: %d training tokens from %d texts", c["name"], stream.size, len(train_texts))
+
+class _TrainingRun:
+    """One run of :func:`_train` in its steps: the setup (tokenizer, model, rows, optimizer), the checkpoints with
+    their probes, the optimization loop and the outputs. The setup's order is the run's random-number order: the
+    torch seed is set right before the model's initialization."""
+
+    def __init__(self, c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, t_start: float,
+                 tasks: Sequence[dict] | None):
+        import torch
+        from transformers import AutoTokenizer
+
+        from mfpipe.models.adapters import get_adapter
+
+        self.c, self.tmp, self.t_start, self.tasks = c, tmp, t_start, tasks
+        self.tok = tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.vocab_size = len(tok)
+        self.bos_id = tok.bos_token_id if tok.bos_token_id is not None else 0
+        eos_id = tok.eos_token_id if tok.eos_token_id is not None else self.bos_id
+        self.special_ids = sorted(set(tok.all_special_ids) | {self.bos_id, eos_id})
+
+        self.stream = token_stream(tok, train_texts, eos_id)
+        log.info("%s: %d training tokens from %d texts", c["name"], self.stream.size, len(train_texts))
 
         torch.manual_seed(int(c["seed"]))
-        model = build_model(c, vocab_size, bos_id=bos_id, eos_id=eos_id)
-        model.train()
+        self.model = build_model(c, self.vocab_size, bos_id=self.bos_id, eos_id=eos_id)
+        self.model.train()
         # one adapter for every probe: the induction probe reads attention through its traced site
-        adapter = get_adapter(model)
-        n_params = sum(p.numel() for p in model.parameters())
+        self.adapter = get_adapter(self.model)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
         data_rng = np.random.default_rng(int(c["seed"]))
-        use_tasks = float(c["fewshot_fraction"]) > 0
-        if use_tasks and not tasks:
+        self.use_tasks = float(c["fewshot_fraction"]) > 0
+        if self.use_tasks and not tasks:
             raise ValueError(f"{c['name']}: fewshot_fraction {c['fewshot_fraction']} needs the few-shot tasks")
-        fewshot = task_token_pairs(tok, tasks) if use_tasks else None
+        fewshot = task_token_pairs(tok, tasks) if self.use_tasks else None
         # the accuracy prompts BOS x1:y1\n…xq: fit the context: five exemplars, fewer in a short one
-        n_shots = max(1, min(5, (int(c["context_length"]) - 3) // 4))
-        sampler = RowSampler(stream, c, vocab_size, special_ids, bos_id, data_rng, fewshot=fewshot)
-        eval_rows = torch.from_numpy(sampler.text_rows(int(c["eval_rows"]), np.random.default_rng(12345)))
-        eval_mask = torch.ones_like(eval_rows, dtype=torch.bool)
-        opt = _make_optimizer(model, c)
+        self.n_shots = max(1, min(5, (int(c["context_length"]) - 3) // 4))
+        self.sampler = RowSampler(self.stream, c, self.vocab_size, self.special_ids, self.bos_id, data_rng,
+                                  fewshot=fewshot)
+        self.eval_rows = torch.from_numpy(self.sampler.text_rows(int(c["eval_rows"]), np.random.default_rng(12345)))
+        self.eval_mask = torch.ones_like(self.eval_rows, dtype=torch.bool)
+        self.opt = _make_optimizer(self.model, c)
 
-        ckpt_steps = checkpoint_steps(int(c["steps"]), c["linear_checkpoints"])
-        ckpt_dir = tmp / "checkpoints"
-        ckpt_dir.mkdir()
-        records: list[dict] = []
-        ind_rows: list[tuple] = []
-        window_losses: list[float] = []
+        self.ckpt_steps = checkpoint_steps(int(c["steps"]), c["linear_checkpoints"])
+        self.ckpt_dir = tmp / "checkpoints"
+        self.ckpt_dir.mkdir()
+        self.records: list[dict] = []
+        self.ind_rows: list[tuple] = []
+        self.window_losses: list[float] = []
+        self.curve: list[dict] = []
+        self.fs_records: list[dict] = []
 
-        curve: list[dict] = []
-        fs_records: list[dict] = []
+    def probe(self, step: int) -> tuple[np.ndarray, float]:
+        """The induction scores and loss at ``step``, appended to the induction curve."""
+        c = self.c
+        scores, icl_loss = induction_metrics(
+            self.adapter,
+            self.vocab_size,
+            self.special_ids,
+            int(c["context_length"]),
+            n_sequences=int(c["induction_sequences"]),
+            seed=0,
+            bos_id=self.bos_id,
+        )
+        self.model.train()
+        self.curve.append({"step": step, "max_induction": float(scores.max()), "induction_loss": icl_loss})
+        return scores, icl_loss
 
-        def probe(step: int) -> tuple[np.ndarray, float]:
-            scores, icl_loss = induction_metrics(
-                adapter,
-                vocab_size,
-                special_ids,
-                int(c["context_length"]),
-                n_sequences=int(c["induction_sequences"]),
-                seed=0,
-                bos_id=bos_id,
-            )
-            model.train()
-            curve.append({"step": step, "max_induction": float(scores.max()), "induction_loss": icl_loss})
-            return scores, icl_loss
+    def checkpoint(self, step: int) -> None:
+        """The checkpoint of ``step``: evaluate, probe, save, and record (the few-shot accuracies where trained)."""
+        import torch
 
-        def checkpoint(step: int) -> None:
-            model.eval()
-            with torch.no_grad():
-                text_loss = float(_lm_loss(model, eval_rows, eval_mask))
-            scores, icl_loss = probe(step)
-            d = ckpt_dir / step_name(step)
-            _save_quietly(model, tok, d)
-            for layer in range(scores.shape[0]):
-                for head in range(scores.shape[1]):
-                    ind_rows.append((c["name"], step, layer, head, float(scores[layer, head])))
-            li, hi = np.unravel_index(int(np.argmax(scores)), scores.shape)
-            rec = {
-                "step": step,
-                "train_loss": float(np.mean(window_losses)) if window_losses else None,
-                "text_loss": text_loss,
-                "induction_loss": icl_loss,
-                "max_induction": float(scores.max()),
-                "max_induction_layer": int(li),
-                "max_induction_head": int(hi),
-                "elapsed_s": round(time.perf_counter() - t_start, 3),
-            }
-            window_losses.clear()
-            records.append(rec)
-            if use_tasks:
-                fs = {"step": step, "n_shots": n_shots}
-                for t in tasks:
-                    fs[t["name"]] = {"fewshot_accuracy": fewshot_accuracy(model, tok, t, n_shots=n_shots,
-                                                                          n_prompts=128, seed=0),
-                                     "zeroshot_accuracy": zeroshot_accuracy(model, tok, t)}
-                fs_records.append(fs)
-                model.train()
-                log.info("%s step %d: few-shot / zero-shot accuracy %s", c["name"], step, ", ".join(
-                    f"{t['name']} {fs[t['name']]['fewshot_accuracy']:.2f} / {fs[t['name']]['zeroshot_accuracy']:.2f}"
-                    for t in tasks))
-            log.info(
-                "%s step %d: train_loss %s text_loss %.3f induction_loss %.3f max induction %.3f (L%dH%d)",
-                c["name"], step, "-" if rec["train_loss"] is None else f"{rec['train_loss']:.3f}",
-                text_loss, icl_loss, rec["max_induction"], li, hi,
-            )
+        c = self.c
+        self.model.eval()
+        with torch.no_grad():
+            text_loss = float(_lm_loss(self.model, self.eval_rows, self.eval_mask))
+        scores, icl_loss = self.probe(step)
+        _save_quietly(self.model, self.tok, self.ckpt_dir / step_name(step))
+        for layer in range(scores.shape[0]):
+            for head in range(scores.shape[1]):
+                self.ind_rows.append((c["name"], step, layer, head, float(scores[layer, head])))
+        li, hi = np.unravel_index(int(np.argmax(scores)), scores.shape)
+        rec = {
+            "step": step,
+            "train_loss": float(np.mean(self.window_losses)) if self.window_losses else None,
+            "text_loss": text_loss,
+            "induction_loss": icl_loss,
+            "max_induction": float(scores.max()),
+            "max_induction_layer": int(li),
+            "max_induction_head": int(hi),
+            "elapsed_s": round(time.perf_counter() - self.t_start, 3),
+        }
+        self.window_losses.clear()
+        self.records.append(rec)
+        if self.use_tasks:
+            self._fewshot_record(step)
+        log.info(
+            "%s step %d: train_loss %s text_loss %.3f induction_loss %.3f max induction %.3f (L%dH%d)",
+            c["name"], step, "-" if rec["train_loss"] is None else f"{rec['train_loss']:.3f}",
+            text_loss, icl_loss, rec["max_induction"], li, hi,
+        )
 
-        checkpoint(0)
+    def _fewshot_record(self, step: int) -> None:
+        """Every task's few-shot and zero-shot accuracy at ``step``."""
+        model, tok, tasks, n_shots = self.model, self.tok, self.tasks, self.n_shots
+        fs = {"step": step, "n_shots": n_shots}
+        for t in tasks:
+            fs[t["name"]] = {"fewshot_accuracy": fewshot_accuracy(model, tok, t, n_shots=n_shots,
+                                                                  n_prompts=128, seed=0),
+                             "zeroshot_accuracy": zeroshot_accuracy(model, tok, t)}
+        self.fs_records.append(fs)
+        model.train()
+        log.info("%s step %d: few-shot / zero-shot accuracy %s", self.c["name"], step, ", ".join(
+            f"{t['name']} {fs[t['name']]['fewshot_accuracy']:.2f} / {fs[t['name']]['zeroshot_accuracy']:.2f}"
+            for t in tasks))
+
+    def optimize(self, progress: bool) -> None:
+        """The optimizer steps 1..``steps``, with the restarts, checkpoints and induction probes on their steps."""
+        import torch
+        from tqdm.auto import tqdm
+
+        c, model = self.c, self.model
         restarts = set(c["optimizer_restarts"])
         bar = tqdm(
             range(1, int(c["steps"]) + 1),
@@ -254,48 +286,51 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
             dynamic_ncols=True,
         )
         for step in bar:
-            rows, mask = sampler.sample(int(c["batch_size"]), step)
+            rows, mask = self.sampler.sample(int(c["batch_size"]), step)
             rows_t, mask_t = torch.from_numpy(rows), torch.from_numpy(mask)
             lr = _lr_at(step, c)
-            for g in opt.param_groups:
+            for g in self.opt.param_groups:
                 g["lr"] = lr
             loss = _lm_loss(model, rows_t, mask_t)
-            opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if c["grad_clip"]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(c["grad_clip"]))
-            opt.step()
+            self.opt.step()
             lv = float(loss.detach())
             if not math.isfinite(lv):
                 raise FloatingPointError(f"{c['name']}: loss is {lv} at step {step}")
-            window_losses.append(lv)
+            self.window_losses.append(lv)
             if step % 50 == 0:
                 bar.set_postfix(loss=f"{lv:.3f}", refresh=False)
             if step in restarts:
-                opt = _make_optimizer(model, c)
-            if step in ckpt_steps:
-                checkpoint(step)
+                self.opt = _make_optimizer(model, c)
+            if step in self.ckpt_steps:
+                self.checkpoint(step)
             elif c["induction_every"] and step % int(c["induction_every"]) == 0:
-                probe(step)
+                self.probe(step)
         bar.close()
 
+    def write_outputs(self, n_threads: int, cpu_start: float) -> dict:
+        """``induction.csv`` and ``training.json`` (the summary, returned)."""
+        c, tmp = self.c, self.tmp
         with open(tmp / "induction.csv", "w") as f:
             f.write("model,step,layer,head,score\n")
-            for name, step, layer, head, score in ind_rows:
+            for name, step, layer, head, score in self.ind_rows:
                 f.write(f"{name},{step},{layer},{head},{score:.6f}\n")
-        wall = time.perf_counter() - t_start
+        wall = time.perf_counter() - self.t_start
         summary = {
             "model": c["name"],
             "cfg": c,
-            "vocab_size": vocab_size,
-            "n_params": int(n_params),
-            "train_tokens": int(stream.size),
+            "vocab_size": self.vocab_size,
+            "n_params": int(self.n_params),
+            "train_tokens": int(self.stream.size),
             "threads": n_threads,
-            "checkpoint_steps": ckpt_steps,
-            "checkpoints": records,
-            "induction_curve": curve,
-            "final_max_induction": records[-1]["max_induction"],
-            **({"fewshot": fs_records} if use_tasks else {}),
+            "checkpoint_steps": self.ckpt_steps,
+            "checkpoints": self.records,
+            "induction_curve": self.curve,
+            "final_max_induction": self.records[-1]["max_induction"],
+            **({"fewshot": self.fs_records} if self.use_tasks else {}),
             "wall_time_s": round(wall, 3),
             "cpu_time_s": round(time.process_time() - cpu_start, 3),
         }
@@ -303,5 +338,3 @@ def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, thread
             json.dump(summary, f, indent=2)
         log.info("%s: done in %.1f s, final max induction %.3f", c["name"], wall, summary["final_max_induction"])
         return summary
-    finally:
-        torch.set_num_threads(prev_threads)

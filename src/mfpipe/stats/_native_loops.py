@@ -84,10 +84,51 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
     Returns the number of buckets.
     """
     B, T = kb.shape
-    n_ub = 0
-    same = True  # every query's type is its key bucket (the rank table, below)
-    mirror = True  # and every tracked key is a query (cooc's deferral, above)
     N = K - 2
+    n_ub, same, mirror = count_batch(kb, qt, N, kinv, ub, ub_count, bucket_lut, query_count, key_count,
+                                     position_count)
+    # ±w co-occurrence, excluding the query itself: the keys after it here (all of them, or only <other> ones while
+    # the tracked ones are deferred, see above); the keys before it are pairs of the query's causal prefix, counted
+    # per compact cell below (cache-resident there: every increment here is a cache miss in the [N*K, 3] counts)
+    if cooc_deferred[0] == 1 and not mirror:
+        symmetrize_cooc(counts, N, K, other_after)
+        cooc_deferred[0] = 0
+    count_cooc_after(kb, qt, K, cooc_window, cooc_deferred[0] == 1, counts, other_after)
+    for u in range(n_ub):
+        bucket_lut[ub[u]] = -1
+    for t in range(K):
+        stamp[t] = -1
+    # The pairs' compact cells through a table of slots, -1 between batches: where a tracked query's type is its
+    # key bucket (always, for window_buckets' buckets) and the batch has few buckets, the [n_ub, n_ub] table of
+    # (query's bucket rank, key's bucket rank), cache-resident (the [N*K] one is not: after the forward every
+    # first look-up of a cell was a cache miss); else the cell-indexed one
+    small = same and n_ub * n_ub <= rank_table.shape[0]
+    lut = rank_table if small else cell_lut
+    n_chunks = (B + group - 1) // group
+    m = 0
+    m_off[0] = 0
+    u_off[0] = 0
+    for c in range(n_chunks):
+        u0 = u_off[c]
+        m, n_u = plan_group(kb, qt, K, c * group, min(B, (c + 1) * group), cooc_window, kinv, n_ub, small, lut,
+                            stamp, first, m, u0, pinv, cells, slots, cell_counts)
+        m_off[c + 1] = m
+        u_off[c + 1] = u0 + n_u
+        for r in range(n_u):
+            lut[slots[r]] = -1
+    return n_ub
+
+
+@_jit
+def count_batch(kb, qt, N, kinv, ub, ub_count, bucket_lut, query_count, key_count, position_count):
+    """:func:`plan_batch`'s first pass: the query / key / position counts, the batch's buckets in order of first
+    appearance (``ub``, ``ub_count``; ``bucket_lut`` left set for them) and each position's rank among them
+    (``kinv``) -> (their number, whether every query's type is its key bucket, whether moreover every tracked key
+    (type < ``N``) is a query: ``same`` and ``mirror`` there)."""
+    B, T = kb.shape
+    n_ub = 0
+    same = True
+    mirror = True
     for b in range(B):
         for j in range(T):
             t = kb[b, j]
@@ -108,13 +149,14 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                 position_count[j] += 1
             if s >= 0 or t < N:
                 mirror = mirror and s == t
-    # ±w co-occurrence, excluding the query itself: the keys after it here (all of them, or only <other> ones while
-    # the tracked ones are deferred, see above); the keys before it are pairs of the query's causal prefix, counted
-    # per compact cell below (cache-resident there: every increment here is a cache miss in the [N*K, 3] counts)
-    if cooc_deferred[0] == 1 and not mirror:
-        symmetrize_cooc(counts, N, K, other_after)
-        cooc_deferred[0] = 0
-    deferred = cooc_deferred[0] == 1
+    return n_ub, same, mirror
+
+
+@_jit
+def count_cooc_after(kb, qt, K, cooc_window, deferred, counts, other_after):
+    """The forward half of cooc (keys 1..w after each query) into ``counts``, or where ``deferred`` only that of
+    the ``<other>`` column, into ``other_after`` (see :func:`plan_batch`)."""
+    B, T = kb.shape
     for b in range(B):
         for j in range(T):
             s = qt[b, j]
@@ -126,61 +168,50 @@ def plan_batch(kb, qt, K, group, cooc_window, cell_lut, rank_table, bucket_lut, 
                             counts[s * K + t, 2] += 1
                         elif t == K - 1:
                             other_after[s] += 1
-    for u in range(n_ub):
-        bucket_lut[ub[u]] = -1
-    for t in range(K):
-        stamp[t] = -1
-    # The pairs' compact cells through a table of slots, -1 between batches: where a tracked query's type is its
-    # key bucket (always, for window_buckets' buckets) and the batch has few buckets, the [n_ub, n_ub] table of
-    # (query's bucket rank, key's bucket rank), cache-resident (the [N*K] one is not: after the forward every
-    # first look-up of a cell was a cache miss); else the cell-indexed one
-    small = same and n_ub * n_ub <= rank_table.shape[0]
-    lut = rank_table if small else cell_lut
-    n_chunks = (B + group - 1) // group
-    m = 0
-    m_off[0] = 0
-    u_off[0] = 0
-    for c in range(n_chunks):
-        u0 = u_off[c]
-        n_u = 0
-        for b in range(c * group, min(B, (c + 1) * group)):
-            for k in range(T):  # a key is its bucket's first in the window (-> C: buckets present in a prefix)
-                t = kb[b, k]
-                first[k] = stamp[t] != b
-                stamp[t] = b
-            for j in range(T):
-                s = qt[b, j]
-                if s < 0:
-                    continue
-                row = s * K
-                trow = kinv[b * T + j] * n_ub
-                for k in range(j + 1):
-                    if small:  # the cell's slot by the batch ranks of its query and key buckets
-                        slot = trow + kinv[b * T + k]
-                    else:
-                        slot = row + kb[b, k]
-                    r = lut[slot]
-                    if r < 0:
-                        r = n_u
-                        lut[slot] = r
-                        cells[u0 + r] = row + kb[b, k]
-                        slots[r] = slot
-                        cell_counts[u0 + r, 0] = 0
-                        cell_counts[u0 + r, 1] = 0
-                        cell_counts[u0 + r, 2] = 0
-                        n_u += 1
-                    pinv[m] = r
-                    m += 1
-                    # counted per compact cell (cache-resident); add_batch_sums adds them into nbar / C / cooc
-                    cell_counts[u0 + r, 0] += 1
-                    cell_counts[u0 + r, 1] += first[k]
-                    if j - k <= cooc_window and k < j:
-                        cell_counts[u0 + r, 2] += 1
-        m_off[c + 1] = m
-        u_off[c + 1] = u0 + n_u
-        for r in range(n_u):
-            lut[slots[r]] = -1
-    return n_ub
+
+
+@_jit
+def plan_group(kb, qt, K, b0, b1, cooc_window, kinv, n_ub, small, lut, stamp, first, m, u0, pinv, cells, slots,
+               cell_counts):
+    """One group of :func:`plan_batch` (windows ``b0 <= b < b1``): its pairs' compact cells into ``pinv`` from row
+    ``m``, its distinct cells (and their slots in ``lut``, left set) into ``cells`` from row ``u0`` and their counts
+    into ``cell_counts`` -> (the next row of ``pinv``, the group's number of cells)."""
+    T = kb.shape[1]
+    n_u = 0
+    for b in range(b0, b1):
+        for k in range(T):  # a key is its bucket's first in the window (-> C: buckets present in a prefix)
+            t = kb[b, k]
+            first[k] = stamp[t] != b
+            stamp[t] = b
+        for j in range(T):
+            s = qt[b, j]
+            if s < 0:
+                continue
+            row = s * K
+            trow = kinv[b * T + j] * n_ub
+            for k in range(j + 1):
+                if small:  # the cell's slot by the batch ranks of its query and key buckets
+                    slot = trow + kinv[b * T + k]
+                else:
+                    slot = row + kb[b, k]
+                r = lut[slot]
+                if r < 0:
+                    r = n_u
+                    lut[slot] = r
+                    cells[u0 + r] = row + kb[b, k]
+                    slots[r] = slot
+                    cell_counts[u0 + r, 0] = 0
+                    cell_counts[u0 + r, 1] = 0
+                    cell_counts[u0 + r, 2] = 0
+                    n_u += 1
+                pinv[m] = r
+                m += 1
+                # counted per compact cell (cache-resident); add_batch_sums adds them into nbar / C / cooc
+                cell_counts[u0 + r, 0] += 1
+                cell_counts[u0 + r, 1] += first[k]
+                if j - k <= cooc_window and k < j:
+                    cell_counts[u0 + r, 2] += 1
+    return m, n_u
 
 # Head blocks of a constant width: with the width a compile-time constant, the adds of a pair's heads into its
 # cell's row are one vector add (the same per-head float32 additions in the same order as any other width), markedly

@@ -148,8 +148,15 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             helper_thread = self.device.type == "cpu" and torch.get_num_threads() >= 2
         self._helper = HelperThread(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
+        self._derive_from_weights(value_weights, attn_out_weights, mlp_out_from_resid)
+        self._cols = self._position_columns()
+        self._allocate(attn_input_norm_form)
+
+    def _derive_from_weights(self, value_weights, attn_out_weights, mlp_out_from_resid: bool) -> None:
+        """The statistics derived from others' sums rather than read (value, attn_out and mlp_out; the layouts
+        checked now) and so the capture fields read (:attr:`select`)."""
         # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
-        if value_weights is not None and attn_input_norm is None:
+        if value_weights is not None and self.attn_input_norm is None:
             raise ValueError("value_weights maps the attention-input norm's sums to value sums: pass attn_input_norm too")
         self.value_weights = value_weights
         if value_weights is not None:  # a wrong layout fails here, not after a shard's forward passes
@@ -173,18 +180,25 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         self.select = (("resid_in", "attn_probs", "reads") + (("mlp_out",) if not self.mlp_out_from_resid else ())
                        + (("values",) if value_weights is None else ())
                        + (("attn_out",) if self.attn_out_weights is None else ()))
+
+    def _position_columns(self) -> dict[str, int]:
+        """The per-position statistics summed (the rest derived) -> their widths."""
         # per-position sums, float64, one tensor per statistic (sums() hands them out without copies); the residual
         # and its square have depth L + 1 (l = L: the final residual before the last norm)
-        self._cols = {"resid": self.d, "attn_out": self.d, "mlp_out": self.d}
+        cols = {"resid": self.d, "attn_out": self.d, "mlp_out": self.d}
         if self.attn_out_weights is not None:
-            del self._cols["attn_out"]
+            del cols["attn_out"]
         if self.mlp_out_from_resid:
-            del self._cols["mlp_out"]
-        if attn_input_norm is not None:
-            self._cols["ln_in"] = self.d
-        if value_weights is None:
-            self._cols["values"] = self.H * self.dh
-        self._cols["reads"] = self.H * self.dh
+            del cols["mlp_out"]
+        if self.attn_input_norm is not None:
+            cols["ln_in"] = self.d
+        if self.value_weights is None:
+            cols["values"] = self.H * self.dh
+        cols["reads"] = self.H * self.dh
+        return cols
+
+    def _allocate(self, attn_input_norm_form) -> None:
+        """The sums (zero), the batch state, the work buffers and the engine that adds into the sums."""
         # the sums, which the engine adds into: kernel sums cell-major and layer-minor ([N*K, L*H]: row s*K + t holds
         # the cell's L*H (layer, head) sums, see the module docstring), the counts (nbar, C, cooc side by side:
         # complete only in sums()), the per-position sums
@@ -202,7 +216,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         # the engine (mfpipe.stats.engine.Engine); the native one sums ln1(x) from the normalised rows in its own loop
         # where the norm has a form (layer -> NormForm, e.g. adapter.attn_input_norm_form) that reproduces
         # attn_input_norm on a probe: no module call and no [B*T, d] output per layer
-        self._engine = make_engine(self.engine, self._totals, self.cooc_window, attn_input_norm, attn_input_norm_form)
+        self._engine = make_engine(self.engine, self._totals, self.cooc_window, self.attn_input_norm,
+                                   attn_input_norm_form)
         self._holding_heap = False  # CPU: the C heap holds every block while batches run (heap.hold_heap_blocks)
 
     def _threads(self):

@@ -157,7 +157,33 @@ def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset
     key_str = strings + ["<bos>", "<other>"]
     key_ids = np.concatenate([ids, [-1 if bos is None else bos, -1]]).astype(np.int64)
 
-    f = np.dtype(dtype)
+    data_vars = _mean_vars(sums, qc, kc, np.dtype(dtype), kernel)
+    coords = {
+        "layer": np.arange(L),
+        "depth": np.arange(L + 1),
+        "head": np.arange(H),
+        "query": np.arange(N),
+        "key": np.arange(K),
+        "dim": np.arange(d),
+        "head_dim": np.arange(dh),
+        "position": np.arange(T),
+        "query_str": ("query", np.asarray(strings, dtype=object)),
+        "query_token_id": ("query", ids),
+        "key_str": ("key", np.asarray(key_str, dtype=object)),
+        "key_token_id": ("key", key_ids),
+    }
+    attrs = _store_attrs(sums, tracked, meta, min_count, bos)
+    ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
+    if kernel:
+        ds["P"].attrs["description"] = KERNEL_DESCRIPTION
+    ds["centroid"].attrs["description"] = "mean residual entering block `depth` (depth L: final, before the last norm)"
+    return ds
+
+
+def _mean_vars(sums, qc: np.ndarray, kc: np.ndarray, f: np.dtype, kernel: bool) -> dict:
+    """The store's variables (module docstring) from the sums and the query / key counts ``qc`` / ``kc``: the
+    means as ``f`` (``nbar`` float64), the counts int64; ``P`` only where ``kernel``."""
+    L, H, N, K = np.shape(sums["P_sum"])
     if kernel:
         P = np.empty((L, H, N, K), dtype=f)
         for l in range(L):  # layer by layer: the float64 kernel sums can be > 1 GB
@@ -173,8 +199,7 @@ def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset
     resid_mid = _mean(sums["resid_mid_sum"], kc, (1, K, 1))
     mlp_out = _mean(sums["mlp_out_sum"], kc, (1, K, 1))
     ln_in = _mean(sums["ln_in_sum"], kc, (1, K, 1))
-
-    data_vars = {
+    return {
         **({"P": (KERNEL_DIMS, P)} if kernel else {}),
         "nbar": (("query", "key"), nbar),
         "context_count": (("query", "key"), np.asarray(sums["context_count"], dtype=np.int64)),
@@ -191,20 +216,14 @@ def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset
         "mlp_out_mean": (("layer", "key", "dim"), mlp_out.astype(f)),
         "ln_in_mean": (("layer", "key", "dim"), ln_in.astype(f)),
     }
-    coords = {
-        "layer": np.arange(L),
-        "depth": np.arange(L + 1),
-        "head": np.arange(H),
-        "query": np.arange(N),
-        "key": np.arange(K),
-        "dim": np.arange(d),
-        "head_dim": np.arange(dh),
-        "position": np.arange(T),
-        "query_str": ("query", np.asarray(strings, dtype=object)),
-        "query_token_id": ("query", ids),
-        "key_str": ("key", np.asarray(key_str, dtype=object)),
-        "key_token_id": ("key", key_ids),
-    }
+
+
+def _store_attrs(sums, tracked, meta, min_count, bos) -> dict:
+    """The store's attributes: ``meta`` (JSON-able) and the provenance filled in (:func:`finalize`), None left out."""
+    L, H, N, _ = np.shape(sums["P_sum"])
+    d = sums["resid_sum"].shape[-1]
+    dh = sums["value_sum"].shape[-1]
+    T = sums["position_count"].shape[0]
     attrs = {k: _jsonable(v) for k, v in dict(meta or {}).items()}
     attrs.update(
         {
@@ -224,12 +243,7 @@ def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset
             "mfpipe_version": code_version(),
         }
     )
-    attrs = {k: v for k, v in attrs.items() if v is not None}
-    ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
-    if kernel:
-        ds["P"].attrs["description"] = KERNEL_DESCRIPTION
-    ds["centroid"].attrs["description"] = "mean residual entering block `depth` (depth L: final, before the last norm)"
-    return ds
+    return {k: v for k, v in attrs.items() if v is not None}
 
 
 def _encoding(ds: xr.Dataset) -> dict:

@@ -40,6 +40,8 @@ __all__ = ["DEFAULTS", "run_task", "run_tasks", "resolve_tasks", "SELECTIONS", "
 SELECTIONS = ("AIE", "MFA", "raw-magnitude", "random")
 CONSTRUCTIONS = ("raw", "r")
 PROTOCOLS = ("sum", "per_head")
+# the four pipelines that choose the injection setting and that the category analysis decodes
+_PIPES = [(sel, cons) for sel in ("AIE", "MFA") for cons in CONSTRUCTIONS]
 
 DEFAULTS = dict(n_pairs=60, n_extract=20, n_splits=3, n_shots=10, n_clean=20, n_corrupted=10, n_heads=10,
                 layers=None, sum_scales=[1.0, 2.0, 4.0, 8.0], head_scales=[1.0, 2.0, 5.0, 10.0], null="mean_field",
@@ -81,9 +83,8 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
     zero-shot / few-shot rows), ``heads`` (per split and head: the three scores and the selections), ``sweep``,
     ``ranks`` (category analysis), ``prompt_ranks`` (per-prompt decode) and ``info``."""
     c = {**DEFAULTS, **cfg}
-    L, H = adapter.n_layers, adapter.n_heads
     T = int(context_length or 1 << 30)
-    seed, k = int(c["seed"]), int(c["n_heads"])
+    seed = int(c["seed"])
     kw = dict(sep=c["separator"], answer_prefix=c["answer_prefix"], joiner=c["joiner"], context_length=T)
     if pool is None:
         pool = Pr.task_pool(task, tokenizer, bos_id, n_pairs=int(c["n_pairs"]), seed=seed, sep=c["separator"],
@@ -93,15 +94,55 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
         null = null(next(iter(cues)))
     sp = Pr.splits(len(pool.pairs), int(c["n_extract"]), int(c["n_splits"]), seed)
     O = Hd.out_slices(adapter)
-    bs = int(c["batch_size"])
-    decode = _decoder(adapter, jlens)
+    per_split, cue = _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cues, O, progress)
 
+    # AIE: one mediation sweep per task, on split 0, held fixed
+    s0 = per_split[0]
+    corrupted = Pr.corrupted_prompts(pool, tokenizer, bos_id, s0["ext"], n_shots=c["n_shots"],
+                                     n_prompts=c["n_corrupted"], seed=seed, **kw)
+    aie, p_corrupt, _ = Hd.aie(adapter, corrupted, s0["zbar"], batch_size=int(c["batch_size"]), progress=progress)
+    aie_sel = Hd.top_heads(aie.float(), int(c["n_heads"]))
+    for d in per_split:
+        d["sel"]["AIE"] = aie_sel
+
+    sweep, best = _sweep(adapter, task, pool, s0, O, c, progress)
+    rows, head_rows = _evaluate_splits(adapter, task, pool, per_split, aie, best, O, c, progress)
+    pops = _rank_populations(adapter, pool, s0, bos_id, other_categories, c)
+    decode = _decoder(adapter, jlens)
+    rank_rows = _rank_rows(task, decode, pops, s0, best["sum"][0], O)
+    prompt_rows = _prompt_rank_rows(task, decode, s0, null, O)
+    info = dict(task=task.name, source=pool.source, n_usable=pool.n_usable, dropped=pool.dropped,
+                n_pairs=len(pool.pairs), cue_token=int(cue), p_corrupted=p_corrupt, n_corrupted=len(corrupted),
+                n_clean=[len(d["clean"]) for d in per_split], aie_heads=[f"L{l}H{h}" for l, h in aie_sel],
+                mfa_heads=[[f"L{l}H{h}" for l, h in d["sel"]["MFA"]] for d in per_split],
+                sum_layer=best["sum"][0], sum_scale=best["sum"][1], head_scale=best["per_head"][1])
+    if log is not None:
+        log.info("task %s: %d pairs (of %d usable), cue token %d; AIE heads %s; MFA heads (split 0) %s; injection "
+                 "layer %d scale %g (sum), scale %g (per head); P(answer | corrupted) %.3f", task.name,
+                 len(pool.pairs), pool.n_usable, cue, info["aie_heads"], info["mfa_heads"][0], best["sum"][0],
+                 best["sum"][1], best["per_head"][1], p_corrupt)
+    return dict(transfer=pd.DataFrame(rows), heads=pd.DataFrame(head_rows), sweep=sweep,
+                ranks=pd.DataFrame(rank_rows), prompt_ranks=pd.DataFrame(prompt_rows), info=info)
+
+
+def _vectors(d: dict, cons: str) -> torch.Tensor:
+    """The heads' vectors of construction ``cons`` in one split: the clean means (raw) or the task deviation (r)."""
+    return d["zbar"] if cons == "raw" else d["r"]
+
+
+def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cues, O,
+                    progress) -> tuple[list, int]:
+    """Step 2 of every split of ``sp`` (the clean reads, the task deviation, the MFA / raw-magnitude / random
+    selections and the few-shot ceiling's reads) -> (one dict per split, the answer-cuing token). Stops at the first
+    split whose prompts end in a second cue token: the deviation needs one null type."""
+    L, H, k, seed, bs = adapter.n_layers, adapter.n_heads, int(c["n_heads"]), int(c["seed"]), int(c["batch_size"])
     per_split = []
     for s, (ext, held) in enumerate(sp):
         clean = Pr.clean_prompts(pool, tokenizer, bos_id, ext, n_shots=c["n_shots"], n_prompts=c["n_clean"],
                                  seed=[seed, s], **kw)
         if not clean:
-            raise ValueError(f"task {task.name!r}: no clean few-shot prompt fits the context of {T} tokens")
+            raise ValueError(f"task {task.name!r}: no clean few-shot prompt fits the context of {kw['context_length']}"
+                             " tokens")
         cues |= {int(p.tokens[-1]) for p in clean}
         if len(cues) > 1:
             break
@@ -117,39 +158,30 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
     if len(cues) != 1:
         raise ValueError(f"task {task.name!r}: the prompts end in {len(cues)} different tokens {sorted(cues)}; the "
                          "answer-cuing separator must encode as one token")
-    cue = cues.pop()
+    return per_split, cues.pop()
 
-    # AIE: one mediation sweep per task, on split 0, held fixed
-    s0 = per_split[0]
-    corrupted = Pr.corrupted_prompts(pool, tokenizer, bos_id, s0["ext"], n_shots=c["n_shots"],
-                                     n_prompts=c["n_corrupted"], seed=seed, **kw)
-    aie, p_corrupt, _ = Hd.aie(adapter, corrupted, s0["zbar"], batch_size=bs, progress=progress)
-    aie_sel = Hd.top_heads(aie.float(), k)
-    for d in per_split:
-        d["sel"]["AIE"] = aie_sel
 
-    def vectors(d, cons):
-        return d["zbar"] if cons == "raw" else d["r"]
-
-    # the sweep: on split 0's extraction pairs, the four AIE/MFA x raw/r pipelines
+def _sweep(adapter, task, pool, s0, O, c, progress) -> tuple[pd.DataFrame, dict]:
+    """Step 5: the four AIE/MFA x raw/r pipelines on split 0's extraction pairs -> (the sweep's table, ``{protocol:
+    (layer, scale, mean accuracy)}`` of the chosen setting)."""
+    L = adapter.n_layers
     layers = list(range(L)) if c["layers"] is None else [int(x) for x in c["layers"]]
     bad = [x for x in layers if not 0 <= x < L]
     if bad:
         raise ValueError(f"function_vectors.layers {bad}: this model has layers 0..{L - 1}")
     ext_zs = Pr.zeroshot_prompts(pool, s0["ext"])
     ext_ans = np.asarray([p.answer for p in ext_zs])
-    pipes = [(sel, cons) for sel in ("AIE", "MFA") for cons in CONSTRUCTIONS]
     sweep_rows, injs = [], []
     for layer in layers:
         for scale in c["sum_scales"]:
-            for sel, cons in pipes:
-                injs.append(Inj.sum_injection(vectors(s0, cons), s0["sel"][sel], O, layer, scale))
+            for sel, cons in _PIPES:
+                injs.append(Inj.sum_injection(_vectors(s0, cons), s0["sel"][sel], O, layer, scale))
                 sweep_rows.append(("sum", layer, float(scale), sel, cons))
     for scale in c["head_scales"]:
-        for sel, cons in pipes:
-            injs.append(Inj.per_head_injection(vectors(s0, cons), s0["sel"][sel], scale))
+        for sel, cons in _PIPES:
+            injs.append(Inj.per_head_injection(_vectors(s0, cons), s0["sel"][sel], scale))
             sweep_rows.append(("per_head", -1, float(scale), sel, cons))
-    top1, _ = Inj.evaluate(adapter, ext_zs, injs, batch_size=bs, progress=progress)
+    top1, _ = Inj.evaluate(adapter, ext_zs, injs, batch_size=int(c["batch_size"]), progress=progress)
     sweep = pd.DataFrame(sweep_rows, columns=["protocol", "layer", "scale", "selection", "construction"])
     sweep["accuracy"] = (top1 == ext_ans[None, :]).mean(1)
     sweep.insert(0, "task", task.name)
@@ -159,8 +191,11 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
         m = m.sort_values(["accuracy", "scale", "layer"], ascending=[False, True, True], kind="stable")
         best[prot] = (int(m.iloc[0]["layer"]), float(m.iloc[0]["scale"]), float(m.iloc[0]["accuracy"]))
     sweep["chosen"] = [best[p][:2] == (l, sc) for p, l, sc in zip(sweep["protocol"], sweep["layer"], sweep["scale"])]
+    return sweep, best
 
-    # evaluation on the held-out pairs of every split
+
+def _evaluate_splits(adapter, task, pool, per_split, aie, best, O, c, progress) -> tuple[list, list]:
+    """Step 6 on the held-out pairs of every split -> (the transfer rows, the per-head rows)."""
     rows, head_rows = [], []
     for s, d in enumerate(per_split):
         held_zs = Pr.zeroshot_prompts(pool, d["held"])
@@ -172,11 +207,11 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
             layer, scale, _ = best[prot]
             for sel in SELECTIONS:
                 for cons in CONSTRUCTIONS:
-                    v = vectors(d, cons)
+                    v = _vectors(d, cons)
                     injs.append(Inj.sum_injection(v, d["sel"][sel], O, layer, scale) if prot == "sum"
                                 else Inj.per_head_injection(v, d["sel"][sel], scale))
                     specs.append((prot, sel, cons))
-        top1, pa = Inj.evaluate(adapter, held_zs, injs, batch_size=bs, progress=progress)
+        top1, pa = Inj.evaluate(adapter, held_zs, injs, batch_size=int(c["batch_size"]), progress=progress)
         for (prot, sel, cons), t1, p in zip(specs, top1, pa):
             rows.append(dict(task=task.name, split=s, protocol=prot, selection=sel, construction=cons, n=len(ans),
                              correct=int((t1 == ans).sum()), in_category=int(sum(int(t) in cat for t in t1)),
@@ -190,13 +225,16 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
                          seen_answer=int(sum(int(t) in seen for t in fs.top1)), p_answer=float(fs.p_answer.mean()),
                          layer=-1, scale=float("nan")))
         sel_sets = {name: set(v) for name, v in d["sel"].items()}
-        for l in range(L):
-            for h in range(H):
+        for l in range(adapter.n_layers):
+            for h in range(adapter.n_heads):
                 head_rows.append(dict(task=task.name, split=s, layer=l, head=h, mfa_norm=float(d["mfa"][l, h]),
                                       raw_norm=float(d["raw"][l, h]), aie=float(aie[l, h]),
                                       **{f"sel_{n}": (l, h) in v for n, v in sel_sets.items()}))
+    return rows, head_rows
 
-    # App. fv-gpt2: what the vectors contain, under the lenses (split 0)
+
+def _rank_populations(adapter, pool, s0, bos_id, other_categories, c) -> dict:
+    """Step 7's token populations on split 0: {seen, held-out, out-of-task, unrelated} -> token ids."""
     ext_ans_set = np.unique(pool.answers[s0["ext"]])
     held_set = np.setdiff1d(np.unique(pool.answers[s0["held"]]), ext_ans_set)
     unrelated = np.setdiff1d(np.unique(np.concatenate([np.asarray(x, np.int64) for x in other_categories]))
@@ -204,9 +242,14 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
     if len(unrelated) < 5:  # no other task to draw from: random vocabulary ids outside the category
         V = int(adapter.model.get_output_embeddings().weight.shape[0])
         cand = np.setdiff1d(np.arange(V), np.concatenate([pool.category, [bos_id]]))
-        unrelated = np.random.default_rng([seed, 0xC4]).choice(cand, size=min(int(c["n_unrelated"]), len(cand)),
-                                                               replace=False)
-    pops = {"seen": ext_ans_set, "held-out": held_set, "out-of-task": pool.out_of_task, "unrelated": unrelated}
+        unrelated = np.random.default_rng([int(c["seed"]), 0xC4]).choice(
+            cand, size=min(int(c["n_unrelated"]), len(cand)), replace=False)
+    return {"seen": ext_ans_set, "held-out": held_set, "out-of-task": pool.out_of_task, "unrelated": unrelated}
+
+
+def _rank_rows(task, decode, pops, s0, lay0: int, O) -> list:
+    """Step 7's category analysis (App. fv-gpt2): the populations' ranks under each lens for the summed vectors of
+    the four pipelines (at the sweep's layer ``lay0``) and for each MFA head's own component."""
     rank_rows = []
 
     def add_ranks(what, layer, point, vec):
@@ -219,11 +262,16 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
             row["top1"] = int(lg[0].argmax())
             rank_rows.append(row)
 
-    lay0 = best["sum"][0]
-    for sel, cons in pipes:
-        add_ranks(f"sum {sel} {cons}", lay0, "block", Inj.summed_vector(vectors(s0, cons), s0["sel"][sel], O))
+    for sel, cons in _PIPES:
+        add_ranks(f"sum {sel} {cons}", lay0, "block", Inj.summed_vector(_vectors(s0, cons), s0["sel"][sel], O))
     for l, h in s0["sel"]["MFA"]:
         add_ranks(f"head L{l}H{h} r", l, "attn", s0["r"][l, h] @ O[l, h])
+    return rank_rows
+
+
+def _prompt_rank_rows(task, decode, s0, null, O) -> list:
+    """Step 7's per-prompt decode (App. fv-jlens): the rank of each clean prompt's own answer in its per-prompt
+    residual, for the first three MFA heads of split 0."""
     prompt_rows = []
     ans_clean = np.asarray([p.answer for p in s0["clean"]])
     for l, h in s0["sel"]["MFA"][:3]:
@@ -233,18 +281,7 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
             prompt_rows.append(dict(task=task.name, head=f"L{l}H{h}", lens=lens, n=len(rk),
                                     median_answer_rank=float(np.median(rk)), best_rank=int(rk.min()),
                                     top1_share=float(np.mean(rk == 0))))
-    info = dict(task=task.name, source=pool.source, n_usable=pool.n_usable, dropped=pool.dropped,
-                n_pairs=len(pool.pairs), cue_token=int(cue), p_corrupted=p_corrupt, n_corrupted=len(corrupted),
-                n_clean=[len(d["clean"]) for d in per_split], aie_heads=[f"L{l}H{h}" for l, h in aie_sel],
-                mfa_heads=[[f"L{l}H{h}" for l, h in d["sel"]["MFA"]] for d in per_split],
-                sum_layer=best["sum"][0], sum_scale=best["sum"][1], head_scale=best["per_head"][1])
-    if log is not None:
-        log.info("task %s: %d pairs (of %d usable), cue token %d; AIE heads %s; MFA heads (split 0) %s; injection "
-                 "layer %d scale %g (sum), scale %g (per head); P(answer | corrupted) %.3f", task.name,
-                 len(pool.pairs), pool.n_usable, cue, info["aie_heads"], info["mfa_heads"][0], best["sum"][0],
-                 best["sum"][1], best["per_head"][1], p_corrupt)
-    return dict(transfer=pd.DataFrame(rows), heads=pd.DataFrame(head_rows), sweep=sweep,
-                ranks=pd.DataFrame(rank_rows), prompt_ranks=pd.DataFrame(prompt_rows), info=info)
+    return prompt_rows
 
 
 def resolve_tasks(names, files) -> list[tuple]:

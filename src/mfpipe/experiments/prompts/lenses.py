@@ -11,7 +11,8 @@ readable tables (Markdown / HTML), one target per lens.
   excerpt around the query), is applied here.
 * :func:`context_details` -- one traced forward per batch of windows (:meth:`Adapter.run`), the per-context math
   of pass 2 (:func:`~mfpipe.meanfield.ccmf.pair_kernel`, :func:`~mfpipe.meanfield.deviation.occurrence_terms`,
-  :func:`~mfpipe.meanfield.deviation.meters`) on the rows' heads only, so D is recomputed and checked against ``top_D``.
+  :func:`~mfpipe.meanfield.deviation.meters`) on the rows' heads only, so D is recomputed and checked against ``top_D``
+  (the re-run: :class:`~mfpipe.experiments.prompts.rerun.ContextRerun`).
 * :func:`contexts_markdown` / :func:`contexts_html` (the context lens) and :func:`decode_markdown` (the decode lens).
   The covariance/contextualization plane (the first lens) is a figure built elsewhere.
 """
@@ -27,10 +28,8 @@ from collections import Counter
 
 import numpy as np
 import pandas as pd
-import torch
 
-from mfpipe.meanfield.ccmf import pair_kernel
-from mfpipe.meanfield.deviation import key_type_ranks, meters, occurrence_terms
+from mfpipe.experiments.prompts.rerun import ContextRerun
 
 __all__ = ["mine_contexts", "context_details", "contexts_markdown", "contexts_html", "decode_markdown",
            "contexts_csv", "parse_heads", "is_garbled", "N_HEADS", "PER_HEAD", "BEFORE", "AFTER", "D_ATOL"]
@@ -166,64 +165,9 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     rows = rows.reset_index(drop=True)
     R = len(rows)
     win = window_tokens(tokens, rows)
-    keys = list(zip(rows["shard"].astype(int), rows["window"].astype(int)))
-    first = {k: n for n, k in reversed(list(enumerate(keys)))}  # each window once, in order of first use
-    uniq = list(first)
-    wtok = win[[first[k] for k in uniq]]
-    row_u = np.array([uniq.index(k) for k in keys], dtype=np.int64)
-    dev = adapter.device
-    grams = kernel.grams(adapter)
-    out = {k: np.full(R, np.nan) for k in ("D_recomputed", "M_cov", "M_ctx", "other_share")}
-    out["valid"] = np.zeros(R, bool)
-    kpos, kshare = np.full((R, k_keys), -1, np.int64), np.full((R, k_keys), np.nan)
-    dpos, dprob = np.full((R, decode_k), -1, np.int64), np.full((R, decode_k), np.nan)
-    jpos, jprob = np.full((R, decode_k), -1, np.int64), np.full((R, decode_k), np.nan)
-    lay, hd, pos = (rows[c].to_numpy(np.int64) for c in ("layer", "head", "position"))
-    for b0 in range(0, len(uniq), int(batch_size)):
-        sel = np.flatnonzero((row_u >= b0) & (row_u < b0 + int(batch_size)))
-        ids = wtok[b0 : b0 + int(batch_size)]
-        kb, qt = (x.to(dev) for x in kernel.buckets(ids))
-        ranks = key_type_ranks(kb)
-        delta = torch.zeros(len(sel), adapter.d_model, dtype=torch.float32, device=dev)
-
-        def on_layer(cap, sel=sel, kb=kb, qt=qt, ranks=ranks, delta=delta, b0=b0):
-            l = cap.layer
-            mine = np.flatnonzero(lay[sel] == l)
-            if not len(mine):
-                return
-            r = sel[mine]
-            hs = sorted(set(hd[r].tolist()))
-            hi = torch.as_tensor([hs.index(h) for h in hd[r]], device=dev)
-            bi, j = torch.as_tensor(row_u[r] - b0, device=dev), torch.as_tensor(pos[r], device=dev)
-            hsel = torch.as_tensor(hs, device=dev)
-            probs = cap.attn_probs.float()[:, hsel]
-            a, _, valid = pair_kernel(kernel.W[l][hs].to(dev, torch.float32), kb, qt)  # the rows' heads only
-            terms = occurrence_terms(probs, cap.values.float()[:, hsel], a.transpose(0, 1),
-                                     kernel.mu[l][hs].to(dev, torch.float32), kb, reads=cap.reads[:, :, hsel],
-                                     ranks=ranks)
-            m = meters(terms, grams[l][hs].to(dev))
-            for k in ("D", "M_cov", "M_ctx"):
-                out["D_recomputed" if k == "D" else k][r] = m[k][bi, j, hi].cpu().numpy()
-            out["valid"][r] = valid[bi, j].cpu().numpy()
-            att = probs[bi, hi, j]  # [r, T]
-            out["other_share"][r] = (att * (kb[bi] == kernel.n + 1)).sum(-1).double().cpu().numpy()
-            v, i = att.topk(min(k_keys, att.shape[-1]), dim=-1)
-            kshare[r, : v.shape[1]], kpos[r, : v.shape[1]] = v.cpu().numpy(), i.cpu().numpy()
-            d = (terms.z - terms.zhat)[bi, j, hi].float()  # [r, dh], head space
-            O = adapter.out_proj_slices(l).to(dev, torch.float32)[torch.as_tensor(hd[r], device=dev)]
-            delta[torch.as_tensor(mine, device=dev)] = torch.einsum("rd,rde->re", d, O)
-
-        adapter.run(torch.from_numpy(ids), select=("attn_probs", "values", "reads"), on_layer=on_layer)
-        if len(sel):
-            p, i = torch.softmax(adapter.unembed(delta), dim=-1).topk(decode_k, dim=-1)
-            dprob[sel], dpos[sel] = p.double().cpu().numpy(), i.cpu().numpy()
-            if jlens is not None:
-                from mfpipe.jlens.lens import jlens_decode
-                for l in sorted(set(lay[sel].tolist())):
-                    m = np.flatnonzero(lay[sel] == l)
-                    logits = jlens_decode(adapter, jlens, l, "attn", delta[torch.as_tensor(m, device=dev)])
-                    p, i = torch.softmax(logits, dim=-1).topk(decode_k, dim=-1)
-                    jprob[sel[m]], jpos[sel[m]] = p.double().cpu().numpy(), i.cpu().numpy()
+    rerun = ContextRerun(adapter, kernel, rows, win, k_keys, decode_k)
+    rerun.run(batch_size, jlens)
+    out, pos = rerun.out, rerun.pos
     df = rows.copy()
     df["D_recomputed"] = out["D_recomputed"]
     df["D_ok"] = np.abs(out["D_recomputed"] - rows["D"].to_numpy(np.float64)) <= atol
@@ -233,17 +177,17 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     df["left"], df["query"], df["right"] = [e[0] for e in ex], [e[1] for e in ex], [e[2] for e in ex]
     T = win.shape[1]
     df["next_token"] = [_decode(tokenizer, win[n, pos[n] + 1 : pos[n] + 2]) if pos[n] + 1 < T else "" for n in range(R)]
-    df["key_positions"] = [kp[kp >= 0].tolist() for kp in kpos]
-    df["key_tokens"] = [[BOS_KEY if q == 0 else _decode(tokenizer, win[n, q : q + 1]) for q in kpos[n] if q >= 0]
+    df["key_positions"] = [kp[kp >= 0].tolist() for kp in rerun.kpos]
+    df["key_tokens"] = [[BOS_KEY if q == 0 else _decode(tokenizer, win[n, q : q + 1]) for q in rerun.kpos[n] if q >= 0]
                         for n in range(R)]
-    df["key_shares"] = [ks[np.isfinite(ks)].tolist() for ks in kshare]
-    df["decode_ids"] = [d[d >= 0].tolist() for d in dpos]
-    df["decode_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in dpos]
-    df["decode_probs"] = [p[np.isfinite(p)].tolist() for p in dprob]
+    df["key_shares"] = [ks[np.isfinite(ks)].tolist() for ks in rerun.kshare]
+    df["decode_ids"] = [d[d >= 0].tolist() for d in rerun.dpos]
+    df["decode_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in rerun.dpos]
+    df["decode_probs"] = [p[np.isfinite(p)].tolist() for p in rerun.dprob]
     if jlens is not None:
-        df["jlens_ids"] = [d[d >= 0].tolist() for d in jpos]
-        df["jlens_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in jpos]
-        df["jlens_probs"] = [p[np.isfinite(p)].tolist() for p in jprob]
+        df["jlens_ids"] = [d[d >= 0].tolist() for d in rerun.jpos]
+        df["jlens_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in rerun.jpos]
+        df["jlens_probs"] = [p[np.isfinite(p)].tolist() for p in rerun.jprob]
     return df
 
 

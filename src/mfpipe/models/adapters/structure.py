@@ -190,6 +190,20 @@ def _probe_roles(model, base, layers: str, attn: str, mlp: str, table, mt) -> di
     attention's or the MLP's output, and whether the MLP's input comes from the block input or from it plus the
     attention branch."""
     block = getattr(base, layers)[0]
+    names = [n for n, m in block.named_children() if _is_norm(m)] + [attn, mlp]
+    seen, objs, emb = _probe_forward(model, base, block, names)
+    if attn not in seen or mlp not in seen or "<block>" not in seen:
+        raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention and MLP")
+    norms = [n for n in names[:-2] if n in seen]
+    same = _same_within(emb.weight.dtype)
+    roles = _norm_roles(seen, objs, norms, attn, mlp, same, mt)
+    roles["embed_scale"] = _embed_scale(base, seen, table, same, mt)
+    return roles
+
+
+def _probe_forward(model, base, block, names: list[str]) -> tuple[dict, dict, nn.Module]:
+    """One forward of three tokens with hooks on block 0's children ``names``, the block and the token embedding
+    -> (name -> (its first input, its output [0]) as float32 copies, the same tensors themselves, the embedding)."""
     seen: dict[str, tuple[Tensor, Tensor]] = {}  # module name -> (its first input, its output [0]), float32 copies
     objs: dict[str, tuple[Tensor, Tensor]] = {}  # the same tensors themselves (kept alive: identity is unambiguous)
     handles = []
@@ -203,7 +217,6 @@ def _probe_roles(model, base, layers: str, attn: str, mlp: str, table, mt) -> di
                 objs[name] = (x, y)
         return fn
 
-    names = [n for n, m in block.named_children() if _is_norm(m)] + [attn, mlp]
     for n in names:
         handles.append(getattr(block, n).register_forward_hook(hook(n), with_kwargs=True))
     handles.append(block.register_forward_hook(hook("<block>"), with_kwargs=True))
@@ -218,18 +231,26 @@ def _probe_roles(model, base, layers: str, attn: str, mlp: str, table, mt) -> di
     finally:
         for h in handles:
             h.remove()
-    if attn not in seen or mlp not in seen or "<block>" not in seen:
-        raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention and MLP")
-    block_in = seen["<block>"][0]
-    attn_in, attn_out = seen[attn]
-    mlp_in, mlp_out = seen[mlp]
-    norms = [n for n in names[:-2] if n in seen]
+    return seen, objs, emb
 
-    # equal up to the rounding of the model's dtype (a bfloat16 block adds its branches in bfloat16)
-    eps = max(1e-6, 4 * torch.finfo(emb.weight.dtype).eps) if emb.weight.dtype.is_floating_point else 1e-6
+
+def _same_within(dtype: torch.dtype):
+    """``same(a, b)``: equal up to the rounding of the model's dtype (a bfloat16 block adds its branches in
+    bfloat16)."""
+    eps = max(1e-6, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-6
 
     def same(a, b):
         return a.shape == b.shape and torch.allclose(a, b, rtol=10 * eps, atol=eps * float(b.abs().max().clamp_min(1)))
+
+    return same
+
+
+def _norm_roles(seen: dict, objs: dict, norms: list[str], attn: str, mlp: str, same, mt) -> dict:
+    """The probed ``norms``' roles around the attention ``attn`` and the MLP ``mlp`` and the residual form
+    (``parallel``: the MLP reads the block input) from the probe forward's tensors (:func:`_probe_forward`)."""
+    block_in = seen["<block>"][0]
+    attn_in, attn_out = seen[attn]
+    mlp_in, mlp_out = seen[mlp]
 
     def role(pick, what, obj_pick=None):
         # the tensor a module hands on is the very object the next one reads: that decides first (two norms of
@@ -264,6 +285,14 @@ def _probe_roles(model, base, layers: str, attn: str, mlp: str, table, mt) -> di
     unplaced = [n for n in norms if n not in (attn_norm, post_attn_norm, mlp_norm, post_mlp_norm)]
     if unplaced:
         raise UnsupportedArchitectureError(mt, f"its norm(s) {', '.join(unplaced)} sit where mfpipe has no place")
+    return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
+                parallel=parallel)
+
+
+def _embed_scale(base, seen: dict, table, same, mt) -> float:
+    """The scale the token embedding reaches block 0 with (1, or sqrt(d)), the position table ``table`` added where
+    there is one."""
+    block_in = seen["<block>"][0]
     e = seen["<embed>"][1]
     scale = 1.0
     if table is not None:  # a learned absolute position table (GPT-2): block 0 reads token + position embeddings
@@ -276,5 +305,4 @@ def _probe_roles(model, base, layers: str, attn: str, mlp: str, table, mt) -> di
             raise UnsupportedArchitectureError(mt, "its first block reads the token embedding changed in a way mfpipe "
                                                    "cannot place (neither as is, nor scaled by sqrt(d), nor plus a "
                                                    "learned position table)")
-    return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
-                parallel=parallel, embed_scale=scale)
+    return scale
