@@ -348,19 +348,23 @@ def test_eval_windows_and_result_provenance(tmp_path):
     """The substitution's held-out windows are the first ceil(n / T) windows of the eval half in shard order (all of
     them when the half is smaller), and its result store carries the kernel's provenance with the statistics store's
     n_tokens as stats_tokens, the evaluation windows and the corpus fingerprints."""
-    from mfpipe.corpus.windows import Shard, write_shards
-    from mfpipe.experiments.substitution.heldout import eval_windows
+    from mfpipe.corpus.windows import Shard, eval_windows, write_shards
 
     tok = np.random.default_rng(0).integers(0, 50, size=(25, 8))
     doc = np.zeros_like(tok)
     doc[:, 0] = -1
     write_shards(Shard(tok, doc), tmp_path / "eval", shard_windows=10)
-    got, used = eval_windows(tmp_path, 90)  # 12 windows of T = 8: the first shard and two of the second
+    got, docs, used = eval_windows(tmp_path, n_tokens=90)  # 12 windows of T = 8: the first shard, 2 of the second
     np.testing.assert_array_equal(got, tok[:12])
+    np.testing.assert_array_equal(docs, doc[:12])
     assert used == ["shard-00000.npz", "shard-00001.npz"]
-    got, used = eval_windows(tmp_path, 10**6)
+    got, _, used = eval_windows(tmp_path, n_tokens=10**6)
     np.testing.assert_array_equal(got, tok)
     assert len(used) == 3
+    got, _, used = eval_windows(tmp_path, n_windows=12)  # by windows: the same 12
+    np.testing.assert_array_equal(got, tok[:12])
+    with pytest.raises(FileNotFoundError, match="run the corpus stage first"):
+        eval_windows(tmp_path / "nowhere", n_windows=3)
 
     sums = SU.SubstitutionSums(1, 2, n_windows=12, n_predictions=84, n_substituted=42, loss_model=84.0,
                                loss_mf=90.0, deviation=4.2, head_deviation=np.ones((1, 2)))

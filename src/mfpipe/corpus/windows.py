@@ -199,6 +199,35 @@ def list_shards(half_dir: str | Path) -> list[Path]:
     return sorted(Path(half_dir).glob("shard-*.npz"))
 
 
+class EvalWindows(NamedTuple):
+    """The first windows of a corpus's ``eval`` half: tokens [n, T], their document ids [n, T], the shard files read."""
+
+    tokens: np.ndarray
+    doc_ids: np.ndarray
+    shards: list[str]
+
+
+def eval_windows(shards_dir: str | Path, *, n_windows: int | None = None, n_tokens: int | None = None) -> EvalWindows:
+    """The first ``n_windows`` windows of the eval half (``<shards_dir>/eval``) in shard order, or the first
+    ceil(``n_tokens`` / T) (fewer when the half is smaller): held out from the statistics half that gives W and μ.
+    The one reader of held-out windows (the substitution, the prompt classes, the instance meter)."""
+    if (n_windows is None) == (n_tokens is None):
+        raise ValueError("eval_windows takes one of n_windows and n_tokens")
+    toks, docs, used, have = [], [], [], 0
+    for path in list_shards(Path(shards_dir) / "eval"):
+        shard = read_shard(path)
+        want = int(n_windows) if n_windows is not None else -(-int(n_tokens) // shard.tokens.shape[1])
+        toks.append(shard.tokens[: want - have])
+        docs.append(shard.doc_ids[: want - have])
+        used.append(path.name)
+        have += len(toks[-1])
+        if have >= want:
+            break
+    if not toks:
+        raise FileNotFoundError(f"no eval-half shards under {Path(shards_dir) / 'eval'}; run the corpus stage first")
+    return EvalWindows(np.concatenate(toks), np.concatenate(docs), used)
+
+
 def fingerprint_arrays(arrays: Iterable[np.ndarray], extra: dict | None = None) -> str:
     h = hashlib.sha256()
     if extra:

@@ -77,6 +77,7 @@ def icl_classes(job) -> None:
     """
     import time
 
+    from mfpipe.corpus.windows import eval_windows
     from mfpipe.experiments.prompts import classes as I
     from mfpipe.experiments.prompts import sets as P
     from mfpipe.workflow.context import open_forward_job
@@ -89,7 +90,7 @@ def icl_classes(job) -> None:
     tokenizer = fj.tokenizer()
     kernel = fj.kernel(int(p.min_count))
     n = int(p.n_prompts)
-    tokens, doc_ids = P.eval_windows(fj.shards, max(50 * n, 1000))
+    tokens, doc_ids = eval_windows(fj.shards, n_windows=max(50 * n, 1000))[:2]
     T = int(tokens.shape[1])
     pool = I.queryable_types(kernel)
     prompts, pinfo = P.prompt_classes(pool, tokenizer, tracked, T, tokens, doc_ids, n=n, n_fewshot=int(p.n_fewshot),
@@ -142,6 +143,7 @@ def icl_meter(job) -> None:
     """
     import time
 
+    from mfpipe.corpus.windows import eval_windows
     from mfpipe.experiments.prompts import meter as IM
     from mfpipe.experiments.prompts import sets as P
     from mfpipe.workflow.context import open_forward_job
@@ -151,7 +153,7 @@ def icl_meter(job) -> None:
     n = int(p.n_sequences)
     fj = open_forward_job(job.sm)
     name, revision = fj.name, fj.revision
-    tokens, doc_ids = P.eval_windows(fj.shards, 4 * n)
+    tokens, doc_ids = eval_windows(fj.shards, n_windows=4 * n)[:2]
     want = None if p.chunk_length in (None, "", "null") else int(p.chunk_length)
     k, cut = P.meter_chunk_length(want, tokens.shape[1])
     if cut:

@@ -76,7 +76,7 @@ from mfpipe.tasks import (
 
 __all__ = ["Prompt", "FewShotTask", "CLASSES", "induction_and_random_prompts", "natural_prompts", "fewshot_prompts",
            "builtin_tasks", "fewshot_tasks", "load_task_file", "task_words", "fewshot_text", "prompt_classes",
-           "eval_windows", "meter_sequences", "meter_chunk_length", "N_EXEMPLARS", "BUILTIN_TASKS"]
+           "meter_sequences", "meter_chunk_length", "N_EXEMPLARS", "BUILTIN_TASKS"]
 
 #: the classes in the paper's table order (planted ICL, background ICL, control)
 CLASSES = ("induction", "few-shot", "natural", "random")
@@ -292,24 +292,6 @@ def prompt_classes(pool, tokenizer, tracked, context_length: int, tokens: np.nda
     return prompts, info
 
 
-def eval_windows(shards_dir, max_windows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, doc_ids) of the first ``max_windows`` windows of the eval half (``<shards>/eval``, shard order)."""
-    from mfpipe.corpus.windows import list_shards, read_shard
-
-    toks, docs, have = [], [], 0
-    for path in list_shards(Path(shards_dir) / "eval"):
-        sh = read_shard(path)
-        toks.append(sh.tokens[: max_windows - have])
-        docs.append(sh.doc_ids[: max_windows - have])
-        have += len(toks[-1])
-        if have >= max_windows:
-            break
-    if not toks:
-        raise FileNotFoundError(f"no eval-half shards under {Path(shards_dir) / 'eval'}; run the corpus stage first")
-    return np.concatenate(toks), np.concatenate(docs)
-
-
-# ------------------------------------------------------------------ Experiment 1
 def meter_chunk_length(requested: int | None, window_length: int) -> tuple[int, bool]:
     """The chunk length ``k`` of ``[BOS; c; c]`` in windows of ``T = window_length`` tokens: ``requested`` (None:
     the longest that fits), cut to ``(T-1) // 2`` where ``2k + 1 > T``. Returns (k, whether it was cut)."""

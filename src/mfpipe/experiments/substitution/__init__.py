@@ -2,7 +2,6 @@
 
 - :mod:`~mfpipe.experiments.substitution.substitute` — every head's read replaced by ẑ_sX: ΔL and D_MF per
   (model, revision), its result store and the sweep tables across checkpoints.
-- :mod:`~mfpipe.experiments.substitution.heldout` — the held-out windows of the eval half it runs on.
 - :mod:`~mfpipe.experiments.substitution.calibration` — the bias of Â and the calibrated kernel U (App. B; its store is
   :mod:`mfpipe.meanfield.calibrated`, read by pass 2 too).
 - :mod:`~mfpipe.experiments.substitution.kernel_dynamics` — the kernel's change across checkpoints (Sec. 5.3, App. N).

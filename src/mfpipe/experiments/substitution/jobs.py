@@ -12,7 +12,7 @@ def substitution(job) -> None:
     from pathlib import Path
 
     from mfpipe.experiments.substitution import substitute as SU
-    from mfpipe.experiments.substitution.heldout import eval_windows
+    from mfpipe.corpus.windows import eval_windows
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_dir
 
@@ -20,7 +20,7 @@ def substitution(job) -> None:
     fj = open_forward_job(job.sm)
     name, revision, adapter, info = fj.name, fj.revision, fj.adapter, fj.corpus
     kernel = fj.kernel(int(p.min_count))
-    tokens, used = eval_windows(fj.shards, int(p.eval_tokens))
+    tokens, _, used = eval_windows(fj.shards, n_tokens=int(p.eval_tokens))
     log.info("%s @ %s: substitution with %s (C >= %d) on %d eval windows x T=%d (%d tokens, shards %s)",
              name, revision, kernel.attrs["kernel"], int(p.min_count), tokens.shape[0], tokens.shape[1], tokens.size,
              ", ".join(used))
