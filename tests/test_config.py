@@ -56,6 +56,31 @@ def test_a_renamed_key_is_named_with_its_new_name():
         validate_schema(cfg)
 
 
+@pytest.mark.parametrize("old, new", [
+    ({"function_vectors": {"tasks": []}}, "function_vectors was renamed fv"),
+    ({"fv": {"n_heads": 4}}, r"fv\.n_heads was renamed fv\.n_selected"),
+    ({"kernels": {"rank": 8}}, r"kernels was renamed substitution\.kernels"),
+    ({"deviation": {"top": 5}}, r"deviation\.top was renamed ranking\.top"),
+    ({"deviation": {"head_scores": {"seed": 1}}}, r"deviation\.head_scores was renamed ranking\.head_scores"),
+    ({"deviation": {"icl": {"seed": 1}}}, r"deviation\.icl was renamed prompts\.icl"),
+    ({"deviation": {"lenses": {"n_heads": 2}}}, r"deviation\.lenses was renamed prompts\.lenses"),
+    ({"prompts": {"lenses": {"n_heads": 2}}}, r"prompts\.lenses\.n_heads was renamed prompts\.lenses\.n_lens_heads"),
+])
+def test_each_experiment_section_carries_its_package_name_and_old_names_are_refused(old, new):
+    """Issue 47: a config section is named as its package (fv, ranking, prompts; pass 2's `deviation`; the kernel
+    dynamics under `substitution.kernels`); a section or key of the earlier layout is refused with one line naming its
+    new place, and the new layout validates."""
+    cfg = default_config()
+    cfg.update(old)
+    with pytest.raises(ConfigError, match=new):
+        validate_schema(cfg)
+    ok = default_config()
+    ok.update({"fv": {"n_selected": 4}, "ranking": {"top": 5}, "prompts": {"lenses": {"n_lens_heads": 2}},
+               "substitution": {"kernels": {"rank": 8}}, "deviation": {"tokens": 1000}})
+    validate_schema(ok)
+    assert ok["prompts"]["icl"]["n_prompts"] == 60 and ok["substitution"]["kernels"]["calibration_iterations"] == 5
+
+
 def test_bad_value_is_named():
     cfg = default_config()
     cfg["tracked"]["n_tracked"] = "many"

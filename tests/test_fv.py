@@ -68,7 +68,7 @@ def setup(request, tok, tmp_path_factory):
     return model, ad, tk, tracked, st
 
 
-CFG = dict(n_pairs=20, n_extract=8, n_splits=2, n_shots=3, n_clean=6, n_corrupted=3, n_heads=3,
+CFG = dict(n_pairs=20, n_extract=8, n_splits=2, n_shots=3, n_clean=6, n_corrupted=3, n_selected=3,
            sum_scales=[1.0, 4.0], head_scales=[1.0, 3.0], answer_prefix=" ", batch_size=16, seed=1)
 
 
@@ -292,9 +292,9 @@ def test_the_presets_run_the_papers_six_tasks_on_the_papers_models():
     from mfpipe.tasks import PAPER_FV_TASKS, vendored_tasks
 
     repo = Path(__file__).resolve().parents[1]
-    base = yaml.safe_load((repo / "config" / "config.yaml").read_text())["function_vectors"]
+    base = yaml.safe_load((repo / "config" / "config.yaml").read_text())["fv"]
     assert base["tasks"] == ["minisuite"]
-    blocks = [yaml.safe_load(p.read_text())["function_vectors"] for p in sorted((repo / "config" / "presets").glob("*.yaml"))]
+    blocks = [yaml.safe_load(p.read_text())["fv"] for p in sorted((repo / "config" / "presets").glob("*.yaml"))]
     assert len(blocks) == 13 and all(b == blocks[0] for b in blocks)
     assert tuple(blocks[0]["tasks"]) == PAPER_FV_TASKS and set(PAPER_FV_TASKS) <= set(vendored_tasks())
     assert blocks[0]["models"] == ["gpt2-small", "gemma-2-2b", "gpt-j-6b"]

@@ -82,7 +82,7 @@ def setup(request, tmp_path_factory):
     tok = StubTokenizer()
     S = merged["S_bar"].values
     named = [(0, int(np.argmax(S[0])))]  # the top heads are in layer 1: name one of layer 0 as well
-    rows = LE.mine_contexts(merged, shard_paths, heads=named, per_head=6, n_heads=3, tokenizer=tok)
+    rows = LE.mine_contexts(merged, shard_paths, heads=named, per_head=6, n_lens_heads=3, tokenizer=tok)
     df = LE.context_details(ad, kernel, tok, shard_paths, rows, k_keys=3, decode_k=5, batch_size=4)
     return dict(mt=mt, model=model, ad=ad, tokens=tokens, doc_ids=doc_ids, tracked=tracked, st=st, ds=ds,
                 merged=merged, shards=shard_paths, kernel=kernel, tok=tok, rows=rows, df=df, named=named)
@@ -100,7 +100,7 @@ def test_mined_heads_and_rows(setup):
         assert (g["S_bar_rank"] == order.index((l, h)) + 1).all()
     # named heads join the default selection once, in the order given
     extra = order[-1]
-    more = LE.mine_contexts(ds, setup["shards"], heads=[f"L{extra[0]}H{extra[1]}", order[0]], per_head=2, n_heads=2)
+    more = LE.mine_contexts(ds, setup["shards"], heads=[f"L{extra[0]}H{extra[1]}", order[0]], per_head=2, n_lens_heads=2)
     assert list(dict.fromkeys(zip(more["layer"], more["head"]))) == order[:2] + [extra]
     with pytest.raises(ValueError, match="L<layer>H<head>"):
         LE.parse_heads(["layer 3"])
@@ -175,7 +175,7 @@ def test_mined_contexts_respect_the_other_share_filter(setup):
     assert (by_hand <= 0.10 + 1e-9).all()
     loose = _pass2(setup["model"], setup["ad"], setup["tokens"], setup["doc_ids"], setup["tracked"], setup["st"],
                    other_share_max=1.0)
-    rows = LE.mine_contexts(loose, [setup["tokens"]], heads=setup["named"], per_head=TOP_K, n_heads=4)
+    rows = LE.mine_contexts(loose, [setup["tokens"]], heads=setup["named"], per_head=TOP_K, n_lens_heads=4)
     unfiltered = LE.context_details(setup["ad"], setup["kernel"], setup["tok"], [setup["tokens"]], rows)
     assert unfiltered["D_ok"].all()
     assert (unfiltered["other_share"] > 0.10).any()
@@ -190,7 +190,7 @@ def test_garbled_windows_are_dropped(setup):
     pos = clean["position"].to_numpy()
     g = int(win[0, pos[0]])  # the query token of the best context of the top head
     bad = StubTokenizer(special={g: " \ufffd", int(win[1, pos[1]]): "\x07"})
-    mined = LE.mine_contexts(ds, shards, heads=setup["named"], per_head=6, n_heads=3, tokenizer=bad)
+    mined = LE.mine_contexts(ds, shards, heads=setup["named"], per_head=6, n_lens_heads=3, tokenizer=bad)
     assert mined["n_garbled"].max() > 0
     mwin = LE.window_tokens(shards, mined)
     for n, r in enumerate(mined.itertuples()):

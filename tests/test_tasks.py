@@ -1,5 +1,5 @@
 """The paper's few-shot task data (mfpipe.tasks): Todd et al.'s function-vector datasets vendored byte for byte, read
-as word pairs, shipped as package data; the user's own task files; the config key deviation.icl.tasks (schema,
+as word pairs, shipped as package data; the user's own task files; the config key prompts.icl.tasks (schema,
 default config, presets); few-shot prompts over multi-token words with a mini-suite-style tokenizer; Exp. 1's
 chunk length cut to the window."""
 
@@ -127,27 +127,27 @@ def _layered(*files):
 
 
 def test_the_tasks_key_in_the_schema_the_default_config_and_the_presets():
-    icl = load_schema()["properties"]["deviation"]["properties"]["icl"]["properties"]
+    icl = load_schema()["properties"]["prompts"]["properties"]["icl"]["properties"]
     assert "builtin_tasks" not in icl
     assert icl["tasks"]["items"]["enum"] == list(P.BUILTIN_TASKS) + T.vendored_tasks()
     assert tuple(icl["tasks"]["default"]) == T.PAPER_ICL_TASKS
-    meter = load_schema()["properties"]["deviation"]["properties"]["icl_meter"]["properties"]
+    meter = load_schema()["properties"]["prompts"]["properties"]["icl_meter"]["properties"]
     assert meter["chunk_length"]["default"] == 128
     default = REPO / "config" / "config.yaml"
-    assert _layered(default)["deviation"]["icl"]["tasks"] == ["capitalisation", "copying", "successor"]
-    assert _layered(default, REPO / "config" / "ci.yaml")["deviation"]["icl"]["tasks"] == list(P.BUILTIN_TASKS)
+    assert _layered(default)["prompts"]["icl"]["tasks"] == ["capitalisation", "copying", "successor"]
+    assert _layered(default, REPO / "config" / "ci.yaml")["prompts"]["icl"]["tasks"] == list(P.BUILTIN_TASKS)
     presets = sorted((REPO / "config" / "presets").glob("*.yaml"))
     assert len(presets) >= 7
     for preset in presets:  # as Snakemake layers them: config/config.yaml first
         cfg = _layered(default, preset)
-        assert tuple(cfg["deviation"]["icl"]["tasks"]) == T.PAPER_ICL_TASKS, preset.name
-        assert cfg["deviation"]["icl_meter"]["chunk_length"] == 128
+        assert tuple(cfg["prompts"]["icl"]["tasks"]) == T.PAPER_ICL_TASKS, preset.name
+        assert cfg["prompts"]["icl_meter"]["chunk_length"] == 128
         assert cfg["deviation"]["tokens"] is None, preset.name  # pass 2 over the whole half (README), not one shard
     bare = {"deviation": {}}  # a config that does not name the tasks gets the schema's default
     apply_defaults(bare)
-    assert tuple(bare["deviation"]["icl"]["tasks"]) == T.PAPER_ICL_TASKS
+    assert tuple(bare["prompts"]["icl"]["tasks"]) == T.PAPER_ICL_TASKS
     bad = copy.deepcopy(yaml.safe_load(default.read_text()))
-    bad["deviation"]["icl"] = {"builtin_tasks": ["copying"]}
+    bad["prompts"]["icl"] = {"builtin_tasks": ["copying"]}
     with pytest.raises(ValueError, match="builtin_tasks"):
         validate_schema(bad)
 

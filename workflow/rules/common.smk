@@ -260,7 +260,7 @@ def stats_store(dataset):
 
 # ------------------------------------------------- training sweep (workflow/rules/substitution.smk)
 SUBSTITUTION = config["substitution"]
-KERNELS = config["kernels"]
+KERNELS = config["substitution"]["kernels"]
 
 
 revision_steps = PLAN.revision_steps
@@ -284,7 +284,9 @@ sweeps = PLAN.sweeps
 
 
 # ------------------------------------- pass 2 and head ranking (workflow/rules/deviation.smk, ranking.smk, prompts.smk)
-DEVIATION = config["deviation"]  # (their targets and input functions: mfpipe.deviation.rules, mfpipe.experiments.*.rules)
+DEVIATION = config["deviation"]  # pass 2 (its targets and input functions: mfpipe.deviation.rules)
+RANKING = config["ranking"]  # (mfpipe.experiments.ranking.rules)
+PROMPTS = config["prompts"]  # (mfpipe.experiments.prompts.rules)
 
 
 # ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)

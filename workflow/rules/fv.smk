@@ -1,8 +1,8 @@
 # Function vectors from mean-field deviation (paper Sec. 6.4, eq:taskresid; App. fv; library
-# mfpipe.experiments.fv). Per rollout revision of a model with `function_vectors.tasks`: one forward-pass job runs
+# mfpipe.experiments.fv). Per rollout revision of a model with `fv.tasks`: one forward-pass job runs
 # every task (MFA and AIE selection, the sweep, the held-out evaluation, the lenses) and writes the tables; the
 # figure is drawn from the transfer table by its own rule.
-FV = config["function_vectors"]
+FV = config["fv"]
 
 
 rule function_vectors:

@@ -19,10 +19,10 @@ rule lenses:
         decode_md=f"{R}/lenses/{{model}}/{{revision}}/decode.md",
         csv=f"{R}/lenses/{{model}}/{{revision}}/contexts.csv",
     params:
-        n_heads=DEVIATION["lenses"]["n_heads"],
-        per_head=DEVIATION["lenses"]["per_head"],
-        heads=DEVIATION["lenses"]["heads"],
-        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        n_lens_heads=PROMPTS["lenses"]["n_lens_heads"],
+        per_head=PROMPTS["lenses"]["per_head"],
+        heads=PROMPTS["lenses"]["heads"],
+        batch_size=PROMPTS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads
     resources:
@@ -44,8 +44,8 @@ rule icl_classes:
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
         tokenizer=tokenizer_input,
-        tasks=DEVIATION["icl"]["task_files"],
-        # the vendored datasets named in deviation.icl.tasks (mfpipe.tasks): editing one reruns the job
+        tasks=PROMPTS["icl"]["task_files"],
+        # the vendored datasets named in prompts.icl.tasks (mfpipe.tasks): editing one reruns the job
         task_data=prompts_rules.icl_task_data(PLAN),
         code=job("experiments.prompts", "icl_classes"),
     output:
@@ -55,15 +55,15 @@ rule icl_classes:
         corr=table_report(f"{R}/tables/icl_corr_{{model}}_{{revision}}.csv", "in-context learning"),
         corr_md=f"{R}/tables/icl_corr_{{model}}_{{revision}}.md",
     params:
-        n_prompts=DEVIATION["icl"]["n_prompts"],
-        n_fewshot=DEVIATION["icl"]["n_fewshot"],
-        n_random=DEVIATION["icl"]["n_random"],
-        seed=DEVIATION["icl"]["seed"],
-        tasks=DEVIATION["icl"]["tasks"],
-        task_files=DEVIATION["icl"]["task_files"],
-        natural_length=DEVIATION["icl"]["natural_length"],
+        n_prompts=PROMPTS["icl"]["n_prompts"],
+        n_fewshot=PROMPTS["icl"]["n_fewshot"],
+        n_random=PROMPTS["icl"]["n_random"],
+        seed=PROMPTS["icl"]["seed"],
+        tasks=PROMPTS["icl"]["tasks"],
+        task_files=PROMPTS["icl"]["task_files"],
+        natural_length=PROMPTS["icl"]["natural_length"],
         min_count=SUBSTITUTION["min_count"],
-        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        batch_size=PROMPTS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads
     resources:
@@ -92,12 +92,12 @@ rule icl_meter:
         summary=table_report(f"{R}/tables/icl_meter_{{model}}_{{revision}}.csv", "in-context learning"),
         summary_md=f"{R}/tables/icl_meter_{{model}}_{{revision}}.md",
     params:
-        n_sequences=DEVIATION["icl_meter"]["n_sequences"],
-        chunk_length=DEVIATION["icl_meter"]["chunk_length"],
-        n_bins=DEVIATION["icl_meter"]["n_bins"],
-        seed=DEVIATION["icl_meter"]["seed"],
+        n_sequences=PROMPTS["icl_meter"]["n_sequences"],
+        chunk_length=PROMPTS["icl_meter"]["chunk_length"],
+        n_bins=PROMPTS["icl_meter"]["n_bins"],
+        seed=PROMPTS["icl_meter"]["seed"],
         min_count=SUBSTITUTION["min_count"],
-        batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],
+        batch_size=PROMPTS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads
     resources:

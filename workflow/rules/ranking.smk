@@ -12,8 +12,8 @@ rule head_scores:
     output:
         csv=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
     params:
-        n_sequences=DEVIATION["head_scores"]["n_sequences"],
-        seed=DEVIATION["head_scores"]["seed"],
+        n_sequences=RANKING["head_scores"]["n_sequences"],
+        seed=RANKING["head_scores"]["seed"],
         context_length=config["corpus"]["context_length"],
         batch_size=config["runtime"]["batch_size"],
         **model_params(),
@@ -80,8 +80,8 @@ rule ranking:
     params:
         model=lambda wc: wc.model,
         revision="{revision}",
-        top=DEVIATION["top"],
-        bottom=DEVIATION["bottom"],
+        top=RANKING["top"],
+        bottom=RANKING["bottom"],
     localrule: True
     conda:
         ENV

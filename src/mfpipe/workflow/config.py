@@ -45,18 +45,40 @@ def _shown(path) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
-#: keys a config of an earlier release may still use -> their name now
-RENAMED_KEYS = {("tracked", "n_types"): "n_tracked"}
+#: keys a config of an earlier release may still use (a path of keys) -> where they are now (same meaning). Each
+#: experiment's section carries its package's name (mfpipe.experiments.<name>, mfpipe.deviation for pass 2)
+RENAMED_KEYS = {
+    ("tracked", "n_types"): "tracked.n_tracked",
+    ("function_vectors",): "fv",
+    ("fv", "n_heads"): "fv.n_selected",
+    ("kernels",): "substitution.kernels",
+    ("deviation", "top"): "ranking.top",
+    ("deviation", "bottom"): "ranking.bottom",
+    ("deviation", "head_scores"): "ranking.head_scores",
+    ("deviation", "icl"): "prompts.icl",
+    ("deviation", "icl_meter"): "prompts.icl_meter",
+    ("deviation", "lenses"): "prompts.lenses",
+    ("prompts", "lenses", "n_heads"): "prompts.lenses.n_lens_heads",
+}
+
+
+def _has_path(config: dict, path: tuple) -> bool:
+    node = config
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
 
 
 def validate_schema(config: dict, schema_path: str | os.PathLike | Traversable = SCHEMA_PATH) -> None:
     """JSON-schema validation with an error that names the offending key (for use without Snakemake)."""
     import jsonschema
 
-    for (section, old), new in RENAMED_KEYS.items():
-        if isinstance(config.get(section), dict) and old in config[section]:
-            raise ConfigError(f"config key {section}.{old} was renamed {section}.{new} (same meaning): rename it in "
-                              "your config file")
+    for old, new in RENAMED_KEYS.items():
+        if _has_path(config, old):
+            raise ConfigError(f"config key {'.'.join(old)} was renamed {new} (same meaning): rename it in your config "
+                              "file")
     validator = jsonschema.Draft202012Validator(load_schema(schema_path))
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:

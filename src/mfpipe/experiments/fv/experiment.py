@@ -6,10 +6,10 @@ Per task (:func:`run_task`):
    ``n_extract`` extraction and the rest held-out pairs;
 2. per split, ONE forward per clean few-shot prompt of the extraction pairs gives every head's mean read at the cue,
    ``z̄^{ℓh}``, and the task deviation ``r^{ℓh} = z̄^{ℓh} − ẑ^{ℓh}_:`` (eq:taskresid). Selections: **MFA** (top
-   ``n_heads`` by ``‖O_h r‖``), the **raw-magnitude** control (top by ``‖O_h z̄‖``: the same average, nothing
-   subtracted) and a **random** ``n_heads``-head control;
+   ``n_selected`` by ``‖O_h r‖``), the **raw-magnitude** control (top by ``‖O_h z̄‖``: the same average, nothing
+   subtracted) and a **random** ``n_selected``-head control;
 3. **AIE** (Todd et al.) once per task, on split 0: ``n_corrupted`` label-shuffled prompts, every head patched in
-   turn with its clean mean; top ``n_heads`` by AIE, held fixed across splits (as the paper does);
+   turn with its clean mean; top ``n_selected`` by AIE, held fixed across splits (as the paper does);
 4. constructions: **raw** (the heads' clean means ``z̄``) and **MFA r**;
 5. one sweep on split 0's extraction pairs (zero-shot prompts) fixes the injection layer and scale of the summed
    protocol and the scale of the per-head protocol: the setting with the best accuracy averaged over the four
@@ -43,7 +43,7 @@ PROTOCOLS = ("sum", "per_head")
 # the four pipelines that choose the injection setting and that the category analysis decodes
 _PIPES = [(sel, cons) for sel in ("AIE", "MFA") for cons in CONSTRUCTIONS]
 
-DEFAULTS = dict(n_pairs=60, n_extract=20, n_splits=3, n_shots=10, n_clean=20, n_corrupted=10, n_heads=10,
+DEFAULTS = dict(n_pairs=60, n_extract=20, n_splits=3, n_shots=10, n_clean=20, n_corrupted=10, n_selected=10,
                 layers=None, sum_scales=[1.0, 2.0, 4.0, 8.0], head_scales=[1.0, 2.0, 5.0, 10.0], null="mean_field",
                 answer_prefix=" ", separator=":", joiner="\n", seed=0, batch_size=64, n_unrelated=50)
 
@@ -101,7 +101,7 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
     corrupted = Pr.corrupted_prompts(pool, tokenizer, bos_id, s0["ext"], n_shots=c["n_shots"],
                                      n_prompts=c["n_corrupted"], seed=seed, **kw)
     aie, p_corrupt, _ = Hd.aie(adapter, corrupted, s0["zbar"], batch_size=int(c["batch_size"]), progress=progress)
-    aie_sel = Hd.top_heads(aie.float(), int(c["n_heads"]))
+    aie_sel = Hd.top_heads(aie.float(), int(c["n_selected"]))
     for d in per_split:
         d["sel"]["AIE"] = aie_sel
 
@@ -135,7 +135,7 @@ def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cue
     """Step 2 of every split of ``sp`` (the clean reads, the task deviation, the MFA / raw-magnitude / random
     selections and the few-shot ceiling's reads) -> (one dict per split, the answer-cuing token). Stops at the first
     split whose prompts end in a second cue token: the deviation needs one null type."""
-    L, H, k, seed, bs = adapter.n_layers, adapter.n_heads, int(c["n_heads"]), int(c["seed"]), int(c["batch_size"])
+    L, H, k, seed, bs = adapter.n_layers, adapter.n_heads, int(c["n_selected"]), int(c["seed"]), int(c["batch_size"])
     per_split = []
     for s, (ext, held) in enumerate(sp):
         clean = Pr.clean_prompts(pool, tokenizer, bos_id, ext, n_shots=c["n_shots"], n_prompts=c["n_clean"],
@@ -168,7 +168,7 @@ def _sweep(adapter, task, pool, s0, O, c, progress) -> tuple[pd.DataFrame, dict]
     layers = list(range(L)) if c["layers"] is None else [int(x) for x in c["layers"]]
     bad = [x for x in layers if not 0 <= x < L]
     if bad:
-        raise ValueError(f"function_vectors.layers {bad}: this model has layers 0..{L - 1}")
+        raise ValueError(f"fv.layers {bad}: this model has layers 0..{L - 1}")
     ext_zs = Pr.zeroshot_prompts(pool, s0["ext"])
     ext_ans = np.asarray([p.answer for p in ext_zs])
     sweep_rows, injs = [], []

@@ -96,7 +96,7 @@ def corpus_null(stats, tracked, cue_id: int, kind: str = "mean_field") -> Tensor
     elif kind == "type_mean":
         z = stats.zbar()
     else:
-        raise ValueError(f"function_vectors.null = {kind!r}: use mean_field or type_mean")
+        raise ValueError(f"fv.null = {kind!r}: use mean_field or type_mean")
     z = z.isel(query=q).transpose("layer", "head", "head_dim")
     return torch.from_numpy(np.asarray(z.values, dtype=np.float32))
 

@@ -86,7 +86,7 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
         raise ValueError(
             f"function-vector task {task.name!r}: {len(usable)} pairs have a well-defined answer token with this "
             f"tokenizer ({dropped} dropped), the experiment needs n_pairs = {n_pairs}; lower "
-            "function_vectors.n_pairs or give a task with more pairs")
+            "fv.n_pairs or give a task with more pairs")
     rng = np.random.default_rng([int(seed), 0xF5])
     pick = np.sort(rng.choice(len(usable), size=int(n_pairs), replace=False))
     rest = np.setdiff1d(np.arange(len(usable)), pick)
@@ -104,7 +104,7 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
 def splits(n_pairs: int, n_extract: int, n_splits: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """``n_splits`` random (extraction, held-out) index splits of ``range(n_pairs)``, seeded."""
     if not 0 < n_extract < n_pairs:
-        raise ValueError(f"function_vectors.n_extract = {n_extract} must lie between 1 and n_pairs - 1 = {n_pairs - 1}")
+        raise ValueError(f"fv.n_extract = {n_extract} must lie between 1 and n_pairs - 1 = {n_pairs - 1}")
     out = []
     for s in range(int(n_splits)):
         perm = np.random.default_rng([int(seed), 0x5B, s]).permutation(n_pairs)

@@ -9,7 +9,7 @@ from pathlib import Path
 def fv_tasks(plan, model: str) -> list[str]:
     """The function-vector tasks of ``model``: ``minisuite`` (the tasks the mini suite trained on) only for mini-suite
     models, the rest (vendored names, task files) for every model; none for a model ``fv.models`` leaves out."""
-    fv = plan.config["function_vectors"]
+    fv = plan.config["fv"]
     if fv["models"] is not None and model not in fv["models"]:
         return []
     return [t for t in fv["tasks"] if t != "minisuite" or plan.is_mini(model)]

@@ -40,7 +40,7 @@ def lenses(job) -> None:
     kernel = fj.kernel(ds.attrs.get("min_count")).to(adapter.device)
     t0 = time.perf_counter()
     rows = LE.mine_contexts(ds, shard_paths, heads=list(p.heads or []), per_head=int(p.per_head),
-                            n_heads=int(p.n_heads), tokenizer=tokenizer)
+                            n_lens_heads=int(p.n_lens_heads), tokenizer=tokenizer)
     log.info("%s @ %s: %d contexts of %d heads (%d dropped as garbled text), kernel %s (C >= %s)", name, revision,
              len(rows), rows.groupby(["layer", "head"]).ngroups,
              int(rows.drop_duplicates(["layer", "head"])["n_garbled"].sum()), kernel.attrs["kernel"],

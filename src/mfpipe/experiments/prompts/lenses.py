@@ -32,9 +32,9 @@ import pandas as pd
 from mfpipe.experiments.prompts.rerun import ContextRerun
 
 __all__ = ["mine_contexts", "context_details", "contexts_markdown", "contexts_html", "decode_markdown",
-           "contexts_csv", "parse_heads", "is_garbled", "N_HEADS", "PER_HEAD", "BEFORE", "AFTER", "D_ATOL"]
+           "contexts_csv", "parse_heads", "is_garbled", "N_LENS_HEADS", "PER_HEAD", "BEFORE", "AFTER", "D_ATOL"]
 
-N_HEADS = 8  # heads shown by default: the top-N by S̄
+N_LENS_HEADS = 8  # heads shown by default: the top-N by S̄
 PER_HEAD = 8  # contexts per head (App. P: "the head's eight highest-deviation occurrences")
 BEFORE, AFTER = 24, 3  # tokens of context before / after the query in the excerpt
 D_ATOL = 1e-5  # the recomputed D must equal the stored top_D to this
@@ -102,9 +102,9 @@ def _excerpt(tokenizer, ids: np.ndarray, pos: int, before: int, after: int) -> t
     return ("…" if lo > 1 else "") + left, query, right, left + query + right
 
 
-def mine_contexts(deviation_ds, shard_paths, heads=None, per_head: int = PER_HEAD, *, n_heads: int = N_HEADS,
+def mine_contexts(deviation_ds, shard_paths, heads=None, per_head: int = PER_HEAD, *, n_lens_heads: int = N_LENS_HEADS,
                   tokenizer=None, before: int = BEFORE, after: int = AFTER) -> pd.DataFrame:
-    """The recorded top-deviation contexts of the selected heads: the top ``n_heads`` by ``S_bar`` plus ``heads``
+    """The recorded top-deviation contexts of the selected heads: the top ``n_lens_heads`` by ``S_bar`` plus ``heads``
     (``[(l, h)]`` or ``["L9H8"]``), up to ``per_head`` each (highest D first), without the garbled windows (their
     excerpt of ``before``/``after`` tokens around the query decodes to garbled text, :func:`is_garbled`; skipped
     without a ``tokenizer``). One row per context: layer, head, rank (in the store), D, shard, window, position,
@@ -114,7 +114,7 @@ def mine_contexts(deviation_ds, shard_paths, heads=None, per_head: int = PER_HEA
     order = [(int(i // H), int(i % H)) for i in np.argsort(-np.where(np.isfinite(S), S, -np.inf), axis=None,
                                                              kind="stable") if np.isfinite(S.flat[i])]
     srank = {lh: r + 1 for r, lh in enumerate(order)}
-    chosen = list(dict.fromkeys(order[: int(n_heads)] + parse_heads(heads)))
+    chosen = list(dict.fromkeys(order[: int(n_lens_heads)] + parse_heads(heads)))
     for l, h in chosen:
         if not (0 <= l < L and 0 <= h < H):
             raise ValueError(f"head L{l}H{h} is outside the model's {L} layers x {H} heads")

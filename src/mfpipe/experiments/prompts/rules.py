@@ -7,9 +7,9 @@ from pathlib import Path
 
 
 def icl_task_data(plan) -> list[str]:
-    """The vendored datasets named in `deviation.icl.tasks` (mfpipe.tasks): editing one reruns the prompt-class jobs."""
+    """The vendored datasets named in `prompts.icl.tasks` (mfpipe.tasks): editing one reruns the prompt-class jobs."""
     data = Path(plan.src) / "mfpipe" / "tasks" / "data"
-    return [str(data / f"{t}.json") for t in plan.config["deviation"]["icl"]["tasks"] if (data / f"{t}.json").is_file()]
+    return [str(data / f"{t}.json") for t in plan.config["prompts"]["icl"]["tasks"] if (data / f"{t}.json").is_file()]
 
 
 def targets(plan) -> list[str]:

@@ -27,7 +27,7 @@ Classes (:class:`Prompt` ``.cls``)
 
 Few-shot tasks
 --------------
-``deviation.icl.tasks`` names them (:func:`fewshot_tasks`, in the order given): a built-in task generated offline
+``prompts.icl.tasks`` names them (:func:`fewshot_tasks`, in the order given): a built-in task generated offline
 (below) or a vendored dataset (:mod:`mfpipe.tasks`): by default the paper's five, ``antonym``, ``country-capital``,
 ``present-past``, ``singular-plural`` and ``capitalize`` from Todd et al.'s function-vector datasets. A vendored
 task keeps the pairs whose input and output each encode and decode back to themselves; inputs and outputs may be
@@ -46,7 +46,7 @@ i.e. whose string starts with whitespace, a heuristic against sub-word pieces):
 * ``successor``: number words ``one -> two .. nine -> ten``, letters ``a -> b .. y -> z``, digits
   ``0 -> 1 .. 8 -> 9``; three groups, each prompt draws all six pairs from one group.
 
-A user's own word-pair task (``deviation.icl.task_files``) is a JSON file read by :func:`load_task_file`::
+A user's own word-pair task (``prompts.icl.task_files``) is a JSON file read by :func:`load_task_file`::
 
     {"name": "my-task", "pairs": [["hot", "cold"], ["big", "small"], ...]}
 
@@ -233,7 +233,7 @@ def fewshot_tasks(tokenizer, strings, names=BUILTIN_TASKS, task_files=()) -> lis
         elif name not in vendored_tasks():
             raise ValueError(f"unknown few-shot task {name!r}: a built-in task ({', '.join(BUILTIN_TASKS)}) or a "
                              f"vendored dataset ({', '.join(vendored_tasks())}); a task of your own goes in "
-                             f"deviation.icl.task_files as {TASK_FILE_FORMAT}")
+                             f"prompts.icl.task_files as {TASK_FILE_FORMAT}")
         else:
             task = load_task(name, tokenizer=tokenizer)
             if task.pools():
