@@ -154,7 +154,7 @@ def test_list_results_lists_every_store_in_training_order(run):
     import mfpipe
 
     df = mfpipe.list_results(run)
-    rows = [tuple(r) for r in df[["experiment", "model", "revision", "step", "half", "corpus", "top_n"]].itertuples(index=False)]
+    rows = [tuple(r) for r in df[["kind", "model", "revision", "step", "half", "corpus", "top_n"]].itertuples(index=False)]
     last = REVISIONS[-1]
     assert rows == [
         ("stats", MODEL, "step4", 4, "stats", None, None),
@@ -176,12 +176,12 @@ def test_list_results_lists_every_store_in_training_order(run):
 
     for r in df.itertuples(index=False):
         kw = {"half": r.half or "stats", "corpus": r.corpus, "top_n": r.top_n}
-        assert r.path == store_path(r.experiment, r.model, r.revision, run, **kw)
-        assert mfpipe.open_results(r.experiment, r.model, r.revision, run, **kw).attrs["revision"] == r.revision
+        assert r.path == store_path(r.kind, r.model, r.revision, run, **kw)
+        assert mfpipe.open_results(r.kind, r.model, r.revision, run, **kw).attrs["revision"] == r.revision
 
 
 def test_open_results_gives_what_the_library_readers_give(run):
-    """Each experiment is read by the reader its jobs use: the same data, coordinates and provenance attributes."""
+    """Each store kind is read by the reader its jobs use: the same data, coordinates and provenance attributes."""
     import mfpipe
     from mfpipe.deviation.store import open_deviation
     from mfpipe.experiments.substitution.kernel_dynamics import open_kernel
@@ -203,15 +203,15 @@ def test_open_results_gives_what_the_library_readers_give(run):
     xr.testing.assert_identical(mfpipe.open_stats(base / "eval.zarr").ds, open_stats(base / "eval.zarr").ds)
     assert st.P(layer=1).equals(open_stats(base / "stats.zarr").P(layer=1))
 
-    for experiment, reader, path in (
+    for kind, reader, path in (
         ("deviation", open_deviation, run / "deviation" / MODEL / rev / "deviation.zarr"),
         ("substitution", open_result, run / "substitution" / MODEL / rev / "substitution.zarr"),
         ("kernel", open_kernel, run / "kernels" / MODEL / rev / "kernel.zarr"),
     ):
-        ds = mfpipe.open_results(experiment, MODEL, rev, run)
+        ds = mfpipe.open_results(kind, MODEL, rev, run)
         xr.testing.assert_identical(ds, reader(path))
         assert ds.attrs["model"] == MODEL and ds.attrs["revision"] == rev and ds.attrs["tracked_fingerprint"]
-        xr.testing.assert_identical(mfpipe.open_results(experiment, MODEL, rev, run, layer=1), reader(path).sel(layer=1))
+        xr.testing.assert_identical(mfpipe.open_results(kind, MODEL, rev, run, layer=1), reader(path).sel(layer=1))
     arm = mfpipe.open_results("substitution", MODEL, rev, run, top_n=5)
     xr.testing.assert_identical(arm, open_result(run / "substitution" / MODEL / rev / "N5" / "substitution.zarr"))
 
@@ -246,7 +246,7 @@ def test_a_missing_store_is_refused_naming_its_path_and_the_command(run):
         mfpipe.open_stats(MODEL, results=run)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         mfpipe.list_results(run / "nowhere")
-    with pytest.raises(ValueError, match="unknown experiment 'rollout'"):
+    with pytest.raises(ValueError, match="unknown store kind 'rollout'"):
         mfpipe.open_results("rollout", MODEL, "step4", run)
     with pytest.raises(ValueError, match="half= and corpus= select a statistics store"):
         mfpipe.open_results("deviation", MODEL, "step4", run, half="eval")
@@ -266,9 +266,9 @@ def test_a_store_of_another_model_or_revision_is_refused(run, tmp_path):
     }
     for path in moved.values():
         shutil.copytree(src, path)
-    for (experiment, model, rev), path in moved.items():
+    for (kind, model, rev), path in moved.items():
         with pytest.raises(ProvenanceError) as err:
-            mfpipe.open_results(experiment, model, rev, other)
+            mfpipe.open_results(kind, model, rev, other)
         msg = str(err.value)
         assert str(path) in msg and f"snakemake --cores 2 {path}" in msg, msg
         assert re.search(r"model is 'synth', not 'other-model'|revision is 'step4', not 'step8'", msg), msg
@@ -296,12 +296,23 @@ def test_a_store_of_another_model_or_revision_is_refused(run, tmp_path):
 
 
 def test_store_paths_are_the_rules_outputs():
-    """mfpipe.results.STORES is where the store paths are spelled out; each is a rule's output pattern under the
-    results folder (workflow/rules/*.smk): written out there as f"{R}/..." or taken from STORES."""
+    """Issue 47: the store paths are spelt once, in mfpipe.workflow.paths.STORES (mfpipe.results reads them there): the
+    rule that writes each store (RULES) takes its output from there (STORE("<kind>") in the rule files), and no rule
+    file or slice planning module spells a store's path itself."""
     from mfpipe.results import RULES, STORES
+    from mfpipe.workflow import paths
 
-    rules = "\n".join(p.read_text() for p in sorted((REPO / "workflow" / "rules").glob("*.smk")))
-    for name, pattern in STORES.items():
-        literal = 'f"{R}/' + pattern.replace("{", "{{").replace("}", "}}") + '"'
-        assert literal in rules or re.search(rf"STORES\[[\"']{name}[\"']\]", rules), (name, literal)
-        assert re.search(rf"^(?:rule|use rule \w+ as) {RULES[name]}\b", rules, re.M), RULES[name]
+    assert STORES is paths.STORES and RULES is paths.RULES
+    files = sorted((REPO / "workflow" / "rules").glob("*.smk")) + sorted((REPO / "src" / "mfpipe").rglob("rules.py"))
+    code = {f: "\n".join(line.split("#")[0] for line in f.read_text().splitlines()) for f in files}
+    spelt = [f"{f.name}: {line.strip()}" for f, text in code.items() for line in text.splitlines() if ".zarr" in line]
+    assert not spelt, spelt
+    rules = "\n".join(code.values())
+    for name in STORES:
+        block = re.search(rf"^(?:rule|use rule \w+ as) {RULES[name]}\b.*?(?=^\S|\Z)", rules, re.M | re.S)
+        assert block, RULES[name]
+        assert f'STORE("{name}")' in block.group(0), (name, block.group(0)[:400])
+    assert paths.store_pattern("stats", "res", dataset="eval") == "res/stats/{model}/{revision}/eval.zarr"
+    assert paths.store_pattern("jlens", "res", model="m", revision="r") == "res/jlens/m/r/jlens.zarr"
+    with pytest.raises(KeyError, match="no wildcard"):
+        paths.store_pattern("deviation", "res", dataset="eval")

@@ -1,15 +1,15 @@
 """Reading a finished run from Python (a notebook, a script): every store the workflow writes, found by
-experiment, model and revision, opened by the library's own reader and checked against what was asked for.
+its kind, model and revision, opened by the library's own reader and checked against what was asked for.
 
 Example (examples/reading_results.ipynb does more)::
 
     import mfpipe
-    mfpipe.list_results("results")                      # one row per store: experiment, model, revision, ...
+    mfpipe.list_results("results")                      # one row per store: kind, model, revision, ...
     st = mfpipe.open_stats("mini-gpt2", "step1500")     # MeanFieldStats: st.ds, st.attrs, st.P(), st.W(), ...
     dev = mfpipe.open_results("deviation", "mini-gpt2", "step1500")  # xarray Dataset, provenance in dev.attrs
     dev["S_bar"].sel(layer=1, head=3)
 
-Experiments (:data:`STORES`): ``stats`` (pass 1, a half ``stats`` / ``eval`` of the primary corpus, of a cross
+Store kinds (:data:`STORES`; :data:`KINDS`, what :func:`open_results` calls them): ``stats`` (pass 1, a half ``stats`` / ``eval`` of the primary corpus, of a cross
 corpus with ``corpus=``, or a top-N arm with ``top_n=``), ``deviation`` (pass 2), ``substitution`` (one revision's
 mean-field substitution; ``top_n=`` an App. M arm), ``kernel`` (the revision's rank-r kernel factors and row
 spread), ``calibrated`` (the calibrated kernel U of App. B) and ``jlens`` (the J-lens of App. P: the average
@@ -24,10 +24,9 @@ are compared with the request: a store of another model or revision (copied, ren
 with :class:`~mfpipe.stats.api.ProvenanceError`; a missing or incomplete one with :class:`ResultsNotFoundError`
 (a ``FileNotFoundError``). Both messages name the path and the command that builds it.
 
-:data:`STORES` spells out the path of each store for readers, relative to the results folder (config key
-``results``), with the workflow's wildcard names ``{model}``, ``{revision}``, ``{dataset}``, ``{n}``:
-``results + "/" + STORES[name]`` is the output pattern of the rule that writes it (:data:`RULES`), which
-tests/test_examples.py checks against the rule files.
+:data:`STORES` (:mod:`mfpipe.workflow.paths`, the one place the paths are spelt) gives the path of each store,
+relative to the results folder (config key ``results``), with the workflow's wildcard names ``{model}``,
+``{revision}``, ``{dataset}``, ``{n}``: the rule that writes it (:data:`RULES`) takes its output from there.
 
 ``import mfpipe`` does not import this module: ``mfpipe.open_results`` and friends load it on first use. The
 experiments' readers (torch, for the substitution result's) are imported only when their store is opened.
@@ -41,6 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mfpipe.workflow.paths import RULES, STORES  # where each store lives, spelt once
 from mfpipe.workflow.revisions import parse_step
 from mfpipe.stats.api import ProvenanceError  # what every reader raises, re-exported
 
@@ -48,7 +48,7 @@ __all__ = [
     "RESULTS",
     "STORES",
     "RULES",
-    "EXPERIMENTS",
+    "KINDS",
     "ResultsNotFoundError",
     "ProvenanceError",
     "store_path",
@@ -59,30 +59,8 @@ __all__ = [
 
 RESULTS = "results"  # the default results folder (config key `results`, src/mfpipe/schemas/config.schema.yaml)
 
-# Every store a run writes, relative to the results folder, in the wildcards of the rule that writes it. `dataset`
-# is `stats` / `eval` (the primary corpus), `<cross corpus>/stats|eval` or `N<n>/stats` (a top-N arm: the primary
-# statistics half with that tracked set); `n` the tracked-set size of an App. M substitution arm.
-STORES = {
-    "stats": "stats/{model}/{revision}/{dataset}.zarr",
-    "deviation": "deviation/{model}/{revision}/deviation.zarr",
-    "substitution": "substitution/{model}/{revision}/substitution.zarr",
-    "substitution_topn": "substitution/{model}/{revision}/N{n}/substitution.zarr",
-    "kernel": "kernels/{model}/{revision}/kernel.zarr",
-    "calibrated": "kernels/{model}/{revision}/calibrated.zarr",
-    "jlens": "jlens/{model}/{revision}/jlens.zarr",
-}
-# the rule (workflow/rules/*.smk) that writes each store
-RULES = {
-    "stats": "stats_merge",
-    "deviation": "deviation_merge",
-    "substitution": "substitution",
-    "substitution_topn": "substitution_topn",
-    "kernel": "kernel_revision",
-    "calibrated": "calibrate_kernel",
-    "jlens": "jlens",
-}
 # what open_results() and list_results() call each (an App. M arm is `substitution` with top_n)
-EXPERIMENTS = ("stats", "deviation", "substitution", "kernel", "calibrated", "jlens")
+KINDS = ("stats", "deviation", "substitution", "kernel", "calibrated", "jlens")
 _WHAT = {
     "stats": "statistics store",
     "deviation": "deviation store",
@@ -115,34 +93,34 @@ class ResultsNotFoundError(FileNotFoundError):
 
 
 # ------------------------------------------------------------------ paths
-def _store_key(experiment: str, half: str, corpus: str | None, top_n: int | None) -> tuple[str, dict]:
+def _store_key(kind: str, half: str, corpus: str | None, top_n: int | None) -> tuple[str, dict]:
     """(the STORES key, its wildcards other than model and revision) of a request; refuses options that do not
-    apply to the experiment."""
-    if experiment not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {experiment!r}: one of {', '.join(EXPERIMENTS)}")
-    if experiment != "stats" and (half != "stats" or corpus is not None):
-        raise ValueError(f"half= and corpus= select a statistics store; {experiment!r} has one store per revision")
-    if top_n is not None and experiment not in ("stats", "substitution"):
-        raise ValueError(f"top_n= selects a top-N arm of 'stats' or 'substitution', not of {experiment!r}")
-    if experiment == "stats":
+    apply to the kind."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown store kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind != "stats" and (half != "stats" or corpus is not None):
+        raise ValueError(f"half= and corpus= select a statistics store; {kind!r} has one store per revision")
+    if top_n is not None and kind not in ("stats", "substitution"):
+        raise ValueError(f"top_n= selects a top-N arm of 'stats' or 'substitution', not of {kind!r}")
+    if kind == "stats":
         if half not in HALVES:
             raise ValueError(f"half must be one of {HALVES}, not {half!r}")
         if top_n is not None and (corpus is not None or half != "stats"):
             raise ValueError("a top-N arm has statistics of the primary corpus's `stats` half only (no corpus=, eval)")
         prefix = f"N{int(top_n)}/" if top_n is not None else (f"{corpus}/" if corpus else "")
         return "stats", {"dataset": prefix + half}
-    if experiment == "substitution" and top_n is not None:
+    if kind == "substitution" and top_n is not None:
         return "substitution_topn", {"n": int(top_n)}
-    return experiment, {}
+    return kind, {}
 
 
-def store_path(experiment: str, model: str, revision: str, results: str | os.PathLike = RESULTS, *,
+def store_path(kind: str, model: str, revision: str, results: str | os.PathLike = RESULTS, *,
                half: str = "stats", corpus: str | None = None, top_n: int | None = None) -> Path:
     """Where the workflow writes a store (:data:`STORES`), under the results folder ``results``: e.g.
     ``store_path("stats", "mini-gpt2", "step1500", half="eval")`` is ``results/stats/mini-gpt2/step1500/eval.zarr``.
     ``half``, ``corpus`` (a cross corpus; None: the primary) for ``stats``; ``top_n`` for a top-N arm of ``stats`` or
     ``substitution``."""
-    key, wild = _store_key(experiment, half, corpus, top_n)
+    key, wild = _store_key(kind, half, corpus, top_n)
     return Path(results) / STORES[key].format(model=model, revision=revision, **wild)
 
 
@@ -178,7 +156,7 @@ def _entries(results: str | os.PathLike) -> list[dict]:
             if not m:
                 continue
             g = m.groupdict()
-            row = {"experiment": "substitution" if key == "substitution_topn" else key, "model": g["model"],
+            row = {"kind": "substitution" if key == "substitution_topn" else key, "model": g["model"],
                    "revision": g["revision"], "step": parse_step(g["revision"]), "half": None, "corpus": None,
                    "top_n": int(g["n"]) if g.get("n") else None, "path": path}
             if key == "stats":
@@ -190,15 +168,15 @@ def _entries(results: str | os.PathLike) -> list[dict]:
                     row["corpus"] = prefix
             rows.append(row)
             break
-    order = {e: i for i, e in enumerate(EXPERIMENTS)}
-    rows.sort(key=lambda r: (order[r["experiment"]], r["model"], _revision_key(r["revision"]), r["corpus"] or "",
+    order = {e: i for i, e in enumerate(KINDS)}
+    rows.sort(key=lambda r: (order[r["kind"]], r["model"], _revision_key(r["revision"]), r["corpus"] or "",
                              r["top_n"] or 0, HALVES.index(r["half"]) if r["half"] else 0))
     return rows
 
 
 def list_results(results: str | os.PathLike = RESULTS):
     """What a results folder holds: a :class:`pandas.DataFrame` with one row per complete store, columns
-    ``experiment, model, revision, step, half, corpus, top_n, path`` (``step``: k of a revision ``step<k>``;
+    ``kind, model, revision, step, half, corpus, top_n, path`` (``step``: k of a revision ``step<k>``;
     ``half``: of a ``stats`` store; ``corpus``: a cross corpus, None for the primary; ``top_n``: a top-N arm),
     in training order within a model. A row's values are :func:`open_results`' arguments."""
     import pandas as pd
@@ -207,32 +185,32 @@ def list_results(results: str | os.PathLike = RESULTS):
     if not root.is_dir():
         raise ResultsNotFoundError(f"results folder {root} does not exist: run the workflow (snakemake --cores 2) "
                                    "or point to the folder a run wrote (its config's `results`)")
-    cols = ["experiment", "model", "revision", "step", "half", "corpus", "top_n", "path"]
+    cols = ["kind", "model", "revision", "step", "half", "corpus", "top_n", "path"]
     rows = _entries(root)
     return pd.DataFrame({c: pd.Series([r[c] for r in rows], dtype=object) for c in cols}, columns=cols)
 
 
 # ------------------------------------------------------------------ opening
-def _held(results: Path, experiment: str, model: str) -> str:
-    """One line on what the folder holds of ``experiment``, for a not-found message."""
+def _held(results: Path, kind: str, model: str) -> str:
+    """One line on what the folder holds of ``kind``, for a not-found message."""
     try:
-        rows = [r for r in _entries(results) if r["experiment"] == experiment]
+        rows = [r for r in _entries(results) if r["kind"] == kind]
     except OSError:  # pragma: no cover
         return ""
     if not rows:
-        return f" The folder holds no {experiment} store at all."
+        return f" The folder holds no {kind} store at all."
     mine = [r for r in rows if r["model"] == model]
     if mine:
         revs = list(dict.fromkeys(r["revision"] for r in mine))
-        return f" It holds {experiment} stores of {model} for revision(s) {', '.join(revs)}."
-    return f" It holds {experiment} stores of model(s) {', '.join(dict.fromkeys(r['model'] for r in rows))}."
+        return f" It holds {kind} stores of {model} for revision(s) {', '.join(revs)}."
+    return f" It holds {kind} stores of model(s) {', '.join(dict.fromkeys(r['model'] for r in rows))}."
 
 
-def _missing(path: Path, key: str, results: Path, experiment: str, model: str) -> ResultsNotFoundError:
+def _missing(path: Path, key: str, results: Path, kind: str, model: str) -> ResultsNotFoundError:
     return ResultsNotFoundError(
         f"{_WHAT[key]} {path} does not exist or is incomplete (no zarr.json). Build it with the workflow (rule "
         f"{RULES[key]}), from the checkout: `snakemake --cores 2 {path}`, with the config whose `results` is "
-        f"{str(results)!r}." + _held(results, experiment, model))
+        f"{str(results)!r}." + _held(results, kind, model))
 
 
 def _wanted(key: str, model: str, revision: str, half: str, corpus: str | None, top_n: int | None) -> dict:
@@ -258,32 +236,32 @@ def _check_owner(attrs: Mapping[str, Any], want: Mapping[str, Any], path: Path, 
             f"with the workflow (rule {RULES[key]}): `snakemake --cores 2 {path}`.")
 
 
-def _resolve(experiment: str, model: str, revision: str, results, half: str, corpus: str | None,
+def _resolve(kind: str, model: str, revision: str, results, half: str, corpus: str | None,
              top_n: int | None) -> tuple[str, Path, dict]:
     """(STORES key, path of an existing complete store, its attributes), after the model / revision check."""
     from mfpipe.stats.store import read_attrs
 
     results = Path(results)
-    key, _ = _store_key(experiment, half, corpus, top_n)
-    path = store_path(experiment, model, revision, results, half=half, corpus=corpus, top_n=top_n)
+    key, _ = _store_key(kind, half, corpus, top_n)
+    path = store_path(kind, model, revision, results, half=half, corpus=corpus, top_n=top_n)
     if corpus and not (path / "zarr.json").is_file():  # the primary corpus named by its name
-        primary = store_path(experiment, model, revision, results, half=half)
+        primary = store_path(kind, model, revision, results, half=half)
         if (primary / "zarr.json").is_file() and read_attrs(primary).get("corpus") == corpus:
             path = primary
     if not (path / "zarr.json").is_file():
-        raise _missing(path, key, results, experiment, model)
+        raise _missing(path, key, results, kind, model)
     attrs = read_attrs(path)
     _check_owner(attrs, _wanted(key, model, revision, half, corpus, top_n), path, key)
     return key, path, attrs
 
 
-def open_results(experiment: str, model: str, revision: str, results: str | os.PathLike = RESULTS, *,
+def open_results(kind: str, model: str, revision: str, results: str | os.PathLike = RESULTS, *,
                  half: str = "stats", corpus: str | None = None, top_n: int | None = None,
                  expect: Mapping[str, Any] | None = None, layer: int | None = None):
     """A store of a finished run as a labelled :class:`xarray.Dataset`, its provenance (model, revision, corpus
     and tracked-set fingerprints, ``mfpipe_version``, the stage's parameters, as stored) in ``.attrs``.
 
-    ``experiment``: ``stats`` (lazy: values are read on access; ``half`` ``stats`` / ``eval``, ``corpus`` a cross
+    ``kind``: ``stats`` (lazy: values are read on access; ``half`` ``stats`` / ``eval``, ``corpus`` a cross
     corpus, ``top_n`` a top-N arm), ``deviation``, ``substitution`` (``top_n``: an App. M arm), ``kernel`` (lazy),
     ``calibrated`` (its variable ``U``) or ``jlens`` (``J``: point, layer, out, in). ``results``: the run's results folder. ``expect``: further attribute values
     to require (e.g. ``corpus_fingerprint``, ``tracked_fingerprint``), checked by the reader. ``layer``: only that
@@ -291,7 +269,7 @@ def open_results(experiment: str, model: str, revision: str, results: str | os.P
 
     Raises :class:`ResultsNotFoundError` when the store is not there, :class:`~mfpipe.stats.api.ProvenanceError`
     when it records another model, revision, half, corpus or tracked-set size than asked for."""
-    key, path, attrs = _resolve(experiment, model, revision, results, half, corpus, top_n)
+    key, path, attrs = _resolve(kind, model, revision, results, half, corpus, top_n)
     if key == "stats":
         from mfpipe.stats.api import open_stats as _open_stats
 

@@ -134,6 +134,7 @@ MINI = PLAN.mini
 REVISIONS = PLAN.revisions
 ROLLOUT_REVISIONS = PLAN.rollout_revisions
 HALVES = list(PLAN_HALVES)
+STORE = PLAN.store  # a store's path, spelt once (mfpipe.workflow.paths.STORES): STORE("stats", dataset="eval")
 
 
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
@@ -255,7 +256,7 @@ run_of_shards = PLAN.run_of_shards
 
 # ----------------------------------------------------------------- rollout (workflow/rules/rollout.smk)
 def stats_store(dataset):
-    return f"{R}/stats/{{model}}/{{revision}}/{dataset}.zarr"
+    return STORE("stats", dataset=dataset)
 
 
 # ------------------------------------------------- training sweep (workflow/rules/substitution.smk)
@@ -276,7 +277,7 @@ def training_summary(wildcards):
 def substitution_kernel_input(wildcards):
     """The calibrated kernel U of the revision when `substitution.kernel` is `calibrated` (App. B)."""
     if SUBSTITUTION["kernel"] == "calibrated":
-        return [f"{R}/kernels/{wildcards.model}/{wildcards.revision}/calibrated.zarr"]
+        return [STORE("calibrated", model=wildcards.model, revision=wildcards.revision)]
     return []
 
 

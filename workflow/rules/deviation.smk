@@ -7,7 +7,7 @@
 
 rule deviation_shard:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         shards=lambda wc: deviation_rules.deviation_group_shards(PLAN, wc),
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
@@ -43,7 +43,7 @@ rule deviation_merge:
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         code=job("deviation", "deviation_merge"),
     output:
-        directory(f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr"),
+        directory(STORE("deviation")),
     params:
         groups=lambda wc: deviation_rules.deviation_groups(PLAN, wc),
         model=lambda wc: wc.model,

@@ -7,10 +7,10 @@ FV = config["fv"]
 
 rule function_vectors:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
-        jlens=f"{R}/jlens/{{model}}/{{revision}}/jlens.zarr",
+        jlens=STORE("jlens"),
         model=model_input,
         tokenizer=tokenizer_input,
         tasks=lambda wc: fv_rules.task_inputs(PLAN, wc),

@@ -13,7 +13,7 @@ rule jlens:
         model=model_input,
         code=job("jlens", "jlens"),
     output:
-        directory(f"{R}/jlens/{{model}}/{{revision}}/jlens.zarr"),
+        directory(STORE("jlens")),
     params:
         n_positions=JLENS["n_positions"],
         seed=JLENS["seed"],

@@ -5,9 +5,9 @@
 
 rule lenses:
     input:
-        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
-        jlens=f"{R}/jlens/{{model}}/{{revision}}/jlens.zarr",
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        deviation=STORE("deviation"),
+        jlens=STORE("jlens"),
+        stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
@@ -39,7 +39,7 @@ rule lenses:
 
 rule icl_classes:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
@@ -80,7 +80,7 @@ rule icl_classes:
 
 rule icl_meter:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,

@@ -62,7 +62,7 @@ rule exp3_correlation:
 
 rule ranking:
     input:
-        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",
+        deviation=STORE("deviation"),
         heads=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
         code=job("experiments.ranking", "ranking"),
     output:

@@ -58,7 +58,7 @@ rule error_accounting:
     input:
         stats=stats_store("stats"),
         eval=stats_store("eval"),
-        deviation=f"{R}/deviation/{{model}}/{{revision}}/deviation.zarr",  # pass 2: the paper's estimator (b)
+        deviation=STORE("deviation"),  # pass 2: the paper's estimator (b)
         model=model_input,
         code=job("experiments.rollout", "error_accounting"),
     output:
@@ -92,7 +92,7 @@ rule error_accounting:
 
 rule attention_coverage:
     input:
-        stats=[f"{R}/stats/{m}/{rev}/stats.zarr" for m in MODELS for rev in ROLLOUT_REVISIONS[m]],
+        stats=[STORE("stats", model=m, revision=rev, dataset="stats") for m in MODELS for rev in ROLLOUT_REVISIONS[m]],
         code=job("experiments.rollout", "attention_coverage"),
     output:
         csv=table_report(f"{R}/tables/coverage_attention.csv", "coverage"),

@@ -38,7 +38,7 @@ rule stats_merge:
         tracked=dataset_tracked,
         code=job("stats", "stats_merge"),
     output:
-        directory(f"{R}/stats/{{model}}/{{revision}}/{{dataset}}.zarr"),
+        directory(STORE("stats")),
     params:
         model=lambda wc: wc.model,
         revision="{revision}",

@@ -8,14 +8,14 @@
 
 rule substitution:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
         kernel=substitution_kernel_input,
         code=job("experiments.substitution", "substitution"),
     output:
-        directory(f"{R}/substitution/{{model}}/{{revision}}/substitution.zarr"),
+        directory(STORE("substitution")),
     params:
         eval_tokens=SUBSTITUTION["eval_tokens"],
         kernel=SUBSTITUTION["kernel"],
@@ -85,10 +85,10 @@ rule figure_waypoint:
 
 rule kernel_revision:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         code=job("experiments.substitution", "kernel_revision"),
     output:
-        directory(f"{R}/kernels/{{model}}/{{revision}}/kernel.zarr"),
+        directory(STORE("kernel")),
     params:
         model=lambda wc: wc.model,
         revision="{revision}",
@@ -143,12 +143,12 @@ rule kernel_dynamics:
 
 rule calibrate_kernel:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/stats.zarr",
+        stats=STORE("stats", dataset="stats"),
         shards=lambda wc: substitution_rules.stats_half_shards(PLAN, wc),
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         code=job("experiments.substitution", "calibrate_kernel"),
     output:
-        kernel=directory(f"{R}/kernels/{{model}}/{{revision}}/calibrated.zarr"),
+        kernel=directory(STORE("calibrated")),
         bias=table_report(f"{R}/tables/kernel_bias_{{model}}_{{revision}}.csv", "kernel bias"),
         bias_md=f"{R}/tables/kernel_bias_{{model}}_{{revision}}.md",
         residuals=table_report(f"{R}/tables/calibration_{{model}}_{{revision}}.csv", "kernel bias"),
@@ -179,13 +179,13 @@ rule calibrate_kernel:
 # `N<n>/stats` dataset: the primary statistics half with that tracked set), always with W
 use rule substitution as substitution_topn with:
     input:
-        stats=f"{R}/stats/{{model}}/{{revision}}/N{{n}}/stats.zarr",
+        stats=STORE("stats", dataset="N{n}/stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked-N{{n}}.json",
         model=model_input,
         code=job("experiments.substitution", "substitution_topn"),
     output:
-        directory(f"{R}/substitution/{{model}}/{{revision}}/N{{n}}/substitution.zarr"),
+        directory(STORE("substitution_topn")),
     params:
         eval_tokens=SUBSTITUTION["eval_tokens"],
         kernel="W",

@@ -36,4 +36,4 @@ def deviation_group_shards(plan, wildcards) -> list[str]:
 
 def targets(plan) -> list[str]:
     """Per model: every sweep revision's deviation store."""
-    return [f"{plan.results}/deviation/{m}/{rev}/deviation.zarr" for m in plan.models for rev in plan.revisions[m]]
+    return [plan.store("deviation", model=m, revision=rev) for m in plan.models for rev in plan.revisions[m]]

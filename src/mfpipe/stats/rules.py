@@ -63,5 +63,5 @@ def targets(plan) -> list[str]:
     R, t = plan.results, []
     for m in plan.models:
         for rev in plan.rollout_revisions[m]:
-            t += [f"{R}/stats/{m}/{rev}/{ds}.zarr" for c in plan.corpora for ds in datasets(plan, c)]
+            t += [plan.store("stats", model=m, revision=rev, dataset=ds) for c in plan.corpora for ds in datasets(plan, c)]
     return t

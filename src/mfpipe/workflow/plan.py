@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mfpipe.workflow.config import corpora, resolve_revisions, resolve_rollout_revisions
+from mfpipe.workflow.paths import store_pattern
 from mfpipe.workflow.revisions import parse_step
 
 __all__ = ["Plan", "HALVES"]
@@ -46,6 +47,11 @@ class Plan:
         # `revisions`: the training sweep; the rollout-stage analyses take `rollout_revisions` (default: the last)
         self.revisions = {n: resolve_revisions(c, m) for n, m in self.models.items()}
         self.rollout_revisions = {n: resolve_rollout_revisions(c, m) for n, m in self.models.items()}
+
+    def store(self, kind: str, **wildcards) -> str:
+        """Store ``kind``'s path (:data:`mfpipe.workflow.paths.STORES`) under the results folder, ``wildcards`` filled
+        in and the others left for the rule: ``plan.store("stats", dataset="stats")``."""
+        return store_pattern(kind, self.results, **wildcards)
 
     def is_mini(self, model: str) -> bool:
         return self.models[model]["source"] == "minisuite"

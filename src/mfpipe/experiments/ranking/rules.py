@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def deviation_results(plan, wildcards) -> list[str]:
     """The deviation store of every sweep revision of a model (Exp. 3 reads them all)."""
-    return [f"{plan.results}/deviation/{wildcards.model}/{rev}/deviation.zarr" for rev in plan.revisions[wildcards.model]]
+    return [plan.store("deviation", model=wildcards.model, revision=rev) for rev in plan.revisions[wildcards.model]]
 
 
 def head_score_results(plan, wildcards) -> list[str]:

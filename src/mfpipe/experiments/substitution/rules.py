@@ -14,8 +14,7 @@ def topn(plan) -> list[int]:
 
 
 def substitution_results(plan, wildcards) -> list[str]:
-    return [f"{plan.results}/substitution/{wildcards.model}/{rev}/substitution.zarr"
-            for rev in plan.revisions[wildcards.model]]
+    return [plan.store("substitution", model=wildcards.model, revision=rev) for rev in plan.revisions[wildcards.model]]
 
 
 def stats_half_shards(plan, wildcards) -> list[str]:
@@ -25,7 +24,7 @@ def stats_half_shards(plan, wildcards) -> list[str]:
 
 
 def kernel_results(plan, wildcards) -> list[str]:
-    return [f"{plan.results}/kernels/{wildcards.model}/{rev}/kernel.zarr" for rev in plan.revisions[wildcards.model]]
+    return [plan.store("kernel", model=wildcards.model, revision=rev) for rev in plan.revisions[wildcards.model]]
 
 
 def topn_results(plan, wildcards) -> list[tuple]:
@@ -33,8 +32,8 @@ def topn_results(plan, wildcards) -> list[tuple]:
     n_tracked = int(plan.config["tracked"]["n_tracked"])
     out = []
     for n in [n_tracked] + topn(plan):
-        arm = "" if n == n_tracked else f"N{n}/"
-        out += [(n, rev, f"{plan.results}/substitution/{wildcards.model}/{rev}/{arm}substitution.zarr")
+        out += [(n, rev, plan.store("substitution", model=wildcards.model, revision=rev) if n == n_tracked
+                 else plan.store("substitution_topn", model=wildcards.model, revision=rev, n=n))
                 for rev in plan.revisions[wildcards.model]]
     return out
 
@@ -51,7 +50,7 @@ def targets(plan) -> list[str]:
     rollout revisions' kernel (App. B)."""
     R, t = plan.results, []
     for m in plan.models:
-        t += [f"{R}/substitution/{m}/{rev}/substitution.zarr" for rev in plan.revisions[m]]
+        t += [plan.store("substitution", model=m, revision=rev) for rev in plan.revisions[m]]
         t += [f"{R}/tables/substitution_{m}.csv", f"{R}/tables/substitution_{m}.md",
               f"{R}/tables/substitution_heads_{m}.csv"]
         if plan.sweeps(m):
