@@ -9,7 +9,6 @@
   :class:`~mfpipe.workflow.runner.Job`, a failure reported in one line; a job's model load.
 - :mod:`~mfpipe.workflow.plan` — the run's plan (models, revisions, corpora, shards) that every slice plans on.
 - :mod:`~mfpipe.workflow.paths` — where every store lives, spelt once (the rules and the reading API take it).
-- :mod:`~mfpipe.workflow.jobs` — the workflow's own job: the run's cost table.
 - :mod:`~mfpipe.workflow.context` — :class:`~mfpipe.workflow.context.ForwardJob`: what a forward-pass job starts
   from (tracked set, statistics half, the model checked against it, the kernel).
 - :mod:`~mfpipe.workflow.logs` — a job's log file.
