@@ -1,4 +1,4 @@
-"""Logging for workflow scripts: every rule logs to its `log:` file and mirrors to stderr."""
+"""Logging for the workflow's jobs: every rule logs to its `log:` file and mirrors to stderr."""
 
 from __future__ import annotations
 
@@ -23,7 +23,3 @@ def setup_logging(log_path: str | Path | None, name: str = "mfpipe") -> logging.
     logging.captureWarnings(True)
     return logging.getLogger(name)
 
-
-def progress_file(log_path: str | Path | None):
-    """Where tqdm writes: stderr (the terminal under Snakemake). The log gets periodic lines."""
-    return sys.stderr
