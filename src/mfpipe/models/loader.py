@@ -40,7 +40,7 @@ def _collector_paused(load):
     """``load`` with Python's cyclic garbage collector paused (its previous state restored after). Importing a model
     class (transformers' modeling code, with torch.distributed, torch._dynamo and sympy behind it) and building the
     model allocate hundreds of thousands of objects that live as long as the model; the collector scanned them again
-    and again as they came, ~0.3 s of a mini model's job (benchmarks/HISTORY.md, "A model job's start-up"). Nothing
+    and again as they came (measured: benchmarks/HISTORY.md, "A model job's start-up"). Nothing
     a load makes is cyclic garbage to be reclaimed during it."""
 
     @functools.wraps(load)

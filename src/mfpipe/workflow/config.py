@@ -26,8 +26,9 @@ class ConfigError(ValueError):
     pass
 
 
-# libyaml's safe loader where PyYAML has it (its wheels do): the same documents, ~15x faster than the pure-Python
-# one, and every Snakemake invocation (each dry run, each job a cluster runs) loads the schema
+# libyaml's safe loader where PyYAML has it (its wheels do): the same documents, much faster than the pure-Python
+# one (benchmarks/HISTORY.md, "CI's time"), and every Snakemake invocation (each dry run, each cluster job) loads the
+# schema
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 

@@ -5,10 +5,8 @@ scheduling round that ends with a ready job still waiting (all cores busy) start
 the scheduler once the timespan is over (``JobScheduler._schedule_reevalutation``), and every finished job starts a
 round. A round woken by such a timer starts another one, so each finished job leaves behind a chain of wake-ups,
 one a second, for as long as jobs wait: with two cores and a wide DAG the chains add up to thousands of rounds,
-each checking the sizes of every ready job's inputs (the ~30 code inputs of a job included) and starting a thread.
-The default run's Snakemake process spent 95 s of user and 155 s of system CPU so (27.5 min, 227 jobs on two
-cores: ~15 % of a core taken from the jobs; benchmarks/HISTORY.md, "The scheduler's wake-ups"); upstream:
-snakemake/snakemake#3744.
+each checking the sizes of every ready job's inputs (a job's code inputs included) and starting a thread: CPU
+taken from the jobs (measured: benchmarks/HISTORY.md, "The scheduler's wake-ups"); upstream: snakemake/snakemake#3744.
 
 :func:`one_pending_wakeup` wraps that method so that a request is dropped when a wake-up no later than the one it
 asks for is already pending: the scheduler is still woken when the earliest request falls due, and from then on

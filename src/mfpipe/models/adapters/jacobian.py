@@ -140,7 +140,7 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int) -> Tensor
                     raise _NoCache(str(e).splitlines()[0][:200]) from e
         # a pass through one token holds 1 / (t + 1) of what a pass through the whole window holds: on a GPU the same
         # memory takes (t + 1) times as many passes at once, one call instead of t + 1 launch-bound small ones (a
-        # CPU runs the wide batched passes slower than grad_chunk at a time: GPT-2 small 13 s a position against 6)
+        # CPU runs the wide batched passes slower than grad_chunk at a time: benchmarks/HISTORY.md, "The J-lens")
         chunk = min(d, max(1, int(grad_chunk)) * ((t + 1) if dev.type == "cuda" else 1))
         out, y = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk)
         if t > 0 and not checked:
