@@ -19,7 +19,7 @@ def deviation_shard(job) -> None:
 
     p, log = job.params, job.log
     shards = [str(s) for s in job.input.shards]
-    fj = open_forward_job(job.sm, shards_dir=Path(shards[0]).parent.parent)
+    fj = open_forward_job(job, shards_dir=Path(shards[0]).parent.parent)
     name, revision, adapter = fj.name, fj.revision, fj.adapter
     log.info("%s @ %s: pass 2 over %d shard(s) from %s, kernel %s C >= %d, top %d contexts per head", name, revision,
              len(shards), shards[0], p.kernel, int(p.min_count), int(p.top_k))

@@ -3,11 +3,13 @@ revision) checked against that tracked set and the corpus, the calibrated kernel
 model loaded and checked against the store, and on request the mean-field kernel.
 
 The order is deliberate: every store is opened and provenance-checked before the model loads, so a stale or
-foreign store is refused in a second rather than after the weights are read.
+foreign store is refused in a second rather than after the weights are read. A job that checks further stores
+against the statistics half (the lenses: the deviation store and the J-lens) opens the job with ``load=False``,
+checks them against ``job.stats`` / ``job.corpus``, then calls :meth:`ForwardJob.load_model`: the half is opened once.
 
-A job script calls :func:`open_forward_job` with its Snakemake object; the rule provides ``input.tracked``,
-``input.stats``, ``input.shards`` (or passes ``shards_dir``), ``input.kernel`` where ``params.kernel`` is
-``calibrated``, and the model params of ``model_params()`` (workflow/rules/common.smk)."""
+A job function calls :func:`open_forward_job` with its :class:`~mfpipe.workflow.runner.Job` (or a Snakemake object);
+the rule provides ``input.tracked``, ``input.stats``, ``input.shards`` (or passes ``shards_dir``), ``input.kernel``
+where ``params.kernel`` is ``calibrated``, and the model params of ``model_params()`` (workflow/rules/common.smk)."""
 
 from __future__ import annotations
 
@@ -33,10 +35,28 @@ class ForwardJob:
     shards: Path
     stats: MeanFieldStats
     corpus: dict  # the corpus's info (mfpipe.stats.halves.corpus_info)
-    model: Any
-    adapter: Any
     calibrated: Any = None  # xarray U (App. B) when params.kernel == "calibrated"
+    threads: int | None = None
+    _model: Any = field(default=None, repr=False)
+    _adapter: Any = field(default=None, repr=False)
     _kernels: dict = field(default_factory=dict, repr=False)
+
+    def load_model(self) -> ForwardJob:
+        """Load the (model, revision) with its adapter and check it against the statistics store (once)."""
+        from mfpipe.workflow.runner import load_job_model
+
+        if self._adapter is None:
+            self._model, self._adapter = load_job_model(self.params, self.threads)
+            check_model(self._adapter, self.stats)
+        return self
+
+    @property
+    def model(self):
+        return self.load_model()._model
+
+    @property
+    def adapter(self):
+        return self.load_model()._adapter
 
     def kernel(self, min_count: int | None = None):
         """The :class:`~mfpipe.meanfield.kernel.MeanFieldKernel` of the statistics half (U when the rule asked for
@@ -57,11 +77,11 @@ class ForwardJob:
         return load_tokenizer(dict(self.params.model_spec), results_dir=self.params.results)
 
 
-def open_forward_job(sm, *, shards_dir: str | Path | None = None, threads: int | None = None) -> ForwardJob:
-    """Open the job of Snakemake object ``sm`` (see the module docstring for what its rule provides)."""
-    from mfpipe.workflow.runner import load_job_model
-
-    p, inp = sm.params, sm.input
+def open_forward_job(job, *, shards_dir: str | Path | None = None, threads: int | None = None,
+                     load: bool = True) -> ForwardJob:
+    """Open the forward-pass job ``job`` (a :class:`~mfpipe.workflow.runner.Job` or a Snakemake object: see the module
+    docstring for what its rule provides): its stores, checked, then (``load``) its model."""
+    p, inp = job.params, job.input
     name, revision = p.model_spec["name"], str(p.revision)
     tracked = TrackedSet.load(inp.tracked)
     shards = Path(shards_dir if shards_dir is not None else inp.shards)
@@ -72,6 +92,6 @@ def open_forward_job(sm, *, shards_dir: str | Path | None = None, threads: int |
 
         calibrated = load_calibrated(inp.kernel, expect={"model": name, "revision": revision,
                                                          "tracked_fingerprint": tracked.fingerprint})
-    model, adapter = load_job_model(p, sm.threads if threads is None else threads)
-    check_model(adapter, stats)
-    return ForwardJob(name, revision, p, tracked, shards, stats, corpus, model, adapter, calibrated)
+    fj = ForwardJob(name, revision, p, tracked, shards, stats, corpus, calibrated,
+                    threads=int(job.threads) if threads is None else threads)
+    return fj.load_model() if load else fj

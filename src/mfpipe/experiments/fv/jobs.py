@@ -31,7 +31,7 @@ def function_vectors(job) -> None:
     from mfpipe.workflow.tables import write_table
 
     p, out, log = job.params, job.output, job.log
-    fj = open_forward_job(job.sm)
+    fj = open_forward_job(job)
     name, revision = fj.name, fj.revision
     jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision})
     cfg = {**dict(p.fv), "batch_size": int(p.batch_size)}

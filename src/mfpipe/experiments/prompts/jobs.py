@@ -11,32 +11,26 @@ def lenses(job) -> None:
     rule jlens, mfpipe.jlens) ->
     results/lenses/<model>/<revision>/contexts.md|.html (context lens), decode.md (decode lens), contexts.csv."""
     import time
-    from pathlib import Path
 
-    from mfpipe.corpus.tracked import TrackedSet
     from mfpipe.corpus.windows import list_shards
     from mfpipe.deviation.store import check_against_half, open_deviation, stats_fingerprint
     from mfpipe.experiments.prompts import lenses as LE
     from mfpipe.jlens.lens import open_jlens
-    from mfpipe.stats.halves import open_stats_half
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_write_text
 
     p, inp, out, log = job.params, job.input, job.output, job.log
-    name, revision = p.model_spec["name"], str(p.revision)
-    tracked = TrackedSet.load(inp.tracked)
-    shards = Path(inp.shards)
-    st, info = open_stats_half(inp.stats, shards, tracked, name, revision)
+    fj = open_forward_job(job, load=False)  # the stores first, each checked, then the model
+    name, revision, tracked, info = fj.name, fj.revision, fj.tracked, fj.corpus
     ds = open_deviation(inp.deviation, {"model": name, "revision": revision,
                                         "tracked_fingerprint": tracked.fingerprint,
-                                        "stats_fingerprint": stats_fingerprint(st)})
+                                        "stats_fingerprint": stats_fingerprint(fj.stats)})
     # the store's (top_shard, top_window) index the statistics half's sorted shard list
-    shard_paths = list_shards(shards / "stats")
-    check_against_half(ds, inp.deviation, shards, shard_paths, info)
+    shard_paths = list_shards(fj.shards / "stats")
+    check_against_half(ds, inp.deviation, fj.shards, shard_paths, info)
     jlens = open_jlens(inp.jlens, {"model": name, "revision": revision, "half": "stats",
                                    "corpus_fingerprint": info["fingerprint"]})
-    fj = open_forward_job(job.sm)  # the stores are checked above before the model loads
-    adapter, tokenizer = fj.adapter, fj.tokenizer()
+    adapter, tokenizer = fj.load_model().adapter, fj.tokenizer()
     kernel = fj.kernel(ds.attrs.get("min_count")).to(adapter.device)
     t0 = time.perf_counter()
     rows = LE.mine_contexts(ds, shard_paths, heads=list(p.heads or []), per_head=int(p.per_head),
@@ -85,7 +79,7 @@ def icl_classes(job) -> None:
     from mfpipe.workflow.tables import write_table
 
     p, out, log = job.params, job.output, job.log
-    fj = open_forward_job(job.sm)
+    fj = open_forward_job(job)
     name, revision, adapter, tracked = fj.name, fj.revision, fj.adapter, fj.tracked
     tokenizer = fj.tokenizer()
     kernel = fj.kernel(int(p.min_count))
@@ -151,7 +145,7 @@ def icl_meter(job) -> None:
 
     p, out, log = job.params, job.output, job.log
     n = int(p.n_sequences)
-    fj = open_forward_job(job.sm)
+    fj = open_forward_job(job)
     name, revision = fj.name, fj.revision
     tokens, doc_ids = eval_windows(fj.shards, n_windows=4 * n)[:2]
     want = None if p.chunk_length in (None, "", "null") else int(p.chunk_length)

@@ -52,8 +52,8 @@ def error_accounting(job) -> None:
 
     p, out, log = job.params, job.output, job.log
     tag = f"{p.model_spec['name']} @ {p.revision}"
-    model, adapter = job.model()
     st, ev = S.open_pair(job.input.stats, job.input.eval, model=p.model_spec["name"], revision=p.revision)
+    model, adapter = job.model()  # after the stores: a foreign store is refused before the weights are read
     setup = RO.prepare(adapter, st, ev, min_count=int(p.min_count))
     diag = ev if p.diagnostics_half == "eval" else st
 

@@ -17,7 +17,7 @@ def substitution(job) -> None:
     from mfpipe.workflow.io import atomic_dir
 
     p, log = job.params, job.log
-    fj = open_forward_job(job.sm)
+    fj = open_forward_job(job)
     name, revision, adapter, info = fj.name, fj.revision, fj.adapter, fj.corpus
     kernel = fj.kernel(int(p.min_count))
     tokens, _, used = eval_windows(fj.shards, n_tokens=int(p.eval_tokens))
