@@ -21,18 +21,12 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
-include: "workflow/rules/minisuite.smk"
-include: "workflow/rules/corpus.smk"
-include: "workflow/rules/stats.smk"
-include: "workflow/rules/deviation.smk"
-include: "workflow/rules/rollout.smk"
-include: "workflow/rules/substitution.smk"
-include: "workflow/rules/ranking.smk"
-include: "workflow/rules/jlens.smk"
-include: "workflow/rules/prompts.smk"
-include: "workflow/rules/fv.smk"
-include: "workflow/rules/crossmodel.smk"
-include: "workflow/rules/costs.smk"
+
+
+# the core stages' rule files in the order they run, every experiment's (workflow/rules/<name>.smk), the cost table
+for _rule_file in RULE_FILES:
+
+    include: f"workflow/rules/{_rule_file}"
 
 
 rule all:

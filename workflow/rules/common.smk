@@ -1,5 +1,6 @@
 # Every helper of the workflow's rule modules, kept apart from the rules as snakemake --lint asks. Config
 # cross-checks, model specs, paths, code dependencies, what a job asks a cluster for.
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -12,17 +13,11 @@ sys.path.insert(0, str(SRC))
 from mfpipe.workflow.codedeps import code_inputs  # noqa: E402
 from mfpipe.workflow.config import ConfigError, check_config, validate_schema  # noqa: E402
 from mfpipe.workflow.plan import HALVES as PLAN_HALVES, Plan  # noqa: E402
-# each slice's planning (its targets, its rules' input functions), on PLAN
+# each core stage's planning (its targets, its rules' input functions), on PLAN
 from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
 from mfpipe.corpus import rules as corpus_rules  # noqa: E402
 from mfpipe.stats import rules as stats_rules  # noqa: E402
-from mfpipe.experiments.fv import rules as fv_rules  # noqa: E402
-from mfpipe.experiments.crossmodel import rules as crossmodel_rules  # noqa: E402
-from mfpipe.experiments.rollout import rules as rollout_rules  # noqa: E402
-from mfpipe.experiments.substitution import rules as substitution_rules  # noqa: E402
 from mfpipe.deviation import rules as deviation_rules  # noqa: E402
-from mfpipe.experiments.ranking import rules as ranking_rules  # noqa: E402
-from mfpipe.experiments.prompts import rules as prompts_rules  # noqa: E402
 from mfpipe.corpus.windows import shard_groups  # noqa: E402
 from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
@@ -136,6 +131,22 @@ ROLLOUT_REVISIONS = PLAN.rollout_revisions
 HALVES = list(PLAN_HALVES)
 STORE = PLAN.store  # a store's path, spelt once (mfpipe.workflow.paths.STORES): STORE("stats", dataset="eval")
 
+# The experiments, found, not listed: each is a package mfpipe.experiments.<name> whose `rules` module plans it
+# (`targets(plan)`, its rules' input functions) and a rule file workflow/rules/<name>.smk, which refers to that module
+# as `<name>_rules`. The Snakefile includes the core stages' rule files in the order they run, then every other rule
+# file (an experiment's), then the run's cost table, which waits for all the others.
+EXPERIMENT_RULES = {
+    p.parent.name: importlib.import_module(f"mfpipe.experiments.{p.parent.name}.rules")
+    for p in sorted((SRC / "mfpipe" / "experiments").glob("*/rules.py"))
+}
+globals().update({f"{name}_rules": module for name, module in EXPERIMENT_RULES.items()})
+_RULES_DIR = Path(workflow.basedir) / "workflow" / "rules"
+CORE_RULE_FILES = ["minisuite", "corpus", "stats", "deviation", "jlens"]
+LAST_RULE_FILES = ["costs"]
+RULE_FILES = [f"{name}.smk" for name in CORE_RULE_FILES] + [
+    p.name for p in sorted(_RULES_DIR.glob("*.smk"))
+    if p.stem not in {"common", *CORE_RULE_FILES, *LAST_RULE_FILES}] + [f"{name}.smk" for name in LAST_RULE_FILES]
+
 
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
@@ -230,22 +241,13 @@ def model_params():
     )
 
 
-def all_targets():
-    targets = minisuite_rules.targets(PLAN)  # workflow/rules/minisuite.smk
-    targets += corpus_rules.targets(PLAN)  # workflow/rules/corpus.smk
-    targets += stats_rules.targets(PLAN)  # workflow/rules/stats.smk
-    targets += rollout_rules.targets(PLAN)  # workflow/rules/rollout.smk
-    targets += substitution_rules.targets(PLAN)  # workflow/rules/substitution.smk
-    targets += deviation_rules.targets(PLAN)  # workflow/rules/deviation.smk
-    targets += ranking_rules.targets(PLAN)  # workflow/rules/ranking.smk
-    targets += prompts_rules.targets(PLAN)  # workflow/rules/prompts.smk
-    return targets
-
-
-
 def every_target():
-    """Every slice's targets: what the default target makes, and what the run's cost table waits for."""
-    return all_targets() + fv_rules.targets(PLAN) + crossmodel_rules.targets(PLAN)
+    """Every stage's and every experiment's targets: what the default target makes, and what the run's cost table
+    waits for."""
+    targets = []
+    for stage in (minisuite_rules, corpus_rules, stats_rules, deviation_rules, *EXPERIMENT_RULES.values()):
+        targets += stage.targets(PLAN)
+    return targets
 
 
 # ------------------------------------------------------------------ statistics (workflow/rules/stats.smk)
