@@ -6,6 +6,7 @@ packages, and every package's docstring names each of its modules. The job scrip
 the same import rule."""
 
 import ast
+import pathlib
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,127 @@ def test_job_scripts_import_at_most_one_experiment_and_only_the_workflow_besides
 def test_at_most_six_modules_sit_loose_beside_the_packages():
     loose = sorted(p.stem for p in PKG.glob("*.py") if p.name != "__init__.py")
     assert len(loose) <= MAX_LOOSE, loose
+
+
+TOY = {
+    "src/mfpipe/experiments/toy/__init__.py": '''"""A toy experiment (tests/test_architecture.py adds it to a copy of the project).
+
+- :mod:`~mfpipe.experiments.toy.counts` — what it computes.
+- :mod:`~mfpipe.experiments.toy.jobs` — its job.
+- :mod:`~mfpipe.experiments.toy.rules` — its targets.
+"""
+''',
+    "src/mfpipe/experiments/toy/counts.py": '''"""The toy's computation."""
+
+
+def tracked_count(tracked, scale: int) -> int:
+    return scale * tracked.n
+''',
+    "src/mfpipe/experiments/toy/jobs.py": '''"""The toy's job."""
+
+from __future__ import annotations
+
+
+def toy_table(job) -> None:
+    from mfpipe.corpus.tracked import TrackedSet
+    from mfpipe.experiments.toy.counts import tracked_count
+    from mfpipe.workflow.io import atomic_write_text
+
+    n = tracked_count(TrackedSet.load(job.input.tracked), int(job.params.scale))
+    atomic_write_text(job.output[0], f"model,count\\n{job.wildcards.model},{n}\\n")
+''',
+    "src/mfpipe/experiments/toy/rules.py": '''"""The toy's targets."""
+
+
+def targets(plan) -> list[str]:
+    return [f"{plan.results}/tables/toy_{m}.csv" for m in plan.models]
+''',
+    "workflow/rules/toy.smk": '''# A toy experiment: a count per model.
+
+
+rule toy_table:
+    input:
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        code=job("experiments.toy", "toy_table"),
+    output:
+        f"{R}/tables/toy_{{model}}.csv",
+    params:
+        scale=config["toy"]["scale"],
+    log:
+        "logs/tables/toy_{model}.log",
+    benchmark:
+        "logs/benchmarks/toy_table/tables/toy_{model}.tsv"
+    script:
+        JOB_SCRIPT
+''',
+    "tests/test_toy.py": "def test_toy():\n    assert True\n",
+}
+TOY_SECTION = '''  toy:
+    type: object
+    default: {}
+    additionalProperties: false
+    description: "a toy experiment"
+    properties:
+      scale: {type: integer, minimum: 1, default: 3}
+'''
+
+
+def test_a_new_experiment_is_one_package_one_rule_file_one_config_section_and_one_test_file(tmp_path):
+    """Issue 47 item 8: adding an experiment to a copy of the project is its package (computation, job, targets), its
+    rule file, its config section and its test file, and nothing else: the workflow finds it, plans its job for every
+    model among the default target's, declares the job's code inputs from what it imports, and the slice keeps the
+    house rules (the import graph still goes down; an experiment imports only the core)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    global SRC
+    repo = SRC.parent
+    junk = shutil.ignore_patterns("__pycache__", "*.pyc", ".snakemake", "results", "logs")
+    for name in ("Snakefile", "workflow", "src", "config", "profiles", "pyproject.toml"):
+        (shutil.copytree if (repo / name).is_dir() else shutil.copy2)(repo / name, tmp_path / name,
+                                                                      **({"ignore": junk} if (repo / name).is_dir() else {}))
+    for rel, text in TOY.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    schema = tmp_path / "src" / "mfpipe" / "schemas" / "config.schema.yaml"
+    text = schema.read_text()
+    at = text.index("\n  jlens:\n") + 1
+    schema.write_text(text[:at] + TOY_SECTION + text[at:])
+    assert yaml.safe_load(schema.read_text())["properties"]["toy"]["properties"]["scale"]["default"] == 3
+
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--snakefile", str(tmp_path / "Snakefile"),
+                          "--directory", str(tmp_path), "--configfile", str(tmp_path / "config" / "ci.yaml")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ci = yaml.safe_load((tmp_path / "config" / "ci.yaml").read_text())
+    models = [m["name"] for m in ci["models"]]
+    planned = out.stdout.count("rule toy_table:")
+    assert planned == len(models) >= 1, out.stdout[-2000:]
+    for m in models:
+        assert f"results/tables/toy_{m}.csv" in out.stdout
+    sys.path.insert(0, str(tmp_path / "src"))
+    try:
+        from mfpipe.workflow import codedeps
+
+        code = codedeps.code_inputs(tmp_path / "src", tmp_path / "workflow" / "scripts")
+    finally:
+        sys.path.remove(str(tmp_path / "src"))
+    got = {str(pathlib.Path(f).relative_to(tmp_path / "src")) for f in code["mfpipe.experiments.toy.jobs:toy_table"]}
+    assert {"mfpipe/experiments/toy/jobs.py", "mfpipe/experiments/toy/counts.py", "mfpipe/corpus/tracked.py"} <= got
+    assert "mfpipe/experiments/toy/rules.py" not in got  # planning, not what the job runs
+    toy = sorted((tmp_path / "src").rglob("*.py"))
+    toy = [p for p in toy if p.relative_to(tmp_path / "src").parts[:3] == ("mfpipe", "experiments", "toy")]
+    old, SRC = SRC, tmp_path / "src"
+    try:
+        graph = import_graph(sorted((tmp_path / "src" / "mfpipe").rglob("*.py")))
+    finally:
+        SRC = old
+    assert not cycles(graph)
+    assert all(experiment_of(t) in (None, "toy") for m in graph if m.startswith("mfpipe.experiments.toy")
+               for t in graph[m]) and len(toy) == 4
 
 
 def test_the_graph_checks_see_a_cycle_and_an_upward_import():
