@@ -238,3 +238,29 @@ def test_every_rule_of_the_job_script_names_its_own_job_function():
             if function != (alias.group(1) if alias else rule):
                 wrong.append(f"{f.name} {rule}: declares the code of {function}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_a_lazy_export_depends_on_its_own_branch_only(tmp_path):
+    """A package's lazy __getattr__ split by `if name == ...` / `if name in (...)`: `from package import X` depends on
+    X's branch and the statements outside every branch, not on the other names' modules; a name no branch serves
+    depends on all of it."""
+    write(tmp_path / "src", {
+        "mfpipe/__init__.py": "",
+        "mfpipe/pkg/__init__.py": ("def __getattr__(name):\n"
+                                   "    from mfpipe import always\n"
+                                   "    if name in ('light', 'other'):\n        from mfpipe.pkg import read\n        return 1\n"
+                                   "    if name == 'heavy':\n        from mfpipe.pkg import loops\n        return 2\n"
+                                   "    raise AttributeError(name)\n"),
+        "mfpipe/pkg/read.py": "", "mfpipe/pkg/loops.py": "", "mfpipe/always.py": "",
+    })
+    write(tmp_path / "scripts", {"light.py": "from mfpipe.pkg import light\n",
+                                 "heavy.py": "from mfpipe.pkg import heavy\n",
+                                 "unknown.py": "from mfpipe.pkg import mystery\n"})
+    src = tmp_path / "src"
+    base = ["mfpipe/__init__.py", "mfpipe/always.py", "mfpipe/pkg/__init__.py"]
+    assert names(script_dependencies(src, tmp_path / "scripts" / "light.py"), tmp_path) == sorted(
+        base + ["mfpipe/pkg/read.py"])
+    assert names(script_dependencies(src, tmp_path / "scripts" / "heavy.py"), tmp_path) == sorted(
+        base + ["mfpipe/pkg/loops.py"])
+    assert names(script_dependencies(src, tmp_path / "scripts" / "unknown.py"), tmp_path) == sorted(
+        base + ["mfpipe/pkg/loops.py", "mfpipe/pkg/read.py"])

@@ -18,14 +18,10 @@
 - :mod:`mfpipe.stats.rules` — the targets and input functions of workflow/rules/stats.smk.
 - :mod:`mfpipe.stats.jobs` — the jobs of workflow/rules/stats.smk, one function per rule.
 
-The read side (``api``, ``store``, ``partials``) never imports torch; the names of the torch-using modules
-are exported lazily, so ``from mfpipe.stats import open_stats`` stays light.
+The read side (``api``, ``store``, ``partials``) never imports torch. Every name is exported lazily, each from the
+module that defines it, so ``from mfpipe.stats import open_stats`` stays light and importing the package (its
+``rules``, at every plan of the workflow) imports none of its modules.
 """
-
-from mfpipe.stats.api import MeanFieldStats, ProvenanceError, check_provenance, open_stats
-from mfpipe.stats.errors import StatsError
-from mfpipe.stats.partials import load_partial, merge_sums, partial_meta, save_partial
-from mfpipe.stats.store import PROVENANCE_KEYS, finalize, read_attrs, write_store
 
 __all__ = [
     "Accumulator",
@@ -47,7 +43,25 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # static imports, so mfpipe.workflow.codedeps sees what each lazily exported name loads
+    # every name lazily, each branch importing only what it serves (mfpipe.workflow.codedeps follows each branch for
+    # the names asked for): the workflow's planning imports mfpipe.stats.rules without xarray, and a reader of the store
+    # does not depend on the pass
+    if name in ("MeanFieldStats", "ProvenanceError", "check_provenance", "open_stats"):
+        from mfpipe.stats import api
+
+        return getattr(api, name)
+    if name == "StatsError":
+        from mfpipe.stats.errors import StatsError
+
+        return StatsError
+    if name in ("load_partial", "merge_sums", "partial_meta", "save_partial"):
+        from mfpipe.stats import partials
+
+        return getattr(partials, name)
+    if name in ("PROVENANCE_KEYS", "finalize", "read_attrs", "write_store"):
+        from mfpipe.stats import store
+
+        return getattr(store, name)
     if name == "Accumulator":
         from mfpipe.stats.pass1 import Accumulator
 
@@ -57,3 +71,7 @@ def __getattr__(name: str):
 
         return accumulate_shard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

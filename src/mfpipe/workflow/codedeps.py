@@ -170,10 +170,46 @@ def _lazy_files(src: Path, package_init: Path, names: set[str]) -> set[Path]:
     asked = {n for n in names if n not in bound and _module_file(src, f"{current}.{n}") is None}
     if not asked or not pkg_dir.is_dir():
         return set()
+    branches, common = _lazy_branches(lazy)
+    if asked - set(branches):  # a name no branch of its own serves: whatever the function imports
+        parts = [lazy]
+    else:
+        parts = common + [stmt for n in sorted(asked) for stmt in branches[n]]
     files: set[Path] = set()
-    for name in _imported_names(lazy, current, is_package, where=str(package_init)):
-        files.update(_files_for(src, name))
+    for part in parts:
+        for name in _imported_names(part, current, is_package, where=str(package_init)):
+            files.update(_files_for(src, name))
     return files
+
+
+def _branch_names(test: ast.AST) -> list[str] | None:
+    """The names an ``if name == "X"`` / ``if name in ("X", "Y")`` test of a lazy ``__getattr__`` selects, or None."""
+    if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1):
+        return None
+    op, right = test.ops[0], test.comparators[0]
+    if isinstance(op, ast.Eq) and isinstance(right, ast.Constant) and isinstance(right.value, str):
+        return [right.value]
+    if isinstance(op, ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)) and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in right.elts):
+        return [e.value for e in right.elts]
+    return None
+
+
+def _lazy_branches(lazy: ast.FunctionDef) -> tuple[dict[str, list[ast.AST]], list[ast.AST]]:
+    """A lazy ``__getattr__`` split by the name asked for: ``{name: the statements of its branch}`` (one
+    ``if name == "X":`` or ``if name in (...):`` per group of names) and the statements outside every branch, whose
+    imports count for every name. So ``from mfpipe.stats import open_stats`` depends on the read side's modules, not on
+    the pass the same package exports lazily too."""
+    branches: dict[str, list[ast.AST]] = {}
+    common: list[ast.AST] = []
+    for stmt in lazy.body:
+        names = _branch_names(stmt.test) if isinstance(stmt, ast.If) and not stmt.orelse else None
+        if names is None:
+            common.append(stmt)
+            continue
+        for n in names:
+            branches.setdefault(n, []).extend(stmt.body)
+    return branches, common
 
 
 @functools.lru_cache(maxsize=None)
