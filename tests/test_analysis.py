@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_rollout import Ref, estimators_reference, forward_residuals
-from test_stats_reference import BOS, tracked_for, zipf_windows
+from rollout_reference import Ref, estimators_reference, forward_residuals
+from stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
 from mfpipe.experiments.rollout import accounting as AC
