@@ -6,6 +6,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/tiny_models.py and friends
+# The helpers that test files share (tests/<name>.py, no test_ prefix: not collected) whose code lived in test modules
+# until issue 47 (no test file imports another): pytest rewrites their asserts as it did there (a failing one shows
+# its operands).
+pytest.register_assert_rewrite("example_notebook", "meanfield_reference", "pattern_adapter", "rollout_reference",
+                               "stats_reference", "workflow_runs")
 
 # Never reach for the hub from a test.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

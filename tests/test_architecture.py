@@ -359,3 +359,38 @@ def test_the_function_length_check_sees_a_long_function():
               f"    def fits():\n{body}\n\ndef outer():\n    def inner():\n{body}        return 1\n    return inner\n")
     assert long_functions(source, "mfpipe.fake") == ["mfpipe.fake:A.long (81 lines)", "mfpipe.fake:outer (83 lines)",
                                                      "mfpipe.fake:outer.inner (81 lines)"]
+
+
+def test_no_test_module_imports_another():
+    """Issue 47 item 1: no test file imports another (an experiment's tests are tests/test_<name>*.py and stand on
+    their own); what test files share lives in helper modules beside them (tests/<name>.py, not collected). Checked
+    on every file of tests/ (the helpers and conftest.py too), in every import form (`import test_x`,
+    `from test_x import ...`, `tests.test_x`, `from tests import test_x`, relative)."""
+    here = Path(__file__).resolve().parent
+    test_modules = {p.stem for p in here.glob("test_*.py")}
+
+    def test_imports(source: str) -> list[str]:
+        out = []
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                names = [base] + [f"{base}.{a.name}" if base else a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                parts = parts[1:] if parts[0] == "tests" else parts
+                if parts and parts[0] in test_modules:
+                    out.append(f"line {node.lineno}: {'.'.join(parts)}")
+                    break
+        return out
+
+    # not vacuous: every form is found, a helper or a package import is not
+    seen = test_imports("import numpy\nfrom stats_reference import BOS\nfrom test_rollout import Ref\nimport tests.test_config\n"
+                        "from tests import hub_cache, test_workflow\nfrom . import test_corpus\nfrom .test_io import x\n")
+    assert seen == ["line 3: test_rollout", "line 4: test_config", "line 5: test_workflow", "line 6: test_corpus",
+                    "line 7: test_io"], seen
+    wrong = [f"tests/{p.name} {hit}" for p in sorted(here.glob("*.py")) for hit in test_imports(p.read_text())]
+    assert not wrong, "test files import test modules (move what they share into a helper module):\n" + "\n".join(wrong)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_workflow import CI_CONFIG, clone, result_files, without_timings
+from workflow_runs import CI_CONFIG, clone, result_files, without_timings
 
 
 def _cuda() -> bool:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import head_maps
-from test_stats_reference import reference_capture, tracked_for, zipf_windows
+from stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 from mfpipe.deviation import shards as DP

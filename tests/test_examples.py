@@ -1,49 +1,24 @@
 """The public reading API (mfpipe.results: list_results, open_stats, open_results) on a synthetic results folder laid
-out as the workflow writes it, and examples/reading_results.ipynb's execution (run on the ci config's results by
-tests/test_workflow.py, which builds them once)."""
+out as the workflow writes it, and examples/reading_results.ipynb as stored (its execution, tests/example_notebook.py,
+runs on the ci config's results in tests/test_workflow.py, which builds them once)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
 import xarray as xr
+from example_notebook import NOTEBOOK
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOK = REPO / "examples" / "reading_results.ipynb"
 MODEL = "synth"
 REVISIONS = ["step4", "step16"]  # training order; a name sort would put step16 first
-
-
-def execute_notebook(results: Path, workdir: Path, timeout: int = 600):
-    """Run examples/reading_results.ipynb on ``results`` in ``workdir`` (where it saves its figure), as Jupyter
-    would; returns the executed notebook. A failing cell raises nbclient's CellExecutionError with its traceback."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    with mock.patch.dict(os.environ, {"MFPIPE_RESULTS": str(results)}):
-        for key in ("MFPIPE_MODEL", "MFPIPE_REVISION"):
-            os.environ.pop(key, None)
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}).execute()
-    return nb
-
-
-def check_executed(nb, workdir: Path) -> None:
-    """What a run of the notebook must leave: every code cell ran without an error and the figure is a PNG."""
-    cells = [c for c in nb.cells if c.cell_type == "code"]
-    assert cells and all(c.execution_count for c in cells)
-    assert not [o for c in cells for o in c.outputs if o.output_type == "error"]
-    figure = workdir / "reading_results.png"
-    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and figure.stat().st_size > 10_000
 
 
 def test_notebook_is_valid_and_stored_without_outputs():

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 from hf_reference import blocks, o_proj, patched_reads, shape
-from test_stats_reference import tracked_for
+from stats_reference import tracked_for
 from tiny_models import make_tiny_model
 
 from mfpipe.experiments.fv import experiment as E

@@ -3,13 +3,15 @@ a failing job puts its one-line cause in its rule log (above the traceback) and 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from mfpipe.workflow.config import ConfigError, apply_defaults, check_config, validate_schema
 from mfpipe.workflow.preflight import check_inputs
-from tests.test_config import REPO
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def ci_config():

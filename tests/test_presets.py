@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hub_cache import NEW_PRESET_MODELS, PRESET_MODELS, set_ref, write_cached_dataset, write_hub_model
-from test_workflow import clone, planned_jobs
+from workflow_runs import clone, planned_jobs
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = REPO / "config" / "presets"

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_stats_reference import BOS, tracked_for, zipf_windows
+from stats_reference import BOS, tracked_for, zipf_windows
 
 from mfpipe.stats.buckets import causal_pairs, n_pairs, prefix_counts, window_buckets
 

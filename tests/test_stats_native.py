@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_stats_reference import tracked_for, zipf_windows
+from stats_reference import tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 import mfpipe.stats.pass1 as pass1

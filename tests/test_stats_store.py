@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import xarray as xr
 import zarr
-from test_stats_reference import BOS, tracked_for, zipf_windows
+from stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
 from mfpipe.corpus.windows import Shard, write_shards

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import head_maps, patched_reads, reference_run
-from test_stats_reference import tracked_for, zipf_windows
+from meanfield_reference import slow_zhat
+from stats_reference import tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 # the families placed by structure that issue 30 names: the loop and hook references run on them too
@@ -48,38 +49,7 @@ def setup(request, tmp_path_factory):
     return mt, model, ad, kernel, ev_tok
 
 
-# ------------------------------------------------------------------ slow references
-def slow_zhat(kernel, tokens):
-    """ẑ per layer [L,B,T,H,dh] and substituted [B,T] with loops over windows, positions, heads and keys
-    (eq:w-def-appendix, eq:ccmf), float64."""
-    W = kernel.W.double().numpy()
-    mu = kernel.mu.double().numpy()
-    L, H, N, K = W.shape
-    dh = mu.shape[-1]
-    B, T = tokens.shape
-    out = np.zeros((L, B, T, H, dh))
-    sub = np.zeros((B, T), dtype=bool)
-    for b in range(B):
-        for j in range(1, T):
-            s = kernel.query_lut[tokens[b, j]]
-            if s < 0:
-                continue
-            buckets = [kernel.n] + [int(kernel.key_lut[tokens[b, k]]) for k in range(1, j + 1)]
-            counts = {t: buckets.count(t) for t in set(buckets)}
-            ok = True
-            for l in range(L):
-                for h in range(H):
-                    norm = sum(n * W[l, h, s, t] for t, n in counts.items())
-                    if not np.isfinite(norm) or norm <= 0:
-                        ok = False
-                        continue
-                    for t, n in counts.items():
-                        out[l, b, j, h] += n * W[l, h, s, t] / norm * mu[l, h, t]
-            sub[b, j] = ok
-    out[:, ~sub] = 0.0
-    return out, sub
-
-
+# ------------------------------------------------- against the slow references (tests/meanfield_reference.py)
 def test_zhat_and_kernel_match_per_position_loop(setup):
     """Acceptance: the vectorized Â and ẑ equal a per-position reference (1e-5), every architecture."""
     mt, model, ad, kernel, ev = setup

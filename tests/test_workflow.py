@@ -11,46 +11,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from workflow_runs import (
+    CI_CONFIG,
+    FOLLOWS_EVERY_RUN,
+    REPO,
+    clone,
+    planned_jobs,
+    result_files,
+    snakemake,
+    without_timings,
+)
 
 from mfpipe.stats.store import read_attrs
 
-REPO = Path(__file__).resolve().parents[1]
-CI_CONFIG = REPO / "config" / "ci.yaml"
 pytestmark = pytest.mark.slow
-
-
-def snakemake(workdir: Path, *args: str, configfiles=(CI_CONFIG,), timeout=1800, env: dict | None = None) -> str:
-    """Run the workflow of the checkout at ``workdir`` (a clone made by :func:`clone`) in ``workdir``."""
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
-           "--configfile", *map(str, configfiles), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **env} if env else None)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-6000:]
-    return text
-
-
-# the run's cost table (workflow/rules/costs.smk) sums the benchmark files of every job, so it follows whatever
-# else a run does: the tests of what a change plans leave it out
-FOLLOWS_EVERY_RUN = {"run_costs"}
-
-
-def planned_jobs(text: str) -> list[tuple[str, str]]:
-    """(rule, wildcards) of every job a dry run lists, but the run's cost table (:data:`FOLLOWS_EVERY_RUN`)."""
-    jobs, current = [], None
-    for line in text.splitlines():
-        m = re.match(r"^\s*(?:rule|checkpoint|localrule|localcheckpoint) (\w+):\s*$", line)
-        if m:
-            if current:
-                jobs.append(tuple(current))
-            current = [m.group(1), ""]
-            continue
-        m = re.match(r"^\s*wildcards: (.*)$", line)
-        if m and current:
-            current[1] = m.group(1)
-    if current:
-        jobs.append(tuple(current))
-    return [j for j in jobs if j[0] not in FOLLOWS_EVERY_RUN]
 
 
 def variant(tmp: Path, name: str, edit) -> Path:
@@ -59,16 +33,6 @@ def variant(tmp: Path, name: str, edit) -> Path:
     p = tmp / f"{name}.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
-
-
-def clone(dest: Path) -> Path:
-    """A copy of the workflow and its library: the rules' code inputs live in the copy, so a test may edit
-    them, and edits in the working checkout during a test run do not make the built outputs stale."""
-    junk = shutil.ignore_patterns("__pycache__", "*.pyc", ".snakemake", "results", "logs")
-    for name in ("Snakefile", "workflow", "src", "config", "profiles", "pyproject.toml"):
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dest / name, **({"ignore": junk} if src.is_dir() else {}))
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +133,8 @@ def test_head_ranking_outputs(built):
 
 def test_example_notebook_reads_the_run(built, tmp_path):
     """examples/reading_results.ipynb runs on this run's results (the reading API, provenance, its figure);
-    the helpers and the API's own tests are in tests/test_examples.py."""
-    from test_examples import check_executed, execute_notebook
+    the helpers are in tests/example_notebook.py, the API's own tests in tests/test_examples.py."""
+    from example_notebook import check_executed, execute_notebook
 
     import mfpipe
 
@@ -544,17 +508,6 @@ def test_workflow_profile_leaves_the_slurm_profile_its_settings(tmp_path):
     assert run_got(got, stated) == stated, got
 
 
-def result_files(root: Path) -> dict[str, Path]:
-    """Every result file by path relative to ``root``; a Zarr store counts as one entry."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if any(part.endswith(".zarr") for part in p.relative_to(root).parts[:-1]):
-            continue
-        if p.is_file() or p.suffix == ".zarr":
-            out[str(p.relative_to(root))] = p
-    return out
-
-
 def same_result(a: Path, b: Path) -> bool:
     """Equal results: Zarr folders (statistics stores and per-shard partials) and .npz files by their arrays and
     attributes (their containers carry write times), JSON without its timings, figures by existence (a PDF carries
@@ -578,17 +531,6 @@ def same_result(a: Path, b: Path) -> bool:
 
         return without_timings(json.loads(a.read_text())) == without_timings(json.loads(b.read_text()))
     return a.read_bytes() == b.read_bytes()
-
-
-TIMINGS = {"elapsed_s", "wall_time_s", "cpu_time_s"}  # training.json records how long training took, not a result
-
-
-def without_timings(value):
-    if isinstance(value, dict):
-        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
-    if isinstance(value, list):
-        return [without_timings(v) for v in value]
-    return value
 
 
 def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_induction import PatternModel
+from pattern_adapter import PatternModel
 from tiny_models import make_tiny_model
 
 from mfpipe.experiments.ranking.head_scores import (
@@ -33,7 +33,7 @@ def test_score_targets():
 
 
 def test_exact_on_fixed_patterns():
-    """Heads: 0 induction, 1 uniform causal, 2 previous token, 3 BOS (test_induction.PatternModel)."""
+    """Heads: 0 induction, 1 uniform causal, 2 previous token, 3 BOS (pattern_adapter.PatternModel)."""
     ds = head_scores(PatternModel(n_layer=2), vocab_size=50, special_ids=[0], context_length=21, n_sequences=6,
                      batch_size=4)
     k = 10

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import torch
 from hf_reference import head_maps, patched_reads
-from test_stats_reference import reference_capture, tracked_for, zipf_windows
-from test_substitution import slow_zhat
+from meanfield_reference import slow_zhat
+from stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
 from mfpipe.experiments.prompts import classes as I

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from hf_reference import final_norm, head_maps
-from test_stats_reference import reference_capture, tracked_for, zipf_windows
+from stats_reference import reference_capture, tracked_for, zipf_windows
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 from mfpipe.experiments.prompts import lenses as LE

@@ -1,4 +1,4 @@
-"""The rollout glue (mfpipe.analysis) and its figures on real statistics stores of tiny random models:
+"""The rollout glue (mfpipe.experiments.rollout) and its figures on real statistics stores of tiny random models:
 provenance refusal, Table 1 against independent references (an HF-only slow rollout, the plain ``[BOS, t]``
 forward), standard errors, coverage rows, the cross-corpus diagonal, the error accounting tables against
 per-occurrence references, pinning, types absent from a statistics half, and the figure files."""
@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_rollout import Ref, estimators_reference, forward_residuals
-from test_stats_reference import BOS, tracked_for, zipf_windows
+from rollout_reference import Ref, estimators_reference, forward_residuals
+from stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 
 from mfpipe.experiments.rollout import accounting as AC
