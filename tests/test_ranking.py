@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
+from mfpipe.experiments.ranking.figures import ccmf_scatter
+from mfpipe.experiments.ranking.heads import head_roles
 from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
 from mfpipe.experiments.ranking import figures
 

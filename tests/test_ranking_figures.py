@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from mfpipe.experiments.ranking.figures import EXP3_COLUMNS, exp3_figure, exp3_table, induction_correlation
+from mfpipe.experiments.ranking.exp3 import EXP3_COLUMNS, exp3_table, induction_correlation
+from mfpipe.experiments.ranking.figures import exp3_figure
 
 
 def _da(a, dims=("layer", "head")):

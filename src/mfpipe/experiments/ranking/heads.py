@@ -10,7 +10,7 @@ import pandas as pd
 
 from mfpipe.experiments.ranking.head_scores import head_label
 
-__all__ = ["heads_table", "top_bottom", "split_half_stability", "HEAD_COLUMNS"]
+__all__ = ["heads_table", "top_bottom", "split_half_stability", "head_roles", "HEAD_COLUMNS", "ROLE_THRESHOLDS"]
 
 SCORES = ("induction", "previous_token", "duplicate_token", "bos_sink")
 HEAD_COLUMNS = ["rank", "head_label", "layer", "head", "S_bar", "M_cov", "M_ctx", "D", *SCORES, "S_bar_half0",
@@ -69,3 +69,18 @@ def split_half_stability(table: pd.DataFrame, top: int = 20) -> dict:
     return {"model": table["model"].iloc[0] if len(table) else None,
             "revision": table["revision"].iloc[0] if len(table) else None, "n_heads": n,
             "spearman": float(rho), "p_value": float(p), "top": k, "top_shared": len(top0 & top1)}
+
+
+# roles read off the behavioural scores (App. P tab:bottom thresholds: duplicate 0.10, prev-token 0.15, BOS-sink 0.35;
+# induction: the usual 0.3 of the mini suite's induction curve)
+ROLE_THRESHOLDS = (("induction", 0.3, "induction", "#d62728"), ("previous_token", 0.15, "previous-token", "#2ca02c"),
+                   ("duplicate_token", 0.10, "duplicate-token", "#9467bd"), ("bos_sink", 0.35, "BOS-sink", "#7f7f7f"))
+
+
+def head_roles(table: pd.DataFrame) -> pd.Series:
+    """Each head's behavioural role from its scores (first threshold met, in the order of ROLE_THRESHOLDS), else ''."""
+    role = pd.Series("", index=table.index)
+    for col, thr, name, _ in reversed(ROLE_THRESHOLDS):
+        if col in table:
+            role = role.where(~(table[col].to_numpy(float) >= thr), name)
+    return role

@@ -38,7 +38,8 @@ def exp3_correlation(job) -> None:
     """Sec. 6.1 Experiment 3 (fig:e15-correlation) for one model: at every training checkpoint the cross-head
     Spearman correlation between the mean-field deviation S_bar (per-revision deviation store) and the behavioural
     induction score (per-revision head_scores.csv) -> table (CSV) and figure (PDF + PNG)."""
-    from mfpipe.experiments.ranking.figures import exp3_figure, exp3_rows, exp3_table
+    from mfpipe.experiments.ranking.exp3 import exp3_rows, exp3_table
+    from mfpipe.experiments.ranking.figures import exp3_figure
     from mfpipe.models.induction import training_window
     from mfpipe.workflow import tables as T
 
@@ -59,7 +60,8 @@ def ranking(job) -> None:
     import pandas as pd
 
     from mfpipe.deviation.store import open_deviation
-    from mfpipe.experiments.ranking.figures import ccmf_scatter, head_roles
+    from mfpipe.experiments.ranking.figures import ccmf_scatter
+    from mfpipe.experiments.ranking.heads import head_roles
     from mfpipe.experiments.ranking.head_scores import open_head_scores
     from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
     from mfpipe.workflow import tables as T
