@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mfpipe.experiments.ranking.heads import ROLE_THRESHOLDS
+from mfpipe.experiments.ranking.heads import ROLE_THRESHOLDS, head_roles
 from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure, shade_window, step_axis
 
 __all__ = ["exp3_figure", "SIGNIFICANCE", "ccmf_scatter"]
