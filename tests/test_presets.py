@@ -42,7 +42,7 @@ OVERLAY = {
     "tracked": {"n_tracked": 24},
     "runtime": {"device": "cpu", "batch_size": 16},
     "stats": {"partial_mantissa_bits": 11},
-    "deviation": {"head_scores": {"n_sequences": 8}},
+    "ranking": {"head_scores": {"n_sequences": 8}},
     "cluster": {"forward": {"cpus": 1, "mem_mb": 2000, "runtime": 30}, "cpu": {"cpus": 1, "mem_mb": 2000, "runtime": 30}},
 }
 

@@ -139,7 +139,7 @@ def test_example_notebook_reads_the_run(built, tmp_path):
     import mfpipe
 
     held = mfpipe.list_results(built / "results")
-    assert {"stats", "deviation", "substitution", "kernel", "calibrated", "jlens"} <= set(held["experiment"])
+    assert {"stats", "deviation", "substitution", "kernel", "calibrated", "jlens"} <= set(held["kind"])
     J = mfpipe.open_results("jlens", "mini-gpt2", "step20", built / "results")["J"]  # App. P: J at the final point is I
     assert float(abs(J.sel(point="block").isel(layer=-1) - np.eye(J.sizes["out"])).max()) <= 1e-6
     check_executed(execute_notebook(built / "results", tmp_path), tmp_path)
@@ -607,7 +607,8 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
         caption = (REPO / "workflow" / "report" / f"figure_{fig}.rst").read_text().split(":")[0]
         first = caption.split("{{")[0].strip()
         assert first and first in html, f"caption of {fig} missing from the report"
-    assert "shakespeare-ci" in html and "tokens_per_half" in html, "the run's configuration is in the report"
+    # the configuration block of workflow/report/workflow.rst: the run's config, the ci file's values over the defaults
+    assert "shakespeare-ci" in html and "tokens_per_half&quot;: 8192" in html, "the run's configuration is in the report"
 
 
 # ------------------------------------------------------------------------------------ faults (issue 12, item 4)
