@@ -12,13 +12,12 @@ sys.path.insert(0, str(SRC))
 
 from mfpipe.workflow.codedeps import code_inputs  # noqa: E402
 from mfpipe.workflow.config import ConfigError, check_config, validate_schema  # noqa: E402
-from mfpipe.workflow.plan import HALVES as PLAN_HALVES, Plan  # noqa: E402
+from mfpipe.workflow.plan import Plan  # noqa: E402
 # each core stage's planning (its targets, its rules' input functions), on PLAN
 from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
 from mfpipe.corpus import rules as corpus_rules  # noqa: E402
 from mfpipe.stats import rules as stats_rules  # noqa: E402
 from mfpipe.deviation import rules as deviation_rules  # noqa: E402
-from mfpipe.corpus.windows import shard_groups  # noqa: E402
 from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
 from mfpipe.workflow.scheduling import one_pending_wakeup  # noqa: E402
@@ -128,7 +127,6 @@ MINI = PLAN.mini
 # `rollout_revisions` (default: the last of the sweep, the trained model)
 REVISIONS = PLAN.revisions
 ROLLOUT_REVISIONS = PLAN.rollout_revisions
-HALVES = list(PLAN_HALVES)
 STORE = PLAN.store  # a store's path, spelt once (mfpipe.workflow.paths.STORES): STORE("stats", dataset="eval")
 
 # The experiments, found, not listed: each is a package mfpipe.experiments.<name> whose `rules` module plans it
@@ -252,8 +250,6 @@ def every_target():
 
 # ------------------------------------------------------------------ statistics (workflow/rules/stats.smk)
 # (the statistics stage's input functions: mfpipe.stats.rules)
-half_shard_ids = PLAN.half_shard_ids
-run_of_shards = PLAN.run_of_shards
 
 
 # ----------------------------------------------------------------- rollout (workflow/rules/rollout.smk)
@@ -281,9 +277,6 @@ def substitution_kernel_input(wildcards):
     if SUBSTITUTION["kernel"] == "calibrated":
         return [STORE("calibrated", model=wildcards.model, revision=wildcards.revision)]
     return []
-
-
-sweeps = PLAN.sweeps
 
 
 # ------------------------------------- pass 2 and head ranking (workflow/rules/deviation.smk, ranking.smk, prompts.smk)
