@@ -264,3 +264,29 @@ def test_a_lazy_export_depends_on_its_own_branch_only(tmp_path):
         base + ["mfpipe/pkg/loops.py"])
     assert names(script_dependencies(src, tmp_path / "scripts" / "unknown.py"), tmp_path) == sorted(
         base + ["mfpipe/pkg/loops.py", "mfpipe/pkg/read.py"])
+
+
+def test_a_jobs_leading_imports_run_before_it_with_the_collector_off(tmp_path, monkeypatch):
+    """mfpipe.workflow.runner.import_first runs the imports that open a job function's body (after its docstring),
+    so that they happen, as a job script's used to, before run_logged freezes what they made; a later import in the
+    body is left to the function."""
+    import gc
+
+    from mfpipe.workflow.runner import import_first
+
+    write(tmp_path, {"pkgx/__init__.py": "", "pkgx/b.py": "", "pkgx/c.py": "", "pkgx/d.py": "",
+                     "pkgx/jobs.py": ('def job_one(job):\n    """doc"""\n    import pkgx.d\n    from pkgx import b\n'
+                                      '    x = 1\n    from pkgx import c\n    return x\n')})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import pkgx.jobs
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        import_first(pkgx.jobs.job_one)
+    finally:
+        if was:
+            gc.enable()
+    assert "pkgx.b" in sys.modules and "pkgx.d" in sys.modules and "pkgx.c" not in sys.modules
+    for m in ("pkgx", "pkgx.jobs", "pkgx.b", "pkgx.d"):
+        sys.modules.pop(m, None)

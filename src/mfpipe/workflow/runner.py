@@ -181,4 +181,33 @@ def run_job(sm: Any) -> None:
     function = getattr(__import__(module, fromlist=["__name__"]), name, None)
     if function is None:
         raise SystemExit(f"{CAUSE_PREFIX}rule {sm.rule}: {module} has no job function {name}")
+    import_first(function)
     run_logged(lambda: function(Job(sm, log)), log)
+
+
+def import_first(function: Callable) -> None:
+    """Run the imports that open ``function``'s body (a job imports what it runs there, so that its code inputs are
+    its own) before the job starts: the job script's imports run with Python's cyclic collector off, and
+    :func:`run_logged` freezes what they made and turns the collector back on for the work (the ~1,500 modules of
+    torch, transformers, xarray and pandas would otherwise be scanned again and again as they came;
+    benchmarks/HISTORY.md, "A model job's start-up"). Only the statements before the body's first other statement
+    (its docstring aside) run here, each exactly as the function would run it; the function runs them again, cheaply."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return  # no source to read: the function imports as it runs
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.FunctionDef) else []
+    for stmt in body:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                __import__(alias.name)
+        elif isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and stmt.module:
+            __import__(stmt.module, fromlist=[a.name for a in stmt.names])
+        else:
+            break
