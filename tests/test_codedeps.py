@@ -271,6 +271,7 @@ def test_a_jobs_leading_imports_run_before_it_with_the_collector_off(tmp_path, m
     so that they happen, as a job script's used to, before run_logged freezes what they made; a later import in the
     body is left to the function."""
     import gc
+    import importlib
 
     from mfpipe.workflow.runner import import_first
 
@@ -278,12 +279,12 @@ def test_a_jobs_leading_imports_run_before_it_with_the_collector_off(tmp_path, m
                      "pkgx/jobs.py": ('def job_one(job):\n    """doc"""\n    import pkgx.d\n    from pkgx import b\n'
                                       '    x = 1\n    from pkgx import c\n    return x\n')})
     monkeypatch.syspath_prepend(str(tmp_path))
-    import pkgx.jobs
+    jobs = importlib.import_module("pkgx.jobs")  # the synthetic package of tmp_path
 
     was = gc.isenabled()
     gc.disable()
     try:
-        import_first(pkgx.jobs.job_one)
+        import_first(jobs.job_one)
     finally:
         if was:
             gc.enable()
