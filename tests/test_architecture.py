@@ -22,8 +22,8 @@ SCRIPTS = sorted((SRC.parent / "workflow" / "scripts").glob("*.py"))
 #      and planning (<package>.jobs, <package>.rules)
 #   3  the experiments
 #   4  the public reading API (results), the command line, the package itself
-WORKFLOW_LEAVES = {"io", "heap", "logs", "tables", "plots", "revisions", "codedeps", "scheduling", "config", "costs",
-                   "paths"}
+WORKFLOW_LEAVES = {"io", "heap", "numerics", "logs", "tables", "plots", "revisions", "codedeps", "scheduling",
+                   "config", "costs", "paths"}
 CORE = {"corpus", "tasks", "stats", "models", "meanfield", "deviation", "minisuite", "jlens", "conformance"}
 MAX_LOOSE = 6
 # the public reading API opens every experiment's stores; the package's lazy export loads it

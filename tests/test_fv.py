@@ -272,6 +272,28 @@ def test_run_task_tables_and_figure(setup, tmp_path):
     assert (tmp_path / "fv.png").stat().st_size > 1000
 
 
+def test_seed_spread_and_conclusions_count_each_seed():
+    """Two seeds of one task: the tables are the first seed's, each accuracy carries the mean and range over both,
+    and the comparisons are counted per seed."""
+    def rows(seed, acc):  # acc: {(selection, construction): correct of 10}
+        out = [dict(task="t", split=0, protocol="sum", selection=s, construction=c, n=10, correct=k, in_category=k,
+                    seen_answer=0, p_answer=0.1, layer=1, scale=2.0, seed=seed) for (s, c), k in acc.items()]
+        return pd.DataFrame(out)
+
+    a = {("AIE", "raw"): 5, ("AIE", "r"): 3, ("MFA", "raw"): 4, ("MFA", "r"): 6, ("raw-magnitude", "raw"): 2,
+         ("random", "r"): 1}
+    b = {("AIE", "raw"): 7, ("AIE", "r"): 3, ("MFA", "raw"): 4, ("MFA", "r"): 2, ("raw-magnitude", "raw"): 4,
+         ("random", "r"): 3}
+    tr = pd.concat([rows(0, a), rows(1, b)], ignore_index=True)
+    sp = Tb.seed_spread(tr).set_index(["selection", "construction"])
+    assert sp.loc[("MFA", "r"), "seed_mean"] == pytest.approx(0.4)
+    assert (sp.loc[("MFA", "r"), "seed_min"], sp.loc[("MFA", "r"), "seed_max"]) == (0.2, 0.6)
+    assert (sp["n_seeds"] == 2).all()
+    c = Tb.conclusions_table(tr).iloc[0]
+    assert c["best_by_seed"] == "MFA·r, AIE·raw" and c["most_often_best"] == "MFA·r (1/2)"
+    assert c["raw_magnitude_below_MFA_r"] == "1/2" and c["MFA_r_above_random"] == "1/2"
+
+
 def test_wilson_interval_matches_the_formula():
     lo, hi = Tb.wilson(60, 120)
     z = 1.959963984540054

@@ -21,6 +21,12 @@ from mfpipe.deviation import rules as deviation_rules  # noqa: E402
 from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
 from mfpipe.workflow.scheduling import one_pending_wakeup  # noqa: E402
+from mfpipe.workflow.numerics import pin_env  # noqa: E402
+
+# Pinned numerics (mfpipe/workflow/numerics.py): every job this workflow starts, here or through a cluster's
+# scheduler (which passes the environment on), runs the same CPU code paths on every x86-64 machine with AVX2,
+# whatever the user's environment asks for; the libraries read these variables once, before any job code runs
+pin_env()
 
 # Snakemake's job-rate limiter wakes its scheduler once a second per finished job while jobs wait for cores, ~15 % of
 # a core over the default run on two; one pending wake-up at a time does the same scheduling (mfpipe/workflow/scheduling.py)

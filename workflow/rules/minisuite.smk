@@ -53,7 +53,9 @@ rule minisuite_train:
     params:
         cfg=lambda wc: MINI[wc.mini],
         corpus=config.get("minisuite", {}).get("corpus"),
-    threads: cluster_threads("forward")
+    # one thread: training runs on pinned numerics with one thread (mfpipe/workflow/numerics.py), the same bits on
+    # every machine, so two trainings run side by side on two cores
+    threads: 1
     resources:
         **cluster_resources("forward"),
     conda:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mfpipe.version import __version__
+from mfpipe.workflow.numerics import numerics_info
 from mfpipe.deviation.pass2 import ADDITIVE, OTHER_SHARE_MAX, TOP_K
 from mfpipe.meanfield.deviation import MIN_OCCURRENCES, corpus_deviation
 from mfpipe.deviation.store import open_deviation, stats_fingerprint
@@ -78,7 +79,7 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
             "stats_tokens": a.get("n_tokens"), "min_count": a.get("min_count"), "kernel": a.get("kernel"),
             "top_k": int(top_k), "other_share_max": float(other_share_max), "n_layers": adapter.n_layers,
             "n_heads": adapter.n_heads, "d_head": adapter.d_head, "model_type": adapter.model_type,
-            "mfpipe_version": __version__}
+            "mfpipe_version": __version__, "numerics": numerics_info()}
     return sums, meta
 
 

@@ -74,17 +74,16 @@ def minisuite_train(job) -> None:
             raise ValueError(f"output.{name} must live in {out_dir} beside output.checkpoints")
     docs = load_documents(corpus)
     texts = [d.text for d in split_documents(docs, int(corpus["reserve_train_every"]))["train"]]
-    log.info("%s: %d training documents (train split of %d), %d threads", cfg["name"], len(texts), len(docs),
-             job.threads)
+    log.info("%s: %d training documents (train split of %d)", cfg["name"], len(texts), len(docs))
     paths = getattr(job.input, "tasks", None) or []
     paths = [paths] if isinstance(paths, str) else list(paths)
     tasks = json.loads(Path(paths[0]).read_text())["tasks"] if paths else None
     if tasks:
         log.info("%s: few-shot rows (fraction %s) of %d tasks from %s", cfg["name"], cfg.get("fewshot_fraction"),
                  len(tasks), paths[0])
-    summary = train_mini_model(cfg, job.input.tokenizer, texts, out_dir, threads=job.threads, tasks=tasks)
-    log.info("%s: %.0f s, final max induction score %.3f", cfg["name"], summary["wall_time_s"],
-             summary["final_max_induction"])
+    summary = train_mini_model(cfg, job.input.tokenizer, texts, out_dir, tasks=tasks)  # pinned, one thread
+    log.info("%s: %.0f s, final max induction score %.3f, numerics %s", cfg["name"], summary["wall_time_s"],
+             summary["final_max_induction"], summary["numerics"])
 
 
 def induction_table(job) -> None:

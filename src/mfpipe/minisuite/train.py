@@ -32,6 +32,8 @@ from mfpipe.minisuite.model import (
 )
 from mfpipe.minisuite.tasks import fewshot_accuracy, task_token_pairs, zeroshot_accuracy
 from mfpipe.models.induction import induction_metrics
+from mfpipe.workflow.numerics import TRAIN_THREADS, numerics_info
+from mfpipe.workflow.numerics import pinned as pinned_numerics
 from mfpipe.workflow.revisions import checkpoint_steps, step_name
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ def train_mini_model(
     threads: int | None = None,
     progress: bool = True,
     tasks: Sequence[dict] | None = None,
+    pinned: bool = True,
 ) -> dict:
     """Train one mini model on ``train_texts`` and write its outputs into ``out_dir``.
 
@@ -114,7 +117,7 @@ def train_mini_model(
     ``out_dir/induction.csv`` (model, step, layer, head, score: every head at every checkpoint,
     :func:`mfpipe.models.induction.induction_scores` with ``k = (context_length - 1) // 2``) and
     ``out_dir/training.json`` (``model``, resolved ``cfg``, ``vocab_size``, ``n_params``,
-    ``train_tokens``, ``threads``, ``checkpoint_steps``, ``checkpoints``: per checkpoint
+    ``train_tokens``, ``threads``, ``numerics`` (:func:`mfpipe.workflow.numerics.numerics_info`), ``checkpoint_steps``, ``checkpoints``: per checkpoint
     ``step``, ``train_loss`` (mean training loss since the previous checkpoint; None at step 0),
     ``text_loss`` (fixed plain-text rows), ``induction_loss`` (second-copy loss on the induction
     test sequences), ``max_induction`` (+ its layer/head), ``elapsed_s``; ``induction_curve``:
@@ -123,9 +126,12 @@ def train_mini_model(
 
     Everything is written into a temporary sibling directory first and moved into place only on
     success (:func:`mfpipe.workflow.io.atomic_dir`: one rename when ``out_dir`` is absent or empty; if it holds other
-    files, only the three outputs are replaced, ``training.json`` last). ``threads`` sets ``torch.set_num_threads`` for the run (default:
-    all cores; restored afterwards). Training is deterministic given ``cfg["seed"]`` and the
-    thread count. ``tasks``: the few-shot tasks (:func:`mfpipe.minisuite.tasks.make_tasks` dicts) of the
+    files, only the three outputs are replaced, ``training.json`` last). ``pinned`` (default): the run is on pinned
+    numerics with one thread (:func:`mfpipe.workflow.numerics.pinned`; ``threads`` is ignored), the same bits on every
+    x86-64 machine with AVX2 and the same torch build, provided the process had not run a torch kernel before it
+    (else a warning says what is not pinned: the bits are then the machine's own). Not ``pinned``: ``threads`` sets
+    ``torch.set_num_threads`` (default: all cores), and the run is deterministic given ``cfg["seed"]``, the thread
+    count and the machine's code paths. Both restore the thread count afterwards. ``tasks``: the few-shot tasks (:func:`mfpipe.minisuite.tasks.make_tasks` dicts) of the
     few-shot rows, needed when ``cfg["fewshot_fraction"] > 0``; then ``training.json`` also holds ``fewshot``:
     per checkpoint ``step``, ``n_shots`` (5, fewer where the context is too short) and per task
     ``fewshot_accuracy`` (128 prompts) / ``zeroshot_accuracy`` (every pair)
@@ -137,7 +143,10 @@ def train_mini_model(
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out, entries=("checkpoints", "induction.csv", "training.json")) as tmp:
-        return _train(c, tokenizer_dir, train_texts, tmp, threads, progress, t_start, cpu_start, tasks)
+        if not pinned:
+            return _train(c, tokenizer_dir, train_texts, tmp, threads, progress, t_start, cpu_start, tasks)
+        with pinned_numerics(TRAIN_THREADS):
+            return _train(c, tokenizer_dir, train_texts, tmp, TRAIN_THREADS, progress, t_start, cpu_start, tasks)
 
 
 def _train(c: dict, tokenizer_dir, train_texts: Sequence[str], tmp: Path, threads, progress: bool, t_start: float,
@@ -326,6 +335,7 @@ class _TrainingRun:
             "n_params": int(self.n_params),
             "train_tokens": int(self.stream.size),
             "threads": n_threads,
+            "numerics": numerics_info(),
             "checkpoint_steps": self.ckpt_steps,
             "checkpoints": self.records,
             "induction_curve": self.curve,

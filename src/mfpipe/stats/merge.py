@@ -106,8 +106,8 @@ def checked_sums(partials: list[str], shards: str | Path, half: str, expect: dic
 def merged_meta(info: dict, model: str, revision: str, half: str, model_source: str, commit: Any, n_shards: int,
                 seen: dict) -> dict:
     """The store's provenance attributes: the model, revision and half, the corpus (``info``: its
-    fingerprint.json) and, from the partials (``seen`` of :func:`checked_sums`), the model's type and dtype and the
-    coarsest rounding of any partial."""
+    fingerprint.json) and, from the partials (``seen`` of :func:`checked_sums`), the model's type and dtype, the
+    numerics the first partial ran under and the coarsest rounding of any partial."""
     meta = {
         "model": model,
         "revision": revision,
@@ -122,7 +122,7 @@ def merged_meta(info: dict, model: str, revision: str, half: str, model_source: 
     # hub models: the commits the revision and the tokenizer's revision stood for (branches move; commits do not)
     meta.update({k: v for k, v in (("revision_commit", commit), ("tokenizer_revision", info.get("tokenizer_revision")),
                                    ("tokenizer_commit", info.get("tokenizer_commit"))) if v})
-    for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual"):
+    for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual", "numerics"):
         if k in seen["first_meta"]:
             meta[k] = seen["first_meta"][k]
     if seen["bits"]:  # the coarsest rounding of any partial bounds the merged sums (mfpipe.stats.partials)

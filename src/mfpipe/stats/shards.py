@@ -15,6 +15,7 @@ import torch
 from mfpipe.corpus.windows import read_shard
 from mfpipe.stats.loop import Reducer, run_reducer
 from mfpipe.stats.partials import partial_meta, partial_size, save_partial
+from mfpipe.workflow.numerics import numerics_info
 from mfpipe.stats.pass1 import Accumulator
 
 __all__ = ["accumulate_shard", "pass1_reducer", "shard_partials"]
@@ -67,7 +68,7 @@ def shard_partials(model, adapter, shards: list[str], tracked, folder: Path, *, 
             "model": model_name, "revision": revision, "dtype": dtype, "model_type": adapter.model_type,
             "n_layers": adapter.n_layers, "n_heads": adapter.n_heads, "n_kv_heads": adapter.n_kv_heads,
             "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
-            "shard": shard,
+            "shard": shard, "numerics": numerics_info(),
         } | ({"revision_commit": str(commit)} if commit else {}))
         part = folder / (Path(shard).stem + ".zarr")  # partial shard-NNNNN.zarr <- corpus shard-NNNNN.npz
         save_partial(part, sums, meta, mantissa_bits=mantissa_bits)

@@ -260,10 +260,15 @@ def _encoding(ds: xr.Dataset) -> dict:
 def write_store(ds: xr.Dataset, path: str | Path) -> Path:
     """Write ``ds`` as a zarr (v3) store at ``path``, atomically: everything goes to a temporary sibling
     folder which is renamed into place only once complete, so an interrupted write leaves no store (only a
-    hidden ``.<name>.tmp-*`` folder that the next write ignores). One layer per chunk."""
+    hidden ``.<name>.tmp-*`` folder that the next write ignores). One layer per chunk. The attribute ``numerics``
+    (:func:`mfpipe.workflow.numerics.numerics_info`) is this process's where ``ds`` does not carry it."""
     from mfpipe.workflow.io import atomic_dir
 
     path = Path(path)
+    if "numerics" not in ds.attrs:  # computed in this process: its numerics (a merge carries its parts' instead)
+        from mfpipe.workflow.numerics import numerics_info
+
+        ds.attrs["numerics"] = numerics_info()
     with atomic_dir(path) as tmp, warnings.catch_warnings():
         # consolidated metadata lets a plain `xr.open_zarr(path)` open the store quietly and in one read;
         # zarr 3 warns that it is an extension of the v3 format (readers without it still open the store)

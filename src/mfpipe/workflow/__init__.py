@@ -13,6 +13,7 @@
   from (tracked set, statistics half, the model checked against it, the kernel).
 - :mod:`~mfpipe.workflow.logs` — a job's log file.
 - :mod:`~mfpipe.workflow.heap` — the C allocator's settings for a job.
+- :mod:`~mfpipe.workflow.numerics` — pinned CPU numerics (the same bits on every machine) and their record.
 - :mod:`~mfpipe.workflow.io` — atomic files and folders (no half-written output).
 - :mod:`~mfpipe.workflow.tables` — tables written as CSV and Markdown.
 - :mod:`~mfpipe.workflow.plots` — figures written as PDF and PNG.

@@ -33,8 +33,9 @@ def load_job_model(params: Any, threads: int | None = None):
     from mfpipe.models.adapters import get_adapter
     from mfpipe.models.loader import load_model
 
-    if threads:
-        torch.set_num_threads(int(threads))
+    from mfpipe.workflow.numerics import pin_torch
+
+    pin_torch(threads or None)
     model = load_model(dict(params.model_spec), params.revision, dtype=params.dtype, device=params.device,
                        results_dir=params.results, commit=getattr(params, "commit", None))
     return model, get_adapter(model)
@@ -171,7 +172,9 @@ def run_job(sm: Any) -> None:
     that is the rule's first code input (``code=job(...)`` in workflow/rules/common.smk, from mfpipe.workflow.codedeps.job_dependencies, which
     declares that module and what the function imports), under :func:`run_logged`."""
     from mfpipe.workflow.logs import setup_logging
+    from mfpipe.workflow.numerics import pin_env
 
+    pin_env()  # before the job's imports: the workflow started the job with it already; a job run by hand too
     log = setup_logging(sm.log[0])
     module = job_module(sm.input.code[0])
     # the rule's name, or params.job_function for rules made in a loop that share one function
@@ -182,7 +185,20 @@ def run_job(sm: Any) -> None:
     if function is None:
         raise SystemExit(f"{CAUSE_PREFIX}rule {sm.rule}: {module} has no job function {name}")
     import_first(function)
+    pin_loaded_torch(log)
     run_logged(lambda: function(Job(sm, log)), log)
+
+
+def pin_loaded_torch(log: logging.Logger) -> None:
+    """Where the job's imports loaded torch, turn oneDNN off (:func:`mfpipe.workflow.numerics.pin_torch`; its thread
+    count stays the rule's) and log what is not pinned: the job's results would then depend on the machine."""
+    if "torch" not in sys.modules:
+        return
+    from mfpipe.workflow.numerics import pin_torch
+
+    problems = pin_torch()
+    if problems:
+        log.warning("numerics not pinned (%s): the results may differ between machines", "; ".join(problems))
 
 
 def import_first(function: Callable) -> None:

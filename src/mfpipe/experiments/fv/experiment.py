@@ -35,7 +35,7 @@ from mfpipe.experiments.fv import heads as Hd
 from mfpipe.experiments.fv import inject as Inj
 from mfpipe.experiments.fv import prompts as Pr
 
-__all__ = ["DEFAULTS", "run_task", "run_tasks", "resolve_tasks", "SELECTIONS", "CONSTRUCTIONS", "PROTOCOLS"]
+__all__ = ["DEFAULTS", "run_task", "run_tasks", "run_seeds", "resolve_tasks", "SELECTIONS", "CONSTRUCTIONS", "PROTOCOLS"]
 
 SELECTIONS = ("AIE", "MFA", "raw-magnitude", "random")
 CONSTRUCTIONS = ("raw", "r")
@@ -45,7 +45,7 @@ _PIPES = [(sel, cons) for sel in ("AIE", "MFA") for cons in CONSTRUCTIONS]
 
 DEFAULTS = dict(n_pairs=60, n_extract=20, n_splits=3, n_shots=10, n_clean=20, n_corrupted=10, n_selected=10,
                 layers=None, sum_scales=[1.0, 2.0, 4.0, 8.0], head_scales=[1.0, 2.0, 5.0, 10.0], null="mean_field",
-                answer_prefix=" ", separator=":", joiner="\n", seed=0, batch_size=64, n_unrelated=50)
+                answer_prefix=" ", separator=":", joiner="\n", seed=0, n_seeds=3, batch_size=64, n_unrelated=50)
 
 
 def _decoder(adapter, jlens):
@@ -336,4 +336,22 @@ def run_tasks(adapter, tasks, tokenizer, tracked, stats, cfg: dict, *, jlens=Non
             for k in parts:
                 parts[k].append(out[k])
             infos.append(out["info"])
+    return {k: pd.concat(v, ignore_index=True) for k, v in parts.items()}, infos
+
+
+def run_seeds(adapter, tasks, tokenizer, tracked, stats, cfg: dict, *, jlens=None, log=None,
+              desc: str = "fv") -> tuple[dict, list]:
+    """:func:`run_tasks` once per prompt-sampling seed ``seed, seed + 1, …`` (``n_seeds`` of them): each seed draws
+    its own pairs, splits, prompts and random heads, so the spread over seeds shows how far the comparisons move with
+    the prompts sampled. -> ({part: one DataFrame over seeds and tasks, with a ``seed`` column}, [each seed's and
+    task's info, with ``seed``])."""
+    c = {**DEFAULTS, **cfg}
+    parts, infos = {}, []
+    for i in range(int(c["n_seeds"])):
+        seed = int(c["seed"]) + i
+        res, inf = run_tasks(adapter, tasks, tokenizer, tracked, stats, {**c, "seed": seed}, jlens=jlens, log=log,
+                             desc=f"{desc} seed {seed}")
+        for k, df in res.items():
+            parts.setdefault(k, []).append(df.assign(seed=seed))
+        infos += [{**i_, "seed": seed} for i_ in inf]
     return {k: pd.concat(v, ignore_index=True) for k, v in parts.items()}, infos

@@ -14,8 +14,10 @@ def function_vectors(job) -> None:
     input.shards, input.tracked, input.model, input.tokenizer   as every forward job (mfpipe.workflow.context)
     input.jlens       the revision's J-lens store (mfpipe.jlens; the lens analysis decodes through it)
     input.tasks       task files: the mini suite's tasks.json and the user's JSON files
-    output.transfer, heads, sweep, ranks   per-split results (CSV); output.info: per task (JSON)
-    output.table      pooled transfer table (CSV); table_md / per_head_md / details_md the Markdown tables
+    output.transfer, heads, sweep, ranks   per-split results of every prompt-sampling seed (CSV, column ``seed``);
+                      output.info: per seed and task (JSON)
+    output.table      pooled transfer table of the first seed, with each accuracy's mean and range over the seeds
+                      (CSV); table_md / per_head_md / details_md the Markdown tables
     params.tasks      task names (mfpipe.tasks vendored names, "minisuite", or JSON paths); params.fv the experiment
                       settings (mfpipe.experiments.fv.experiment.DEFAULTS); batch_size; model_params()
     """
@@ -36,7 +38,7 @@ def function_vectors(job) -> None:
     jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision})
     cfg = {**dict(p.fv), "batch_size": int(p.batch_size)}
     tasks = E.resolve_tasks(list(p.tasks), list(job.input.tasks))
-    res, infos = E.run_tasks(fj.adapter, tasks, fj.tokenizer(), fj.tracked, fj.stats, cfg, jlens=jl, log=log,
+    res, infos = E.run_seeds(fj.adapter, tasks, fj.tokenizer(), fj.tracked, fj.stats, cfg, jlens=jl, log=log,
                              desc=f"fv {name}@{revision}")
     tabs = Tb.fv_tables(res, infos)
     for k, path in (("transfer", out.transfer), ("heads", out.heads), ("sweep", out.sweep)):
@@ -49,14 +51,18 @@ def function_vectors(job) -> None:
     table.insert(0, "revision", revision)
     table.insert(0, "model", name)
     write_table(table, csv=out.table)
-    atomic_write_text(out.table_md, Tb.matrix_markdown(tabs["transfer"], tabs["stability"], "sum", name, revision))
-    atomic_write_text(out.per_head_md,
-                      Tb.matrix_markdown(tabs["transfer"], tabs["stability"], "per_head", name, revision))
+    for path, protocol in ((out.table_md, "sum"), (out.per_head_md, "per_head")):
+        atomic_write_text(path, Tb.matrix_markdown(tabs["transfer"], tabs["stability"], protocol, name, revision,
+                                                   tabs["conclusions"]))
     atomic_write_text(out.details_md, Tb.details_markdown(tabs, name, revision))
     t = tabs["transfer"]
     for r in t[t["protocol"].isin(["sum", "zero-shot", "few-shot"])].itertuples(index=False):
-        log.info("%-16s %-9s %-13s %-4s acc %.3f [%.3f, %.3f] (n=%d) category %.2f seen %.2f", r.task, r.protocol,
-                 r.selection, r.construction, r.accuracy, r.ci_lo, r.ci_hi, r.n, r.category_rate, r.seen_rate)
+        log.info("%-16s %-9s %-13s %-4s acc %.3f [%.3f, %.3f] (n=%d; seeds %.3f, %.3f-%.3f) category %.2f seen %.2f",
+                 r.task, r.protocol, r.selection, r.construction, r.accuracy, r.ci_lo, r.ci_hi, r.n, r.seed_mean,
+                 r.seed_min, r.seed_max, r.category_rate, r.seen_rate)
+    for r in tabs["conclusions"].itertuples(index=False):
+        log.info("%s %s: best by seed %s; raw-magnitude below MFA·r %s; MFA·r above random %s", r.task, r.protocol,
+                 r.best_by_seed, r.raw_magnitude_below_MFA_r, r.MFA_r_above_random)
 
 
 def figure_fv(job) -> None:

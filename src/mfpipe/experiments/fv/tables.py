@@ -2,15 +2,18 @@
 category analysis), from the per-split results of :func:`mfpipe.experiments.fv.experiment.run_task`.
 
 Accuracies pool the splits (``n`` = splits × held-out pairs, 120 at the paper's sizes) and carry Wilson 95%
-binomial intervals."""
+binomial intervals. The tables are the first prompt-sampling seed's; where the experiment ran several
+(:func:`~mfpipe.experiments.fv.experiment.run_seeds`), each accuracy also carries its mean and range over the seeds
+(:func:`seed_spread`) and the comparisons the paper draws are counted over the seeds (:func:`conclusions_table`):
+the Wilson interval covers the held-out pairs of one sampling, not the sampling itself."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["wilson", "transfer_table", "stability_table", "fv_tables", "matrix_markdown", "details_markdown",
-           "Z95"]
+__all__ = ["wilson", "transfer_table", "stability_table", "seed_spread", "conclusions_table", "fv_tables",
+           "matrix_markdown", "details_markdown", "Z95"]
 
 Z95 = 1.959963984540054
 
@@ -68,7 +71,7 @@ def stability_table(heads: pd.DataFrame) -> pd.DataFrame:
         splits = sorted(s for t, s in mfa if t == task)
         k = len(mfa[(task, splits[0])])
         pairs = [len(mfa[(task, a)] & mfa[(task, b)]) for i, a in enumerate(splits) for b in splits[i + 1 :]]
-        rows.append(dict(task=task, n_heads=k, mfa_shared_across_splits=_span(pairs),
+        rows.append(dict(task=task, n_selected=k, mfa_shared_across_splits=_span(pairs),
                          aie_mfa_overlap=_span(len(aie[(task, s)] & mfa[(task, s)]) for s in splits),
                          raw_mfa_overlap=_span(len(raw[(task, s)] & mfa[(task, s)]) for s in splits),
                          aie_heads=" ".join(f"L{l}H{h}" for l, h in sorted(aie[(task, splits[0])])),
@@ -76,22 +79,69 @@ def stability_table(heads: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+KEYS = ["task", "protocol", "selection", "construction"]
+
+
+def seed_spread(transfer: pd.DataFrame) -> pd.DataFrame:
+    """Per task × protocol × selection × construction: the pooled accuracy of each seed (``transfer`` of several
+    seeds, its ``seed`` column) -> ``n_seeds``, ``seed_mean``, ``seed_min``, ``seed_max``."""
+    acc = pd.concat([transfer_table(g).assign(seed=s) for s, g in transfer.groupby("seed", sort=True)],
+                    ignore_index=True)
+    g = acc.groupby(KEYS, sort=False)["accuracy"]
+    return pd.DataFrame({"n_seeds": g.size(), "seed_mean": g.mean(), "seed_min": g.min(),
+                         "seed_max": g.max()}).reset_index()
+
+
+def _pipe(r) -> str:
+    return f"{r['selection']}·{r['construction']}"
+
+
+def conclusions_table(transfer: pd.DataFrame) -> pd.DataFrame:
+    """How often the comparisons the paper draws hold over the seeds, per task and injection protocol: which of the
+    four AIE/MFA pipelines transfers best (each seed's best, ties listed), whether the raw-magnitude control (its raw
+    vectors) falls below MFA·r, and whether MFA·r beats the random control."""
+    rows = []
+    for (task, prot), g in transfer[transfer["protocol"].isin(["sum", "per_head"])].groupby(["task", "protocol"],
+                                                                                          sort=False):
+        best, raw_below, beats_random = [], 0, 0
+        seeds = sorted(g["seed"].unique())
+        for s in seeds:
+            t = transfer_table(g[g["seed"] == s]).set_index(["selection", "construction"])["accuracy"]
+            pipes = t[t.index.get_level_values(0).isin(["AIE", "MFA"])]
+            best.append("+".join(f"{a}·{b}" for a, b in pipes[pipes >= pipes.max() - 1e-12].index))
+            raw_below += bool(t.get(("raw-magnitude", "raw"), np.nan) < t.get(("MFA", "r"), np.nan))
+            beats_random += bool(t.get(("MFA", "r"), np.nan) > t.get(("random", "r"), np.nan))
+        top = max(set(best), key=lambda b: (best.count(b), -best.index(b)))
+        rows.append(dict(task=task, protocol=prot, n_seeds=len(seeds), best_by_seed=", ".join(best),
+                         most_often_best=f"{top} ({best.count(top)}/{len(seeds)})",
+                         raw_magnitude_below_MFA_r=f"{raw_below}/{len(seeds)}",
+                         MFA_r_above_random=f"{beats_random}/{len(seeds)}"))
+    return pd.DataFrame(rows)
+
+
 def fv_tables(results: dict, infos: list[dict]) -> dict:
     """All tables from the concatenated per-task results (keys ``transfer``, ``heads``, ``sweep``, ``ranks``,
-    ``prompt_ranks``) and the tasks' ``info`` dicts."""
-    t = transfer_table(results["transfer"])
-    st = stability_table(results["heads"])
-    pc = {i["task"]: i["p_corrupted"] for i in infos}
+    ``prompt_ranks``; with a ``seed`` column where several seeds ran: the tables are the first seed's, the transfer
+    table gains the spread over seeds) and the tasks' ``info`` dicts."""
+    results = {k: (v if "seed" in v else v.assign(seed=0)) for k, v in results.items()}
+    first = int(results["transfer"]["seed"].min())
+    one = {k: v[v["seed"] == first].drop(columns="seed") for k, v in results.items()}
+    t = transfer_table(one["transfer"]).merge(seed_spread(results["transfer"]), on=KEYS, how="left")
+    st = stability_table(one["heads"])
+    pc = {i["task"]: i["p_corrupted"] for i in infos if i.get("seed", first) == first}
     st["p_answer_corrupted"] = st["task"].map(pc)
-    out = {"transfer": t, "stability": st, "category": results["ranks"], "prompt_ranks": results["prompt_ranks"],
-           "sweep": results["sweep"]}
+    out = {"transfer": t, "stability": st, "category": one["ranks"], "prompt_ranks": one["prompt_ranks"],
+           "sweep": one["sweep"], "conclusions": conclusions_table(results["transfer"])}
     for prot in ("sum", "per_head"):
         out[f"matrix_{prot}"] = _wide(t, st, prot)
     return out
 
 
 def _cell(r) -> str:
-    return f"{r['accuracy']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}]"
+    cell = f"{r['accuracy']:.2f} [{r['ci_lo']:.2f}, {r['ci_hi']:.2f}]"
+    if r.get("n_seeds", 1) > 1:  # beside the first seed's interval: the mean and range over every seed
+        cell += f" · {r['seed_mean']:.2f} ({r['seed_min']:.2f}–{r['seed_max']:.2f})"
+    return cell
 
 
 COLUMNS = [("AIE", "raw"), ("AIE", "r"), ("MFA", "raw"), ("MFA", "r"), ("raw-magnitude", "raw"),
@@ -103,7 +153,7 @@ def _wide(t: pd.DataFrame, st: pd.DataFrame, protocol: str) -> pd.DataFrame:
     for task in dict.fromkeys(t["task"]):
         g = t[t["task"] == task]
         s = st[st["task"] == task].iloc[0]
-        row = {"task": task, "AIE∩MFA": f"{s['aie_mfa_overlap']}/{s['n_heads']}"}
+        row = {"task": task, "AIE∩MFA": f"{s['aie_mfa_overlap']}/{s['n_selected']}"}
         for sel, cons in COLUMNS:
             r = g[(g["protocol"] == protocol) & (g["selection"] == sel) & (g["construction"] == cons)]
             row[f"{sel} {cons}"] = _cell(r.iloc[0]) if len(r) else ""
@@ -125,7 +175,8 @@ def _md(df: pd.DataFrame) -> list[str]:
     return lines
 
 
-def matrix_markdown(transfer: pd.DataFrame, stability: pd.DataFrame, protocol: str, model: str, revision: str) -> str:
+def matrix_markdown(transfer: pd.DataFrame, stability: pd.DataFrame, protocol: str, model: str, revision: str,
+                    conclusions: pd.DataFrame | None = None) -> str:
     """Table fv-matrix-body (``protocol="sum"``) or fv-matrix (``"per_head"``) with the controls, the zero-shot
     floor and the few-shot ceiling; best of the four AIE/MFA pipelines per task in bold."""
     w = _wide(transfer, stability, protocol)
@@ -147,7 +198,18 @@ def matrix_markdown(transfer: pd.DataFrame, stability: pd.DataFrame, protocol: s
              "nothing subtracted), random heads; construction: raw (the heads' clean means) or MFA r. Layer and scale "
              "from one sweep on the extraction pairs, held for every method. Bold: best of the four AIE/MFA "
              "pipelines. zero-shot: no injection; few-shot: the held-out queries after extraction exemplars.", ""]
-    return "\n".join(lines + _md(w)) + "\n"
+    n_seeds = int(transfer["n_seeds"].max()) if "n_seeds" in transfer and len(transfer) else 1
+    if n_seeds > 1:
+        lines[-1:-1] = [f"Each cell: the first seed's accuracy [interval] · the mean (min–max) over {n_seeds} "
+                        "prompt-sampling seeds (each draws its own pairs, splits, prompts and random heads); bold by "
+                        "the first seed.", ""]
+    lines += _md(w)
+    if conclusions is not None and len(conclusions):
+        c = conclusions[conclusions["protocol"] == protocol].drop(columns="protocol")
+        lines += ["", f"## The comparisons over {n_seeds} seeds", "",
+                  "Best of the four AIE/MFA pipelines at each seed; the seeds at which the raw-magnitude control "
+                  "(raw vectors) falls below MFA·r, and at which MFA·r beats the random control.", ""] + _md(c)
+    return "\n".join(lines) + "\n"
 
 
 def details_markdown(tabs: dict, model: str, revision: str) -> str:
@@ -157,9 +219,16 @@ def details_markdown(tabs: dict, model: str, revision: str) -> str:
              "## Stability of the selections", "",
              "Heads shared by the MFA selections of each pair of splits; AIE∩MFA and raw-magnitude∩MFA per split "
              "(min–max); the mean answer probability on the label-shuffled prompts AIE starts from.", ""]
-    lines += _md(tabs["stability"][["task", "n_heads", "mfa_shared_across_splits", "aie_mfa_overlap",
+    lines += _md(tabs["stability"][["task", "n_selected", "mfa_shared_across_splits", "aie_mfa_overlap",
                                     "raw_mfa_overlap", "p_answer_corrupted", "aie_heads", "mfa_heads_split0"]]
                  .round(4))
+    conc = tabs.get("conclusions")
+    if conc is not None and len(conc):
+        lines += ["", "## Stability over the prompt-sampling seeds", "",
+                  "The comparisons of Tables fv-matrix-body (sum) and fv-matrix (per_head) at each seed: the best of "
+                  "the four AIE/MFA pipelines, the seeds at which the raw-magnitude control (raw vectors) falls below "
+                  "MFA·r, and at which MFA·r beats the random control.", ""]
+        lines += _md(conc)
     cat = t[t["protocol"].isin(["sum", "per_head", "zero-shot"])][
         ["task", "protocol", "selection", "construction", "accuracy", "category_rate", "seen_rate"]].round(3)
     lines += ["", "## Does the injected answer fall in the task's category?", "",

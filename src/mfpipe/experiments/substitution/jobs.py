@@ -15,6 +15,7 @@ def substitution(job) -> None:
     from mfpipe.corpus.windows import eval_windows
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_dir
+    from mfpipe.workflow.numerics import numerics_info
 
     p, log = job.params, job.log
     fj = open_forward_job(job)
@@ -30,6 +31,7 @@ def substitution(job) -> None:
     dt = time.perf_counter() - t0
     ds = SU.substitution_result(sums, kernel.attrs, model=name, revision=revision, corpus=info, tokens=tokens,
                                 shards=used)
+    ds.attrs["numerics"] = numerics_info()
     with atomic_dir(Path(job.output[0])) as tmp:
         ds.to_zarr(tmp, mode="w", zarr_format=3, consolidated=False)
     s = sums.summary()
