@@ -49,8 +49,8 @@ STAT_COLUMNS, STAT_RTOL = {"g", "p_welch", "rho", "p", "r", "p_spearman", "p_pea
 # results that are timings or renderings of compared tables
 NOT_COMPARED_SUFFIXES = (".md", ".html", ".tsv")
 NOT_COMPARED = ("tables/run_costs.csv",)
-# provenance attributes that name the device or the run's time, not the result
-DEVICE_ATTRS = {"device", "created", "elapsed_s", "wall_time_s", "cpu_time_s"}
+# provenance attributes that name the device, its numerics or the run's time, not the result
+DEVICE_ATTRS = {"device", "created", "elapsed_s", "wall_time_s", "cpu_time_s", "numerics"}
 # where a ranked list is stored: its ranked values, and what names the item at each rank. Items may trade places
 # only at a near-tie (values within tolerance of the neighbouring rank's), as float32 noise can reorder those
 RANKED_STORE = ("top_D", ("top_window", "top_position", "top_shard"))

@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # "Issue 42": each of these changes an unpinned run's bits on an AVX2 / AVX-512 machine)
 PATH_A = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "2"}
 PATH_B = {}  # the machine's own choices
-PINNED_KEYS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "NPY_DISABLE_CPU_FEATURES", "OPENBLAS_CORETYPE", "OMP_NUM_THREADS")
+PINNED_KEYS = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "NPY_DISABLE_CPU_FEATURES", "OPENBLAS_CORETYPE", "NUMBA_CPU_NAME",
+               "OMP_NUM_THREADS")
 
 # a GPT-NeoX model (its erf GELU is oneDNN's where oneDNN is on), two layers, 40 steps of 16 rows
 TRAIN = """
@@ -137,3 +138,12 @@ def test_a_store_records_its_numerics(tmp_path):
     carried = {"torch": "x", "pinned": True}  # a merge carries its parts' numerics, not its own
     write_store(xr.Dataset({"x": ("layer", [1.0])}, attrs={"numerics": carried}), tmp_path / "m.zarr")
     assert xr.open_zarr(tmp_path / "m.zarr").attrs["numerics"] == carried
+
+
+def test_native_mode_pins_nothing(monkeypatch):
+    monkeypatch.setenv("MFPIPE_NUMERICS", "native")
+    assert pinned_env() == {}
+    assert numerics_info()["pinned"] is False
+    monkeypatch.setenv("MFPIPE_NUMERICS", "fast")
+    with pytest.raises(ValueError, match="MFPIPE_NUMERICS='fast'"):
+        pinned_env()

@@ -7,7 +7,8 @@ What changes a CPU run's bits (measured on torch 2.13 CPU, MKL 2024.2, an AVX-51
 picked per CPU: ``COMPATIBLE`` is the one branch Intel documents as the same on every CPU; ``AVX2`` falls back to
 ``AUTO`` on non-Intel CPUs); oneDNN, which picks its own code per CPU (NeoX's erf GELU); the thread count (ATen
 splits reductions, e.g. a LayerNorm weight's gradient, across threads). NumPy and its OpenBLAS dispatch per CPU too
-(``NPY_DISABLE_CPU_FEATURES``, ``OPENBLAS_CORETYPE``).
+(``NPY_DISABLE_CPU_FEATURES``, ``OPENBLAS_CORETYPE``), and numba compiles pass 1's loops for the host CPU
+(``NUMBA_CPU_NAME``).
 
 The environment variables take effect when each library first reads them (ATen at its first kernel, MKL at its
 first call, NumPy at import, OpenBLAS at load), so :func:`pin_env` runs before those: the workflow puts
@@ -34,8 +35,23 @@ MKL_BRANCH = "COMPATIBLE"
 # AVX-512 generations); names a build does not know are ignored
 NUMPY_DISABLED = "X86_V4 AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
 OPENBLAS_CORE = "Haswell"
+# numba compiles pass 1's loops for the CPU it runs on; the norm's row moments may add in any order (fastmath), so
+# the vector width of the CPU would set the order
+NUMBA_CPU = "haswell"
 # training's thread count: one, so that two trainings run side by side on two cores
 TRAIN_THREADS = 1
+# MFPIPE_NUMERICS=native in the environment of the workflow (or of a process using the library) leaves every library
+# its own code paths: faster (MKL's portable branch costs most on large matrix multiplies), the same bits only on
+# the same machine. The stores then record `pinned: false`. A switch of mode does not rerun existing outputs.
+MODE_ENV = "MFPIPE_NUMERICS"
+
+
+def native() -> bool:
+    """Whether this process was asked to run on the machine's own code paths (``MFPIPE_NUMERICS=native``)."""
+    mode = os.environ.get(MODE_ENV, "pinned").strip().lower()
+    if mode not in ("pinned", "native"):
+        raise ValueError(f"{MODE_ENV}={os.environ[MODE_ENV]!r}: use 'pinned' (the default) or 'native'")
+    return mode == "native"
 
 # mkl_cbwr.h: MKL_CBWR_BRANCH and the branch codes
 _CBWR_BRANCH = 1
@@ -60,11 +76,13 @@ def has_avx2() -> bool:
 
 
 def pinned_env() -> dict[str, str]:
-    """The environment variables of pinned numerics on this machine."""
+    """The environment variables of pinned numerics on this machine (none where :func:`native`)."""
+    if native():
+        return {}
     env = {"MKL_CBWR": MKL_BRANCH}
     if has_avx2():
         env.update({"ATEN_CPU_CAPABILITY": ATEN_CAPABILITY, "NPY_DISABLE_CPU_FEATURES": NUMPY_DISABLED,
-                    "OPENBLAS_CORETYPE": OPENBLAS_CORE})
+                    "OPENBLAS_CORETYPE": OPENBLAS_CORE, "NUMBA_CPU_NAME": NUMBA_CPU})
     return env
 
 
@@ -81,7 +99,8 @@ def pin_torch(threads: int | None = None) -> list[str]:
     what differs from pinned numerics (:func:`pinned_problems`), which a caller logs."""
     import torch
 
-    torch.backends.mkldnn.enabled = False
+    if not native():
+        torch.backends.mkldnn.enabled = False
     if threads is not None:
         torch.set_num_threads(int(threads))
     return pinned_problems()
@@ -112,6 +131,8 @@ def pinned_problems() -> list[str]:
     """What in this process differs from pinned numerics (empty: pinned). The thread count is the caller's."""
     import torch
 
+    if native():
+        return ["MFPIPE_NUMERICS=native"]
     out = []
     env = pinned_env()
     cap = torch.backends.cpu.get_cpu_capability()
@@ -158,6 +179,7 @@ def numerics_info() -> dict:
         "threads": int(torch.get_num_threads()),
         "numpy_simd": ",".join(k for k, on in simd.items() if on) or None,
         "openblas_core": os.environ.get("OPENBLAS_CORETYPE"),
+        "numba_cpu": os.environ.get("NUMBA_CPU_NAME"),
         "pinned": not pinned_problems(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # a GPU run: its kernels are the device's
@@ -177,7 +199,7 @@ def pinned(threads: int = TRAIN_THREADS, strict: bool = False):
 
     prev, prev_onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
     problems = pin_torch(threads)
-    if problems:
+    if problems and not native():
         msg = ("numerics not pinned (" + "; ".join(problems) + "): the results may differ between machines; set "
                + " ".join(f"{k}={v}" for k, v in pinned_env().items()) + " before the process starts")
         if strict:
