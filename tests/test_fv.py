@@ -281,9 +281,9 @@ def test_seed_spread_and_conclusions_count_each_seed():
         return pd.DataFrame(out)
 
     a = {("AIE", "raw"): 5, ("AIE", "r"): 3, ("MFA", "raw"): 4, ("MFA", "r"): 6, ("raw-magnitude", "raw"): 2,
-         ("random", "r"): 1}
+         ("raw-magnitude", "r"): 7, ("random", "r"): 1}
     b = {("AIE", "raw"): 7, ("AIE", "r"): 3, ("MFA", "raw"): 4, ("MFA", "r"): 2, ("raw-magnitude", "raw"): 4,
-         ("random", "r"): 3}
+         ("raw-magnitude", "r"): 1, ("random", "r"): 3}
     tr = pd.concat([rows(0, a), rows(1, b)], ignore_index=True)
     sp = Tb.seed_spread(tr).set_index(["selection", "construction"])
     assert sp.loc[("MFA", "r"), "seed_mean"] == pytest.approx(0.4)
@@ -292,6 +292,7 @@ def test_seed_spread_and_conclusions_count_each_seed():
     c = Tb.conclusions_table(tr).iloc[0]
     assert c["best_by_seed"] == "MFA·r, AIE·raw" and c["most_often_best"] == "MFA·r (1/2)"
     assert c["raw_magnitude_below_MFA_r"] == "1/2" and c["MFA_r_above_random"] == "1/2"
+    assert c["raw_magnitude_r_below_MFA_r"] == "1/2"
 
 
 def test_wilson_interval_matches_the_formula():
