@@ -43,7 +43,8 @@ if ctx is None:
     torch.set_num_threads(threads)
 else:
     ctx.__enter__()
-run = T._TrainingRun(c, tok, texts, __import__("pathlib").Path(os.environ["BENCH_TMP"]), time.perf_counter(), None)
+import tempfile
+run = T._TrainingRun(c, tok, texts, __import__("pathlib").Path(tempfile.mkdtemp()), time.perf_counter(), None)
 steps = int(os.environ["BENCH_STEPS"])
 times = []
 for step in range(1, steps + 6):  # the loop of _TrainingRun.optimize, without its checkpoints and probes
@@ -60,6 +61,7 @@ for step in range(1, steps + 6):  # the loop of _TrainingRun.optimize, without i
     if step > 5:
         times.append(time.perf_counter() - t)
 print(json.dumps({"s_per_step": sum(times) / len(times), "numerics": numerics_info()}))
+__import__("shutil").rmtree(run.tmp, ignore_errors=True)
 """
 
 
@@ -93,13 +95,15 @@ def main() -> None:
     clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS",
                                                               "NPY_DISABLE_CPU_FEATURES", "OPENBLAS_CORETYPE",
                                                               "NUMBA_CPU_NAME", "MFPIPE_NUMERICS")}
-    clean.update(PYTHONPATH=str(ROOT / "src"), BENCH_STEPS=str(args.steps), BENCH_TMP=str(work / "run"))
+    clean.update(PYTHONPATH=str(ROOT / "src"), BENCH_STEPS=str(args.steps))
     got: dict[str, list[float]] = {m: [] for m in MODES}
     for r in range(args.repeats):
         for name, (mode, threads) in MODES.items():
-            out = subprocess.run([sys.executable, "-c", RUN, mode, str(threads), str(tok), str(texts), json.dumps(cfg)],
-                                 env=clean, capture_output=True, text=True, check=True).stdout
-            rec = json.loads(out.strip().splitlines()[-1])
+            p = subprocess.run([sys.executable, "-c", RUN, mode, str(threads), str(tok), str(texts), json.dumps(cfg)],
+                               env=clean, capture_output=True, text=True)
+            if p.returncode:
+                raise SystemExit(f"{name} failed:\n{p.stderr[-3000:]}")
+            rec = json.loads(p.stdout.strip().splitlines()[-1])
             got[name].append(rec["s_per_step"])
             print(f"round {r + 1} {name}: {rec['s_per_step']:.4f} s/step ({rec['numerics']['cpu_capability']}, "
                   f"MKL {rec['numerics']['mkl_branch']}, {rec['numerics']['threads']} threads)", flush=True)
