@@ -79,11 +79,22 @@ class NamedList(list):
 def run_job(package: str, rule: str, **sm):
     """Run the job function ``rule`` of ``mfpipe.<package>.jobs`` as workflow/scripts/job.py runs it
     (mfpipe.workflow.runner.run_job), with a stand-in ``snakemake`` object: its ``input`` gets the jobs module as
-    its first code input, as a rule's ``code=job(package, rule)`` gives it."""
+    its first code input, as a rule's ``code=job(package, rule)`` gives it. The runner pins the numerics for the rest of
+    its process (mfpipe.workflow.numerics); here the test process gets its environment and oneDNN back, so that the
+    processes later tests start compute as before."""
+    import os
     from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
 
     from mfpipe.workflow import runner
 
     module = Path(runner.__file__).resolve().parents[1].joinpath(*package.split("."), "jobs.py")
     sm["input"].code = [str(module)]
-    runner.run_job(SimpleNamespace(threads=1, rule=rule, **sm))
+    onednn = torch.backends.mkldnn.enabled
+    try:
+        with mock.patch.dict(os.environ):
+            runner.run_job(SimpleNamespace(threads=1, rule=rule, **sm))
+    finally:
+        torch.backends.mkldnn.enabled = onednn

@@ -111,11 +111,16 @@ def test_pinned_in_fresh_process():
         assert info["mkl_branch"] == "COMPATIBLE", info
 
 
-def test_pinned_restores_threads_and_onednn():
+def test_pinned_restores_threads_onednn_and_environment():
+    """A test process (or a notebook) that trains pinned and then starts processes must hand them its own
+    environment: a pinned child beside an unpinned parent computes other bits."""
     prev, prev_onednn = torch.get_num_threads(), torch.backends.mkldnn.enabled
+    env = {k: os.environ.get(k) for k in PINNED_KEYS}
     with pinned(threads=1):
         assert torch.get_num_threads() == 1 and not torch.backends.mkldnn.enabled
+        assert os.environ["MKL_CBWR"] == "COMPATIBLE"
     assert torch.get_num_threads() == prev and torch.backends.mkldnn.enabled == prev_onednn
+    assert {k: os.environ.get(k) for k in PINNED_KEYS} == env
 
 
 def test_pinned_env_only_where_it_applies(monkeypatch):

@@ -257,6 +257,15 @@ def _encoding(ds: xr.Dataset) -> dict:
     return enc
 
 
+def _record_numerics(ds: xr.Dataset) -> None:
+    """Give ``ds`` the attribute ``numerics`` (:func:`mfpipe.workflow.numerics.numerics_info`) of this process, where
+    it does not carry one: a store computed here (a merge carries its parts' numerics instead)."""
+    if "numerics" not in ds.attrs:
+        from mfpipe.workflow.numerics import numerics_info
+
+        ds.attrs["numerics"] = numerics_info()
+
+
 def write_store(ds: xr.Dataset, path: str | Path) -> Path:
     """Write ``ds`` as a zarr (v3) store at ``path``, atomically: everything goes to a temporary sibling
     folder which is renamed into place only once complete, so an interrupted write leaves no store (only a
@@ -265,10 +274,7 @@ def write_store(ds: xr.Dataset, path: str | Path) -> Path:
     from mfpipe.workflow.io import atomic_dir
 
     path = Path(path)
-    if "numerics" not in ds.attrs:  # computed in this process: its numerics (a merge carries its parts' instead)
-        from mfpipe.workflow.numerics import numerics_info
-
-        ds.attrs["numerics"] = numerics_info()
+    _record_numerics(ds)
     with atomic_dir(path) as tmp, warnings.catch_warnings():
         # consolidated metadata lets a plain `xr.open_zarr(path)` open the store quietly and in one read;
         # zarr 3 warns that it is an extension of the v3 format (readers without it still open the store)
@@ -293,6 +299,7 @@ def write_stats(sums: Mapping[str, Any], tracked, meta: Mapping[str, Any] | None
 
     path = Path(path)
     ds = _finalize(sums, tracked, meta, dtype, min_count, kernel=False)
+    _record_numerics(ds)
     L, H, N, K = np.shape(sums["P_sum"])
     f = np.dtype(dtype)
     with atomic_dir(path) as tmp, warnings.catch_warnings():

@@ -190,10 +190,11 @@ def numerics_info() -> dict:
 
 @contextlib.contextmanager
 def pinned(threads: int = TRAIN_THREADS, strict: bool = False):
-    """Run the block on pinned numerics with ``threads`` torch threads (the thread count and oneDNN restored
-    afterwards). :func:`pin_env` takes effect only where torch has run no kernel and MKL no call yet in this
-    process: otherwise a warning (or RuntimeError when ``strict``) says what is not pinned. Yields
-    :func:`numerics_info`."""
+    """Run the block on pinned numerics with ``threads`` torch threads (the thread count, oneDNN and the environment
+    variables restored afterwards: processes started later get the caller's environment). :func:`pin_env` takes
+    effect only where torch has run no kernel and MKL no call yet in this process: otherwise a warning (or
+    RuntimeError when ``strict``) says what is not pinned. Yields :func:`numerics_info`."""
+    saved = {k: os.environ.get(k) for k in pinned_env()}
     pin_env()
     import torch
 
@@ -210,3 +211,8 @@ def pinned(threads: int = TRAIN_THREADS, strict: bool = False):
     finally:
         torch.set_num_threads(prev)
         torch.backends.mkldnn.enabled = prev_onednn
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
