@@ -38,6 +38,28 @@ def tracked_for(tokens: np.ndarray, n: int = N_TRACKED, bos: int = BOS, vocab: i
     )
 
 
+# ----------------------------------------------------------------------------- a statistics half
+STORE_META = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp"}
+
+
+def tiny_stats_half(model_type: str, folder, *, model_seed: int, n_windows: int, token_seed: int, batch_size: int):
+    """A tiny random model of ``model_type`` and its statistics half over Zipfian windows, written as
+    ``folder/stats.zarr``: (model, adapter, tokens, tracked, sums, meta, the opened store)."""
+    from tiny_models import make_tiny_model
+
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+
+    model = make_tiny_model(model_type, seed=model_seed)
+    ad = get_adapter(model)
+    tokens = zipf_windows(n_windows, seed=token_seed)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=batch_size, device="cpu", progress=False)
+    meta = dict(STORE_META, model_type=ad.model_type)
+    st = open_stats(write_store(finalize(sums, tracked, meta), folder / "stats.zarr"))
+    return model, ad, tokens, tracked, sums, meta, st
+
+
 # ------------------------------------------------------------------------------- reference capture
 def reference_capture(model, ids: torch.Tensor) -> dict[str, np.ndarray]:
     """Per-layer tensors from the shared HF/torch-hook reference (tests/hf_reference.py), as float64 numpy:

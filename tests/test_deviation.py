@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import head_maps
-from stats_reference import reference_capture, tracked_for, zipf_windows
-from tiny_models import TINY_MODEL_TYPES, make_tiny_model
+from stats_reference import reference_capture, tiny_stats_half
+from tiny_models import TINY_MODEL_TYPES
 
 from mfpipe.deviation import shards as DP
 from mfpipe.deviation.pass2 import window_halves
@@ -20,8 +20,6 @@ from mfpipe.meanfield.plan import query_plan
 from mfpipe.meanfield.ccmf import pair_kernel
 from mfpipe.meanfield.deviation import corpus_deviation, layer_grams, meters, occurrence_terms
 from mfpipe.meanfield.kernel import kernel_from_store
-from mfpipe.models.adapters import get_adapter
-from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.errors import StatsError
 from mfpipe.stats.buckets import window_buckets
 
@@ -36,14 +34,8 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module", params=TINY_MODEL_TYPES)
 def setup(request, tmp_path_factory):
     mt = request.param
-    model = make_tiny_model(mt, seed=7)
-    ad = get_adapter(model)
-    tokens = zipf_windows(N_WIN, seed=3)
-    tracked = tracked_for(tokens)
-    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=6, device="cpu", progress=False)
-    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp",
-            "model_type": ad.model_type}
-    st = open_stats(write_store(finalize(sums, tracked, meta), tmp_path_factory.mktemp(f"dev-{mt}") / "stats.zarr"))
+    model, ad, tokens, tracked, sums, meta, st = tiny_stats_half(mt, tmp_path_factory.mktemp(f"dev-{mt}"), model_seed=7,
+                                                                 n_windows=N_WIN, token_seed=3, batch_size=6)
     doc_ids = np.repeat(np.arange(N_WIN)[:, None] // 3, tokens.shape[1], axis=1)  # documents of 3 windows
     return mt, model, ad, tracked, st, tokens, doc_ids
 

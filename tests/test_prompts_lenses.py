@@ -12,14 +12,13 @@ import pandas as pd
 import pytest
 import torch
 from hf_reference import final_norm, head_maps
-from stats_reference import reference_capture, tracked_for, zipf_windows
+from stats_reference import reference_capture, tiny_stats_half
 from tiny_models import TINY_MODEL_TYPES, make_tiny_model
 
 from mfpipe.experiments.prompts import lenses as LE
 from mfpipe.deviation import shards as DP
 from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store
 from mfpipe.models.adapters import get_adapter
-from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 
 N_WIN = 24
 TOP_K = 8
@@ -58,15 +57,9 @@ def _pass2(model, ad, tokens, doc_ids, tracked, st, **kw):
 @pytest.fixture(scope="module", params=("gpt2", "llama"))
 def setup(request, tmp_path_factory):
     mt = request.param
-    model = make_tiny_model(mt, seed=7)
-    ad = get_adapter(model)
-    tokens = zipf_windows(N_WIN, seed=3)
-    tracked = tracked_for(tokens)
-    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=6, device="cpu", progress=False)
-    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp",
-            "model_type": ad.model_type}
     tmp = tmp_path_factory.mktemp(f"lens-{mt}")
-    st = open_stats(write_store(finalize(sums, tracked, meta), tmp / "stats.zarr"))
+    model, ad, tokens, tracked, sums, meta, st = tiny_stats_half(mt, tmp, model_seed=7, n_windows=N_WIN, token_seed=3,
+                                                                 batch_size=6)
     doc_ids = np.repeat(np.arange(N_WIN)[:, None] // 3, tokens.shape[1], axis=1)
     ds = _pass2(model, ad, tokens, doc_ids, tracked, st)
     # the statistics half as two shard files (the store's top_shard indexes this sorted list)

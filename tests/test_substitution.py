@@ -10,8 +10,8 @@ import pytest
 import torch
 from hf_reference import head_maps, patched_reads, reference_run
 from meanfield_reference import slow_zhat
-from stats_reference import tracked_for, zipf_windows
-from tiny_models import TINY_MODEL_TYPES, make_tiny_model
+from stats_reference import tiny_stats_half, zipf_windows
+from tiny_models import TINY_MODEL_TYPES
 
 # the families placed by structure that issue 30 names: the loop and hook references run on them too
 FAMILIES = ("mistral", "qwen2", "phi3", "gptj", "gemma3_text")
@@ -19,8 +19,6 @@ FAMILIES = ("mistral", "qwen2", "phi3", "gptj", "gemma3_text")
 from mfpipe.experiments.substitution import substitute as SU
 from mfpipe.meanfield.ccmf import ccmf_reads, pair_kernel, type_kernel
 from mfpipe.meanfield.kernel import MeanFieldKernel, kernel_from_store, own_reads_replacement
-from mfpipe.models.adapters import get_adapter
-from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 from mfpipe.stats.buckets import prefix_counts
 
 N_STATS, N_EVAL = 24, 6
@@ -34,15 +32,9 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module", params=TINY_MODEL_TYPES + FAMILIES)
 def setup(request, tmp_path_factory):
     mt = request.param
-    model = make_tiny_model(mt, seed=5)
-    ad = get_adapter(model)
-    st_tok = zipf_windows(N_STATS, seed=1)
-    tracked = tracked_for(st_tok)
-    sums = accumulate_shard(model, ad, st_tok, tracked, batch_size=8, device="cpu", progress=False)
-    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp",
-            "model_type": ad.model_type}
-    path = write_store(finalize(sums, tracked, meta), tmp_path_factory.mktemp(f"sub-{mt}") / "stats.zarr")
-    st = open_stats(path)
+    model, ad, st_tok, tracked, sums, meta, st = tiny_stats_half(mt, tmp_path_factory.mktemp(f"sub-{mt}"),
+                                                                 model_seed=5, n_windows=N_STATS, token_seed=1,
+                                                                 batch_size=8)
     # min_count 1: the tiny corpus is far too small for the default C >= 20 support
     kernel = kernel_from_store(st, tracked, min_count=1)
     ev_tok = zipf_windows(N_EVAL, seed=2)
