@@ -21,13 +21,15 @@ SCRIPTS = sorted((SRC.parent / "workflow" / "scripts").glob("*.py"))
 #   2  the workflow's wiring (the job runner and context, the plan, the preflight checks) and the core stages' jobs
 #      and planning (<package>.jobs, <package>.rules)
 #   3  the experiments
-#   4  the public reading API (results), the command line, the package itself
+#   4  the public APIs (results: reading a run; notebook: computing on a model in memory), the command line, the
+#      package itself
 WORKFLOW_LEAVES = {"io", "heap", "numerics", "logs", "tables", "plots", "revisions", "codedeps", "scheduling",
                    "config", "costs", "paths"}
 CORE = {"corpus", "tasks", "stats", "models", "meanfield", "deviation", "minisuite", "jlens", "conformance"}
 MAX_LOOSE = 6
-# the public reading API opens every experiment's stores; the package's lazy export loads it
-MAY_IMPORT_EXPERIMENTS = {"mfpipe", "mfpipe.results"}
+# the public reading API opens every experiment's stores, the notebook API runs the substitution's code; the package's
+# lazy exports load both
+MAY_IMPORT_EXPERIMENTS = {"mfpipe", "mfpipe.results", "mfpipe.notebook.analysis"}
 MAX_LINES = 400
 MAX_FUNCTION_LINES = 80  # from `def` to the function's last line, docstring included (issue 47 item 7)
 

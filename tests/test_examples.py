@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
-from example_notebook import NOTEBOOK
+from example_notebook import API_NOTEBOOK, NOTEBOOK
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "synth"
@@ -34,6 +34,21 @@ def test_notebook_is_valid_and_stored_without_outputs():
     assert ".isel(" not in source  # selection by coordinate labels, not positions
 
 
+def test_the_notebook_api_example_is_stored_without_outputs():
+    """examples/notebook_api.ipynb (issue 46) as stored: valid, no outputs, every function of the API used, the model
+    and tokenizer from the environment (CI runs it on the ci run's mini model: tests/test_workflow.py)."""
+    import nbformat
+
+    nb = nbformat.read(API_NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(not c.outputs and c.execution_count is None for c in code)
+    source = "\n".join(c.source for c in code)
+    for call in ("mfpipe.collect_stats(", "mfpipe.mean_field(", "mfpipe.substitute(", "mfpipe.deviation(",
+                 "mfpipe.decode(", 'os.environ.get("MFPIPE_MODEL"', "savefig"):
+        assert call in source, call
+
+
 # ------------------------------------------------------------------ import mfpipe stays light
 def test_import_mfpipe_does_not_import_the_reading_api():
     """Every job imports mfpipe: that must not load mfpipe.results (nor numpy, xarray); asking for
@@ -49,6 +64,13 @@ def test_import_mfpipe_does_not_import_the_reading_api():
         import mfpipe.results
         assert f is mfpipe.results.open_results and mfpipe.open_stats is mfpipe.results.open_stats
         assert not hasattr(mfpipe, "no_such_name")
+        # the notebook API: loaded on first use; mfpipe.deviation is pass 2's package, callable
+        names = {"collect_stats", "mean_field", "substitute", "deviation", "decode"}
+        assert names <= set(mfpipe.__all__) and names <= set(dir(mfpipe))
+        assert "mfpipe.notebook.stats" not in sys.modules and "torch" not in sys.modules
+        assert mfpipe.collect_stats is sys.modules["mfpipe.notebook.stats"].collect_stats
+        import mfpipe.deviation.store
+        assert callable(mfpipe.deviation) and mfpipe.deviation is sys.modules["mfpipe.deviation"]
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)

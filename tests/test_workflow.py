@@ -145,6 +145,49 @@ def test_example_notebook_reads_the_run(built, tmp_path):
     check_executed(execute_notebook(built / "results", tmp_path), tmp_path)
 
 
+def test_notebook_api_example_runs_on_the_mini_model(built, tmp_path):
+    """examples/notebook_api.ipynb (issue 46) on the run's mini GPT-2 checkpoint and tokenizer, as a user loads them:
+    statistics of a few hundred texts, P and W of a head, one prompt substituted, a head's deviation drawn, decoded."""
+    from example_notebook import API_NOTEBOOK, check_executed, execute_notebook
+
+    mini = built / "results" / "minisuite"
+    env = {"MFPIPE_MODEL": str(mini / "mini-gpt2" / "checkpoints" / "step20"),
+           "MFPIPE_TOKENIZER": str(mini / "tokenizer")}
+    nb = execute_notebook(built / "results", tmp_path, notebook=API_NOTEBOOK, env=env)
+    check_executed(nb, tmp_path, notebook=API_NOTEBOOK)
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "400 texts;" in text and "in-memory (mfpipe.collect_stats)" in text and "delta_L" in text, text[:2000]
+
+
+def test_notebook_api_equals_the_runs_stores(built):
+    """Issue 46: on the run's own windows and checkpoints (loaded with from_pretrained, as a user would), the notebook
+    API gives the run's stores: collect_stats the statistics store array for array (same variables, coordinates and
+    attributes but for where it came from), substitute the substitution store bit for bit, and the occurrence means of
+    deviation's per-position terms pass 2's store (to float64 summation order), for both mini models. The process runs
+    on the workflow's pinned numerics and one thread, as the run's jobs did (tests/notebook_reference.py)."""
+    from notebook_reference import PROVENANCE
+
+    from mfpipe.workflow.numerics import pinned_env
+
+    results = built / "results"
+    last = {m: max((p.name for p in (results / "stats" / m).iterdir() if p.name.startswith("step")),
+                   key=lambda n: int(n[4:])) for m in ("mini-gpt2", "mini-neox")}
+    pairs = [f"{m}:{rev}" for m, rev in last.items()]
+    assert pairs == ["mini-gpt2:step20", "mini-neox:step20"]
+    env = {**os.environ, **pinned_env()}
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "notebook_reference.py"), str(results), *pairs],
+                         capture_output=True, text=True, env=env, cwd=built)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    for pair, r in report.items():
+        st, sub, dev = r["stats"], r["substitution"], r["deviation"]
+        assert st["variables"] and st["coords"] and st["unequal"] == [] and st["attrs_differ"] == [], (pair, st)
+        assert set(st["attrs_other"]) <= PROVENANCE and st["tracked_fingerprint"] and st["n_windows"] == 256, (pair, st)
+        assert sub["unequal"] == [] and sub["missing"] == [] and sub["max_abs_diff"] == 0.0, (pair, sub)
+        assert dev["n_contexts"][0] == dev["n_contexts"][1] > 0, (pair, dev)
+        assert max(dev[k] for k in ("D", "M_cov", "M_ctx", "zbar", "zhat_bar")) < 1e-12, (pair, dev)
+
+
 def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     """Issue 10: a new revision in the sweep adds its statistics, substitution and kernel jobs and the per-model
     tables and figures that gather every revision; nothing of the revisions already built reruns."""

@@ -3,22 +3,45 @@
 Reading a finished run (mfpipe.results, loaded on first use so that ``import mfpipe`` stays light: every job
 imports it): ``mfpipe.list_results(results)``, ``mfpipe.open_stats(model, revision, results=...)``,
 ``mfpipe.open_results(experiment, model, revision, results)``.
+
+Computing on a model in memory (mfpipe.notebook, loaded on first use): ``mfpipe.collect_stats(model, texts)``,
+``mfpipe.mean_field(stats)``, ``mfpipe.substitute(model, stats, tokens)``, ``mfpipe.deviation(model, stats,
+tokens)``, ``mfpipe.decode(model, vector, layer)``. ``mfpipe.deviation`` is also the package of pass 2: calling the
+package runs :func:`mfpipe.notebook.analysis.deviation` (mfpipe/deviation/__init__.py makes it callable).
 """
 
 from mfpipe.version import __version__
 
 # served by __getattr__ from mfpipe.results, which is imported only when one of them is asked for
 _READING = ("open_stats", "open_results", "list_results")
+# served by __getattr__ from mfpipe.notebook's modules; `deviation` is the package mfpipe.deviation, callable
+_COMPUTING = ("collect_stats", "mean_field", "substitute", "decode")
 
-__all__ = ["__version__", *_READING]
+__all__ = ["__version__", *_READING, *_COMPUTING, "deviation"]
 
 
 def __getattr__(name: str):
-    # a static import, so mfpipe.workflow.codedeps sees what the lazily exported names load
+    # static imports, so mfpipe.workflow.codedeps sees what the lazily exported names load
     if name in _READING:
         from mfpipe import results
 
         return getattr(results, name)
+    if name == "collect_stats":
+        from mfpipe.notebook.stats import collect_stats
+
+        return collect_stats
+    if name == "mean_field":
+        from mfpipe.notebook.meanfield import mean_field
+
+        return mean_field
+    if name == "deviation":  # the package of pass 2, not imported yet: importing it makes it callable
+        import mfpipe.deviation as pass2
+
+        return pass2
+    if name in ("substitute", "decode", "_notebook_deviation"):
+        from mfpipe.notebook import analysis
+
+        return getattr(analysis, name.replace("_notebook_", ""))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

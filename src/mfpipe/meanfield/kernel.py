@@ -106,16 +106,18 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
     """The substitution kernel of a statistics store (:class:`~mfpipe.stats.api.MeanFieldStats`, the ``stats``
     half): ``W`` on the ``C_st >= min_count`` support (store default 20) or, with ``calibrated`` (an
     xarray ``U`` from :func:`mfpipe.meanfield.calibrated.load_calibrated`, same dims as ``W``), U instead; μ from the
-    store. ``tracked`` is the :class:`~mfpipe.corpus.tracked.TrackedSet` whose fingerprint the store records. Read one
-    layer at a time into ``dtype`` (no float64 copy of the whole kernel)."""
+    store. ``tracked`` is the :class:`~mfpipe.corpus.tracked.TrackedSet` whose fingerprint the store records (or the
+    plain lookup tables of :func:`mfpipe.stats.buckets.bucket_luts`, unchecked: the notebook API builds them from the
+    store's own coordinates). Read one layer at a time into ``dtype`` (no float64 copy of the whole kernel)."""
     from mfpipe.stats.buckets import bucket_luts
 
-    if stats.attrs.get("tracked_fingerprint") not in (None, tracked.fingerprint):
+    fingerprint = getattr(tracked, "fingerprint", None)
+    if fingerprint is not None and stats.attrs.get("tracked_fingerprint") not in (None, fingerprint):
         from mfpipe.stats.api import ProvenanceError
 
         raise ProvenanceError(
             f"statistics store {stats.path} was computed with another tracked set "
-            f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {tracked.fingerprint!r}); rerun the stats stage")
+            f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {fingerprint!r}); rerun the stats stage")
     layers = []
     mc = None
     for l in range(stats.n_layers):

@@ -5,7 +5,8 @@
 - :mod:`mfpipe.stats.loop` — the shard loop, generic over a reducer (one traced forward per batch).
 - :mod:`mfpipe.stats.shards` — pass 1 over one shard (the loop with pass 1's reducer); a run of shards, one
   partial each.
-- :mod:`mfpipe.stats.partials` — per-shard partials: save, load, merge by addition, provenance.
+- :mod:`mfpipe.stats.partials` — per-shard partials: save, load, merge by addition, provenance;
+  :mod:`mfpipe.stats.rounding` the rounding of a partial's sums to fewer mantissa bits.
 - :mod:`mfpipe.stats.merge` — a half's partials checked against their shards and merged into its store.
 - :mod:`mfpipe.stats.store` — merged sums -> labelled xarray means -> zarr store (one layer per chunk).
 - :mod:`mfpipe.stats.api` — :func:`open_stats` with provenance checks and accessors.

@@ -1,38 +1,35 @@
 """Per-shard partial sums of the statistics pass: save, load, merge by addition, provenance.
 
-A partial is a compressed, chunked Zarr (v3) store (a folder, ``shard-<i>.zarr``; ``xarray.open_zarr`` opens
-it too: every array carries dimension names) of the sums (keys :data:`SUM_KEYS`, see
-:mod:`mfpipe.stats.pass1`) plus the JSON attributes ``partial_format`` and ``meta`` (what it was computed from:
-model, revision, tracked set, shard fingerprint, …). Stored dtypes (:data:`STORED_DTYPES`): counts int64, the
-residual sums and their squares float64 (the variance E[x²] - c² cancels), every other sum float32 (pass 1
-accumulates the kernel in float32; the error bound is in :mod:`mfpipe.stats.pass1` and
-tests/test_stats_precision.py). ``resid_mid_sum`` is not stored: it is ``resid_sum[:L] + attn_out_sum`` (the
-adapter's definition of resid_mid) and :func:`load_partial` rebuilds it. Chunks: one (layer, head) of the
-kernel, one layer of the per-position sums; Blosc-zstd at level 1 with byte shuffle (bit shuffle for the counts and
-rounded floats; a higher level writes markedly slower for little less on disk: the shuffled mantissa bits do not
-compress further; benchmarks/HISTORY.md), then a CRC-32C checksum per chunk,
-and every chunk written: a truncated, altered or missing chunk file is an error when read, never a silent zero.
+A partial is a compressed, chunked Zarr (v3) store (a folder, ``shard-<i>.zarr``; ``xarray.open_zarr`` opens it too:
+every array carries dimension names) of the sums (keys :data:`SUM_KEYS`, see :mod:`mfpipe.stats.pass1`) plus the JSON
+attributes ``partial_format`` and ``meta`` (what it was computed from: model, revision, tracked set, shard
+fingerprint, …). Stored dtypes (:data:`STORED_DTYPES`): counts int64, the residual sums and their squares float64 (the
+variance E[x²] - c² cancels), every other sum float32 (pass 1 accumulates the kernel in float32; the error bound is in
+:mod:`mfpipe.stats.pass1` and tests/test_stats_precision.py). ``resid_mid_sum`` is not stored: it is ``resid_sum[:L] +
+attn_out_sum`` (the adapter's definition of resid_mid) and :func:`load_partial` rebuilds it. Chunks: one (layer, head)
+of the kernel, one layer of the per-position sums; Blosc-zstd at level 1 with byte shuffle (bit shuffle for the counts
+and rounded floats; a higher level writes markedly slower for little less on disk: the shuffled mantissa bits do not
+compress further; benchmarks/HISTORY.md), then a CRC-32C checksum per chunk, and every chunk written: a truncated,
+altered or missing chunk file is an error when read, never a silent zero.
 
 Smaller partials, at a stated precision (``mantissa_bits``, the workflow's ``stats.partial_mantissa_bits``): the
-float32 sums are rounded to that many explicit mantissa bits (:func:`round_mantissa`, to nearest, ties to even:
-each stored (normal) value within 2^-(bits+1) of itself) and the float64 residual sums to
-:data:`RESIDUAL_EXTRA_BITS` more; the dropped bits are zeros, which Blosc's bit shuffle compresses away. A float32
-value carries about three bytes of incompressible mantissa, so this is what shrinks a partial whose kernel cells
-are nearly all reached (a GPT-2-small partial at N = 1000 of a 0.5 M-token shard: ~800 MB exact, ~480 MB at the
-presets' 11 bits). The kernel sums are sums of non-negative attention, so the merged kernel sum keeps the same
-relative bound (:func:`rounding_bound`), and so does each row's total: the rows of the store's P sum to 1 within
-it. The partial's ``meta`` records ``mantissa_bits`` (null: exact float32 / float64 storage); the merged store's
-attribute ``partial_mantissa_bits`` is the coarsest of its partials' (absent when all are exact).
+float32 sums are rounded to that many explicit mantissa bits (:func:`round_mantissa`, to nearest, ties to even: each
+stored (normal) value within 2^-(bits+1) of itself) and the float64 residual sums to :data:`RESIDUAL_EXTRA_BITS` more;
+the dropped bits are zeros, which Blosc's bit shuffle compresses away. A float32 value carries about three bytes of
+incompressible mantissa, so this is what shrinks a partial whose kernel cells are nearly all reached (a GPT-2-small
+partial at N = 1000 of a 0.5 M-token shard: ~800 MB exact, ~480 MB at the presets' 11 bits). The kernel sums are sums
+of non-negative attention, so the merged kernel sum keeps the same relative bound (:func:`rounding_bound`), and so
+does each row's total: the rows of the store's P sum to 1 within it. The partial's ``meta`` records ``mantissa_bits``
+(null: exact float32 / float64 storage); the merged store's attribute ``partial_mantissa_bits`` is the coarsest of its
+partials' (absent when all are exact).
 
-Partials of one (model, revision, half) merge by element-wise addition in float64 / int64, so any split of the
-windows into shards gives the same store (up to the float32 rounding of each batch, and of each partial when
-rounded); :func:`check_partial` refuses a partial whose shapes or provenance
-differ from what the merge expects, naming the file. The kernel sum is merged one layer at a time
-(:func:`open_partial` leaves it on disk, :func:`merge_sums` sums it lazily as a :class:`LayerSum`, and
-:func:`mfpipe.stats.store.write_stats` writes the store's ``P`` layer by layer), so the merge's memory is one
-layer of P in float64 plus the per-position sums. Format-1 partials (``.npz``, float64) still load. No torch
-here: merging and reading need only numpy and zarr.
-"""
+Partials of one (model, revision, half) merge by element-wise addition in float64 / int64, so any split of the windows
+into shards gives the same store (up to the float32 rounding of each batch, and of each partial when rounded);
+:func:`check_partial` refuses a partial whose shapes or provenance differ from what the merge expects, naming the
+file. The kernel sum is merged one layer at a time (:func:`open_partial` leaves it on disk, :func:`merge_sums` sums it
+lazily as a :class:`LayerSum`, and :func:`mfpipe.stats.store.write_stats` writes the store's ``P`` layer by layer), so
+the merge's memory is one layer of P in float64 plus the per-position sums. Format-1 partials (``.npz``, float64)
+still load. No torch here: merging and reading need only numpy and zarr."""
 
 from __future__ import annotations
 
@@ -48,6 +45,7 @@ import numpy as np
 from mfpipe.workflow.io import atomic_dir
 from mfpipe.stats.buckets import bucket_luts
 from mfpipe.stats.errors import PartialError, StatsError
+from mfpipe.stats.rounding import round_mantissa
 
 PARTIAL_FORMAT = 2
 INT_KEYS = ("n_windows", "n_tokens", "query_count", "key_count", "position_count", "nbar_sum", "context_count", "cooc")
@@ -158,38 +156,6 @@ def _chunks(key: str, shape: tuple) -> tuple:
     return tuple(shape)
 
 
-def round_mantissa(a: np.ndarray, bits: int) -> np.ndarray:
-    """A copy of ``a`` (float32 or float64) with every finite value rounded to ``bits`` explicit mantissa bits, to
-    nearest with ties to even (the rounding of numcodecs' ``BitRound``, done here so that a partial stays plain
-    float32 / float64 that any Zarr reader opens): each normal value moves by at most 2^-(bits+1) of itself, so
-    sums of one sign keep that relative bound (a subnormal moves by at most half its dropped ulp; a value within
-    half an ulp of the largest float becomes inf); 0, ±inf and NaN are kept. ``bits`` at the dtype's full mantissa
-    (23 / 52) returns an exact copy."""
-    a = np.asarray(a)
-    if a.dtype == np.float32:
-        uint, full = np.uint32, 23
-    elif a.dtype == np.float64:
-        uint, full = np.uint64, 52
-    else:
-        raise TypeError(f"round_mantissa: {a.dtype} is not float32 or float64")
-    if not 1 <= int(bits) <= full:
-        raise ValueError(f"round_mantissa: bits={bits} is outside 1..{full} for {a.dtype}")
-    out = np.array(a, copy=True)  # contiguous: the bit operations below stream over it
-    drop = full - int(bits)
-    if drop == 0:
-        return out
-    keep = ~np.isfinite(out)
-    b = out.view(uint)
-    t = b >> uint(drop)
-    t &= uint(1)
-    t += uint((1 << (drop - 1)) - 1)  # half an ulp, minus one unless the kept part is odd: ties to even
-    b += t
-    b &= uint(np.iinfo(uint).max ^ ((1 << drop) - 1))
-    if keep.any():
-        out[keep] = np.asarray(a)[keep]
-    return out
-
-
 def stored_mantissa_bits(key: str, bits: int | None) -> int | None:
     """The mantissa bits a partial rounded to ``bits`` keeps for sum ``key`` (None: not rounded)."""
     if bits is None or key in INT_KEYS:
@@ -243,9 +209,9 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
                 continue
             a = np.asarray(sums[key])
             dt = STORED_DTYPES[key]
-            bits = stored_mantissa_bits(key, mantissa_bits)
             # bit shuffle where whole bit planes are zero (counts, rounded mantissas), byte shuffle for exact floats
-            shuffle = "bitshuffle" if np.issubdtype(dt, np.integer) or bits is not None else "shuffle"
+            rounded = stored_mantissa_bits(key, mantissa_bits) is not None
+            shuffle = "bitshuffle" if np.issubdtype(dt, np.integer) or rounded else "shuffle"
             # every chunk written (none left to the fill value) and checksummed: a missing, truncated or altered
             # chunk file is an error on reading (open_partial), never a silent zero
             arr = g.create_array(key, shape=a.shape, dtype=dt, chunks=_chunks(key, a.shape) if a.ndim else "auto",
@@ -259,9 +225,22 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
             chunks = _chunks(key, a.shape) if a.ndim else ()
             n_lead = next((i for i, c in enumerate(chunks) if c != 1), len(chunks))
             for idx in _write_blocks(a.shape, n_lead, np.dtype(dt).itemsize):
-                part = a[idx].astype(dt, copy=False)
-                arr[idx] = part if bits is None else round_mantissa(part, bits)
+                arr[idx] = stored_form(key, a[idx], mantissa_bits)
     return path
+
+
+def stored_form(key: str, a: np.ndarray, mantissa_bits: int | None = None) -> np.ndarray:
+    """Sum ``key`` (or a block of it) as a partial stores it: in :data:`STORED_DTYPES`, rounded to ``mantissa_bits``
+    (:func:`stored_mantissa_bits`). An in-memory run (``mfpipe.collect_stats``) passes its sums through this too."""
+    part = np.asarray(a).astype(STORED_DTYPES[key], copy=False)
+    bits = stored_mantissa_bits(key, mantissa_bits)
+    return part if bits is None else round_mantissa(part, bits)
+
+
+def with_derived(sums: dict) -> dict:
+    """``sums`` with :data:`DERIVED_KEYS` rebuilt from the stored sums (float64), as :func:`open_partial` does."""
+    sums["resid_mid_sum"] = sums["resid_sum"][: sums["attn_out_sum"].shape[0]].astype(np.float64) + sums["attn_out_sum"]
+    return sums
 
 
 def open_partial(path: str | Path, lazy: Iterable[str] = ("P_sum",)) -> tuple[dict, dict]:
@@ -297,9 +276,7 @@ def open_partial(path: str | Path, lazy: Iterable[str] = ("P_sum",)) -> tuple[di
         raise
     except Exception as e:  # zarr / codec / checksum / JSON errors of a damaged store
         raise PartialError(path, f"is unreadable ({e})") from e
-    L = sums["attn_out_sum"].shape[0]
-    sums["resid_mid_sum"] = sums["resid_sum"][:L].astype(np.float64) + sums["attn_out_sum"]
-    return sums, meta
+    return with_derived(sums), meta
 
 
 def load_partial(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:

@@ -129,8 +129,9 @@ def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Re
 
 def substitution_pass(adapter, kernel: MeanFieldKernel, tokens, batch_size: int = 8,
                       replacement: Replacement = mean_field_replacement, progress: bool = False,
-                      desc: str = "substitution") -> SubstitutionSums:
-    """:func:`substitution_batch` over every window of ``tokens [n,T]`` in batches; additive sums."""
+                      desc: str = "substitution", details: list | None = None) -> SubstitutionSums:
+    """:func:`substitution_batch` over every window of ``tokens [n,T]`` in batches; additive sums. ``details``: a list
+    each batch's per-position detail is appended to (``mfpipe.substitute``)."""
     from tqdm.auto import tqdm
 
     tokens = np.asarray(tokens)
@@ -141,8 +142,10 @@ def substitution_pass(adapter, kernel: MeanFieldKernel, tokens, batch_size: int 
     total = SubstitutionSums(adapter.n_layers, adapter.n_heads)
     starts = range(0, tokens.shape[0], int(batch_size))
     for b0 in tqdm(starts, desc=desc, disable=not progress, mininterval=2.0, dynamic_ncols=True):
-        s, _ = substitution_batch(adapter, k, tokens[b0 : b0 + int(batch_size)], replacement)
+        s, detail = substitution_batch(adapter, k, tokens[b0 : b0 + int(batch_size)], replacement)
         total.add(s)
+        if details is not None:
+            details.append(detail)
     return total
 
 

@@ -1,0 +1,207 @@
+"""What the notebook API takes, checked once: the model (a ``transformers`` causal LM or an nnsight ``LanguageModel``),
+its tokenizer, the token windows (texts tokenized and BOS-led as the pipeline does, or token ids) and the statistics
+(an in-memory Dataset, a store on disk or an opened store). Bad input raises :class:`NotebookError` with one line
+saying what is wrong and what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NotebookError", "resolve_model", "prepared", "bos_id_of", "text_windows", "token_windows", "by_length",
+           "check_fits", "as_stats", "check_stats", "tokens_fingerprint"]
+
+
+class NotebookError(ValueError):
+    """Bad input to the notebook API (the message says what to change)."""
+
+
+def resolve_model(model, tokenizer=None) -> tuple[Any, Any]:
+    """``(hf_model, tokenizer)`` of a ``transformers`` causal LM or an nnsight ``LanguageModel`` / ``NNsight`` wrapper
+    (its wrapped module; its tokenizer unless one is given; weights loaded if it was created without them)."""
+    inner = getattr(model, "_module", None)
+    if inner is not None and type(model).__module__.startswith("nnsight"):
+        if getattr(model, "dispatched", True) is False:
+            model.dispatch()  # a LanguageModel made without its weights (meta tensors) loads them now
+            inner = model._module
+        tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        model = inner
+    if getattr(getattr(model, "config", None), "model_type", None) is None or not hasattr(model, "forward"):
+        raise NotebookError(f"{type(model).__name__} is not a transformers causal LM or an nnsight LanguageModel; "
+                            "pass e.g. AutoModelForCausalLM.from_pretrained(...) or nnsight.LanguageModel(...)")
+    return model, tokenizer
+
+
+@contextmanager
+def prepared(model, device=None) -> Iterator[Any]:
+    """The adapter of ``model`` (placed by structure, :func:`mfpipe.models.adapters.get_adapter`: a model it cannot
+    place raises its one-line error naming what did not match and ``mfpipe conformance``) with the model in eval
+    mode, eager attention and on ``device``; all three are put back as they were on exit."""
+    import torch
+
+    from mfpipe.models.adapters import get_adapter
+
+    was_training = model.training
+    impl = getattr(model.config, "_attn_implementation", None)
+    home = next(model.parameters()).device
+    try:
+        model.eval()
+        if impl != "eager":
+            model.set_attn_implementation("eager")  # the read site reads the attention probabilities
+        if device is not None and torch.device(device) != home:
+            model.to(device)
+        yield get_adapter(model)
+    finally:
+        if device is not None and torch.device(device) != home:
+            model.to(home)
+        if impl not in (None, "eager"):
+            model.set_attn_implementation(impl)
+        model.train(was_training)
+
+
+def bos_id_of(model, tokenizer, stats=None) -> int:
+    """The id every window starts with: the statistics' (``bos_id``), else the tokenizer's as the corpus stage resolves
+    it (BOS, else EOS), else the model config's."""
+    if stats is not None and stats.attrs.get("bos_id") is not None:
+        return int(stats.attrs["bos_id"])
+    if tokenizer is not None:
+        from mfpipe.corpus.windows import resolve_bos_id
+
+        return resolve_bos_id(tokenizer)
+    for tid in (getattr(model.config, "bos_token_id", None), getattr(model.config, "eos_token_id", None)):
+        if isinstance(tid, int):
+            return tid
+    raise NotebookError("no BOS id: pass tokenizer= (its BOS or EOS token starts every window)")
+
+
+def _is_texts(x) -> bool:
+    return isinstance(x, str) or (isinstance(x, Sequence) and len(x) > 0 and all(isinstance(t, str) for t in x))
+
+
+def _tokenize(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    if tokenizer is None:
+        raise NotebookError("texts need a tokenizer: pass tokenizer= (an nnsight LanguageModel brings its own)")
+    from mfpipe.corpus.windows import tokenize_documents
+
+    return tokenize_documents(tokenizer, list(texts))
+
+
+def text_windows(x, tokenizer, bos_id: int, context_length: int | None) -> list[np.ndarray]:
+    """Windows ``[BOS, t1 …]`` of texts or token ids. Texts: each text is one window (``context_length`` None) or, as
+    the corpus stage packs a half, all texts concatenated and cut into ``context_length`` windows; token ids: a
+    ``[n, T]`` array, a list of such arrays, one sequence of ids or a list of sequences, each row checked to start
+    with ``bos_id``. Returns a list of 2-D int arrays (one per given array; windows of one length each)."""
+    if _is_texts(x):
+        ids = _tokenize(tokenizer, [x] if isinstance(x, str) else list(x))
+        if context_length is not None:
+            from mfpipe.corpus.windows import pack_windows
+
+            windows, _ = pack_windows(ids, list(range(len(ids))), bos_id, int(context_length))
+            if not len(windows.tokens):
+                raise NotebookError(f"the texts hold {sum(map(len, ids))} tokens, less than one window of "
+                                    f"context_length={context_length}; give more text or a shorter context_length")
+            return [windows.tokens.astype(np.int64)]
+        return [np.asarray([[bos_id, *t]], dtype=np.int64) for t in ids]
+    return token_windows(x, bos_id)
+
+
+def token_windows(x, bos_id: int) -> list[np.ndarray]:
+    """Token-id windows as 2-D int64 arrays (see :func:`text_windows`), each row starting with ``bos_id``."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray) or (isinstance(x, Sequence) and x and np.isscalar(x[0])):
+        arr = np.asarray(x)
+        blocks = [arr[None] if arr.ndim == 1 else arr]
+    elif isinstance(x, Sequence) and x:
+        blocks = [np.asarray(b.detach().cpu().numpy() if hasattr(b, "detach") else b) for b in x]
+        blocks = [b[None] if b.ndim == 1 else b for b in blocks]
+    else:
+        raise NotebookError(f"cannot read windows from {type(x).__name__}: give texts, a [n, T] array of token ids "
+                            "or a list of token-id sequences")
+    out = []
+    for k, b in enumerate(blocks):
+        if b.ndim != 2 or not np.issubdtype(b.dtype, np.integer):
+            raise NotebookError(f"windows #{k}: expected integer token ids of shape [n, T], got {b.dtype} {b.shape}")
+        if b.shape[1] < 2:
+            raise NotebookError(f"windows #{k} have length {b.shape[1]}: a window needs BOS and at least one token "
+                                "(T >= 2)")
+        bad = np.flatnonzero(b[:, 0] != bos_id)
+        if bad.size:
+            raise NotebookError(f"window {int(bad[0])} of #{k} starts with token {int(b[bad[0], 0])}, not BOS "
+                                f"{bos_id}: windows are [BOS, t1 …]; prepend {bos_id} (texts get it added)")
+        out.append(b.astype(np.int64))
+    return out
+
+
+def by_length(blocks: list[np.ndarray]) -> list[np.ndarray]:
+    """The windows of ``blocks`` regrouped by length (first appearance order): one forward batch has one length."""
+    groups: dict[int, list[np.ndarray]] = {}
+    for b in blocks:
+        groups.setdefault(b.shape[1], []).append(b)
+    return [np.concatenate(g) for g in groups.values()]
+
+
+def check_fits(model, blocks: list[np.ndarray]) -> None:
+    """Refuse windows longer than the model's positions or holding ids outside its vocabulary (torch would fail deep in
+    an embedding)."""
+    cfg = model.config
+    n_pos = getattr(cfg, "max_position_embeddings", None)
+    T = max(b.shape[1] for b in blocks)
+    if isinstance(n_pos, int) and T > n_pos:
+        raise NotebookError(f"windows of {T} tokens exceed the {n_pos} positions of the model: give shorter texts or "
+                            f"context_length <= {n_pos}")
+    top = max(int(b.max()) for b in blocks)
+    if isinstance(getattr(cfg, "vocab_size", None), int) and top >= cfg.vocab_size:
+        raise NotebookError(f"token id {top} is outside the model's vocabulary of {cfg.vocab_size}: the tokens come from "
+                            "another tokenizer")
+
+
+def as_stats(stats):
+    """A :class:`~mfpipe.stats.api.MeanFieldStats` of an in-memory Dataset (:func:`mfpipe.collect_stats`,
+    ``mfpipe.open_results("stats", ...)``), a store path or an opened store."""
+    import xarray as xr
+
+    from mfpipe.stats.api import MeanFieldStats, open_stats
+
+    if isinstance(stats, MeanFieldStats):
+        return stats
+    if isinstance(stats, xr.Dataset):
+        if "P" not in stats or "mu" not in stats:
+            raise NotebookError("this Dataset is not a statistics store (no P / mu): pass mfpipe.collect_stats(...) "
+                                "or mfpipe.open_results('stats', model, revision)")
+        return MeanFieldStats(stats)
+    if isinstance(stats, (str, Path)):
+        return open_stats(stats)
+    raise NotebookError(f"statistics must be a Dataset, a store path or mfpipe.open_stats(...), not {type(stats).__name__}")
+
+
+def check_stats(adapter, st, tracked=None) -> None:
+    """Refuse statistics of another model (type, shape) or, where ``tracked`` (a TrackedSet or tracked.json) is given,
+    of another tracked set."""
+    from mfpipe.stats.api import ProvenanceError
+    from mfpipe.stats.halves import check_model
+
+    where = st.path or f"(in memory, model {st.attrs.get('model')!r})"
+    try:
+        check_model(adapter, st)
+    except ProvenanceError as e:
+        raise NotebookError(str(e).replace("statistics store None", f"statistics {where}")) from None
+    if tracked is not None:
+        from mfpipe.corpus.tracked import TrackedSet
+
+        ts = tracked if isinstance(tracked, TrackedSet) else TrackedSet.load(tracked)
+        have = st.attrs.get("tracked_fingerprint")
+        if have != ts.fingerprint:
+            raise NotebookError(f"statistics {where} were computed with tracked set {have!r}, not the given "
+                                f"{ts.fingerprint!r} (N={ts.n}): pass the statistics of this tracked set")
+
+
+def tokens_fingerprint(blocks: list[np.ndarray]) -> str:
+    """A short fingerprint of the windows (provenance of every result)."""
+    from mfpipe.corpus.windows import fingerprint_arrays
+
+    return fingerprint_arrays(blocks)
