@@ -330,6 +330,20 @@ def test_the_gemma_preset_plans_the_paper_function_vector_run(presets_run, hub):
     assert {w for r, w in jobs if r == "jlens"} == {"model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"}
 
 
+def test_partials_are_deleted_once_merged_and_never_rebuilt_for_a_current_store(presets_run, hub):
+    """Issue 49 item 4: with `stats.keep_partials` and `deviation.keep_partials` unset (the presets'), no per-shard
+    partial of either pass remains after the run, and a dry run of the same end targets plans nothing: a store that is
+    current needs no partial."""
+    r = presets_run["wd"] / "results"
+    merged = sorted(r.glob("stats/*/*/*.zarr")) + sorted(r.glob("deviation/*/*/deviation.zarr"))
+    assert len(merged) > 10, merged
+    left = [str(p.relative_to(r)) for p in r.glob("*/*/*/partials/**/group-*")]
+    assert not left, left
+    assert "stats_shard" in presets_run["text"] and "deviation_shard" in presets_run["text"]
+    _, text = run(presets_run["wd"], hub["env"], presets_run["configs"], "-n", *end_targets(run_models()))
+    assert planned_jobs(text) == [], text[-3000:]
+
+
 def test_the_planned_only_presets_plan_their_whole_path_offline(presets_run, hub):
     """Pythia-1.4B (PLANNED_ONLY) is not run end to end; its end targets plan every stage against the offline cache."""
     wd = presets_run["wd"]

@@ -258,6 +258,14 @@ def every_target():
 # (the statistics stage's input functions: mfpipe.stats.rules)
 
 
+def partials_output(folder, keep):
+    """The folder of a corpus pass's per-shard partials: Snakemake deletes it (`temp`) once every merge that reads it
+    has written and checked its store, unless the config keeps partials (`stats.keep_partials`,
+    `deviation.keep_partials`: a cluster run that expects to re-merge). A store that is current needs no partial, so a
+    deleted one is never rebuilt for it; a store deleted or stale reruns the pass that writes them."""
+    return directory(folder) if keep else temp(directory(folder))
+
+
 # ----------------------------------------------------------------- rollout (workflow/rules/rollout.smk)
 def stats_store(dataset):
     return STORE("stats", dataset=dataset)

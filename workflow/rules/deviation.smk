@@ -14,7 +14,7 @@ rule deviation_shard:
         kernel=substitution_kernel_input,
         code=job("deviation", "deviation_shard"),
     output:
-        directory(f"{R}/deviation/{{model}}/{{revision}}/partials/group-{{i}}"),
+        partials_output(f"{R}/deviation/{{model}}/{{revision}}/partials/group-{{i}}", DEVIATION["keep_partials"]),
     wildcard_constraints:
         i=r"\d+",
     params:

@@ -13,7 +13,8 @@ rule stats_shard:
         model=model_input,
         code=job("stats", "stats_shard"),
     output:
-        directory(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/group-{{i}}"),
+        partials_output(f"{R}/stats/{{model}}/{{revision}}/partials/{{dataset}}/group-{{i}}",
+                        config["stats"]["keep_partials"]),
     params:
         batch_size=config["runtime"]["batch_size"],
         mantissa_bits=config["stats"]["partial_mantissa_bits"],
