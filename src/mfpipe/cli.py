@@ -1,10 +1,12 @@
-"""The ``mfpipe`` console command: ``mfpipe conformance MODEL [--revision R]`` (:mod:`mfpipe.conformance`)."""
+"""The ``mfpipe`` console command: ``mfpipe conformance MODEL [--revision R]`` (:mod:`mfpipe.conformance`) and
+``mfpipe census [FAMILY ...] [--write MD]`` (:mod:`mfpipe.models.census`)."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {"conformance": "check that mfpipe reads a model's internals right, on a tiny random copy of it"}
+COMMANDS = {"conformance": "check that mfpipe reads a model's internals right, on a tiny random copy of it",
+            "census": "place and check a tiny copy of every causal-LM family transformers ships; one table"}
 
 
 def main(argv=None) -> int:
@@ -13,6 +15,10 @@ def main(argv=None) -> int:
         lines = [f"  {name:<12} {what}" for name, what in COMMANDS.items()]
         print("usage: mfpipe COMMAND ...\ncommands:\n" + "\n".join(lines), file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    if argv[0] == "census":
+        from mfpipe.models.census import main as census
+
+        return census(argv[1:])
     from mfpipe.conformance import main as conformance
 
     return conformance(argv[1:])

@@ -98,7 +98,8 @@ def reference_stats(attentions, hidden, tokens: np.ndarray, tracked) -> dict[str
 def tiny_copy(source: str, revision: str | None = None, seed: int = 0):
     """A tiny random model of ``source``'s architecture: a verified ``model_type`` name (its test recipe), a local
     folder with config.json, or a Hugging Face id (its config.json only, from the cache or the hub)."""
-    from mfpipe.models.tiny import VERIFIED_MODEL_TYPES, make_tiny_model, random_model, shrink_config
+    from mfpipe.models.tiny import (MAX_TINY_PARAMETERS, VERIFIED_MODEL_TYPES, make_tiny_model, meta_parameter_count,
+                                    random_model, shrink_config)
 
     if source in VERIFIED_MODEL_TYPES:
         return make_tiny_model(source, seed=seed)
@@ -108,7 +109,12 @@ def tiny_copy(source: str, revision: str | None = None, seed: int = 0):
         config = AutoConfig.from_pretrained(source, revision=revision)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mfpipe conformance: cannot read the config of {source!r} (revision {revision!r}): {e}") from None
-    return random_model(shrink_config(config), seed=seed)
+    tiny = shrink_config(config)
+    size = meta_parameter_count(tiny)
+    if size > MAX_TINY_PARAMETERS:
+        raise SystemExit(f"mfpipe conformance: the tiny copy of {source!r} still has {size / 1e6:.0f} M parameters: "
+                         "mfpipe.models.tiny.shrink_config does not know its config's size fields")
+    return random_model(tiny, seed=seed)
 
 
 def check_model(model, structure=None, seed: int = 0) -> list[Check]:
@@ -245,7 +251,7 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
     import transformers
 
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
-    from mfpipe.models.tiny import random_model, shrink_config
+    from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model, shrink_config
 
     code = hashlib.sha256()
     for f in sorted((Path(__file__).parent / "models" / "adapters").glob("*.py")) + [Path(__file__)]:
@@ -258,18 +264,29 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
         return known[key]["failure"]
     cfg = dict(config)
     model_type = cfg.pop("model_type", None)
+    # every way this can fail is one line at planning, never a traceback (`mfpipe census` met configs whose
+    # validation raises plain Exceptions, and a placed model whose forward the site cannot read)
     try:
         full = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
                                                                  if k not in ("architectures", "auto_map")})
+        tiny = shrink_config(full)
+        size = meta_parameter_count(tiny)
+        if size > MAX_TINY_PARAMETERS:
+            raise ValueError(f"its shrunk config still has {size / 1e6:.0f} M parameters (shrink_config does not know "
+                             "its size fields)")
         torch.manual_seed(0)
-        model = random_model(shrink_config(full))
-        rows = check_model(model, describe(model))
-        bad = [f"{r.name} (error {r.error:.2g} > {r.tolerance:g})" for r in rows if not r.ok]
-        failure = f"conformance check(s) failed on a tiny copy: {'; '.join(bad)}" if bad else None
-    except UnsupportedArchitectureError as e:
-        failure = f"no structure mfpipe knows ({e.reason})"
-    except (ValueError, KeyError, TypeError) as e:  # a config transformers cannot build
-        failure = f"transformers cannot build a tiny copy of its config ({type(e).__name__}: {e})"
+        model = random_model(tiny)
+    except Exception as e:  # a config transformers cannot build
+        model, failure = None, f"transformers cannot build a tiny copy of its config ({type(e).__name__}: {e})"
+    if model is not None:
+        try:
+            rows = check_model(model, describe(model))
+            bad = [f"{r.name} (error {r.error:.2g} > {r.tolerance:g})" for r in rows if not r.ok]
+            failure = f"conformance check(s) failed on a tiny copy: {'; '.join(bad)}" if bad else None
+        except UnsupportedArchitectureError as e:
+            failure = f"no structure mfpipe knows ({e.reason})"
+        except Exception as e:
+            failure = f"a conformance check raises on a tiny copy ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     known[key] = {"model_type": model_type, "failure": failure}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -7,6 +7,8 @@
   through.
 - :mod:`mfpipe.models.tiny` — tiny random models: the recipes of the verified architectures and a shrunk copy of
   any config (the test suite's models and the conformance command's).
+- :mod:`mfpipe.models.census` — ``mfpipe census``: every causal-LM family of the installed transformers, placed
+  and checked on a tiny copy of its default config, as one table (docs/architectures.md).
 - :mod:`mfpipe.models.induction` — induction-head scores on repeated random sequences (TransformerLens convention)
   and the probes the head scores share.
 

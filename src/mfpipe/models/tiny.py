@@ -127,6 +127,23 @@ def make_tiny_model(model_type: str, seed: int = 0, noise: float = 0.05, **overr
     return random_model(make_tiny_config(model_type, **overrides), seed=seed, noise=noise)
 
 
+# 4 GB in float32: the verified recipes are ~0.1 M; the census's largest tiny copies (MoE configs whose expert count
+# shrink_config keeps, Phi-4-multimodal) are below 0.9 G, MPT's and LongCat's unshrunk defaults above
+MAX_TINY_PARAMETERS = 1_000_000_000
+
+
+def meta_parameter_count(config) -> int:
+    """The parameter count of the causal LM ``config`` builds, counted on the meta device (no memory, no time): a
+    config whose size fields :func:`shrink_config` does not know stays large (MPT's, LongCat's), and building it for
+    real could exhaust the machine's memory (``mfpipe census`` and the planning's conformance check refuse it)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return sum(p.numel() for p in model.parameters())
+
+
 def random_model(config, seed: int = 0, noise: float = 0.05):
     """A seeded random causal LM of ``config`` (float32, eager attention, eval mode; see :func:`make_tiny_model`)."""
     import torch

@@ -1,0 +1,177 @@
+"""The census of decoder families (``mfpipe census``): for every causal-LM family the installed ``transformers``
+ships (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; encoder-decoder families and remote code left out), a tiny random copy
+of its default config (:func:`mfpipe.models.tiny.shrink_config`) is placed by structure
+(:func:`mfpipe.models.adapters.describe`) and run through ``mfpipe conformance``'s checks
+(:func:`mfpipe.conformance.check_model`). Each family gets one row: placed or not, the checks passed, and for a
+refusal the one-line reason (the placement's, the failing checks', or why no tiny copy could be built). A family that
+is placed but fails a check is refused at DAG time (the workflow's planning runs the same checks on a model of a type
+the test suite does not verify), so "passes" is what a run accepts.
+"""
+
+from __future__ import annotations
+
+import signal
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["CensusRow", "causal_lm_families", "census_row", "census", "census_markdown", "write_section",
+           "main", "BEGIN", "END"]
+
+PER_FAMILY_SECONDS = 120  # a tiny copy that takes longer to build and check is reported as such
+
+
+@dataclass
+class CensusRow:
+    family: str
+    placed: bool
+    passed: int  # conformance checks passed (of `checks`); 0 when not placed
+    checks: int
+    reason: str  # why it is refused ("" when every check passes)
+
+    @property
+    def accepted(self) -> bool:
+        return self.placed and self.checks > 0 and self.passed == self.checks
+
+
+def causal_lm_families() -> list[str]:
+    """Every ``model_type`` with a causal-LM class in the installed transformers whose default config is not an
+    encoder-decoder, sorted."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for family in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = CONFIG_MAPPING[family]()
+        except Exception:  # a config that cannot be built with defaults is still a family: its row says why
+            out.append(family)
+            continue
+        if not getattr(config, "is_encoder_decoder", False):
+            out.append(family)
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+    return text[:200]
+
+
+class _Timeout(BaseException):  # not an Exception: the stages' own `except Exception` must not take it
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout(f"over {PER_FAMILY_SECONDS} s")
+
+
+def census_row(family: str, seed: int = 0) -> CensusRow:
+    """The census row of one family (see the module docstring)."""
+    import torch
+
+    from mfpipe.conformance import check_model
+    from mfpipe.models.adapters import UnsupportedArchitectureError, describe
+    from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model, shrink_config
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(PER_FAMILY_SECONDS)
+    try:
+        from transformers import CONFIG_MAPPING
+
+        torch.manual_seed(seed)
+        try:
+            config = CONFIG_MAPPING[family]()
+            if not getattr(config, "num_attention_heads", None):
+                return CensusRow(family, False, 0, 0, "no attention heads in its config (num_attention_heads): a "
+                                                      "state-space or recurrent model, or a composite of sub-configs")
+            tiny = shrink_config(config)
+            size = meta_parameter_count(tiny)
+            if size > MAX_TINY_PARAMETERS:
+                return CensusRow(family, False, 0, 0, f"its shrunk config still has {size / 1e6:.0f} M parameters: "
+                                                      "mfpipe.models.tiny.shrink_config does not know its size fields")
+            model = random_model(tiny, seed=seed)
+        except Exception as e:
+            return CensusRow(family, False, 0, 0, f"no tiny copy of its default config: {_one_line(e)}")
+        try:
+            structure = describe(model)
+        except UnsupportedArchitectureError as e:
+            return CensusRow(family, False, 0, 0, e.reason)
+        except Exception as e:
+            return CensusRow(family, False, 0, 0, f"the placement's probe forward fails: {_one_line(e)}")
+        try:
+            rows = check_model(model, structure, seed=seed)
+        except Exception as e:
+            return CensusRow(family, True, 0, 1, f"a conformance check raises: {_one_line(e)}; "
+                                                 f"{traceback.extract_tb(e.__traceback__)[-1].name}")
+        bad = [r.name for r in rows if not r.ok]
+        return CensusRow(family, True, len(rows) - len(bad), len(rows), "fails: " + "; ".join(bad) if bad else "")
+    except _Timeout as e:
+        return CensusRow(family, False, 0, 0, f"building and checking a tiny copy took {e}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def census(families: Iterable[str] | None = None, progress=None) -> list[CensusRow]:
+    """:func:`census_row` of every family (default: :func:`causal_lm_families`); ``progress(row)`` after each."""
+    rows = []
+    for family in (causal_lm_families() if families is None else families):
+        rows.append(census_row(family))
+        if progress is not None:
+            progress(rows[-1])
+    return rows
+
+
+def census_markdown(rows: list[CensusRow], transformers_version: str) -> str:
+    """The census as Markdown: the counts, then one row per family."""
+    accepted = [r for r in rows if r.accepted]
+    placed_failing = [r for r in rows if r.placed and not r.accepted]
+    lines = [f"transformers {transformers_version}: {len(rows)} decoder-only causal-LM families; "
+             f"**{len(accepted)} placed and passing**, {len(placed_failing)} placed but failing a check (refused at "
+             f"DAG time), {len(rows) - len(accepted) - len(placed_failing)} not placed.", "",
+             "| family | placed | checks passed | refused because |", "|---|---|---|---|"]
+    for r in rows:
+        checks = f"{r.passed} / {r.checks}" if r.placed else "-"
+        reason = r.reason.replace("|", "\\|")
+        lines.append(f"| `{r.family}` | {'yes' if r.placed else 'no'} | {checks} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+BEGIN, END = "<!-- census: begin (mfpipe census --write) -->", "<!-- census: end -->"
+
+
+def write_section(path, text: str) -> None:
+    """Replace the census section of the Markdown file ``path`` (between :data:`BEGIN` and :data:`END`) by ``text``."""
+    from pathlib import Path
+
+    doc = Path(path).read_text()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"mfpipe census: {path} has no census section ({BEGIN} ... {END}) to replace")
+    head, rest = doc.split(BEGIN, 1)
+    Path(path).write_text(head + BEGIN + "\n" + text + rest[rest.index(END):])
+
+
+def main(argv=None) -> int:
+    import argparse
+    import logging
+    import sys
+    import warnings
+
+    import transformers
+
+    ap = argparse.ArgumentParser(prog="mfpipe census", description=__doc__.split("\n\n")[0])
+    ap.add_argument("families", nargs="*", help="model types to check (default: every causal-LM family)")
+    ap.add_argument("--write", metavar="MD", help="replace the census section of this Markdown file (e.g. "
+                                                  "docs/architectures.md) instead of printing the table")
+    args = ap.parse_args(argv)
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)  # transformers' notes on odd default configs, one per family
+    rows = census(args.families or None, progress=lambda r: print(
+        f"{r.family:<28} {'placed' if r.placed else 'not placed':<11} {r.passed}/{r.checks} {r.reason}"[:160],
+        file=sys.stderr))
+    text = census_markdown(rows, transformers.__version__)
+    if args.write:
+        write_section(args.write, text)
+    else:
+        print(text)
+    return 0
