@@ -42,14 +42,15 @@ def context_meters(adapter, kernel, tokens: np.ndarray, *, batch_size: int = 8, 
         chunk = tokens[b0 : b0 + int(batch_size)]
         kb, qt = k.buckets(chunk)
         plan = query_plan(kb.numpy(), qt.numpy(), k.n + 2, dev)
+        rows_w, rows_j = plan.b.cpu().numpy() + b0, plan.j.cpu().numpy()  # the plan's rows: once per batch
 
-        def on_layer(cap, plan=plan, b0=b0):
+        def on_layer(cap, plan=plan, rows_w=rows_w, rows_j=rows_j):
             l = cap.layer
             t = query_terms(plan, cap.attn_probs.float(), cap.values.float(), k.W[l].to(dev, torch.float32),
                             k.mu[l], reads=cap.reads)
             m = meters_head_major(stack_head_major(t), grams[l])  # [H, rows]
             v = t.valid.cpu().numpy()
-            w, j = plan.b.cpu().numpy()[v] + b0, plan.j.cpu().numpy()[v]
+            w, j = rows_w[v], rows_j[v]
             out["valid"][w, j, l] = True
             for key in METERS:
                 out[key][w, j, l] = m[key].T.cpu().numpy()[v]

@@ -9,7 +9,7 @@ import numpy as np
 import xarray as xr
 
 from mfpipe.notebook.inputs import (NotebookError, as_stats, bos_id_of, by_length, check_fits, check_stats,
-                                    prepared, resolve_model, text_windows)
+                                    prepared, resolve_model, text_windows, token_strings)
 from mfpipe.notebook.meanfield import MeanField, pad_windows, result_attrs
 
 __all__ = ["substitute", "deviation", "decode"]
@@ -33,8 +33,7 @@ def _token_coords(groups, tok) -> dict:
     ids = pad_windows(groups, -1)
     coords = {"token_id": (("window", "position"), ids)}
     if tok is not None:
-        strings = np.asarray([[tok.decode([int(i)]) if i >= 0 else "" for i in row] for row in ids], dtype=object)
-        coords["token"] = (("window", "position"), strings)
+        coords["token"] = (("window", "position"), token_strings(tok, ids))
     return coords
 
 
@@ -139,8 +138,7 @@ def decode(model, vector, layer: int, lens: str = "raw", jlens=None, *, point: s
         logit, idx = logits.float().topk(min(int(k), logits.shape[-1]), dim=-1)
         prob = torch.softmax(logits.float(), dim=-1).gather(-1, idx)
     ids = idx.cpu().numpy()
-    strings = np.asarray([[tok.decode([int(i)]) if tok is not None else str(int(i)) for i in row] for row in ids],
-                         dtype=object)
+    strings = token_strings(tok, ids)
     dims = ("vector", "rank")
     return xr.Dataset({"token_id": (dims, ids), "token": (dims, strings), "logit": (dims, logit.cpu().numpy()),
                        "prob": (dims, prob.cpu().numpy())},

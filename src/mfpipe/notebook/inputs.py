@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["NotebookError", "resolve_model", "prepared", "bos_id_of", "text_windows", "token_windows", "by_length",
-           "check_fits", "as_stats", "check_stats", "tokens_fingerprint"]
+           "check_fits", "as_stats", "check_stats", "tokens_fingerprint", "token_strings"]
 
 
 class NotebookError(ValueError):
@@ -205,3 +205,13 @@ def tokens_fingerprint(blocks: list[np.ndarray]) -> str:
     from mfpipe.corpus.windows import fingerprint_arrays
 
     return fingerprint_arrays(blocks)
+
+
+def token_strings(tokenizer, ids: np.ndarray) -> np.ndarray:
+    """The string of every id of ``ids`` (any shape; -1, padding, is ""), each distinct id decoded once (the tokenizer
+    decodes one id at a time: a held-out sample of 100,000 tokens holds a few thousand distinct ones)."""
+    ids = np.asarray(ids)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    names = np.asarray([("" if i < 0 else tokenizer.decode([int(i)]) if tokenizer is not None else str(int(i)))
+                        for i in uniq], dtype=object)
+    return names[inverse].reshape(ids.shape)

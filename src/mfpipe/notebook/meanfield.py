@@ -97,7 +97,8 @@ class MeanField:
         blocks = text_windows(tokens_or_texts, tokenizer, int(bos), None)
         k = self.kernel(max(int(b.max()) for b in blocks) + 1)
         zs, subs = [], []
-        for g in by_length(blocks):
+        groups = by_length(blocks)
+        for g in groups:
             kb, qt = k.buckets(g)
             z, sub = k.zhat(kb, qt)
             z = np.stack([x.cpu().numpy() for x in z], axis=2)  # [B, T, L, H, dh]
@@ -105,7 +106,6 @@ class MeanField:
             z[~sub] = np.nan
             zs.append(z)
             subs.append(sub)
-        groups = by_length(blocks)
         ds = xr.Dataset({"zhat": (("window", "position", "layer", "head", "head_dim"), pad_windows(zs, np.nan)),
                          "substituted": (("window", "position"), pad_windows(subs, False))},
                         coords={"token_id": (("window", "position"), pad_windows(groups, -1)),
