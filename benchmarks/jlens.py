@@ -10,6 +10,15 @@ are apart.
 
 Both forms are timed alternately, ``--repeats`` times each; the script prints each time, the medians and their
 ratio, and a cost estimate per position. Tokens are Zipf-distributed windows as in the corpus-pass benchmarks.
+
+``--rows K`` times the first K of the d output dimensions only (K backward passes a position instead of d, through
+``position_jacobians(..., rows=K)`` in the estimate's batches): whole windows at GPT-2 small's shape and T = 1024
+take about half an hour a position on two CPU cores, so the issue-49 ratio is measured on a share of the passes.
+Both forms do the same K passes; each also pays its forward (the cached form its prefix's), which weighs more
+against K passes than against d, so the ratio at K understates the ratio at d:
+
+    PYTHONPATH=src python benchmarks/jlens.py --model gpt2-small-random --context-length 1024 --positions 2 \
+        --batch-size 2 --rows 64 --device cpu
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--forms", nargs="+", choices=("cached", "whole"), default=["cached", "whole"],
                     help="the forms to time (whole windows take hours at GPT-2 small's shape on a CPU)")
+    ap.add_argument("--rows", type=int, default=None, metavar="K",
+                    help="time the first K output dimensions only (K backward passes a position instead of d)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--default-allocator", action="store_true", help=argparse.SUPPRESS)
@@ -58,10 +69,13 @@ def main(argv=None) -> None:
     def estimate(prefix_cache: bool):
         sync()
         t0 = time.perf_counter()
-        ds = JL.estimate_jlens(adapter, windows, n_positions=args.positions, seed=0, batch_size=args.batch_size,
-                               progress=False, grad_chunk=args.grad_chunk, prefix_cache=prefix_cache)
+        if args.rows:
+            J = rows_only(adapter, windows, args, prefix_cache)
+        else:
+            J = JL.estimate_jlens(adapter, windows, n_positions=args.positions, seed=0, batch_size=args.batch_size,
+                                  progress=False, grad_chunk=args.grad_chunk, prefix_cache=prefix_cache)["J"].values
         sync()
-        return time.perf_counter() - t0, ds["J"].values
+        return time.perf_counter() - t0, J
 
     times = {form: [] for form in args.forms}
     J = {}
@@ -81,8 +95,28 @@ def main(argv=None) -> None:
           f"{med['whole'] / med['cached']:.1f}x faster ({med['cached'] / args.positions:.3f} s against "
           f"{med['whole'] / args.positions:.3f} s per position)")
     a, b = J["cached"][0], J["whole"][0]  # the block point, every layer
+    if args.rows:
+        a, b = a[..., : args.rows, :], b[..., : args.rows, :]
+        print(f"({args.rows} of {adapter.d_model} output dimensions: each form's forward weighs more against "
+              f"{args.rows} backward passes than against {adapter.d_model}, so the ratio at d is larger)")
     scale = float(np.abs(b).max())
     print(f"estimates apart by at most {float(np.abs(a - b).max()):.2e} (block point; largest entry {scale:.3g})")
+
+
+def rows_only(adapter, windows, args, prefix_cache: bool) -> np.ndarray:
+    """The sum over the sampled positions of the first ``args.rows`` rows of each Jacobian block, in the estimate's
+    batches (positions in order, ``args.batch_size`` at a time)."""
+    from mfpipe.jlens import lens as JL
+    from mfpipe.models.adapters.jacobian import position_jacobians
+
+    win, pos = JL.sample_positions(len(windows), args.context_length, args.positions, 0)
+    order = np.argsort(pos, kind="stable")
+    total = 0.0
+    for k in range(0, len(order), args.batch_size):
+        sel = order[k: k + args.batch_size]
+        total = total + position_jacobians(adapter, windows[win[sel]], torch.from_numpy(pos[sel]),
+                                           grad_chunk=args.grad_chunk, prefix_cache=prefix_cache, rows=args.rows)
+    return (total / len(pos)).numpy()
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ def test_jlens_benchmark_runs():
     assert re.search(r"median: prefix as a key/value cache [0-9.]+ s, whole windows [0-9.]+ s: [0-9.]+x faster", out), out
     apart = float(re.search(r"estimates apart by at most (\S+) ", out).group(1))
     assert apart < 1e-4, out
+    res = subprocess.run(cmd + ["--rows", "8"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(8 of 128 output dimensions" in res.stdout and float(
+        re.search(r"estimates apart by at most (\S+) ", res.stdout).group(1)) < 1e-4, res.stdout
 
 
 @pytest.mark.parametrize("engine", ["native", "torch"])

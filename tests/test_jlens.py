@@ -170,6 +170,12 @@ def test_the_cached_prefix_gives_the_whole_window_jacobian(mt):
     assert torch.isfinite(cached[0]).all() and torch.isnan(cached[1, -1]).all()
     scale = float(whole[0].abs().max())
     torch.testing.assert_close(cached, whole, rtol=0, atol=1e-10 * scale, equal_nan=True)
+    if mt == TINY_MODEL_TYPES[0]:  # `rows` (the benchmark's share of the passes): the same first rows, NaN after
+        with _true_float64():
+            for form in (True, False):
+                part = position_jacobians(ad, ids, pos, grad_chunk=8, prefix_cache=form, rows=5)
+                torch.testing.assert_close(part[0, :, :5], whole[0, :, :5], rtol=0, atol=1e-10 * scale)
+                assert torch.isnan(part[:, :, 5:]).all()
 
 
 def test_a_model_without_a_usable_cache_runs_whole_windows(caplog):

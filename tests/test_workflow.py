@@ -74,6 +74,22 @@ def test_every_job_has_its_cost_on_record(built):
     assert "## By stage" in (built / "results" / "tables" / "run_costs.md").read_text()
 
 
+def test_estimate_plans_the_jobs_the_run_ran(built):
+    """Issue 49: `mfpipe estimate`'s job list (Snakemake's dry run, the corpus checkpoint's shards planned) is the
+    run's: the same jobs, each under the benchmark file the run wrote. The halves are read from the run's shards,
+    and the ci config's budget-bound prediction of them is exact."""
+    from mfpipe.estimate import jobs as E
+
+    config = E.load_config([CI_CONFIG], base=built / "config" / "config.yaml")
+    measured = E.predict_corpus(config, {}, results=built / "results")
+    assert all(v["measured"] for v in measured.values()), measured
+    predicted = E.predict_corpus(config, {}, results=built / "nowhere")
+    assert {k: v["windows"] for k, v in predicted.items()} == {k: v["windows"] for k, v in measured.items()}
+    jobs = E.planned_jobs(predicted, [CI_CONFIG], snakefile=built / "Snakefile")
+    ran = {str(p.relative_to(built)) for p in (built / "logs" / "benchmarks").rglob("*.tsv")}
+    assert {j["benchmark"] for j in jobs} == ran
+
+
 def test_training_sweep_outputs(built):
     """Issue 10: one substitution result per sweep revision, the sweep table in training order, the figure."""
     import pandas as pd

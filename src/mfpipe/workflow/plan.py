@@ -7,6 +7,8 @@ Pure standard library and config: the Snakefile reads it while it builds the DAG
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,9 @@ from mfpipe.workflow.revisions import parse_step
 __all__ = ["Plan", "HALVES"]
 
 HALVES = ("stats", "eval")
+# `mfpipe estimate` plans a run before its corpus exists: this variable holds the shard count of each half it
+# predicts, {"<corpus>/<model>/<half>": n}, which then stand in for the corpus checkpoint's files
+PLANNED_SHARDS_ENV = "MFPIPE_PLANNED_SHARDS"
 
 
 @dataclass
@@ -66,13 +71,31 @@ class Plan:
         return len(steps) >= 2 and all(s is not None for s in steps)
 
     def half_shard_ids(self, corpus: str, model: str, half: str) -> list[str]:
-        """Shard numbers of one half of a model's corpus, known once the corpus checkpoint has run."""
+        """Shard numbers of one half of a model's corpus, known once the corpus checkpoint has run (or predicted by
+        `mfpipe estimate`, :data:`PLANNED_SHARDS_ENV`)."""
+        planned = _planned_shards()
+        if planned is not None:
+            return [f"{i:05d}" for i in range(int(planned[f"{corpus}/{model}/{half}"]))]
         shards = self.checkpoints.corpus_shards.get(corpus=corpus, model=model).output[0]
         return sorted(Path(p).name[len("shard-"): -len(".npz")] for p in Path(shards, half).glob("shard-*.npz"))
+
+    def half_shard_files(self, corpus: str, model: str, half: str) -> list[str]:
+        """The shard files of one half of a model's corpus (:meth:`half_shard_ids`)."""
+        return self._shard_files(corpus, model, half, self.half_shard_ids(corpus, model, half))
+
+    def _shard_files(self, corpus: str, model: str, half: str, ids: list[str]) -> list[str]:
+        if _planned_shards() is not None:  # planned, not yet written: the corpus checkpoint's folder stands in
+            return [f"{self.results}/corpus/{corpus}/{model}/shards"]
+        return [f"{self.results}/corpus/{corpus}/{model}/shards/{half}/shard-{j}.npz" for j in ids]
 
     def run_of_shards(self, groups: dict, i, corpus: str, model: str, half: str, option: str) -> list[str]:
         """The corpus shard files of the job whose run of shards starts at shard ``i`` (``groups``: {first: [ids]})."""
         group = groups.get(i)
         if group is None:
             raise ValueError(f"shard {i} does not start a run of {option} shards of {corpus}/{half}")
-        return [f"{self.results}/corpus/{corpus}/{model}/shards/{half}/shard-{j}.npz" for j in group]
+        return self._shard_files(corpus, model, half, group)
+
+
+def _planned_shards() -> dict | None:
+    planned = os.environ.get(PLANNED_SHARDS_ENV)
+    return json.loads(planned) if planned else None

@@ -3,8 +3,6 @@ the run's plan (:class:`mfpipe.workflow.plan.Plan`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def topn(plan) -> list[int]:
     """App. M: the substitution repeated with other tracked-set sizes (the configured N is always an arm): the
@@ -19,8 +17,7 @@ def substitution_results(plan, wildcards) -> list[str]:
 
 def stats_half_shards(plan, wildcards) -> list[str]:
     """The shard files of the primary corpus's statistics half (known once the corpus checkpoint has run)."""
-    shards = plan.checkpoints.corpus_shards.get(corpus=plan.corpus, model=wildcards.model).output[0]
-    return sorted(str(p) for p in Path(shards, "stats").glob("shard-*.npz"))
+    return plan.half_shard_files(plan.corpus, wildcards.model, "stats")
 
 
 def kernel_results(plan, wildcards) -> list[str]:

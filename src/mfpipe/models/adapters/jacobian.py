@@ -62,7 +62,8 @@ def _rows(g: Tensor, pos: Tensor) -> Tensor:
     return g[..., b, pos, :].double().sum(-2)
 
 
-def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_cache: bool = True) -> Tensor:
+def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_cache: bool = True,
+                       rows: int | None = None) -> Tensor:
     """``sum_b ∂h^L[b, t_b] / ∂x^p_ℓ[b, t_b]`` as float64 ``[2, L+1, d, d]`` (point, layer, out, in), with
     ``point`` as in :data:`POINTS` and NaN at ``("attn", L)``.
 
@@ -77,6 +78,9 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
     whose forward takes or honours no key/value cache falls back, with a log line, to ``prefix_cache=False``: every
     window cut after the largest position and run whole, each backward through every position (the same Jacobian,
     up to float rounding; tests tie the two).
+
+    ``rows``: only the first ``rows`` output dimensions (rows of every block; the others NaN), ``rows`` backward
+    passes instead of ``d``: ``benchmarks/jlens.py`` times a share of the passes of a shape too slow to run whole.
 
     The model runs as it is loaded (eval mode is set for the call), with its parameters' ``requires_grad``
     switched off for the call and restored after: only the residual tensors are differentiated."""
@@ -98,11 +102,11 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
         model.eval()
         if prefix_cache:
             try:
-                return _cached_prefix(adapter, ids, pos, grad_chunk)
+                return _cached_prefix(adapter, ids, pos, grad_chunk, rows)
             except _NoCache as e:
                 log.warning("%s: no key/value cache (%s); the J-lens runs every window whole", adapter.model_type, e)
         ids = ids[:, : int(pos.max()) + 1]  # h^L[t] depends on positions <= t only
-        return _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk)[0]
+        return _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk, rows)[0]
     finally:
         for p, f in flags:
             p.requires_grad_(f)
@@ -113,7 +117,7 @@ class _NoCache(RuntimeError):
     """The model's forward gave no key/value cache to run a token after its prefix with."""
 
 
-def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int) -> Tensor:
+def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out: int | None = None) -> Tensor:
     """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache."""
     d, dev = adapter.d_model, adapter.device
     kwarg = _cache_keyword(adapter.base)
@@ -142,7 +146,7 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int) -> Tensor
         # memory takes (t + 1) times as many passes at once, one call instead of t + 1 launch-bound small ones (a
         # CPU runs the wide batched passes slower than grad_chunk at a time: benchmarks/HISTORY.md, "The J-lens")
         chunk = min(d, max(1, int(grad_chunk)) * ((t + 1) if dev.type == "cuda" else 1))
-        out, y = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk)
+        out, y = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk, rows_out)
         if t > 0 and not checked:
             # a forward that takes past_key_values but does not attend to them would put the token at position 0
             # of an empty context: its final residual must be the whole window's at t
@@ -190,10 +194,11 @@ def _final_residual(adapter, ids: Tensor) -> Tensor:
     return seen[0]
 
 
-def _blocks(adapter, run, pos: Tensor, grad_chunk: int) -> tuple[Tensor, Tensor]:
-    """The Jacobian blocks of one forward ``run()`` (hooked here) whose row ``b`` is read at position ``pos[b]``:
-    float64 ``[2, L+1, d, d]``, summed over rows, and the final residual read there, ``[B, d]``."""
+def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = None) -> tuple[Tensor, Tensor]:
+    """The Jacobian blocks of one forward ``run()`` (hooked here), row ``b`` read at position ``pos[b]``: float64
+    ``[2, L+1, d, d]`` summed over rows (``rows_out`` output dimensions, the rest NaN); the final residual ``[B, d]``."""
     L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
+    d_out = d if rows_out is None else max(1, min(int(rows_out), d))
     B = pos.numel()
     block_in: list[Tensor | None] = [None] * L
     attn_out: list[Tensor | None] = [None] * L
@@ -241,8 +246,8 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int) -> tuple[Tensor, Tensor]
             rows = torch.zeros(len(inputs), d, d, dtype=torch.float64, device=dev)
             chunk = max(1, int(grad_chunk))
             i0 = 0
-            while i0 < d:
-                k = min(chunk, d - i0)
+            while i0 < d_out:
+                k = min(chunk, d_out - i0)
                 if k > 1:
                     go = torch.zeros(k, B, d, dtype=y.dtype, device=dev)
                     go[torch.arange(k, device=dev), :, torch.arange(i0, i0 + k, device=dev)] = 1
@@ -264,6 +269,7 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int) -> tuple[Tensor, Tensor]
     finally:
         for h in handles:
             h.remove()
+    rows[:, d_out:] = float("nan")
     out = torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
     out[0] = rows[: L + 1]
     out[1, :L] = rows[L + 1 :]

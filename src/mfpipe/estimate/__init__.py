@@ -1,0 +1,7 @@
+"""`mfpipe estimate`: what a config's run will cost, before it starts (issue 49).
+
+- :mod:`~mfpipe.estimate.jobs` — the config, the corpus halves' predicted sizes and every job of Snakemake's dry run.
+- :mod:`~mfpipe.estimate.calibrate` — a few batches of each pass of one model at its real shape on this device.
+- :mod:`~mfpipe.estimate.costs` — the cost model: each job's seconds, peak memory and disk from the calibration.
+- :mod:`~mfpipe.estimate.report` — the console command: the plan, the calibrations, the tables and what will not fit.
+"""

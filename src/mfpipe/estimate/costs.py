@@ -1,0 +1,280 @@
+"""The cost model of `mfpipe estimate`: each job's predicted seconds, peak host memory and the disk its output
+keeps, from what it works through (its rule, its model's shape, the config's sizes, the corpus halves' predicted
+windows) and the calibration's measured rates on this device (:mod:`mfpipe.estimate.calibrate`).
+
+A job costs its process's start-up (a model job's: imports and the loaded model, measured; a store, figure or table
+job's: its imports, measured) plus its work. The work is what dominates the job's code (the rule's job function),
+counted and priced by the calibration: tokens through a corpus pass at the pass's measured seconds per token,
+kernel cells through a store's write and read, heads through a Gram matrix and its eigendecomposition, pair
+weights through the calibrated kernel's passes, J-lens positions, training tokens. :data:`RULES` maps each rule to
+its formula; a rule not there costs its start-up and is listed as such."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Context", "job_cost", "RULES", "FIGURE_RULES"]
+
+FIGURE_RULES = {"figure_waypoint", "figure_rollout", "figure_teacher_forced", "figure_error_decomposition",
+                "figure_clustering", "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv",
+                "figure_crossmodel", "figure_topn", "exp3_correlation", "ranking", "kernel_dynamics"}
+STORE_RULES = {"stats_merge", "deviation_merge", "kernel_revision", "calibrate_kernel", "attention_coverage",
+               "substitution_table", "substitution_topn_table"}  # model-free jobs that open Zarr stores
+
+
+@dataclass
+class Context:
+    """What a job's cost is computed from: the validated ``config``, the ``corpus`` prediction
+    (:func:`mfpipe.estimate.jobs.predict_corpus`), the calibration of each model (``cal[model]``) and the start-up
+    seconds of a job without a model (``startup["table" | "store" | "figure"]``)."""
+
+    config: dict
+    corpus: dict
+    cal: dict
+    startup: dict
+    models: dict = field(init=False)
+
+    def __post_init__(self):
+        self.models = {m["name"]: m for m in self.config["models"]}
+
+    def windows(self, model: str, corpus: str, half: str) -> int:
+        return int(self.corpus[f"{corpus}/{model}/{half}"]["windows"])
+
+    def T(self, corpus: str) -> int:
+        from mfpipe.workflow.config import corpora
+
+        return int(corpora(self.config)[corpus]["context_length"])
+
+    def revisions(self, model: str) -> list:
+        from mfpipe.workflow.config import resolve_revisions
+
+        return resolve_revisions(self.config, self.models[model])
+
+
+def _dataset(ctx: Context, wc: dict) -> tuple[str, str]:
+    corpus, _, half = wc.get("dataset", "stats").rpartition("/")
+    if not corpus or (corpus[:1] == "N" and corpus[1:].isdigit()):
+        corpus = ctx.config["corpus"]["name"]
+    return corpus, half
+
+
+def _cells(c: dict, ctx: Context) -> float:
+    """Cells of a store's kernel sums, L·H·N·(N+2), at the config's N."""
+    n = int(ctx.config["tracked"]["n_tracked"])
+    return c["layers"] * c["heads"] * n * (n + 2)
+
+
+def _stats_tokens(ctx, model, corpus, half, group: str | None, per_job) -> float:
+    """Tokens of one statistics job: its run of shards (all of the half by default)."""
+    w, sw = ctx.windows(model, corpus, half), _shard_windows(ctx, corpus)
+    shards = [min(sw, w - i * sw) for i in range(math.ceil(w / sw))]
+    if per_job and group is not None:
+        first = int(group)
+        shards = shards[first: first + int(per_job)]
+    return sum(shards) * ctx.T(corpus)
+
+
+def _shard_windows(ctx: Context, corpus: str) -> int:
+    from mfpipe.workflow.config import corpora
+
+    return int(corpora(ctx.config)[corpus]["shard_windows"])
+
+
+def stats_shard(ctx, c, wc):
+    corpus, half = _dataset(ctx, wc)
+    tok = _stats_tokens(ctx, wc["model"], corpus, half, wc.get("i"), ctx.config["stats"]["shards_per_job"])
+    n_shards = math.ceil(tok / ctx.T(corpus) / _shard_windows(ctx, corpus))
+    disk = n_shards * _cells(c, ctx) * c["store_bytes_per_cell"] * 2  # P's float32 sums, the float64 rest beside
+    work = tok * c["pass1_s_per_token"] + c["pass1_first_s"] + n_shards * _cells(c, ctx) * c["store_write_s_per_cell"]
+    return work, disk
+
+
+def stats_merge(ctx, c, wc):
+    corpus, half = _dataset(ctx, wc)
+    n = math.ceil(ctx.windows(wc["model"], corpus, half) / _shard_windows(ctx, corpus))
+    cells = _cells(c, ctx)
+    return (n * cells * c["store_read_s_per_cell"] + cells * c["store_write_s_per_cell"] + c["finalize_s"],
+            cells * c["store_bytes_per_cell"])
+
+
+def deviation_shard(ctx, c, wc):
+    corpus = ctx.config["corpus"]["name"]
+    budget = ctx.config["deviation"]["tokens"]
+    T, sw = ctx.T(corpus), _shard_windows(ctx, corpus)
+    w = ctx.windows(wc["model"], corpus, "stats")
+    if budget:  # the first shards that hold the budget
+        w = min(w, math.ceil(int(budget) / (sw * T)) * sw)
+    per_job = ctx.config["deviation"]["shards_per_job"]
+    if per_job:
+        w = min(w - int(wc.get("i", 0)) * sw, int(per_job) * sw)
+    return w * T * c["pass2_s_per_token"] + c["pass2_first_s"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def substitution(ctx, c, wc):
+    corpus = ctx.config["corpus"]["name"]
+    T = ctx.T(corpus)
+    w = min(math.ceil(int(ctx.config["substitution"]["eval_tokens"]) / T), ctx.windows(wc["model"], corpus, "eval"))
+    return w * T * c["substitution_s_per_token"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def kernel_revision(ctx, c, wc):
+    return c["layers"] * c["heads"] * c["eigh_s_per_head"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def calibrate_kernel(ctx, c, wc):
+    corpus = ctx.config["corpus"]["name"]
+    T = ctx.T(corpus)
+    k = ctx.config["substitution"]["kernels"]
+    passes = 1 + int(k["calibration_iterations"])
+    pairs = c["layers"] * c["heads"] * ctx.windows(wc["model"], corpus, "stats") * T * T
+    cells = _cells(c, ctx)
+    per_layer = passes * c["calibration_pass_s"] + (passes - 1) * c["calibration_update_s"]
+    return (c["layers"] * per_layer + passes * pairs * c["calibration_s_per_pair"]
+            + cells * (c["store_read_s_per_cell"] + c["store_write_s_per_cell"]), cells * c["store_bytes_per_cell"])
+
+
+def _rollout_flops(ctx, c) -> float:
+    n = int(ctx.config["tracked"]["n_tracked"])
+    return c["layers"] * c["heads"] * n * (n + 2) * (c["d_model"] / c["heads"]) * 2 + c["layers"] * n * n * 4
+
+
+def rollout_scores(ctx, c, wc):
+    r = ctx.config["rollout"]
+    arms = len(r["kernels"]) * (2 if r.get("pin_rogue") else 1)
+    return arms * _rollout_flops(ctx, c) * c["flop_s"] + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def error_accounting(ctx, c, wc):
+    return 4 * _rollout_flops(ctx, c) * c["flop_s"] + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def cross_corpus(ctx, c, wc):
+    from mfpipe.workflow.config import corpora
+
+    C = len(corpora(ctx.config))
+    return (C + C * C) * _rollout_flops(ctx, c) * c["flop_s"] + 2 * C * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def attention_coverage(ctx, c, wc):
+    total = 0.0
+    for m in ctx.models:
+        cm = ctx.cal[m]
+        total += _cells(cm, ctx) * cm["store_read_s_per_cell"] * (1 + 2 * (len(ctx.corpus) // 2 // max(len(ctx.models), 1)))
+    return total, 0.0
+
+
+def head_scores(ctx, c, wc):
+    T = ctx.T(ctx.config["corpus"]["name"])
+    return int(ctx.config["ranking"]["head_scores"]["n_sequences"]) * T * c["forward_s_per_token"] * 2, 0.0
+
+
+def jlens(ctx, c, wc):
+    return int(ctx.config["jlens"]["n_positions"]) * c["jlens_s_per_position"], 0.0
+
+
+def lenses(ctx, c, wc):
+    p = ctx.config["prompts"]["lenses"]
+    T = ctx.T(ctx.config["corpus"]["name"])
+    return (int(p["n_lens_heads"]) + len(p["heads"])) * int(p["per_head"]) * T * c["pass2_s_per_token"] * 2, 0.0
+
+
+def icl_classes(ctx, c, wc):
+    p = ctx.config["prompts"]["icl"]
+    T = ctx.T(ctx.config["corpus"]["name"])
+    prompts = 3 * int(p["n_prompts"]) + int(p["n_fewshot"])
+    return prompts * T * c["substitution_s_per_token"] * 1.5 * len(p["tasks"] or [1]) / 3, 0.0
+
+
+def icl_meter(ctx, c, wc):
+    p = ctx.config["prompts"]["icl_meter"]
+    T = ctx.T(ctx.config["corpus"]["name"])
+    k = min(int(p["chunk_length"]), (T - 1) // 2)
+    w = min(int(p["n_sequences"]), ctx.windows(wc["model"], ctx.config["corpus"]["name"], "eval") // 4)
+    return w * (2 * k + 1) * c["pass2_s_per_token"] * 2, 0.0
+
+
+def function_vectors(ctx, c, wc):
+    f = ctx.config["fv"]
+    tasks = f["tasks"] or []
+    n_tasks = sum(int(ctx.config["minisuite"]["tasks"]["n_tasks"]) if t == "minisuite" else 1 for t in tasks)
+    B = int(f.get("batch_size") or ctx.config["runtime"]["batch_size"])
+    prompt = 1 + 4 * int(f["n_shots"]) + 2
+    long_ = int(f["n_splits"]) * (int(f["n_clean"]) + int(f["n_pairs"]) - int(f["n_extract"]))
+    long_ += int(f["n_corrupted"]) * (c["layers"] * c["heads"] + 1)
+    sweep = int(f["n_extract"]) * (c["layers"] * len(f["sum_scales"]) * 4 + len(f["head_scales"]) * 4)
+    held = int(f["n_splits"]) * (int(f["n_pairs"]) - int(f["n_extract"])) * (2 * int(f["n_selected"]) + 1)
+    runs = int(f["n_seeds"]) * n_tasks
+    return runs * (long_ * prompt * c["forward_s_per_token"] * 2 + (sweep + held) / B * c["short_forward_s"]), 0.0
+
+
+def minisuite_train(ctx, c, wc):
+    from mfpipe.minisuite.model import resolve_config
+    from mfpipe.workflow.config import minimodel
+    from mfpipe.workflow.revisions import checkpoint_steps
+
+    mm = resolve_config(minimodel(ctx.config, wc["mini"]))
+    T, steps = int(mm["context_length"]), int(mm["steps"])
+    ckpts = len(checkpoint_steps(steps, mm["linear_checkpoints"]))
+    probes = ckpts + steps // max(int(mm["induction_every"]), 1)
+    tasks = int(ctx.config["minisuite"]["tasks"]["n_tasks"]) if float(mm.get("fewshot_fraction") or 0) > 0 else 0
+    probe_tokens = (int(mm["eval_rows"]) + int(mm["induction_sequences"])) * T
+    probe_tokens += tasks * (128 + int(ctx.config["minisuite"]["tasks"]["n_pairs"])) * T
+    work = steps * int(mm["batch_size"]) * T * c["train_s_per_token"] + probes * probe_tokens * c["forward_s_per_token"]
+    return work, ckpts * c["param_bytes"]
+
+
+def corpus_shards(ctx, c, wc):
+    tok = sum(ctx.windows(wc["model"], wc["corpus"], h) for h in ("stats", "eval")) * ctx.T(wc["corpus"])
+    rate = ctx.corpus[f"{wc['corpus']}/{wc['model']}/stats"].get("tokenize_s_per_token") or 0.0
+    return tok * rate, tok * 2
+
+
+def minisuite_tokenizer(ctx, c, wc):
+    return ctx.startup.get("minisuite_tokenizer_s", 0.0), 0.0
+
+
+RULES = {
+    "minisuite_tokenizer": minisuite_tokenizer,
+    "stats_shard": stats_shard, "stats_merge": stats_merge, "deviation_shard": deviation_shard,
+    "substitution": substitution, "substitution_topn": substitution, "kernel_revision": kernel_revision,
+    "calibrate_kernel": calibrate_kernel, "rollout_scores": rollout_scores, "error_accounting": error_accounting,
+    "cross_corpus": cross_corpus, "attention_coverage": attention_coverage, "head_scores": head_scores,
+    "jlens": jlens, "lenses": lenses, "icl_classes": icl_classes, "icl_meter": icl_meter,
+    "function_vectors": function_vectors, "minisuite_train": minisuite_train, "corpus_shards": corpus_shards,
+}
+# jobs that load a model (their start-up is the calibration's: imports and the model)
+MODEL_RULES = {"stats_shard", "deviation_shard", "substitution", "substitution_topn", "rollout_scores",
+               "error_accounting", "cross_corpus", "head_scores", "jlens", "lenses", "icl_classes", "icl_meter",
+               "function_vectors", "minisuite_train"}
+# jobs that load a tokenizer and no model
+TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "minisuite_tasks"}
+
+
+# jobs that open a statistics (or deviation) store before their work
+READS_STORES = (MODEL_RULES | STORE_RULES | FIGURE_RULES) - {
+    "stats_shard", "minisuite_train",
+    "figure_rollout", "figure_teacher_forced", "figure_error_decomposition", "figure_clustering",
+    "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv", "figure_crossmodel",
+    "figure_waypoint", "figure_topn", "substitution_table", "substitution_topn_table"}
+
+
+def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
+    """``{"seconds", "startup_s", "peak_mb", "disk_bytes", "modelled"}`` of one job."""
+    model = wildcards.get("model") or wildcards.get("mini")
+    c = ctx.cal.get(model) if model else None
+    if rule in MODEL_RULES:
+        start, peak = c["startup_s"], c["peak_rss_mb"]
+    else:
+        kind = ("figure" if rule in FIGURE_RULES else "store" if rule in STORE_RULES
+                else "tokenizer" if rule in TOKENIZER_RULES else "table")
+        start = ctx.startup[kind]
+        peak = ctx.startup.get(f"{kind}_rss_mb", 0.0)
+        if c is not None and rule in STORE_RULES:
+            peak += 3 * _cells(c, ctx) * 4 / 2**20  # a layer-chunked store's arrays, a few float32 copies
+    if c is not None and rule in READS_STORES:
+        start += c["store_open_s"]
+    fn = RULES.get(rule)
+    work, disk = fn(ctx, c, wildcards) if fn is not None and c is not None else (0.0, 0.0)
+    return {"seconds": start + work, "startup_s": start, "peak_mb": peak, "disk_bytes": disk,
+            "modelled": fn is not None}

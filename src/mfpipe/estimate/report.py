@@ -1,0 +1,292 @@
+"""``mfpipe estimate``: the console command. Plans the config's jobs (:mod:`mfpipe.estimate.jobs`), calibrates each
+model on this device (:mod:`mfpipe.estimate.calibrate`, one process per model, on the jobs' pinned numerics and
+threads), prices every job (:mod:`mfpipe.estimate.costs`) and prints the predicted job-seconds by stage and in
+total, the largest single job, the peak memory, the disk the run keeps, and one line per job that will not fit
+(naming the knob). ``--compare logs/benchmarks`` sets a finished run's measured job-seconds beside the prediction,
+stage by stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "estimate", "stage_of_rules"]
+
+
+def stage_of_rules(rules_dir: str | Path = "workflow/rules") -> dict[str, str]:
+    """rule -> its stage, the rule file that defines it (as the run's cost table groups them)."""
+    out, prefixes = {}, {}
+    for path in sorted(Path(rules_dir).glob("*.smk")):
+        text = path.read_text()
+        for m in re.finditer(r"^(?:checkpoint|rule) (\w+):", text, re.M):
+            out[m.group(1)] = path.stem
+        for m in re.finditer(r"name:\s*f\"(\w+)\{", text):  # rules made in a loop (`name: f"figure_{...}"`)
+            prefixes[m.group(1)] = path.stem
+    return _Stages(out, prefixes)
+
+
+class _Stages(dict):
+    """rule -> stage, a rule made in a loop found by its name's prefix."""
+
+    def __init__(self, named: dict, prefixes: dict):
+        super().__init__(named)
+        self.prefixes = prefixes
+
+    def get(self, rule, default=None):
+        if rule in self:
+            return self[rule]
+        return next((s for p, s in self.prefixes.items() if rule.startswith(p)), default)
+
+
+def _at_once(commands: list[list[str]], env: dict | None = None) -> list[tuple[float, subprocess.CompletedProcess]]:
+    """Run ``commands`` all at once (as the run's jobs share the machine); each one's seconds and result."""
+    procs = [(time.perf_counter(), subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                     env=env)) for c in commands]
+    out = []
+    for t0, p in procs:
+        stdout, stderr = p.communicate()
+        out.append((time.perf_counter() - t0, subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)))
+    return out
+
+
+def _startups(jobs_at_once: int = 1) -> dict:
+    """Seconds to start a job process without a model, by kind (its imports), ``jobs_at_once`` started together,
+    and its resident memory."""
+    probes = {"table": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas",
+              "store": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, xarray, zarr, numpy",
+              "figure": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, matplotlib; "
+                        "matplotlib.use('Agg'); import matplotlib.pyplot",
+              # a tokenizer's load imports torch and transformers' tokenizer classes
+              "tokenizer": "import mfpipe.workflow.runner, mfpipe.corpus.windows, numpy, transformers, torch; "
+                           "from transformers import AutoTokenizer, PreTrainedTokenizerFast"}
+    out = {}
+    for kind, code in probes.items():
+        code += "; import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+        runs = _at_once([[sys.executable, "-c", code]] * max(1, jobs_at_once))
+        out[kind] = sum(t for t, _ in runs) / len(runs)
+        out[f"{kind}_rss_mb"] = float(runs[0][1].stdout.split()[-1])
+    return out
+
+
+def _calibrations(config: dict, device: str, jobs_at_once: int) -> dict:
+    """The calibration of every model (:mod:`mfpipe.estimate.calibrate`), ``jobs_at_once`` processes at a time (the
+    first model repeated where there are fewer), on the jobs' pinned numerics and threads: measured as the run's
+    jobs will run, side by side."""
+    from mfpipe.estimate.jobs import EstimateError
+    from mfpipe.workflow.numerics import pinned_env
+
+    def command(spec):
+        threads = min(int(spec.get("threads") or config["cluster"]["forward"]["cpus"]), os.cpu_count() or 1)
+        arg = json.dumps({"spec": spec, "config": config, "device": device, "threads": threads})
+        return [sys.executable, "-m", "mfpipe.estimate.calibrate", arg]
+
+    models, n, out = list(config["models"]), max(1, jobs_at_once), {}
+    for i in range(0, len(models), n):
+        group = models[i: i + n]
+        runs = _at_once([command(m) for m in group + [models[0]] * (n - len(group))],
+                        env=dict(os.environ, **pinned_env()))
+        for spec, (_, done) in zip(group, runs):
+            line = next((x for x in done.stdout.splitlines() if x.startswith("MFPIPE-CALIBRATION ")), None)
+            if line is None:
+                tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+                raise EstimateError(f"the calibration of model {spec['name']} failed (exit {done.returncode}):\n{tail}")
+            out[spec["name"]] = json.loads(line.split(" ", 1)[1])
+    return out
+
+
+def _tokenizers(config: dict, workdir: Path, startup: dict) -> dict:
+    """A tokenizer per model where one can be had here: the mini suite's (its run's, else trained here as its job
+    trains it, the time recorded as that job's work), a hub model's from the local cache; else None (the default
+    characters per token)."""
+    from mfpipe.models.loader import load_tokenizer
+
+    out, mini = {}, None
+    for m in config["models"]:
+        try:
+            if m["source"] == "minisuite" and not (Path(config["results"]) / "minisuite" / "tokenizer").is_dir():
+                mini = mini or _train_mini_tokenizer(config, workdir / "tokenizer", startup)
+                out[m["name"]] = mini
+            else:
+                out[m["name"]] = load_tokenizer(m, results_dir=config["results"])
+        except Exception:  # noqa: BLE001 -- no tokenizer on this machine: the default characters per token
+            out[m["name"]] = None
+    return out
+
+
+def _train_mini_tokenizer(config: dict, path: Path, startup: dict):
+    from transformers import AutoTokenizer
+
+    from mfpipe.corpus.documents import load_documents, split_documents
+    from mfpipe.minisuite.tokenizer import train_tokenizer
+
+    mc, tk = config["minisuite"]["corpus"], config["minisuite"]["tokenizer"]
+    t0 = time.perf_counter()
+    texts = [d.text for d in split_documents(load_documents(mc), int(mc["reserve_train_every"] or 0))["train"]]
+    train_tokenizer(texts, int(tk["vocab_size"]), int(tk["min_frequency"]), path)
+    startup["minisuite_tokenizer_s"] = time.perf_counter() - t0
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: str | Path = "Snakefile",
+             jobs_at_once: int = 1, progress=print):
+    """``(jobs DataFrame, context)``: every job of the config with its rule, stage, model, predicted seconds, start-up,
+    peak memory (MiB) and the disk its output keeps (bytes)."""
+    import tempfile
+
+    import pandas as pd
+
+    from mfpipe.estimate.costs import Context, job_cost
+    from mfpipe.estimate.jobs import load_config, planned_jobs, predict_corpus
+
+    config = load_config(configfiles, overrides, base=Path(snakefile).resolve().parent / "config" / "config.yaml")
+    startup = _startups(jobs_at_once)
+    with tempfile.TemporaryDirectory(prefix="mfpipe-estimate-") as tmp:
+        progress("predicting the corpus halves ...")
+        corpus = predict_corpus(config, _tokenizers(config, Path(tmp), startup))
+    progress("planning the jobs (snakemake's dry run) ...")
+    jobs = planned_jobs(corpus, configfiles, overrides, snakefile)
+    progress(f"calibrating {', '.join(m['name'] for m in config['models'])} on {device}, {jobs_at_once} at once ...")
+    cal = _calibrations(config, device, jobs_at_once)
+    ctx = Context(config, corpus, cal, startup)
+    stages = stage_of_rules(Path(snakefile).resolve().parent / "workflow" / "rules")
+    keep = {"stats_shard": bool(config["stats"]["keep_partials"]), "deviation_shard": False}
+    rows = []
+    for j in jobs:
+        cost = job_cost(ctx, j["rule"], j["wildcards"])
+        kept = cost["disk_bytes"] if keep.get(j["rule"], True) else 0.0
+        rows.append({"rule": j["rule"], "stage": stages.get(j["rule"], j["rule"]), "model": j["wildcards"].get("model") or j["wildcards"].get("mini"),
+                     "job": j["benchmark"] or j["rule"], **cost, "disk_kept_bytes": kept})
+    return pd.DataFrame(rows), ctx
+
+
+def fit_problems(jobs, ctx, device: str, results: str | Path) -> list[str]:
+    """One line per job whose peak memory will not fit this machine's memory (or, on a GPU, the device's), and one
+    for a run whose kept disk will not fit the results folder's free space, each naming the knob."""
+    import psutil
+
+    lines = []
+    host = psutil.virtual_memory().total / 2**20
+    knob = {"stats_shard": "tracked.n_tracked (the kernel sums grow with N^2), runtime.batch_size or "
+                           "runtime.dtype (bfloat16)",
+            "stats_merge": "tracked.n_tracked", "calibrate_kernel": "tracked.n_tracked"}
+    worst = jobs.sort_values("peak_mb", ascending=False).drop_duplicates("rule")
+    for _, j in worst.iterrows():
+        if j["peak_mb"] > host:
+            lines.append(f"{j['job']}: needs ~{j['peak_mb'] / 1024:.1f} GiB, this machine has {host / 1024:.1f} GiB: "
+                         f"lower {knob.get(j['rule'], 'runtime.batch_size or runtime.dtype (bfloat16)')}, or run it "
+                         "on a larger machine (cluster.forward.mem_mb)")
+    if device.startswith("cuda"):
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory / 2**20
+        for name, c in ctx.cal.items():
+            if c.get("device_peak_mb", 0) > total:
+                lines.append(f"model {name}: needs ~{c['device_peak_mb'] / 1024:.1f} GiB of device memory, the GPU has "
+                             f"{total / 1024:.1f}: lower runtime.batch_size or use runtime.dtype bfloat16")
+    folder = Path(results)
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    kept, peak = jobs["disk_kept_bytes"].sum(), jobs["disk_bytes"].sum()
+    if kept > free:
+        lines.append(f"the run keeps ~{kept / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free: lower "
+                     "tracked.n_tracked, set stats.partial_mantissa_bits, or point `results` at a larger disk")
+    elif peak > free:
+        lines.append(f"the run writes ~{peak / 2**30:.1f} GiB at its peak (partials before their merge), {folder} "
+                     f"has {free / 2**30:.1f} GiB free: set stats.shards_per_job to merge in smaller runs, or point "
+                     "`results` at a larger disk")
+    return lines
+
+
+def summary(jobs, compare: str | Path | None = None) -> str:
+    """The predicted job-seconds by stage (and, with ``compare``, a finished run's measured ones beside them)."""
+    import pandas as pd
+
+    from mfpipe.workflow.tables import to_markdown
+
+    g = jobs.groupby("stage", sort=False).agg(jobs=("seconds", "size"), predicted_s=("seconds", "sum"),
+                                             largest_s=("seconds", "max"), peak_mb=("peak_mb", "max"),
+                                             disk_kept_gb=("disk_kept_bytes", "sum"))
+    g["disk_kept_gb"] /= 1e9
+    if compare:
+        from mfpipe.workflow.costs import read_benchmarks
+
+        real = read_benchmarks(compare)
+        stages = dict(zip(jobs["rule"], jobs["stage"]))
+        real = real.assign(stage=[stages.get(r, r) for r in real["rule"]]).groupby("stage")["wall_s"].agg(["size", "sum"])
+        g["measured_jobs"] = real["size"].reindex(g.index)
+        g["measured_s"] = real["sum"].reindex(g.index)
+        g["predicted / measured"] = g["predicted_s"] / g["measured_s"]
+    g = g.sort_values("predicted_s", ascending=False)
+    total = pd.DataFrame([g.sum(numeric_only=True)], index=["total"])
+    total["largest_s"], total["peak_mb"] = g["largest_s"].max(), g["peak_mb"].max()
+    if compare:
+        total["predicted / measured"] = total["predicted_s"] / total["measured_s"]
+    t = pd.concat([g, total]).reset_index(names="stage").round(2)
+    return to_markdown(t)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from mfpipe.estimate.jobs import EstimateError
+
+    ap = argparse.ArgumentParser(prog="mfpipe estimate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configfile", nargs="+", default=[], help="the run's --configfile(s), in order")
+    ap.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="the run's --config overrides")
+    ap.add_argument("--device", default=None, help="calibrate on this device (default: the config's runtime.device)")
+    ap.add_argument("--snakefile", default="Snakefile")
+    ap.add_argument("--jobs-at-once", type=int, default=1, metavar="K",
+                    help="jobs the run will run side by side (a workstation's `snakemake --cores N` with one-thread "
+                         "jobs: N): the calibration runs K processes at once, so the jobs' shared cores, memory "
+                         "bandwidth and disk slow it as they will slow the run")
+    ap.add_argument("--compare", default=None, metavar="LOGS_BENCHMARKS",
+                    help="a finished run's logs/benchmarks folder: its measured job-seconds beside the prediction")
+    ap.add_argument("--jobs", default=None, metavar="CSV", help="also write every job's prediction here")
+    args = ap.parse_args(argv)
+    try:
+        from mfpipe.models.loader import resolve_device
+        from mfpipe.estimate.jobs import load_config
+
+        cfg = load_config(args.configfile, args.config, base=Path(args.snakefile).resolve().parent / "config" / "config.yaml")
+        device = str(resolve_device(args.device or cfg["runtime"]["device"]))
+        t0 = time.perf_counter()
+        jobs, ctx = estimate(args.configfile, args.config, device=device, snakefile=args.snakefile,
+                             jobs_at_once=args.jobs_at_once, progress=lambda s: print(s, file=sys.stderr))
+    except EstimateError as e:
+        print(f"mfpipe estimate: {e}", file=sys.stderr)
+        return 2
+    _print(jobs, ctx, device, args, time.perf_counter() - t0)
+    return 1 if fit_problems(jobs, ctx, device, ctx.config["results"]) else 0
+
+
+def _print(jobs, ctx, device: str, args, took: float) -> None:
+    big = jobs.loc[jobs["seconds"].idxmax()]
+    print(f"# mfpipe estimate: {len(jobs)} jobs on {device}, {args.jobs_at_once} at once (calibrated in "
+          f"{took:.0f} s)\n")
+    for name, c in ctx.cal.items():
+        print(f"- {name}: {c['source']}; L={c['layers']}, H={c['heads']}, d={c['d_model']}, T={c['T']}, batch "
+              f"{c['batch_size']}: forward {1 / c['forward_s_per_token']:.0f} tok/s, pass 1 "
+              f"{1 / c['pass1_s_per_token']:.0f}, pass 2 {1 / c['pass2_s_per_token']:.0f}, substitution "
+              f"{1 / c['substitution_s_per_token']:.0f} tok/s; job start-up {c['startup_s']:.1f} s")
+    halves = ", ".join(f"{k} {v['windows']} windows{'' if v['measured'] else ' (predicted)'}"
+                       for k, v in ctx.corpus.items())
+    print(f"- corpus halves: {halves}\n")
+    print(summary(jobs, args.compare))
+    print(f"\nLargest job: {big['job']} ({big['seconds']:.0f} s). Total {jobs['seconds'].sum() / 3600:.2f} job-hours; "
+          f"peak memory of a job {jobs['peak_mb'].max() / 1024:.1f} GiB; the run keeps "
+          f"{jobs['disk_kept_bytes'].sum() / 1e9:.2f} GB ({jobs['disk_bytes'].sum() / 1e9:.2f} GB written).")
+    unmodelled = sorted(set(jobs.loc[~jobs["modelled"], "rule"]))
+    if unmodelled:
+        print(f"Start-up only (no work modelled): {', '.join(unmodelled)}.")
+    for line in fit_problems(jobs, ctx, device, ctx.config["results"]):
+        print(f"WILL NOT FIT: {line}")
+    if args.jobs:
+        jobs.to_csv(args.jobs, index=False)

@@ -1,0 +1,167 @@
+"""`mfpipe estimate` (issue 49 item 1): the config as Snakemake merges it, the corpus halves predicted, the dry run
+with planned shards standing in for the corpus checkpoint, the dry run's job blocks parsed, the calibration's
+measurements, the cost model's arithmetic and the one-line refusals naming a knob. The plan against a finished
+run's jobs: tests/test_workflow.py (test_estimate_plans_the_jobs_the_run_ran)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mfpipe.estimate import costs as C
+from mfpipe.estimate import jobs as J
+from mfpipe.estimate import report as R
+
+REPO = Path(__file__).resolve().parents[1]
+CI = REPO / "config" / "ci.yaml"
+
+DRY_RUN = """
+Building DAG of jobs...
+[Fri Nov 27 21:49:04 2026]
+rule stats_shard:
+    input: results/corpus/shakespeare/mini-neox/shards, /work/main/src/mfpipe/stats/jobs.py
+    output: results/stats/mini-neox/step1088/partials/stats/group-00000
+    jobid: 94
+    benchmark: logs/benchmarks/stats_shard/stats/mini-neox/step1088/stats/group-00000.tsv
+    reason: Forced execution
+    wildcards: model=mini-neox, revision=step1088, dataset=stats, i=00000
+    resources: tmpdir=/tmp, runtime=720
+
+[Fri Nov 27 21:49:04 2026]
+localrule coverage_table:
+    input: results/corpus/shakespeare/mini-gpt2/tracked.json
+    output: results/tables/coverage_positions.csv
+    jobid: 3
+    benchmark: logs/benchmarks/coverage_table/tables/coverage.tsv
+    reason: Forced execution
+
+[Fri Nov 27 21:49:04 2026]
+checkpoint corpus_shards:
+    output: results/corpus/shakespeare/mini-gpt2/shards
+    wildcards: corpus=shakespeare, model=mini-gpt2
+
+[Fri Nov 27 21:49:04 2026]
+rule all:
+    input: results/tables/coverage_positions.csv
+    jobid: 0
+Job stats:
+job                           count
+"""
+
+
+def test_parse_dry_run_reads_every_job_block_but_all():
+    jobs = J.parse_dry_run(DRY_RUN)
+    assert [j["rule"] for j in jobs] == ["stats_shard", "coverage_table", "corpus_shards"]
+    assert jobs[0]["wildcards"] == {"model": "mini-neox", "revision": "step1088", "dataset": "stats", "i": "00000"}
+    assert jobs[0]["benchmark"].endswith("group-00000.tsv") and jobs[1]["wildcards"] == {}
+    assert jobs[2]["wildcards"]["corpus"] == "shakespeare" and jobs[2]["benchmark"] is None
+
+
+def test_load_config_merges_as_snakemake_does_and_names_a_missing_file(tmp_path):
+    cfg = J.load_config([CI], ["results=elsewhere"], base=REPO / "config" / "config.yaml")
+    assert cfg["corpus"]["name"] == "shakespeare-ci" and cfg["results"] == "elsewhere"
+    assert cfg["minisuite"]["models"][0]["n_layer"] == 1  # ci.yaml's list replaced the default's
+    assert cfg["jlens"]["n_positions"] > 0  # the schema's defaults filled in
+    with pytest.raises(J.EstimateError, match="nope.yaml does not exist"):
+        J.load_config([tmp_path / "nope.yaml"])
+    with pytest.raises(J.EstimateError, match="KEY=VALUE"):
+        J.load_config([CI], ["results"], base=REPO / "config" / "config.yaml")
+
+
+def test_planned_shards_stand_in_for_the_corpus_checkpoint(monkeypatch):
+    from mfpipe.workflow.plan import PLANNED_SHARDS_ENV, Plan
+
+    cfg = J.load_config([CI], base=REPO / "config" / "config.yaml")
+    plan = Plan(cfg, REPO / "src")  # no checkpoints object: reading the checkpoint would fail
+    monkeypatch.setenv(PLANNED_SHARDS_ENV, json.dumps({"shakespeare-ci/mini-gpt2/stats": 3}))
+    assert plan.half_shard_ids("shakespeare-ci", "mini-gpt2", "stats") == ["00000", "00001", "00002"]
+    # the shard files are not written yet: the corpus checkpoint's folder is the jobs' input
+    assert plan.half_shard_files("shakespeare-ci", "mini-gpt2", "stats") == [
+        f"{cfg['results']}/corpus/shakespeare-ci/mini-gpt2/shards"]
+
+
+def test_predict_corpus_caps_at_the_budget_and_counts_local_text():
+    cfg = J.load_config([CI], base=REPO / "config" / "config.yaml")
+    pred = J.predict_corpus(cfg, {}, results="/nonexistent")
+    # ci.yaml: 8192 tokens a half at T = 32, 128-window shards; the embedded corpus holds far more
+    assert pred["shakespeare-ci/mini-gpt2/stats"] == {"windows": 256, "shards": 2, "measured": False,
+                                                       "tokenize_s_per_token": None}
+    assert pred["python-docs-ci/mini-neox/eval"]["windows"] == 4096 // 32
+    # the default config's budget (2 M tokens a half) is more than the embedded corpus holds: all of the half's
+    # text at the default 4 characters a token, ~0.5 M tokens (the default run measured 0.55 M)
+    default = J.load_config([], base=REPO / "config" / "config.yaml")
+    whole = J.predict_corpus(default, {}, results="/nonexistent")["shakespeare/mini-gpt2/stats"]
+    assert 300_000 < whole["windows"] * 64 < 900_000 and whole["shards"] == math.ceil(whole["windows"] / 4096)
+
+
+def test_stage_of_rules_finds_rules_made_in_a_loop():
+    stages = R.stage_of_rules(REPO / "workflow" / "rules")
+    assert stages.get("stats_shard") == "stats" and stages.get("corpus_shards") == "corpus"
+    assert stages.get("figure_rollout") == "rollout" and stages.get("figure_clustering") == "rollout"
+    assert stages.get("no_such_rule", "x") == "x"
+
+
+def fake_context(n_tracked=100, host_mb=None):
+    cfg = J.load_config([CI], [f"tracked={{'n_tracked': {n_tracked}}}"], base=REPO / "config" / "config.yaml")
+    corpus = J.predict_corpus(cfg, {}, results="/nonexistent")
+    cal = {m["name"]: {"layers": 4, "heads": 2, "d_model": 32, "startup_s": 3.0, "peak_rss_mb": host_mb or 500.0,
+                       "pass1_s_per_token": 1e-5, "pass1_first_s": 0.5, "store_write_s_per_cell": 1e-8,
+                       "store_read_s_per_cell": 1e-9, "store_bytes_per_cell": 2.0, "store_open_s": 0.25,
+                       "finalize_s": 0.1} for m in cfg["models"]}
+    startup = {k: 1.0 for k in ("table", "store", "figure", "tokenizer")}
+    return C.Context(cfg, corpus, cal, startup)
+
+
+def test_a_statistics_job_costs_its_start_up_its_tokens_and_its_partials():
+    ctx = fake_context()
+    wc = {"model": "mini-gpt2", "revision": "final", "dataset": "stats", "i": "00000"}
+    cost = C.job_cost(ctx, "stats_shard", wc)
+    tokens, cells = 256 * 32, 4 * 2 * 100 * 102  # ci.yaml's stats half; L·H·N·(N+2)
+    work = tokens * 1e-5 + 0.5 + 2 * cells * 1e-8  # pass 1, its first batch, two shards' partials written
+    assert cost["seconds"] == pytest.approx(3.0 + work) and cost["startup_s"] == 3.0 and cost["modelled"]
+    assert cost["disk_bytes"] == pytest.approx(2 * cells * 2.0 * 2)
+    merge = C.job_cost(ctx, "stats_merge", {"model": "mini-gpt2", "revision": "final", "dataset": "stats"})
+    assert merge["seconds"] == pytest.approx(1.0 + 0.25 + 2 * cells * 1e-9 + cells * 1e-8 + 0.1)
+    # a table job costs its start-up only, and says so
+    table = C.job_cost(ctx, "coverage_table", {})
+    assert table == {"seconds": 1.0, "startup_s": 1.0, "peak_mb": 0.0, "disk_bytes": 0.0, "modelled": False}
+
+
+def test_a_job_that_cannot_fit_gets_one_line_naming_it_and_the_knob(tmp_path):
+    import pandas as pd
+    import psutil
+
+    host = psutil.virtual_memory().total / 2**20
+    ctx = fake_context(host_mb=4 * host)
+    rows = [{"rule": "stats_shard", "job": "logs/benchmarks/stats_shard/x.tsv", **C.job_cost(
+        ctx, "stats_shard", {"model": "mini-gpt2", "dataset": "stats", "i": "00000"}), "disk_kept_bytes": 0.0},
+            {"rule": "coverage_table", "job": "logs/benchmarks/coverage_table/t.tsv",
+             **C.job_cost(ctx, "coverage_table", {}), "disk_kept_bytes": 0.0}]
+    lines = R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("logs/benchmarks/stats_shard/x.tsv: needs ~") and "tracked.n_tracked" in lines[0]
+    rows[1]["disk_kept_bytes"] = 1e18  # more than any disk
+    lines = R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)
+    assert len(lines) == 2 and "keeps" in lines[1] and "`results`" in lines[1]
+
+
+def test_the_calibration_measures_every_rate_a_job_is_priced_by():
+    from mfpipe.estimate.calibrate import calibrate
+
+    cfg = J.load_config([CI], base=REPO / "config" / "config.yaml")
+    out = calibrate(cfg["models"][0], cfg, threads=1)
+    assert out["layers"] == out["layers_run"] == 1 and out["source"].startswith("mini-suite shape")
+    rates = [k for k in out if k.endswith(("_s_per_token", "_s_per_cell", "_s_per_position", "_s_per_pair"))]
+    assert {"forward_s_per_token", "pass1_s_per_token", "pass2_s_per_token", "substitution_s_per_token",
+            "train_s_per_token", "jlens_s_per_position", "calibration_s_per_pair"} <= set(rates)
+    assert all(out[k] >= 0 and math.isfinite(out[k]) for k in rates)
+    assert out["forward_s_per_token"] > 0 and out["startup_s"] > 0 and out["peak_rss_mb"] > 0
+    # every rule's formula finds what it reads
+    ctx = C.Context(cfg, J.predict_corpus(cfg, {}, results="/nonexistent"), {m["name"]: out for m in cfg["models"]},
+                    {k: 1.0 for k in ("table", "store", "figure", "tokenizer")})
+    wcs = {"model": "mini-gpt2", "mini": "mini-gpt2", "revision": "final", "dataset": "stats", "i": "00000",
+           "corpus": "shakespeare-ci"}
+    for rule in C.RULES:
+        cost = C.job_cost(ctx, rule, wcs)
+        assert cost["seconds"] > 0 and cost["modelled"], rule
