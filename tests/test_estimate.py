@@ -106,9 +106,10 @@ def fake_context(n_tracked=100, host_mb=None):
     cfg = J.load_config([CI], [f"tracked={{'n_tracked': {n_tracked}}}"], base=REPO / "config" / "config.yaml")
     corpus = J.predict_corpus(cfg, {}, results="/nonexistent")
     cal = {m["name"]: {"layers": 4, "heads": 2, "d_model": 32, "startup_s": 3.0, "peak_rss_mb": host_mb or 500.0,
+                       "peak_mb": {"forward": 400.0, "pass1": host_mb or 500.0},
                        "pass1_s_per_token": 1e-5, "pass1_first_s": 0.5, "store_write_s_per_cell": 1e-8,
                        "store_read_s_per_cell": 1e-9, "store_bytes_per_cell": 2.0, "store_open_s": 0.25,
-                       "finalize_s": 0.1} for m in cfg["models"]}
+                       "finalize_s": 0.1, "deviation_store_bytes": 1e6} for m in cfg["models"]}
     startup = {k: 1.0 for k in ("table", "store", "figure", "tokenizer")}
     return C.Context(cfg, corpus, cal, startup)
 
@@ -120,7 +121,7 @@ def test_a_statistics_job_costs_its_start_up_its_tokens_and_its_partials():
     tokens, cells = 256 * 32, 4 * 2 * 100 * 102  # ci.yaml's stats half; L·H·N·(N+2)
     work = tokens * 1e-5 + 0.5 + 2 * cells * 1e-8  # pass 1, its first batch, two shards' partials written
     assert cost["seconds"] == pytest.approx(3.0 + work) and cost["startup_s"] == 3.0 and cost["modelled"]
-    assert cost["disk_bytes"] == pytest.approx(2 * cells * 2.0 * 2)
+    assert cost["disk_bytes"] == pytest.approx(2 * cells * 2.0)  # two shards' partials
     merge = C.job_cost(ctx, "stats_merge", {"model": "mini-gpt2", "revision": "final", "dataset": "stats"})
     assert merge["seconds"] == pytest.approx(1.0 + 0.25 + 2 * cells * 1e-9 + cells * 1e-8 + 0.1)
     # a table job costs its start-up only, and says so
@@ -157,6 +158,8 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
             "train_s_per_token", "jlens_s_per_position", "calibration_s_per_pair"} <= set(rates)
     assert all(out[k] >= 0 and math.isfinite(out[k]) for k in rates)
     assert out["forward_s_per_token"] > 0 and out["startup_s"] > 0 and out["peak_rss_mb"] > 0
+    assert set(out["peak_mb"]) == {"forward", "pass1", "pass2", "substitution", "jlens", "train"}
+    assert out["n_tracked"] == cfg["tracked"]["n_tracked"]  # the Zipf law's top N, however few windows
     # every rule's formula finds what it reads
     ctx = C.Context(cfg, J.predict_corpus(cfg, {}, results="/nonexistent"), {m["name"]: out for m in cfg["models"]},
                     {k: 1.0 for k in ("table", "store", "figure", "tokenizer")})

@@ -2,6 +2,7 @@
 
 - :mod:`~mfpipe.estimate.jobs` — the config, the corpus halves' predicted sizes and every job of Snakemake's dry run.
 - :mod:`~mfpipe.estimate.calibrate` — a few batches of each pass of one model at its real shape on this device.
+- :mod:`~mfpipe.estimate.timing` — the calibration's timed work: the passes, the stores, the kernels, the J-lens.
 - :mod:`~mfpipe.estimate.costs` — the cost model: each job's seconds, peak memory and disk from the calibration.
 - :mod:`~mfpipe.estimate.report` — the console command: the plan, the calibrations, the tables and what will not fit.
 """

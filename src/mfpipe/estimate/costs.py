@@ -85,7 +85,7 @@ def stats_shard(ctx, c, wc):
     corpus, half = _dataset(ctx, wc)
     tok = _stats_tokens(ctx, wc["model"], corpus, half, wc.get("i"), ctx.config["stats"]["shards_per_job"])
     n_shards = math.ceil(tok / ctx.T(corpus) / _shard_windows(ctx, corpus))
-    disk = n_shards * _cells(c, ctx) * c["store_bytes_per_cell"] * 2  # P's float32 sums, the float64 rest beside
+    disk = n_shards * _cells(c, ctx) * c["store_bytes_per_cell"]  # a partial holds what its store holds
     work = tok * c["pass1_s_per_token"] + c["pass1_first_s"] + n_shards * _cells(c, ctx) * c["store_write_s_per_cell"]
     return work, disk
 
@@ -118,6 +118,10 @@ def substitution(ctx, c, wc):
     return w * T * c["substitution_s_per_token"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
 
+def deviation_merge(ctx, c, wc):
+    return 0.0, c["deviation_store_bytes"]
+
+
 def kernel_revision(ctx, c, wc):
     return c["layers"] * c["heads"] * c["eigh_s_per_head"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
@@ -131,7 +135,7 @@ def calibrate_kernel(ctx, c, wc):
     cells = _cells(c, ctx)
     per_layer = passes * c["calibration_pass_s"] + (passes - 1) * c["calibration_update_s"]
     return (c["layers"] * per_layer + passes * pairs * c["calibration_s_per_pair"]
-            + cells * (c["store_read_s_per_cell"] + c["store_write_s_per_cell"]), cells * c["store_bytes_per_cell"])
+            + cells * (c["store_read_s_per_cell"] + c["store_write_s_per_cell"]), cells * 4.0)  # U in float32
 
 
 def _rollout_flops(ctx, c) -> float:
@@ -235,7 +239,7 @@ def minisuite_tokenizer(ctx, c, wc):
 
 
 RULES = {
-    "minisuite_tokenizer": minisuite_tokenizer,
+    "minisuite_tokenizer": minisuite_tokenizer, "deviation_merge": deviation_merge,
     "stats_shard": stats_shard, "stats_merge": stats_merge, "deviation_shard": deviation_shard,
     "substitution": substitution, "substitution_topn": substitution, "kernel_revision": kernel_revision,
     "calibrate_kernel": calibrate_kernel, "rollout_scores": rollout_scores, "error_accounting": error_accounting,
@@ -251,6 +255,10 @@ MODEL_RULES = {"stats_shard", "deviation_shard", "substitution", "substitution_t
 TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "minisuite_tasks"}
 
 
+# the calibration stage whose memory a job's peak is (the others: the bare forward's)
+PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pass2", "icl_meter": "pass2",
+              "substitution": "substitution", "substitution_topn": "substitution", "icl_classes": "substitution",
+              "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train"}
 # jobs that open a statistics (or deviation) store before their work
 READS_STORES = (MODEL_RULES | STORE_RULES | FIGURE_RULES) - {
     "stats_shard", "minisuite_train",
@@ -264,7 +272,7 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
     model = wildcards.get("model") or wildcards.get("mini")
     c = ctx.cal.get(model) if model else None
     if rule in MODEL_RULES:
-        start, peak = c["startup_s"], c["peak_rss_mb"]
+        start, peak = c["startup_s"], c["peak_mb"].get(PEAK_STAGE.get(rule, "forward"), c["peak_rss_mb"])
     else:
         kind = ("figure" if rule in FIGURE_RULES else "store" if rule in STORE_RULES
                 else "tokenizer" if rule in TOKENIZER_RULES else "table")
@@ -276,5 +284,6 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
         start += c["store_open_s"]
     fn = RULES.get(rule)
     work, disk = fn(ctx, c, wildcards) if fn is not None and c is not None else (0.0, 0.0)
+    work *= ctx.startup.get("contention_work", 1.0)  # beside the run's other jobs (`--jobs-at-once`)
     return {"seconds": start + work, "startup_s": start, "peak_mb": peak, "disk_bytes": disk,
             "modelled": fn is not None}

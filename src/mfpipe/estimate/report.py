@@ -45,19 +45,34 @@ class _Stages(dict):
 
 
 def _at_once(commands: list[list[str]], env: dict | None = None) -> list[tuple[float, subprocess.CompletedProcess]]:
-    """Run ``commands`` all at once (as the run's jobs share the machine); each one's seconds and result."""
-    procs = [(time.perf_counter(), subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                                     env=env)) for c in commands]
-    out = []
-    for t0, p in procs:
-        stdout, stderr = p.communicate()
-        out.append((time.perf_counter() - t0, subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)))
-    return out
+    """Run ``commands`` all at once (as the run's jobs share the machine); each one's wall seconds and result."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, files = [], []
+        for i, c in enumerate(commands):
+            out, err = open(f"{tmp}/{i}.out", "w+"), open(f"{tmp}/{i}.err", "w+")
+            files += [out, err]
+            procs.append((time.perf_counter(), subprocess.Popen(c, stdout=out, stderr=err, text=True, env=env), out, err))
+        ended: dict[int, float] = {}
+        while len(ended) < len(procs):
+            for i, (_, p, _, _) in enumerate(procs):
+                if i not in ended and p.poll() is not None:
+                    ended[i] = time.perf_counter()
+            time.sleep(0.01)
+        results = []
+        for i, (t0, p, out, err) in enumerate(procs):
+            out.seek(0)
+            err.seek(0)
+            results.append((ended[i] - t0, subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())))
+        for f in files:
+            f.close()
+    return results
 
 
 def _startups(jobs_at_once: int = 1) -> dict:
-    """Seconds to start a job process without a model, by kind (its imports), ``jobs_at_once`` started together,
-    and its resident memory."""
+    """Seconds to start a job process without a model, by kind (its imports), and its resident memory, as slow as
+    it starts beside the run's other jobs (:func:`_contention`)."""
     probes = {"table": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas",
               "store": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, xarray, zarr, numpy",
               "figure": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, matplotlib; "
@@ -68,35 +83,56 @@ def _startups(jobs_at_once: int = 1) -> dict:
     out = {}
     for kind, code in probes.items():
         code += "; import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
-        runs = _at_once([[sys.executable, "-c", code]] * max(1, jobs_at_once))
-        out[kind] = sum(t for t, _ in runs) / len(runs)
-        out[f"{kind}_rss_mb"] = float(runs[0][1].stdout.split()[-1])
+        (t, done), = _at_once([[sys.executable, "-c", code]])
+        out[kind], out[f"{kind}_rss_mb"] = t, float(done.stdout.split()[-1])
+    out.update(_contention(probes["tokenizer"], out["tokenizer"], jobs_at_once))
+    for kind in probes:
+        out[kind] *= out["contention"]
     return out
 
 
-def _calibrations(config: dict, device: str, jobs_at_once: int) -> dict:
-    """The calibration of every model (:mod:`mfpipe.estimate.calibrate`), ``jobs_at_once`` processes at a time (the
-    first model repeated where there are fewer), on the jobs' pinned numerics and threads: measured as the run's
-    jobs will run, side by side."""
+# a one-thread compute load: what each of the run's other jobs puts on the machine while one starts or works
+LOAD = "import torch; torch.set_num_threads(1); a = torch.randn(1024, 1024)\nwhile True: a @ a"
+WORK = ("import time, torch; torch.set_num_threads(1); a = torch.randn(512, 512); a @ a; t = time.perf_counter(); "
+        "[a @ a for _ in range(300)]; print(time.perf_counter() - t)")
+
+
+def _contention(start_probe: str, alone: float, jobs_at_once: int) -> dict:
+    """How much slower a job starts (``contention``: its imports) and works (``contention_work``: one thread's
+    matrix products) while ``jobs_at_once - 1`` other jobs compute beside it, measured with that many one-thread
+    loads running (1.0 and 1.0 for one job at a time)."""
+    if jobs_at_once <= 1:
+        return {"contention": 1.0, "contention_work": 1.0}
+    (_, w0), = _at_once([[sys.executable, "-c", WORK]])
+    loads = [subprocess.Popen([sys.executable, "-c", LOAD]) for _ in range(jobs_at_once - 1)]
+    try:
+        time.sleep(1.0)  # the loads' imports done: they compute
+        (t, _), = _at_once([[sys.executable, "-c", start_probe]])
+        (_, w1), = _at_once([[sys.executable, "-c", WORK]])
+    finally:
+        for p in loads:
+            p.kill()
+            p.wait()
+    return {"contention": max(1.0, t / alone), "contention_work": max(1.0, float(w1.stdout) / float(w0.stdout))}
+
+
+def _calibrations(config: dict, device: str) -> dict:
+    """The calibration of every model (:mod:`mfpipe.estimate.calibrate`), one at a time, each in a process of its
+    own on the jobs' pinned numerics and threads."""
     from mfpipe.estimate.jobs import EstimateError
     from mfpipe.workflow.numerics import pinned_env
 
-    def command(spec):
+    out = {}
+    for spec in config["models"]:
         threads = min(int(spec.get("threads") or config["cluster"]["forward"]["cpus"]), os.cpu_count() or 1)
         arg = json.dumps({"spec": spec, "config": config, "device": device, "threads": threads})
-        return [sys.executable, "-m", "mfpipe.estimate.calibrate", arg]
-
-    models, n, out = list(config["models"]), max(1, jobs_at_once), {}
-    for i in range(0, len(models), n):
-        group = models[i: i + n]
-        runs = _at_once([command(m) for m in group + [models[0]] * (n - len(group))],
-                        env=dict(os.environ, **pinned_env()))
-        for spec, (_, done) in zip(group, runs):
-            line = next((x for x in done.stdout.splitlines() if x.startswith("MFPIPE-CALIBRATION ")), None)
-            if line is None:
-                tail = "\n".join(done.stderr.strip().splitlines()[-8:])
-                raise EstimateError(f"the calibration of model {spec['name']} failed (exit {done.returncode}):\n{tail}")
-            out[spec["name"]] = json.loads(line.split(" ", 1)[1])
+        (_, done), = _at_once([[sys.executable, "-m", "mfpipe.estimate.calibrate", arg]],
+                              env=dict(os.environ, **pinned_env()))
+        line = next((x for x in done.stdout.splitlines() if x.startswith("MFPIPE-CALIBRATION ")), None)
+        if line is None:
+            tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+            raise EstimateError(f"the calibration of model {spec['name']} failed (exit {done.returncode}):\n{tail}")
+        out[spec["name"]] = json.loads(line.split(" ", 1)[1])
     return out
 
 
@@ -151,8 +187,10 @@ def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: st
         corpus = predict_corpus(config, _tokenizers(config, Path(tmp), startup))
     progress("planning the jobs (snakemake's dry run) ...")
     jobs = planned_jobs(corpus, configfiles, overrides, snakefile)
-    progress(f"calibrating {', '.join(m['name'] for m in config['models'])} on {device}, {jobs_at_once} at once ...")
-    cal = _calibrations(config, device, jobs_at_once)
+    progress(f"calibrating {', '.join(m['name'] for m in config['models'])} on {device} ...")
+    cal = _calibrations(config, device)
+    for c in cal.values():  # a model job's start-up, as slow as the others' with the run's jobs side by side
+        c["startup_s"] *= startup["contention"]
     ctx = Context(config, corpus, cal, startup)
     stages = stage_of_rules(Path(snakefile).resolve().parent / "workflow" / "rules")
     keep = {"stats_shard": bool(config["stats"]["keep_partials"]), "deviation_shard": False}
@@ -244,12 +282,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help="calibrate on this device (default: the config's runtime.device)")
     ap.add_argument("--snakefile", default="Snakefile")
     ap.add_argument("--jobs-at-once", type=int, default=1, metavar="K",
-                    help="jobs the run will run side by side (a workstation's `snakemake --cores N` with one-thread "
-                         "jobs: N): the calibration runs K processes at once, so the jobs' shared cores, memory "
-                         "bandwidth and disk slow it as they will slow the run")
+                    help="jobs the run will run side by side (`snakemake --cores N` with one-thread jobs: N): every "
+                         "job's start-up is measured with K starting together, as the run's jobs share the machine")
     ap.add_argument("--compare", default=None, metavar="LOGS_BENCHMARKS",
                     help="a finished run's logs/benchmarks folder: its measured job-seconds beside the prediction")
     ap.add_argument("--jobs", default=None, metavar="CSV", help="also write every job's prediction here")
+    ap.add_argument("--calibration", default=None, metavar="JSON", help="also write each model's calibration here")
     args = ap.parse_args(argv)
     try:
         from mfpipe.models.loader import resolve_device
@@ -269,8 +307,8 @@ def main(argv=None) -> int:
 
 def _print(jobs, ctx, device: str, args, took: float) -> None:
     big = jobs.loc[jobs["seconds"].idxmax()]
-    print(f"# mfpipe estimate: {len(jobs)} jobs on {device}, {args.jobs_at_once} at once (calibrated in "
-          f"{took:.0f} s)\n")
+    print(f"# mfpipe estimate: {len(jobs)} jobs on {device}, {args.jobs_at_once} at once (start-ups "
+          f"{ctx.startup['contention']:.2f}x slower side by side; calibrated in {took:.0f} s)\n")
     for name, c in ctx.cal.items():
         print(f"- {name}: {c['source']}; L={c['layers']}, H={c['heads']}, d={c['d_model']}, T={c['T']}, batch "
               f"{c['batch_size']}: forward {1 / c['forward_s_per_token']:.0f} tok/s, pass 1 "
@@ -290,3 +328,6 @@ def _print(jobs, ctx, device: str, args, took: float) -> None:
         print(f"WILL NOT FIT: {line}")
     if args.jobs:
         jobs.to_csv(args.jobs, index=False)
+    if args.calibration:
+        Path(args.calibration).write_text(json.dumps({"models": ctx.cal, "startup": ctx.startup,
+                                                      "corpus": ctx.corpus}, indent=1))

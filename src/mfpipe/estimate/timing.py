@@ -1,0 +1,167 @@
+"""The timed work of :mod:`mfpipe.estimate.calibrate`: a few batches of pass 1, pass 2 and the substitution (each
+after a one-window warm-up), the stores' write and read, the kernel dynamics' eigendecompositions, the calibrated
+kernel's passes, one J-lens position and a mini-suite training step, each as seconds per unit of its work."""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "time_training", "store_math",
+           "lm_head_s_per_token"]
+
+
+def timed(fn):
+    """``(seconds, fn())``."""
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def warm_and_timed(fn, warm, windows) -> tuple[float, float, object]:
+    """(seconds per token on ``windows``, the first call's extra seconds (compilation, caches), the result on
+    ``windows``) of ``fn(windows)``, run on ``warm`` first."""
+    t_warm, _ = timed(lambda: fn(warm))
+    t, out = timed(lambda: fn(windows))
+    per = t / windows.size
+    return per, max(t_warm - per * warm.size, 0.0), out
+
+
+def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict, peaks) -> dict:
+    import numpy as np
+
+    from mfpipe.deviation import shards as DP
+    from mfpipe.notebook.analysis import substitute
+    from mfpipe.stats.api import MeanFieldStats
+    from mfpipe.stats.partials import merge_sums, stored_form, with_derived
+    from mfpipe.stats.shards import accumulate_shard
+    from mfpipe.stats.store import finalize
+
+    warm, rest = windows[:1], windows[B:]  # one window warms each pass up (compiled loops, caches)
+    p1, f1, sums = peaks("pass1", lambda: warm_and_timed(
+        lambda w: accumulate_shard(model, adapter, w, ts, batch_size=B, progress=False), warm, rest))
+    part = with_derived({k: stored_form(k, v, None) for k, v in sums.items() if k != "resid_mid_sum"})
+    meta = {"model": "calibration", "revision": "calibration", "half": "stats", "corpus": "calibration",
+            "corpus_fingerprint": "calibration", "model_type": adapter.model_type}
+    tm, ds = timed(lambda: finalize(merge_sums([part]), ts, meta))
+    stats = MeanFieldStats(ds)
+    d = config["deviation"]
+    p2, f2, (dev_sums, dev_meta) = peaks("pass2", lambda: warm_and_timed(
+        lambda w: DP.deviation_shard(model, adapter, w, np.zeros(w.shape, dtype=np.int64), ts, stats, min_count=1,
+                                     batch_size=B, top_k=int(d["top_k"]), other_share_max=float(d["other_share_max"]),
+                                     progress=False), warm, rest))
+    ps, fs, _ = peaks("substitution", lambda: warm_and_timed(
+        lambda w: substitute(model, ds, w, tracked=ts, min_count=1, batch_size=B), warm, rest))
+    # the substitution's two losses run the LM head at every position: that part is the full model's already
+    head = lm_head_s_per_token(model, adapter, B, windows.shape[1])
+    # the stores' sizes before compression (a store of real text compresses little: the default run's statistics
+    # stores are ~0.85 of this), per cell of the kernel sums for the statistics store
+    dev_bytes = DP.deviation_dataset(dev_sums, dev_meta, ts, min_occurrences=1).nbytes
+    out = {"pass1_s_per_token": p1 * scale, "pass1_first_s": f1, "finalize_s": tm * scale,
+           "pass2_s_per_token": p2 * scale, "pass2_first_s": f2,
+           "substitution_s_per_token": max(ps - 2 * head, 0.0) * scale + 2 * head, "substitution_first_s": fs,
+           "lm_head_s_per_token": head,
+           "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale}
+    out.update(store_math(stats, ds, rest, ts, B, config))
+    return out
+
+
+def lm_head_s_per_token(model, adapter, B: int, T: int) -> float:
+    import torch
+
+    head = model.get_output_embeddings()
+    x = torch.randn(B, T, adapter.d_model, dtype=adapter.dtype, device=adapter.device)
+    with torch.no_grad():
+        head(x)
+        return timed(lambda: head(x))[0] / (B * T)
+
+
+def store_math(stats, ds, windows, ts, B: int, config: dict) -> dict:
+    """The model-free work of the store jobs: a store's write and read per cell of the kernel sums, one head's Gram
+    matrix and eigendecomposition at N (the kernel dynamics), one calibration pass per pair weight."""
+    import tempfile
+
+    import numpy as np
+    import torch
+    import xarray as xr
+
+    from mfpipe.experiments.substitution.calibration import calibrate, corpus_pass, window_batches
+    from mfpipe.stats.api import open_stats
+    from mfpipe.stats.store import write_store
+
+    cells = int(ds["P"].size)
+    with tempfile.TemporaryDirectory() as tmp:
+        tw, _ = timed(lambda: write_store(ds, f"{tmp}/s.zarr"))
+        tr, _ = timed(lambda: xr.open_zarr(f"{tmp}/s.zarr")["P"].values)
+        to, _ = timed(lambda: open_stats(f"{tmp}/s.zarr"))
+    N, K = ts.n, ts.n + 2
+    X = np.random.default_rng(0).random((N, K))
+    tg, G = timed(lambda: X @ X.T)
+    te, _ = timed(lambda: np.linalg.eigh(G))
+    T = windows.shape[1]
+
+    # the calibrated kernel's passes (float32, as calibrate_kernel runs them): one layer's W through one window and
+    # through three, for the cost per pair weight apart from each pass's own
+    W = torch.rand(ds.sizes["head"], N, K, dtype=torch.float32)
+    W = W / W.sum(-1, keepdim=True)
+
+    def one_pass(w):
+        return timed(lambda: corpus_pass(W, window_batches([w], ts, batch_size=B)))[0]
+
+    one, three = windows[:1], windows[:3]  # a pass costs ~H·T² per window: at T = 512 seconds a window on a CPU
+    one_pass(one)  # warm-up
+    small, big = one_pass(one), one_pass(three)
+    pairs = ds.sizes["head"] * T * T  # one window's
+    per_pair = max(big - small, 0.0) / (2 * pairs)
+    # an iteration's own work beside its pass (the update of U in float64, the residuals): two iterations and the
+    # final residual's pass are three passes
+    t_cal = timed(lambda: calibrate(W, W, window_batches([one], ts, batch_size=B), iterations=2,
+                                     dtype=torch.float32))[0]
+    return {"store_open_s": to, "store_write_s_per_cell": tw / cells, "store_read_s_per_cell": tr / cells,
+            "eigh_s_per_head": te + tg, "flop_s": tg / (2.0 * N * N * K),
+            "calibration_s_per_pair": per_pair, "calibration_pass_s": max(small - per_pair * pairs, 0.0),
+            "calibration_update_s": max(t_cal - 3 * small, 0.0) / 2}
+
+
+def time_jlens(adapter, windows, T: int, config: dict) -> float:
+    """Seconds of one J-lens position at T/2 (its prefix's forward, then d backward passes through the token): a
+    share of the passes timed twice (``rows``), the cost of all d passes their straight line's."""
+    from mfpipe.models.adapters.jacobian import position_jacobians
+
+    chunk, d = int(config["jlens"]["grad_chunk"]), adapter.d_model
+    few, more = min(chunk, d), min(3 * chunk, d)
+
+    def position(rows):
+        return timed(lambda: position_jacobians(adapter, windows[:1], [T // 2], grad_chunk=chunk, rows=rows))[0]
+
+    position(few)  # warm-up
+    t_few, t_more = position(few), position(more)
+    per_pass = max(t_more - t_few, 0.0) / max(more - few, 1)
+    return max(t_few - per_pass * few, 0.0) + per_pass * d
+
+
+def time_training(model, windows, B: int, steps: int = 3) -> float:
+    """Seconds per token of a training step (AdamW, the loss on every position) on the mini suite's pinned
+    numerics, one thread, as its training job runs."""
+    from mfpipe.workflow.numerics import TRAIN_THREADS, pinned
+
+    with pinned(TRAIN_THREADS):
+        return _steps(model, windows, B, steps)
+
+
+def _steps(model, windows, B: int, steps: int) -> float:
+    import torch
+
+    model.train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.as_tensor(windows[:B])
+    total = 0.0
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i:
+            total += time.perf_counter() - t0
+    model.eval().requires_grad_(False)
+    return total / steps / x.numel()
