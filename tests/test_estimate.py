@@ -110,7 +110,7 @@ def fake_context(n_tracked=100, host_mb=None):
                        "pass1_s_per_token": 1e-5, "pass1_first_s": 0.5, "store_write_s_per_cell": 1e-8,
                        "store_read_s_per_cell": 1e-9, "store_bytes_per_cell": 2.0, "store_open_s": 0.25,
                        "finalize_s": 0.1, "deviation_store_bytes": 1e6} for m in cfg["models"]}
-    startup = {k: 1.0 for k in ("table", "store", "figure", "tokenizer")}
+    startup = {k: 1.0 for k in ("table", "store", "figure", "store_figure", "tokenizer")}
     return C.Context(cfg, corpus, cal, startup)
 
 
@@ -162,7 +162,7 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
     assert out["n_tracked"] == cfg["tracked"]["n_tracked"]  # the Zipf law's top N, however few windows
     # every rule's formula finds what it reads
     ctx = C.Context(cfg, J.predict_corpus(cfg, {}, results="/nonexistent"), {m["name"]: out for m in cfg["models"]},
-                    {k: 1.0 for k in ("table", "store", "figure", "tokenizer")})
+                    {k: 1.0 for k in ("table", "store", "figure", "store_figure", "tokenizer")})
     wcs = {"model": "mini-gpt2", "mini": "mini-gpt2", "revision": "final", "dataset": "stats", "i": "00000",
            "corpus": "shakespeare-ci"}
     for rule in C.RULES:

@@ -18,7 +18,9 @@ __all__ = ["Context", "job_cost", "RULES", "FIGURE_RULES"]
 
 FIGURE_RULES = {"figure_waypoint", "figure_rollout", "figure_teacher_forced", "figure_error_decomposition",
                 "figure_clustering", "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv",
-                "figure_crossmodel", "figure_topn", "exp3_correlation", "ranking", "kernel_dynamics"}
+                "figure_crossmodel", "figure_topn"}
+# figures drawn from stores (the deviation stores, the kernels): a store job's start-up and a figure's
+STORE_FIGURE_RULES = {"exp3_correlation", "ranking", "kernel_dynamics"}
 STORE_RULES = {"stats_merge", "deviation_merge", "kernel_revision", "calibrate_kernel", "attention_coverage",
                "substitution_table", "substitution_topn_table"}  # model-free jobs that open Zarr stores
 
@@ -123,7 +125,8 @@ def deviation_merge(ctx, c, wc):
 
 
 def kernel_revision(ctx, c, wc):
-    return c["layers"] * c["heads"] * c["eigh_s_per_head"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+    work = c.get("kernel_revision_s") or c["layers"] * c["heads"] * c["eigh_s_per_head"]
+    return work + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
 
 def calibrate_kernel(ctx, c, wc):
@@ -143,21 +146,31 @@ def _rollout_flops(ctx, c) -> float:
     return c["layers"] * c["heads"] * n * (n + 2) * (c["d_model"] / c["heads"]) * 2 + c["layers"] * n * n * 4
 
 
+def _rollout(ctx, c, kernels: float) -> float:
+    """Seconds of ``kernels`` rollouts with their scoring: the calibration's ``run_rollouts`` (the config's kernels)
+    per kernel, else their flops."""
+    n = len(ctx.config["rollout"]["kernels"]) * (2 if ctx.config["rollout"].get("pin_rogue") else 1)
+    if c.get("rollout_s") is not None:
+        return c["rollout_s"] * kernels / max(n, 1)
+    return kernels * _rollout_flops(ctx, c) * c["flop_s"]
+
+
 def rollout_scores(ctx, c, wc):
     r = ctx.config["rollout"]
     arms = len(r["kernels"]) * (2 if r.get("pin_rogue") else 1)
-    return arms * _rollout_flops(ctx, c) * c["flop_s"] + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+    return _rollout(ctx, c, arms) + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
 
 def error_accounting(ctx, c, wc):
-    return 4 * _rollout_flops(ctx, c) * c["flop_s"] + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+    # the teacher-forced reads and three estimators through every block: about three rollouts
+    return _rollout(ctx, c, 3) + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
 
 def cross_corpus(ctx, c, wc):
     from mfpipe.workflow.config import corpora
 
-    C = len(corpora(ctx.config))
-    return (C + C * C) * _rollout_flops(ctx, c) * c["flop_s"] + 2 * C * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+    C = len(corpora(ctx.config))  # C mean-field rollouts, C x C scorings
+    return _rollout(ctx, c, C + C * C) + 2 * C * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
 
 def attention_coverage(ctx, c, wc):
@@ -260,7 +273,7 @@ PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pas
               "substitution": "substitution", "substitution_topn": "substitution", "icl_classes": "substitution",
               "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train"}
 # jobs that open a statistics (or deviation) store before their work
-READS_STORES = (MODEL_RULES | STORE_RULES | FIGURE_RULES) - {
+READS_STORES = (MODEL_RULES | STORE_RULES | STORE_FIGURE_RULES) - {
     "stats_shard", "minisuite_train",
     "figure_rollout", "figure_teacher_forced", "figure_error_decomposition", "figure_clustering",
     "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv", "figure_crossmodel",
@@ -275,7 +288,8 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
         start, peak = c["startup_s"], c["peak_mb"].get(PEAK_STAGE.get(rule, "forward"), c["peak_rss_mb"])
     else:
         kind = ("figure" if rule in FIGURE_RULES else "store" if rule in STORE_RULES
-                else "tokenizer" if rule in TOKENIZER_RULES else "table")
+                else "store_figure" if rule in STORE_FIGURE_RULES else "tokenizer" if rule in TOKENIZER_RULES
+                else "table")
         start = ctx.startup[kind]
         peak = ctx.startup.get(f"{kind}_rss_mb", 0.0)
         if c is not None and rule in STORE_RULES:

@@ -73,10 +73,14 @@ def _at_once(commands: list[list[str]], env: dict | None = None) -> list[tuple[f
 def _startups(jobs_at_once: int = 1) -> dict:
     """Seconds to start a job process without a model, by kind (its imports), and its resident memory, as slow as
     it starts beside the run's other jobs (:func:`_contention`)."""
+    figure = ("import matplotlib, tempfile; matplotlib.use('Agg'); import matplotlib.pyplot as plt; "
+              "f = plt.figure(); plt.plot([0, 1]); d = tempfile.mkdtemp(); f.savefig(d + '/f.pdf'); "
+              "f.savefig(d + '/f.png', dpi=150)")
+    store = "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, xarray, zarr, numpy, torch"
     probes = {"table": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas",
-              "store": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, xarray, zarr, numpy",
-              "figure": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas, matplotlib; "
-                        "matplotlib.use('Agg'); import matplotlib.pyplot",
+              "store": store,  # a store job's code imports torch with the statistics' modules
+              "figure": "import mfpipe.workflow.runner, mfpipe.workflow.tables, pandas; " + figure,
+              "store_figure": store + "; " + figure,
               # a tokenizer's load imports torch and transformers' tokenizer classes
               "tokenizer": "import mfpipe.workflow.runner, mfpipe.corpus.windows, numpy, transformers, torch; "
                            "from transformers import AutoTokenizer, PreTrainedTokenizerFast"}
@@ -257,15 +261,18 @@ def summary(jobs, compare: str | Path | None = None) -> str:
 
         real = read_benchmarks(compare)
         stages = dict(zip(jobs["rule"], jobs["stage"]))
-        real = real.assign(stage=[stages.get(r, r) for r in real["rule"]]).groupby("stage")["wall_s"].agg(["size", "sum"])
+        real = real.assign(stage=[stages.get(r, r) for r in real["rule"]]).groupby("stage").agg(
+            size=("wall_s", "size"), sum=("wall_s", "sum"), rss=("max_rss_mb", "max"))
         g["measured_jobs"] = real["size"].reindex(g.index)
         g["measured_s"] = real["sum"].reindex(g.index)
         g["predicted / measured"] = g["predicted_s"] / g["measured_s"]
+        g["measured_peak_mb"] = real["rss"].reindex(g.index)
     g = g.sort_values("predicted_s", ascending=False)
     total = pd.DataFrame([g.sum(numeric_only=True)], index=["total"])
     total["largest_s"], total["peak_mb"] = g["largest_s"].max(), g["peak_mb"].max()
     if compare:
         total["predicted / measured"] = total["predicted_s"] / total["measured_s"]
+        total["measured_peak_mb"] = g["measured_peak_mb"].max()
     t = pd.concat([g, total]).reset_index(names="stage").round(2)
     return to_markdown(t)
 

@@ -41,7 +41,8 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
         lambda w: accumulate_shard(model, adapter, w, ts, batch_size=B, progress=False), warm, rest))
     part = with_derived({k: stored_form(k, v, None) for k, v in sums.items() if k != "resid_mid_sum"})
     meta = {"model": "calibration", "revision": "calibration", "half": "stats", "corpus": "calibration",
-            "corpus_fingerprint": "calibration", "model_type": adapter.model_type}
+            "corpus_fingerprint": "calibration", "model_type": adapter.model_type, "bos_id": int(ts.bos_id),
+            "context_length": int(windows.shape[1])}
     tm, ds = timed(lambda: finalize(merge_sums([part]), ts, meta))
     stats = MeanFieldStats(ds)
     d = config["deviation"]
@@ -62,6 +63,35 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
            "lm_head_s_per_token": head,
            "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale}
     out.update(store_math(stats, ds, rest, ts, B, config))
+    out.update(analyses(model, adapter, stats, config, scale))
+    return out
+
+
+def analyses(model, adapter, stats, config: dict, scale: float) -> dict:
+    """The store-bound analyses of a revision, on the calibration's statistics (as both halves), at full depth: the
+    kernel dynamics' work for one layer (``kernel_dataset``'s loop body) times the layers, and Alg. 1 with the
+    config's rollout kernels (``run_rollouts``; None where the calibration's store is not one it accepts)."""
+    import numpy as np
+
+    from mfpipe.experiments.rollout.runs import run_rollouts
+    from mfpipe.experiments.substitution import kernel_dynamics as KD
+    from mfpipe.stats.api import MeanFieldStats
+
+    def one_layer():  # kernel_dataset's work for layer 0
+        mask = KD.support_mask(np.asarray(stats.context_count().values), stats.n, 1)
+        W = np.asarray(stats.W(min_count=1, layer=0).values, dtype=np.float64)
+        F = KD.kernel_factors(W, mask, rank=min(int(config["substitution"]["kernels"]["rank"]), stats.n))
+        X = KD.masked_kernel(W, mask)
+        return F, KD.row_spread(W, mask), ((X - X.mean(1, keepdims=True)) ** 2).sum(axis=(1, 2))
+
+    out = {"kernel_revision_s": timed(one_layer)[0] * stats.n_layers * scale}
+    r = config["rollout"]
+    try:
+        ev = MeanFieldStats(stats.ds.assign_attrs(half="eval"))  # the same sums as the evaluation half
+        out["rollout_s"] = timed(lambda: run_rollouts(model, adapter, stats, ev, kernels=r["kernels"],
+                                                      pin=bool(r["pin_rogue"]), min_count=1))[0] * scale
+    except Exception as e:  # noqa: BLE001 -- priced by its flops instead
+        out["rollout_s"], out["rollout_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     return out
 
 
