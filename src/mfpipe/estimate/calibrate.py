@@ -156,7 +156,6 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     """The measurements of the module's docstring for model ``spec`` of ``config`` (see :func:`main`)."""
     import torch
 
-    from mfpipe.models.adapters import get_adapter
     from mfpipe.workflow.heap import keep_freed_memory
     from mfpipe.workflow.numerics import pin_torch
 
@@ -169,7 +168,7 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     model, source, layers = _build(spec, config, config["results"])
     model = model.to(device).eval().requires_grad_(False)
     model.config._attn_implementation = "eager"
-    adapter = get_adapter(model)
+    model, adapter, source = _adapter(model, source)
     # the process so far (imports, the model's classes, its build) and a load of its weights from a folder
     startup = _process_age() + _load_seconds(model)
     scale = layers / adapter.n_layers
@@ -192,6 +191,24 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
         out["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     out["n_tracked"] = int(ts.n)
     return out
+
+
+def _adapter(model, source: str):
+    """(model, its adapter, source): random 16-bit weights the structural probe cannot place (its checks compare
+    tensors that 16-bit rounding of random weights at full width sets apart) are timed in float32, and the source
+    says so."""
+    import torch
+
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.models.adapters.structure import UnsupportedArchitectureError
+
+    try:
+        return model, get_adapter(model), source
+    except UnsupportedArchitectureError:
+        if model.dtype not in (torch.bfloat16, torch.float16) or "random" not in source:
+            raise
+        dtype = str(model.dtype).replace("torch.", "")
+        return model.float(), get_adapter(model.float()), f"{source}; timed in float32 (random {dtype} not placed)"
 
 
 def _forward(model, adapter, config: dict, batches: int, device: str, out: dict):

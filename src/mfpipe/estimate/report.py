@@ -321,6 +321,11 @@ def _print(jobs, ctx, device: str, args, took: float) -> None:
               f"{c['batch_size']}: forward {1 / c['forward_s_per_token']:.0f} tok/s, pass 1 "
               f"{1 / c['pass1_s_per_token']:.0f}, pass 2 {1 / c['pass2_s_per_token']:.0f}, substitution "
               f"{1 / c['substitution_s_per_token']:.0f} tok/s; job start-up {c['startup_s']:.1f} s")
+    half = [m["name"] for m in ctx.config["models"]
+            if str(m.get("dtype") or ctx.config["runtime"]["dtype"]) in ("bfloat16", "float16")]
+    if half and device == "cpu":
+        print(f"- {', '.join(half)}: 16-bit weights on a CPU run far slower than float32 where the CPU has no native "
+              "16-bit matrix units; on a CPU set the model's `dtype: float32` (twice the memory)")
     halves = ", ".join(f"{k} {v['windows']} windows{'' if v['measured'] else ' (predicted)'}"
                        for k, v in ctx.corpus.items())
     print(f"- corpus halves: {halves}\n")
