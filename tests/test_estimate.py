@@ -5,6 +5,7 @@ run's jobs: tests/test_workflow.py (test_estimate_plans_the_jobs_the_run_ran).""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -135,16 +136,26 @@ def test_a_job_that_cannot_fit_gets_one_line_naming_it_and_the_knob(tmp_path):
 
     host = psutil.virtual_memory().total / 2**20
     ctx = fake_context(host_mb=4 * host)
-    rows = [{"rule": "stats_shard", "job": "logs/benchmarks/stats_shard/x.tsv", **C.job_cost(
-        ctx, "stats_shard", {"model": "mini-gpt2", "dataset": "stats", "i": "00000"}), "disk_kept_bytes": 0.0},
-            {"rule": "coverage_table", "job": "logs/benchmarks/coverage_table/t.tsv",
-             **C.job_cost(ctx, "coverage_table", {}), "disk_kept_bytes": 0.0}]
+    stats = {"model": "mini-gpt2", "dataset": "stats"}
+    rows = [{"rule": "stats_shard", "model": "mini-gpt2", "job": f"logs/benchmarks/stats_shard/x/group-{i}.tsv",
+             **C.job_cost(ctx, "stats_shard", {**stats, "i": i}), "disk_kept_bytes": 0.0} for i in ("00000", "00001")]
+    rows.append({"rule": "coverage_table", "model": None, "job": "logs/benchmarks/coverage_table/t.tsv",
+                 **C.job_cost(ctx, "coverage_table", {}), "disk_kept_bytes": 0.0})
     lines = R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("logs/benchmarks/stats_shard/x.tsv: needs ~") and "tracked.n_tracked" in lines[0]
-    rows[1]["disk_kept_bytes"] = 1e18  # more than any disk
+    assert len(lines) == 1, lines  # one line for the model: its largest job, how many more, the knob
+    assert lines[0].startswith("logs/benchmarks/stats_shard/x/group-00000.tsv: needs ~"), lines
+    assert "(and 1 more of its jobs" in lines[0] and "tracked.n_tracked" in lines[0] and "mini-gpt2" in lines[0]
+    rows[2]["disk_kept_bytes"] = rows[2]["disk_bytes"] = 1e18  # more than any disk
     lines = R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)
     assert len(lines) == 2 and "keeps" in lines[1] and "`results`" in lines[1]
+    # partials live until their merge: the peak counts one dataset's (both shards' here), not the run's sum
+    rows[2]["disk_kept_bytes"] = rows[2]["disk_bytes"] = 0.0
+    free = shutil.disk_usage(tmp_path).free
+    for r in rows[:2]:
+        r["disk_bytes"] = 0.6 * free
+    assert "at its peak" in R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)[-1]
+    rows[1]["job"] = "logs/benchmarks/stats_shard/y/group-00000.tsv"  # another dataset: merged in between
+    assert not any("peak" in x for x in R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)[1:])
 
 
 def test_the_calibration_measures_every_rate_a_job_is_priced_by():

@@ -186,7 +186,9 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
                                      for _ in range(3)) * scale
     if spec["source"] == "minisuite":
         out["train_s_per_token"] = peaks("train", lambda: time_training(model, windows, B))
-    out.update(_memory(model, adapter, base_rss, scale, peaks))
+    # weights timed in float32 for a 16-bit model (see _adapter) count at the model's own width
+    width = 0.5 if "timed in float32" in source else 1.0
+    out.update(_memory(model, adapter, base_rss, scale, peaks, width))
     if device.startswith("cuda"):
         out["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     out["n_tracked"] = int(ts.n)
@@ -240,14 +242,15 @@ def _forward(model, adapter, config: dict, batches: int, device: str, out: dict)
     return windows, _tracked(rest, perm, int(config["tracked"]["n_tracked"]), int(bos), V)
 
 
-def _memory(model, adapter, base_rss: float, scale: float, peaks) -> dict:
+def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0) -> dict:
     """Each kind of job's peak resident memory at full depth (MiB): the process without the model, the weights
     (the layers' scaled, the embedding and LM head once) and the rise of its stage, scaled where the stage's
     buffers are per layer (the forward's activations, pass 1's and pass 2's sums, the J-lens's graph and cache,
     training) and not for the substitution (its logits are the LM head's, once)."""
     size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     layer_bytes = sum(size(adapter.block_module(l).parameters()) for l in range(adapter.n_layers))
-    other = size(model.parameters()) - layer_bytes
+    other = (size(model.parameters()) - layer_bytes) * width
+    layer_bytes *= width
     weights = (other + layer_bytes * scale) / 2**20
     per_layer = {"forward", "pass1", "pass2", "jlens", "train"}
     peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in peaks.rise.items()}

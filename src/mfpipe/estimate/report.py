@@ -207,22 +207,24 @@ def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: st
     return pd.DataFrame(rows), ctx
 
 
-def fit_problems(jobs, ctx, device: str, results: str | Path) -> list[str]:
-    """One line per job whose peak memory will not fit this machine's memory (or, on a GPU, the device's), and one
-    for a run whose kept disk will not fit the results folder's free space, each naming the knob."""
+def fit_problems(jobs, ctx, device: str, results: str | Path, jobs_at_once: int = 1) -> list[str]:
+    """One line per model whose jobs will not fit this machine's memory (its largest job, how many more, the knob),
+    one per model that will not fit the GPU, and one for a run whose disk will not fit the results folder's free
+    space."""
     import psutil
 
     lines = []
     host = psutil.virtual_memory().total / 2**20
-    knob = {"stats_shard": "tracked.n_tracked (the kernel sums grow with N^2), runtime.batch_size or "
-                           "runtime.dtype (bfloat16)",
-            "stats_merge": "tracked.n_tracked", "calibrate_kernel": "tracked.n_tracked"}
-    worst = jobs.sort_values("peak_mb", ascending=False).drop_duplicates("rule")
-    for _, j in worst.iterrows():
-        if j["peak_mb"] > host:
-            lines.append(f"{j['job']}: needs ~{j['peak_mb'] / 1024:.1f} GiB, this machine has {host / 1024:.1f} GiB: "
-                         f"lower {knob.get(j['rule'], 'runtime.batch_size or runtime.dtype (bfloat16)')}, or run it "
-                         "on a larger machine (cluster.forward.mem_mb)")
+    over = jobs[jobs["peak_mb"] > host].sort_values("peak_mb", ascending=False)
+    for model, group in over.groupby("model", sort=False):
+        j, spec = group.iloc[0], next((m for m in ctx.config["models"] if m["name"] == model), {})
+        dtype = str(spec.get("dtype") or ctx.config["runtime"]["dtype"])
+        knobs = (["tracked.n_tracked (the kernel sums grow with N^2)"] if j["rule"] == "stats_shard" else [])
+        knobs += ["runtime.batch_size"] + (["the model's dtype: bfloat16"] if dtype == "float32" else [])
+        more = f" (and {len(group) - 1} more of its jobs, down to ~{group['peak_mb'].min() / 1024:.1f} GiB)" \
+            if len(group) > 1 else ""
+        lines.append(f"{j['job']}: needs ~{j['peak_mb'] / 1024:.1f} GiB{more}, this machine has {host / 1024:.1f} "
+                     f"GiB: lower {', '.join(knobs)}, or run model {model} on a larger machine (cluster.forward.mem_mb)")
     if device.startswith("cuda"):
         import torch
 
@@ -235,15 +237,23 @@ def fit_problems(jobs, ctx, device: str, results: str | Path) -> list[str]:
     while not folder.exists():
         folder = folder.parent
     free = shutil.disk_usage(folder).free
-    kept, peak = jobs["disk_kept_bytes"].sum(), jobs["disk_bytes"].sum()
+    kept = jobs["disk_kept_bytes"].sum()
+    # partials live until their store is merged: at most `jobs_at_once` datasets' partials at a time
+    temp = jobs["disk_bytes"] - jobs["disk_kept_bytes"]
+    peak = kept + jobs_at_once * float(temp.groupby(jobs["job"].map(_dataset_of)).sum().max() if temp.any() else 0.0)
     if kept > free:
         lines.append(f"the run keeps ~{kept / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free: lower "
                      "tracked.n_tracked, set stats.partial_mantissa_bits, or point `results` at a larger disk")
     elif peak > free:
-        lines.append(f"the run writes ~{peak / 2**30:.1f} GiB at its peak (partials before their merge), {folder} "
-                     f"has {free / 2**30:.1f} GiB free: set stats.shards_per_job to merge in smaller runs, or point "
-                     "`results` at a larger disk")
+        lines.append(f"the run needs ~{peak / 2**30:.1f} GiB at its peak (what it keeps and the partials before their "
+                     f"merge), {folder} has {free / 2**30:.1f} GiB free: lower tracked.n_tracked, set "
+                     "stats.partial_mantissa_bits, or point `results` at a larger disk")
     return lines
+
+
+def _dataset_of(job: str) -> str:
+    """A statistics job's benchmark file without its run of shards: the partials one merge reads."""
+    return job.rsplit("/group-", 1)[0]
 
 
 def summary(jobs, compare: str | Path | None = None) -> str:
@@ -309,7 +319,7 @@ def main(argv=None) -> int:
         print(f"mfpipe estimate: {e}", file=sys.stderr)
         return 2
     _print(jobs, ctx, device, args, time.perf_counter() - t0)
-    return 1 if fit_problems(jobs, ctx, device, ctx.config["results"]) else 0
+    return 1 if fit_problems(jobs, ctx, device, ctx.config["results"], args.jobs_at_once) else 0
 
 
 def _print(jobs, ctx, device: str, args, took: float) -> None:
@@ -336,7 +346,7 @@ def _print(jobs, ctx, device: str, args, took: float) -> None:
     unmodelled = sorted(set(jobs.loc[~jobs["modelled"], "rule"]))
     if unmodelled:
         print(f"Start-up only (no work modelled): {', '.join(unmodelled)}.")
-    for line in fit_problems(jobs, ctx, device, ctx.config["results"]):
+    for line in fit_problems(jobs, ctx, device, ctx.config["results"], args.jobs_at_once):
         print(f"WILL NOT FIT: {line}")
     if args.jobs:
         jobs.to_csv(args.jobs, index=False)
