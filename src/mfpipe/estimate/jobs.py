@@ -103,29 +103,29 @@ def predict_corpus(config: dict, tokenizers: dict, results: str | Path | None = 
     results = Path(results or config["results"])
     out = {}
     for name, corpus in corpora(config).items():
-        chars = None
+        T, sw = int(corpus["context_length"]), int(corpus["shard_windows"])
+        chars, measured = None, {}  # the half's text and each tokenizer's measure, once per corpus
         for m in config["models"]:
-            T = int(corpus["context_length"])
-            cpt, rate = _chars_per_token(tokenizers.get(m["name"]), corpus)
+            tok = tokenizers.get(m["name"])
+            if id(tok) not in measured:  # mini-suite models share one tokenizer
+                measured[id(tok)] = _chars_per_token(tok, corpus)
+            cpt, rate = measured[id(tok)]
             known = results / "corpus" / name / m["name"] / "shards" / "fingerprint.json"
+            halves = json.loads(known.read_text()).get("halves", {}) if known.is_file() else {}
             for half in HALVES:
                 key = f"{name}/{m['name']}/{half}"
-                if known.is_file():
-                    info = json.loads(known.read_text())
-                    w = int(info.get("halves", {}).get(half, {}).get("n_windows", 0) or 0)
-                    if w:
-                        out[key] = {"windows": w, "shards": math.ceil(w / int(corpus["shard_windows"])),
-                                    "measured": True, "tokenize_s_per_token": rate}
-                        continue
-                budget = int(corpus["tokens_per_half"]) // T
+                w = int(halves.get(half, {}).get("n_windows", 0) or 0)
+                if w:
+                    out[key] = {"windows": w, "shards": math.ceil(w / sw), "measured": True,
+                                "tokenize_s_per_token": rate}
+                    continue
+                w = int(corpus["tokens_per_half"]) // T
                 if chars is None:
                     chars = _half_texts(corpus) or {}
-                w = budget
                 if half in chars:
-                    w = min(budget, int(chars[half] / cpt / (T - 1)))
+                    w = min(w, int(chars[half] / cpt / (T - 1)))
                 w = max(w, 1)
-                out[key] = {"windows": w, "shards": math.ceil(w / int(corpus["shard_windows"])), "measured": False,
-                            "tokenize_s_per_token": rate}
+                out[key] = {"windows": w, "shards": math.ceil(w / sw), "measured": False, "tokenize_s_per_token": rate}
     return out
 
 
