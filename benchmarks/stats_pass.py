@@ -425,15 +425,18 @@ def instrument(acc) -> dict:
     return stages
 
 
-def make_accumulator(args, adapter, n: int, T: int, device):
-    """Pass 1's reducer as the workflow builds it for ``adapter``, with this run's ``--engine`` / ``--helper``."""
+def make_accumulator(args, adapter, n: int, T: int, device, lazy_derived: bool = False):
+    """Pass 1's reducer as the workflow builds it for ``adapter``, with this run's ``--engine`` / ``--helper``
+    (``lazy_derived``: as the stats job builds it, its derived sums made a layer at a time as its partial is
+    written)."""
     from mfpipe.stats.pass1 import Accumulator
 
     return Accumulator(adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n, T, device=device,
                        attn_input_norm=adapter.attn_input_norm, value_weights=adapter.value_weights,
                        attn_input_norm_form=adapter.attn_input_norm_form, attn_out_weights=adapter.attn_out_weights,
                        mlp_out_from_resid=adapter.mlp_out_from_resid,
-                       helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine)
+                       helper_thread={"auto": None, "on": True, "off": False}[args.helper], engine=args.engine,
+                       lazy_derived=lazy_derived)
 
 
 def benchmark_batches(args, V: int, bos: int):
@@ -468,7 +471,8 @@ def rss_job(args) -> None:
         from mfpipe.stats.shards import accumulate_shard
 
         sums = accumulate_shard(model, adapter, toks, tracked, batch_size=args.batch_size, device=dev, progress=False,
-                                reducer=lambda ad, n, T, device: make_accumulator(args, ad, n, T, device))
+                                reducer=lambda ad, n, T, device: make_accumulator(args, ad, n, T, device,
+                                                                                  lazy_derived=not args.no_partial))
         if not args.no_partial:
             tmp = tempfile.mkdtemp(prefix="stats-bench-job-")
             try:

@@ -106,7 +106,7 @@ def test_stage_of_rules_finds_rules_made_in_a_loop():
 def fake_context(n_tracked=100, host_mb=None):
     cfg = J.load_config([CI], [f"tracked={{'n_tracked': {n_tracked}}}"], base=REPO / "config" / "config.yaml")
     corpus = J.predict_corpus(cfg, {}, results="/nonexistent")
-    cal = {m["name"]: {"layers": 4, "heads": 2, "d_model": 32, "startup_s": 3.0, "peak_rss_mb": host_mb or 500.0,
+    cal = {m["name"]: {"layers": 4, "heads": 2, "d_model": 32, "n_tracked": n_tracked, "startup_s": 3.0, "peak_rss_mb": host_mb or 500.0,
                        "peak_mb": {"forward": 400.0, "pass1": host_mb or 500.0},
                        "pass1_s_per_token": 1e-5, "pass1_first_s": 0.5, "store_write_s_per_cell": 1e-8,
                        "store_read_s_per_cell": 1e-9, "store_bytes_per_cell": 2.0, "store_open_s": 0.25,
@@ -145,6 +145,13 @@ def test_a_job_that_cannot_fit_gets_one_line_naming_it_and_the_knob(tmp_path):
     assert len(lines) == 1, lines  # one line for the model: its largest job, how many more, the knob
     assert lines[0].startswith("logs/benchmarks/stats_shard/x/group-00000.tsv: needs ~"), lines
     assert "(and 1 more of its jobs" in lines[0] and "tracked.n_tracked" in lines[0] and "mini-gpt2" in lines[0]
+    # on a CPU the kernel sums can go to a mapped file: named first, with what it takes off (L H N (N+2) float32)
+    kernel_gib = 4 * 2 * 100 * 102 * 4 / 2**30
+    assert f"set stats.kernel_sums: disk (~{kernel_gib:.1f} GiB of kernel sums" in lines[0]
+    ctx.config["stats"]["kernel_sums"] = "disk"
+    on_disk = C.job_cost(ctx, "stats_shard", {**stats, "i": "00000"})
+    assert on_disk["peak_mb"] == pytest.approx(rows[0]["peak_mb"] - kernel_gib * 1024)
+    ctx.config["stats"]["kernel_sums"] = "memory"
     rows[2]["disk_kept_bytes"] = rows[2]["disk_bytes"] = 1e18  # more than any disk
     lines = R.fit_problems(pd.DataFrame(rows), ctx, "cpu", tmp_path)
     assert len(lines) == 2 and "keeps" in lines[1] and "`results`" in lines[1]

@@ -41,7 +41,9 @@ OVERLAY = {
     "corpus": {"context_length": 32, "tokens_per_half": 4096, "shard_windows": 128},  # one shard a half
     "tracked": {"n_tracked": 24},
     "runtime": {"device": "cpu", "batch_size": 16},
-    "stats": {"partial_mantissa_bits": 11},
+    # the kernel sums mapped from a file (the option for a preset that does not fit a 24 GiB host): every statistics
+    # job of the run takes that path
+    "stats": {"partial_mantissa_bits": 11, "kernel_sums": "disk"},
     "ranking": {"head_scores": {"n_sequences": 8}},
     "cluster": {"forward": {"cpus": 1, "mem_mb": 2000, "runtime": 30}, "cpu": {"cpus": 1, "mem_mb": 2000, "runtime": 30}},
 }
@@ -330,17 +332,25 @@ def test_the_gemma_preset_plans_the_paper_function_vector_run(presets_run, hub):
     assert {w for r, w in jobs if r == "jlens"} == {"model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"}
 
 
-def test_partials_are_deleted_once_merged_and_never_rebuilt_for_a_current_store(presets_run, hub):
+def test_partials_are_deleted_once_merged_and_never_rebuilt_for_a_current_store(presets_run, hub, tmp_path):
     """Issue 49 item 4: with `stats.keep_partials` and `deviation.keep_partials` unset (the presets'), no per-shard
     partial of either pass remains after the run, and a dry run of the same end targets plans nothing: a store that is
-    current needs no partial."""
+    current needs no partial. Item 5: the run's statistics jobs mapped their kernel sums from a file
+    (`stats.kernel_sums: disk`), left none behind, and switching back to memory reruns nothing."""
     r = presets_run["wd"] / "results"
     merged = sorted(r.glob("stats/*/*/*.zarr")) + sorted(r.glob("deviation/*/*/deviation.zarr"))
     assert len(merged) > 10, merged
     left = [str(p.relative_to(r)) for p in r.glob("*/*/*/partials/**/group-*")]
     assert not left, left
+    assert not list(r.rglob(".kernel-sums-*"))
+    logs = sorted((presets_run["wd"] / "logs" / "stats").rglob("group-*.log"))
+    assert logs and all("(stats.kernel_sums: disk)" in p.read_text() for p in logs), logs
     assert "stats_shard" in presets_run["text"] and "deviation_shard" in presets_run["text"]
     _, text = run(presets_run["wd"], hub["env"], presets_run["configs"], "-n", *end_targets(run_models()))
+    assert planned_jobs(text) == [], text[-3000:]
+    in_memory = overlay(tmp_path, stats={**OVERLAY["stats"], "kernel_sums": "memory"})
+    _, text = run(presets_run["wd"], hub["env"], (*presets_run["configs"][:2], in_memory), "-n",
+                  *end_targets(run_models()))
     assert planned_jobs(text) == [], text[-3000:]
 
 

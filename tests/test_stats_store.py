@@ -233,6 +233,82 @@ def test_partial_written_in_runs_of_chunks_is_the_same_partial(tiny, tmp_path, m
         assert (hits == 1).all(), key
 
 
+def test_derived_sums_made_a_layer_at_a_time_write_the_same_partial(tiny, tmp_path, monkeypatch):
+    """The statistics job's reducer hands out its derived sums (attn_out, mlp_out, values, resid_mid of a float32
+    GPT-2) as LayerDerived, computed a layer (or a block of layers) at a time as save_partial writes them: equal bit
+    for bit to the eager sums, whole, by layer and by block, and the partial written from them is the eager one's at
+    any block length (one layer per block, all at once)."""
+    from functools import partial
+
+    from mfpipe.stats import partials
+    from mfpipe.stats.layered import LayerDerived
+    from mfpipe.stats.shards import pass1_reducer
+
+    model, tokens, tracked, eager = tiny
+    lazy = accumulate_shard(model, get_adapter(model), tokens, tracked, batch_size=4, device="cpu", progress=False,
+                            reducer=partial(pass1_reducer, lazy_derived=True))
+    derived = {k for k, v in lazy.items() if isinstance(v, LayerDerived)}
+    assert derived == {"attn_out_sum", "mlp_out_sum", "value_sum", "resid_mid_sum"}
+    L = eager["P_sum"].shape[0]
+    assert L >= 2
+    for key in derived:
+        assert np.array_equal(np.asarray(lazy[key]), eager[key]), key
+        assert np.array_equal(lazy[key][L - 1], eager[key][L - 1]), key
+        assert np.array_equal(lazy[key][1:, ..., :2], eager[key][1:, ..., :2]), key
+    ref = tmp_path / "eager.zarr"
+    save_partial(ref, eager, mantissa_bits=11)
+    want, _ = load_partial(ref)
+    K, d = eager["resid_sum"].shape[1:]
+    for layers in (1, L):
+        monkeypatch.setattr(partials, "WRITE_BLOCK_BYTES", layers * K * d * 4)
+        q = tmp_path / f"lazy{layers}.zarr"
+        save_partial(q, lazy, mantissa_bits=11)
+        got, _ = load_partial(q)
+        for k in want:
+            assert np.array_equal(got[k], want[k], equal_nan=True), (layers, k)
+
+
+def test_kernel_sums_mapped_from_disk_are_the_same_and_leave_nothing(tiny, tmp_path):
+    """stats.kernel_sums: disk: the kernel sums in a file mapped from the partials' folder and unlinked at once give
+    the same partial bit for bit, and the folder holds nothing but the partial after (nor while the job runs)."""
+    from functools import partial
+
+    from mfpipe.stats.shards import pass1_reducer
+
+    model, tokens, tracked, eager = tiny
+    seen = []
+
+    def reducer(*a):
+        acc = pass1_reducer(*a, lazy_derived=True, kernel_dir=str(tmp_path))
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        return acc
+
+    mapped = accumulate_shard(model, get_adapter(model), tokens, tracked, batch_size=4, device="cpu", progress=False,
+                              reducer=reducer)
+    mapped_from = _mapped_from(mapped["P_sum"])
+    assert seen == [[]] and ".kernel-sums-" in mapped_from and mapped_from.endswith("(deleted)"), mapped_from
+    assert np.array_equal(mapped["P_sum"], eager["P_sum"])
+    save_partial(tmp_path / "mapped.zarr", mapped, mantissa_bits=11)
+    save_partial(tmp_path / "eager.zarr", eager, mantissa_bits=11)
+    got, want = load_partial(tmp_path / "mapped.zarr")[0], load_partial(tmp_path / "eager.zarr")[0]
+    assert all(np.array_equal(got[k], want[k], equal_nan=True) for k in want)
+    del mapped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eager.zarr", "mapped.zarr"]
+    with pytest.raises(Exception, match="stats.kernel_sums: memory"):
+        partial(pass1_reducer, kernel_dir=str(tmp_path))(get_adapter(model), tracked.n, tokens.shape[1], "meta")
+
+
+def _mapped_from(a: np.ndarray) -> str:
+    """The file the array's memory is mapped from (Linux's /proc/self/maps; "" where it is none)."""
+    addr = a.__array_interface__["data"][0]
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            return rest[-1] if len(rest) == 5 else ""
+    return ""
+
+
 def test_round_mantissa_is_numcodecs_bitround_with_its_bound():
     """round_mantissa (the rounding of partials at stats.partial_mantissa_bits) against numcodecs' BitRound, an
     independent implementation of round-to-nearest-even on the mantissa: bit for bit on finite values; each value
@@ -328,7 +404,8 @@ def test_partial_checks_before_merge(tiny, tmp_path):
 def test_layerwise_merge_writes_the_same_store(tiny, tmp_path):
     """The merge of the workflow (partials opened with P on disk, summed and written one layer at a time by
     write_stats) writes the store finalize + write_store writes from the in-memory merge, file for file."""
-    from mfpipe.stats.partials import LayerSum, open_partial
+    from mfpipe.stats.layered import LayerSum
+    from mfpipe.stats.partials import open_partial
     from mfpipe.stats.store import write_stats
 
     model, tokens, tracked, _ = tiny

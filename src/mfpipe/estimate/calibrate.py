@@ -156,6 +156,7 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     """The measurements of the module's docstring for model ``spec`` of ``config`` (see :func:`main`)."""
     import torch
 
+    from mfpipe.stats import pass1 as P1
     from mfpipe.workflow.heap import keep_freed_memory
     from mfpipe.workflow.numerics import pin_torch
 
@@ -172,6 +173,9 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     # the process so far (imports, the model's classes, its build) and a load of its weights from a folder
     startup = _process_age() + _load_seconds(model)
     scale = layers / adapter.n_layers
+    # a batch's kernel sums of all layers are kept for one add per batch up to DEFERRED_SUMS_MAX bytes: scaled by
+    # the depth run, the cut model keeps them where the whole model would (its time and memory are the whole one's)
+    P1.DEFERRED_SUMS_MAX = int(P1.DEFERRED_SUMS_MAX / scale)
     peaks = _Peaks()
     out = {"model": spec["name"], "source": source, "layers": layers, "layers_run": adapter.n_layers,
            "heads": adapter.n_heads, "d_model": adapter.d_model, "startup_s": startup,
@@ -188,7 +192,10 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
         out["train_s_per_token"] = peaks("train", lambda: time_training(model, windows, B))
     # weights timed in float32 for a 16-bit model (see _adapter) count at the model's own width
     width = 0.5 if "timed in float32" in source else 1.0
-    out.update(_memory(model, adapter, base_rss, scale, peaks, width))
+    held = out["pass1_held_bytes"]
+    if width != 1.0:  # a 16-bit model timed in float32 sums its mlp_out too (Adapter.mlp_out_from_resid: float32's)
+        held += adapter.n_layers * (int(ts.n) + 2) * adapter.d_model * 8
+    out.update(_memory(model, adapter, base_rss, scale, peaks, width, held))
     if device.startswith("cuda"):
         out["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     out["n_tracked"] = int(ts.n)
@@ -242,18 +249,26 @@ def _forward(model, adapter, config: dict, batches: int, device: str, out: dict)
     return windows, _tracked(rest, perm, int(config["tracked"]["n_tracked"]), int(bos), V)
 
 
-def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0) -> dict:
+def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0, held_bytes: float = 0.0) -> dict:
     """Each kind of job's peak resident memory at full depth (MiB): the process without the model, the weights
     (the layers' scaled, the embedding and LM head once) and the rise of its stage, scaled where the stage's
-    buffers are per layer (the forward's activations, pass 1's and pass 2's sums, the J-lens's graph and cache,
-    training) and not for the substitution (its logits are the LM head's, once)."""
+    buffers are per layer (pass 2's sums, the J-lens's graph and cache, training) and not for the forward (one
+    layer's activations at a time) nor the substitution (its logits are the LM head's, once); pass 1's rise with
+    ``held_bytes`` (its accumulators at the depth run) scaled and the rest not, the larger of its forwards and its
+    partial's write (benchmarks/stats_memory.py measures the same at several depths)."""
     size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     layer_bytes = sum(size(adapter.block_module(l).parameters()) for l in range(adapter.n_layers))
     other = (size(model.parameters()) - layer_bytes) * width
     layer_bytes *= width
     weights = (other + layer_bytes * scale) / 2**20
-    per_layer = {"forward", "pass1", "pass2", "jlens", "train"}
-    peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in peaks.rise.items()}
+    rise = dict(peaks.rise)
+    # pass 1 (the stats_shard job): what its reducer holds whole is per layer (the sums of every layer), the rest
+    # (one layer's activations, the batch's plan, one block of derived sums as the partial is written) is not
+    held = held_bytes / 2**20
+    rise["pass1"] = max(rise["pass1"] + held * (scale - 1), held * scale + rise.pop("pass1_write", 0.0))
+    # the forward holds one layer's activations at a time: not per layer
+    per_layer = {"pass2", "jlens", "train"}
+    peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in rise.items()}
     return {"peak_mb": peak, "peak_rss_mb": max(peak.values()), "param_bytes": int(other + layer_bytes * scale)}
 
 

@@ -88,7 +88,9 @@ def stats_shard(ctx, c, wc):
     tok = _stats_tokens(ctx, wc["model"], corpus, half, wc.get("i"), ctx.config["stats"]["shards_per_job"])
     n_shards = math.ceil(tok / ctx.T(corpus) / _shard_windows(ctx, corpus))
     disk = n_shards * _cells(c, ctx) * c["store_bytes_per_cell"]  # a partial holds what its store holds
-    work = tok * c["pass1_s_per_token"] + c["pass1_first_s"] + n_shards * _cells(c, ctx) * c["store_write_s_per_cell"]
+    # each shard's partial: the calibration's own write (its derived sums made as they are written, per layer)
+    write = c.get("partial_write_s", _cells(c, ctx) * c["store_write_s_per_cell"])
+    work = tok * c["pass1_s_per_token"] + c["pass1_first_s"] + n_shards * write
     return work, disk
 
 
@@ -280,12 +282,21 @@ READS_STORES = (MODEL_RULES | STORE_RULES | STORE_FIGURE_RULES) - {
     "figure_waypoint", "figure_topn", "substitution_table", "substitution_topn_table"}
 
 
+def kernel_sums_mb(c: dict) -> float:
+    """MiB of a statistics job's kernel sums at full depth (L H N (N+2) float32), what ``stats.kernel_sums: disk``
+    takes off its resident memory."""
+    N = int(c["n_tracked"])
+    return c["layers"] * c["heads"] * N * (N + 2) * 4 / 2**20
+
+
 def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
     """``{"seconds", "startup_s", "peak_mb", "disk_bytes", "modelled"}`` of one job."""
     model = wildcards.get("model") or wildcards.get("mini")
     c = ctx.cal.get(model) if model else None
     if rule in MODEL_RULES:
         start, peak = c["startup_s"], c["peak_mb"].get(PEAK_STAGE.get(rule, "forward"), c["peak_rss_mb"])
+        if rule == "stats_shard" and (ctx.config.get("stats") or {}).get("kernel_sums") == "disk":
+            peak -= kernel_sums_mb(c)  # mapped from a file: the page cache's, not the job's own memory
     else:
         kind = ("figure" if rule in FIGURE_RULES else "store" if rule in STORE_RULES
                 else "store_figure" if rule in STORE_FIGURE_RULES else "tokenizer" if rule in TOKENIZER_RULES

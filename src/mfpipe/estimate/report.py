@@ -213,18 +213,28 @@ def fit_problems(jobs, ctx, device: str, results: str | Path, jobs_at_once: int 
     space."""
     import psutil
 
+    from mfpipe.estimate.costs import kernel_sums_mb
+
     lines = []
     host = psutil.virtual_memory().total / 2**20
     over = jobs[jobs["peak_mb"] > host].sort_values("peak_mb", ascending=False)
     for model, group in over.groupby("model", sort=False):
         j, spec = group.iloc[0], next((m for m in ctx.config["models"] if m["name"] == model), {})
         dtype = str(spec.get("dtype") or ctx.config["runtime"]["dtype"])
-        knobs = (["tracked.n_tracked (the kernel sums grow with N^2)"] if j["rule"] == "stats_shard" else [])
+        stats = group[group["rule"] == "stats_shard"]  # statistics jobs over (the largest job or not)
+        knobs = ["tracked.n_tracked (the kernel sums grow with N^2)"] if len(stats) else []
+        first = ""
+        if len(stats) and ctx.config["stats"].get("kernel_sums") != "disk" and device == "cpu":
+            kernel = kernel_sums_mb(ctx.cal[model])
+            fits = "" if stats["peak_mb"].max() - kernel > host else ", which brings them under"
+            first = (f"set stats.kernel_sums: disk (~{kernel / 1024:.1f} GiB of kernel sums off its statistics jobs' "
+                     f"memory{fits}), ")
         knobs += ["runtime.batch_size"] + (["the model's dtype: bfloat16"] if dtype == "float32" else [])
         more = f" (and {len(group) - 1} more of its jobs, down to ~{group['peak_mb'].min() / 1024:.1f} GiB)" \
             if len(group) > 1 else ""
         lines.append(f"{j['job']}: needs ~{j['peak_mb'] / 1024:.1f} GiB{more}, this machine has {host / 1024:.1f} "
-                     f"GiB: lower {', '.join(knobs)}, or run model {model} on a larger machine (cluster.forward.mem_mb)")
+                     f"GiB: {first}lower {', '.join(knobs)}, or run model {model} on a larger machine "
+                     "(cluster.forward.mem_mb)")
     if device.startswith("cuda"):
         import torch
 

@@ -4,7 +4,10 @@ kernel's passes, one J-lens position and a mini-suite training step, each as sec
 
 from __future__ import annotations
 
+import tempfile
 import time
+from functools import partial
+from pathlib import Path
 
 __all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "time_training", "store_math",
            "lm_head_s_per_token"]
@@ -32,13 +35,21 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
     from mfpipe.deviation import shards as DP
     from mfpipe.notebook.analysis import substitute
     from mfpipe.stats.api import MeanFieldStats
-    from mfpipe.stats.partials import merge_sums, stored_form, with_derived
-    from mfpipe.stats.shards import accumulate_shard
+    from mfpipe.stats.partials import merge_sums, save_partial, stored_form, with_derived
+    from mfpipe.stats.shards import accumulate_shard, pass1_reducer
     from mfpipe.stats.store import finalize
 
     warm, rest = windows[:1], windows[B:]  # one window warms each pass up (compiled loops, caches)
+    job_reducer = partial(pass1_reducer, lazy_derived=True)  # the stats_shard job's (shards.shard_partials)
     p1, f1, sums = peaks("pass1", lambda: warm_and_timed(
-        lambda w: accumulate_shard(model, adapter, w, ts, batch_size=B, progress=False), warm, rest))
+        lambda w: accumulate_shard(model, adapter, w, ts, batch_size=B, progress=False, reducer=job_reducer),
+        warm, rest))
+    # the job's partial, its derived sums made a layer at a time; what the reducer holds whole grows with depth
+    held = sum(v.nbytes for v in sums.values() if isinstance(v, np.ndarray) and v.ndim >= 3)
+    bits = (config.get("stats") or {}).get("partial_mantissa_bits")
+    with tempfile.TemporaryDirectory() as tmp:  # a shard's partial: its derived sums made as they are written
+        pw, _ = timed(lambda: peaks("pass1_write", lambda: save_partial(Path(tmp) / "p.zarr", sums, {},
+                                                                          mantissa_bits=bits)))
     part = with_derived({k: stored_form(k, v, None) for k, v in sums.items() if k != "resid_mid_sum"})
     meta = {"model": "calibration", "revision": "calibration", "half": "stats", "corpus": "calibration",
             "corpus_fingerprint": "calibration", "model_type": adapter.model_type, "bos_id": int(ts.bos_id),
@@ -61,7 +72,8 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
            "pass2_s_per_token": p2 * scale, "pass2_first_s": f2,
            "substitution_s_per_token": max(ps - 2 * head, 0.0) * scale + 2 * head, "substitution_first_s": fs,
            "lm_head_s_per_token": head,
-           "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale}
+           "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale,
+           "pass1_held_bytes": held, "partial_write_s": pw * scale}
     out.update(store_math(stats, ds, rest, ts, B, config))
     out.update(analyses(model, adapter, stats, config, scale))
     return out

@@ -6,7 +6,8 @@
 - :mod:`mfpipe.stats.shards` — pass 1 over one shard (the loop with pass 1's reducer); a run of shards, one
   partial each.
 - :mod:`mfpipe.stats.partials` — per-shard partials: save, load, merge by addition, provenance;
-  :mod:`mfpipe.stats.rounding` the rounding of a partial's sums to fewer mantissa bits.
+  :mod:`mfpipe.stats.rounding` the rounding of a partial's sums to fewer mantissa bits; :mod:`mfpipe.stats.layered`
+  sums made a layer at a time (the merge's kernel sum, pass 1's derived sums as its partial is written).
 - :mod:`mfpipe.stats.merge` — a half's partials checked against their shards and merged into its store.
 - :mod:`mfpipe.stats.store` — merged sums -> labelled xarray means -> zarr store (one layer per chunk).
 - :mod:`mfpipe.stats.api` — :func:`open_stats` with provenance checks and accessors.

@@ -18,6 +18,7 @@ the read side may ask.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -47,16 +48,19 @@ class Totals:
     pos: dict[str, torch.Tensor]  # name -> [depth, K, width] float64 per-position sums (resid, resid_sq: depth L + 1)
 
     @classmethod
-    def zeros(cls, L: int, H: int, N: int, T: int, cols: dict[str, int], device) -> Totals:
+    def zeros(cls, L: int, H: int, N: int, T: int, cols: dict[str, int], device, kernel_dir=None) -> Totals:
         """All sums zero; ``cols``: the per-position statistics summed, name -> row width (``resid`` among them:
-        its square ``resid_sq`` is added)."""
+        its square ``resid_sq`` is added). ``kernel_dir`` (CPU): the kernel sums in a file mapped from that folder
+        (:func:`mapped_zeros`), not in the process's memory."""
         import torch
 
         K = N + 2
         i64, f64 = dict(dtype=torch.int64, device=device), dict(dtype=torch.float64, device=device)
         pos = {name: torch.zeros(L + (name == "resid"), K, width, **f64) for name, width in cols.items()}
         pos["resid_sq"] = torch.zeros(L + 1, K, cols["resid"], **f64)
-        return cls(L, H, N, T, torch.zeros(N * K, L * H, dtype=torch.float32, device=device),
+        P = (mapped_zeros(kernel_dir, (N * K, L * H)) if kernel_dir is not None
+             else torch.zeros(N * K, L * H, dtype=torch.float32, device=device))
+        return cls(L, H, N, T, P,
                    torch.zeros(N * K + 1, 3, **i64), torch.zeros(N, **i64), torch.zeros(K, **i64),
                    torch.zeros(T, **i64), pos)
 
@@ -79,6 +83,26 @@ class Totals:
     def rows(self, name: str, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the [K, width] sums of statistic ``name`` at ``layer``, those of its square where one is kept)."""
         return self.pos[name][layer], self.pos["resid_sq"][layer] if name == "resid" else None
+
+
+def mapped_zeros(folder, shape: tuple) -> torch.Tensor:
+    """A float32 tensor of zeros backed by a file in ``folder`` (sparse: a page takes disk once written), unlinked at
+    once: the mapping keeps it while the tensor lives and the system frees it after, an interrupted job included, so
+    nothing is left behind. Its pages are the page cache's, written back and dropped under memory pressure, so the
+    kernel sums (the largest of pass 1's sums: L H N (N+2) floats) need not fit in memory beside the weights."""
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    fd, name = tempfile.mkstemp(prefix=".kernel-sums-", suffix=".f32", dir=folder)
+    try:
+        os.ftruncate(fd, int(np.prod(shape)) * 4)
+        arr = np.memmap(name, dtype=np.float32, mode="r+", shape=tuple(shape))
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return torch.from_numpy(arr)
 
 
 @dataclass

@@ -13,7 +13,12 @@ def stats_shard(job) -> None:
     input.tracked     the dataset's tracked set; input.model the mini-suite checkpoint, for a mini model
     output[0]         the folder of the run's partials, shard-NNNNN.zarr per corpus shard-NNNNN.npz
     params.batch_size, params.mantissa_bits (stats.partial_mantissa_bits; None: exact); model_params()
+    config            stats.kernel_sums (not a param: it changes no sum): "disk" maps the kernel sums from a file
+                      beside the output (mfpipe.stats.engine.mapped_zeros) instead of holding them in memory, on
+                      the CPU (a GPU keeps them in device memory)
     """
+    from pathlib import Path
+
     from mfpipe.corpus.tracked import TrackedSet
     from mfpipe.stats.shards import shard_partials
     from mfpipe.workflow.io import atomic_dir
@@ -28,10 +33,18 @@ def stats_shard(job) -> None:
     log.info("%s @ %s (%r, %s on %s): %d shard(s) from %s, N=%d tracked, batch %d", spec["name"], revision, adapter,
              dtype, adapter.device, len(shards), shards[0], tracked.n, int(p.batch_size))
     bits = p.mantissa_bits
+    on_disk = (job.config.get("stats") or {}).get("kernel_sums") == "disk"
+    if on_disk and adapter.device.type != "cpu":  # (runtime.device: auto) a GPU keeps them in device memory
+        log.info("stats.kernel_sums: disk applies on the CPU: on %s the kernel sums stay in device memory",
+                 adapter.device)
+        on_disk = False
     with atomic_dir(job.output[0]) as out:
+        kernel_dir = str(Path(out).parent) if on_disk else None
+        if on_disk:
+            log.info("the kernel sums map a file in %s (stats.kernel_sums: disk)", kernel_dir)
         shard_partials(model, adapter, shards, tracked, out, model_name=spec["name"], revision=revision, dtype=dtype,
                        commit=p.commit, batch_size=int(p.batch_size),
-                       mantissa_bits=None if bits is None else int(bits), log=log)
+                       mantissa_bits=None if bits is None else int(bits), log=log, kernel_dir=kernel_dir)
     log.info("%d partial(s) in %s", len(shards), job.output[0])
 
 

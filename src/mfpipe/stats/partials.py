@@ -45,6 +45,7 @@ import numpy as np
 from mfpipe.workflow.io import atomic_dir
 from mfpipe.stats.buckets import bucket_luts
 from mfpipe.stats.errors import PartialError, StatsError
+from mfpipe.stats.layered import LayerDerived, LayerSum
 from mfpipe.stats.rounding import round_mantissa
 
 PARTIAL_FORMAT = 2
@@ -207,7 +208,8 @@ def save_partial(path: str | Path, sums: Mapping[str, np.ndarray], meta: Mapping
         for key in SUM_KEYS:
             if key in DERIVED_KEYS:
                 continue
-            a = np.asarray(sums[key])
+            a = sums[key]
+            a = a if isinstance(a, LayerDerived) else np.asarray(a)  # a derived sum: computed a layer at a time
             dt = STORED_DTYPES[key]
             # bit shuffle where whole bit planes are zero (counts, rounded mantissas), byte shuffle for exact floats
             rounded = stored_mantissa_bits(key, mantissa_bits) is not None
@@ -303,38 +305,6 @@ class _OnDisk:
     def __array__(self, dtype=None, copy=None):
         a = self[...]
         return a if dtype is None else a.astype(dtype, copy=False)
-
-
-class LayerSum:
-    """The float64 sum of several partials' ``[L, ...]`` sums left on disk, added one layer at a time when indexed
-    (``[l]``: read layer ``l`` of each partial, add in float64): what :func:`merge_sums` gives for a sum opened
-    lazily (:func:`open_partial`), so that merging N = 4000 kernel sums needs one layer (1.5 GB) at a time, not
-    18 GB. ``np.asarray`` builds it all. :func:`mfpipe.stats.store.write_stats` writes from it layer by layer."""
-
-    def __init__(self, first):
-        self.parts = [first]
-        self.shape, self.ndim, self.dtype = tuple(first.shape), len(first.shape), np.dtype(np.float64)
-
-    def add(self, part) -> "LayerSum":
-        self.parts.append(part)
-        return self
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, index):
-        if not isinstance(index, (int, np.integer)):
-            return np.asarray(self)[index]
-        out = np.zeros(self.shape[1:], dtype=np.float64)
-        for part in self.parts:
-            out += part[int(index)]
-        return out
-
-    def __array__(self, dtype=None, copy=None):
-        out = np.empty(self.shape, dtype=np.float64 if dtype is None else dtype)
-        for l in range(self.shape[0]):
-            out[l] = self[l]
-        return out
 
 
 def _load_npz(path: Path) -> tuple[dict[str, np.ndarray], dict]:

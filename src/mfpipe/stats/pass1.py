@@ -127,6 +127,8 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         attn_input_norm_form: Callable[[int], object] | None = None,
         attn_out_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor | None] | None] | None = None,
         mlp_out_from_resid: bool = False,
+        lazy_derived: bool = False,
+        kernel_dir: str | None = None,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
         self.N = int(n_tracked)
@@ -148,9 +150,15 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             helper_thread = self.device.type == "cpu" and torch.get_num_threads() >= 2
         self._helper = HelperThread(self.cpu_threads) if helper_thread and self.device.type == "cpu" else None
         self.attn_input_norm = attn_input_norm  # (layer, resid [B,T,d]) -> ln1(resid), e.g. adapter.attn_input_norm
+        # sums() hands the derived sums out as derived.LayerDerived (one layer computed when indexed): the statistics
+        # job writes its partial layer by layer, so they never exist whole beside the accumulators
+        self.lazy_derived = bool(lazy_derived)
         self._derive_from_weights(value_weights, attn_out_weights, mlp_out_from_resid)
         self._cols = self._position_columns()
-        self._allocate(attn_input_norm_form)
+        if kernel_dir is not None and self.device.type != "cpu":
+            raise StatsError(f"the kernel sums map a file of {kernel_dir} into host memory (stats.kernel_sums: disk): "
+                             f"a pass on {self.device} keeps them in device memory; set stats.kernel_sums: memory")
+        self._allocate(attn_input_norm_form, kernel_dir)
 
     def _derive_from_weights(self, value_weights, attn_out_weights, mlp_out_from_resid: bool) -> None:
         """The statistics derived from others' sums rather than read (value, attn_out and mlp_out; the layouts
@@ -197,12 +205,13 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         cols["reads"] = self.H * self.dh
         return cols
 
-    def _allocate(self, attn_input_norm_form) -> None:
-        """The sums (zero), the batch state, the work buffers and the engine that adds into the sums."""
+    def _allocate(self, attn_input_norm_form, kernel_dir: str | None = None) -> None:
+        """The sums (zero; the kernel sums in a file mapped from ``kernel_dir`` where given), the batch state, the work
+        buffers and the engine that adds into the sums."""
         # the sums, which the engine adds into: kernel sums cell-major and layer-minor ([N*K, L*H]: row s*K + t holds
         # the cell's L*H (layer, head) sums, see the module docstring), the counts (nbar, C, cooc side by side:
         # complete only in sums()), the per-position sums
-        self._totals = Totals.zeros(self.L, self.H, self.N, self.T, self._cols, self.device)
+        self._totals = Totals.zeros(self.L, self.H, self.N, self.T, self._cols, self.device, kernel_dir)
         self.P, self.pos = self._totals.P, self._totals.pos
         self.query_count, self.key_count = self._totals.query_count, self._totals.key_count
         self.position_count = self._totals.position_count
@@ -332,7 +341,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def sums(self) -> dict[str, np.ndarray]:
         """Numpy sums (see the module docstring): ``P_sum`` float32, the other float sums float64, counts int64.
         On CPU most are views of the accumulators (no copies: treat them as read-only, take them after the last
-        batch)."""
+        batch); with ``lazy_derived`` the derived ones are :class:`~mfpipe.stats.derived.LayerDerived`."""
         L, H, N, K, dh = self.L, self.H, self.N, self.K, self.dh
         self._engine.complete_counts()  # what the engine left for later (a batch begun and not ended included)
         # the batches' work buffers go before the sums' own arrays are made (the value and resid_mid sums: ~150 MB
@@ -349,7 +358,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         key_count, tot = np_(self.key_count), self._totals
         # views of the CPU accumulators, no copies; with the sums derived from them
         position = derived.position_sums({name: np_(t) for name, t in self.pos.items()}, key_count, H, dh,
-                                         self.attn_out_weights, self.value_weights)
+                                         self.attn_out_weights, self.value_weights, lazy=self.lazy_derived)
         return {
             "n_windows": np.asarray(self.n_windows, dtype=np.int64),
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,15 +22,19 @@ from mfpipe.stats.pass1 import Accumulator
 __all__ = ["accumulate_shard", "pass1_reducer", "shard_partials"]
 
 
-def pass1_reducer(adapter, n_tracked: int, context_length: int, device) -> Accumulator:
-    """Pass 1's :class:`Accumulator` for ``adapter``'s model (the reducer factory of :func:`accumulate_shard`)."""
+def pass1_reducer(adapter, n_tracked: int, context_length: int, device, lazy_derived: bool = False,
+                  kernel_dir: str | None = None) -> Accumulator:
+    """Pass 1's :class:`Accumulator` for ``adapter``'s model (the reducer factory of :func:`accumulate_shard`);
+    ``lazy_derived``: its derived sums computed a layer at a time as they are read (:func:`shard_partials`);
+    ``kernel_dir``: its kernel sums in a file mapped from that folder (``stats.kernel_sums: disk``)."""
     return Accumulator(
         adapter.n_layers, adapter.n_heads, adapter.d_model, adapter.d_head, n_tracked, context_length,
         device=device, attn_input_norm=getattr(adapter, "attn_input_norm", None),
         value_weights=getattr(adapter, "value_weights", None),
         attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
         attn_out_weights=getattr(adapter, "attn_out_weights", None),
-        mlp_out_from_resid=bool(getattr(adapter, "mlp_out_from_resid", False)),
+        mlp_out_from_resid=bool(getattr(adapter, "mlp_out_from_resid", False)), lazy_derived=lazy_derived,
+        kernel_dir=kernel_dir,
     )
 
 
@@ -52,17 +57,20 @@ def accumulate_shard(
 
 def shard_partials(model, adapter, shards: list[str], tracked, folder: Path, *, model_name: str, revision: str,
                    dtype: str, commit=None, batch_size: int = 8, mantissa_bits: int | None = None,
-                   log: logging.Logger | None = None) -> None:
+                   log: logging.Logger | None = None, kernel_dir: str | None = None) -> None:
     """Pass 1 over each corpus shard of ``shards`` in turn (:func:`accumulate_shard`), its sums saved as the
     partial ``folder/<shard>.zarr`` (:func:`mfpipe.stats.partials.save_partial`, rounded to ``mantissa_bits``
-    where given), recording the model (``model_name``, ``revision``, ``dtype``, the adapter's shape), the shard and,
-    for a hub revision, the ``commit`` it resolved to."""
+    where given; the kernel sums in a file mapped from ``kernel_dir`` where given), recording the model
+    (``model_name``, ``revision``, ``dtype``, the adapter's shape), the shard and, for a hub revision, the ``commit``
+    it resolved to."""
     log = log or logging.getLogger("mfpipe")
     for shard in shards:
         tokens = read_shard(shard).tokens
         t0 = time.perf_counter()
-        sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=batch_size,
-                                progress=True, desc=f"stats {Path(shard).stem}")
+        # the derived sums computed a layer at a time as the partial is written: never all of them beside the sums
+        sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=batch_size, progress=True,
+                                desc=f"stats {Path(shard).stem}",
+                                reducer=partial(pass1_reducer, lazy_derived=True, kernel_dir=kernel_dir))
         dt = time.perf_counter() - t0
         meta = partial_meta(tracked, tokens, {
             "model": model_name, "revision": revision, "dtype": dtype, "model_type": adapter.model_type,
@@ -75,3 +83,4 @@ def shard_partials(model, adapter, shards: list[str], tracked, folder: Path, *, 
         log.info("%s: %d windows x T=%d, %d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %.0f MiB "
                  "on disk", shard, tokens.shape[0], tokens.shape[1], tokens.size, dt, tokens.size / max(dt, 1e-9),
                  int(sums["query_count"].sum()), partial_size(part) / 2**20)
+        del sums  # the shard's sums go before the next shard's are made: one set at a time, not two

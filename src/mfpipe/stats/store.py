@@ -287,7 +287,7 @@ def write_stats(sums: Mapping[str, Any], tracked, meta: Mapping[str, Any] | None
                 dtype: Any = np.float32, min_count: int = DEFAULT_MIN_COUNT) -> xr.Dataset:
     """``write_store(finalize(sums, tracked, meta), path)`` -- the same store -- holding one layer of ``P`` at a
     time: ``sums["P_sum"]`` may be any ``[L, H, N, K]`` array-like whose ``[l]`` gives one layer (a
-    :class:`~mfpipe.stats.partials.LayerSum` of partials left on disk), and is read, divided and written one
+    :class:`~mfpipe.stats.layered.LayerSum` of partials left on disk), and is read, divided and written one
     layer at a time. Memory: one layer of P in float64 plus the per-position means, at N = 4000 for GPT-2 small
     ~2 GB instead of 18 GB of merged kernel sums and 9 GB of P. Atomic like :func:`write_store`. Returns the
     dataset without ``P`` (what was written besides it)."""

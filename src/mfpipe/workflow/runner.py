@@ -155,6 +155,12 @@ class Job:
     def rule(self) -> str:
         return str(self.sm.rule)
 
+    @property
+    def config(self) -> dict:
+        """The workflow's config, for options that change no result (so they are no params: switching one reruns
+        nothing), e.g. stats.kernel_sums."""
+        return dict(getattr(self.sm, "config", None) or {})
+
     def model(self, threads: int | None = None):
         """(model, adapter) of the rule's (model, revision) (:func:`load_job_model`) with the job's threads."""
         return load_job_model(self.params, self.threads if threads is None else threads)
