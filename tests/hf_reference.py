@@ -61,6 +61,17 @@ PATHS: dict[str, dict] = {
     "stablelm": _LLAMA,
     "phi3": dict(_LLAMA, v_src="self_attn.qkv_proj"),
     "gemma3_text": dict(_LLAMA, attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
+    # the census's failure classes placed (issue 48)
+    "opt": dict(layers="model.decoder.layers", final="model.decoder.final_layer_norm", v_src="self_attn.v_proj",
+                o_proj="self_attn.out_proj", attn="self_attn", attn_norm="self_attn_layer_norm", attn_out=None,
+                mlp_out="fc2"),
+    "falcon": dict(layers="transformer.h", final="transformer.ln_f", v_src="self_attention.query_key_value",
+                   o_proj="self_attention.dense", attn="self_attention", attn_norm="input_layernorm", attn_out=None,
+                   mlp_out="mlp"),
+    "mixtral": _LLAMA,
+    "cohere": _LLAMA,
+    "codegen": dict(layers="transformer.h", final="transformer.ln_f", v_src="attn.qkv_proj", o_proj="attn.out_proj",
+                    attn="attn", attn_norm="ln_1", attn_out=None, mlp_out="mlp"),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",
@@ -101,6 +112,8 @@ def shape(model) -> tuple[int, int, int]:
     cfg = model.config
     H = cfg.num_attention_heads
     KV = getattr(cfg, "num_key_value_heads", None) or H
+    if cfg.model_type == "falcon":  # grouped (new architecture), multi-query, or one KV head per head
+        KV = cfg.num_kv_heads if cfg.new_decoder_architecture else 1 if cfg.multi_query else H
     dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
     return H, KV, dh
 
@@ -115,6 +128,14 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
         v = out[..., 2 * d : 3 * d].reshape(B, T, H, dh)
     elif mt == "gpt_neox":  # fused, per head [q | k | v]
         v = out.reshape(B, T, H, 3, dh)[..., 2, :]
+    elif mt == "falcon" and not (model.config.new_decoder_architecture or model.config.multi_query):  # per head
+        v = out.reshape(B, T, H, 3, dh)[..., 2, :]
+    elif mt == "falcon":  # per KV group [q (H / KV heads) | k | v]; multi-query: one group
+        kv = out.reshape(B, T, KV, H // KV + 2, dh)[..., -1, :]
+        v = torch.stack([kv[:, :, h // (H // KV)] for h in range(H)], dim=2)
+    elif mt == "codegen":  # four shards, each [q | v | k] of a quarter of the heads
+        local = H * dh // 4
+        v = out.reshape(B, T, 4, 3 * local)[..., local : 2 * local].reshape(B, T, H, dh)
     elif mt == "phi3":  # fused [q (H heads) | k (KV heads) | v (KV heads)]
         kv = out[..., (H + KV) * dh :].reshape(B, T, KV, dh)
         v = torch.stack([kv[:, :, h // (H // KV)] for h in range(H)], dim=2)
@@ -210,7 +231,7 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
                 o_out=rec[("o_out", l)],
                 attn_block_out=rec[("attn", l)],
                 attn_out=rec[("attn_out", l)] if sp["attn_out"] else rec[("attn", l)],
-                mlp_out=rec[("mlp_out", l)],
+                mlp_out=rec[("mlp_out", l)].reshape(resid_in.shape),  # OPT runs its MLP on [B * T, d]
                 ln_in=rec[("ln_in", l)] if sp["attn_norm"] else resid_in,
             )
         )

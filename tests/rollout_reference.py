@@ -33,6 +33,8 @@ class Ref:
             return b.attn.c_attn(b.ln_1(x))[2 * d : 3 * d].view(self.H, dh)[h]
         if self.mt == "gpt_neox":
             return b.attention.query_key_value(b.input_layernorm(x)).view(self.H, 3 * dh)[h, 2 * dh :]
+        if self.mt == "opt":
+            return b.self_attn.v_proj(b.self_attn_layer_norm(x)).view(self.H, dh)[h]
         hin = x if self.mt == "olmo2" else b.input_layernorm(x)
         return b.self_attn.v_proj(hin).view(self.kv, dh)[h // (self.H // self.kv)]
 
@@ -55,6 +57,12 @@ class Ref:
         if self.mt == "olmo2":
             m = x + b.post_attention_layernorm(o)
             return m + b.post_feedforward_layernorm(b.mlp(m))
+        if self.mt == "opt":  # the MLP is three modules of the block
+            m = x + o
+            return m + b.fc2(b.activation_fn(b.fc1(b.final_layer_norm(m))))
+        if self.mt == "mixtral":
+            m = x + o
+            return m + moe_reference(b.mlp, b.post_attention_layernorm(m))
         raise AssertionError(self.mt)
 
     @torch.no_grad()
@@ -98,6 +106,23 @@ class Ref:
         B, T = np.asarray(ids).shape
         rd = torch.stack(reads).view(self.L, B, T, self.H, self.dh)
         return torch.stack(resid).numpy(), torch.stack(out.attentions).numpy(), rd.numpy()
+
+
+@torch.no_grad()
+def moe_reference(moe, h):
+    """Mixtral's sparse MoE at one row ``h [d]``, by its definition: router logits, softmax, the top-k experts with
+    their probabilities renormalised, each expert's SwiGLU ``down (silu(gate h) * up h)`` weighted and summed; loops
+    over the chosen experts (from the module's parameters, not its forward)."""
+    probs = torch.softmax((moe.gate.weight @ h).double(), -1)
+    top = torch.topk(probs, moe.top_k).indices
+    weights = probs[top] / probs[top].sum()
+    out = torch.zeros_like(h, dtype=torch.float64)
+    inner = moe.experts.gate_up_proj.shape[1] // 2
+    for w, e in zip(weights, top.tolist()):
+        gate_up = moe.experts.gate_up_proj[e] @ h
+        act = torch.nn.functional.silu(gate_up[:inner]) * gate_up[inner:]
+        out += w * (moe.experts.down_proj[e] @ act).double()
+    return out.to(h.dtype)
 
 
 def forward_residuals(ref, ids):

@@ -31,7 +31,7 @@ def _one_thread(one_thread):
     yield
 
 
-@pytest.fixture(scope="module", params=TINY_MODEL_TYPES)
+@pytest.fixture(scope="module", params=TINY_MODEL_TYPES + ("mixtral",))  # + a mixture of experts (issue 48)
 def setup(request, tmp_path_factory):
     mt = request.param
     model, ad, tokens, tracked, sums, meta, st = tiny_stats_half(mt, tmp_path_factory.mktemp(f"dev-{mt}"), model_seed=7,

@@ -39,12 +39,19 @@ def test_every_verified_architecture_passes_conformance(model_type):
 
 
 @pytest.mark.parametrize("model_type,overrides", [("stablelm", {"use_parallel_residual": True}),
-                                                  ("gemma3_text", {"num_key_value_heads": 1})])
+                                                  ("gemma3_text", {"num_key_value_heads": 1}),
+                                                  ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+                                                  ("falcon", {"multi_query": False})])
 def test_variants_place_and_pass(model_type, overrides):
     model = make_tiny_model(model_type, **overrides)
     s = describe(model)
     if model_type == "stablelm":  # x + attn(ln(x)) + mlp(ln(x)): the MLP shares the attention's norm
         assert s.parallel_residual and s.mlp_norm == s.attn_norm == "input_layernorm"
+    if overrides.get("new_decoder_architecture"):  # [(q q | k | v) per KV head]: 2 chunks, values at 3 dh
+        assert (s.value_layout, s.kv_heads, s.value_chunks, s.value_offset) == ("chunked", 2, 2, 48)
+        assert (s.attn_norm, s.mlp_norm, s.parallel_residual) == ("ln_attn", "ln_mlp", True)
+    if overrides.get("multi_query") is False:  # one KV head per head, laid out per head as GPT-NeoX's
+        assert s.value_layout == "neox" and s.kv_heads is None
     assert not failing(conformance.check_model(model))
 
 
@@ -96,12 +103,13 @@ def test_a_mis_described_model_fails_naming_the_check(monkeypatch, capsys):
 def test_the_command_passes_and_refuses(capsys, tmp_path):
     assert cli.main(["conformance", "phi3"]) == 0
     assert "14 of 14 checks pass" in capsys.readouterr().out
-    # a decoder whose blocks sit one level down (OPT: decoder.layers) is not placed: one line, exit 2
-    transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
-                           max_position_embeddings=64).save_pretrained(tmp_path)
+    # a decoder whose first block reads a scaled embedding plus sinusoidal positions (XGLM) is not placed: one
+    # line, exit 2
+    transformers.XGLMConfig(vocab_size=128, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
+                            max_position_embeddings=64).save_pretrained(tmp_path)
     assert cli.main(["conformance", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot place the list of its 2 blocks" in err[0] and "mfpipe conformance" in err[0]
+    assert len(err) == 1 and "reads the token embedding changed" in err[0] and "mfpipe conformance" in err[0]
     assert cli.main([]) == 2
 
 
@@ -124,9 +132,46 @@ def test_unplaceable_structures_say_what_did_not_match():
     model.model.layers[0].extra_norm = type(model.model.norm)(64)  # a norm in the block that nothing calls: fine
     describe(model)
     config = shrink_config(transformers.BertConfig())
-    with pytest.raises(UnsupportedArchitectureError, match="blocks"):
+    with pytest.raises(UnsupportedArchitectureError, match="token embedding beside its blocks"):  # an encoder's
         describe(transformers.AutoModel.from_config(config))
     assert set(NEW_MODEL_TYPES) <= set(VERIFIED_MODEL_TYPES)
     # grouped-query attention stays grouped (8 KV heads of 32 -> 2 of 4), none stays none
     assert random_model(shrink_config(transformers.Qwen2Config(num_key_value_heads=8))).config.num_key_value_heads == 2
     assert shrink_config(transformers.Qwen2Config()).num_key_value_heads == 4
+
+
+def test_a_mixture_of_experts_routes_each_centroid_as_the_model_routes_a_token():
+    """Issue 48: Mixtral's MLP is its router and experts. The adapter's MLP on n rows (the rollout's centroids) gives
+    each row the mixture its own top-k experts give it (a hand-routed reference), as the block's MLP does on a
+    sequence; the rows do not share one routing."""
+    from rollout_reference import moe_reference
+
+    model = make_tiny_model("mixtral", seed=4)
+    adapter = get_adapter(model)
+    assert adapter.structure.mlp_sequences and adapter.structure.mlp == "mlp"
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    block = model.model.layers[1]
+    got = adapter.mlp(1, x)
+    h = block.post_attention_layernorm(x)
+    with torch.no_grad():
+        want = torch.stack([moe_reference(block.mlp, row) for row in h])
+        routed = [set(torch.topk(block.mlp.gate.weight @ row, 2).indices.tolist()) for row in h]
+        torch.testing.assert_close(got, block.mlp(h[None])[0], rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len({frozenset(r) for r in routed}) > 1  # the rows are routed to different experts
+
+
+def test_the_failure_classes_are_placed_as_they_compute():
+    """Issue 48's five families by their tiny recipes: what the probe decided of each."""
+    place = {mt: describe(make_tiny_model(mt)) for mt in ("opt", "falcon", "cohere", "codegen")}
+    opt = place["opt"]  # blocks one level down, position table from row 2, a three-module MLP
+    assert (opt.layers, opt.final_norm, opt.position_table, opt.position_row_offset) == (
+        "decoder.layers", "decoder.final_layer_norm", "decoder.embed_positions", 2)
+    assert opt.mlp_chain == ("fc1", "activation_fn", "fc2") and opt.mlp == "fc2" and opt.mlp_norm == "final_layer_norm"
+    falcon = place["falcon"]  # multi-query [q (4 heads) | k | v]: the "qkv" layout with one KV head
+    assert (falcon.value_layout, falcon.kv_heads, falcon.parallel_residual) == ("qkv", 1, True)
+    cohere = place["cohere"]  # a LayerNorm without bias, the logits scaled by the config's logit_scale
+    assert cohere.norm_centred and cohere.logit_scale == 0.125 and cohere.parallel_residual
+    codegen = place["codegen"]  # four shards [q | v | k] of 16 values each
+    assert (codegen.value_layout, codegen.value_chunks, codegen.value_offset) == ("chunked", 4, 16)
+    assert get_adapter(make_tiny_model("cohere")).attn_input_norm_form(0).kind == "layer"

@@ -34,12 +34,14 @@ def preflight(cfg):
 
 def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatch):
     """Issue 30: a model type the suite does not verify is checked on a tiny copy of its config.json at planning: one
-    that cannot be placed (OPT: its blocks sit one level down), or whose conformance fails (CodeGen's fused qkv
-    layout), stops the run with one line; one that passes (StarCoder2) runs, and the verdict is cached."""
+    that cannot be placed (XGLM: its first block reads a scaled embedding plus sinusoidal positions), or whose
+    conformance fails (GPT-NeoX-Japanese's block), stops the run with one line; one that passes (StarCoder2) runs,
+    and the verdict is cached."""
     monkeypatch.chdir(tmp_path)
-    cases = {"opt": ["'mine'", "'opt'", "no structure mfpipe knows", "cannot place the list of its 2 blocks",
-                     "mfpipe conformance"],
-             "codegen": ["'codegen'", "conformance check(s) failed", "site: reads = probabilities x values"],
+    cases = {"xglm": ["'mine'", "'xglm'", "no structure mfpipe knows", "reads the token embedding changed",
+                      "mfpipe conformance"],
+             "gpt_neox_japanese": ["'gpt_neox_japanese'", "conformance check(s) failed",
+                                   "block: pieces rebuild the next residual"],
              "starcoder2": None}
     for model_type, want in cases.items():
         (tmp_path / model_type).mkdir()
@@ -54,7 +56,7 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
         msg = one_line(e)
         assert all(w in msg for w in want), msg
     cache = json.loads((tmp_path / ".snakemake" / "mfpipe-conformance.json").read_text())
-    assert sorted(v["model_type"] for v in cache.values()) == ["codegen", "opt", "starcoder2"]
+    assert sorted(v["model_type"] for v in cache.values()) == ["gpt_neox_japanese", "starcoder2", "xglm"]
 
 
 def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
@@ -159,9 +161,9 @@ def dry_run_last_line(tmp_path, edit, env=None) -> str:
     return lines[-1]
 
 
-def _opt(cfg, tmp):
+def _xglm(cfg, tmp):
     (tmp / "m").mkdir()
-    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "opt", "vocab_size": 32000}))
+    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "xglm", "vocab_size": 32000}))
     cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp / "m")})
 
 
@@ -171,7 +173,7 @@ def _offline(cfg, tmp):
 
 
 DAG_CASES = {
-    "unplaceable architecture": (_opt, None, ["'mine'", "'opt'", "no structure mfpipe knows", "mfpipe conformance"]),
+    "unplaceable architecture": (_xglm, None, ["'mine'", "'xglm'", "no structure mfpipe knows", "mfpipe conformance"]),
     "missing corpus file": (lambda c, t: c["corpus"].update(source="files", path=str(t / "nope.txt")), None,
                             ["corpus 'shakespeare-ci'", "nope.txt", "point `path`"]),
     "N above the vocabulary": (lambda c, t: c["tracked"].update(n_tracked=600), None,

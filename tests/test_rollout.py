@@ -46,7 +46,7 @@ def _types(model, n, seed):
     return rng.choice(pool, size=n, replace=False)
 
 
-@pytest.fixture(scope="module", params=TINY_MODEL_TYPES)
+@pytest.fixture(scope="module", params=TINY_MODEL_TYPES + ("mixtral", "opt"))  # experts; OPT's nested layout
 def tiny(request):
     mt = request.param
     model = make_tiny_model(mt, seed=3)

@@ -11,10 +11,10 @@ import torch
 from hf_reference import head_maps, patched_reads, reference_run
 from meanfield_reference import slow_zhat
 from stats_reference import tiny_stats_half, zipf_windows
-from tiny_models import TINY_MODEL_TYPES
+from tiny_models import PLACED_MODEL_TYPES, TINY_MODEL_TYPES
 
 # the families placed by structure that issue 30 names: the loop and hook references run on them too
-FAMILIES = ("mistral", "qwen2", "phi3", "gptj", "gemma3_text")
+FAMILIES = ("mistral", "qwen2", "phi3", "gptj", "gemma3_text", *PLACED_MODEL_TYPES)
 
 from mfpipe.experiments.substitution import substitute as SU
 from mfpipe.meanfield.ccmf import ccmf_reads, pair_kernel, type_kernel

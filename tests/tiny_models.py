@@ -7,6 +7,7 @@ from mfpipe.models.tiny import (  # noqa: F401
     N_KV_HEADS,
     N_LAYERS,
     NEW_MODEL_TYPES,
+    PLACED_MODEL_TYPES,
     TINY_MODEL_TYPES,
     VERIFIED_MODEL_TYPES,
     VOCAB,

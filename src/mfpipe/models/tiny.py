@@ -16,7 +16,11 @@ from __future__ import annotations
 # the paper's six architectures, then the families placed by structure (issue 30)
 PAPER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "gpt_neox", "llama", "qwen3", "gemma2", "olmo2")
 NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma", "gemma3_text", "stablelm")
-VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES
+# the failure classes of the census placed (issue 48): blocks one level down and an MLP of three modules (OPT), a
+# fused multi-query / grouped value layout (Falcon), a mixture of experts (Mixtral), a LayerNorm without a bias and a
+# logit scale (Cohere), a fused projection in four shards (CodeGen)
+PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen")
+VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES
 TINY_MODEL_TYPES = PAPER_MODEL_TYPES  # the six every test parametrizes over (the new ones: tests/test_families.py)
 
 VOCAB = 128
@@ -103,7 +107,41 @@ def _base_config(model_type: str) -> tuple[type, dict]:
         return transformers.StableLmConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
                                                  partial_rotary_factor=0.25, hidden_dropout=0.0,
                                                  attention_dropout=0.0)
+    placed = _placed_config(model_type, common_rope, gqa)
+    if placed is not None:
+        return placed
     raise ValueError(f"no tiny model recipe for model_type {model_type!r}; known: {VERIFIED_MODEL_TYPES}")
+
+
+def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type, dict] | None:
+    """The recipes of :data:`PLACED_MODEL_TYPES` (their variants by override: Falcon's
+    ``new_decoder_architecture=True, num_kv_heads=2`` grouped layout, ``multi_query=False`` per-head layout)."""
+    import transformers
+
+    if model_type == "opt":  # blocks in decoder.layers, position table from row 2, MLP = fc1, activation_fn, fc2
+        return transformers.OPTConfig, dict(
+            vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+            ffn_dim=2 * D_MODEL, word_embed_proj_dim=D_MODEL, max_position_embeddings=MAX_POS, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, init_std=0.1, bos_token_id=VOCAB - 1,
+            eos_token_id=VOCAB - 1, pad_token_id=0)
+    if model_type == "falcon":  # fused query_key_value, multi-query [q.. | k | v]; parallel attention and MLP
+        return transformers.FalconConfig, dict(
+            vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+            max_position_embeddings=MAX_POS, hidden_dropout=0.0, attention_dropout=0.0, initializer_range=0.1,
+            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    if model_type == "mixtral":  # a mixture of 4 experts, 2 per token
+        return transformers.MixtralConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
+                                                intermediate_size=2 * D_MODEL, num_local_experts=4,
+                                                num_experts_per_tok=2, sliding_window=None)
+    if model_type == "cohere":  # LayerNorm without bias, parallel attention and MLP, logits scaled
+        return transformers.CohereConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
+                                               intermediate_size=2 * D_MODEL, logit_scale=0.125)
+    if model_type == "codegen":  # fused qkv_proj in four shards [q | v | k], partial rotary
+        return transformers.CodeGenConfig, dict(
+            vocab_size=VOCAB, n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=MAX_POS, n_ctx=MAX_POS,
+            rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1,
+            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, tie_word_embeddings=False)
+    return None
 
 
 def make_tiny_config(model_type: str, **overrides):
@@ -179,7 +217,7 @@ _SIZE_KEYS = {
     "width": ("hidden_size", "n_embd"),
     "layers": ("num_hidden_layers", "n_layer"),
     "heads": ("num_attention_heads", "n_head"),
-    "inner": ("intermediate_size", "n_inner"),
+    "inner": ("intermediate_size", "n_inner", "ffn_dim"),
     "positions": ("max_position_embeddings", "n_positions"),
 }
 
@@ -205,9 +243,12 @@ def shrink_config(config, width: int = D_MODEL, layers: int = N_LAYERS, heads: i
     dh = width // heads
     if "head_dim" in out and out["head_dim"] is not None:
         out["head_dim"] = dh
-    kv0 = out.get("num_key_value_heads")
-    if kv0 is not None:
-        out["num_key_value_heads"] = heads if kv0 >= H0 else (1 if kv0 == 1 else 2)
+    for key in ("num_key_value_heads", "num_kv_heads"):  # Falcon: num_kv_heads
+        kv0 = out.get(key)
+        if isinstance(kv0, int):
+            out[key] = heads if kv0 >= H0 else (1 if kv0 == 1 else 2)
+    if out.get("word_embed_proj_dim") == config.hidden_size:  # OPT: no projection around the embedding unless set
+        out["word_embed_proj_dim"] = width
     for k in _SIZE_KEYS["positions"]:
         if isinstance(out.get(k), int):
             out[k] = min(out[k], MAX_POS)

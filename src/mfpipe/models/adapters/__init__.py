@@ -8,6 +8,9 @@
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it
   by what the modules are and do (not by ``model_type``); a model it cannot place raises
   :class:`UnsupportedArchitectureError` naming what did not match.
+* ``probe.py`` — the probe forward of :func:`describe`: one forward of three tokens whose tensors decide what names and
+  shapes cannot (the norms' roles, the residual form, the MLP chain and how it is called, the value layout among every
+  chunked one, the final norm among several, the embedding's scale and position rows, the logits' scale).
 * ``jacobian.py`` — :func:`~mfpipe.models.adapters.jacobian.position_jacobians`: same-position Jacobians of the final
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`).

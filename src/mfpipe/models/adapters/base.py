@@ -99,7 +99,7 @@ class Adapter(TracedSite):
         self.MLP, self.MLP_NORM, self.POST_MLP_NORM = s.mlp, s.mlp_norm, s.post_mlp_norm
         self.n_layers: int = int(cfg.num_hidden_layers)
         self.n_heads: int = int(cfg.num_attention_heads)
-        self.n_kv_heads: int = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.n_kv_heads: int = int(s.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.d_model: int = int(cfg.hidden_size)
         self.d_head: int = int(getattr(cfg, "head_dim", None) or self.d_model // self.n_heads)
         self.parallel_residual: bool = bool(s.parallel_residual)
@@ -113,6 +113,13 @@ class Adapter(TracedSite):
             )
         # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
         self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
+        self._v_index = None  # "chunked": the values' positions among the source's outputs
+        if s.value_layout == "chunked":
+            from mfpipe.models.adapters.probe import chunk_index
+
+            src = self._sub(0, self.V_SRC)
+            width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
+            self._v_index = chunk_index(int(width), self.n_kv_heads * self.d_head, s.value_chunks, s.value_offset)
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:
@@ -167,7 +174,9 @@ class Adapter(TracedSite):
             return qkv[..., 2 * self.d_head :]
         if self._v_offset:
             src_out = src_out[..., self._v_offset : self._v_offset + self.n_kv_heads * self.d_head]
-        v = src_out.view(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # [B,KV,T,dh]
+        elif self._v_index is not None:
+            src_out = src_out.index_select(-1, self._v_index.to(src_out.device))
+        v = src_out.reshape(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # [B,KV,T,dh]
         return self._expand_kv(v, 1)
 
     # ------------------------------------------------------------------ block pieces
@@ -178,6 +187,8 @@ class Adapter(TracedSite):
         e = self._embedding()(ids.to(self.device))
         if self.structure.embed_scale != 1.0:
             e = e * torch.tensor(self.structure.embed_scale, dtype=e.dtype)
+        if self.structure.embed_norm is not None:  # BLOOM: block 0 reads the embedding's norm (no position table)
+            e = module_at(self.base, self.structure.embed_norm)(e)
         return e
 
     @no_grad
@@ -195,7 +206,8 @@ class Adapter(TracedSite):
         """
         if self.structure.position_table is None:
             return None
-        wpe = module_at(self.base, self.structure.position_table).weight.detach()
+        # position p's row is p + position_row_offset (OPT's table starts at row 2)
+        wpe = module_at(self.base, self.structure.position_table).weight.detach()[self.structure.position_row_offset:]
         if position_count is not None:
             w = torch.as_tensor(position_count, dtype=torch.float64).reshape(-1)
             if context_length is not None and int(context_length) != w.numel():
@@ -232,6 +244,8 @@ class Adapter(TracedSite):
         w = getattr(m, "weight", None)
         eps = getattr(m, "variance_epsilon", None)
         eps = getattr(m, "eps", None) if eps is None else eps
+        if isinstance(w, Tensor) and w.ndim == 1 and isinstance(eps, float) and self.structure.norm_centred:
+            return NormForm("layer", eps, w, None)  # a LayerNorm without a bias (Cohere)
         if isinstance(w, Tensor) and w.ndim == 1 and isinstance(eps, float):
             off = self.structure.rms_offset  # the Gemma family scales by 1 + weight
             return NormForm("rms", eps, w if not off else off + w.detach())
@@ -248,7 +262,13 @@ class Adapter(TracedSite):
             w = src.weight.view(H, 3, dh, d)[:, 2].reshape(H * dh, d)
             b = None if src.bias is None else src.bias.view(H, 3, dh)[:, 2].reshape(H * dh)
             return nn.functional.linear(h, w, b).unflatten(-1, (H, dh)).to(x.dtype)
-        if self._v_offset and self._conv1d(src):  # GPT-2's Conv1D: weight [d, (q|k|v)]
+        if self._v_index is not None:  # chunked (Falcon, CodeGen): the value rows gathered
+            idx = self._v_index.to(src.weight.device)
+            if self._conv1d(src):
+                v = h @ src.weight[:, idx] + (0 if src.bias is None else src.bias[idx])
+            else:
+                v = nn.functional.linear(h, src.weight[idx], None if src.bias is None else src.bias[idx])
+        elif self._v_offset and self._conv1d(src):  # GPT-2's Conv1D: weight [d, (q|k|v)]
             o, n = self._v_offset, KV * dh
             v = torch.addmm(src.bias[o : o + n], h.reshape(-1, d), src.weight[:, o : o + n])
             v = v.view(*h.shape[:-1], n)
@@ -273,6 +293,11 @@ class Adapter(TracedSite):
             w = wt.view(H, 3, dh, d)[:, 2].transpose(1, 2)
             return w, None if bias is None else bias.view(H, 3, dh)[:, 2]
         o, n = self._v_offset, KV * dh
+        if self._v_index is not None:  # chunked: the value rows gathered, as a split projection
+            idx = self._v_index.to(wt.device)
+            wt = wt[:, idx] if self._conv1d(src) else wt[idx]
+            bias = None if bias is None else bias[idx]
+            o = 0
         if self._conv1d(src):  # [d, (q|k|v)] -> [KV, d, dh]
             w = wt[:, o : o + n].reshape(d, KV, dh).transpose(0, 1)
         else:  # nn.Linear: [KV*dh, d] -> [KV, d, dh]
@@ -336,8 +361,20 @@ class Adapter(TracedSite):
         """The MLP branch as a function of the residual stream it reads (``resid_mid`` for sequential
         blocks, the block input for GPT-NeoX parallel residual): pre-norm, MLP, post-norm where present."""
         h = self._opt_module(layer, self.MLP_NORM)(self._in(x_resid))
-        h = self._sub(layer, self.MLP)(h)
+        h = self._mlp_proper(layer, h)
         return self._opt_module(layer, self.POST_MLP_NORM)(h).to(x_resid.dtype)
+
+    def _mlp_proper(self, layer: int, h: Tensor) -> Tensor:
+        """The MLP module (or chain of modules: OPT) on its input ``h [..., d]``; a mixture of experts is called on
+        ``[1, n, d]`` as the block calls it, so that each row is routed as the model routes a token."""
+        s = self.structure
+        shape = h.shape
+        if s.mlp_sequences:
+            h = h.reshape(1, -1, shape[-1])
+        for path in s.mlp_chain or (self.MLP,):
+            h = self._sub(layer, path)(h)
+            h = h[0] if isinstance(h, tuple) else h
+        return h.reshape(*shape[:-1], h.shape[-1]) if s.mlp_sequences else h
 
     @no_grad
     def final_norm(self, x: Tensor) -> Tensor:
@@ -355,5 +392,7 @@ class Adapter(TracedSite):
 
     def _final_logits(self, logits: Tensor) -> Tensor:
         """The architecture's final logit transform: Gemma-2's soft-cap, as ``Gemma2ForCausalLM.forward`` applies it."""
+        if self.structure.logit_scale != 1.0:  # Cohere's logit_scale, Granite's 1 / logits_scaling
+            logits = logits * self.structure.logit_scale
         cap = self.structure.logit_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap

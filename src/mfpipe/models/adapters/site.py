@@ -155,7 +155,8 @@ class TracedSite:
             )
         if self._lm_envoy is None:
             self._lm_envoy = NNsight(self.model)
-        return self._lm_envoy, module_at(self._lm_envoy, self.model.base_model_prefix)
+        path = next(n for n, m in self.model.named_modules() if m is self.base)  # "transformer", "model" ...
+        return self._lm_envoy, module_at(self._lm_envoy, path)
 
     def run(
         self,
@@ -309,7 +310,10 @@ class TracedSite:
             if "attn_out" in sel:
                 cap.attn_out = attn_out
         if "mlp_out" in sel:
-            cap.mlp_out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output.float()
+            out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output
+            out = out[0] if self.POST_MLP_NORM is None and self.structure.mlp_tuple else out
+            # a copy where .float() makes none: a block may add to its MLP's output in place (Falcon)
+            cap.mlp_out = out.float() if out.dtype != torch.float32 else out.clone()
         if "resid_in" in sel:
             cap.resid_in = resid_in
         if "resid_mid" in sel:

