@@ -175,3 +175,29 @@ def test_the_failure_classes_are_placed_as_they_compute():
     codegen = place["codegen"]  # four shards [q | v | k] of 16 values each
     assert (codegen.value_layout, codegen.value_chunks, codegen.value_offset) == ("chunked", 4, 16)
     assert get_adapter(make_tiny_model("cohere")).attn_input_norm_form(0).kind == "layer"
+    neo = random_model(shrink_config(transformers.GPTNeoConfig()))  # the block's attention wraps the attention proper
+    assert describe(neo).attn == "attn.attention" and not failing(conformance.check_model(neo))
+
+
+def test_a_norm_on_the_embedding_is_told_from_the_final_norm():
+    """Issue 48's third class: two norms beside the blocks. A tiny Llama given a norm on its embedding (run before
+    block 0, as BLOOM's word_embeddings_layernorm): the probe takes the one that reads the last block's output as
+    the final norm and the one that reads the embedding's as the embedding norm, the adapter's embedding applies it,
+    and every conformance check passes."""
+    model = make_tiny_model("llama", seed=6)
+    base = model.model
+    base.add_module("embed_norm", type(base.norm)(64, eps=1e-6))
+    with torch.no_grad():
+        base.embed_norm.weight.add_(0.3 * torch.randn(64, generator=torch.Generator().manual_seed(1)))
+
+    def normed(mod, args, kwargs):
+        if args:
+            return (base.embed_norm(args[0]), *args[1:]), kwargs
+        return args, dict(kwargs, hidden_states=base.embed_norm(kwargs["hidden_states"]))
+
+    base.layers[0].register_forward_pre_hook(normed, with_kwargs=True)
+    s = describe(model)
+    assert (s.final_norm, s.embed_norm) == ("norm", "embed_norm")
+    ids = torch.tensor([[3, 9, 4]])
+    torch.testing.assert_close(get_adapter(model).embed(ids), base.embed_norm(base.embed_tokens(ids)))
+    assert not failing(conformance.check_model(model))

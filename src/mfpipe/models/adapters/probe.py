@@ -11,16 +11,68 @@ names and shapes cannot:
 * the final norm among several norms outside the blocks (the one that reads the last block's output) and a norm on
   the embedding (BLOOM's), the embedding's scale and a learned position table's row offset (:func:`embed_scale`);
 * the final logits' scale against the LM head's output (:func:`logit_scale`).
+
+It also holds what both it and :mod:`~mfpipe.models.adapters.structure` need of a module: the error a model that
+cannot be placed raises, the sizes placed by (:class:`Shape`), and what kind a module is (:func:`is_norm`,
+:func:`linear_shape`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
-from mfpipe.models.adapters.structure import Shape, UnsupportedArchitectureError, _at, _is_norm, _linear_shape
+__all__ = ["probe", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index", "Shape",
+           "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
 
-__all__ = ["probe", "norm_roles", "embed_scale", "value_layout", "logit_scale"]
+CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model cannot be placed: :func:`describe` found no structure it knows (the message says what failed)."""
+
+    def __init__(self, model_type: str | None, reason: str = "no structure mfpipe knows"):
+        self.model_type = model_type
+        self.reason = reason
+        super().__init__(f"unsupported architecture: model_type={model_type!r}: {reason}; {CONFORMANCE_HINT}")
+
+
+def is_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm) or "norm" in type(m).__name__.lower()
+
+
+def linear_shape(m: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of an nn.Linear or a transformers Conv1D (weight [in, out]); None for other modules."""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, Tensor) or w.ndim != 2:
+        return None
+    if type(m).__name__ == "Conv1D":
+        return int(w.shape[0]), int(w.shape[1])
+    if isinstance(m, nn.Linear):
+        return int(w.shape[1]), int(w.shape[0])
+    return None
+
+
+@dataclass
+class Shape:
+    """The sizes describe() places by: layers L, heads H, KV heads (the config's), head width dh, width d."""
+
+    L: int
+    H: int
+    KV: int
+    dh: int
+    d: int
+
+
+def submodule(root: nn.Module, path: str) -> nn.Module:
+    """``root.a.b`` for ``path`` "a.b" (a trailing or leading dot ignored; "" is ``root``)."""
+    obj = root
+    for part in path.strip(".").split("."):
+        obj = getattr(obj, part) if part else obj
+    return obj
+
 
 _IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
 
@@ -29,9 +81,9 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
           named_mlp: str | None, named_value: tuple[str, str] | None) -> dict:
     """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict."""
     block = blocks[0]
-    attn_mod = _at(block, attn)
+    attn_mod = submodule(block, attn)
     sources = [n for n, m in attn_mod.named_children()
-               if n != out_proj and (_linear_shape(m) or (0, 0))[0] == shape.d]
+               if n != out_proj and (linear_shape(m) or (0, 0))[0] == shape.d]
     watch = {n: m for n, m in block.named_children()}
     watch.update({"<attn>": attn_mod, "<out_proj>": getattr(attn_mod, out_proj), "<block>": block,
                   "<last>": blocks[-1], "<embed>": base.get_input_embeddings()})
@@ -47,7 +99,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's MLP")
     seen["<mlp>"] = (seen[chain[0]][0], seen[chain[-1]][1], seen[chain[0]][2], *seen[chain[-1]][3:])
     final_norm, embed_norm = _outer_norms(seen, outer_norms, mt)
-    norms = [n for n, m in block.named_children() if _is_norm(m) and n in seen]
+    norms = [n for n, m in block.named_children() if is_norm(m) and n in seen]
     same = _same_within(base.get_input_embeddings().weight.dtype)
     out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain,
                roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt))
@@ -107,7 +159,7 @@ def _mlp_chain(seen: dict, order: list[str], block: nn.Module, attn_top: str, mt
     """The block children (not the attention, not a norm) the forward ran, in call order, less parameter-free ones
     at either end (dropouts): one module, or a chain in which each reads what the one before wrote (OPT)."""
     kids = dict(block.named_children())
-    ran = [n for n in order if n in kids and n != attn_top and not _is_norm(kids[n])]
+    ran = [n for n in order if n in kids and n != attn_top and not is_norm(kids[n])]
     while ran and not any(True for _ in kids[ran[0]].parameters()):
         ran.pop(0)
     while ran and not any(True for _ in kids[ran[-1]].parameters()):

@@ -39,6 +39,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters import probe
+from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
+
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "describe"]
 
 # how a block's values come out of its value source:
@@ -51,18 +54,6 @@ __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_m
 VALUE_LAYOUTS = ("split", "qkv", "neox", "chunked")
 _VALUE_SOURCES = {"v_proj": "split", "qkv_proj": "qkv", "c_attn": "qkv", "query_key_value": "neox"}
 _OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
-CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The model cannot be placed: :func:`describe` found no structure it knows (the message says what failed)."""
-
-    def __init__(self, model_type: str | None, reason: str = "no structure mfpipe knows"):
-        self.model_type = model_type
-        self.reason = reason
-        super().__init__(f"unsupported architecture: model_type={model_type!r}: {reason}; {CONFORMANCE_HINT}")
-
-
 @dataclass(frozen=True)
 class Structure:
     """A decoder's layout (see the module docstring). Paths are dotted attribute names."""
@@ -112,22 +103,6 @@ def base_model(model: nn.Module) -> nn.Module:
     return model if base is None else base
 
 
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, nn.LayerNorm) or "norm" in type(m).__name__.lower()
-
-
-def _linear_shape(m: nn.Module) -> tuple[int, int] | None:
-    """(in, out) of an nn.Linear or a transformers Conv1D (weight [in, out]); None for other modules."""
-    w = getattr(m, "weight", None)
-    if not isinstance(w, Tensor) or w.ndim != 2:
-        return None
-    if type(m).__name__ == "Conv1D":
-        return int(w.shape[0]), int(w.shape[1])
-    if isinstance(m, nn.Linear):
-        return int(w.shape[1]), int(w.shape[0])
-    return None
-
-
 def _one(found: list[str], what: str, model_type) -> str:
     if len(found) != 1:
         why = "none" if not found else f"{len(found)} candidates ({', '.join(found)})"
@@ -135,28 +110,15 @@ def _one(found: list[str], what: str, model_type) -> str:
     return found[0]
 
 
-@dataclass
-class Shape:
-    """The sizes describe() places by: layers L, heads H, KV heads (the config's), head width dh, width d."""
-
-    L: int
-    H: int
-    KV: int
-    dh: int
-    d: int
-
-
 def describe(model: nn.Module) -> Structure:
     """The :class:`Structure` of a loaded causal LM (or its base model), in eval mode with eager attention.
     Raises :class:`UnsupportedArchitectureError` naming the first piece it cannot place."""
-    from mfpipe.models.adapters import probe
-
     cfg = model.config
     mt = getattr(cfg, "model_type", None)
     base = base_model(model)
     shape = _shape(cfg, mt)
     stack = _stack(base, shape.L, mt)  # "" or the path of the module holding the blocks ("decoder.")
-    stack_mod = _at(base, stack)
+    stack_mod = submodule(base, stack)
     children = dict(stack_mod.named_children())
     layers = stack + _one([n for n, m in children.items() if isinstance(m, nn.ModuleList) and len(m) == shape.L],
                           f"the list of its {shape.L} blocks", mt)
@@ -167,22 +129,22 @@ def describe(model: nn.Module) -> Structure:
         raise UnsupportedArchitectureError(mt, f"cannot place the token embedding beside its blocks (it sits in "
                                                f"{where})")
     embed = stack + _one(embeds, "the token embedding", mt)
-    outer_norms = [n for n, m in children.items() if _is_norm(m) and m is not emb]
+    outer_norms = [n for n, m in children.items() if is_norm(m) and m is not emb]
     if not outer_norms:
         _one([], "the final norm", mt)
     n_pos = getattr(cfg, "max_position_embeddings", None)
     tables = [n for n, m in children.items() if isinstance(m, nn.Embedding) and m is not emb
               and isinstance(n_pos, int) and 0 <= m.num_embeddings - n_pos <= 2]
-    blocks = _at(base, layers)
+    blocks = submodule(base, layers)
     block = blocks[0]
     attn = _attention(block, mt)
-    attn_mod = _at(block, attn)
+    attn_mod = submodule(block, attn)
     out_proj = _one([n for n, m in attn_mod.named_children()
-                     if n in _OUT_PROJ_NAMES and _linear_shape(m) == (shape.H * shape.dh, shape.d)],
+                     if n in _OUT_PROJ_NAMES and linear_shape(m) == (shape.H * shape.dh, shape.d)],
                     f"the attention's output projection ({shape.H} x {shape.dh} -> {shape.d})", mt)
     named_value = _value_by_name(attn_mod, shape)
     mlp_parts = [n for n, m in block.named_children()
-                 if n != attn.split(".")[0] and not _is_norm(m) and any(True for _ in m.parameters())]
+                 if n != attn.split(".")[0] and not is_norm(m) and any(True for _ in m.parameters())]
     named_mlp = [n for n in mlp_parts if type(getattr(block, n)).__name__.lower().endswith("mlp")]
     if not mlp_parts:
         _one([], "one MLP module in a block", mt)
@@ -193,7 +155,7 @@ def describe(model: nn.Module) -> Structure:
     if embed_norm and len(tables) == 1:
         raise UnsupportedArchitectureError(mt, "it has a norm on the embedding and a learned position table")
     roles = found["roles"]
-    norm = _at(block, roles["attn_norm"]) if roles["attn_norm"] else _at(stack_mod, final_norm)
+    norm = submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
     rms_offset, centred = _norm_kind(norm, mt)
     return Structure(
         layers=layers, embed=embed, final_norm=stack + final_norm, attn=attn,
@@ -209,13 +171,6 @@ def describe(model: nn.Module) -> Structure:
         embed_norm=stack + embed_norm if embed_norm else None, position_row_offset=found["position_row_offset"],
         norm_centred=centred, logit_scale=probe.logit_scale(model, base, mt),
     )
-
-
-def _at(root: nn.Module, path: str) -> nn.Module:
-    obj = root
-    for part in path.strip(".").split("."):
-        obj = getattr(obj, part) if part else obj
-    return obj
 
 
 def _shape(cfg, mt) -> Shape:
@@ -252,7 +207,7 @@ def _attention(block: nn.Module, mt) -> str:
     inner = attentions(getattr(block, path))
     while len(inner) == 1:
         path = f"{path}.{inner[0]}"
-        inner = attentions(_at(block, path))
+        inner = attentions(submodule(block, path))
     return path
 
 
@@ -263,7 +218,7 @@ def _value_by_name(attn_mod: nn.Module, shape: Shape) -> tuple[str, str] | None:
     want_out = {"split": KV * dh, "qkv": (H + 2 * KV) * dh, "neox": 3 * H * dh}
     sources = [(n, lay) for n, lay in _VALUE_SOURCES.items()
                if isinstance(getattr(attn_mod, n, None), nn.Module)
-               and _linear_shape(getattr(attn_mod, n)) == (d, want_out[lay])]
+               and linear_shape(getattr(attn_mod, n)) == (d, want_out[lay])]
     return sources[0] if len(sources) == 1 else None
 
 
