@@ -148,7 +148,7 @@ def describe(model: nn.Module) -> Structure:
     named_mlp = [n for n in mlp_parts if type(getattr(block, n)).__name__.lower().endswith("mlp")]
     if not mlp_parts:
         _one([], "one MLP module in a block", mt)
-    found = probe.probe(model, base, stack_mod, blocks, attn, out_proj, [n for n in outer_norms],
+    found = probe.probe(model, base, stack_mod, blocks, attn, out_proj, outer_norms,
                         getattr(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
                         named_mlp[0] if len(named_mlp) == 1 else None, named_value)
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
