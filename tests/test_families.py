@@ -201,3 +201,18 @@ def test_a_norm_on_the_embedding_is_told_from_the_final_norm():
     ids = torch.tensor([[3, 9, 4]])
     torch.testing.assert_close(get_adapter(model).embed(ids), base.embed_norm(base.embed_tokens(ids)))
     assert not failing(conformance.check_model(model))
+
+
+@pytest.mark.parametrize("model_type", ["opt", "falcon", "mixtral"])
+def test_the_captured_branches_add_up_to_the_next_residual(model_type):
+    """The site's attn_out and mlp_out of the placed classes, as [B, T, d]: OPT's MLP runs on [B * T, d], Falcon adds
+    the attention branch into its MLP's output in place, Mixtral's MLP is its experts; resid_in[l] + attn_out +
+    mlp_out is the next block's input (the last: the final residual)."""
+    model = make_tiny_model(model_type, seed=8)
+    caps, finals = [], []
+    get_adapter(model).capture(torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(0)),
+                               caps.append, finals.append)
+    nxt = [c.resid_in for c in caps[1:]] + finals
+    for c, want in zip(caps, nxt):
+        assert c.mlp_out.shape == c.resid_in.shape == (2, 9, 64)
+        torch.testing.assert_close(c.resid_in + c.attn_out + c.mlp_out, want, rtol=1e-5, atol=1e-5)

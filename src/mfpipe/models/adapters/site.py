@@ -124,6 +124,7 @@ class TracedSite:
 
     _envoy = None  # nnsight wrapper of the decoder stack, built on the first run without logits
     _lm_envoy = None  # nnsight wrapper of the causal LM, built on the first run with logits / loss
+    _lm_base = None  # the decoder stack's envoy inside it
 
     @property
     def has_lm_head(self) -> bool:
@@ -155,8 +156,10 @@ class TracedSite:
             )
         if self._lm_envoy is None:
             self._lm_envoy = NNsight(self.model)
-        path = next(n for n, m in self.model.named_modules() if m is self.base)  # "transformer", "model" ...
-        return self._lm_envoy, module_at(self._lm_envoy, path)
+            # the decoder stack's path in the causal LM ("transformer", "model", ...; not always base_model_prefix)
+            path = next(n for n, m in self.model.named_modules() if m is self.base)
+            self._lm_base = module_at(self._lm_envoy, path)
+        return self._lm_envoy, self._lm_base
 
     def run(
         self,
@@ -240,7 +243,7 @@ class TracedSite:
         """Runs in the nnsight worker, interleaved with the forward pass."""
         layers_env = module_at(base_env, self.LAYERS)
         for layer in range(self.n_layers):
-            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads, patch_resid)
+            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads, patch_resid, tuple(ids.shape))
             if on_layer is not None:
                 on_layer(cap)
         if on_final is not None:
@@ -260,7 +263,7 @@ class TracedSite:
                 result.loss = result.token_loss.reshape(-1).mean()
 
     def _layer_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None,
-                    patch_resid: PatchResid | None = None) -> LayerCapture:
+                    patch_resid: PatchResid | None = None, bt: tuple[int, int] | None = None) -> LayerCapture:
         """One block: read the selected tensors and patch the reads, in forward-execution order.
 
         Each ``.input`` / ``.output`` access parks until the forward pass reaches that module and returns
@@ -312,8 +315,10 @@ class TracedSite:
         if "mlp_out" in sel:
             out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output
             out = out[0] if self.POST_MLP_NORM is None and self.structure.mlp_tuple else out
-            # a copy where .float() makes none: a block may add to its MLP's output in place (Falcon)
-            cap.mlp_out = out.float() if out.dtype != torch.float32 else out.clone()
+            # a copy where .float() makes none: a block may add to its MLP's output in place (Falcon); [B, T, d] where
+            # the MLP ran on [B * T, d] (OPT)
+            out = out.float() if out.dtype != torch.float32 else out.clone()
+            cap.mlp_out = out if bt is None or out.ndim == 3 else out.reshape(*bt, out.shape[-1])
         if "resid_in" in sel:
             cap.resid_in = resid_in
         if "resid_mid" in sel:
