@@ -51,3 +51,32 @@ def test_a_tiny_mixtral_runs_through_the_ci_dag_as_a_local_model(tmp_path):
     assert len(sub) == 1 and all(math.isfinite(float(sub[c].iloc[0])) for c in ("L_model", "L_MF", "delta_L"))
     top = pd.read_csv(tables / f"ranking_top_{NAME}_main.csv")
     assert len(top) and {"layer", "head"} <= set(top.columns)
+    _stats_equal_the_loops(wd / "results", tmp_path / NAME)
+
+
+def _stats_equal_the_loops(results, folder):
+    """The DAG's statistics store of the stats half equals the per-position loops over the same windows
+    (mfpipe.conformance.reference_stats, on the model's own forward): P, n̄ and the query counts to the partials' 11
+    mantissa bits, the residual centroids (summed at 11 + 24 bits) closer."""
+    import numpy as np
+    import transformers
+    import xarray as xr
+
+    from mfpipe.conformance import reference_forward, reference_stats
+    from mfpipe.corpus.tracked import TrackedSet
+    from mfpipe.corpus.windows import list_shards, read_shard
+
+    corpus = results / "corpus" / "shakespeare-ci" / NAME
+    tokens = np.concatenate([read_shard(p).tokens for p in list_shards(corpus / "shards" / "stats")])
+    tracked = TrackedSet.load(corpus / "tracked.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    att, hid, _ = reference_forward(model, tokens)
+    ref = reference_stats(att, hid, tokens, tracked)
+    store = xr.open_zarr(results / "stats" / NAME / "main" / "stats.zarr")
+    assert store.attrs["model_type"] == "mixtral" and store.attrs["n_tokens"] == tokens.size
+    for name, want in (("P", ref["P"]), ("nbar", ref["nbar"]), ("query_count", ref["query_count"])):
+        got = store[name].values
+        assert got.shape == want.shape and np.array_equal(np.isnan(got), np.isnan(want)), name
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-6, equal_nan=True, err_msg=name)
+    # the residual centroids entering each block (the MLP's experts shape every one after the first)
+    np.testing.assert_allclose(store["centroid"].values[:-1], ref["centroid"], rtol=1e-4, atol=1e-5, equal_nan=True)
