@@ -20,11 +20,12 @@ cannot be placed raises, the sizes placed by (:class:`Shape`), and what kind a m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["probe", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index", "Shape",
+__all__ = ["probe", "Seen", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index", "Shape",
            "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
 
 CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
@@ -77,6 +78,18 @@ def submodule(root: nn.Module, path: str) -> nn.Module:
 _IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
 
 
+class Seen(NamedTuple):
+    """What the probe forward saw of one module: its first input and its output ([0] of a tuple) as float32 copies,
+    the same two tensors themselves (kept alive: a tensor a module hands on is the very object the next one reads),
+    and its raw output."""
+
+    x: Tensor
+    y: Tensor
+    x_obj: Tensor
+    y_obj: Tensor
+    out: object
+
+
 def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: list[str], table, shape: Shape, mt,
           named_mlp: str | None, named_value: tuple[str, str] | None) -> dict:
     """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict."""
@@ -85,36 +98,35 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     sources = [n for n, m in attn_mod.named_children()
                if n != out_proj and (linear_shape(m) or (0, 0))[0] == shape.d]
     watch = {n: m for n, m in block.named_children()}
+    emb = base.get_input_embeddings()
     watch.update({"<attn>": attn_mod, "<out_proj>": getattr(attn_mod, out_proj), "<block>": block,
-                  "<last>": blocks[-1], "<embed>": base.get_input_embeddings()})
+                  "<last>": blocks[-1], "<embed>": emb})
     watch.update({f"<src>{n}": getattr(attn_mod, n) for n in sources})
     watch.update({f"<outer>{n}": getattr(stack, n) for n in outer_norms})
-    if table is not None:
-        watch["<table>"] = table
     seen, order = _probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
     chain = [named_mlp] if named_mlp else _mlp_chain(seen, order, block, attn.split(".")[0], mt)
     if chain[0] not in seen or chain[-1] not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's MLP")
-    seen["<mlp>"] = (seen[chain[0]][0], seen[chain[-1]][1], seen[chain[0]][2], *seen[chain[-1]][3:])
+    first, last = seen[chain[0]], seen[chain[-1]]
+    seen["<mlp>"] = Seen(first.x, last.y, first.x_obj, last.y_obj, last.out)
     final_norm, embed_norm = _outer_norms(seen, outer_norms, mt)
     norms = [n for n, m in block.named_children() if is_norm(m) and n in seen]
-    same = _same_within(base.get_input_embeddings().weight.dtype)
+    same = _same_within(emb.weight.dtype)
     out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain,
                roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt))
     out["embed_scale"], out["position_row_offset"] = embed_scale(base, seen, table, embed_norm, same, mt)
-    out.update(value_layout(seen, sources, named_value, shape, mt, base.get_input_embeddings().weight.dtype))
-    out["mlp_tuple"] = isinstance(seen[chain[-1]][4], tuple)
-    out["mlp_sequences"] = _needs_sequences(block, chain, seen[chain[0]][0], seen["<mlp>"][1], same)
+    out.update(value_layout(seen, sources, named_value, shape, mt, emb.weight.dtype))
+    out["mlp_tuple"] = isinstance(last.out, tuple)
+    out["mlp_sequences"] = _needs_sequences(block, chain, first.x, last.y, same)
     return out
 
 
-def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict, list[str]]:
-    """One forward of three tokens with a hook on every module of ``watch`` -> (name -> (its first input, its
-    output [0] as float32 copies, the same two tensors themselves, its raw output), the names in call order). The
-    tensors themselves are kept alive: a tensor a module hands on is the very object the next one reads."""
-    seen: dict[str, tuple] = {}
+def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, Seen], list[str]]:
+    """One forward of three tokens with a hook on every module of ``watch`` -> (name -> :class:`Seen`, the names in
+    call order)."""
+    seen: dict[str, Seen] = {}
     order: list[str] = []
     handles = []
 
@@ -123,7 +135,7 @@ def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict, list
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
             y = out[0] if isinstance(out, tuple) else out
             if name not in seen and isinstance(x, Tensor) and isinstance(y, Tensor):
-                seen[name] = (x.detach().float().clone(), y.detach().float().clone(), x, y, out)
+                seen[name] = Seen(x.detach().float().clone(), y.detach().float().clone(), x, y, out)
                 order.append(name)
         return fn
 
@@ -167,7 +179,7 @@ def _mlp_chain(seen: dict, order: list[str], block: nn.Module, attn_top: str, mt
     if not ran:
         raise UnsupportedArchitectureError(mt, "cannot place one MLP module in a block: none")
     for a, b in zip(ran, ran[1:]):
-        if not (seen[b][2] is seen[a][3] or torch.equal(seen[b][0], seen[a][1])):
+        if not (seen[b].x_obj is seen[a].y_obj or torch.equal(seen[b].x, seen[a].y)):
             raise UnsupportedArchitectureError(mt, f"cannot place one MLP module in a block: {len(ran)} candidates "
                                                    f"({', '.join(ran)}) that are no chain")
     return ran
@@ -178,9 +190,9 @@ def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
     final norm; with more, the final norm reads the last block's output, an embedding norm the embedding's."""
     if len(outer) == 1:
         return outer[0], None
-    last_out, emb_out = seen["<last>"][3], seen["<embed>"][3]
-    final = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"][2] is last_out]
-    embn = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"][2] is emb_out]
+    last_out, emb_out = seen["<last>"].y_obj, seen["<embed>"].y_obj
+    final = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"].x_obj is last_out]
+    embn = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"].x_obj is emb_out]
     if len(final) != 1 or len(embn) > 1 or len(final) + len(embn) != len(outer):
         raise UnsupportedArchitectureError(mt, f"cannot place the final norm: {len(outer)} candidates "
                                                f"({', '.join(outer)})")
@@ -190,21 +202,21 @@ def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
 def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt) -> dict:
     """The probed ``norms``' roles around the attention ``attn`` and the MLP ``mlp`` and the residual form
     (``parallel``: the MLP reads the block input) from the probe forward's tensors (:func:`_probe_forward`)."""
-    block_in = seen["<block>"][0]
-    attn_in, attn_out = seen[attn][:2]
-    mlp_in, mlp_out = seen[mlp][:2]
+    block_in = seen["<block>"].x
+    attn_in, attn_out = seen[attn].x, seen[attn].y
+    mlp_in, mlp_out = seen[mlp].x, seen[mlp].y
 
     def role(pick, what, obj_pick=None):
         # the tensor a module hands on is the very object the next one reads: that decides first (two norms of
         # equal weights, as at initialisation, give equal values); equal values (up to the dtype) otherwise
-        hits = [n for n in norms if obj_pick(*seen[n][2:4])] if obj_pick else []
-        hits = hits or [n for n in norms if pick(*seen[n][:2])]
+        hits = [n for n in norms if obj_pick(seen[n].x_obj, seen[n].y_obj)] if obj_pick else []
+        hits = hits or [n for n in norms if pick(seen[n].x, seen[n].y)]
         if len(hits) > 1:
             raise UnsupportedArchitectureError(mt, f"{len(hits)} norms could be its {what}: {', '.join(hits)}")
         return hits[0] if hits else None
 
-    attn_in_obj, attn_out_obj = seen[attn][2:4]
-    mlp_in_obj, mlp_out_obj = seen[mlp][2:4]
+    attn_in_obj, attn_out_obj = seen[attn].x_obj, seen[attn].y_obj
+    mlp_in_obj, mlp_out_obj = seen[mlp].x_obj, seen[mlp].y_obj
     attn_norm = role(lambda x, y: same(y, attn_in), "pre-attention norm", lambda x, y: y is attn_in_obj)
     if attn_norm is None and not same(attn_in, block_in):
         raise UnsupportedArchitectureError(mt, "its attention reads neither the block input nor a norm of it")
@@ -212,11 +224,11 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt) -> d
     post_mlp_norm = role(lambda x, y: same(x, mlp_out), "post-MLP norm", lambda x, y: x is mlp_out_obj)
     mlp_norm = role(lambda x, y: same(y, mlp_in) and not same(y, attn_in), "pre-MLP norm",
                     lambda x, y: y is mlp_in_obj and y is not attn_in_obj)
-    attn_branch = seen[post_attn_norm][1] if post_attn_norm else attn_out
+    attn_branch = seen[post_attn_norm].y if post_attn_norm else attn_out
     if mlp_norm is None and attn_norm is not None and same(mlp_in, attn_in):
         mlp_norm, mlp_reads = attn_norm, block_in  # the MLP shares the attention's norm: it reads the block input
     else:
-        mlp_reads = seen[mlp_norm][0] if mlp_norm else mlp_in
+        mlp_reads = seen[mlp_norm].x if mlp_norm else mlp_in
     if same(mlp_reads, block_in):
         parallel = True
     elif same(mlp_reads, block_in + attn_branch):
@@ -234,12 +246,12 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt) -> d
 def embed_scale(base, seen: dict, table, embed_norm: str | None, same, mt) -> tuple[float, int]:
     """(the scale the token embedding reaches block 0 with: 1 or sqrt(d); the row offset of the position table
     ``table`` added where there is one), through the embedding norm ``embed_norm`` where there is one."""
-    block_in = seen["<block>"][0]
+    block_in = seen["<block>"].x
     if embed_norm is not None:  # block 0 reads the norm's output; the norm reads the (scaled) embedding
-        if not same(seen[f"<outer>{embed_norm}"][1], block_in):
+        if not same(seen[f"<outer>{embed_norm}"].y, block_in):
             raise UnsupportedArchitectureError(mt, f"its first block does not read its embedding norm {embed_norm}")
-        block_in = seen[f"<outer>{embed_norm}"][0]
-    e = seen["<embed>"][1]
+        block_in = seen[f"<outer>{embed_norm}"].x
+    e = seen["<embed>"].y
     T = e.shape[-2]
     offsets = [0] if table is None else range(table.num_embeddings - T + 1)
     for offset in offsets[:3]:
@@ -276,16 +288,17 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     """The value source and layout: the one named (:func:`~mfpipe.models.adapters.structure._value_by_name`) where
     its values reproduce the reads, else the one (source, KV heads, chunks, offset) among all chunked layouts of the
     attention's projections from the width d that does. A layout that is one of the named ones keeps its name."""
-    probs = seen["<attn>"][4][1] if isinstance(seen["<attn>"][4], tuple) and len(seen["<attn>"][4]) > 1 else None
+    attn_out = seen["<attn>"].out
+    probs = attn_out[1] if isinstance(attn_out, tuple) and len(attn_out) > 1 else None
     if not isinstance(probs, Tensor) or "<out_proj>" not in seen:
         raise UnsupportedArchitectureError(mt, "its attention returns no probabilities under eager attention")
-    probs, reads = probs.detach().double(), seen["<out_proj>"][0].double()
+    probs, reads = probs.detach().double(), seen["<out_proj>"].x.double()
     H, dh = shape.H, shape.dh
     # a wrong layout misses by the size of the reads themselves; the right one by the model dtype's rounding
     tol = max(1e-4, 20 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4
 
     def fits(src: str, kv: int, index: Tensor) -> bool:
-        v = seen[f"<src>{src}"][1].double()[..., index]  # [1, T, kv * dh]
+        v = seen[f"<src>{src}"].y.double()[..., index]  # [1, T, kv * dh]
         v = v.unflatten(-1, (kv, dh)).transpose(1, 2).repeat_interleave(H // kv, dim=1)  # [1, H, T, dh]
         got = torch.einsum("bhqk,bhkd->bqhd", probs, v).flatten(-2)
         return got.shape == reads.shape and float((got - reads).norm()) <= tol * float(reads.norm().clamp_min(1e-30))
@@ -294,13 +307,13 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
         n, lay = named
         kv = {"split": shape.KV, "qkv": shape.KV, "neox": H}[lay]
         chunks, offset = {"split": (1, 0), "qkv": (1, (H + shape.KV) * dh), "neox": (H, 2 * dh)}[lay]
-        if f"<src>{n}" in seen and fits(n, kv, chunk_index(seen[f"<src>{n}"][1].shape[-1], kv * dh, chunks, offset)):
+        if f"<src>{n}" in seen and fits(n, kv, chunk_index(seen[f"<src>{n}"].y.shape[-1], kv * dh, chunks, offset)):
             return dict(value_source=n, value_layout=lay, kv_heads=None, value_chunks=1, value_offset=0)
     found = {}
     for n in sources:
         if f"<src>{n}" not in seen:
             continue
-        W = seen[f"<src>{n}"][1].shape[-1]
+        W = seen[f"<src>{n}"].y.shape[-1]
         for kv in (k for k in range(1, H + 1) if H % k == 0):
             for chunks in (c for c in range(1, kv + 1) if kv % c == 0 and W % c == 0):
                 for offset in range(0, W // chunks - kv * dh // chunks + 1, dh):
@@ -312,7 +325,7 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
         raise UnsupportedArchitectureError(mt, f"cannot place the value projection (a projection whose outputs, in any "
                                                f"chunked layout, give the attention's reads): {why}")
     (n, kv, _), (chunks, offset) = next(iter(found.items()))
-    W = seen[f"<src>{n}"][1].shape[-1]
+    W = seen[f"<src>{n}"].y.shape[-1]
     lay = _canonical(W, kv, chunks, offset, shape)
     return dict(value_source=n, value_layout=lay, kv_heads=None if kv == shape.KV else kv,
                 value_chunks=chunks if lay == "chunked" else 1, value_offset=offset if lay == "chunked" else 0)
