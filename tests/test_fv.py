@@ -72,6 +72,9 @@ CFG = dict(n_pairs=20, n_extract=8, n_splits=2, n_shots=3, n_clean=6, n_corrupte
            sum_scales=[1.0, 4.0], head_scales=[1.0, 3.0], answer_prefix=" ", batch_size=16, seed=1)
 
 
+DEFAULT_FV = {k: v for k, v in E.DEFAULTS.items() if k not in ("null", "head_lists")}
+
+
 def _pool(tk, n=20):
     return Pr.task_pool(_task(), tk, 0, n_pairs=n, seed=1, answer_prefix=" ")
 
@@ -243,33 +246,146 @@ def test_injections_equal_torch_hook_references(setup):
 
 
 # ------------------------------------------------------------------ the experiment and its tables
-def test_run_task_tables_and_figure(setup, tmp_path):
+GIVEN = ["L1H2", "L0H1", "L1H0"]
+
+
+@pytest.fixture(scope="module")
+def ran(setup):
     model, ad, tk, tracked, st = setup
-    out = E.run_task(ad, _task(), tk, 0, lambda cue: Hd.corpus_null(st, tracked, cue), CFG,
-                     other_categories=[np.arange(5, 15)], context_length=T_CTX)
+    cfg = dict(CFG, head_lists={"given": {"*": GIVEN}}, clean_sweep=[1, 2, 6])
+    return E.run_task(ad, _task(), tk, 0, lambda cue: Hd.corpus_null(st, tracked, cue), cfg, context_length=T_CTX)
+
+
+def test_run_task_tables_and_figure(setup, ran, tmp_path):
+    model, ad, tk, tracked, st = setup
+    out = ran
     tr = out["transfer"]
     assert set(tr["protocol"]) == {"zero-shot", "few-shot", "sum", "per_head"}
-    assert set(tr.loc[tr["protocol"] == "sum", "selection"]) == set(E.SELECTIONS)
+    assert set(tr.loc[tr["protocol"] == "sum", "selection"]) == set(E.SELECTIONS) | {"given"}
     assert (tr["n"] == 12).all() and (tr["correct"] <= tr["n"]).all() and (tr["in_category"] >= tr["correct"]).all()
     sw = out["sweep"]
-    assert sw.loc[sw["protocol"] == "sum", "chosen"].sum() == 4  # one (layer, scale) for the four pipelines
+    tune = sw[sw["pairs"] == "extraction"]
+    # each split: one (layer, scale) for the four pipelines, from its own extraction pairs
+    assert (tune[tune["protocol"] == "sum"].groupby("split")["chosen"].sum() == 4).all()
+    assert (tune["n"] == 8).all() and set(tune["split"]) == {0, 1}
     h = out["heads"]
     assert len(h) == 2 * ad.n_layers * ad.n_heads and h.groupby("split")["sel_MFA"].sum().eq(3).all()
     assert (h.groupby("split")["sel_AIE"].sum() == 3).all()
+    given = {(int(x[1]), int(x[3])) for x in GIVEN}
+    assert set(zip(h.loc[h["sel_given"], "layer"], h.loc[h["sel_given"], "head"])) == given
     rk = out["ranks"]
+    heads_rk = rk[rk["vector"] == "head r"]
     assert {"raw"} <= set(rk["lens"]) and rk["median_rank_seen"].notna().all()
-    results = {k: out[k] for k in ("transfer", "heads", "sweep", "ranks", "prompt_ranks")}
-    tabs = Tb.fv_tables({k: v for k, v in results.items()}, [out["info"]])
-    assert {"matrix_sum", "matrix_per_head", "stability", "category"} <= set(tabs)
+    assert len(heads_rk) == ad.n_layers * ad.n_heads and sorted(heads_rk["head_order"]) == list(range(len(heads_rk)))
+    assert {"sum given r", "sum AIE raw"} <= set(rk["vector"])
+    pr = out["prompt_ranks"]
+    assert len(pr) == ad.n_layers * ad.n_heads and pr["selections"].str.contains("given").sum() == 3
+    results = {k: out[k] for k in E.PARTS}
+    tabs = Tb.fv_tables(results, [out["info"]])
+    assert {"matrix_sum", "matrix_per_head", "stability", "category", "clean", "recovery", "tally"} <= set(tabs)
     m = tabs["transfer"]
     row = m[(m["protocol"] == "sum") & (m["selection"] == "MFA") & (m["construction"] == "r")].iloc[0]
     assert row["n"] == 24 and row["ci_lo"] <= row["accuracy"] <= row["ci_hi"]
-    md = Tb.matrix_markdown(tabs["transfer"], tabs["stability"], "sum", "tiny", "r1")
-    assert "AIE∩MFA" in md and "shift" in md
+    md = Tb.matrix_markdown(tabs["transfer"], tabs["stability"], "sum", "tiny", "r1", null=["type_mean"])
+    assert "AIE∩MFA" in md and "given∩MFA" in md and "given r" in md and "shift" in md and "measured mean" in md
+    from mfpipe.experiments.fv import details as Dt
     from mfpipe.experiments.fv import figures as Fg
 
+    det = Dt.details_markdown(tabs, "tiny", "r1")
+    assert "recovered by the pipeline's own AIE" in det and "Wilcoxon" in det and "at every setting" in det
+    assert "n_clean" in Dt.clean_markdown(tabs["clean"], "tiny", "r1")
     Fg.plot_transfer(tabs["transfer"], tmp_path / "fv.png", title="tiny")
-    assert (tmp_path / "fv.png").stat().st_size > 1000
+    Fg.plot_clean_sweep(tabs["clean"], tmp_path / "clean.png", title="tiny")
+    assert (tmp_path / "fv.png").stat().st_size > 1000 and (tmp_path / "clean.png").stat().st_size > 1000
+
+
+def test_the_sweeps_agree_with_the_main_table_at_its_own_cells(ran):
+    """Item 5 and 6: the raw-magnitude control's sweep at the split's chosen setting is the main table's
+    raw-magnitude cell, and the clean-prompt sweep at every clean prompt is the main table's MFA·r cell (the same
+    injections scored in other batches: fails if either sweep builds its vectors, selection or setting otherwise)."""
+    tr, sw, cl = ran["transfer"], ran["sweep"], ran["clean"]
+    main = tr.set_index(["split", "protocol", "selection", "construction"])["correct"]
+    raw = sw[(sw["pairs"] == "held-out") & sw["chosen"]]
+    assert len(raw) == 2 * 2 * 2  # splits x protocols x constructions
+    for r in raw.itertuples():
+        assert r.correct == main[(r.split, r.protocol, "raw-magnitude", r.construction)]
+    n_grid = (2 * len(CFG["sum_scales"]) + len(CFG["head_scales"])) * 2 * 2  # (L x sum + head scales) x cons x splits
+    assert len(sw[sw["pairs"] == "held-out"]) == n_grid
+    assert sorted(set(cl["n_clean"])) == [1, 2, 6]
+    for r in cl[cl["n_clean"] == 6].itertuples():
+        assert r.correct == main[(r.split, r.protocol, "MFA", "r")]
+    one = cl[cl["n_clean"] == 1]
+    assert len(one) == 4 and one["heads"].str.count("L").eq(3).all()
+
+
+def test_no_split_tunes_or_selects_on_its_own_held_out_pairs(ran, setup):
+    """Item 3: every pair a split's sweep, AIE prompts (queries and exemplars) and clean prompts use is one of its
+    extraction pairs; none is among its held-out pairs (each split tunes on its own extraction pairs)."""
+    info = ran["info"]
+    sp = Pr.splits(CFG["n_pairs"], CFG["n_extract"], CFG["n_splits"], CFG["seed"])
+    assert len(info["tuning_pairs"]) == len(sp) == 2
+    for (ext, held), tuning, held_rec in zip(sp, info["tuning_pairs"], info["held_out_pairs"]):
+        assert held_rec == held.tolist()
+        assert set(tuning) == set(ext.tolist())  # the sweep scores every extraction pair
+        assert not set(tuning) & set(held.tolist())
+    # and the prompts themselves: the label-shuffled prompts of split 1 draw only its extraction pairs
+    model, ad, tk, tracked, st = setup
+    pool = _pool(tk)
+    bad = Pr.corrupted_prompts(pool, tk, 0, sp[1][0], n_shots=3, n_prompts=3, seed=[CFG["seed"], 1])
+    assert bad and all({p.pair, *p.exemplars} <= set(sp[1][0].tolist()) for p in bad)
+
+
+def test_the_decode_populations_are_the_papers(ran, setup):
+    """Item 4: seen answers from the extraction prompts, held-out answers not among them, out-of-task answers in none
+    of the drawn pairs, unrelated words from the shipped list and not of the task's category; counts as configured."""
+    from mfpipe.experiments.fv import decode as Dc
+
+    model, ad, tk, tracked, st = setup
+    pool = _pool(tk)
+    sp = Pr.splits(20, 8, 2, 1)
+    d0 = {"ext": sp[0][0], "held": sp[0][1]}
+    pops = Dc.populations(tk, pool, d0, 0, {"seen": 4, "held_out": 3, "out_of_task": 2, "unrelated": 5}, 1, " ")
+    assert [len(pops[k]) for k in ("seen", "held-out", "unrelated")] == [4, 3, 5]
+    assert set(pops["seen"]) <= set(pool.answers[d0["ext"]].tolist())
+    assert set(pops["held-out"]) <= set(pool.answers[d0["held"]].tolist())
+    assert not set(pops["held-out"]) & set(pool.answers[d0["ext"]].tolist())
+    assert not set(pops["out-of-task"]) & set(pool.answers.tolist()) and len(pops["out-of-task"]) <= 2
+    assert not set(pops["unrelated"]) & set(pool.category.tolist())
+    from mfpipe.tasks import unrelated_words
+
+    firsts = {tk(" " + w, add_special_tokens=False)["input_ids"][0] for w in unrelated_words()}
+    assert set(pops["unrelated"]) <= firsts
+    # the defaults are the paper's 10 / 10 / 15 / 15
+    assert {k: v for k, (_, v) in Dc.POPULATIONS.items()} == {"seen": 10, "held-out": 10, "out-of-task": 15,
+                                                                "unrelated": 15}
+
+
+def test_pairs_answered_by_the_querys_first_token_are_dropped(tok):
+    """Item 8: a pair whose answer token is the query's first token (a copy) is dropped, and counted."""
+    tk, _ = tok
+    pairs = [(w, WORDS[(i + 3) % len(WORDS)]) for i, w in enumerate(WORDS)]
+    copies = [(w, w) for w in WORDS[:5]]
+    pool = Pr.task_pool(FewShotTask("mix", pairs + copies), tk, 0, n_pairs=20, seed=0, answer_prefix="")
+    assert pool.meta["copy"] == 5 and pool.dropped == pool.meta["copy"] + pool.meta["undefined"]
+    assert not any(x == y for x, y in pool.pairs)
+    first = [int(p.tokens[1]) for p in pool.zeroshot]
+    assert all(a != f for a, f in zip(pool.answers, first))
+
+
+def test_bold_marks_every_pipeline_within_the_tie_margin():
+    """Item 8: bold within 0.02 of the best AIE / MFA / head-list pipeline, as the paper's tables."""
+    acc = {("AIE", "raw"): 50, ("AIE", "r"): 49, ("MFA", "raw"): 47, ("MFA", "r"): 10, ("todd", "r"): 48,
+           ("todd", "raw"): 20, ("raw-magnitude", "raw"): 90, ("random", "r"): 0}
+    rows = [dict(task="t", split=0, protocol="sum", selection=s, construction=c, n=100, correct=k, in_category=k,
+                 seen_answer=0, p_answer=0.1, layer=1, scale=2.0) for (s, c), k in acc.items()]
+    t = Tb.transfer_table(pd.DataFrame(rows))
+    st = pd.DataFrame([dict(task="t", n_selected=4, aie_mfa_overlap="1", todd_mfa_overlap="2")])
+    md = Tb.matrix_markdown(t, st, "sum", "m", "r")
+    row = next(ln for ln in md.splitlines() if ln.startswith("| t |"))
+    cells = dict(zip(next(ln for ln in md.splitlines() if ln.startswith("| task")).split(" | "), row.split(" | ")))
+    bold = {k for k, v in cells.items() if v.startswith("**")}
+    assert bold == {"AIE raw", "AIE r", "todd r"}, cells  # 0.50, 0.49, 0.48 (0.47 is outside; the control never)
+    assert cells["todd∩MFA"] == "2/4"
 
 
 def test_seed_spread_and_conclusions_count_each_seed():
@@ -360,3 +476,137 @@ def test_the_residual_add_goes_through_the_site_on_every_architecture(model_type
     h.remove()
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert (got - base).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------ head lists, the protocol tests, the settings
+def test_a_head_list_on_a_tiny_gptj_and_its_recovery_by_aie(tok):
+    """Item 1: a given head list runs as its own selection on a tiny GPT-J, and the recovery table's overlap of the
+    pipeline's own AIE top k with the list equals a direct set comparison on the AIE scores of each split (whose
+    top n_selected is the AIE selection)."""
+    from mfpipe.experiments.fv import analysis as An
+
+    tk, _ = tok
+    model = make_tiny_model("gptj", seed=5, vocab_size=len(tk), bos_token_id=0, eos_token_id=0)
+    ad = get_adapter(model)
+    lst = ["L1H3", "L0H0", "L1H1", "L0H2", "L1H0"]
+    null = torch.zeros(ad.n_layers, ad.n_heads, ad.d_head)
+    cfg = dict(CFG, head_lists={"todd": {"shift": lst}, "other": {"another-task": ["L0H1"]}}, clean_sweep=[1])
+    out = E.run_task(ad, _task(), tk, 0, null, cfg, context_length=T_CTX)
+    assert "todd" in set(out["transfer"]["selection"]) and "other" not in set(out["transfer"]["selection"])
+    assert out["info"]["head_lists"] == {"todd": lst}
+    heads = [(int(x[1]), int(x[3])) for x in lst]
+    rec = An.recovery_table(out["heads"], {("todd", "shift"): heads})
+    assert len(rec) == 2
+    for r in rec.itertuples():
+        g = out["heads"][out["heads"]["split"] == r.split]
+        aie = torch.zeros(ad.n_layers, ad.n_heads, dtype=torch.float64)
+        aie[g["layer"].to_numpy(), g["head"].to_numpy()] = torch.tensor(g["aie"].to_numpy(copy=True))
+        top = Hd.top_heads(aie.float(), len(lst))
+        assert r.recovered == len(set(top) & set(heads)) and r.k == 5
+        assert r.top5 == len(set(top[:5]) & set(heads[:5])) and r.top5_exact == (set(top[:5]) == set(heads[:5]))
+        sel = set(zip(g.loc[g["sel_AIE"], "layer"], g.loc[g["sel_AIE"], "head"]))
+        assert sel == set(Hd.top_heads(aie.float(), CFG["n_selected"]))
+        mfa = set(zip(g.loc[g["sel_MFA"], "layer"], g.loc[g["sel_MFA"], "head"]))
+        assert r.mfa_overlap == len(mfa & set(heads))
+    with pytest.raises(ValueError, match="L2H0 is not a head of this model"):
+        E.run_task(ad, _task(), tk, 0, null, dict(cfg, head_lists={"todd": {"*": ["L2H0"]}}), context_length=T_CTX)
+
+
+def test_protocol_tests_pair_the_cells_and_tally_the_constructions():
+    """Item 5: per-head vs summed over paired task x split x selection x construction cells (Wilcoxon), the
+    summing penalty of AIE vs MFA (Mann-Whitney), and the r >= raw tally exactly and within 0.02."""
+    from scipy import stats
+
+    from mfpipe.experiments.fv import analysis as An
+
+    rng = np.random.default_rng(0)
+    rows, diffs, pen = [], [], {"AIE": [], "MFA": []}
+    for task in ("a", "b"):
+        for split in (0, 1, 2):
+            for sel in ("AIE", "MFA", "random"):
+                for cons in ("raw", "r"):
+                    s_k, h_k = int(rng.integers(0, 40)), int(rng.integers(0, 40))
+                    for prot, k in (("sum", s_k), ("per_head", h_k)):
+                        rows.append(dict(task=task, split=split, protocol=prot, selection=sel, construction=cons,
+                                         n=40, correct=k, in_category=k, seen_answer=0, p_answer=0.1, layer=0,
+                                         scale=1.0))
+                    if sel != "random":
+                        diffs.append(h_k / 40 - s_k / 40)  # as the table computes them: accuracies first
+                        pen[sel].append(-(h_k / 40 - s_k / 40))
+    tr = pd.DataFrame(rows)
+    p = An.protocol_tests(tr)
+    assert p["n_cells"] == 24 and p["mean_difference"] == pytest.approx(np.mean(diffs))
+    assert p["wilcoxon_p"] == pytest.approx(stats.wilcoxon(diffs).pvalue)
+    assert p["penalty_AIE"] == pytest.approx(np.mean(pen["AIE"]))
+    assert p["mannwhitney_p"] == pytest.approx(stats.mannwhitneyu(pen["AIE"], pen["MFA"]).pvalue)
+    t = Tb.transfer_table(tr)
+    tally = An.construction_tally(t).set_index("protocol")
+    for prot in ("sum", "per_head"):
+        w = t[(t["protocol"] == prot) & t["selection"].isin(["AIE", "MFA"])].pivot_table(
+            index=["task", "selection"], columns="construction", values="accuracy")
+        assert tally.loc[prot, "cells"] == 4
+        assert tally.loc[prot, "r_at_least_raw"] == int((w["r"] >= w["raw"]).sum())
+        assert tally.loc[prot, "r_within_tie"] == int((w["r"] >= w["raw"] - 0.02 - 1e-12).sum())
+
+
+def test_fv_settings_give_each_model_its_null_and_head_lists():
+    """Item 2: the null per model (a mapping; the default the mean field) and only the model's own head lists reach
+    its job's params, so editing another model's changes nothing of this one's."""
+    from types import SimpleNamespace
+
+    from mfpipe.experiments.fv.rules import fv_settings
+
+    fv = dict(DEFAULT_FV, null={"gpt-j-6b": "type_mean"}, head_lists=[
+        {"name": "todd", "model": "gpt-j-6b", "heads": ["L15H5", "L9H14"], "tasks": None},
+        {"name": "mine", "model": "gpt-j-6b", "heads": ["L1H1"], "tasks": ["antonym"]},
+        {"name": "mine", "model": "gpt2-small", "heads": ["L9H8"], "tasks": None}])
+    plan = SimpleNamespace(config={"fv": fv})
+    j, g = fv_settings(plan, "gpt-j-6b"), fv_settings(plan, "gpt2-small")
+    assert j["null"] == "type_mean" and g["null"] == "mean_field"
+    assert j["head_lists"] == {"todd": {"*": ["L15H5", "L9H14"]}, "mine": {"antonym": ["L1H1"]}}
+    assert g["head_lists"] == {"mine": {"*": ["L9H8"]}}
+    assert E.task_head_lists(j["head_lists"], "antonym", 28, 16) == {"todd": [(15, 5), (9, 14)], "mine": [(1, 1)]}
+    assert E.task_head_lists(j["head_lists"], "capital", 28, 16) == {"todd": [(15, 5), (9, 14)]}
+    assert "tasks" not in j and "models" not in j
+    fv2 = dict(fv, null={"gpt-j-6b": "type_mean", "default": "type_mean"})
+    assert fv_settings(SimpleNamespace(config={"fv": fv2}), "gpt2-small")["null"] == "type_mean"
+
+
+def test_the_gptj_preset_names_todds_ten_heads_and_its_measured_null():
+    """Item 1 and 2 on the presets: every preset's shared block carries Todd et al.'s ten heads for GPT-J (verbatim,
+    App. fv-validations) and GPT-J's measured null; the schema takes them and refuses a reserved name."""
+    from pathlib import Path
+
+    import yaml
+
+    from mfpipe.workflow.config import ConfigError, validate_schema
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    fv = yaml.safe_load((repo / "config" / "presets" / "gpt-j-6b.yaml").read_text())["fv"]
+    todd = ["L15H5", "L9H14", "L12H10", "L8H1", "L11H0", "L13H13", "L8H0", "L14H9", "L9H2", "L24H6"]
+    assert fv["head_lists"] == [{"name": "todd", "model": "gpt-j-6b", "heads": todd}]
+    assert fv["null"] == {"gpt-j-6b": "type_mean"}
+    validate_schema(dict(cfg, fv=fv))
+    # the run's plan (as the Snakefile builds it) gives GPT-J's job the todd arm and the measured null, and no other
+    # model either of them (tests/test_presets.py plans that job on the offline hub cache)
+    from snakemake.utils import update_config
+
+    from mfpipe.experiments.fv.rules import fv_settings, targets
+    from mfpipe.workflow.config import check_config
+    from mfpipe.workflow.plan import Plan
+
+    for preset, model in (("gpt-j-6b", "gpt-j-6b"), ("gpt2-small", "gpt2-small")):
+        full = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+        update_config(full, yaml.safe_load((repo / "config" / "presets" / f"{preset}.yaml").read_text()))
+        validate_schema(full)
+        check_config(full)
+        plan = Plan(full, repo / "src")
+        got = fv_settings(plan, model)
+        if model == "gpt-j-6b":
+            assert got["head_lists"] == {"todd": {"*": todd}} and got["null"] == "type_mean"
+        else:
+            assert got["head_lists"] == {} and got["null"] == "mean_field"
+        assert f"results/tables/fv_clean_{model}_main.md" in targets(plan)
+    with pytest.raises(ConfigError, match="head_lists"):
+        validate_schema(dict(cfg, fv=dict(fv, head_lists=[{"name": "MFA", "model": "m", "heads": ["L0H0"]}])))

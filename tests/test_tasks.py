@@ -109,7 +109,7 @@ def test_the_data_is_package_data():
     them; `pip wheel . && unzip -l` lists mfpipe/tasks/data/*)."""
     root = resources.files("mfpipe.tasks").joinpath("data")
     names = sorted(p.name for p in root.iterdir())
-    assert names == sorted([f"{n}.json" for n in COUNTS] + ["LICENSE", "SOURCE.md"])
+    assert names == sorted([f"{n}.json" for n in COUNTS] + ["LICENSE", "SOURCE.md", "unrelated-words.txt"])
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["mfpipe"]
     for name in names:
         assert any(fnmatch.fnmatch(f"tasks/data/{name}", p) for p in patterns), name

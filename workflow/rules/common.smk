@@ -18,6 +18,7 @@ from mfpipe.minisuite import rules as minisuite_rules  # noqa: E402
 from mfpipe.corpus import rules as corpus_rules  # noqa: E402
 from mfpipe.stats import rules as stats_rules  # noqa: E402
 from mfpipe.deviation import rules as deviation_rules  # noqa: E402
+from mfpipe.jlens import rules as jlens_rules  # noqa: E402
 from mfpipe.workflow.runner import CAUSE_PREFIX, failed_job_causes  # noqa: E402
 from mfpipe.workflow.preflight import TOKENIZER, check_inputs, hub_commits  # noqa: E402
 from mfpipe.workflow.scheduling import one_pending_wakeup  # noqa: E402
@@ -249,7 +250,8 @@ def every_target():
     """Every stage's and every experiment's targets: what the default target makes, and what the run's cost table
     waits for."""
     targets = []
-    for stage in (minisuite_rules, corpus_rules, stats_rules, deviation_rules, *EXPERIMENT_RULES.values()):
+    for stage in (minisuite_rules, corpus_rules, stats_rules, deviation_rules, jlens_rules,
+                  *EXPERIMENT_RULES.values()):
         targets += stage.targets(PLAN)
     return targets
 

@@ -20,14 +20,18 @@ rule function_vectors:
         heads=f"{R}/fv/{{model}}/{{revision}}/heads.csv",
         sweep=f"{R}/fv/{{model}}/{{revision}}/sweep.csv",
         ranks=f"{R}/fv/{{model}}/{{revision}}/ranks.csv",
+        clean=f"{R}/fv/{{model}}/{{revision}}/clean.csv",
+        recovery=f"{R}/fv/{{model}}/{{revision}}/recovery.csv",
         info=f"{R}/fv/{{model}}/{{revision}}/info.json",
         table=table_report(f"{R}/tables/fv_{{model}}_{{revision}}.csv", "function vectors"),
         table_md=f"{R}/tables/fv_{{model}}_{{revision}}.md",
         per_head_md=f"{R}/tables/fv_per_head_{{model}}_{{revision}}.md",
         details_md=f"{R}/tables/fv_details_{{model}}_{{revision}}.md",
+        clean_table=table_report(f"{R}/tables/fv_clean_{{model}}_{{revision}}.csv", "function vectors"),
+        clean_md=f"{R}/tables/fv_clean_{{model}}_{{revision}}.md",
     params:
         tasks=lambda wc: fv_rules.fv_tasks(PLAN, wc.model),
-        fv={k: v for k, v in FV.items() if k not in ("tasks", "models", "batch_size")},
+        fv=lambda wc: fv_rules.fv_settings(PLAN, wc.model),
         batch_size=FV["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads
@@ -63,5 +67,29 @@ rule figure_fv:
         "logs/benchmarks/figure_fv/figures/fv_{model}_{revision}.tsv",
     log:
         "logs/figures/fv_{model}_{revision}.log",
+    script:
+        JOB_SCRIPT
+
+
+# Fig. fv-clean (MFA·r against the number of clean prompts), drawn from the clean-prompt sweep's table:
+#   snakemake --cores 1 results/figures/fv_clean_mini-gpt2_final.png
+rule figure_fv_clean:
+    input:
+        table=f"{R}/tables/fv_clean_{{model}}_{{revision}}.csv",
+        code=job("experiments.fv", "figure_fv_clean"),
+    output:
+        pdf=report(f"{R}/figures/fv_clean_{{model}}_{{revision}}.pdf", caption="../report/figure_fv_clean.rst",
+                   category="Figures", subcategory="function vectors"),
+        png=report(f"{R}/figures/fv_clean_{{model}}_{{revision}}.png", caption="../report/figure_fv_clean.rst",
+                   category="Figures", subcategory="function vectors"),
+    params:
+        title="{model} @ {revision}",
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/figure_fv_clean/figures/fv_clean_{model}_{revision}.tsv",
+    log:
+        "logs/figures/fv_clean_{model}_{revision}.log",
     script:
         JOB_SCRIPT

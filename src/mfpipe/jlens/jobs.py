@@ -8,15 +8,22 @@ def jlens(job) -> None:
     """The J-lens of App. P for one (model, revision) (mfpipe.jlens.lens): J_l = E[d h^L_t / d h^l_t], the average
     same-position Jacobian of the final residual with respect to the residual entering block l ("block") and to
     block l's attention output ("attn"), over seeded positions of the statistics half's windows ->
-    results/jlens/<model>/<revision>/jlens.zarr (provenance: model, revision, corpus)."""
+    results/jlens/<model>/<revision>/jlens.zarr (provenance: model, revision, corpus), and its checks table
+    (mfpipe.jlens.checks, mfpipe.jlens.agreement) -> results/tables/jlens_checks_<model>_<revision>.{csv,md}: per
+    (point, layer) the split-half and nested-prefix relative differences of J on `check_rows` output dimensions and
+    the raw / J-lens decode agreement on `n_decode` other positions, a summary line per layer in the log."""
     import time
     from pathlib import Path
 
     import numpy as np
 
     from mfpipe.corpus.windows import list_shards, read_shard
+    from mfpipe.jlens import agreement as JA
+    from mfpipe.jlens import checks as JC
     from mfpipe.jlens import lens as JL
     from mfpipe.stats.halves import corpus_info
+    from mfpipe.workflow.io import atomic_write_text
+    from mfpipe.workflow.tables import write_table
 
     p, log = job.params, job.log
     name, revision = p.model_spec["name"], str(p.revision)
@@ -32,11 +39,22 @@ def jlens(job) -> None:
              int(p.batch_size))
     t0 = time.perf_counter()
     ds = JL.estimate_jlens(adapter, windows, n_positions=int(p.n_positions), seed=int(p.seed),
-                           batch_size=int(p.batch_size), grad_chunk=int(p.grad_chunk), desc=f"jlens {name}@{revision}")
+                           batch_size=int(p.batch_size), grad_chunk=int(p.grad_chunk), desc=f"jlens {name}@{revision}",
+                           check_rows=int(p.check_rows))
     L = adapter.n_layers
     off = float(np.abs(ds["J"].sel(point="block", layer=L).values - np.eye(adapter.d_model)).max())
     log.info("estimated in %.1f s; max |J_L - I| = %.2e (the final point's Jacobian is the identity)",
              time.perf_counter() - t0, off)
+    t0 = time.perf_counter()
+    agree = JA.decode_agreement(adapter, ds, windows, n_decode=int(p.n_decode), batch_size=int(p.batch_size),
+                                seed=int(p.seed) + 1)
+    table = JC.checks_table(ds, agree)
+    log.info("checks on %d of %d output dimensions; raw / J-lens decodes of %d other positions compared in %.1f s",
+             len(ds.attrs["check_rows"]), adapter.d_model, int(p.n_decode), time.perf_counter() - t0)
+    for line in JC.summary_lines(table):
+        log.info("%s", line)
     prov = {"model": name, "revision": revision, "commit": getattr(p, "commit", None), "half": "stats",
             "corpus": info.get("corpus"), "corpus_fingerprint": info["fingerprint"]}
     JL.write_jlens(job.output[0], ds, prov)
+    write_table(table, csv=job.output.table)
+    atomic_write_text(job.output.md, JC.checks_markdown(table, f"J-lens checks: {name} @ {revision}"))

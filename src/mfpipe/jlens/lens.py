@@ -23,6 +23,11 @@ Decisions (see also the module docstring of :mod:`mfpipe.models.adapters.jacobia
   write ``O_h z`` lands (head vectors decode there; NaN at ``ℓ = L``).
 * Float32 Jacobians are accumulated in float64 and stored in float32 (``J``, dims ``point, layer, out, in``:
   ``J[p, ℓ] @ u`` maps an inserted vector to the final residual).
+* **Checks** (:mod:`mfpipe.jlens.checks`): the same backward passes also sum the Jacobians of four nested-prefix
+  blocks of the sampled order beside the total (``J`` is unchanged, bit for bit), from which the store keeps the
+  split-half difference and the convergence with the number of positions (``check_split_half``,
+  ``check_convergence``); the job adds the raw / J-lens decode agreement (:mod:`mfpipe.jlens.agreement`) and writes
+  both to its checks table.
 
 The store (``results/jlens/<model>/<revision>/jlens.zarr``) records its provenance (model, revision, corpus
 fingerprint, ...); :func:`open_jlens` refuses one computed for anything else than what the caller expects.
@@ -73,7 +78,7 @@ def sample_positions(n_windows: int, context_length: int, n_positions: int, seed
 
 def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int, batch_size: int,
                    progress: bool = True, grad_chunk: int = 16, desc: str = "jlens",
-                   dtype=np.float32, prefix_cache: bool = True) -> xr.Dataset:
+                   dtype=np.float32, prefix_cache: bool = True, check_rows: int | None = 256) -> xr.Dataset:
     """The J-lens estimate of the model of ``adapter`` over ``windows [n, T]`` (token ids of the statistics half).
 
     :func:`sample_positions` picks ``n_positions`` (window, position) pairs; batches of ``batch_size`` of them, in
@@ -87,10 +92,17 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     Returns an :class:`xarray.Dataset`: ``J`` (point, layer, out, in) in ``dtype`` (NaN at ``attn``, layer ``L``),
     ``n_positions`` (scalar), ``sample_window`` / ``sample_position`` (sample) and attrs ``kind``, ``model_type``,
     ``n_layers``, ``d_model``, ``context_length``, ``n_windows``, ``n_positions``, ``seed``, ``batch_size``,
-    ``model_dtype``, ``mfpipe_version``. Add the provenance (model, revision, corpus) with :func:`write_jlens`."""
-    import torch
+    ``model_dtype``, ``mfpipe_version``. Add the provenance (model, revision, corpus) with :func:`write_jlens`.
 
-    from mfpipe.models.adapters.jacobian import position_jacobians
+    ``check_rows`` (default 256; None: no checks): the estimate's checks on its own sample (:mod:`mfpipe.jlens.checks`)
+    from the same backward passes, the Jacobians of four nested-prefix blocks of the sampled order summed beside the
+    total on ``check_rows`` output dimensions (all of them when ``d <= check_rows``, else a random subset seeded with
+    ``seed + 2``), which leaves ``J`` as it is bit for bit. They add ``check_split_half`` (point, layer): the relative
+    Frobenius difference of the estimates over the two halves of the sample, ``check_convergence`` (point, layer,
+    ``n_check``): that of the estimate over the first ``n_check`` samples from ``J`` (``n_check`` the distinct
+    positive ``n//8, n//4, n//2, n``), NaN at (``attn``, ``L``), and attrs ``check_rows`` (the output dimensions
+    compared) and ``check_bounds`` (the blocks' boundaries)."""
+    from mfpipe.jlens import checks as C
     from mfpipe.stats.store import code_version
 
     windows = np.asarray(windows)
@@ -99,20 +111,9 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     n_win, T = windows.shape
     win, pos = sample_positions(n_win, T, n_positions, seed)
     L, d, bs = adapter.n_layers, adapter.d_model, max(1, int(batch_size))
-    total = torch.zeros(2, L + 1, d, d, dtype=torch.float64, device=adapter.device)
-    # batched in order of position: the rows of one position share a prefix forward (and, for a model without a
-    # key/value cache, each batch is cut after its largest position); the sum does not depend on the order
-    order = np.argsort(pos, kind="stable")
-    starts = range(0, len(win), bs)
-    if progress:
-        from tqdm.auto import tqdm
-
-        starts = tqdm(starts, desc=desc, unit="batch", dynamic_ncols=True, mininterval=2.0)
-    for b0 in starts:
-        k = order[b0 : b0 + bs]
-        ids = torch.from_numpy(windows[win[k]].astype(np.int64))
-        total += position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
-                                    prefix_cache=prefix_cache)
+    keep = None if check_rows is None else C.check_row_indices(d, check_rows, int(seed) + 2)
+    total, by_group = _jacobian_sums(adapter, windows, win, pos, bs, keep, progress=progress, desc=desc,
+                                     grad_chunk=grad_chunk, prefix_cache=prefix_cache)
     J = (total / len(win)).cpu().numpy().astype(dtype)
     attrs = {"kind": KIND, "model_type": adapter.model_type, "n_layers": int(L), "d_model": int(d),
              "context_length": int(T), "n_windows": int(n_win), "n_positions": len(win), "seed": int(seed),
@@ -126,7 +127,56 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
         coords={"point": np.asarray(POINTS, dtype=object), "layer": np.arange(L + 1)},  # object: zarr v3 vlen strings
         attrs=attrs,
     )
+    if keep is not None:
+        split, conv = C.sample_checks(by_group, len(win))
+        ds["check_split_half"] = (("point", "layer"), split, {
+            "description": "||J_A - J_B||_F / ||J||_F on the rows check_rows, J_A / J_B the estimates over the first "
+                           "/ second half of the samples (disjoint position samples)"})
+        ds["check_convergence"] = (("point", "layer", "n_check"), conv, {
+            "description": "||J_k - J||_F / ||J||_F on the rows check_rows, J_k the estimate over the first k = "
+                           "n_check samples (a nested prefix of the sampled order)"})
+        ds = ds.assign_coords(n_check=np.asarray(C.check_sizes(len(win)), dtype=np.int64))
+        ds.attrs.update(check_rows=[int(i) for i in keep], check_bounds=C.sample_bounds(len(win)))
     return ds
+
+
+def _jacobian_sums(adapter, windows, win, pos, bs: int, keep, *, progress: bool, desc: str, grad_chunk: int,
+                   prefix_cache: bool):
+    """``(total [2, L+1, d, d], by_group [4, 2, L+1, r, d] or None)`` float64 over the samples ``(win, pos)`` of
+    :func:`estimate_jlens`; ``by_group`` (the block sums of :mod:`mfpipe.jlens.checks`) where ``keep`` names the
+    ``r`` output dimensions kept."""
+    import torch
+
+    from mfpipe.jlens import checks as C
+    from mfpipe.models.adapters.jacobian import position_jacobians
+
+    L, d = adapter.n_layers, adapter.d_model
+    total = torch.zeros(2, L + 1, d, d, dtype=torch.float64, device=adapter.device)
+    by_group, groups = None, None
+    if keep is not None:
+        by_group = torch.zeros(C.N_GROUPS, 2, L + 1, len(keep), d, dtype=torch.float64, device=adapter.device)
+        groups, keep = C.sample_groups(len(win)), torch.from_numpy(np.asarray(keep))
+    # batched in order of position: the rows of one position share a prefix forward (and, for a model without a
+    # key/value cache, each batch is cut after its largest position); the sum does not depend on the order
+    order = np.argsort(pos, kind="stable")
+    starts = range(0, len(win), bs)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=desc, unit="batch", dynamic_ncols=True, mininterval=2.0)
+    for b0 in starts:
+        k = order[b0 : b0 + bs]
+        ids = torch.from_numpy(windows[win[k]].astype(np.int64))
+        if groups is None:
+            total += position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                                        prefix_cache=prefix_cache)
+        else:
+            t, by = position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                                       prefix_cache=prefix_cache, groups=torch.from_numpy(groups[k]),
+                                       group_rows=keep, n_groups=C.N_GROUPS)
+            total += t
+            by_group += by
+    return total, by_group
 
 
 def _plain(v: Any) -> Any:

@@ -18,6 +18,9 @@ duplicate pairs. Names (:func:`vendored_tasks`): ``antonym``, ``capitalize``, ``
   country-currency, english-french). The source has no country-language dataset; ``landmark-country`` (the
   closest one: a geographic look-up with a country on one side) stands in for it (:data:`STAND_INS`).
 
+``data/unrelated-words.txt`` (:func:`unrelated_words`): generic everyday nouns, the function-vector category
+analysis's "unrelated words" population (this package's list, not from the source).
+
 A user's own task is a JSON file::
 
     {"name": "antonym", "pairs": [["hot", "cold"], ["big", "small"], ...]}
@@ -35,7 +38,7 @@ from pathlib import Path
 
 __all__ = ["FewShotTask", "N_EXEMPLARS", "PAPER_ICL_TASKS", "PAPER_FV_TASKS", "STAND_INS", "SOURCE_REPO",
            "SOURCE_COMMIT", "vendored_tasks", "vendored_path", "load_task", "load_task_file", "fewshot_text",
-           "zeroshot_text", "encode_text", "encode_fewshot", "encodes_back", "TASK_FILE_FORMAT"]
+           "zeroshot_text", "encode_text", "encode_fewshot", "encodes_back", "TASK_FILE_FORMAT", "unrelated_words"]
 
 #: exemplars per few-shot prompt (a prompt draws ``N_EXEMPLARS + 1`` distinct pairs: the exemplars and the query)
 N_EXEMPLARS = 5
@@ -120,6 +123,12 @@ def encodes_back(tokenizer, text: str, max_tokens: int | None = None) -> bool:
     """Whether ``text`` encodes (no special tokens) to 1..``max_tokens`` tokens that decode back to ``text``."""
     ids = encode_text(tokenizer, text)
     return 0 < len(ids) <= (len(ids) if max_tokens is None else int(max_tokens)) and tokenizer.decode(ids) == text
+
+
+def unrelated_words() -> list[str]:
+    """The generic word list ``data/unrelated-words.txt``, in its order (comment lines dropped)."""
+    text = _DATA.joinpath("unrelated-words.txt").read_text(encoding="utf-8")
+    return [w.strip() for w in text.splitlines() if w.strip() and not w.lstrip().startswith("#")]
 
 
 def vendored_tasks() -> list[str]:

@@ -233,6 +233,14 @@ def check_config(config: dict) -> None:
                 )
             resolve_revisions(config, m)
             resolve_rollout_revisions(config, m)
+    seen_lists = set()
+    for entry in (config.get("fv") or {}).get("head_lists") or []:
+        for task in entry.get("tasks") or ["*"]:
+            key = (entry["name"], entry["model"], task)
+            if key in seen_lists:
+                raise ConfigError(f"fv.head_lists: {entry['name']!r} gives model {entry['model']!r} two lists for "
+                                  f"{'every task' if task == '*' else 'task ' + repr(task)}; keep one")
+            seen_lists.add(key)
     ms = config.get("minisuite")
     if ms:
         mnames = [m["name"] for m in ms["models"]]

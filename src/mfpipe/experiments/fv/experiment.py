@@ -7,81 +7,83 @@ Per task (:func:`run_task`):
 2. per split, ONE forward per clean few-shot prompt of the extraction pairs gives every head's mean read at the cue,
    ``z̄^{ℓh}``, and the task deviation ``r^{ℓh} = z̄^{ℓh} − ẑ^{ℓh}_:`` (eq:taskresid). Selections: **MFA** (top
    ``n_selected`` by ``‖O_h r‖``), the **raw-magnitude** control (top by ``‖O_h z̄‖``: the same average, nothing
-   subtracted) and a **random** ``n_selected``-head control;
-3. **AIE** (Todd et al.) once per task, on split 0: ``n_corrupted`` label-shuffled prompts, every head patched in
-   turn with its clean mean; top ``n_selected`` by AIE, held fixed across splits (as the paper does);
+   subtracted), a **random** ``n_selected``-head control, and every **head list** the config gives for the model
+   (``fv.head_lists``, e.g. Todd et al.'s ten GPT-J heads as ``todd``), fixed;
+3. per split, **AIE** (Todd et al.): ``n_corrupted`` label-shuffled prompts of the split's extraction pairs, every
+   head patched in turn with its clean mean; top ``n_selected`` by AIE. The paper holds one AIE sweep per task
+   fixed across splits; computed on split 0's extraction pairs, that selection would have seen about a third of
+   the other splits' held-out pairs, so each split runs its own (the MFA selection is per split already);
 4. constructions: **raw** (the heads' clean means ``z̄``) and **MFA r**;
-5. one sweep on split 0's extraction pairs (zero-shot prompts) fixes the injection layer and scale of the summed
-   protocol and the scale of the per-head protocol: the setting with the best accuracy averaged over the four
-   AIE/MFA × raw/r pipelines (ties: the smaller scale, then the earlier layer), then held for every method, split
-   and control;
+5. per split, one sweep on the split's own extraction pairs (zero-shot prompts) fixes the injection layer and scale
+   of the summed protocol and the scale of the per-head protocol, held for every method and control of the split
+   (:mod:`~mfpipe.experiments.fv.sweeps`): tuning, selection and evaluation never share a pair;
 6. evaluation on each split's held-out zero-shot prompts: accuracy (top-1 = the answer's first token), whether
    the top-1 falls in the task's answer category, and whether it is one of the extraction answers seen in the
    prompts; the zero-shot floor (no injection) and the few-shot ceiling (held-out queries after extraction
-   exemplars);
-7. the category analysis of App. fv-gpt2 on split 0: ranks of the extraction answers, the held-out answers,
-   same-category answers in neither set and unrelated words under the J-lens (and the raw lens) for the summed
-   vectors and for each MFA head's own component; and the per-prompt decode of App. fv-jlens (the rank of each
-   prompt's own answer in its per-prompt residual ``O_h(z_{:,X} − ẑ_:)``).
+   exemplars); the raw-magnitude control at every setting of the grid; MFA·r against the number of clean prompts;
+7. the category analysis of App. fv-gpt2 and the per-prompt decode of App. fv-jlens on split 0, over every head
+   (:mod:`~mfpipe.experiments.fv.decode`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-import torch
 
+from mfpipe.experiments.fv import decode as Dc
 from mfpipe.experiments.fv import heads as Hd
 from mfpipe.experiments.fv import inject as Inj
 from mfpipe.experiments.fv import prompts as Pr
+from mfpipe.experiments.fv import sweeps as Sw
 
-__all__ = ["DEFAULTS", "run_task", "run_tasks", "run_seeds", "resolve_tasks", "SELECTIONS", "CONSTRUCTIONS", "PROTOCOLS"]
+__all__ = ["DEFAULTS", "run_task", "run_tasks", "run_seeds", "resolve_tasks", "selections", "task_head_lists",
+           "SELECTIONS", "CONSTRUCTIONS", "PROTOCOLS", "RESERVED", "PARTS"]
 
+#: the selections every task runs; head lists (``fv.head_lists``) join after MFA (:func:`selections`)
 SELECTIONS = ("AIE", "MFA", "raw-magnitude", "random")
 CONSTRUCTIONS = ("raw", "r")
 PROTOCOLS = ("sum", "per_head")
-# the four pipelines that choose the injection setting and that the category analysis decodes
-_PIPES = [(sel, cons) for sel in ("AIE", "MFA") for cons in CONSTRUCTIONS]
+#: the per-row results of :func:`run_task` (each a DataFrame)
+PARTS = ("transfer", "heads", "sweep", "clean", "ranks", "prompt_ranks")
+#: names a head list may not take: the selections' and the floor/ceiling rows'
+RESERVED = (*SELECTIONS, "none")
 
 DEFAULTS = dict(n_pairs=60, n_extract=20, n_splits=3, n_shots=10, n_clean=20, n_corrupted=10, n_selected=10,
                 layers=None, sum_scales=[1.0, 2.0, 4.0, 8.0], head_scales=[1.0, 2.0, 5.0, 10.0], null="mean_field",
-                answer_prefix=" ", separator=":", joiner="\n", seed=0, n_seeds=3, batch_size=64, n_unrelated=50)
+                answer_prefix=" ", separator=":", joiner="\n", seed=0, n_seeds=3, batch_size=64,
+                populations={"seen": 10, "held_out": 10, "out_of_task": 15, "unrelated": 15},
+                clean_sweep=[1, 2, 5, 10, 20], head_lists={})
 
 
-def _decoder(adapter, jlens):
-    """``decode(vectors [n,d], layer, point) -> {lens: logits [n,V]}``: the raw logit lens, and the J-lens when a
-    store is given (``point``: "block" = the residual entering that block, "attn" = the output projection's output)."""
-    def decode(v: torch.Tensor, layer: int, point: str) -> dict:
-        v = v.float().to(adapter.device)
-        out = {"raw": adapter.unembed(v).float().cpu()}
-        if jlens is not None:
-            from mfpipe.jlens.lens import jlens_decode
-
-            out["J"] = jlens_decode(adapter, jlens, int(layer), point, v).float().cpu()
-        return out
-
-    return decode
+def selections(lists) -> tuple[str, ...]:
+    """The selections of a task in table order: AIE, MFA, the head lists', the two controls."""
+    return ("AIE", "MFA", *lists, "raw-magnitude", "random")
 
 
-def _ranks(logits: torch.Tensor, ids) -> np.ndarray:
-    """Rank (0 = top) of each token of ``ids`` in each row of ``logits [n,V]`` -> ``[n, len(ids)]``."""
-    ids = torch.as_tensor(np.asarray(ids, dtype=np.int64))
-    if not len(ids):
-        return np.zeros((logits.shape[0], 0))
-    val = logits[:, ids]  # [n, k]
-    return (logits[:, None, :] > val[:, :, None]).sum(-1).numpy()
+def task_head_lists(head_lists: dict, task: str, n_layers: int, n_heads: int) -> dict:
+    """``fv.head_lists`` as the job receives it (``{name: {task or "*": ["L15H5", ...]}}``, this model's) -> the
+    lists of ``task``: ``{name: [(layer, head), ...]}`` (its own list where one names the task, else the ``"*"``
+    one; none: the list does not run on the task). Refused with the list's name where a head is not this model's."""
+    out = {}
+    for name, by_task in (head_lists or {}).items():
+        if name in RESERVED:
+            raise ValueError(f"fv.head_lists: the name {name!r} is taken (reserved: {', '.join(RESERVED)}); rename it")
+        heads = by_task.get(task, by_task.get("*"))
+        if heads is not None:
+            out[name] = Hd.parse_heads(heads, n_layers, n_heads, f"fv.head_lists {name!r}")
+    return out
 
 
-def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_categories=(),
-             jlens=None, context_length: int | None = None, log=None, progress=None, pool=None) -> dict:
+def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, jlens=None,
+             context_length: int | None = None, log=None, progress=None, pool=None) -> dict:
     """Everything of one task (module docstring). ``null``: ``cue token id -> the corpus null at that type [L,H,dh]``
-    (e.g. :func:`~mfpipe.experiments.fv.heads.corpus_null` bound to the statistics half) or that tensor;
-    ``other_categories``: the answer tokens of the run's other tasks (the unrelated population); ``pool``: the task's
-    :func:`~mfpipe.experiments.fv.prompts.task_pool` with these settings, where the caller has drawn it already.
+    (e.g. :func:`~mfpipe.experiments.fv.heads.corpus_null` bound to the statistics half) or that tensor; ``pool``:
+    the task's :func:`~mfpipe.experiments.fv.prompts.task_pool` with these settings, where the caller has drawn it.
 
     Returns a dict of DataFrames: ``transfer`` (per split × protocol × selection × construction, plus the
-    zero-shot / few-shot rows), ``heads`` (per split and head: the three scores and the selections), ``sweep``,
-    ``ranks`` (category analysis), ``prompt_ranks`` (per-prompt decode) and ``info``."""
+    zero-shot / few-shot rows), ``heads`` (per split and head: the three scores and the selections), ``sweep`` (the
+    tuning sweep on each split's extraction pairs, the raw-magnitude control's on its held-out pairs), ``clean`` (the
+    clean-prompt sweep), ``ranks`` (category analysis), ``prompt_ranks`` (per-prompt decode) and ``info``."""
     c = {**DEFAULTS, **cfg}
     T = int(context_length or 1 << 30)
     seed = int(c["seed"])
@@ -92,49 +94,59 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, other_ca
     cues = {int(p.tokens[-1]) for p in pool.zeroshot}
     if len(cues) == 1 and callable(null):
         null = null(next(iter(cues)))
+    lists = task_head_lists(c["head_lists"], task.name, adapter.n_layers, adapter.n_heads)
     sp = Pr.splits(len(pool.pairs), int(c["n_extract"]), int(c["n_splits"]), seed)
     O = Hd.out_slices(adapter)
-    per_split, cue = _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cues, O, progress)
-
-    # AIE: one mediation sweep per task, on split 0, held fixed
+    per_split, cue = _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cues, O, lists,
+                                     progress)
+    sweeps = [_tune_split(adapter, task, pool, d, s, tokenizer, bos_id, c, kw, progress)
+              for s, d in enumerate(per_split)]
+    sweeps.append(Sw.raw_magnitude_sweep(adapter, task, pool, per_split, c, progress))
+    rows, head_rows = _evaluate_splits(adapter, task, pool, per_split, selections(lists), c, progress)
+    clean = Sw.clean_sweep(adapter, task, pool, per_split, null, c, progress)
     s0 = per_split[0]
-    corrupted = Pr.corrupted_prompts(pool, tokenizer, bos_id, s0["ext"], n_shots=c["n_shots"],
-                                     n_prompts=c["n_corrupted"], seed=seed, **kw)
-    aie, p_corrupt, _ = Hd.aie(adapter, corrupted, s0["zbar"], batch_size=int(c["batch_size"]), progress=progress)
-    aie_sel = Hd.top_heads(aie.float(), int(c["n_selected"]))
-    for d in per_split:
-        d["sel"]["AIE"] = aie_sel
-
-    sweep, best = _sweep(adapter, task, pool, s0, O, c, progress)
-    rows, head_rows = _evaluate_splits(adapter, task, pool, per_split, aie, best, O, c, progress)
-    pops = _rank_populations(adapter, pool, s0, bos_id, other_categories, c)
-    decode = _decoder(adapter, jlens)
-    rank_rows = _rank_rows(task, decode, pops, s0, best["sum"][0], O)
-    prompt_rows = _prompt_rank_rows(task, decode, s0, null, O)
-    info = dict(task=task.name, source=pool.source, n_usable=pool.n_usable, dropped=pool.dropped,
-                n_pairs=len(pool.pairs), cue_token=int(cue), p_corrupted=p_corrupt, n_corrupted=len(corrupted),
-                n_clean=[len(d["clean"]) for d in per_split], aie_heads=[f"L{l}H{h}" for l, h in aie_sel],
-                mfa_heads=[[f"L{l}H{h}" for l, h in d["sel"]["MFA"]] for d in per_split],
-                sum_layer=best["sum"][0], sum_scale=best["sum"][1], head_scale=best["per_head"][1])
+    pops = Dc.populations(tokenizer, pool, s0, bos_id, c["populations"], seed, c["answer_prefix"])
+    decode = Dc.decoder(adapter, jlens)
+    pipes = Sw.PIPES + [(name, cons) for name in lists for cons in CONSTRUCTIONS]
+    rank_rows = Dc.rank_rows(task, decode, pops, s0, O, pipes, s0["best"]["sum"][0])
+    prompt_rows = Dc.prompt_rank_rows(task, decode, s0, null, O)
+    info = _info(task, pool, per_split, cue, lists)
     if log is not None:
-        log.info("task %s: %d pairs (of %d usable), cue token %d; AIE heads %s; MFA heads (split 0) %s; injection "
-                 "layer %d scale %g (sum), scale %g (per head); P(answer | corrupted) %.3f", task.name,
-                 len(pool.pairs), pool.n_usable, cue, info["aie_heads"], info["mfa_heads"][0], best["sum"][0],
-                 best["sum"][1], best["per_head"][1], p_corrupt)
-    return dict(transfer=pd.DataFrame(rows), heads=pd.DataFrame(head_rows), sweep=sweep,
-                ranks=pd.DataFrame(rank_rows), prompt_ranks=pd.DataFrame(prompt_rows), info=info)
+        log.info("task %s: %d pairs (of %d usable, %d dropped), cue token %d; split 0: AIE heads %s, MFA heads %s, "
+                 "injection layer %d scale %g (sum), scale %g (per head); P(answer | corrupted) %.3f", task.name,
+                 len(pool.pairs), pool.n_usable, pool.dropped, cue, info["aie_heads"][0], info["mfa_heads"][0],
+                 *s0["best"]["sum"][:2], s0["best"]["per_head"][1], s0["p_corrupt"])
+    return dict(transfer=pd.DataFrame(rows), heads=pd.DataFrame(head_rows),
+                sweep=pd.concat(sweeps, ignore_index=True), clean=clean, ranks=pd.DataFrame(rank_rows),
+                prompt_ranks=pd.DataFrame(prompt_rows), info=info)
 
 
-def _vectors(d: dict, cons: str) -> torch.Tensor:
-    """The heads' vectors of construction ``cons`` in one split: the clean means (raw) or the task deviation (r)."""
-    return d["zbar"] if cons == "raw" else d["r"]
+def _heads_str(heads) -> list[str]:
+    return [f"L{l}H{h}" for l, h in heads]
 
 
-def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cues, O,
+def _info(task, pool, per_split, cue, lists) -> dict:
+    """The task's record: pools, prompts, selections and settings per split, and the pairs each split tuned on
+    (its sweep's and its AIE prompts', queries and exemplars) beside its held-out pairs."""
+    return dict(task=task.name, source=pool.source, n_usable=pool.n_usable, dropped=pool.dropped,
+                dropped_undefined=int(pool.meta.get("undefined", 0)), dropped_copy=int(pool.meta.get("copy", 0)),
+                n_pairs=len(pool.pairs), cue_token=int(cue),
+                p_corrupted=[d["p_corrupt"] for d in per_split], n_corrupted=[d["n_corrupted"] for d in per_split],
+                n_clean=[len(d["clean"]) for d in per_split],
+                aie_heads=[_heads_str(d["sel"]["AIE"]) for d in per_split],
+                mfa_heads=[_heads_str(d["sel"]["MFA"]) for d in per_split],
+                head_lists={name: _heads_str(h) for name, h in lists.items()},
+                sum_layer=[d["best"]["sum"][0] for d in per_split], sum_scale=[d["best"]["sum"][1] for d in per_split],
+                head_scale=[d["best"]["per_head"][1] for d in per_split],
+                tuning_pairs=[sorted(d["tuning_pairs"]) for d in per_split],
+                held_out_pairs=[[int(i) for i in d["held"]] for d in per_split])
+
+
+def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cues, O, lists,
                     progress) -> tuple[list, int]:
-    """Step 2 of every split of ``sp`` (the clean reads, the task deviation, the MFA / raw-magnitude / random
-    selections and the few-shot ceiling's reads) -> (one dict per split, the answer-cuing token). Stops at the first
-    split whose prompts end in a second cue token: the deviation needs one null type."""
+    """Step 2 of every split of ``sp`` (the clean reads, the task deviation, the MFA / raw-magnitude / random / head
+    list selections and the few-shot ceiling's reads) -> (one dict per split, the answer-cuing token). Stops at the
+    first split whose prompts end in a second cue token: the deviation needs one null type."""
     L, H, k, seed, bs = adapter.n_layers, adapter.n_heads, int(c["n_selected"]), int(c["seed"]), int(c["batch_size"])
     per_split = []
     for s, (ext, held) in enumerate(sp):
@@ -152,50 +164,34 @@ def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cue
         mfa, raw = Hd.head_norms(r, O), Hd.head_norms(zbar, O)
         fs = Hd.cue_reads(adapter, Pr.fewshot_eval_prompts(pool, tokenizer, bos_id, ext, held, n_shots=c["n_shots"],
                                                             seed=[seed, s], **kw), batch_size=bs)
+        sel = {"MFA": Hd.top_heads(mfa, k), **lists, "raw-magnitude": Hd.top_heads(raw, k),
+               "random": Hd.random_heads(L, H, k, [seed, 0xAA, s])}
         per_split.append(dict(ext=ext, held=held, clean=clean, reads=reads, zbar=zbar, r=r, mfa=mfa, raw=raw,
-                              fewshot=fs, sel={"MFA": Hd.top_heads(mfa, k), "raw-magnitude": Hd.top_heads(raw, k),
-                                               "random": Hd.random_heads(L, H, k, [seed, 0xAA, s])}))
+                              fewshot=fs, sel=sel, O=O, tuning_pairs={p.pair for p in clean}))
     if len(cues) != 1:
         raise ValueError(f"task {task.name!r}: the prompts end in {len(cues)} different tokens {sorted(cues)}; the "
                          "answer-cuing separator must encode as one token")
     return per_split, cues.pop()
 
 
-def _sweep(adapter, task, pool, s0, O, c, progress) -> tuple[pd.DataFrame, dict]:
-    """Step 5: the four AIE/MFA x raw/r pipelines on split 0's extraction pairs -> (the sweep's table, ``{protocol:
-    (layer, scale, mean accuracy)}`` of the chosen setting)."""
-    L = adapter.n_layers
-    layers = list(range(L)) if c["layers"] is None else [int(x) for x in c["layers"]]
-    bad = [x for x in layers if not 0 <= x < L]
-    if bad:
-        raise ValueError(f"fv.layers {bad}: this model has layers 0..{L - 1}")
-    ext_zs = Pr.zeroshot_prompts(pool, s0["ext"])
-    ext_ans = np.asarray([p.answer for p in ext_zs])
-    sweep_rows, injs = [], []
-    for layer in layers:
-        for scale in c["sum_scales"]:
-            for sel, cons in _PIPES:
-                injs.append(Inj.sum_injection(_vectors(s0, cons), s0["sel"][sel], O, layer, scale))
-                sweep_rows.append(("sum", layer, float(scale), sel, cons))
-    for scale in c["head_scales"]:
-        for sel, cons in _PIPES:
-            injs.append(Inj.per_head_injection(_vectors(s0, cons), s0["sel"][sel], scale))
-            sweep_rows.append(("per_head", -1, float(scale), sel, cons))
-    top1, _ = Inj.evaluate(adapter, ext_zs, injs, batch_size=int(c["batch_size"]), progress=progress)
-    sweep = pd.DataFrame(sweep_rows, columns=["protocol", "layer", "scale", "selection", "construction"])
-    sweep["accuracy"] = (top1 == ext_ans[None, :]).mean(1)
-    sweep.insert(0, "task", task.name)
-    best = {}
-    for prot, g in sweep.groupby("protocol"):
-        m = g.groupby(["scale", "layer"], as_index=False)["accuracy"].mean()
-        m = m.sort_values(["accuracy", "scale", "layer"], ascending=[False, True, True], kind="stable")
-        best[prot] = (int(m.iloc[0]["layer"]), float(m.iloc[0]["scale"]), float(m.iloc[0]["accuracy"]))
-    sweep["chosen"] = [best[p][:2] == (l, sc) for p, l, sc in zip(sweep["protocol"], sweep["layer"], sweep["scale"])]
-    return sweep, best
+def _tune_split(adapter, task, pool, d, s, tokenizer, bos_id, c, kw, progress) -> pd.DataFrame:
+    """Steps 3 and 5 of split ``d`` (index ``s``) on its own extraction pairs: AIE (stored in ``d``: ``aie``,
+    ``p_corrupt``, ``sel["AIE"]``) and the setting sweep (``d["best"]``) -> the sweep's rows."""
+    corrupted = Pr.corrupted_prompts(pool, tokenizer, bos_id, d["ext"], n_shots=c["n_shots"],
+                                     n_prompts=c["n_corrupted"], seed=[int(c["seed"]), s], **kw)
+    aie, d["p_corrupt"], _ = Hd.aie(adapter, corrupted, d["zbar"], batch_size=int(c["batch_size"]),
+                                    progress=progress)
+    d["aie"], d["n_corrupted"] = aie, len(corrupted)
+    d["sel"] = {"AIE": Hd.top_heads(aie.float(), int(c["n_selected"])), **d["sel"]}
+    d["tuning_pairs"] |= {i for p in corrupted for i in (p.pair, *p.exemplars)}
+    d["tuning_pairs"] |= {i for p in d["clean"] for i in p.exemplars}
+    d["tuning_pairs"] |= {int(i) for i in d["ext"]}  # the sweep's zero-shot prompts
+    sweep, d["best"] = Sw.tuning_sweep(adapter, task, pool, d, s, c, progress)
+    return sweep
 
 
-def _evaluate_splits(adapter, task, pool, per_split, aie, best, O, c, progress) -> tuple[list, list]:
-    """Step 6 on the held-out pairs of every split -> (the transfer rows, the per-head rows)."""
+def _evaluate_splits(adapter, task, pool, per_split, sel_names, c, progress) -> tuple[list, list]:
+    """Step 6 on the held-out pairs of every split, at the split's own setting -> (transfer rows, per-head rows)."""
     rows, head_rows = [], []
     for s, d in enumerate(per_split):
         held_zs = Pr.zeroshot_prompts(pool, d["held"])
@@ -204,84 +200,30 @@ def _evaluate_splits(adapter, task, pool, per_split, aie, best, O, c, progress) 
         cat = set(pool.category.tolist())
         specs, injs = [("zero-shot", "none", "none")], [Inj.Injection()]
         for prot in PROTOCOLS:
-            layer, scale, _ = best[prot]
-            for sel in SELECTIONS:
+            layer, scale, _ = d["best"][prot]
+            for sel in sel_names:
                 for cons in CONSTRUCTIONS:
-                    v = _vectors(d, cons)
-                    injs.append(Inj.sum_injection(v, d["sel"][sel], O, layer, scale) if prot == "sum"
+                    v = Sw.vectors(d, cons)
+                    injs.append(Inj.sum_injection(v, d["sel"][sel], d["O"], layer, scale) if prot == "sum"
                                 else Inj.per_head_injection(v, d["sel"][sel], scale))
                     specs.append((prot, sel, cons))
         top1, pa = Inj.evaluate(adapter, held_zs, injs, batch_size=int(c["batch_size"]), progress=progress)
-        for (prot, sel, cons), t1, p in zip(specs, top1, pa):
-            rows.append(dict(task=task.name, split=s, protocol=prot, selection=sel, construction=cons, n=len(ans),
-                             correct=int((t1 == ans).sum()), in_category=int(sum(int(t) in cat for t in t1)),
-                             seen_answer=int(sum(int(t) in seen for t in t1)), p_answer=float(p.mean()),
-                             layer=best[prot][0] if prot == "sum" else -1,
-                             scale=best[prot][1] if prot in best else float("nan")))
         fs = d["fewshot"]
-        rows.append(dict(task=task.name, split=s, protocol="few-shot", selection="none", construction="none",
-                         n=len(fs.answers), correct=int((fs.top1 == fs.answers).sum()),
-                         in_category=int(sum(int(t) in cat for t in fs.top1)),
-                         seen_answer=int(sum(int(t) in seen for t in fs.top1)), p_answer=float(fs.p_answer.mean()),
-                         layer=-1, scale=float("nan")))
+        outs = [(spec, t1, p, len(ans), ans) for spec, t1, p in zip(specs, top1, pa)]
+        outs.append((("few-shot", "none", "none"), fs.top1, fs.p_answer, len(fs.answers), fs.answers))
+        for (prot, sel, cons), t1, p, n, a in outs:
+            rows.append(dict(task=task.name, split=s, protocol=prot, selection=sel, construction=cons, n=n,
+                             correct=int((t1 == a).sum()), in_category=int(sum(int(t) in cat for t in t1)),
+                             seen_answer=int(sum(int(t) in seen for t in t1)), p_answer=float(p.mean()),
+                             layer=d["best"]["sum"][0] if prot == "sum" else -1,
+                             scale=d["best"][prot][1] if prot in d["best"] else float("nan")))
         sel_sets = {name: set(v) for name, v in d["sel"].items()}
         for l in range(adapter.n_layers):
             for h in range(adapter.n_heads):
                 head_rows.append(dict(task=task.name, split=s, layer=l, head=h, mfa_norm=float(d["mfa"][l, h]),
-                                      raw_norm=float(d["raw"][l, h]), aie=float(aie[l, h]),
+                                      raw_norm=float(d["raw"][l, h]), aie=float(d["aie"][l, h]),
                                       **{f"sel_{n}": (l, h) in v for n, v in sel_sets.items()}))
     return rows, head_rows
-
-
-def _rank_populations(adapter, pool, s0, bos_id, other_categories, c) -> dict:
-    """Step 7's token populations on split 0: {seen, held-out, out-of-task, unrelated} -> token ids."""
-    ext_ans_set = np.unique(pool.answers[s0["ext"]])
-    held_set = np.setdiff1d(np.unique(pool.answers[s0["held"]]), ext_ans_set)
-    unrelated = np.setdiff1d(np.unique(np.concatenate([np.asarray(x, np.int64) for x in other_categories]))
-                             if len(other_categories) else np.zeros(0, np.int64), pool.category)
-    if len(unrelated) < 5:  # no other task to draw from: random vocabulary ids outside the category
-        V = int(adapter.model.get_output_embeddings().weight.shape[0])
-        cand = np.setdiff1d(np.arange(V), np.concatenate([pool.category, [bos_id]]))
-        unrelated = np.random.default_rng([int(c["seed"]), 0xC4]).choice(
-            cand, size=min(int(c["n_unrelated"]), len(cand)), replace=False)
-    return {"seen": ext_ans_set, "held-out": held_set, "out-of-task": pool.out_of_task, "unrelated": unrelated}
-
-
-def _rank_rows(task, decode, pops, s0, lay0: int, O) -> list:
-    """Step 7's category analysis (App. fv-gpt2): the populations' ranks under each lens for the summed vectors of
-    the four pipelines (at the sweep's layer ``lay0``) and for each MFA head's own component."""
-    rank_rows = []
-
-    def add_ranks(what, layer, point, vec):
-        for lens, lg in decode(vec[None], layer, point).items():
-            row = dict(task=task.name, vector=what, layer=layer, point=point, lens=lens)
-            for name, ids in pops.items():
-                rk = _ranks(lg, ids)
-                row[f"median_rank_{name}"] = float(np.median(rk)) if rk.size else float("nan")
-                row[f"n_{name}"] = int(len(ids))
-            row["top1"] = int(lg[0].argmax())
-            rank_rows.append(row)
-
-    for sel, cons in _PIPES:
-        add_ranks(f"sum {sel} {cons}", lay0, "block", Inj.summed_vector(_vectors(s0, cons), s0["sel"][sel], O))
-    for l, h in s0["sel"]["MFA"]:
-        add_ranks(f"head L{l}H{h} r", l, "attn", s0["r"][l, h] @ O[l, h])
-    return rank_rows
-
-
-def _prompt_rank_rows(task, decode, s0, null, O) -> list:
-    """Step 7's per-prompt decode (App. fv-jlens): the rank of each clean prompt's own answer in its per-prompt
-    residual, for the first three MFA heads of split 0."""
-    prompt_rows = []
-    ans_clean = np.asarray([p.answer for p in s0["clean"]])
-    for l, h in s0["sel"]["MFA"][:3]:
-        resid = (s0["reads"].z[:, l, h] - null[l, h]) @ O[l, h]  # per-prompt residual, residual units
-        for lens, lg in decode(resid, l, "attn").items():
-            rk = (lg > lg[torch.arange(len(ans_clean)), torch.as_tensor(ans_clean)][:, None]).sum(-1).numpy()
-            prompt_rows.append(dict(task=task.name, head=f"L{l}H{h}", lens=lens, n=len(rk),
-                                    median_answer_rank=float(np.median(rk)), best_rank=int(rk.min()),
-                                    top1_share=float(np.mean(rk == 0))))
-    return prompt_rows
 
 
 def resolve_tasks(names, files) -> list[tuple]:
@@ -308,8 +250,8 @@ def resolve_tasks(names, files) -> list[tuple]:
 def run_tasks(adapter, tasks, tokenizer, tracked, stats, cfg: dict, *, jlens=None, log=None,
               desc: str = "fv") -> tuple[dict, list]:
     """:func:`run_task` of every (task, overrides) of ``tasks`` (:func:`resolve_tasks`) with the statistics half
-    ``stats`` (the corpus null at the cue) -> ({part: one DataFrame over the tasks}, [each task's info]). Every
-    task's pool is drawn once first: its answer category is the "unrelated words" population of the others."""
+    ``stats`` (the corpus null at the cue, of the kind ``cfg["null"]``) -> ({part: one DataFrame over the tasks},
+    [each task's info])."""
     from tqdm.auto import tqdm
 
     T = int(stats.attrs.get("context_length") or 1 << 30)
@@ -318,24 +260,14 @@ def run_tasks(adapter, tasks, tokenizer, tracked, stats, cfg: dict, *, jlens=Non
     def null(cue):
         return Hd.corpus_null(stats, tracked, cue, cfg.get("null", "mean_field"))
 
-    pools, cats = {}, {}
-    for t, over in tasks:
-        c = {**cfg, **over}
-        try:
-            pools[t.name] = Pr.task_pool(t, tokenizer, bos, n_pairs=int(c["n_pairs"]), seed=int(c["seed"]),
-                                         sep=c["separator"], answer_prefix=c["answer_prefix"])
-            cats[t.name] = pools[t.name].category
-        except ValueError:  # run_task draws it again and stops the job with that error
-            cats[t.name] = np.zeros(0, np.int64)
-    parts, infos = {k: [] for k in ("transfer", "heads", "sweep", "ranks", "prompt_ranks")}, []
+    parts, infos = {k: [] for k in PARTS}, []
     with tqdm(desc=desc, unit="row", mininterval=5) as bar:
         for t, over in tasks:
             out = run_task(adapter, t, tokenizer, bos, null, {**cfg, **over}, jlens=jlens, context_length=T, log=log,
-                           other_categories=[c for k, c in cats.items() if k != t.name], progress=bar,
-                           pool=pools.get(t.name))
+                           progress=bar)
             for k in parts:
                 parts[k].append(out[k])
-            infos.append(out["info"])
+            infos.append({**out["info"], "null": cfg.get("null", "mean_field")})
     return {k: pd.concat(v, ignore_index=True) for k, v in parts.items()}, infos
 
 

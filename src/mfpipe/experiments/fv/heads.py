@@ -23,7 +23,7 @@ from torch import Tensor
 from mfpipe.experiments.fv.prompts import FVPrompt, by_length
 
 __all__ = ["CueReads", "cue_reads", "corpus_null", "task_deviation", "head_norms", "top_heads", "random_heads",
-           "aie", "last_logits"]
+           "aie", "last_logits", "parse_heads"]
 
 
 class CueReads:
@@ -122,6 +122,29 @@ def top_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
     flat = scores.reshape(-1).double().cpu().numpy()
     order = np.lexsort((np.arange(L * H), -flat))[: int(k)]
     return [(int(i // H), int(i % H)) for i in order]
+
+
+def parse_heads(names, n_layers: int, n_heads: int, what: str = "head list") -> list[tuple[int, int]]:
+    """Heads written ``"L15H5"`` (layer 15, head 5; 0-based, Todd et al.'s and the paper's convention) ->
+    ``[(15, 5), ...]`` in the given order; refused, naming ``what``, where a name is malformed, repeated or not a
+    head of this model (``n_layers`` x ``n_heads``)."""
+    import re
+
+    out = []
+    for name in names:
+        m = re.fullmatch(r"L(\d+)H(\d+)", str(name).strip())
+        if m is None:
+            raise ValueError(f"{what}: {name!r} is not a head; write heads as L<layer>H<head>, e.g. L15H5 (0-based)")
+        lh = (int(m.group(1)), int(m.group(2)))
+        if not (lh[0] < n_layers and lh[1] < n_heads):
+            raise ValueError(f"{what}: {name} is not a head of this model ({n_layers} layers x {n_heads} heads, "
+                             f"L0H0..L{n_layers - 1}H{n_heads - 1}); the list belongs to another model")
+        if lh in out:
+            raise ValueError(f"{what}: {name} is listed twice")
+        out.append(lh)
+    if not out:
+        raise ValueError(f"{what}: no heads")
+    return out
 
 
 def random_heads(n_layers: int, n_heads: int, k: int, seed) -> list[tuple[int, int]]:

@@ -34,19 +34,23 @@ __all__ = ["FVPrompt", "TaskPool", "task_pool", "splits", "clean_prompts", "corr
 @dataclass
 class FVPrompt:
     """``tokens`` int64 ``[n]`` (``tokens[0]`` = BOS, ``tokens[-1]`` the cue); ``answer`` the target token id;
-    ``pair`` the index of the query pair in its :class:`TaskPool`."""
+    ``pair`` the index of the query pair in its :class:`TaskPool`; ``exemplars`` the indices of the pairs shown as
+    exemplars (empty for a zero-shot prompt)."""
 
     tokens: np.ndarray
     answer: int
     pair: int
     text: str = ""
+    exemplars: tuple[int, ...] = ()
 
 
 @dataclass
 class TaskPool:
     """A task's usable pairs: ``pairs`` (the ``n_pairs`` drawn), ``answers`` their first answer tokens,
     ``category`` the first answer tokens of ALL usable pairs of the task (the task's answer category),
-    ``out_of_task`` the category tokens of usable pairs not drawn (same category, in neither set)."""
+    ``out_of_task`` the category tokens of usable pairs not drawn (same category, in neither set); ``dropped`` the
+    pairs left out (``meta``: ``undefined``, no well-defined answer token; ``copy``, the answer token is the query's
+    first token)."""
 
     name: str
     pairs: list[tuple[str, str]]
@@ -69,7 +73,7 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
     """The ``n_pairs`` pairs of ``task`` (:class:`mfpipe.tasks.FewShotTask`) the experiment uses, drawn with
     ``seed`` among those whose zero-shot answer token is defined and whose answer tokens differ from the query's
     first token (so copying the query is not an answer). Raises ValueError when fewer than ``n_pairs`` qualify."""
-    usable, answers, dropped = [], [], 0
+    usable, answers, undefined, copy = [], [], 0, 0
     seen = set()
     for x, y in task.pairs:
         x, y = str(x).strip(), str(y).strip()
@@ -78,15 +82,19 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
         seen.add((x, y))
         encoded = encode_fewshot(tokenizer, zeroshot_text(x, sep), answer_prefix + y)
         if encoded is None or not encoded[0]:
-            dropped += 1
+            undefined += 1
+            continue
+        if int(encoded[1]) == int(encoded[0][0]):  # the query's first token would answer it: a copy, not the task
+            copy += 1
             continue
         usable.append((x, y, encoded[0]))
         answers.append(encoded[1])
+    dropped = undefined + copy
     if len(usable) < n_pairs:
         raise ValueError(
             f"function-vector task {task.name!r}: {len(usable)} pairs have a well-defined answer token with this "
-            f"tokenizer ({dropped} dropped), the experiment needs n_pairs = {n_pairs}; lower "
-            "fv.n_pairs or give a task with more pairs")
+            f"tokenizer ({undefined} without one, {copy} answered by the query's first token), the experiment needs "
+            f"n_pairs = {n_pairs}; lower fv.n_pairs or give a task with more pairs")
     rng = np.random.default_rng([int(seed), 0xF5])
     pick = np.sort(rng.choice(len(usable), size=int(n_pairs), replace=False))
     rest = np.setdiff1d(np.arange(len(usable)), pick)
@@ -98,7 +106,7 @@ def task_pool(task, tokenizer, bos_id: int, *, n_pairs: int = 60, seed: int = 0,
     category = np.unique(all_answers)
     out = np.setdiff1d(np.unique(all_answers[rest]), chosen_answers) if len(rest) else np.zeros(0, np.int64)
     return TaskPool(task.name, [(x, y) for x, y, _ in chosen], chosen_answers, zs, category, out, len(usable),
-                    getattr(task, "source", "") or "", dropped)
+                    getattr(task, "source", "") or "", dropped, {"undefined": undefined, "copy": copy})
 
 
 def splits(n_pairs: int, n_extract: int, n_splits: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -127,7 +135,8 @@ def _fewshot(pool: TaskPool, tokenizer, bos_id: int, exemplar_idx, query: int, s
     encoded = encode_fewshot(tokenizer, text, prefix + yq, max_tokens=T - 1)
     if encoded is None:
         return None
-    return FVPrompt(np.asarray([bos_id] + encoded[0], dtype=np.int64), encoded[1], int(query), text)
+    return FVPrompt(np.asarray([bos_id] + encoded[0], dtype=np.int64), encoded[1], int(query), text,
+                    tuple(int(i) for i in exemplar_idx))
 
 
 def _prompts(pool, tokenizer, bos_id, queries, exemplar_from, n_shots, seed, tag, sep, prefix, joiner, T,

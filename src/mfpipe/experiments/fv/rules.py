@@ -15,6 +15,25 @@ def fv_tasks(plan, model: str) -> list[str]:
     return [t for t in fv["tasks"] if t != "minisuite" or plan.is_mini(model)]
 
 
+def fv_settings(plan, model: str) -> dict:
+    """The experiment settings of ``model`` (the job's ``params.fv``): the ``fv`` block without the run-wide keys,
+    its ``null`` resolved for this model (a mapping gives each model its own; models it does not name, and its
+    ``default`` key where given, the mean field) and only this model's ``head_lists``, as ``{name: {task or "*":
+    [heads]}}``. So naming another model's null or head list changes nothing of this model's job."""
+    fv = plan.config["fv"]
+    out = {k: v for k, v in fv.items() if k not in ("tasks", "models", "batch_size", "head_lists", "null")}
+    null = fv.get("null", "mean_field")
+    out["null"] = null if isinstance(null, str) else null.get(model, null.get("default", "mean_field"))
+    lists: dict = {}
+    for entry in fv.get("head_lists") or []:
+        if entry["model"] != model:
+            continue
+        for task in entry.get("tasks") or ["*"]:
+            lists.setdefault(entry["name"], {})[task] = list(entry["heads"])
+    out["head_lists"] = lists
+    return out
+
+
 def task_inputs(plan, wildcards) -> list[str]:
     """The task files a job reads: the mini suite's tasks, the user's files and the vendored datasets it names
     (mfpipe.tasks): editing one reruns the job."""
@@ -39,5 +58,6 @@ def targets(plan) -> list[str]:
         for rev in plan.rollout_revisions[m]:
             t += [f"{R}/tables/fv_{m}_{rev}.{e}" for e in ("csv", "md")]
             t += [f"{R}/tables/fv_per_head_{m}_{rev}.md", f"{R}/tables/fv_details_{m}_{rev}.md"]
-            t += [f"{R}/figures/fv_{m}_{rev}.{e}" for e in ("pdf", "png")]
+            t += [f"{R}/tables/fv_clean_{m}_{rev}.{e}" for e in ("csv", "md")]
+            t += [f"{R}/figures/fv{kind}_{m}_{rev}.{e}" for kind in ("", "_clean") for e in ("pdf", "png")]
     return t

@@ -12,22 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from mfpipe.experiments.fv import analysis as An
+from mfpipe.experiments.fv.analysis import TIE, Z95, wilson
+
 __all__ = ["wilson", "transfer_table", "stability_table", "seed_spread", "conclusions_table", "fv_tables",
-           "matrix_markdown", "details_markdown", "Z95"]
-
-Z95 = 1.959963984540054
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of ``k`` successes in ``n`` trials (binomial, 95% at the default ``z``)."""
-    if n <= 0:
-        return float("nan"), float("nan")
-    p = k / n
-    c = (p + z * z / (2 * n)) / (1 + z * z / n)
-    w = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    lo, hi = (0.0 if k == 0 else max(0.0, c - w)), (1.0 if k == n else min(1.0, c + w))
-    return float(lo), float(hi)
-
+           "matrix_markdown", "md_rows", "selection_order", "NULLS", "Z95"]
 
 def transfer_table(transfer: pd.DataFrame) -> pd.DataFrame:
     """Per task × protocol × selection × construction, pooled over the splits: n, correct, accuracy and its
@@ -41,10 +30,20 @@ def transfer_table(transfer: pd.DataFrame) -> pd.DataFrame:
     t["category_rate"] = t["in_category"] / t["n"]
     t["seen_rate"] = t["seen_answer"] / t["n"]
     t["p_answer"] = g["p_answer"].mean().to_numpy()
-    t["layer"] = g["layer"].first().to_numpy()
-    t["scale"] = g["scale"].first().to_numpy()
+    # each split tunes its own injection setting: the settings of the splits in order ("6/7/6"), one value where
+    # they agree; empty for the rows without an injection
+    t["layer"] = [_settings(v, "d") for v in g["layer"].agg(list)]
+    t["scale"] = [_settings(v, "g") for v in g["scale"].agg(list)]
     t["splits"] = g.size().to_numpy()
     return t
+
+
+def _settings(values, fmt: str) -> str:
+    vals = [v for v in values if np.isfinite(v) and v >= 0]
+    if not vals:
+        return ""
+    txt = [format(int(v) if fmt == "d" else float(v), fmt) for v in vals]
+    return txt[0] if len(set(txt)) == 1 else "/".join(txt)
 
 
 def _sets(heads: pd.DataFrame, sel: str) -> dict:
@@ -64,8 +63,10 @@ def _span(xs) -> str:
 
 def stability_table(heads: pd.DataFrame) -> pd.DataFrame:
     """Per task: the selection size, the MFA selection's heads shared between each pair of splits, and the
-    overlaps AIE∩MFA and raw-magnitude∩MFA per split (min–max over splits)."""
+    overlaps AIE∩MFA, raw-magnitude∩MFA and each head list's ∩MFA per split (min–max over splits)."""
     mfa, aie, raw = _sets(heads, "MFA"), _sets(heads, "AIE"), _sets(heads, "raw-magnitude")
+    lists = {c[4:]: _sets(heads, c[4:]) for c in heads.columns
+             if c.startswith("sel_") and c[4:] not in ("MFA", "AIE", "raw-magnitude", "random")}
     rows = []
     for task in dict.fromkeys(heads["task"]):
         splits = sorted(s for t, s in mfa if t == task)
@@ -74,6 +75,8 @@ def stability_table(heads: pd.DataFrame) -> pd.DataFrame:
         rows.append(dict(task=task, n_selected=k, mfa_shared_across_splits=_span(pairs),
                          aie_mfa_overlap=_span(len(aie[(task, s)] & mfa[(task, s)]) for s in splits),
                          raw_mfa_overlap=_span(len(raw[(task, s)] & mfa[(task, s)]) for s in splits),
+                         **{f"{n}_mfa_overlap": _span(len(v[(task, s)] & mfa[(task, s)]) for s in splits)
+                            for n, v in lists.items() if v[(task, splits[0])]},
                          aie_heads=" ".join(f"L{l}H{h}" for l, h in sorted(aie[(task, splits[0])])),
                          mfa_heads_split0=" ".join(f"L{l}H{h}" for l, h in sorted(mfa[(task, splits[0])]))))
     return pd.DataFrame(rows)
@@ -122,22 +125,37 @@ def conclusions_table(transfer: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+FIXED = ("AIE", "MFA", "raw-magnitude", "random")
+
+
 def fv_tables(results: dict, infos: list[dict]) -> dict:
-    """All tables from the concatenated per-task results (keys ``transfer``, ``heads``, ``sweep``, ``ranks``,
-    ``prompt_ranks``; with a ``seed`` column where several seeds ran: the tables are the first seed's, the transfer
-    table gains the spread over seeds) and the tasks' ``info`` dicts."""
+    """All tables from the concatenated per-task results (keys ``transfer``, ``heads``, ``sweep``, ``clean``,
+    ``ranks``, ``prompt_ranks``; with a ``seed`` column where several seeds ran: the tables are the first seed's, the
+    transfer table gains the spread over seeds) and the tasks' ``info`` dicts (their ``head_lists``)."""
     results = {k: (v if "seed" in v else v.assign(seed=0)) for k, v in results.items()}
+    heads = results["heads"]
+    results["heads"] = heads.assign(**{c: heads[c].fillna(False).astype(bool) for c in heads if c.startswith("sel_")})
     first = int(results["transfer"]["seed"].min())
     one = {k: v[v["seed"] == first].drop(columns="seed") for k, v in results.items()}
     t = transfer_table(one["transfer"]).merge(seed_spread(results["transfer"]), on=KEYS, how="left")
     st = stability_table(one["heads"])
-    pc = {i["task"]: i["p_corrupted"] for i in infos if i.get("seed", first) == first}
+    mine = [i for i in infos if i.get("seed", first) == first]
+    pc = {i["task"]: _span(round(p, 4) for p in np.atleast_1d(i["p_corrupted"])) for i in mine}
     st["p_answer_corrupted"] = st["task"].map(pc)
+    lists = {(name, i["task"]): _parse(h) for i in mine for name, h in i.get("head_lists", {}).items()}
     out = {"transfer": t, "stability": st, "category": one["ranks"], "prompt_ranks": one["prompt_ranks"],
-           "sweep": one["sweep"], "conclusions": conclusions_table(results["transfer"])}
+           "sweep": one["sweep"], "conclusions": conclusions_table(results["transfer"]),
+           "recovery": An.recovery_table(one["heads"], lists), "protocol": An.protocol_tests(one["transfer"]),
+           "tally": An.construction_tally(t), "raw_best": An.raw_magnitude_best(one["sweep"]),
+           "clean": An.clean_table(one["clean"], t) if len(one["clean"]) else pd.DataFrame(),
+           "null": sorted({str(i.get("null", "mean_field")) for i in mine})}
     for prot in ("sum", "per_head"):
         out[f"matrix_{prot}"] = _wide(t, st, prot)
     return out
+
+
+def _parse(names) -> list[tuple[int, int]]:
+    return [(int(n[1:].split("H")[0]), int(n.split("H")[1])) for n in names]
 
 
 def _cell(r) -> str:
@@ -147,30 +165,38 @@ def _cell(r) -> str:
     return cell
 
 
-COLUMNS = [("AIE", "raw"), ("AIE", "r"), ("MFA", "raw"), ("MFA", "r"), ("raw-magnitude", "raw"),
-           ("raw-magnitude", "r"), ("random", "raw"), ("random", "r")]
+def selection_order(t: pd.DataFrame) -> list[str]:
+    """The selections of a transfer table in table order: AIE, MFA, the head lists, the two controls."""
+    lists = [s for s in dict.fromkeys(t["selection"]) if s not in FIXED and s != "none"]
+    return ["AIE", "MFA", *lists, "raw-magnitude", "random"]
 
 
 def _wide(t: pd.DataFrame, st: pd.DataFrame, protocol: str) -> pd.DataFrame:
     rows = []
+    sels = selection_order(t)
     for task in dict.fromkeys(t["task"]):
         g = t[t["task"] == task]
         s = st[st["task"] == task].iloc[0]
         row = {"task": task, "AIE∩MFA": f"{s['aie_mfa_overlap']}/{s['n_selected']}"}
-        for sel, cons in COLUMNS:
-            r = g[(g["protocol"] == protocol) & (g["selection"] == sel) & (g["construction"] == cons)]
-            row[f"{sel} {cons}"] = _cell(r.iloc[0]) if len(r) else ""
+        for name in sels[2:-2]:
+            ov = s.get(f"{name}_mfa_overlap")
+            row[f"{name}∩MFA"] = f"{ov}/{s['n_selected']}" if isinstance(ov, str) else ""
+        for sel in sels:
+            for cons in ("raw", "r"):
+                r = g[(g["protocol"] == protocol) & (g["selection"] == sel) & (g["construction"] == cons)]
+                row[f"{sel} {cons}"] = _cell(r.iloc[0]) if len(r) else ""
         for prot in ("zero-shot", "few-shot"):
             r = g[g["protocol"] == prot]
             row[prot] = _cell(r.iloc[0]) if len(r) else ""
         p = g[g["protocol"] == protocol]
-        row["layer"] = int(p["layer"].iloc[0]) if len(p) and protocol == "sum" else ""
-        row["scale"] = float(p["scale"].iloc[0]) if len(p) else ""
+        row["layer"] = p["layer"].iloc[0] if len(p) and protocol == "sum" else ""
+        row["scale"] = p["scale"].iloc[0] if len(p) else ""
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def _md(df: pd.DataFrame) -> list[str]:
+def md_rows(df: pd.DataFrame) -> list[str]:
+    """A DataFrame as Markdown table lines."""
     cols = list(df.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df.iterrows():
@@ -178,17 +204,23 @@ def _md(df: pd.DataFrame) -> list[str]:
     return lines
 
 
+NULLS = {"mean_field": "the mean field ẑ_: = Σ_t P_:t μ_t of the statistics half (eq:taskresid)",
+         "type_mean": "the measured mean write at the cue's positions in the statistics half (the paper's GPT-J null)"}
+
+
 def matrix_markdown(transfer: pd.DataFrame, stability: pd.DataFrame, protocol: str, model: str, revision: str,
-                    conclusions: pd.DataFrame | None = None) -> str:
+                    conclusions: pd.DataFrame | None = None, null=("mean_field",)) -> str:
     """Table fv-matrix-body (``protocol="sum"``) or fv-matrix (``"per_head"``) with the controls, the zero-shot
-    floor and the few-shot ceiling; best of the four AIE/MFA pipelines per task in bold."""
+    floor and the few-shot ceiling; in bold, per task, every AIE / MFA / head-list pipeline within the paper's tie
+    margin (0.02) of the best of them."""
     w = _wide(transfer, stability, protocol)
+    pipes = [x for x in selection_order(transfer) if x not in ("raw-magnitude", "random")]
     for i, task in enumerate(w["task"]):
         g = transfer[(transfer["task"] == task) & (transfer["protocol"] == protocol)
-                     & transfer["selection"].isin(["AIE", "MFA"])]
+                     & transfer["selection"].isin(pipes)]
         if len(g):
             best = g["accuracy"].max()
-            for _, r in g[g["accuracy"] >= best - 1e-12].iterrows():
+            for _, r in g[g["accuracy"] >= best - TIE - 1e-12].iterrows():
                 col = f"{r['selection']} {r['construction']}"
                 w.loc[w.index[i], col] = f"**{w.loc[w.index[i], col]}**"
     what = ("the selected heads' vectors summed (residual units) and added to the residual stream entering the "
@@ -198,60 +230,23 @@ def matrix_markdown(transfer: pd.DataFrame, stability: pd.DataFrame, protocol: s
              "",
              f"Zero-shot transfer (accuracy on held-out pairs, pooled over the splits, Wilson 95% intervals): {what}. "
              "Selection: AIE (Todd et al.'s causal mediation), MFA (‖O_h r‖, eq:taskresid), raw-magnitude (‖O_h z̄‖, "
-             "nothing subtracted), random heads; construction: raw (the heads' clean means) or MFA r. Layer and scale "
-             "from one sweep on the extraction pairs, held for every method. Bold: best of the four AIE/MFA "
-             "pipelines. zero-shot: no injection; few-shot: the held-out queries after extraction exemplars.", ""]
+             "nothing subtracted), random heads" + "".join(f", {n} (a given head list)" for n in
+                                                          selection_order(transfer)[2:-2]) +
+             "; construction: raw (the heads' clean means) or MFA r. Each split tunes its layer and scale by one sweep "
+             "on its own extraction pairs, held for every method of the split (per split, 'a/b/c', where the splits "
+             "differ). Bold: within 0.02 of the best AIE / MFA / head-list pipeline (the paper's tie margin). "
+             "zero-shot: no injection; few-shot: the held-out queries after extraction exemplars. The null r is "
+             "measured against: " + "; ".join(NULLS.get(n, n) for n in null) + ".", ""]
     n_seeds = int(transfer["n_seeds"].max()) if "n_seeds" in transfer and len(transfer) else 1
     if n_seeds > 1:
         lines[-1:-1] = ["", f"Each cell: the first seed's accuracy [interval] · the mean (min–max) over {n_seeds} "
                         "prompt-sampling seeds (each draws its own pairs, splits, prompts and random heads); bold by "
                         "the first seed."]
-    lines += _md(w)
+    lines += md_rows(w)
     if conclusions is not None and len(conclusions):
         c = conclusions[conclusions["protocol"] == protocol].drop(columns="protocol")
         lines += ["", f"## The comparisons over {n_seeds} seeds", "",
                   "Best of the four AIE/MFA pipelines at each seed; the seeds at which the raw-magnitude control "
                   "falls below MFA·r (its raw vectors, the paper's control; its r vectors, the selection alone), "
-                  "and at which MFA·r beats the random control.", ""] + _md(c)
-    return "\n".join(lines) + "\n"
-
-
-def details_markdown(tabs: dict, model: str, revision: str) -> str:
-    """The selection's stability, the category analysis (App. fv-gpt2) and the per-prompt decode (App. fv-jlens)."""
-    t = tabs["transfer"]
-    lines = [f"# Function vectors: {model} @ {revision}: stability, categories, lenses", "",
-             "## Stability of the selections", "",
-             "Heads shared by the MFA selections of each pair of splits; AIE∩MFA and raw-magnitude∩MFA per split "
-             "(min–max); the mean answer probability on the label-shuffled prompts AIE starts from.", ""]
-    lines += _md(tabs["stability"][["task", "n_selected", "mfa_shared_across_splits", "aie_mfa_overlap",
-                                    "raw_mfa_overlap", "p_answer_corrupted", "aie_heads", "mfa_heads_split0"]]
-                 .round(4))
-    conc = tabs.get("conclusions")
-    if conc is not None and len(conc):
-        lines += ["", "## Stability over the prompt-sampling seeds", "",
-                  "The comparisons of Tables fv-matrix-body (sum) and fv-matrix (per_head) at each seed: the best of "
-                  "the four AIE/MFA pipelines, the seeds at which the raw-magnitude control falls below MFA·r (its raw "
-                  "vectors; its r vectors), and at which MFA·r beats the random control.", ""]
-        lines += _md(conc)
-    cat = t[t["protocol"].isin(["sum", "per_head", "zero-shot"])][
-        ["task", "protocol", "selection", "construction", "accuracy", "category_rate", "seen_rate"]].round(3)
-    lines += ["", "## Does the injected answer fall in the task's category?", "",
-              "Top-1 answers: correct, in the task's answer category (any answer of the task), one of the answers "
-              "seen in the extraction prompts.", ""]
-    lines += _md(cat)
-    rk = tabs["category"]
-    if len(rk):
-        cols = ["task", "vector", "layer", "point", "lens"] + [c for c in rk.columns if c.startswith("median_rank_")]
-        lines += ["", "## The vectors under the lenses (split 0)", "",
-                  "Median vocabulary rank (0 = top) of the extraction answers (seen), the held-out answers, answers of "
-                  "the task in neither set (out-of-task) and unrelated tokens, decoding each summed vector at the "
-                  "injection layer and each MFA head's own component O_h r at its layer; J: the J-lens W_U J_ℓ, raw: "
-                  "the logit lens.", ""]
-        lines += _md(rk[cols].round(1))
-    pr = tabs["prompt_ranks"]
-    if len(pr):
-        lines += ["", "## Per-prompt residuals decoded (App. fv-jlens)", "",
-                  "Each clean prompt's residual O_h(z_{:,X} − ẑ_:) of the top MFA heads, decoded; rank of that "
-                  "prompt's own answer.", ""]
-        lines += _md(pr.round(2))
+                  "and at which MFA·r beats the random control.", ""] + md_rows(c)
     return "\n".join(lines) + "\n"

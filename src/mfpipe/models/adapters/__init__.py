@@ -13,7 +13,8 @@
   chunked one, the final norm among several, the embedding's scale and position rows, the logits' scale).
 * ``jacobian.py`` — :func:`~mfpipe.models.adapters.jacobian.position_jacobians`: same-position Jacobians of the final
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
-  the adapter names), for the J-lens (:mod:`mfpipe.jlens`).
+  the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its
+  checks (``groups``).
 * ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
   every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
   with ``mfpipe conformance`` first).

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,16 +57,32 @@ def _replace_hidden(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
     return args, {**kwargs, "hidden_states": x}
 
 
-def _rows(g: Tensor, pos: Tensor) -> Tensor:
-    """``g [..., B, T, d]`` -> ``sum_b g[..., b, t_b, :]`` in float64 ``[..., d]``."""
+class _Groups(NamedTuple):
+    """The group sums asked of :func:`position_jacobians`: ``member [n, B]`` float64, 1 where row ``b`` is in group
+    ``g`` (else 0), ``n`` the number of groups, ``keep [r]`` the output dimensions whose rows are summed per group."""
+
+    member: Tensor
+    n: int
+    keep: Tensor
+
+
+def _rows(g: Tensor, pos: Tensor, keep: Tensor | None = None):
+    """``g [..., B, T, d]`` -> ``sum_b g[..., b, t_b, :]`` in float64 ``[..., d]``; with ``keep`` (indices into the
+    leading dim of ``g``, or ``[0]`` where ``g`` has none: ``[B, T, d]``), also those rows per batch row, unsummed:
+    ``g[keep, b, t_b, :]`` in float64 ``[len(keep), B, d]`` (the group sums are taken from them)."""
     b = torch.arange(pos.numel(), device=g.device)
-    return g[..., b, pos, :].double().sum(-2)
+    v = g[..., b, pos, :].double()
+    total = v.sum(-2)
+    if keep is None:
+        return total
+    return total, v.reshape(-1, *v.shape[-2:])[keep]
 
 
 def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_cache: bool = True,
-                       rows: int | None = None) -> Tensor:
+                       rows: int | None = None, groups=None, group_rows=None, n_groups: int | None = None
+                       ) -> Tensor | tuple[Tensor, Tensor]:
     """``sum_b ∂h^L[b, t_b] / ∂x^p_ℓ[b, t_b]`` as float64 ``[2, L+1, d, d]`` (point, layer, out, in), with
-    ``point`` as in :data:`POINTS` and NaN at ``("attn", L)``.
+    ``point`` as in :data:`POINTS` and NaN at ``("attn", L)``; with ``groups``, ``(total, by_group)``.
 
     ``ids [B, T]`` token ids (no padding, no mask), ``positions [B]`` one position per row (``0 <= t_b < T``).
     ``grad_chunk``: backward passes batched in one ``torch.autograd.grad(..., is_grads_batched=True)`` (``<= 1``: one
@@ -82,6 +99,15 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
     ``rows``: only the first ``rows`` output dimensions (rows of every block; the others NaN), ``rows`` backward
     passes instead of ``d``: ``benchmarks/jlens.py`` times a share of the passes of a shape too slow to run whole.
 
+    ``groups [B]`` (int, ``0..G-1``; ``G = n_groups``, default ``max(groups) + 1``): the group of each row. Then the
+    call returns ``(total, by_group)``: ``total`` the sum above, computed exactly as without ``groups`` (the same
+    operations in the same order, bit for bit), and ``by_group`` float64 ``[G, 2, L+1, r, d]``, the sums over each
+    group's rows of the same per-row Jacobians restricted to the output dimensions ``group_rows`` (``r`` indices in
+    ``0..d-1``, default all ``d``), NaN where ``total`` is (``("attn", L)``, output dimensions ``>= rows``). Their sum
+    over the groups is ``total[:, :, group_rows]`` up to float64 rounding (the J-lens checks of
+    :mod:`mfpipe.jlens.checks` compare disjoint position samples this way without a second backward pass; the
+    ``group_rows`` bound their memory to ``G (2L+1) r d`` on a real model).
+
     The model runs as it is loaded (eval mode is set for the call), with its parameters' ``requires_grad``
     switched off for the call and restored after: only the residual tensors are differentiated."""
     model = adapter.model
@@ -94,6 +120,7 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
         raise ValueError("position_jacobians needs at least one window")
     if int(pos.min()) < 0 or int(pos.max()) >= ids.shape[1]:
         raise ValueError(f"positions must lie in 0..{ids.shape[1] - 1}, got {pos.min().item()}..{pos.max().item()}")
+    grp = None if groups is None else _group_spec(adapter, groups, n_groups, group_rows, pos.numel())
     flags = [(p, p.requires_grad) for p in model.parameters()]
     training = model.training
     try:
@@ -102,26 +129,48 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
         model.eval()
         if prefix_cache:
             try:
-                return _cached_prefix(adapter, ids, pos, grad_chunk, rows)
+                total, by = _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp)
+                return total if grp is None else (total, by)
             except _NoCache as e:
                 log.warning("%s: no key/value cache (%s); the J-lens runs every window whole", adapter.model_type, e)
         ids = ids[:, : int(pos.max()) + 1]  # h^L[t] depends on positions <= t only
-        return _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk, rows)[0]
+        total, _, by = _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk, rows,
+                               grp)
+        return total if grp is None else (total, by)
     finally:
         for p, f in flags:
             p.requires_grad_(f)
         model.train(training)
 
 
+def _group_spec(adapter, groups, n_groups, group_rows, B: int) -> _Groups:
+    """``groups``, ``n_groups`` and ``group_rows`` of :func:`position_jacobians`, checked, on the adapter's device."""
+    d, dev = adapter.d_model, adapter.device
+    index = torch.as_tensor(groups).to(device=dev, dtype=torch.long).reshape(-1)
+    if index.numel() != B or int(index.min()) < 0:
+        raise ValueError(f"groups must be [B] = [{B}] group indices >= 0, got shape {tuple(index.shape)}")
+    n = int(index.max()) + 1 if n_groups is None else int(n_groups)
+    if int(index.max()) >= n:
+        raise ValueError(f"groups holds group {int(index.max())}, but n_groups is {n}")
+    keep = torch.arange(d) if group_rows is None else torch.as_tensor(group_rows)
+    keep = keep.to(device=dev, dtype=torch.long).reshape(-1)
+    if keep.numel() == 0 or int(keep.min()) < 0 or int(keep.max()) >= d:
+        raise ValueError(f"group_rows must be output dimensions in 0..{d - 1}, got {keep.numel()} of them")
+    member = (index[None, :] == torch.arange(n, device=dev)[:, None]).double()
+    return _Groups(member, n, keep)
+
+
 class _NoCache(RuntimeError):
     """The model's forward gave no key/value cache to run a token after its prefix with."""
 
 
-def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out: int | None = None) -> Tensor:
-    """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache."""
+def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out: int | None = None,
+                   groups: _Groups | None = None) -> tuple[Tensor, Tensor | None]:
+    """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache: ``(total,
+    by_group)``, ``by_group`` None without ``groups``."""
     d, dev = adapter.d_model, adapter.device
     kwarg = _cache_keyword(adapter.base)
-    total, checked = 0, False
+    total, checked, by_group = 0, False, 0
     for t in torch.unique(pos).tolist():
         rows = torch.nonzero(pos == t).reshape(-1)
         token = ids[rows, t : t + 1]
@@ -146,7 +195,8 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out:
         # memory takes (t + 1) times as many passes at once, one call instead of t + 1 launch-bound small ones (a
         # CPU runs the wide batched passes slower than grad_chunk at a time: benchmarks/HISTORY.md, "The J-lens")
         chunk = min(d, max(1, int(grad_chunk)) * ((t + 1) if dev.type == "cuda" else 1))
-        out, y = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk, rows_out)
+        sub = None if groups is None else groups._replace(member=groups.member[:, rows])
+        out, y, by = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk, rows_out, sub)
         if t > 0 and not checked:
             # a forward that takes past_key_values but does not attend to them would put the token at position 0
             # of an empty context: its final residual must be the whole window's at t
@@ -157,7 +207,9 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out:
                                f"(relative difference {err:.2g})")
             checked = True
         total = total + out
-    return total
+        if groups is not None:
+            by_group = by_group + by
+    return total, (None if groups is None else by_group)
 
 
 def _cache_keyword(module) -> str:
@@ -194,9 +246,11 @@ def _final_residual(adapter, ids: Tensor) -> Tensor:
     return seen[0]
 
 
-def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = None) -> tuple[Tensor, Tensor]:
+def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = None,
+            groups: _Groups | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The Jacobian blocks of one forward ``run()`` (hooked here), row ``b`` read at position ``pos[b]``: float64
-    ``[2, L+1, d, d]`` summed over rows (``rows_out`` output dimensions, the rest NaN); the final residual ``[B, d]``."""
+    ``[2, L+1, d, d]`` summed over rows (``rows_out`` output dimensions, the rest NaN); the final residual ``[B, d]``;
+    with ``groups``, the per-group sums of the kept rows ``[G, 2, L+1, r, d]`` (else None)."""
     L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
     d_out = d if rows_out is None else max(1, min(int(rows_out), d))
     B = pos.numel()
@@ -241,31 +295,8 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = N
                                    f"{sum(x is None for x in block_in)} / {sum(x is None for x in attn_out)} blocks / "
                                    "output projections were not called")
             hL = final[0]
-            inputs = [*block_in, hL, *attn_out]
             y = hL[torch.arange(B, device=dev), pos]  # [B, d]
-            rows = torch.zeros(len(inputs), d, d, dtype=torch.float64, device=dev)
-            chunk = max(1, int(grad_chunk))
-            i0 = 0
-            while i0 < d_out:
-                k = min(chunk, d_out - i0)
-                if k > 1:
-                    go = torch.zeros(k, B, d, dtype=y.dtype, device=dev)
-                    go[torch.arange(k, device=dev), :, torch.arange(i0, i0 + k, device=dev)] = 1
-                    try:
-                        gs = torch.autograd.grad([y], inputs, grad_outputs=[go], retain_graph=True,
-                                                 is_grads_batched=True)
-                    except (RuntimeError, NotImplementedError) as e:
-                        log.warning("%s: batched backward failed (%s); one backward per output dimension",
-                                    adapter.model_type, str(e).splitlines()[0][:200])
-                        chunk = 1
-                        continue
-                    for n, g in enumerate(gs):
-                        rows[n, i0 : i0 + k] = _rows(g, pos)
-                else:
-                    gs = torch.autograd.grad([y[:, i0].sum()], inputs, retain_graph=True)
-                    for n, g in enumerate(gs):
-                        rows[n, i0] = _rows(g, pos)
-                i0 += k
+            rows, by = _backward_rows(adapter, y, [*block_in, hL, *attn_out], pos, grad_chunk, d_out, groups)
     finally:
         for h in handles:
             h.remove()
@@ -273,4 +304,55 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = N
     out = torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
     out[0] = rows[: L + 1]
     out[1, :L] = rows[L + 1 :]
-    return out, y.detach()
+    by_out = None
+    if groups is not None:
+        by_out = torch.full((groups.n, 2, L + 1, len(groups.keep), d), float("nan"), dtype=torch.float64, device=dev)
+        by_out[:, 0] = by[:, : L + 1]
+        by_out[:, 1, :L] = by[:, L + 1 :]
+    return out, y.detach(), by_out
+
+
+def _backward_rows(adapter, y: Tensor, inputs: list[Tensor], pos: Tensor, grad_chunk: int, d_out: int,
+                   groups: _Groups | None) -> tuple[Tensor, Tensor | None]:
+    """Rows ``0..d_out-1`` of the Jacobians of ``y [B, d]`` (row ``b`` read at ``pos[b]``) with respect to each of
+    ``inputs``, summed over the rows ``b``: float64 ``[len(inputs), d, d]`` (rows from ``d_out`` on zero); with
+    ``groups``, the kept rows ``groups.keep`` summed per group, ``[G, len(inputs), r, d]`` (NaN where a kept row is
+    ``>= d_out``), else None. One backward per output dimension, ``grad_chunk`` of them batched at a time."""
+    d, dev = adapter.d_model, adapter.device
+    B = pos.numel()
+    rows = torch.zeros(len(inputs), d, d, dtype=torch.float64, device=dev)
+    by = None
+    if groups is not None:
+        by = torch.zeros(groups.n, len(inputs), len(groups.keep), d, dtype=torch.float64, device=dev)
+        by[:, :, groups.keep >= d_out] = float("nan")
+    chunk = max(1, int(grad_chunk))
+    i0 = 0
+    while i0 < d_out:
+        k = min(chunk, d_out - i0)
+        if k > 1:
+            go = torch.zeros(k, B, d, dtype=y.dtype, device=dev)
+            go[torch.arange(k, device=dev), :, torch.arange(i0, i0 + k, device=dev)] = 1
+            try:
+                gs = torch.autograd.grad([y], inputs, grad_outputs=[go], retain_graph=True, is_grads_batched=True)
+            except (RuntimeError, NotImplementedError) as e:
+                log.warning("%s: batched backward failed (%s); one backward per output dimension",
+                            adapter.model_type, str(e).splitlines()[0][:200])
+                chunk = 1
+                continue
+        else:
+            gs = torch.autograd.grad([y[:, i0].sum()], inputs, retain_graph=True)
+        j, kept = None, []
+        if groups is not None:  # the kept rows among this chunk's: their places in `keep`, their index in the chunk
+            j = torch.nonzero((groups.keep >= i0) & (groups.keep < i0 + k)).reshape(-1)
+            local = groups.keep[j] - i0
+        for n, g in enumerate(gs):
+            if j is None or j.numel() == 0:
+                rows[n, i0 : i0 + k] = _rows(g, pos).reshape(k, d)
+            else:
+                total, v = _rows(g, pos, local)
+                rows[n, i0 : i0 + k] = total.reshape(k, d)
+                kept.append(v)
+        if kept:  # a product, not index_add_: no atomics on a GPU
+            by[:, :, j] = torch.einsum("gb,nrbd->gnrd", groups.member, torch.stack(kept))
+        i0 += k
+    return rows, by
