@@ -42,9 +42,10 @@ def tracked_for(tokens: np.ndarray, n: int = N_TRACKED, bos: int = BOS, vocab: i
 STORE_META = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "zipf", "corpus_fingerprint": "fp"}
 
 
-def tiny_stats_half(model_type: str, folder, *, model_seed: int, n_windows: int, token_seed: int, batch_size: int):
-    """A tiny random model of ``model_type`` and its statistics half over Zipfian windows, written as
-    ``folder/stats.zarr``: (model, adapter, tokens, tracked, sums, meta, the opened store)."""
+def tiny_stats_half(model_type: str, folder, *, model_seed: int, n_windows: int, token_seed: int, batch_size: int,
+                    context_length: int = T):
+    """A tiny random model of ``model_type`` and its statistics half over Zipfian windows of ``context_length``
+    tokens, written as ``folder/stats.zarr``: (model, adapter, tokens, tracked, sums, meta, the opened store)."""
     from tiny_models import make_tiny_model
 
     from mfpipe.models.adapters import get_adapter
@@ -52,7 +53,7 @@ def tiny_stats_half(model_type: str, folder, *, model_seed: int, n_windows: int,
 
     model = make_tiny_model(model_type, seed=model_seed)
     ad = get_adapter(model)
-    tokens = zipf_windows(n_windows, seed=token_seed)
+    tokens = zipf_windows(n_windows, T=context_length, seed=token_seed)
     tracked = tracked_for(tokens)
     sums = accumulate_shard(model, ad, tokens, tracked, batch_size=batch_size, device="cpu", progress=False)
     meta = dict(STORE_META, model_type=ad.model_type)

@@ -45,6 +45,8 @@ OVERLAY = {
     # job of the run takes that path
     "stats": {"partial_mantissa_bits": 11, "kernel_sums": "disk"},
     "ranking": {"head_scores": {"n_sequences": 8}},
+    # the ranking tables merge the positional slice's repeated-text rises, so its job runs with every preset's
+    "positional": {"tokens": 2048, "ablation_windows": 8, "n_random": 2, "repeated": {"n_sequences": 16}},
     "cluster": {"forward": {"cpus": 1, "mem_mb": 2000, "runtime": 30}, "cpu": {"cpus": 1, "mem_mb": 2000, "runtime": 30}},
 }
 
@@ -330,6 +332,23 @@ def test_the_gemma_preset_plans_the_paper_function_vector_run(presets_run, hub):
     assert sorted(w for r, w in jobs if r == "function_vectors") == [
         "model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"], text[-3000:]
     assert {w for r, w in jobs if r == "jlens"} == {"model=gemma-2-2b, revision=main", "model=gpt2-small, revision=main"}
+
+
+def test_the_gpt2_preset_plans_the_positional_slice(presets_run, hub):
+    """Issue 43: GPT-2 small's preset runs the positional job (the ranking tables merge its repeated-text rises) and
+    plans the rest of the slice, the ablation and the figure, against the offline cache."""
+    import pandas as pd
+
+    wd = presets_run["wd"]
+    r = wd / "results" / "tables"
+    top = pd.read_csv(r / "ranking_top_gpt2-small_main.csv")
+    assert {"rise", "rise_rank"} <= set(top.columns) and top["rise_rank"].notna().all()
+    assert (r / "positional_gpt2-small_main.md").is_file() and (r / "positional_classes_gpt2-small_main.csv").is_file()
+    targets = ["results/tables/positional_ablation_gpt2-small_main.md", "results/figures/positional_gpt2-small_main.png"]
+    _, text = run(wd, hub["env"], presets_run["configs"], "-n", *targets)
+    jobs = planned_jobs(text)
+    assert ("positional_ablation", "model=gpt2-small, revision=main") in jobs, text[-3000:]
+    assert ("figure_positional", "model=gpt2-small, revision=main") in jobs
 
 
 def test_partials_are_deleted_once_merged_and_never_rebuilt_for_a_current_store(presets_run, hub, tmp_path):

@@ -137,6 +137,10 @@ def test_head_ranking_outputs(built):
             assert len(heads) == 2 and heads[["induction", "previous_token", "bos_sink"]].notna().all().all()
         top = pd.read_csv(r / "tables" / f"ranking_top_{m}_step20.csv")
         assert top["rank"].tolist() == [1, 2] and top["S_bar"].is_monotonic_decreasing
+        # App. readings: each head's rise under repetition, from the positional slice, beside S̄
+        rises = pd.read_csv(r / "tables" / f"positional_repeated_{m}_step20.csv").set_index(["layer", "head"])
+        assert sorted(top["rise_rank"]) == [1, 2] and top["rise"].notna().all()
+        assert np.allclose(top["rise"], rises.loc[list(zip(top["layer"], top["head"])), "rise"], equal_nan=True)
         assert (r / "tables" / f"ranking_bottom_{m}_step20.md").is_file()
         assert (r / "figures" / f"ccmf_scatter_{m}_step20.png").stat().st_size > 0
         stab = pd.read_csv(r / "tables" / f"ranking_stability_{m}_step20.csv")
@@ -641,9 +645,9 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
 
     figures = sorted(p.name for p in (built / "results" / "figures").iterdir())
     # 5 rollout figures x 2 models, mini-gpt2's sweep: waypoint, kernel CKA, kernel spread, Exp. 3; the head-ranking
-    # scatter, prompt classes, instance meter, function vectors and their clean-prompt sweep x 2 models; the two
-    # models side by side; x (pdf, png)
-    assert len(figures) == (5 * 2 + 4 + 5 * 2 + 1) * 2, figures
+    # scatter, prompt classes, instance meter, function vectors and their clean-prompt sweep, positional transport x 2
+    # models; the two models side by side; x (pdf, png)
+    assert len(figures) == (5 * 2 + 4 + 6 * 2 + 1) * 2, figures
     out = tmp_path / "report.zip"
     snakemake(built, "--report", str(out))
     with zipfile.ZipFile(out) as z:
@@ -658,12 +662,14 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
     want_tables += [f"{t}_{m}_step20.csv" for t in ("kernel_bias", "calibration") for m in ("mini-gpt2", "mini-neox")]
     want_tables += [f"kernel_{t}_mini-gpt2.csv" for t in ("cka", "cka_adjacent", "spread")]
     want_tables += [f"{t}_{m}_step20.csv" for t in ("ranking_top", "ranking_bottom", "ranking_stability", "icl_classes",
-                                                     "icl_corr", "icl_meter", "fv", "fv_clean", "jlens_checks")
+                                                     "icl_corr", "icl_meter", "fv", "fv_clean", "jlens_checks",
+                                                     "positional", "positional_ablation", "positional_repeated",
+                                                     "positional_classes")
                    for m in ("mini-gpt2", "mini-neox")]
     want_tables += ["exp3_correlation_mini-gpt2.csv", "run_costs.csv"]  # and where the run's time went
     assert not [t for t in want_tables if t not in in_zip], sorted(in_zip)
     for fig in ("rollout", "teacher_forced", "error_decomposition", "clustering", "cross_corpus", "ccmf_scatter", "exp3",
-                "icl_classes", "icl_meter", "fv", "fv_clean"):
+                "icl_classes", "icl_meter", "fv", "fv_clean", "positional"):
         caption = (REPO / "workflow" / "report" / f"figure_{fig}.rst").read_text().split(":")[0]
         first = caption.split("{{")[0].strip()
         assert first and first in html, f"caption of {fig} missing from the report"

@@ -64,6 +64,8 @@ rule ranking:
     input:
         deviation=STORE("deviation"),
         heads=f"{R}/heads/{{model}}/{{revision}}/head_scores.csv",
+        # natural against repeated text (App. readings), where the model runs the positional slice
+        rises=lambda wc: positional_rules.repeated_input(PLAN, wc),
         code=job("experiments.ranking", "ranking"),
     output:
         heads=f"{R}/tables/ranking_heads_{{model}}_{{revision}}.csv",

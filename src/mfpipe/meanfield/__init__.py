@@ -10,6 +10,10 @@
   substitution experiment's calibration, read wherever a rule asks for ``kernel: calibrated``).
 - :mod:`mfpipe.meanfield.deviation` — the deviation of a head's read from its mean field and its split into the
   covariance and contextualization terms (eq:deviation, eq:dev-decomp, eq:mcov-mctx), per occurrence and per corpus.
+- :mod:`mfpipe.meanfield.forward` — the per-context deviation forward
+  (:func:`~mfpipe.meanfield.forward.deviation_forward`): one traced forward of the model with the pass-2 meters of
+  every head at every position (the prompt classes, the instance meter, the positional transport), and
+  :func:`~mfpipe.meanfield.forward.kernel_for` (a kernel on the model's device).
 
 This package imports none of its modules, so a job's code inputs stay the modules it uses.
 """

@@ -26,21 +26,22 @@ def _selection_sections(tabs: dict) -> list[str]:
     cols = ["task", "n_selected", "mfa_shared_across_splits", "aie_mfa_overlap", "raw_mfa_overlap"]
     cols += [c for c in st.columns if c.endswith("_mfa_overlap") and c not in cols]
     lines += md_rows(st[cols + ["p_answer_corrupted", "aie_heads", "mfa_heads_split0"]])
-    rec = tabs.get("recovery")
-    if rec is not None and len(rec):
-        lines += ["", "## Head lists recovered by the pipeline's own AIE", "",
-                  "Per split: how many of the list's k heads AIE's top k holds (recovered), how many of AIE's top five "
-                  "are the list's first five (top5; exact: the two sets equal), and the list's overlap with the "
-                  "split's MFA selection.", ""]
-        lines += md_rows(rec)
-    conc = tabs.get("conclusions")
-    if conc is not None and len(conc):
-        lines += ["", "## Stability over the prompt-sampling seeds", "",
-                  "The comparisons of Tables fv-matrix-body (sum) and fv-matrix (per_head) at each seed: the best of "
-                  "the four AIE/MFA pipelines, the seeds at which the raw-magnitude control falls below MFA·r (its raw "
-                  "vectors; its r vectors), and at which MFA·r beats the random control.", ""]
-        lines += md_rows(conc)
+    lines += _section(tabs.get("recovery"), "Head lists recovered by the pipeline's own AIE",
+                      "Per split: how many of the list's k heads AIE's top k holds (recovered), how many of AIE's top "
+                      "five are the list's first five (top5; exact: the two sets equal), and the list's overlap with "
+                      "the split's MFA selection.")
+    lines += _section(tabs.get("conclusions"), "Stability over the prompt-sampling seeds",
+                      "The comparisons of Tables fv-matrix-body (sum) and fv-matrix (per_head) at each seed: the best "
+                      "of the four AIE/MFA pipelines, the seeds at which the raw-magnitude control falls below MFA·r "
+                      "(its raw vectors; its r vectors), and at which MFA·r beats the random control.")
     return lines
+
+
+def _section(df, title: str, text: str) -> list[str]:
+    """A titled section with its explanation and ``df`` as a table; nothing where ``df`` is missing or empty."""
+    if df is None or not len(df):
+        return []
+    return ["", f"## {title}", "", text, ""] + md_rows(df)
 
 
 def _protocol_sections(tabs: dict) -> list[str]:

@@ -20,7 +20,8 @@ and counted per class. :func:`class_table` (Tables icl / icl-terms), :func:`sepa
 Hedges' g against the random control, Welch p) summarise the per-prompt table (Fig. icl: :func:`mfpipe.experiments.prompts.figures.icl_figure`).
 
 Experiment 1 (the instance meter on ``[BOS; c; c]``) is :mod:`mfpipe.experiments.prompts.meter`; both use
-:func:`deviation_forward`.
+:func:`~mfpipe.meanfield.forward.deviation_forward` (with :func:`~mfpipe.meanfield.forward.kernel_for`, core
+functions re-exported here).
 
 Everything inside a batch is vectorized over positions, heads and layers' outputs; loops run over batches.
 """
@@ -36,9 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from mfpipe.experiments.prompts.sets import CLASSES, Prompt, ordered_classes
-from mfpipe.meanfield.ccmf import pair_kernel
+from mfpipe.meanfield.forward import METERS, deviation_forward, kernel_for
 from mfpipe.meanfield.kernel import MeanFieldKernel, mean_field_replacement
-from mfpipe.meanfield.deviation import meters, occurrence_terms
 
 __all__ = ["queryable_types", "kernel_for", "deviation_forward", "measure_prompts", "class_table", "hedges_g",
            "separation_table", "separation_markdown", "class_markdown", "PROMPT_COLUMNS", "SEPARATION_METRICS"]
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 PROMPT_COLUMNS = ["cls", "task", "prompt", "length", "query", "target", "D_MF", "M_cov", "M_ctx", "loss_model",
                   "loss_mf", "delta_L", "loss_perm", "delta_L_perm", "dzhat_perm", "correct", "degenerate"]
 SEPARATION_METRICS = ("D_MF", "M_cov", "M_ctx", "delta_L_perm")
-_METERS = ("D", "M_cov", "M_ctx")
 
 
 def queryable_types(kernel: MeanFieldKernel) -> np.ndarray:
@@ -60,45 +59,6 @@ def queryable_types(kernel: MeanFieldKernel) -> np.ndarray:
         Wl = kernel.W[l]
         ok &= (torch.isfinite(Wl).all(-1) & (Wl.nan_to_num(0.0).sum(-1) > 0)).all(0).cpu().numpy()
     return ids[ok[kernel.query_lut[ids]]]
-
-
-def kernel_for(kernel, adapter) -> MeanFieldKernel:
-    """``kernel`` on the adapter's device (:meth:`MeanFieldKernel.to`), refused if it belongs to another shape."""
-    k = kernel if kernel.device == torch.device(adapter.device) else kernel.to(adapter.device)
-    if tuple(k.W.shape[:2]) != (adapter.n_layers, adapter.n_heads):
-        raise ValueError(f"the kernel has (layers, heads) = {tuple(k.W.shape[:2])}, the model "
-                         f"({adapter.n_layers}, {adapter.n_heads}): the statistics belong to another model")
-    return k
-
-
-def deviation_forward(adapter, kernel: MeanFieldKernel, ids: torch.Tensor, kb: torch.Tensor, qt: torch.Tensor, *,
-                      logits: bool = False, loss: bool = False):
-    """One clean traced forward reading attention, values and reads; per layer the pass-2 math
-    (:func:`~mfpipe.meanfield.ccmf.pair_kernel`, :func:`~mfpipe.meanfield.deviation.occurrence_terms`, :func:`~mfpipe.meanfield.deviation.meters`).
-
-    Returns ``(m, valid, result)``: ``m[key] [B, T, L, H]`` float64 for ``D``, ``M_cov``, ``M_ctx`` and
-    ``degenerate`` (bool), ``valid [B, T]`` (a query with a valid Â row in every layer), the :class:`RunResult`."""
-    dev = kernel.device
-    kb, qt = kb.to(dev), qt.to(dev)
-    B, T = kb.shape
-    L, H = adapter.n_layers, adapter.n_heads
-    grams = kernel.grams(adapter)
-    out = {k: torch.zeros(B, T, L, H, dtype=torch.float64, device=dev) for k in _METERS}
-    out["degenerate"] = torch.zeros(B, T, L, H, dtype=torch.bool, device=dev)
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-
-    def on_layer(cap):
-        l = cap.layer
-        a, _, v = pair_kernel(kernel.W[l].to(dev, torch.float32), kb, qt)
-        terms = occurrence_terms(cap.attn_probs.float(), cap.values.float(), a.transpose(0, 1), kernel.mu[l], kb,
-                                 reads=cap.reads)
-        m = meters(terms, grams[l])
-        for key in out:
-            out[key][:, :, l] = m[key].to(dev)
-        valid.logical_and_(v.to(dev))
-
-    res = adapter.run(ids, select=("attn_probs", "values", "reads"), on_layer=on_layer, logits=logits, loss=loss)
-    return out, valid, res
 
 
 def _last_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -175,7 +135,7 @@ def measure_prompts(adapter, kernel: MeanFieldKernel, prompts: list[Prompt], *, 
         num = torch.einsum("blhd,lhde,blhe->blh", zq2 - zq, G, zq2 - zq)
         den = torch.einsum("blhd,lhde,blhe->blh", zq, G, zq)
         dz = (num.clamp_min(0).sqrt() / den.clamp_min(1e-30).sqrt()).amax((1, 2)).cpu().numpy()
-        q = {key: m[key][:, -1].mean((1, 2)).cpu().numpy() for key in _METERS}
+        q = {key: m[key][:, -1].mean((1, 2)).cpu().numpy() for key in METERS}
         deg = m["degenerate"][:, -1].sum((1, 2)).cpu().numpy()
         for b, i in enumerate(chunk):
             p = prompts[i]

@@ -10,7 +10,8 @@ import pandas as pd
 
 from mfpipe.experiments.ranking.head_scores import head_label
 
-__all__ = ["heads_table", "top_bottom", "split_half_stability", "head_roles", "HEAD_COLUMNS", "ROLE_THRESHOLDS"]
+__all__ = ["heads_table", "merge_rises", "top_bottom", "split_half_stability", "head_roles", "HEAD_COLUMNS",
+           "ROLE_THRESHOLDS"]
 
 SCORES = ("induction", "previous_token", "duplicate_token", "bos_sink")
 HEAD_COLUMNS = ["rank", "head_label", "layer", "head", "S_bar", "M_cov", "M_ctx", "D", *SCORES, "S_bar_half0",
@@ -41,6 +42,17 @@ def heads_table(dev, scores=None) -> pd.DataFrame:
     df = df.sort_values(["S_bar", "layer", "head"], ascending=[False, True, True], na_position="last", kind="stable")
     df.insert(0, "rank", np.arange(1, len(df) + 1))
     return df[HEAD_COLUMNS].reset_index(drop=True)
+
+
+def merge_rises(table: pd.DataFrame, rises: pd.DataFrame) -> pd.DataFrame:
+    """``table`` (:func:`heads_table`) with each head's repeated-text rise and its rank over all heads (App. readings;
+    the positional slice's ``positional_repeated`` table: ``layer``, ``head``, ``rise``, ``rise_rank``), in its
+    order."""
+    r = rises[["layer", "head", "rise", "rise_rank"]]
+    if set(zip(r["layer"], r["head"])) != set(zip(table["layer"], table["head"])):
+        raise ValueError(f"the repeated-text table has {len(r)} heads, the ranking {len(table)} (or other ones): it "
+                         "belongs to another model; rerun its positional job")
+    return table.merge(r, on=["layer", "head"], how="left", validate="one_to_one")
 
 
 def top_bottom(table: pd.DataFrame, top: int = 20, bottom: int = 15) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -63,7 +63,7 @@ def ranking(job) -> None:
     from mfpipe.experiments.ranking.figures import ccmf_scatter
     from mfpipe.experiments.ranking.heads import head_roles
     from mfpipe.experiments.ranking.head_scores import open_head_scores
-    from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
+    from mfpipe.experiments.ranking.heads import heads_table, merge_rises, split_half_stability, top_bottom
     from mfpipe.workflow import tables as T
 
     p, inp, out = job.params, job.input, job.output
@@ -73,6 +73,8 @@ def ranking(job) -> None:
         raise ValueError(f"{inp.heads} holds revision {scores.attrs['revision']}, expected {p.revision}")
     table = heads_table(dev, scores)
     table.insert(4, "role", head_roles(table))
+    if len(getattr(inp, "rises", None) or []):  # App. readings: each head's rise under repetition, beside S̄
+        table = merge_rises(table, pd.read_csv(inp.rises[0]))
     top, bottom = top_bottom(table, int(p.top), int(p.bottom))
     stability = pd.DataFrame([split_half_stability(table, int(p.top))])
     T.write_table(table, csv=out.heads)

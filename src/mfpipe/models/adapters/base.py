@@ -3,15 +3,14 @@
 An :class:`Adapter` wraps an already-loaded ``transformers`` causal LM (eager attention, eval mode) and
 offers two things:
 
-1. The read/patch site (:class:`~mfpipe.models.adapters.site.TracedSite`, mixed in): ``run`` — ONE
-   nnsight-traced forward pass that hands the selected :class:`LayerCapture` fields of each layer
-   (residual stream in, attention probabilities, per-head values and reads, attention / MLP branch
-   outputs) to a callback *while the forward is running*, can replace every head's read at the output
-   projection's input, and can return the logits and the next-token loss (the statistics pass runs it with
-   the fields its reducer reads); ``capture`` — all fields, no LM head.
-2. Block pieces (``embed``, ``position_offset``, ``attn_input_norm``, ``value_map`` / ``value_weights``,
-   ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure functions of
-   tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
+1. The read/patch site (:class:`~mfpipe.models.adapters.site.TracedSite`, mixed in): ``run`` — ONE nnsight-traced
+   forward pass that hands the selected :class:`LayerCapture` fields of each layer (residual stream in, attention
+   probabilities, per-head values and reads, attention / MLP branch outputs) to a callback *while the forward is
+   running*, can replace every head's read at the output projection's input and that projection's output
+   (``patch_out``), and can return the logits and the next-token loss; ``capture`` — all fields, no LM head.
+2. Block pieces (``embed``, ``position_table`` / ``position_offset``, ``attn_input_norm``, ``value_map`` /
+   ``value_weights``, ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure
+   functions of tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
    rollout (paper Alg. 1, App. E); ``unembed`` (final norm + LM head) for the logit lens of App. P.
 
 Where a model keeps its pieces is its :class:`~mfpipe.models.adapters.structure.Structure` (``structure.py``: found
@@ -19,20 +18,19 @@ by what the modules are and do, not by ``model_type``); ``architectures.py`` bui
 
 Conventions shared by all adapters
 ----------------------------------
-* Heads: ``H = n_heads`` query heads of width ``d_head``. Grouped-query KV heads are expanded to query
-  heads exactly as HF's ``repeat_kv`` does: query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
-* ``reads[..., h, :]`` is head ``h``'s slice of the input of the output projection (``c_proj`` /
-  ``dense`` / ``o_proj``), i.e. ``sum_j probs[h, i, j] * values[h, j]``; and
-  ``sum_h reads_h @ out_proj_slices(l)[h] + out_proj_bias(l)`` is the output projection's output.
-* ``attn_out`` is what the attention branch adds to the residual stream: the output projection's output
-  for GPT-2 / GPT-NeoX / Llama / Qwen-3, ``post_attention_layernorm(o_proj(...))`` for Gemma-2 / OLMo-2.
-  ``resid_mid = resid_in + attn_out``.
-* ``mlp_out`` is what the MLP branch adds to the residual stream, after the post-feedforward norm
-  where present. For sequential blocks ``resid_in[l+1] = resid_mid + mlp_out``; for GPT-NeoX with
-  ``use_parallel_residual`` the MLP reads the block input: ``resid_in[l+1] = resid_in + attn_out +
-  mlp_out`` with ``mlp_out = mlp(l, resid_in)``. :meth:`Adapter.mlp` takes the residual stream the
-  MLP branch reads (``resid_mid`` for sequential blocks, ``resid_in`` for parallel ones) and applies
-  the branch's own pre-/post-norms.
+* Heads: ``H = n_heads`` query heads of width ``d_head``. Grouped-query KV heads are expanded to query heads exactly
+  as HF's ``repeat_kv`` does: query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
+* ``reads[..., h, :]`` is head ``h``'s slice of the input of the output projection (``c_proj`` / ``dense`` /
+  ``o_proj``), i.e. ``sum_j probs[h, i, j] * values[h, j]``; and ``sum_h reads_h @ out_proj_slices(l)[h] +
+  out_proj_bias(l)`` is the output projection's output.
+* ``attn_out`` is what the attention branch adds to the residual stream: the output projection's output for GPT-2 /
+  GPT-NeoX / Llama / Qwen-3, ``post_attention_layernorm(o_proj(...))`` for Gemma-2 / OLMo-2; ``resid_mid = resid_in +
+  attn_out``.
+* ``mlp_out`` is what the MLP branch adds to the residual stream, after the post-feedforward norm where present. For
+  sequential blocks ``resid_in[l+1] = resid_mid + mlp_out``; for GPT-NeoX with ``use_parallel_residual`` the MLP reads
+  the block input: ``resid_in[l+1] = resid_in + attn_out + mlp_out`` with ``mlp_out = mlp(l, resid_in)``.
+  :meth:`Adapter.mlp` takes the residual stream the MLP branch reads (``resid_mid`` for sequential blocks,
+  ``resid_in`` for parallel ones) and applies the branch's own pre-/post-norms.
 """
 
 from __future__ import annotations
@@ -192,22 +190,26 @@ class Adapter(TracedSite):
         return e
 
     @no_grad
-    def position_offset(self, context_length: int | None = None, position_count=None) -> Tensor | None:
-        """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1``
-        (position 0 holds BOS, never a query, so its row is left out), or None where positions are not a learned
-        table added to the embedding (rotary).
-
-        A type's true layer-0 centroid is its embedding plus the mean of the table over ITS occurrences; one
-        offset shared by all types comes closest to those (occurrence-weighted squared error) when it is the
-        mean over all tracked-query occurrences, i.e. the table weighted by ``position_count [T]`` (the
-        statistics half's tracked-query count per position; it is 0 at position 0). Without it: uniform over
-        ``1..T-1``, which is what packed full windows give. ``context_length`` T defaults to
-        ``len(position_count)``, else to the whole learned table.
-        """
+    def position_table(self) -> Tensor | None:
+        """The learned absolute position table ``W_pos [n_positions, d]`` (row p: position p), or None where positions
+        are not a learned table added to the embedding (rotary)."""
         if self.structure.position_table is None:
             return None
         # position p's row is p + position_row_offset (OPT's table starts at row 2)
-        wpe = module_at(self.base, self.structure.position_table).weight.detach()[self.structure.position_row_offset:]
+        return module_at(self.base, self.structure.position_table).weight.detach()[self.structure.position_row_offset:]
+
+    def position_offset(self, context_length: int | None = None, position_count=None) -> Tensor | None:
+        """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1`` (position 0
+        holds BOS, never a query, so its row is left out), or None without a learned table (rotary).
+
+        A type's true layer-0 centroid is its embedding plus the mean of the table over ITS occurrences; one offset
+        shared by all types comes closest to those (occurrence-weighted squared error) when it is the mean over all
+        tracked-query occurrences, i.e. the table weighted by ``position_count [T]`` (the statistics half's
+        tracked-query count per position; 0 at position 0). Without it: uniform over ``1..T-1``, which is what packed
+        full windows give. ``context_length`` T defaults to ``len(position_count)``, else to the whole table."""
+        wpe = self.position_table()
+        if wpe is None:
+            return None
         if position_count is not None:
             w = torch.as_tensor(position_count, dtype=torch.float64).reshape(-1)
             if context_length is not None and int(context_length) != w.numel():

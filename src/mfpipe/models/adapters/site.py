@@ -10,6 +10,10 @@ Per layer it can
 * **replace** every head's read at the output projection's input (``patch_reads``), written back in
   the model's dtype *before* the output projection runs, so on post-attention-norm blocks (Gemma-2,
   OLMo-2) the replacement also passes through that norm;
+* **replace** the output projection's output (``patch_out``), seeing the per-head reads that went into it:
+  the paper's positional-transport ablation (App. positional, "Dereferencing") projects a residual-space
+  subspace S out of the summed write of a set of heads C mid-forward, ``out - P_S(sum_{h in C} O_h z_h)``
+  (``O_h`` from ``out_proj_slices``), which a reads-space patch cannot express;
 
 and after the last layer it hands over the final residual (``on_final``) and, when asked, runs the LM
 head for the logits and the next-token loss.
@@ -22,16 +26,16 @@ nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/d
   so results leave through objects created outside (:class:`RunResult`, the callbacks).
 * Reads must follow forward-execution order; touching a module the forward already passed raises
   ``nnsight.intervention.interleaver.OutOfOrderError``. :meth:`TracedSite._layer_site` therefore reads
-  in block order: block input, value source, output projection input, attention output, post-attention
-  norm, MLP branch.
+  in block order: block input, value source, output projection input, output projection output, attention
+  output, post-attention norm, MLP branch.
 * Without logits we trace the decoder stack (``model.base_model``) rather than the causal LM with
   ``tracer.stop()`` to skip the LM head: ``stop()`` raises an exception whose traceback keeps the last
   layer's activations alive in a reference cycle until the next garbage collection. Where a run reads
   nothing after the last layer's ``on_layer`` (no final residual, logits or loss), :meth:`TracedSite.run`
   does stop there (the last block's MLP is not run) and collects the young generations right after, which
   frees that cycle (tests/test_adapters.py).
-* Assigning ``envoy.input = tensor`` replaces the module's first positional input; writing back the
-  module's own input leaves the logits bit-identical.
+* Assigning ``envoy.input = tensor`` replaces the module's first positional input (``envoy.output = tensor``
+  its output); writing back the module's own input (output) leaves the logits bit-identical.
 * Wrapping a model with ``NNsight`` leaves its plain forward bit-identical; several wrappers of one
   model coexist (we keep one of the decoder stack and, once logits are asked for, one of the causal LM).
 """
@@ -55,8 +59,8 @@ class LayerCapture:
     place: for float32 models they are views of the model's own activations).
 
     Shapes: B batch, T positions, H query heads, dh head width, d model width. A field that was not
-    selected is ``None``. Under ``patch_reads``, ``reads`` is what attention computed (before the
-    replacement); every field downstream of the output projection (``attn_out``, ``resid_mid``,
+    selected is ``None``. Under ``patch_reads`` / ``patch_out``, ``reads`` is what attention computed (before
+    the replacement); every field downstream of the output projection (``attn_out``, ``resid_mid``,
     ``mlp_out``, later layers) reflects the patched forward.
     """
 
@@ -85,6 +89,7 @@ class RunResult:
 Select = str | Iterable[str] | Callable[[str], bool] | None
 PatchReads = Callable[[int, Tensor], Tensor | None]
 PatchResid = Callable[[int, Tensor], Tensor | None]
+PatchOut = Callable[[int, Tensor, Tensor], Tensor | None]
 
 
 def resolve_select(select: Select) -> frozenset[str]:
@@ -169,6 +174,7 @@ class TracedSite:
         on_layer: Callable[[LayerCapture], None] | None = None,
         patch_reads: PatchReads | None = None,
         patch_resid: PatchResid | None = None,
+        patch_out: PatchOut | None = None,
         on_final: Callable[[Tensor], None] | None = None,
         logits: bool = False,
         loss: bool = False,
@@ -191,6 +197,14 @@ class TracedSite:
           replacement [B,T,d] (cast to the model's dtype and written back before the block runs; e.g. a
           function vector added at one position) or ``None`` to leave it. ``LayerCapture.resid_in`` is the
           replaced residual.
+        * ``patch_out(layer, out, reads)``: called once per layer, in layer order, at the output projection's
+          output, with that output ``out`` [B,T,d] (float32, bias included, before any post-attention norm; do
+          not modify in place) and the per-head reads that went into it [B,T,H,dh] (float32, after
+          ``patch_reads`` if any). Return the replacement [B,T,d] (cast to the model's dtype and written back as
+          the projection's output, so a post-attention norm (Gemma-2, OLMo-2) and everything after see it) or
+          ``None`` to leave it. E.g. the positional-transport ablation: ``out - P_S(sum_{h in C} O_h z_h)`` with
+          ``O_h = out_proj_slices(layer)[h]``. Called after ``patch_reads`` and before that layer's ``on_layer``;
+          ``LayerCapture.reads`` stays the unpatched read, ``attn_out`` / ``resid_mid`` follow the patch.
         * ``on_final(final residual before the last norm [B,T,d], float32)``.
         * ``logits``: run the full causal LM (LM head included) and return ``RunResult.logits`` [B,T,V]
           float32. ``loss``: return ``RunResult.loss`` / ``token_loss`` (next-token cross entropy of the
@@ -215,7 +229,7 @@ class TracedSite:
             stop = on_final is None and not (logits or loss)
             with root.trace(ids, use_cache=False) as tracer:
                 self._trace_body(root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result,
-                                 patch_resid)
+                                 patch_resid, patch_out)
                 if stop:
                     tracer.stop()
         if stop:
@@ -239,11 +253,12 @@ class TracedSite:
 
     # ------------------------------------------------------------------ inside the trace
     def _trace_body(self, root, base_env, ids, sel, on_layer, patch_reads, on_final, logits, loss, result,
-                    patch_resid=None) -> None:
+                    patch_resid=None, patch_out=None) -> None:
         """Runs in the nnsight worker, interleaved with the forward pass."""
         layers_env = module_at(base_env, self.LAYERS)
         for layer in range(self.n_layers):
-            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads, patch_resid, tuple(ids.shape))
+            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads, patch_resid, tuple(ids.shape),
+                                   patch_out)
             if on_layer is not None:
                 on_layer(cap)
         if on_final is not None:
@@ -263,8 +278,10 @@ class TracedSite:
                 result.loss = result.token_loss.reshape(-1).mean()
 
     def _layer_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None,
-                    patch_resid: PatchResid | None = None, bt: tuple[int, int] | None = None) -> LayerCapture:
-        """One block: read the selected tensors and patch the reads, in forward-execution order.
+                    patch_resid: PatchResid | None = None, bt: tuple[int, int] | None = None,
+                    patch_out: PatchOut | None = None) -> LayerCapture:
+        """One block: read the selected tensors and patch the residual, reads and projection output, in
+        forward-execution order.
 
         Each ``.input`` / ``.output`` access parks until the forward pass reaches that module and returns
         the real tensor; nothing is read that ``sel`` (and the patch) does not need.
@@ -277,28 +294,15 @@ class TracedSite:
             raw = layer_env.input
             new = patch_resid(layer, raw.float())
             if new is not None:
-                if not isinstance(new, Tensor) or tuple(new.shape) != tuple(raw.shape):
-                    got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
-                    raise ValueError(f"patch_resid(layer={layer}) returned {got}; return the residual as a tensor of "
-                                     f"shape [B,T,d] = {list(raw.shape)} (or None to leave the layer unpatched)")
-                layer_env.input = new.to(device=raw.device, dtype=raw.dtype)
+                layer_env.input = _like(new, raw, f"patch_resid(layer={layer})", "the residual")
                 raw = layer_env.input
             resid_in = raw.float() if need_resid_in else None
         elif need_resid_in:
             resid_in = layer_env.input.float()
         if "values" in sel:
             cap.values = self._values_from_src(module_at(layer_env, self.V_SRC).output).float()
-        if "reads" in sel or patch_reads is not None:
-            o_env = module_at(layer_env, self.O_PROJ)
-            flat = o_env.input  # [B,T,H*dh]
-            B, T = flat.shape[:2]
-            reads = flat.view(B, T, self.n_heads, self.d_head).float()
-            if "reads" in sel:
-                cap.reads = reads
-            if patch_reads is not None:
-                new = patch_reads(layer, reads)
-                if new is not None:
-                    o_env.input = self._patched_input(new, flat, layer)
+        if "reads" in sel or patch_reads is not None or patch_out is not None:
+            cap.reads = self._out_proj_site(layer_env, layer, sel, patch_reads, patch_out)
         attn_out = None
         if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None):
             attn_res = module_at(layer_env, self.ATTN).output
@@ -325,6 +329,26 @@ class TracedSite:
             cap.resid_mid = resid_in + attn_out
         return cap
 
+    def _out_proj_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None,
+                       patch_out: PatchOut | None) -> Tensor | None:
+        """The output projection: read its input (the per-head reads) and patch it, then patch its output.
+        Returns the unpatched reads [B,T,H,dh] float32 where ``sel`` asks for them, else None."""
+        o_env = module_at(layer_env, self.O_PROJ)
+        flat = o_env.input  # [B,T,H*dh]
+        heads = (*flat.shape[:2], self.n_heads, self.d_head)
+        reads = flat.view(heads).float()
+        if patch_reads is not None:
+            new = patch_reads(layer, reads)
+            if new is not None:
+                flat = self._patched_input(new, flat, layer)  # what the projection now reads
+                o_env.input = flat
+        if patch_out is not None:
+            raw = o_env.output  # [B,T,d]: after its input (forward order), before the attention module's output
+            new = patch_out(layer, raw.float(), flat.view(heads).float())
+            if new is not None:
+                o_env.output = _like(new, raw, f"patch_out(layer={layer})", "the output projection's output")
+        return reads if "reads" in sel else None
+
     def _patched_input(self, new: Tensor, flat: Tensor, layer: int) -> Tensor:
         """The replacement reads as the output projection's input: [B,T,H*dh] in the model's dtype/device."""
         want = (*flat.shape[:2], self.n_heads, self.d_head)
@@ -335,3 +359,12 @@ class TracedSite:
                 f"[B,T,H,dh] = {list(want)} (or None to leave the layer unpatched)"
             )
         return new.to(device=flat.device, dtype=flat.dtype).reshape(flat.shape)
+
+
+def _like(new, raw: Tensor, who: str, what: str) -> Tensor:
+    """A callback's replacement ``new`` for ``raw`` in ``raw``'s dtype/device; ValueError unless same shape."""
+    if not isinstance(new, Tensor) or tuple(new.shape) != tuple(raw.shape):
+        got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+        raise ValueError(f"{who} returned {got}; return {what} as a tensor of shape [B,T,d] = {list(raw.shape)} "
+                         "(or None to leave the layer unpatched)")
+    return new.to(device=raw.device, dtype=raw.dtype)
