@@ -114,7 +114,9 @@ def _readings(job, fj, ad, kernel, windows, occ, dev, cfg, log) -> None:
                                                            for r in top.itertuples()))
     cls = cfg["class_types"]
     types = C.class_types(fj.tokenizer(), fj.tracked, cls["strings"])
-    D_type = dev["D_type"].transpose("layer", "head", "query").values
+    # the types pass 2 scored (at least its min_occurrences in every layer): a rarer type's mean is noise
+    scored = dev["count"].sum("half").min("layer").values >= int(dev.attrs.get("min_occurrences", 1))
+    D_type = np.where(scored[None, None, :], dev["D_type"].transpose("layer", "head", "query").values, np.nan)
     ct = Rd.class_test(D_type, types, occ.D, occ.query_type, keep, name=str(cls["name"]))
     write_table(ct, csv=out.classes)
     atomic_write_text(out.classes_md, Tb.classes_markdown(ct, cls["strings"], name, revision))

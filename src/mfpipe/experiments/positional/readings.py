@@ -6,7 +6,7 @@ repeated text, and the type-class test behind the "month effect" (numpy / pandas
   (1 = the largest rise).
 * :func:`class_test`: a class of query types (e.g. the twelve month names). At type level, per head, the class's
   median rank among the head's per-type deviations (the deviation store's ``D_type``, over the types pass 2 scored)
-  and a one-sided Mann-Whitney p (class above the rest), Bonferroni over the heads; at occurrence level, the class's
+  and a one-sided Mann-Whitney p (class above the rest), Bonferroni over the heads (NaN types: not scored); at occurrence level, the class's
   per-occurrence deviations against every other occurrence's (mean difference, two-sided Mann-Whitney p).
 """
 

@@ -137,8 +137,9 @@ def classes_markdown(table: pd.DataFrame, strings, model: str, revision: str) ->
     name = table["klass"].iloc[0] if len(table) else "class"
     return "\n".join([f"# Type-class test ({name}): {model} @ {revision} (App. readings)", "",
                       f"The class: {', '.join(map(str, strings))} ({int(table['n_class_types'].max()) if len(table) else 0}"
-                      " tracked types scored). Per head: the class's median rank among the head's per-type deviations "
-                      "(1 = largest; pass 2's D by type), one-sided Mann-Whitney p of class above the rest and its "
+                      " tracked types pass 2 scored). Per head: the class's median rank among the head's per-type "
+                      "deviations (1 = largest; pass 2's D by type, over the types with at least its min_occurrences "
+                      "in every layer), one-sided Mann-Whitney p of class above the rest and its "
                       "Bonferroni correction over the heads; occurrence level: the class's per-occurrence deviations "
                       "against every other occurrence's (mean difference, two-sided p).", "",
                       to_markdown(table), ""])
