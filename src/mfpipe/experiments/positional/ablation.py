@@ -90,24 +90,16 @@ def token_categories(tokenizer, ids: np.ndarray) -> np.ndarray:
     import string
 
     ids = np.asarray(ids, dtype=np.int64)
-    vocab = np.unique(ids)
-    text = {int(t): tokenizer.decode([int(t)]) for t in vocab}
+    vocab, inv = np.unique(ids, return_inverse=True)  # each distinct token's string once
+    text = [tokenizer.decode([int(t)]) for t in vocab]
     punct = set(string.punctuation) | set("“”‘’—–…")
-
-    def kind(t: int, prev: int) -> int:
-        s = text[t]
-        core = s.strip()
-        if core and all(ch.isdigit() or ch in ",." for ch in core) and any(ch.isdigit() for ch in core):
-            return 0
-        if s[:1].isspace() and core[:1].isalpha():
-            return 1
-        if s[:1].isalpha() and text[prev][-1:].isalpha():
-            return 2
-        if core and all(ch in punct for ch in core):
-            return 3
-        return 4
-
-    out = np.empty((ids.shape[0], ids.shape[1] - 1), dtype=np.int64)
-    for i in range(ids.shape[0]):  # once per token of the (few) ablation windows; the strings are cached above
-        out[i] = [kind(int(t), int(p)) for p, t in zip(ids[i, :-1], ids[i, 1:])]
-    return out
+    core = [x.strip() for x in text]
+    number = np.array([bool(c) and all(ch.isdigit() or ch in ",." for ch in c) and any(ch.isdigit() for ch in c)
+                       for c in core])
+    initial = np.array([x[:1].isspace() and c[:1].isalpha() for x, c in zip(text, core)])
+    starts, ends = np.array([x[:1].isalpha() for x in text]), np.array([x[-1:].isalpha() for x in text])
+    mark = np.array([bool(c) and all(ch in punct for ch in c) for c in core])
+    inv = inv.reshape(ids.shape)
+    t, prev = inv[:, 1:], inv[:, :-1]
+    # in this order: a token that is several kinds takes the first
+    return np.select([number[t], initial[t], starts[t] & ends[prev], mark[t]], [0, 1, 2, 3], 4).astype(np.int64)
