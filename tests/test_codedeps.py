@@ -222,7 +222,7 @@ def test_every_rule_of_the_job_script_names_its_own_job_function():
     jobs = find_jobs(REPO / "src")
     wrong = []
     for f in sorted((REPO / "workflow" / "rules").glob("*.smk")):
-        for block in re.split(r"(?m)^(?=(?:rule|checkpoint) \w+:|\s+rule:)", f.read_text()):
+        for block in re.split(r"(?m)^(?=(?:rule|checkpoint) \w+:|\s+rule:|use rule )", f.read_text()):
             if "JOB_SCRIPT" not in block or f.name == "common.smk":
                 continue
             job = re.search(r'code=job\("([\w.]+)", "(\w+)"\)', block)

@@ -178,7 +178,8 @@ def test_defaults_come_from_the_schema_once():
     from mfpipe.minisuite.model import DEFAULT_CONFIG
 
     cfg = default_config()
-    assert cfg["rollout"] == {}, "config.yaml sets no rollout value: the schema holds the defaults"
+    # config.yaml sets only what the 2-layer mini models need of the rollout (App. I's factor, App. llama's unit count)
+    assert cfg["rollout"] == {"rogue_factor": 10.0, "divergence": {"top_k": 4}}, cfg["rollout"]
     del cfg["rollout"]
     validate_schema(cfg)  # fills the defaults
     assert cfg["rollout"]["kernels"][0] == "mean_field" and cfg["rollout"]["diagnostics_half"] == "eval"

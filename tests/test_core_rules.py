@@ -46,7 +46,11 @@ def test_targets(plan):
     R = plan.results
     assert minisuite_rules.targets(plan) == [f"{R}/minisuite/mini/induction.csv", f"{R}/tables/induction.md"]
     assert corpus_rules.targets(plan) == [f"{R}/corpus/main/mini/tracked.json", f"{R}/corpus/main/hub/tracked.json",
-                                          f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md"]
+                                          f"{R}/tables/coverage_positions.csv", f"{R}/tables/coverage_positions.md",
+                                          f"{R}/corpus/main/mini/rank_frequency.csv",
+                                          f"{R}/corpus/main/hub/rank_frequency.csv",  # fig:zipf (issue 44 item 5)
+                                          f"{R}/tables/zipf_cutoff.csv", f"{R}/tables/zipf_cutoff.md",
+                                          f"{R}/figures/zipf.pdf", f"{R}/figures/zipf.png"]
     stores = stats_rules.targets(plan)
     assert stores[:4] == [f"{R}/stats/mini/step8/{ds}.zarr" for ds in ("stats", "eval", "other/stats", "other/eval")]
     assert len(stores) == 8 and all("/step4/" not in s for s in stores)  # the rollout revisions only

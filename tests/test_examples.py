@@ -308,7 +308,7 @@ def test_store_paths_are_the_rules_outputs():
     for name in STORES:
         block = re.search(rf"^(?:rule|use rule \w+ as) {RULES[name]}\b.*?(?=^\S|\Z)", rules, re.M | re.S)
         assert block, RULES[name]
-        assert f'STORE("{name}")' in block.group(0), (name, block.group(0)[:400])
+        assert re.search(rf'STORE\("{name}"[,)]', block.group(0)), (name, block.group(0)[:400])
     assert paths.store_pattern("stats", "res", dataset="eval") == "res/stats/{model}/{revision}/eval.zarr"
     assert paths.store_pattern("jlens", "res", model="m", revision="r") == "res/jlens/m/r/jlens.zarr"
     with pytest.raises(KeyError, match="no wildcard"):

@@ -64,7 +64,8 @@ def test_every_job_has_its_cost_on_record(built):
     ran = {p.name for p in bench.iterdir() if p.is_dir()}
     rules = set(rule_scripts(built)) - {"figure_*"} | {f"figure_{f}" for f in ("rollout", "teacher_forced",
                                                                                "error_decomposition", "clustering")}
-    ci_skips = {"tracked_types_topn", "substitution_topn", "substitution_topn_table", "figure_topn"}  # no top-N arm
+    ci_skips = {"tracked_types_topn", "substitution_topn", "substitution_topn_table", "figure_topn",
+                "figure_vocab_mfgap"}  # no top-N arm
     assert rules - ci_skips - {"cross_corpus"} <= ran, sorted(rules - ran)
     costs = pd.read_csv(built / "results" / "tables" / "run_costs.csv")
     assert set(costs["rule"]) == ran - {"run_costs"} or set(costs["rule"]) == ran, (sorted(ran), costs["rule"])
@@ -234,7 +235,7 @@ def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg))) if r != "all"]
     rules = {r for r, _ in jobs}
     assert rules == {"tracked_types_topn", "stats_shard", "stats_merge", "substitution_topn", "substitution_topn_table",
-                     "figure_topn"}, jobs
+                     "figure_topn", "figure_vocab_mfgap"}, jobs
     assert all("N32/stats" in w for r, w in jobs if r.startswith("stats_")), jobs
     assert sorted(w for r, w in jobs if r == "substitution_topn") == [
         "model=mini-gpt2, revision=step20, n=32", "model=mini-gpt2, revision=step4, n=32",
@@ -449,7 +450,7 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
         want = downstream(graph, importers) - {"all"} - FOLLOWS_EVERY_RUN
         if "corpus_shards" in want:
             # the shard jobs of a checkpoint that reruns exist only once it has run: a dry run cannot list them
-            want -= {"stats_shard", "deviation_shard"}
+            want -= {"stats_shard", "deviation_shard", "deviation_shard_recompute"}
         if name == native_loops:
             # pass 1's compiled loops (loaded lazily, on the first batch): the statistics shards are stale; pass 2's
             # shards are not stale by themselves (they rerun only as consumers of the statistics they read)
@@ -645,9 +646,10 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
 
     figures = sorted(p.name for p in (built / "results" / "figures").iterdir())
     # 5 rollout figures x 2 models, mini-gpt2's sweep: waypoint, kernel CKA, kernel spread, Exp. 3; the head-ranking
-    # scatter, prompt classes, instance meter, function vectors and their clean-prompt sweep, positional transport x 2
-    # models; the two models side by side; x (pdf, png)
-    assert len(figures) == (5 * 2 + 4 + 6 * 2 + 1) * 2, figures
+    # scatter, prompt classes, instance meter, function vectors and their clean-prompt sweep, positional transport, the
+    # per-layer curves across corpora (fig:curves) and the rollout's divergence (App. llama) x 2 models; the two models
+    # side by side; the tokenizers' rank-frequency (fig:zipf); x (pdf, png)
+    assert len(figures) == (5 * 2 + 4 + 8 * 2 + 1 + 1) * 2, figures
     out = tmp_path / "report.zip"
     snakemake(built, "--report", str(out))
     with zipfile.ZipFile(out) as z:
@@ -667,12 +669,23 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
                                                      "positional_classes")
                    for m in ("mini-gpt2", "mini-neox")]
     want_tables += ["exp3_correlation_mini-gpt2.csv", "run_costs.csv"]  # and where the run's time went
+    # issue 44: App. llama's divergence and exclusion arm, App. I's tables, App. B's recomputation with U, tab:gemma's
+    # single-revision correlation, the behavioural roles in the ranking, fig:zipf's cutoffs
+    want_tables += [f"{t}_{m}_step20.csv" for t in ("divergence", "divergence_curvature", "divergence_units",
+                                                     "divergence_tokens", "divergence_pairs_summary", "exclusion",
+                                                     "layer_localized", "rogue_dims", "pinning", "calibrated",
+                                                     "exp3_single", "ranking_roles")
+                    for m in ("mini-gpt2", "mini-neox")] + ["zipf_cutoff.csv"]
     assert not [t for t in want_tables if t not in in_zip], sorted(in_zip)
     for fig in ("rollout", "teacher_forced", "error_decomposition", "clustering", "cross_corpus", "ccmf_scatter", "exp3",
-                "icl_classes", "icl_meter", "fv", "fv_clean", "positional"):
+                "icl_classes", "icl_meter", "fv", "fv_clean", "positional", "divergence", "curves", "zipf"):
         caption = (REPO / "workflow" / "report" / f"figure_{fig}.rst").read_text().split(":")[0]
         first = caption.split("{{")[0].strip()
         assert first and first in html, f"caption of {fig} missing from the report"
+    for table in ("divergence_steps", "divergence_units", "layer_localized", "rogue_dims", "pinning", "calibrated",
+                  "exclusion", "zipf_cutoff", "ranking_roles", "exp3_single"):
+        caption = (REPO / "workflow" / "report" / f"table_{table}.rst").read_text().split("(")[0].strip()
+        assert caption and caption in html, f"caption of table {table} missing from the report"
     # the configuration block of workflow/report/workflow.rst: the run's config, the ci file's values over the defaults
     assert "shakespeare-ci" in html and "tokens_per_half&quot;: 8192" in html, "the run's configuration is in the report"
 
@@ -937,6 +950,7 @@ def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revi
     per_rev = collections.Counter((r, w.split("revision=")[1].split(",")[0]) for r, w in jobs if "revision=" in w)
     for rev in revs:
         assert per_rev[("substitution", rev)] == 1 and per_rev[("kernel_revision", rev)] == 1
-        assert per_rev[("stats_merge", rev)] == (2 if rev == revs[-1] else 1)  # + the eval half for the rollout
+        # + the eval half for the rollout, and the exclusion arm's two halves (App. llama)
+        assert per_rev[("stats_merge", rev)] == (4 if rev == revs[-1] else 1)
     assert {w for r, w in jobs if r == "rollout_scores"} == {"model=pythia-160m, revision=step143000"}
     assert sum(r == "substitution" for r, _ in jobs) == 20

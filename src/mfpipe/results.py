@@ -85,7 +85,8 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile("".join(re.escape(p) if i % 2 == 0 else _WILDCARDS[p] for i, p in enumerate(parts)) + "$")
 
 
-_REGEX = {name: _regex(p) for name, p in STORES.items()}
+# the stores the reading API lists and opens: App. B's recomputation stores (``*_recompute``) are that table's inputs
+_REGEX = {name: _regex(p) for name, p in STORES.items() if not name.endswith("_recompute")}
 
 
 class ResultsNotFoundError(FileNotFoundError):
@@ -126,7 +127,7 @@ def store_path(kind: str, model: str, revision: str, results: str | os.PathLike 
 
 def _stores_under(results: Path):
     """Every complete store (``*.zarr`` with its ``zarr.json``) under the experiments' folders, partials left out."""
-    for top in dict.fromkeys(p.split("/")[0] for p in STORES.values()):
+    for top in dict.fromkeys(STORES[name].split("/")[0] for name in _REGEX):
         base = results / top
         if not base.is_dir():
             continue

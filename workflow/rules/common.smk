@@ -189,6 +189,7 @@ def model_input(wildcards):
 
 
 topn_arm = stats_rules.topn_arm  # whether a dataset prefix names a top-N arm (`N2000`)
+tracked_arm = stats_rules.tracked_arm  # ... a top-N arm or the exclusion arm (`excl`): its own tracked-<prefix>.json
 
 
 def dataset_parts(dataset):
@@ -197,9 +198,9 @@ def dataset_parts(dataset):
 
 
 def dataset_tracked(wildcards):
-    """The tracked set a dataset's statistics use: the configured N, or a top-N arm's own."""
+    """The tracked set a dataset's statistics use: the configured N, or a top-N arm's or the exclusion arm's own."""
     prefix = wildcards.dataset.rpartition("/")[0]
-    suffix = f"-{prefix}" if topn_arm(prefix) else ""
+    suffix = f"-{prefix}" if tracked_arm(prefix) else ""
     return f"{R}/corpus/{CORPUS}/{wildcards.model}/tracked{suffix}.json"
 
 
@@ -289,9 +290,10 @@ def training_summary(wildcards):
 
 
 def substitution_kernel_input(wildcards):
-    """The calibrated kernel U of the revision when `substitution.kernel` is `calibrated` (App. B)."""
+    """The calibrated kernel U of the revision when `substitution.kernel` is `calibrated` (App. B): one path, not a
+    list (the jobs open `input.kernel`, which a one-item list would make a list)."""
     if SUBSTITUTION["kernel"] == "calibrated":
-        return [STORE("calibrated", model=wildcards.model, revision=wildcards.revision)]
+        return STORE("calibrated", model=wildcards.model, revision=wildcards.revision)
     return []
 
 
@@ -340,7 +342,7 @@ wildcard_constraints:
     mini="|".join(MINI) if MINI else "NONE",
     corpus="|".join(CORPORA),
     half="stats|eval",
-    dataset="(?:(?:" + "|".join(CROSS or ["NONE"]) + "|N[0-9]+)/)?(?:stats|eval)",
+    dataset=f"(?:(?:{'|'.join(CROSS or ['NONE'])}|N[0-9]+|{stats_rules.EXCLUSION_ARM})/)?(?:stats|eval)",
     n="[0-9]+",
     revision="[A-Za-z0-9._-]+",
     i="[0-9]+",
@@ -350,6 +352,16 @@ wildcard_constraints:
 TABLE_CAPTION = "../report/table.rst"
 
 
-def table_report(path, name):
-    """`path` (a result CSV) as a report item with the shared table caption."""
-    return report(path, caption=TABLE_CAPTION, category="Tables", subcategory=name)
+def table_report(path, name, caption=None):
+    """`path` (a result CSV) as a report item with the shared table caption, or its own (workflow/report/<caption>.rst,
+    which says what the table is and which paper item it reproduces)."""
+    cap = TABLE_CAPTION if caption is None else f"../report/{caption}.rst"
+    return report(path, caption=cap, category="Tables", subcategory=name)
+
+
+def recompute_kernel_input(kernel):
+    """The calibrated store of the revision where `kernel` is U (one path: the job opens `input.kernel`); W: none
+    (App. B's recomputation, workflow/rules/substitution.smk)."""
+    if kernel == "calibrated":
+        return lambda wc: STORE("calibrated", model=wc.model, revision=wc.revision)
+    return []

@@ -79,3 +79,46 @@ use rule tracked_types as tracked_types_topn with:
         "logs/benchmarks/tracked_types_topn/corpus/{corpus}/{model}/tracked-N{n}.tsv",
     log:
         "logs/corpus/{corpus}/{model}/tracked-N{n}.log",
+
+
+# App. F fig:zipf: each model's rank-frequency table on the stats half, then the cutoff table and the figure
+rule rank_frequency:
+    input:
+        shards=f"{R}/corpus/{{corpus}}/{{model}}/shards",
+        code=job("corpus", "rank_frequency"),
+    output:
+        f"{R}/corpus/{{corpus}}/{{model}}/rank_frequency.csv",
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/rank_frequency/corpus/{corpus}/{model}/rank_frequency.tsv",
+    log:
+        "logs/corpus/{corpus}/{model}/rank_frequency.log",
+    script:
+        JOB_SCRIPT
+
+
+rule zipf:
+    input:
+        tables=expand(f"{R}/corpus/{CORPUS}/{{model}}/rank_frequency.csv", model=list(MODELS)),
+        code=job("corpus", "zipf"),
+    output:
+        csv=table_report(f"{R}/tables/zipf_cutoff.csv", "coverage", "table_zipf_cutoff"),
+        md=f"{R}/tables/zipf_cutoff.md",
+        pdf=report(f"{R}/figures/zipf.pdf", caption="../report/figure_zipf.rst", category="Figures",
+                   subcategory="corpus"),
+        png=report(f"{R}/figures/zipf.png", caption="../report/figure_zipf.rst", category="Figures",
+                   subcategory="corpus"),
+    params:
+        models=list(MODELS),
+        n_tracked=config["tracked"]["n_tracked"],
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/zipf/figures/zipf.tsv",
+    log:
+        "logs/figures/zipf.log",
+    script:
+        JOB_SCRIPT

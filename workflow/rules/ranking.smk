@@ -93,3 +93,48 @@ rule ranking:
         "logs/tables/ranking_{model}_{revision}.log",
     script:
         JOB_SCRIPT
+
+
+# Sec. 6.3 "circuits straddle the ranking": each behavioural role's top heads and their place in the S-bar ranking
+rule ranking_roles:
+    input:
+        heads=f"{R}/tables/ranking_heads_{{model}}_{{revision}}.csv",
+        stats=stats_store("stats"),
+        code=job("experiments.ranking", "ranking_roles"),
+    output:
+        csv=table_report(f"{R}/tables/ranking_roles_{{model}}_{{revision}}.csv", "head ranking",
+                         "table_ranking_roles"),
+        md=f"{R}/tables/ranking_roles_{{model}}_{{revision}}.md",
+    params:
+        model=lambda wc: wc.model,
+        revision="{revision}",
+        top=RANKING["role_top"],
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/ranking_roles/tables/ranking_roles_{model}_{revision}.tsv",
+    log:
+        "logs/tables/ranking_roles_{model}_{revision}.log",
+    script:
+        JOB_SCRIPT
+
+
+# tab:gemma: Exp. 3's S-bar / induction correlation at the rollout revision, for every model (no sweep needed)
+rule exp3_single:
+    input:
+        heads=f"{R}/tables/ranking_heads_{{model}}_{{revision}}.csv",
+        code=job("experiments.ranking", "exp3_single"),
+    output:
+        csv=table_report(f"{R}/tables/exp3_single_{{model}}_{{revision}}.csv", "head ranking",
+                         "table_exp3_single"),
+        md=f"{R}/tables/exp3_single_{{model}}_{{revision}}.md",
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/exp3_single/tables/exp3_single_{model}_{revision}.tsv",
+    log:
+        "logs/tables/exp3_single_{model}_{revision}.log",
+    script:
+        JOB_SCRIPT

@@ -5,6 +5,7 @@
 # jobs in jobs.py, its targets and figures in rules.py).
 
 ROLLOUT = config["rollout"]  # defaults filled from the schema (common.smk)
+DIVERGENCE_REPORTED = ("steps", "curvature", "units", "tokens", "pairs_summary")
 
 
 rule rollout_scores:
@@ -133,6 +134,100 @@ rule cross_corpus:
         "logs/benchmarks/cross_corpus/rollout/{model}/{revision}/cross_corpus.tsv",
     log:
         "logs/rollout/{model}/{revision}/cross_corpus.log",
+    script:
+        JOB_SCRIPT
+
+
+# App. llama: the rollout's divergence diagnostics (per-step amplification, curvature, MLP units, per-token
+# amplification, centred magnitude, capitalisation pairs); App. I: the layer-localized substitution, the rogue
+# dimensions and every kernel pinned vs unpinned. Statistics half -> kernel and start; evaluation half -> truth.
+rule rollout_divergence:
+    input:
+        stats=stats_store("stats"),
+        eval=stats_store("eval"),
+        model=model_input,
+        code=job("experiments.rollout", "rollout_divergence"),
+    output:
+        # the per-step, curvature, units, per-token and pairs tables in the report with their captions
+        **{k: table_report(v, "rollout divergence", f"table_divergence_{k}") if k in DIVERGENCE_REPORTED else v
+           for k, v in rollout_rules.divergence_outputs(PLAN).items()},
+        md=f"{R}/tables/divergence_{{model}}_{{revision}}.md",
+    params:
+        divergence=ROLLOUT["divergence"],
+        seed=ROLLOUT["seed"],
+        rogue_factor=ROLLOUT["rogue_factor"],
+        init=ROLLOUT["init"],
+        min_count=ROLLOUT["min_count"],
+        **model_params(),
+    threads: model_threads
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/rollout_divergence/rollout/{model}/{revision}/divergence.tsv",
+    log:
+        "logs/rollout/{model}/{revision}/divergence.log",
+    script:
+        JOB_SCRIPT
+
+
+rule rollout_localized:
+    input:
+        stats=stats_store("stats"),
+        eval=stats_store("eval"),
+        model=model_input,
+        code=job("experiments.rollout", "rollout_localized"),
+    output:
+        localized=table_report(f"{R}/tables/layer_localized_{{model}}_{{revision}}.csv", "rollout kernels",
+                               "table_layer_localized"),
+        localized_md=f"{R}/tables/layer_localized_{{model}}_{{revision}}.md",
+        rogue=table_report(f"{R}/tables/rogue_dims_{{model}}_{{revision}}.csv", "rollout kernels", "table_rogue_dims"),
+        rogue_md=f"{R}/tables/rogue_dims_{{model}}_{{revision}}.md",
+        pinning=table_report(f"{R}/tables/pinning_{{model}}_{{revision}}.csv", "rollout kernels", "table_pinning"),
+        pinning_md=f"{R}/tables/pinning_{{model}}_{{revision}}.md",
+    params:
+        localized=ROLLOUT["localized"],
+        kernels=ROLLOUT["kernels"],
+        seed=ROLLOUT["seed"],
+        rogue_factor=ROLLOUT["rogue_factor"],
+        init=ROLLOUT["init"],
+        min_count=ROLLOUT["min_count"],
+        **model_params(),
+    threads: model_threads
+    resources:
+        **cluster_resources("forward"),
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/rollout_localized/rollout/{model}/{revision}/localized.tsv",
+    log:
+        "logs/rollout/{model}/{revision}/localized.log",
+    script:
+        JOB_SCRIPT
+
+
+rule figure_divergence:
+    input:
+        steps=f"{R}/tables/divergence_{{model}}_{{revision}}.csv",
+        curvature=f"{R}/tables/divergence_curvature_{{model}}_{{revision}}.csv",
+        tokens=f"{R}/tables/divergence_tokens_{{model}}_{{revision}}.csv",
+        magnitude=f"{R}/tables/divergence_magnitude_{{model}}_{{revision}}.csv",
+        code=job("experiments.rollout", "figure_divergence"),
+    output:
+        pdf=report(f"{R}/figures/divergence_{{model}}_{{revision}}.pdf", caption="../report/figure_divergence.rst",
+                   category="Figures", subcategory="{model} @ {revision}"),
+        png=report(f"{R}/figures/divergence_{{model}}_{{revision}}.png", caption="../report/figure_divergence.rst",
+                   category="Figures", subcategory="{model} @ {revision}"),
+    params:
+        title="Rollout divergence: {model} @ {revision}",
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/figure_divergence/figures/divergence_{model}_{revision}.tsv",
+    log:
+        "logs/figures/divergence_{model}_{revision}.log",
     script:
         JOB_SCRIPT
 

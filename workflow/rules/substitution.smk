@@ -243,3 +243,166 @@ rule figure_topn:
         "logs/figures/topn_{model}.log",
     script:
         JOB_SCRIPT
+
+
+# App. M fig:vocab-mfgap: the waypoint at every top-N arm, panel for panel with fig:mfgap
+rule figure_vocab_mfgap:
+    input:
+        table=f"{R}/tables/substitution_topn_{{model}}.csv",
+        training=training_summary,
+        code=job("experiments.substitution", "figure_vocab_mfgap"),
+    output:
+        pdf=report(f"{R}/figures/vocab_mfgap_{{model}}.pdf", caption="../report/figure_vocab_mfgap.rst",
+                   category="Figures", subcategory="training"),
+        png=report(f"{R}/figures/vocab_mfgap_{{model}}.png", caption="../report/figure_vocab_mfgap.rst",
+                   category="Figures", subcategory="training"),
+    params:
+        window=lambda wc: MODELS[wc.model].get("induction_window"),
+        band=SUBSTITUTION["induction_band"],
+        title=lambda wc: f"Waypoint at every top-N arm: {wc.model}",
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/figure_vocab_mfgap/figures/vocab_mfgap_{model}.tsv",
+    log:
+        "logs/figures/vocab_mfgap_{model}.log",
+    script:
+        JOB_SCRIPT
+
+
+# App. B (sec:U2M): the body results that use the context-conditional kernel recomputed with the other kernel, per
+# rollout revision, everything else held fixed: pass 2 and the substitution rerun with U (the calibrated kernel of
+# rule calibrate_kernel; with W where `substitution.kernel` is `calibrated`), Exp. 1 and Exp. 2 with U (they run with
+# W), each the same job as the run's own writing under results/recompute/<model>/<revision>/<kernel>/ (the run's own
+# outputs stay as they are); one table joins the two arms (mfpipe.experiments.substitution.recompute).
+#   snakemake --cores 2 results/tables/calibrated_mini-gpt2_final.csv
+RECOMPUTE_KERNEL, RECOMPUTE_PROMPTS_KERNEL = substitution_rules.recompute_kernels(PLAN)
+RECOMPUTE = substitution_rules.recompute_folder(PLAN, "{model}", "{revision}", RECOMPUTE_KERNEL)
+RECOMPUTE_PROMPTS = substitution_rules.recompute_folder(PLAN, "{model}", "{revision}", RECOMPUTE_PROMPTS_KERNEL)
+
+
+use rule deviation_shard as deviation_shard_recompute with:
+    input:
+        stats=STORE("stats", dataset="stats"),
+        shards=lambda wc: deviation_rules.deviation_group_shards(PLAN, wc),
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        kernel=recompute_kernel_input(RECOMPUTE_KERNEL),
+        code=job("deviation", "deviation_shard"),
+    output:
+        partials_output(f"{RECOMPUTE}/partials/group-{{i}}", DEVIATION["keep_partials"]),
+    params:
+        kernel=RECOMPUTE_KERNEL,
+        job_function="deviation_shard",
+    benchmark:
+        f"logs/benchmarks/deviation_shard_recompute/recompute/{{model}}/{{revision}}/{RECOMPUTE_KERNEL}/group-{{i}}.tsv"
+    log:
+        f"logs/recompute/{{model}}/{{revision}}/{RECOMPUTE_KERNEL}/deviation/group-{{i}}.log",
+
+
+use rule deviation_merge as deviation_merge_recompute with:
+    input:
+        partials=lambda wc: deviation_rules.deviation_partials(
+            PLAN, wc, folder=substitution_rules.recompute_folder(PLAN, wc.model, wc.revision, RECOMPUTE_KERNEL)),
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        code=job("deviation", "deviation_merge"),
+    output:
+        directory(STORE("deviation_recompute", kernel=RECOMPUTE_KERNEL)),
+    params:
+        job_function="deviation_merge",
+    benchmark:
+        f"logs/benchmarks/deviation_merge_recompute/recompute/{{model}}/{{revision}}/{RECOMPUTE_KERNEL}/merge.tsv"
+    log:
+        f"logs/recompute/{{model}}/{{revision}}/{RECOMPUTE_KERNEL}/deviation/merge.log",
+
+
+use rule substitution as substitution_recompute with:
+    input:
+        stats=STORE("stats", dataset="stats"),
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        kernel=recompute_kernel_input(RECOMPUTE_KERNEL),
+        code=job("experiments.substitution", "substitution"),
+    output:
+        directory(STORE("substitution_recompute", kernel=RECOMPUTE_KERNEL)),
+    params:
+        kernel=RECOMPUTE_KERNEL,
+        job_function="substitution",
+    benchmark:
+        f"logs/benchmarks/substitution_recompute/recompute/{{model}}/{{revision}}/{RECOMPUTE_KERNEL}/substitution.tsv"
+    log:
+        f"logs/recompute/{{model}}/{{revision}}/{RECOMPUTE_KERNEL}/substitution.log",
+
+
+use rule icl_meter as icl_meter_recompute with:
+    input:
+        stats=STORE("stats", dataset="stats"),
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        kernel=recompute_kernel_input(RECOMPUTE_PROMPTS_KERNEL),
+        code=job("experiments.prompts", "icl_meter"),
+    output:
+        curves=f"{RECOMPUTE_PROMPTS}/icl_meter_curves.csv",
+        heads=f"{RECOMPUTE_PROMPTS}/icl_meter_heads.csv",
+        bins=f"{RECOMPUTE_PROMPTS}/icl_meter_bins.csv",
+        summary=f"{RECOMPUTE_PROMPTS}/icl_meter.csv",
+        summary_md=f"{RECOMPUTE_PROMPTS}/icl_meter.md",
+    params:
+        kernel=RECOMPUTE_PROMPTS_KERNEL,
+        job_function="icl_meter",
+    benchmark:
+        f"logs/benchmarks/icl_meter_recompute/recompute/{{model}}/{{revision}}/{RECOMPUTE_PROMPTS_KERNEL}/meter.tsv"
+    log:
+        f"logs/recompute/{{model}}/{{revision}}/{RECOMPUTE_PROMPTS_KERNEL}/meter.log",
+
+
+use rule icl_classes as icl_classes_recompute with:
+    input:
+        stats=STORE("stats", dataset="stats"),
+        shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
+        tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
+        model=model_input,
+        tokenizer=tokenizer_input,
+        tasks=PROMPTS["icl"]["task_files"],
+        task_data=prompts_rules.icl_task_data(PLAN),
+        kernel=recompute_kernel_input(RECOMPUTE_PROMPTS_KERNEL),
+        code=job("experiments.prompts", "icl_classes"),
+    output:
+        prompts=f"{RECOMPUTE_PROMPTS}/icl_prompts.csv",
+        table=f"{RECOMPUTE_PROMPTS}/icl_classes.csv",
+        table_md=f"{RECOMPUTE_PROMPTS}/icl_classes.md",
+        corr=f"{RECOMPUTE_PROMPTS}/icl_corr.csv",
+        corr_md=f"{RECOMPUTE_PROMPTS}/icl_corr.md",
+    params:
+        kernel=RECOMPUTE_PROMPTS_KERNEL,
+        job_function="icl_classes",
+    benchmark:
+        f"logs/benchmarks/icl_classes_recompute/recompute/{{model}}/{{revision}}/{RECOMPUTE_PROMPTS_KERNEL}/classes.tsv"
+    log:
+        f"logs/recompute/{{model}}/{{revision}}/{RECOMPUTE_PROMPTS_KERNEL}/classes.log",
+
+
+rule calibrated_recompute:
+    input:
+        unpack(lambda wc: substitution_rules.recompute_inputs(PLAN, wc)),
+        code=job("experiments.substitution", "calibrated_recompute"),
+    output:
+        csv=table_report(f"{R}/tables/calibrated_{{model}}_{{revision}}.csv", "kernel bias",
+                         caption="table_calibrated"),
+        md=f"{R}/tables/calibrated_{{model}}_{{revision}}.md",
+    params:
+        model=lambda wc: wc.model,
+        revision="{revision}",
+        top=RANKING["top"],
+    localrule: True
+    conda:
+        ENV
+    benchmark:
+        "logs/benchmarks/calibrated_recompute/tables/calibrated_{model}_{revision}.tsv",
+    log:
+        "logs/tables/calibrated_{model}_{revision}.log",
+    script:
+        JOB_SCRIPT

@@ -4,6 +4,8 @@
   their split into the ``stats`` / ``eval`` (/ ``train``) halves.
 - :mod:`mfpipe.corpus.windows` — documents → BOS-led windows → fixed-size token shards, and reading them back.
 - :mod:`mfpipe.corpus.tracked` — the tracked type set: the top-N token types by frequency on the ``stats`` half.
+- :mod:`mfpipe.corpus.zipf` — the tokenizers' rank-frequency curves on the ``stats`` half and the tracked cutoff
+  (``fig:zipf``).
 - :mod:`mfpipe.corpus.rules` — the targets of workflow/rules/corpus.smk.
 - :mod:`mfpipe.corpus.jobs` — the jobs of workflow/rules/corpus.smk, one function per rule.
 

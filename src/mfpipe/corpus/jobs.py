@@ -83,3 +83,41 @@ def coverage_table(job) -> None:
     df = table(job.input.tracked, job.params.models)
     write_table(df, csv=job.output.csv, md=job.output.md)
     job.log.info("\n%s", to_markdown(df))
+
+
+def rank_frequency(job) -> None:
+    """App. F ``fig:zipf``: the rank-frequency table of the model's tokenizer on the corpus's stats half.
+
+    input.shards      the model's corpus shards
+    output[0]         rank_frequency.csv (rank, type_id, count, frequency; mfpipe.corpus.zipf.rank_frequency)
+    """
+    from mfpipe.corpus.zipf import rank_frequency as table
+    from mfpipe.corpus.zipf import shard_counts
+    from mfpipe.workflow.tables import write_csv
+
+    counts, bos_id = shard_counts(job.input.shards)
+    df = table(counts, bos_id)
+    write_csv(df, job.output[0])
+    job.log.info("%d types occur on the stats half (%d positions >= 1)", len(df), int(counts.sum()))
+
+
+def zipf(job) -> None:
+    """App. F ``fig:zipf`` over the configured models: the cutoff table (the rank-N frequency per model) and the
+    cross-model rank-frequency figure.
+
+    input.tables      every model's rank_frequency.csv on the primary corpus, in params.models order
+    output.csv, output.md, output.pdf, output.png;  params.models, params.n_tracked (the cutoff N)
+    """
+    import pandas as pd
+
+    from mfpipe.corpus.zipf import zipf_figure, zipf_summary
+    from mfpipe.workflow.tables import to_markdown, write_csv, write_text
+
+    tables = {m: pd.read_csv(t) for m, t in zip(job.params.models, job.input.tables)}
+    n = int(job.params.n_tracked)
+    df = zipf_summary(tables, n)
+    md = to_markdown(df, floatfmt="{:.4g}")
+    write_csv(df, job.output.csv)
+    write_text(md, job.output.md)
+    zipf_figure(tables, n, job.output.pdf, job.output.png)
+    job.log.info("\n%s", md)

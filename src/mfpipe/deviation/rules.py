@@ -22,10 +22,11 @@ def deviation_groups(plan, wildcards) -> dict:
     return shard_groups(deviation_shard_ids(plan, wildcards), plan.config["deviation"]["shards_per_job"])
 
 
-def deviation_partials(plan, wildcards) -> list[str]:
-    """The pass-2 jobs' outputs of a (model, revision): a folder per run of shards, one partial per shard inside."""
-    return [f"{plan.results}/deviation/{wildcards.model}/{wildcards.revision}/partials/group-{i}"
-            for i in deviation_groups(plan, wildcards)]
+def deviation_partials(plan, wildcards, folder: str | None = None) -> list[str]:
+    """The pass-2 jobs' outputs of a (model, revision): a folder per run of shards, one partial per shard inside, under
+    ``folder``/partials (default: the deviation store's folder; another for a rerun of pass 2 with another kernel)."""
+    folder = folder or f"{plan.results}/deviation/{wildcards.model}/{wildcards.revision}"
+    return [f"{folder}/partials/group-{i}" for i in deviation_groups(plan, wildcards)]
 
 
 def deviation_group_shards(plan, wildcards) -> list[str]:

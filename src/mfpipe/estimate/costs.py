@@ -18,7 +18,7 @@ __all__ = ["Context", "job_cost", "RULES", "FIGURE_RULES"]
 
 FIGURE_RULES = {"figure_waypoint", "figure_rollout", "figure_teacher_forced", "figure_error_decomposition",
                 "figure_clustering", "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv",
-                "figure_crossmodel", "figure_topn"}
+                "figure_crossmodel", "figure_topn", "figure_divergence"}
 # figures drawn from stores (the deviation stores, the kernels): a store job's start-up and a figure's
 STORE_FIGURE_RULES = {"exp3_correlation", "ranking", "kernel_dynamics"}
 STORE_RULES = {"stats_merge", "deviation_merge", "kernel_revision", "calibrate_kernel", "attention_coverage",
@@ -56,7 +56,7 @@ class Context:
 
 def _dataset(ctx: Context, wc: dict) -> tuple[str, str]:
     corpus, _, half = wc.get("dataset", "stats").rpartition("/")
-    if not corpus or (corpus[:1] == "N" and corpus[1:].isdigit()):
+    if not corpus or corpus == "excl" or (corpus[:1] == "N" and corpus[1:].isdigit()):  # an arm of the primary
         corpus = ctx.config["corpus"]["name"]
     return corpus, half
 
@@ -168,6 +168,26 @@ def error_accounting(ctx, c, wc):
     return _rollout(ctx, c, 3) + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
 
 
+def exclusion_rollout(ctx, c, wc):
+    # per arm (main, exclusion): the mean-field rollout, the teacher-forced reads and the divergence diagnostics
+    # (about three rollouts more), each arm's two stores read
+    return 2 * (_rollout(ctx, c, 4) + 2 * _cells(c, ctx) * c["store_read_s_per_cell"]), 0.0
+
+
+def rollout_divergence(ctx, c, wc):
+    # the rollout, then every block at both trajectories: the steps, the curvature grid (two errors per alpha), the
+    # MLP units (three MLP evaluations) and the per-token pass -- about 2 (alphas + 3) block sweeps
+    return _rollout(ctx, c, 2 * (len(ctx.config["rollout"]["divergence"]["alphas"]) + 3)) \
+        + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
+def rollout_localized(ctx, c, wc):
+    # four layer sets (+ the user's) and every kernel unpinned and pinned
+    r = ctx.config["rollout"]
+    return _rollout(ctx, c, 4 + len(r["localized"]["layers"]) + 2 * len(r["kernels"])) \
+        + 2 * _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+
+
 def cross_corpus(ctx, c, wc):
     from mfpipe.workflow.config import corpora
 
@@ -258,28 +278,40 @@ RULES = {
     "stats_shard": stats_shard, "stats_merge": stats_merge, "deviation_shard": deviation_shard,
     "substitution": substitution, "substitution_topn": substitution, "kernel_revision": kernel_revision,
     "calibrate_kernel": calibrate_kernel, "rollout_scores": rollout_scores, "error_accounting": error_accounting,
-    "cross_corpus": cross_corpus, "attention_coverage": attention_coverage, "head_scores": head_scores,
-    "jlens": jlens, "lenses": lenses, "icl_classes": icl_classes, "icl_meter": icl_meter,
+    "cross_corpus": cross_corpus, "exclusion_rollout": exclusion_rollout,
+    "rollout_divergence": rollout_divergence, "rollout_localized": rollout_localized,
+    "attention_coverage": attention_coverage,
+    "head_scores": head_scores, "jlens": jlens, "lenses": lenses, "icl_classes": icl_classes, "icl_meter": icl_meter,
     "function_vectors": function_vectors, "minisuite_train": minisuite_train, "corpus_shards": corpus_shards,
 }
 # jobs that load a model (their start-up is the calibration's: imports and the model)
 MODEL_RULES = {"stats_shard", "deviation_shard", "substitution", "substitution_topn", "rollout_scores",
-               "error_accounting", "cross_corpus", "head_scores", "jlens", "lenses", "icl_classes", "icl_meter",
-               "function_vectors", "minisuite_train"}
+               "error_accounting", "cross_corpus", "exclusion_rollout", "rollout_divergence", "rollout_localized",
+               "head_scores", "jlens", "lenses", "icl_classes",
+               "icl_meter", "function_vectors", "minisuite_train"}
 # jobs that load a tokenizer and no model
-TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "minisuite_tasks"}
+TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "tracked_types_excl", "minisuite_tasks"}
 
 
 # the calibration stage whose memory a job's peak is (the others: the bare forward's)
 PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pass2", "icl_meter": "pass2",
               "substitution": "substitution", "substitution_topn": "substitution", "icl_classes": "substitution",
               "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train"}
+# App. B's recomputation (workflow/rules/substitution.smk) reruns these jobs with the other kernel: their costs; its
+# table job opens the two arms' stores
+RECOMPUTE_RULES = {"deviation_shard_recompute": "deviation_shard", "deviation_merge_recompute": "deviation_merge",
+                   "substitution_recompute": "substitution", "icl_meter_recompute": "icl_meter",
+                   "icl_classes_recompute": "icl_classes"}
+RULES.update({new: RULES[old] for new, old in RECOMPUTE_RULES.items()})
+MODEL_RULES |= {new for new, old in RECOMPUTE_RULES.items() if old in MODEL_RULES}
+STORE_RULES |= {new for new, old in RECOMPUTE_RULES.items() if old in STORE_RULES} | {"calibrated_recompute"}
+PEAK_STAGE.update({new: PEAK_STAGE[old] for new, old in RECOMPUTE_RULES.items() if old in PEAK_STAGE})
 # jobs that open a statistics (or deviation) store before their work
 READS_STORES = (MODEL_RULES | STORE_RULES | STORE_FIGURE_RULES) - {
     "stats_shard", "minisuite_train",
     "figure_rollout", "figure_teacher_forced", "figure_error_decomposition", "figure_clustering",
     "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv", "figure_crossmodel",
-    "figure_waypoint", "figure_topn", "substitution_table", "substitution_topn_table"}
+    "figure_waypoint", "figure_topn", "figure_divergence", "substitution_table", "substitution_topn_table"}
 
 
 def kernel_sums_mb(c: dict) -> float:

@@ -24,8 +24,8 @@ def stage_of_rules(rules_dir: str | Path = "workflow/rules") -> dict[str, str]:
     out, prefixes = {}, {}
     for path in sorted(Path(rules_dir).glob("*.smk")):
         text = path.read_text()
-        for m in re.finditer(r"^(?:checkpoint|rule) (\w+):", text, re.M):
-            out[m.group(1)] = path.stem
+        for m in re.finditer(r"^(?:checkpoint|rule) (\w+):|^use rule \w+ as (\w+)", text, re.M):
+            out[m.group(1) or m.group(2)] = path.stem
         for m in re.finditer(r"name:\s*f\"(\w+)\{", text):  # rules made in a loop (`name: f"figure_{...}"`)
             prefixes[m.group(1)] = path.stem
     return _Stages(out, prefixes)

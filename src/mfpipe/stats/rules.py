@@ -1,7 +1,7 @@
 """The statistics stage's planning: its targets and the input functions of workflow/rules/stats.smk, on the run's
 plan (:class:`mfpipe.workflow.plan.Plan`). A dataset is a half of the primary corpus (``stats``, ``eval``), of a
-cross corpus (``<corpus>/<half>``) or ``N<n>/stats``: the primary corpus's statistics half with a top-N arm's tracked
-set (App. M)."""
+cross corpus (``<corpus>/<half>``), ``N<n>/stats``: the primary corpus's statistics half with a top-N arm's tracked
+set (App. M), or ``excl/<half>``: a primary half with the exclusion arm's tracked set (config ``tracked.exclude``)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,27 @@ from mfpipe.corpus.windows import shard_groups
 from mfpipe.workflow.plan import HALVES
 
 
+# the dataset prefix of the exclusion arm (`excl/stats`, `excl/eval`: tracked-excl.json; config `tracked.exclude`)
+EXCLUSION_ARM = "excl"
+
+
 def topn_arm(prefix: str) -> bool:
     """Whether a dataset prefix names a top-N arm (`N2000`: the primary corpus with another tracked set)."""
     return prefix[:1] == "N" and prefix[1:].isdigit()
 
 
+def tracked_arm(prefix: str) -> bool:
+    """Whether a dataset prefix names an arm of the primary corpus with its own tracked set, tracked-<prefix>.json:
+    a top-N arm or the exclusion arm."""
+    return topn_arm(prefix) or prefix == EXCLUSION_ARM
+
+
 def dataset_parts(plan, dataset: str) -> tuple[str, str]:
     """(corpus, half) of a stats dataset: `stats` / `eval` of the primary corpus, `<corpus>/<half>` of a cross
-    corpus, or `N<n>/stats`: the primary corpus's statistics half with the top-n tracked set (App. M)."""
+    corpus, `N<n>/stats`: the primary corpus's statistics half with the top-n tracked set (App. M), or `excl/<half>`:
+    a primary half with the exclusion arm's tracked set."""
     corpus, _, half = dataset.rpartition("/")
-    return (plan.corpus if not corpus or topn_arm(corpus) else corpus), half
+    return (plan.corpus if not corpus or tracked_arm(corpus) else corpus), half
 
 
 def datasets(plan, corpus: str | None = None) -> list[str]:

@@ -3,7 +3,8 @@ wildcards of the rule that writes it. The rules take their store outputs and inp
 (:meth:`mfpipe.workflow.plan.Plan.store`), and so does the public reading API (:mod:`mfpipe.results`).
 
 ``dataset`` is ``stats`` / ``eval`` (the primary corpus), ``<cross corpus>/stats|eval`` or ``N<n>/stats`` (a top-N
-arm: the primary statistics half with that tracked set); ``n`` the tracked-set size of an App. M substitution arm."""
+arm: the primary statistics half with that tracked set); ``n`` the tracked-set size of an App. M substitution arm;
+``kernel`` (``W`` / ``calibrated``) the kernel of App. B's recomputation."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ STORES = {
     "kernel": "kernels/{model}/{revision}/kernel.zarr",
     "calibrated": "kernels/{model}/{revision}/calibrated.zarr",
     "jlens": "jlens/{model}/{revision}/jlens.zarr",
+    # App. B's recomputation with the other kernel (``kernel``: W or calibrated), beside the run's own stores
+    "deviation_recompute": "recompute/{model}/{revision}/{kernel}/deviation.zarr",
+    "substitution_recompute": "recompute/{model}/{revision}/{kernel}/substitution.zarr",
 }
 # the rule (workflow/rules/*.smk) that writes each store
 RULES = {
@@ -29,6 +33,8 @@ RULES = {
     "kernel": "kernel_revision",
     "calibrated": "calibrate_kernel",
     "jlens": "jlens",
+    "deviation_recompute": "deviation_merge_recompute",
+    "substitution_recompute": "substitution_recompute",
 }
 
 

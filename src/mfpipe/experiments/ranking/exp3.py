@@ -1,7 +1,8 @@
 """Sec. 6.1 Experiment 3 (``fig:e15-correlation``): the cross-head Spearman correlation between the per-head
 deviation ``S_bar`` (pass 2's deviation store) and the behavioural induction score
 (:mod:`mfpipe.experiments.ranking.head_scores`) at every training checkpoint, as a table in training order (its figure:
-:func:`mfpipe.experiments.ranking.figures.exp3_figure`)."""
+:func:`mfpipe.experiments.ranking.figures.exp3_figure`); and the same correlation at one revision, for every model
+(``tab:gemma``: models without a training sweep)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["induction_correlation", "exp3_rows", "exp3_table", "EXP3_COLUMNS"]
+__all__ = ["induction_correlation", "exp3_rows", "exp3_table", "EXP3_COLUMNS", "single_revision_table", "SINGLE_COLUMNS"]
 
 EXP3_COLUMNS = ("model", "revision", "step", "spearman", "p_value", "n_heads")
 
@@ -82,3 +83,17 @@ def exp3_table(rows: Iterable[Mapping]) -> pd.DataFrame:
         df = df.sort_values("step", kind="stable").reset_index(drop=True)
         df["step"] = df["step"].astype(int)
     return df
+
+
+SINGLE_COLUMNS = ("model", "revision", "spearman", "p_value", "n_heads")
+
+
+def single_revision_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Exp. 3's correlation at one revision (``tab:gemma``'s rho, for a model without a training sweep): the
+    Spearman correlation over heads of S̄ and the induction score, read from one ranking table
+    (:func:`mfpipe.experiments.ranking.heads.heads_table`: columns ``S_bar``, ``induction``, ``model``,
+    ``revision``), heads where either is NaN ignored. One row, columns :data:`SINGLE_COLUMNS`."""
+    rho, p, n = induction_correlation(table["S_bar"].to_numpy(float), table["induction"].to_numpy(float))
+    first = table.iloc[0] if len(table) else {}
+    return pd.DataFrame([{"model": first.get("model"), "revision": first.get("revision"), "spearman": rho,
+                          "p_value": p, "n_heads": n}], columns=list(SINGLE_COLUMNS))

@@ -85,3 +85,43 @@ def ranking(job) -> None:
     job.log.info("top heads:\n%s\nbottom heads:\n%s\nsplit-half: %s",
                  T.to_markdown(top.head(10), floatfmt="{:.3f}"), T.to_markdown(bottom.head(10), floatfmt="{:.3f}"),
                  stability.iloc[0].to_dict())
+
+
+def ranking_roles(job) -> None:
+    """Sec. 6.3 "circuits straddle the ranking" for one (model, revision): each behavioural role's top heads
+    (previous-token, induction, duplicate-token from the head scores; BOS-sink from the kernel P's <bos> column on
+    the statistics half) with their rank and percentile in the S̄ ranking -> table (CSV + Markdown)."""
+    import pandas as pd
+
+    from mfpipe.experiments.ranking.roles import bos_sink_scores, role_ranks
+    from mfpipe.stats import open_stats
+    from mfpipe.workflow import tables as T
+
+    p, inp, out = job.params, job.input, job.output
+    table = pd.read_csv(inp.heads)
+    st = open_stats(inp.stats, {"model": p.model, "revision": str(p.revision), "half": "stats"})
+    P_bos = st.ds["P"].isel(key=st.bos_bucket).transpose("layer", "head", "query").values
+    sink = bos_sink_scores(P_bos, st.query_count().values)
+    table["bos_sink_corpus"] = sink[table["layer"].to_numpy(int), table["head"].to_numpy(int)]
+    df = role_ranks(table, int(p.top))
+    T.write_csv(df, out.csv)
+    md = T.to_markdown(df.drop(columns=["model", "revision"]), floatfmt="{:.3f}")
+    T.write_text(f"Behavioural roles in the S-bar ranking: {p.model} @ {p.revision} ({len(table)} heads)\n\n{md}",
+                 out.md)
+    med = df.groupby("role", sort=False)["percentile"].median() if len(df) else {}
+    job.log.info("\n%s\nmedian percentile per role: %s", md, {k: round(float(v), 1) for k, v in med.items()})
+
+
+def exp3_single(job) -> None:
+    """Exp. 3's correlation at one revision (tab:gemma, any model, with or without a training sweep): the Spearman
+    correlation over heads of S̄ and the induction score, from the ranking table -> table (CSV + Markdown)."""
+    import pandas as pd
+
+    from mfpipe.experiments.ranking.exp3 import single_revision_table
+    from mfpipe.workflow import tables as T
+
+    df = single_revision_table(pd.read_csv(job.input.heads))
+    md = T.to_markdown(df, floatfmt="{:.3g}")
+    T.write_csv(df, job.output.csv)
+    T.write_text(md, job.output.md)
+    job.log.info("\n%s", md)

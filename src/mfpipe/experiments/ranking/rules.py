@@ -25,5 +25,7 @@ def targets(plan) -> list[str]:
         for rev in plan.rollout_revisions[m]:
             t += [f"{R}/tables/ranking_{name}_{m}_{rev}.{e}" for name in ("top", "bottom", "stability") for e in ("csv", "md")]
             t += [f"{R}/tables/ranking_heads_{m}_{rev}.csv"]
+            # Sec. 6.3's behavioural roles in the ranking; tab:gemma's single-revision S-bar / induction correlation
+            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("ranking_roles", "exp3_single") for e in ("csv", "md")]
             t += [f"{R}/figures/ccmf_scatter_{m}_{rev}.{e}" for e in ("pdf", "png")]
     return t

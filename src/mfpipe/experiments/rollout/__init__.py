@@ -7,8 +7,16 @@ held-out centroids, the nested estimators of Sec. 4.3 and the descriptive diagno
 - :mod:`~mfpipe.experiments.rollout.diagnostics` — per-layer clustering and value-map diagnostics (App. D, H, K).
 - :mod:`~mfpipe.experiments.rollout.runs` — from stores to long score tables; the cross-corpus matrix (App. G).
 - :mod:`~mfpipe.experiments.rollout.accounting` — the error accounting (Sec. 4.3, App. D, F, H, K).
+- :mod:`~mfpipe.experiments.rollout.divergence` — the divergence diagnostics (App. llama): per-step amplification
+  split into attention update and MLP, the curvature test, the MLP's nonlinear excess over its units, per-token
+  amplification, the centred magnitude, capitalisation pairs.
+- :mod:`~mfpipe.experiments.rollout.localized` — layer-localized kernel substitution (tab:qwen-layers), the rogue
+  dimensions and every kernel pinned vs unpinned (tab:rogue-dims, tab:qwen-pinned).
 - :mod:`~mfpipe.experiments.rollout.tables` — cross-layer summaries (Table 1 and its kin) and their Markdown.
 - :mod:`~mfpipe.experiments.rollout.figures` — the rollout figures, drawn from those tables.
+- :mod:`~mfpipe.experiments.rollout.exclusion` — the exclusion arm (App. llama): its tracked set (the same selection
+  with newline / whitespace, punctuation and listed types skipped), its side-by-side table and targets
+  (workflow/rules/exclusion.smk).
 - :mod:`~mfpipe.experiments.rollout.jobs` — the jobs of workflow/rules/rollout.smk, one function per rule (one
   for all the figures); :mod:`~mfpipe.experiments.rollout.rules` — its targets, figures and output paths.
 

@@ -9,6 +9,7 @@ used through :class:`matplotlib.figure.Figure` with the Agg canvas -- no pyplot,
 * :func:`error_decomposition_figure` -- ``fig:error-decomp``: estimators (a)(b)(c) per block
 * :func:`clustering_figure`      -- ``fig:clustering``: relative RMS, eta^2 / eta^2_z, value-map Jensen gap
 * :func:`cross_corpus_figure`    -- ``fig:heat``: statistics corpus x evaluation corpus, cross-layer cosine
+* :func:`divergence_figure`      -- App. llama: per-step amplification, curvature, centred magnitude, per-token tail
 
 The plumbing every experiment's figures share (style, paths, the atomic writer) is :mod:`mfpipe.workflow.plots`.
 """
@@ -31,6 +32,7 @@ __all__ = [
     "error_decomposition_figure",
     "clustering_figure",
     "cross_corpus_figure",
+    "divergence_figure",
 ]
 
 METRIC_LABELS = {
@@ -242,6 +244,100 @@ def cross_corpus_figure(summary, out, png=None, title: str | None = None, metric
     ax.set_ylabel("corpus of the mean-field statistics")
     fig.colorbar(im, ax=ax, label=f"cross-layer mean {METRIC_LABELS.get(metric, metric)}")
     ax.set_title(title or "Mean-field rollout across corpora")
+    pdf, png = figure_paths(out, png)
+    save_figure(fig, pdf, png)
+    return pdf, png
+
+
+def curve_rows(scores, metric: str = "cosine") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``fig:curves``'s two rows from the cross-corpus scores (long table of
+    :func:`mfpipe.experiments.rollout.runs.cross_corpus`): (replication, generalization), each ``stats_corpus,
+    eval_corpus, depth, frac_depth, value`` of ``metric``. Replication: the diagonal, statistics and evaluation on
+    the same corpus. Generalization: every statistics corpus (and the context-free baseline) against the primary
+    corpus's centroids, the primary being the first evaluation corpus of the table (the job writes it first)."""
+    df = read_table(scores)
+    df = df[df["metric"] == metric]
+    cols = ["stats_corpus", "eval_corpus", "depth", "frac_depth", "value"]
+    primary = df["eval_corpus"].iloc[0]
+    rep = df[df["stats_corpus"] == df["eval_corpus"]][cols].reset_index(drop=True)
+    gen = df[df["eval_corpus"] == primary][cols].reset_index(drop=True)
+    return rep, gen
+
+
+def curves_figure(scores, out, png=None, title: str | None = None, metric: str = "cosine") -> tuple[Path, Path]:
+    """``fig:curves``: per-layer rollout quality by fractional depth. Top: replication (statistics = evaluation
+    corpus), one curve per corpus. Bottom: generalization (statistics from each corpus, evaluated against the
+    primary corpus's centroids), the context-free baseline dashed."""
+    rep, gen = curve_rows(scores, metric)
+    primary = gen["eval_corpus"].iloc[0]
+    fig, axes = new_figure(1, 2, w=4.6, h=2.8)
+    for ax, df, label in ((axes[0, 0], rep, "replication (stats = eval corpus)"),
+                          (axes[1, 0], gen, f"generalization (eval: {primary})")):
+        for corpus, g in df.groupby("stats_corpus", sort=False):
+            g = g.sort_values("frac_depth")
+            base = corpus == "context-free"
+            ax.plot(g["frac_depth"], g["value"], "--" if base else "-o", ms=3, color="0.4" if base else None,
+                    label=f"stats: {corpus}")
+        ax.set_title(label)
+        ax.set_ylabel(METRIC_LABELS.get(metric, metric))
+        ax.legend(fontsize=7)
+    axes[1, 0].set_xlabel("fractional depth")
+    fig.suptitle(title or "Per-layer rollout quality across corpora")
+    pdf, png = figure_paths(out, png)
+    save_figure(fig, pdf, png)
+    return pdf, png
+
+
+__all__ += ["curve_rows", "curves_figure"]  # fig:curves (per-layer quality by fractional depth, App. G)
+
+
+def divergence_figure(steps, curvature, tokens, magnitude, out, png=None, title: str | None = None
+                      ) -> tuple[Path, Path]:
+    """App. llama: (A) per-step amplification of the incoming error by the attention update, the MLP and the block;
+    (B) the curvature test at the block of largest amplification, real and random error against alpha; (C) the
+    predicted over the true centred magnitude by depth; (D) per-token amplification per block (median, 99th
+    percentile, max). Drawn from the divergence tables only."""
+    st = read_table(steps).sort_values("layer")
+    cu, tk, mg = read_table(curvature), read_table(tokens).sort_values("layer"), read_table(magnitude)
+    fig, axes = new_figure(4, 1, w=3.4)
+    ax = axes[0, 0]
+    for col, color, label in (("amp_attention", "#1f77b4", "attention update"), ("amp_mlp", "#d62728", "MLP"),
+                              ("amp_block", "#000000", "block")):
+        ax.plot(st["layer"], st[col], marker="o", color=color, label=label)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("block")
+    ax.set_ylabel(r"$\|e_{out}\|/\|e_{in}\|$")
+    ax.set_title("(A) per-step amplification")
+    ax.legend()
+    ax = axes[0, 1]
+    a = st["amp_block"].to_numpy(dtype=float)
+    if np.isfinite(a).any():
+        peak = int(st["layer"].iloc[int(np.nanargmax(a))])
+        c = cu[cu["layer"] == peak].sort_values("alpha")
+        ax.plot(c["alpha"], c["amp_real"], marker="o", color="#000000", label="real error")
+        ax.plot(c["alpha"], c["amp_random"], marker="s", color="#ff7f0e", label="random, same norms")
+        ax.set_xscale("log")
+        ax.set_title(f"(B) curvature test, block {peak}")
+        ax.legend()
+    ax.set_xlabel(r"$\alpha$")
+    ax.set_ylabel("amplification")
+    ax = axes[0, 2]
+    ax.plot(mg["depth"], mg["ratio"], marker="o", color="#2ca02c")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("depth")
+    ax.set_ylabel("predicted / true centred RMS")
+    ax.set_title("(C) centred magnitude")
+    ax = axes[0, 3]
+    for col, style in (("median", "-o"), ("p99", "--s"), ("max", ":^")):
+        ax.plot(tk["layer"], tk[col], style, color="#9467bd", label=col)
+    ax.set_yscale("log")
+    ax.set_xlabel("block")
+    ax.set_ylabel("per-token amplification")
+    ax.set_title("(D) per-token tail")
+    ax.legend()
+    for x in axes.flat:
+        x.grid(alpha=0.3)
+    fig.suptitle(title or "Rollout divergence")
     pdf, png = figure_paths(out, png)
     save_figure(fig, pdf, png)
     return pdf, png

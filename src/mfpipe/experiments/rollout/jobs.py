@@ -127,6 +127,79 @@ def cross_corpus(job) -> None:
     job.log.info("\n%s", md)
 
 
+def rollout_divergence(job) -> None:
+    """The divergence diagnostics of App. llama for one (model, revision): the configured kernel's rollout
+    (``rollout.divergence``) and the held-out truth tracked together -> the per-step amplification (+ Markdown of every
+    table), the curvature test, the MLP units, per-token amplification and the most amplified types, the centred
+    magnitude and the capitalisation pairs, one CSV each under results/tables/."""
+    from mfpipe.experiments.rollout import divergence as DV
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.experiments.rollout.runs import build_kernel, pinning
+    from mfpipe.stats import halves as S
+    from mfpipe.workflow import tables as T
+
+    p, out, log = job.params, job.output, job.log
+    cfg = p.divergence
+    st, ev = S.open_pair(job.input.stats, job.input.eval, model=p.model_spec["name"], revision=p.revision)
+    model, adapter = job.model()  # after the stores: a foreign store is refused before the weights are read
+    setup = RO.prepare(adapter, st, ev, init=str(p.init), min_count=int(p.min_count))
+    kernel = build_kernel(cfg["kernel"], setup, model=model, seed=int(p.seed))
+    pin = pinning(setup, float(p.rogue_factor)) if cfg["pin"] else None
+    if pin is not None and not pin[0].size:
+        log.warning("divergence.pin: no rogue dimension at factor %g; the rollout is unpinned", p.rogue_factor)
+        pin = None
+    tables = DV.run(adapter, setup, kernel, alphas=tuple(cfg["alphas"]), top_k=int(cfg["top_k"]),
+                    n_random=int(cfg["n_random"]), seed=int(cfg["seed"]), pin=pin, n_top=int(cfg["n_top"]))
+    for key in ("steps", "curvature", "units", "tokens", "top_tokens", "magnitude", "pairs", "pairs_summary"):
+        T.write_csv(tables[key], out[key])
+    md = DV.markdown(tables, f"Rollout divergence ({cfg['kernel']}{', pinned' if pin else ''}): "
+                             f"{p.model_spec['name']} @ {p.revision}")
+    T.write_text(md, out.md)
+    log.info("headline: %s\n%s", DV.headline(tables), md)
+
+
+def rollout_localized(job) -> None:
+    """Where the kernel matters, for one (model, revision): the layer-localized substitution (tab:qwen-layers), the
+    rogue dimensions (tab:rogue-dims) and every kernel unpinned vs pinned (tab:qwen-pinned) -> CSV + Markdown each."""
+    from mfpipe.experiments.rollout import localized as LZ
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.experiments.rollout.runs import pinning
+    from mfpipe.stats import halves as S
+    from mfpipe.workflow import tables as T
+    from mfpipe.workflow.tables import to_markdown
+
+    p, out, log = job.params, job.output, job.log
+    cfg, tag = p.localized, f"{p.model_spec['name']} @ {p.revision}"
+    st, ev = S.open_pair(job.input.stats, job.input.eval, model=p.model_spec["name"], revision=p.revision)
+    model, adapter = job.model()
+    setup = RO.prepare(adapter, st, ev, init=str(p.init), min_count=int(p.min_count))
+    pin = pinning(setup, float(p.rogue_factor)) if cfg["pin"] else None
+    lz = LZ.localized_table(adapter, setup, cfg["substitute"], cfg["layers"],
+                            pin=pin if pin is not None and pin[0].size else None, seed=int(p.seed), model=model)
+    rg = LZ.rogue_table(setup.stats_centroids[:, st.query_count().values > 0], float(p.rogue_factor))
+    pt = LZ.pinning_table(model, adapter, setup, list(p.kernels), float(p.rogue_factor), seed=int(p.seed))
+    for key, df, title in (
+            ("localized", lz, f"Layer-localized substitution ({cfg['substitute']} on the listed layers, P elsewhere"
+                              f"{', pinned' if cfg['pin'] else ''}): {tag}"),
+            ("rogue", rg, f"Rogue dimensions (RMS over the type centroids / the depth's median; pinned above "
+                          f"{p.rogue_factor:g}x): {tag}"),
+            ("pinning", pt, f"Every kernel's rollout unpinned vs pinned (factor {p.rogue_factor:g}): {tag}")):
+        T.write_csv(df, out[key])
+        md = f"**{title}**\n\n" + to_markdown(df.round(4))
+        T.write_text(md, out[f"{key}_md"])
+        log.info("\n%s", md)
+
+
+def figure_divergence(job) -> None:
+    """The divergence figure (PDF + PNG) from the divergence tables (steps, curvature, tokens, magnitude)."""
+    from mfpipe.experiments.rollout import figures as F
+
+    i = job.input
+    F.divergence_figure(i.steps, i.curvature, i.tokens, i.magnitude, job.output.pdf, job.output.png,
+                        title=job.params.title)
+    job.log.info("wrote %s and %s", job.output.pdf, job.output.png)
+
+
 def plot_figure(job) -> None:
     """One rollout figure (PDF + PNG) from its result table (input.table); ``params.kind`` names the figure function
     (the rules figure_<kind>, made in a loop over mfpipe.experiments.rollout.rules.figures), params.title its title."""
@@ -138,7 +211,55 @@ def plot_figure(job) -> None:
         "error_decomposition": F.error_decomposition_figure,
         "clustering": F.clustering_figure,
         "cross_corpus": F.cross_corpus_figure,
+        "curves": F.curves_figure,
     }
     fn = funcs[job.params.kind]
     fn(job.input.table, job.output.pdf, job.output.png, title=job.params.title)
     job.log.info("wrote %s and %s", job.output.pdf, job.output.png)
+
+
+def tracked_types_excl(job) -> None:
+    """The exclusion arm's tracked set (App. llama; mfpipe.experiments.rollout.exclusion.select_arm): the main set's
+    top-N selection on the stats half with every excluded type skipped and the next most frequent filling up to N.
+
+    input.shards      the model's corpus shards; input.tokenizer the mini suite's, for a mini-suite model
+    output[0]         tracked-excl.json (mfpipe.corpus.tracked.TrackedSet; meta: the rule and every type skipped)
+    params.n_tracked  N; params.classes, params.strings (config tracked.exclude); params.model, params.results
+    """
+    from mfpipe.experiments.rollout import exclusion as EX
+
+    p, log = job.params, job.log
+    ts = EX.arm_tracked(job.input.shards, p.model, p.results, int(p.n_tracked), list(p.classes), list(p.strings))
+    ts.save(job.output[0])
+    log.info("exclusion arm: %d types tracked, %d of the main top-%d excluded (%s), %d skipped in all; e.g. %s",
+             ts.n, ts.meta["n_excluded_of_main"], int(p.n_tracked), "+".join(p.classes) or "strings",
+             len(ts.meta["excluded"]), EX.excluded_examples(ts.meta))
+
+
+def exclusion_rollout(job) -> None:
+    """The exclusion arm beside the main set for one (model, revision): the mean-field rollout, the teacher-forced
+    accuracy, the peak centred-magnitude ratio and the divergence diagnostics' headline (params.divergence: config
+    rollout.divergence, with params.seed and params.rogue_factor) on each arm's stores ->
+    results/tables/exclusion_<model>_<revision>.{csv,md} (mfpipe.experiments.rollout.exclusion.side_by_side)."""
+    from mfpipe.corpus.tracked import TrackedSet
+    from mfpipe.experiments.rollout import exclusion as EX
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.stats import halves as S
+    from mfpipe.workflow import tables as T
+
+    p, i, log = job.params, job.input, job.log
+    name, rev = p.model_spec["name"], str(p.revision)
+    pairs = {arm: S.open_pair(s, e, model=name, revision=rev)
+             for arm, s, e in (("main", i.stats, i.eval), ("exclusion", i.excl_stats, i.excl_eval))}
+    model, adapter = job.model()  # after the stores: a foreign store is refused before the weights are read
+    diagnose = EX.divergence_headline(adapter, model, dict(p.divergence), int(p.seed), float(p.rogue_factor))
+    rows = {}
+    for arm, (st, ev) in pairs.items():
+        setup = RO.prepare(adapter, st, ev, init=str(p.init), min_count=int(p.min_count))
+        rows[arm] = EX.arm_summary(adapter, setup, diagnose)
+        log.info("%s arm: %s", arm, rows[arm])
+    df = EX.side_by_side(rows["main"], rows["exclusion"], TrackedSet.load(i.tracked_excl).meta)
+    T.write_csv(df, job.output.csv)
+    md = EX.side_by_side_markdown(df, f"Exclusion arm beside the main tracked set: {name} @ {rev}")
+    T.write_text(md, job.output.md)
+    log.info("\n%s", md)

@@ -3,8 +3,28 @@ run's plan (:class:`mfpipe.workflow.plan.Plan`)."""
 
 from __future__ import annotations
 
-# the tables of one rollout revision (CSV + Markdown): Table 1, the error accounting, App. G
-TABLES = ("rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy", "cross_corpus")
+from mfpipe.experiments.rollout import exclusion
+
+# the tables of one rollout revision (CSV + Markdown): Table 1, the error accounting, App. G, App. I
+TABLES = ("rollout", "teacher_forced", "error_decomposition", "mlp_gap", "clustering", "anisotropy", "cross_corpus",
+          "layer_localized", "rogue_dims", "pinning")
+# the divergence diagnostics' tables (App. llama): results/tables/divergence[_<part>]_<model>_<revision>.csv, the steps
+# table without a part; one Markdown page for all of them (divergence_<model>_<revision>.md)
+DIVERGENCE_TABLES = ("steps", "curvature", "units", "tokens", "top_tokens", "magnitude", "pairs", "pairs_summary")
+
+
+def divergence_outputs(plan) -> dict[str, str]:
+    """The divergence job's CSV outputs, table name -> path template of ``{model}`` and ``{revision}``."""
+    R = plan.results
+    return {k: f"{R}/tables/divergence{'' if k == 'steps' else '_' + k}_{{model}}_{{revision}}.csv"
+            for k in DIVERGENCE_TABLES}
+
+
+def divergence_targets(plan, model: str, revision: str) -> list[str]:
+    R = plan.results
+    t = [f"{R}/tables/divergence{'' if k == 'steps' else '_' + k}_{model}_{revision}.csv" for k in DIVERGENCE_TABLES]
+    return t + [f"{R}/tables/divergence_{model}_{revision}.md"] + [
+        f"{R}/figures/divergence_{model}_{revision}.{ext}" for ext in ("pdf", "png")]
 
 
 def figures(plan) -> dict[str, tuple[str, str]]:
@@ -22,6 +42,8 @@ def figures(plan) -> dict[str, tuple[str, str]]:
                        "Within-type clustering: {model} @ {revision}"),
         "cross_corpus": (f"{R}/tables/cross_corpus_{{model}}_{{revision}}.csv",
                          "Cross-corpus rollout (centered cosine): {model} @ {revision}"),
+        "curves": (f"{R}/rollout/{{model}}/{{revision}}/cross_corpus_scores.csv",
+                   "Per-layer rollout quality across corpora: {model} @ {revision}"),
     }
 
 
@@ -44,5 +66,5 @@ def targets(plan) -> list[str]:
             t.append(f"{R}/rollout/{m}/{rev}/scores.csv")
             for name in TABLES:
                 t += [f"{R}/tables/{name}_{m}_{rev}.csv", f"{R}/tables/{name}_{m}_{rev}.md"]
-            t += figure_targets(plan, m, rev)
-    return t
+            t += figure_targets(plan, m, rev) + divergence_targets(plan, m, rev)
+    return t + exclusion.targets(plan)  # the exclusion arm's tables (workflow/rules/exclusion.smk)

@@ -21,7 +21,7 @@ from mfpipe.stats.partials import rounding_bound
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_KERNELS", "ROLLOUT_NAMES", "RolloutSetup", "prepare", "retarget", "build_kernel",
-           "context_free_prediction", "score_rows", "run_rollouts", "cross_corpus"]
+           "context_free_prediction", "score_rows", "pinning", "run_rollouts", "cross_corpus"]
 
 #: every name :func:`run_rollouts` accepts: the Table 1 rows plus the optional ``context_free_kernel`` ablation
 #: (the ``[BOS, t]`` attention rolled out from the mean-field start, :mod:`mfpipe.experiments.rollout.kernels`). It is not a default
@@ -148,7 +148,9 @@ def _rollout_one(adapter, setup: RolloutSetup, kernel: np.ndarray, pin: tuple | 
     return R.rollout(adapter, kernel, setup.bos, init=setup.init, **kw)
 
 
-def _pinning(setup: RolloutSetup, factor: float) -> tuple[np.ndarray, np.ndarray]:
+def pinning(setup: RolloutSetup, factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """App. I's ``(dims, values)`` for ``setup``: the rogue dimensions of the statistics half's centroids (types it
+    has) at ``factor`` and their all-type centroid per depth."""
     ok = setup.st.query_count().values > 0
     c = setup.stats_centroids[:, ok]
     return R.rogue_dimensions(c, factor=factor), R.pin_values(c, "mean")
@@ -176,7 +178,7 @@ def run_rollouts(model, adapter, stats_store, eval_store, kernels: Sequence[str]
     L = adapter.n_layers
     pins = [None]
     if pin:
-        dims, vals = _pinning(setup, rogue_factor)
+        dims, vals = pinning(setup, rogue_factor)
         log.info("rogue dimensions (factor %g): %d of %d: %s", rogue_factor, dims.size, adapter.d_model,
                  dims.tolist())
         if dims.size:

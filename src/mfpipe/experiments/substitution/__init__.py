@@ -4,6 +4,8 @@
   (model, revision), its result store and the sweep tables across checkpoints.
 - :mod:`~mfpipe.experiments.substitution.calibration` — the bias of Â and the calibrated kernel U (App. B; its store is
   :mod:`mfpipe.meanfield.calibrated`, read by pass 2 too).
+- :mod:`~mfpipe.experiments.substitution.recompute` — the body results recomputed with U beside W (App. B sec:U2M):
+  the head ranking, ΔL and D_MF, Exp. 1 and Exp. 2 in one table.
 - :mod:`~mfpipe.experiments.substitution.kernel_dynamics` — the kernel's change across checkpoints (Sec. 5.3, App. N).
 - :mod:`~mfpipe.experiments.substitution.figures` — the waypoint, top-N, CKA and spread figures.
 - :mod:`~mfpipe.experiments.substitution.jobs` — the jobs of workflow/rules/substitution.smk, one function per

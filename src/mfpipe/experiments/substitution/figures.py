@@ -3,6 +3,7 @@
 
 * :func:`waypoint_figure` -- ``fig:mfgap``: L_model / L_MF, ΔL and D_MF across training checkpoints
 * :func:`topn_figure`     -- ``fig:vocab-robustness``: the same for several tracked-set sizes N
+* :func:`vocab_mfgap_figure` -- ``fig:vocab-mfgap``: fig:mfgap's panels once per tracked-set size N
 * :func:`cka_figure`, :func:`spread_figure` -- the kernel's change across checkpoints (CKA, head spread)
 
 Training steps go on a symmetric-log axis with the induction window shaded (:func:`mfpipe.workflow.plots.step_axis`,
@@ -156,6 +157,55 @@ def topn_figure(table, out, png=None, window=None, title: str | None = None) -> 
         shade_window(ax, window)
         step_axis(ax, df["step"])
     axes[0, 0].legend(loc="upper left")
+    if title:
+        fig.suptitle(title)
+    pdf, png = figure_paths(out, png)
+    save_figure(fig, pdf, png)
+    return pdf, png
+
+
+# ------------------------------------------------------------------------------ App. M in fig:mfgap's layout
+__all__ += ["vocab_mfgap_figure"]
+
+
+def vocab_mfgap_figure(table, out, png=None, window=None, title: str | None = None) -> tuple[Path, Path]:
+    """App. M, ``fig:vocab-mfgap``: :func:`waypoint_figure`'s panels once per tracked-set size N (columns, N
+    ascending), shared axes so columns compare directly. Top: L_model (solid) and L_MF (dashed), the model's final
+    loss dotted, each column titled with N and its substitution coverage; bottom: ΔL (left axis) and D_MF (right
+    axis); the induction window shaded. ``table``: :func:`mfpipe.experiments.substitution.substitute.topn_table`."""
+    df = read_table(table)
+    if df["step"].isna().any():
+        raise ValueError("the top-N waypoint figure needs a training step for every revision (revisions named step<k>)")
+    arms = sorted(df["n_tracked"].unique())
+    fig, axes = new_figure(len(arms), 2, w=3.6, h=2.6)
+    loss = df[["L_model", "L_MF"]].to_numpy(float)
+    lims = {"loss": (np.nanmin(loss), np.nanmax(loss)), "dL": (df["delta_L"].min(), df["delta_L"].max()),
+            "D": (df["D_MF"].min(), df["D_MF"].max())}
+    pad = lambda lo, hi: (lo - 0.05 * (hi - lo + 1e-12), hi + 0.05 * (hi - lo + 1e-12))  # noqa: E731
+    for j, n in enumerate(arms):
+        g = df[df["n_tracked"] == n].sort_values("step")
+        x = g["step"].to_numpy(float)
+        top, bottom = axes[0, j], axes[1, j]
+        top.plot(x, g["L_model"], "-o", color="#1f77b4", ms=3, label=r"$L_\mathrm{model}$")
+        top.plot(x, g["L_MF"], "--o", color="#d62728", ms=3, mfc="none", label=r"$L_\mathrm{MF}$")
+        top.axhline(float(g["L_model"].iloc[-1]), ls=":", color="0.4", lw=0.9)
+        top.set_ylim(*pad(*lims["loss"]))
+        top.set_title(f"N = {n} ({100 * float(g['substituted_share'].iloc[-1]):.0f}% substituted)")
+        bottom.plot(x, g["delta_L"], "-o", color="#2ca02c", ms=3, label=r"$\Delta L$")
+        bottom.axhline(0.0, color="0.6", lw=0.8)
+        bottom.set_ylim(*pad(*lims["dL"]))
+        right = bottom.twinx()
+        right.plot(x, g["D_MF"], "-s", color="#9467bd", ms=3, label=r"$D_\mathrm{MF}$")
+        right.set_ylim(*pad(*lims["D"]))
+        for ax in (top, bottom):
+            shade_window(ax, window)
+            step_axis(ax, x)
+        if j == 0:
+            top.set_ylabel("next-token loss (nats)")
+            top.legend(loc="upper right")
+            bottom.set_ylabel(r"$\Delta L$ (nats)", color="#2ca02c")
+        if j == len(arms) - 1:
+            right.set_ylabel(r"$D_\mathrm{MF}$", color="#9467bd")
     if title:
         fig.suptitle(title)
     pdf, png = figure_paths(out, png)

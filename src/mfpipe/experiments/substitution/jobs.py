@@ -238,3 +238,55 @@ def calibrate_kernel(job) -> None:
              "wrote %s in %.0f s", model, revision, allrow["E_NX"], allrow["E_nt"], allrow["ratio"],
              100 * allrow["within_20pct"], allrow["n_cells"], allrow["bos_ratio"], out.kernel,
              time.perf_counter() - t0)
+
+
+def calibrated_recompute(job) -> None:
+    """App. B's recomputation with the calibrated kernel (sec:U2M) for one (model, revision): the head ranking, ΔL and
+    D_MF, Exp. 1 and Exp. 2 with U beside W, from the outputs of the same jobs run once with each kernel -> one table
+    (CSV + Markdown; mfpipe.experiments.substitution.recompute).
+
+    input.w_deviation, input.u_deviation      pass 2's deviation stores (S̄ per head)
+    input.w_substitution, input.u_substitution  the substitution results
+    input.w_meter, input.u_meter              Exp. 1's one-row summaries (the icl_meter jobs' summary CSV)
+    input.w_classes, input.u_classes          Exp. 2's class tables (the icl_classes jobs' table CSV)
+    params.model, params.revision, params.top (k of the top-k overlap: min(top, heads))
+    """
+    import pandas as pd
+
+    from mfpipe.deviation.store import open_deviation
+    from mfpipe.experiments.substitution import recompute as RC
+    from mfpipe.workflow.tables import write_csv, write_text
+
+    p, inp, out, log = job.params, job.input, job.output, job.log
+    model, revision = str(p.model), str(p.revision)
+    expect = {"model": model, "revision": revision}
+    arms = {}
+    for arm in ("w", "u"):
+        dev = open_deviation(getattr(inp, f"{arm}_deviation"), expect)
+        sub = RC.open_substitution(getattr(inp, f"{arm}_substitution"), expect)
+        for name, obj in (("deviation store", dev), ("substitution result", sub)):
+            kernel = str(obj.attrs.get("kernel"))
+            if (kernel == "W") != (arm == "w"):
+                raise ValueError(f"the {arm.upper()} arm's {name} was computed with kernel {kernel!r}")
+        arms[arm] = (dev["S_bar"].transpose("layer", "head").values, sub)
+    (S_w, sub_w), (S_u, sub_u) = arms["w"], arms["u"]
+    rows = RC.ranking_rows(S_w, S_u, top=int(p.top))
+    rows += RC.substitution_rows(sub_w, sub_u)
+    rows += RC.meter_rows(pd.read_csv(inp.w_meter), pd.read_csv(inp.u_meter))
+    rows += RC.class_rows(pd.read_csv(inp.w_classes), pd.read_csv(inp.u_classes))
+    df = RC.recompute_table(rows, model, revision)
+    write_csv(df, out.csv)
+    write_text(RC.recompute_markdown(df, title=f"Calibrated kernel U vs W: {model} @ {revision}"), out.md)
+    log.info("%s @ %s:\n%s", model, revision, RC.recompute_markdown(df))
+
+
+def figure_vocab_mfgap(job) -> None:
+    """App. M fig:vocab-mfgap of one model: the waypoint (fig:mfgap's panels) at every tracked-set size N, from its
+    top-N table (input.table), the induction window shaded as in :func:`figure_waypoint` -> output.pdf / output.png."""
+    from mfpipe.experiments.substitution.figures import vocab_mfgap_figure
+    from mfpipe.models.induction import training_window
+
+    p = job.params
+    window = training_window(p.window, _training_json(job), tuple(p.band))
+    job.log.info("induction window: %s", window)
+    vocab_mfgap_figure(job.input.table, job.output.pdf, job.output.png, window=window, title=str(p.title))

@@ -41,10 +41,39 @@ def topn_arms(plan, wildcards) -> list[list]:
     return [[n, rev, s] for (n, rev, _), s in zip(topn_results(plan, wildcards), steps)]
 
 
+def recompute_kernels(plan) -> tuple[str, str]:
+    """App. B's recomputation (sec:U2M): the kernel pass 2 and the substitution rerun with (the one the run does not
+    use: U, ``calibrated``, when ``substitution.kernel`` is W, else W) and the one the prompt experiments rerun with
+    (U: they always run with W)."""
+    return ("W" if plan.config["substitution"]["kernel"] == "calibrated" else "calibrated"), "calibrated"
+
+
+def recompute_folder(plan, model: str, revision: str, kernel: str) -> str:
+    """Where the recomputation's reruns with ``kernel`` write (beside, never over, the run's own outputs)."""
+    return f"{plan.results}/recompute/{model}/{revision}/{kernel}"
+
+
+def recompute_inputs(plan, wildcards) -> dict[str, str]:
+    """The two arms of the recomputation table of a (model, revision): ``w_*`` and ``u_*`` paths of the deviation
+    store, the substitution result, Exp. 1's meter summary and Exp. 2's class table, each the run's own output where
+    the run used that kernel, else the rerun's."""
+    m, rev, R = wildcards.model, wildcards.revision, plan.results
+    rerun, prompts = recompute_kernels(plan)
+    alt_prompts = recompute_folder(plan, m, rev, prompts)
+    main = {"deviation": plan.store("deviation", model=m, revision=rev),
+            "substitution": plan.store("substitution", model=m, revision=rev)}
+    other = {k: plan.store(f"{k}_recompute", model=m, revision=rev, kernel=rerun) for k in ("deviation", "substitution")}
+    w, u = (main, other) if rerun == "calibrated" else (other, main)
+    out = {f"w_{k}": v for k, v in w.items()} | {f"u_{k}": v for k, v in u.items()}
+    out |= {"w_meter": f"{R}/tables/icl_meter_{m}_{rev}.csv", "u_meter": f"{alt_prompts}/icl_meter.csv",
+            "w_classes": f"{R}/tables/icl_classes_{m}_{rev}.csv", "u_classes": f"{alt_prompts}/icl_classes.csv"}
+    return out
+
+
 def targets(plan) -> list[str]:
     """Per model: every sweep revision's substitution result and the sweep table; for a real sweep (>= 2
     revisions named step<k>) the waypoint figure and the kernel dynamics; the bias table and calibration of the
-    rollout revisions' kernel (App. B)."""
+    rollout revisions' kernel and the body results recomputed with it beside W (App. B)."""
     R, t = plan.results, []
     for m in plan.models:
         t += [plan.store("substitution", model=m, revision=rev) for rev in plan.revisions[m]]
@@ -56,9 +85,10 @@ def targets(plan) -> list[str]:
                   f"{R}/tables/kernel_spread_{m}.csv"]
             t += [f"{R}/figures/{f}_{m}.{e}" for f in ("kernel_cka", "kernel_spread") for e in ("pdf", "png")]
         for rev in plan.rollout_revisions[m]:
-            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration") for e in ("csv", "md")]
+            t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration", "calibrated")
+                  for e in ("csv", "md")]
         if topn(plan):
             t += [f"{R}/tables/substitution_topn_{m}.csv", f"{R}/tables/substitution_topn_{m}.md"]
             if plan.sweeps(m):
-                t += [f"{R}/figures/topn_{m}.pdf", f"{R}/figures/topn_{m}.png"]
+                t += [f"{R}/figures/{f}_{m}.{e}" for f in ("topn", "vocab_mfgap") for e in ("pdf", "png")]
     return t

@@ -15,6 +15,9 @@
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its
   checks (``groups``).
+* ``mlp_units.py`` — :func:`~mfpipe.models.adapters.mlp_units.mlp_units`: an MLP as a sum over its hidden units (its
+  post-activation and output projection, found among the modules the adapter names), with forward-mode directional
+  derivatives, for the rollout's divergence diagnostics (App. llama).
 * ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
   every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
   with ``mfpipe conformance`` first).

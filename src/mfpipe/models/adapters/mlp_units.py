@@ -1,0 +1,101 @@
+"""The MLP as a sum over its hidden units (paper App. llama, "the MLP output is exactly linear in the post-activation"):
+for the MLP of block ``layer`` read at residual rows ``x [N, d]``, the post-activation ``h(x) [N, F]`` (the input of the
+MLP's output projection: GPT-2's ``c_proj``, Llama's ``down_proj``, GPT-NeoX's ``dense_4h_to_h``) and that projection's
+weight, so that the MLP's output is ``h(x) @ weight + bias`` exactly and unit ``k`` contributes ``h_k(x) weight[k]``.
+
+With a ``tangent`` the same forward carries forward-mode derivatives (``torch.autograd.forward_ad``), giving the
+directional derivative ``J_h(x) tangent`` of every unit at once: the linear part the nonlinear excess is measured
+against. Nothing here knows a module path: the output projection is found among the MLP module the adapter names
+(:attr:`Structure.mlp`) as the last 2-D weight called with the model's width as its output, and the MLP's output is
+checked to be that projection's output (an MLP that is not linear in one post-activation -- a mixture of experts --
+is refused by name).
+
+The decomposition is of the MLP itself (pre-norm, MLP): on Gemma-2 and OLMo-2 a norm follows the MLP inside the
+branch, and the branch's output is not linear in ``h``; :attr:`MlpUnits.post_norm` says so.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor
+
+from mfpipe.models.adapters.site import module_at
+
+__all__ = ["MlpUnits", "mlp_units"]
+
+
+class MlpUnits(NamedTuple):
+    """One MLP evaluation split over its hidden units (float64: the model's numbers, widened exactly)."""
+
+    out: Tensor  # [N, d] the MLP's output, before any post-MLP norm: hidden @ weight + bias
+    hidden: Tensor  # [N, F] the post-activation (the output projection's input)
+    hidden_tangent: Tensor | None  # [N, F] J_h(x) tangent, when a tangent was given
+    out_tangent: Tensor | None  # [N, d] J_out(x) tangent = hidden_tangent @ weight
+    weight: Tensor  # [F, d]
+    bias: Tensor | None  # [d]
+    post_norm: bool  # whether a norm follows the MLP inside the branch (the branch is then not linear in hidden)
+
+
+def _projection_weight(mod) -> Tensor:
+    """``[F, d]`` such that the module's output is ``input @ weight (+ bias)``: ``nn.Linear`` keeps ``[d, F]``,
+    GPT-2's ``Conv1D`` ``[F, d]``."""
+    w = mod.weight.detach().double()
+    return w if type(mod).__name__ == "Conv1D" else w.t()
+
+
+def _unpack(x: Tensor) -> tuple[Tensor, Tensor | None]:
+    p, t = fwAD.unpack_dual(x)
+    return p.detach().double(), (None if t is None else t.detach().double())
+
+
+@torch.no_grad()
+def mlp_units(adapter, layer: int, x_resid: Tensor, tangent: Tensor | None = None) -> MlpUnits:
+    """The MLP of block ``layer`` at the residual rows ``x_resid [N, d]`` (what the MLP branch reads: ``resid_mid``,
+    or the block input for a parallel-residual block), split over its hidden units; with ``tangent [N, d]`` also the
+    directional derivatives along it. Raises ``ValueError`` naming the model when the MLP's output is not one
+    projection of one post-activation."""
+    mlp = module_at(adapter.block_module(layer), adapter.structure.mlp)
+    calls: list[tuple] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0], out)))
+             for m in mlp.modules() if getattr(m, "weight", None) is not None and m.weight.ndim == 2]
+    x = x_resid.to(device=adapter.device, dtype=adapter.dtype)
+    try:
+        with fwAD.dual_level():
+            xin = x if tangent is None else fwAD.make_dual(x, tangent.to(device=x.device, dtype=x.dtype))
+            try:
+                adapter.mlp(layer, xin)
+            except (NotImplementedError, RuntimeError) as e:
+                if tangent is None:
+                    raise
+                raise ValueError(f"{adapter.model_type}: the MLP of layer {layer} has no forward-mode derivative "
+                                 f"({str(e).splitlines()[0]}); no linear part to measure the excess against") from e
+            outs = [c for c in calls if c[2].shape[-1] == adapter.d_model]
+            if not outs:
+                raise ValueError(f"{adapter.model_type}: no linear map of the MLP of layer {layer} writes the model width "
+                                 f"{adapter.d_model}; the unit decomposition needs one output projection")
+            mod, hin, hout = outs[-1]
+            h, h_dot = _unpack(hin)
+            out, out_dot = _unpack(hout)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    weight = _projection_weight(mod)
+    bias = None if getattr(mod, "bias", None) is None else mod.bias.detach().double()
+    recon = h @ weight + (0 if bias is None else bias)
+    if not torch.allclose(recon, out, rtol=1e-4, atol=1e-5 * (1 + float(out.abs().max()))):
+        raise ValueError(f"{adapter.model_type}: the MLP of layer {layer} is not one projection of its post-activation "
+                         f"({type(mod).__name__} does not reproduce its own output); no unit decomposition")
+    post_norm = adapter.structure.post_mlp_norm is not None
+    if not post_norm and not _is_mlp_output(adapter, layer, x, out):
+        raise ValueError(f"{adapter.model_type}: the MLP of layer {layer} is not its last projection's output (a mixture "
+                         "of experts?); no unit decomposition")
+    return MlpUnits(out=out, hidden=h, hidden_tangent=h_dot, out_tangent=out_dot, weight=weight, bias=bias,
+                    post_norm=post_norm)
+
+
+def _is_mlp_output(adapter, layer: int, x: Tensor, out: Tensor) -> bool:
+    y = adapter.mlp(layer, x).double()
+    return bool(torch.allclose(y, out, rtol=1e-5, atol=1e-6 * (1 + float(y.abs().max()))))
