@@ -233,3 +233,15 @@ def test_the_arm_plans_its_own_jobs_and_changes_no_other(tmp_path):
     text = (REPO / "workflow" / "rules" / "exclusion.smk").read_text()
     assert text.count("EXCLUDE[") == 2 and text.index("EXCLUDE[") < text.index("rule exclusion_rollout")
     assert 'config["tracked"]' not in re.sub(r'config\["tracked"\]\["(n_tracked|exclude)"\]', "", text)
+
+
+def test_the_arms_tracked_set_reads_no_rollout_code():
+    """The arm's tracked set is the corpus stage's (mfpipe.corpus.exclude, its job in mfpipe.corpus.jobs): editing the
+    rollout's code (the divergence diagnostics, the side-by-side table) reruns no statistics of the arm."""
+    from mfpipe.workflow.codedeps import code_inputs
+
+    deps = code_inputs(REPO / "src", REPO / "workflow" / "scripts")
+    files = deps["mfpipe.corpus.jobs:tracked_types_excl"]
+    assert any(f.endswith("corpus/exclude.py") for f in files), files
+    assert not [f for f in files if "/experiments/" in f], files
+    assert any(f.endswith("rollout/divergence.py") for f in deps["mfpipe.experiments.rollout.jobs:exclusion_rollout"])

@@ -2,7 +2,7 @@
 # pure-punctuation type (and the user's strings) left out of the same top-N selection (config `tracked.exclude`), its
 # own statistics (datasets excl/stats and excl/eval through stats_shard / stats_merge) and the mean-field rollout on it
 # beside the main set's, per model and rollout revision. Nothing of the main set's jobs takes the exclude config.
-# Library: mfpipe.experiments.rollout.exclusion (its targets, the selection and the table).
+# Library: mfpipe.corpus.exclude (the selection), mfpipe.experiments.rollout.exclusion (its targets and the table).
 
 EXCLUDE = config["tracked"]["exclude"]
 
@@ -11,7 +11,7 @@ rule tracked_types_excl:
     input:
         shards=f"{R}/corpus/{{corpus}}/{{model}}/shards",
         tokenizer=tokenizer_input,
-        code=job("experiments.rollout", "tracked_types_excl"),
+        code=job("corpus", "tracked_types_excl"),
     output:
         f"{R}/corpus/{{corpus}}/{{model}}/tracked-excl.json",
     params:

@@ -121,3 +121,21 @@ def zipf(job) -> None:
     write_text(md, job.output.md)
     zipf_figure(tables, n, job.output.pdf, job.output.png)
     job.log.info("\n%s", md)
+
+
+def tracked_types_excl(job) -> None:
+    """The exclusion arm's tracked set (App. llama; mfpipe.corpus.exclude.select_arm): the main set's
+    top-N selection on the stats half with every excluded type skipped and the next most frequent filling up to N.
+
+    input.shards      the model's corpus shards; input.tokenizer the mini suite's, for a mini-suite model
+    output[0]         tracked-excl.json (mfpipe.corpus.tracked.TrackedSet; meta: the rule and every type skipped)
+    params.n_tracked  N; params.classes, params.strings (config tracked.exclude); params.model, params.results
+    """
+    from mfpipe.corpus import exclude as EX
+
+    p, log = job.params, job.log
+    ts = EX.arm_tracked(job.input.shards, p.model, p.results, int(p.n_tracked), list(p.classes), list(p.strings))
+    ts.save(job.output[0])
+    log.info("exclusion arm: %d types tracked, %d of the main top-%d excluded (%s), %d skipped in all; e.g. %s",
+             ts.n, ts.meta["n_excluded_of_main"], int(p.n_tracked), "+".join(p.classes) or "strings",
+             len(ts.meta["excluded"]), EX.excluded_examples(ts.meta))
