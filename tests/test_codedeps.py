@@ -165,6 +165,36 @@ def test_the_answers_are_kept_under_a_digest_of_the_sources(pkg, monkeypatch):
     assert json.loads(cache.read_text())["code"] == again
 
 
+def test_relative_code_inputs_survive_a_move(pkg, tmp_path_factory, monkeypatch):
+    """Issue 60, item 5: with ``relative_to`` (the workflow's working directory) every code input is a path relative
+    to it, the absolute answer's relpath; the same checkout copied elsewhere (its cache too) gives the same answer, read
+    from the copied cache (its digest names the files relative to the working directory), so Snakemake sees every
+    job's input set unchanged."""
+    import os
+    import shutil
+
+    import mfpipe.workflow.codedeps as C
+
+    src, scripts = pkg / "src", pkg / "scripts"
+    absolute = C.code_inputs(src, scripts, runner="")
+    rel = C.code_inputs(src, scripts, runner="", cache=pkg / "cache.json", relative_to=pkg)
+    assert rel == {k: [os.path.relpath(f, pkg) for f in v] for k, v in absolute.items()}
+    assert rel["s1.py"] and all(f.startswith("src/mfpipe/") for v in rel.values() for f in v)
+    moved = tmp_path_factory.mktemp("elsewhere") / "checkout"
+    shutil.copytree(pkg, moved)
+
+    def parse(*_):
+        raise AssertionError("nothing changed but the folder: the copied cache answers")
+
+    monkeypatch.setattr(C, "script_dependencies", parse)
+    assert C.code_inputs(moved / "src", moved / "scripts", runner="", cache=moved / "cache.json",
+                         relative_to=moved) == rel
+    monkeypatch.undo()
+    # another working directory than the checkout: the paths lead there from it
+    other = C.code_inputs(moved / "src", moved / "scripts", runner="", relative_to=moved / "scripts")
+    assert other["s3.py"] == [os.path.join("..", f) for f in rel["s3.py"]]
+
+
 def test_a_job_depends_on_its_own_part_of_its_jobs_module(tmp_path):
     """Two jobs of one jobs module: each depends on the module's top level, its own body's imports and those of the
     helpers it calls, not on the other job's (so editing one job's science reruns that job only); the module comes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from figure_data import capture, lines, main_axes
 
 from mfpipe.experiments.crossmodel import compare as C
 from mfpipe.experiments.crossmodel import figures as F
@@ -39,15 +40,25 @@ def test_a_row_reads_every_table_and_finds_the_peaks():
     assert list(df["model"]) == ["a", "c"] and list(df.columns[:3]) == ["model", "rollout_cosine", "rollout_rel_error"]
 
 
-def test_the_figure_puts_every_model_on_one_token_axis(tmp_path):
+def test_the_figure_puts_every_model_on_one_token_axis(tmp_path, monkeypatch):
     import matplotlib
 
     matplotlib.use("Agg")
     a, b = sweep("a", [0, 16, 256], [0.0, 0.3, 0.1], [0.2, 0.1, 0.4]), sweep("b", [0, 8, 64], [0.0, 0.1, 0.2], [0.1, 0.2, 0.3])
+    figures = capture(monkeypatch)
     pdf, png = F.crossmodel_figure([{"name": "a", "table": a, "tokens_per_step": 4096, "window": (10, 20)},
                                     {"name": "b", "table": b, "tokens_per_step": 2 ** 21, "window": None}],
                                    tmp_path / "x.pdf", tmp_path / "x.png")
     assert pdf.stat().st_size > 1000 and png.stat().st_size > 1000
+    # what is drawn: each model's table against its training tokens (steps times its tokens per step)
+    top, mid, bottom = main_axes(figures[-1])
+    for name, table, per_step in (("a", a, 4096), ("b", b, 2 ** 21)):
+        tokens = table["step"].to_numpy() * per_step
+        for ax, key, col in ((top, f"{name} $L_\\mathrm{{model}}$", "L_model"), (top, f"{name} $L_\\mathrm{{MF}}$", "L_MF"),
+                             (mid, name, "delta_L"), (bottom, name, "D_MF")):
+            x, y = lines(ax)[key]
+            np.testing.assert_array_equal(x, tokens)
+            np.testing.assert_allclose(y, table[col], rtol=1e-12)
     with pytest.raises(ValueError, match="tokens per step"):
         F.crossmodel_figure([{"name": "a", "table": a, "tokens_per_step": None}], tmp_path / "y.pdf")
 

@@ -87,7 +87,7 @@ def test_predict_corpus_caps_at_the_budget_and_counts_local_text():
     pred = J.predict_corpus(cfg, {}, results="/nonexistent")
     # ci.yaml: 8192 tokens a half at T = 32, 128-window shards; the embedded corpus holds far more
     assert pred["shakespeare-ci/mini-gpt2/stats"] == {"windows": 256, "shards": 2, "measured": False,
-                                                       "tokenize_s_per_token": None}
+                                                       "tokenize_s_per_token": None, "tokenize_text": None}
     assert pred["python-docs-ci/mini-neox/eval"]["windows"] == 4096 // 32
     # the default config's budget (2 M tokens a half) is more than the embedded corpus holds: all of the half's
     # text at the default 4 characters a token, ~0.5 M tokens (the default run measured 0.55 M)
@@ -125,9 +125,11 @@ def test_a_statistics_job_costs_its_start_up_its_tokens_and_its_partials():
     assert cost["disk_bytes"] == pytest.approx(2 * cells * 2.0)  # two shards' partials
     merge = C.job_cost(ctx, "stats_merge", {"model": "mini-gpt2", "revision": "final", "dataset": "stats"})
     assert merge["seconds"] == pytest.approx(1.0 + 0.25 + 2 * cells * 1e-9 + cells * 1e-8 + 0.1)
-    # a table job costs its start-up only, and says so
+    # a table job costs its start-up only (priced so: tests/test_estimate_coverage.py); a rule without a price too,
+    # and says so
     table = C.job_cost(ctx, "coverage_table", {})
-    assert table == {"seconds": 1.0, "startup_s": 1.0, "peak_mb": 0.0, "disk_bytes": 0.0, "modelled": False}
+    assert table == {"seconds": 1.0, "startup_s": 1.0, "peak_mb": 0.0, "disk_bytes": 0.0, "modelled": True}
+    assert C.job_cost(ctx, "no_such_rule", {}) == {**table, "modelled": False}
 
 
 def test_a_job_that_cannot_fit_gets_one_line_naming_it_and_the_knob(tmp_path):
@@ -178,6 +180,7 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
     assert out["forward_s_per_token"] > 0 and out["startup_s"] > 0 and out["peak_rss_mb"] > 0
     assert set(out["peak_mb"]) == {"forward", "pass1", "pass2", "substitution", "jlens", "train"}
     assert out["n_tracked"] == cfg["tracked"]["n_tracked"]  # the Zipf law's top N, however few windows
+    assert out["deviation_partial_bytes"] > 0 and out["d_head"] * out["heads"] == out["d_model"]
     # every rule's formula finds what it reads
     ctx = C.Context(cfg, J.predict_corpus(cfg, {}, results="/nonexistent"), {m["name"]: out for m in cfg["models"]},
                     {k: 1.0 for k in ("table", "store", "figure", "store_figure", "tokenizer")})

@@ -44,7 +44,7 @@ def test_the_notebook_api_example_is_stored_without_outputs():
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(not c.outputs and c.execution_count is None for c in code)
     source = "\n".join(c.source for c in code)
-    for call in ("mfpipe.collect_stats(", "mfpipe.mean_field(", "mfpipe.substitute(", "mfpipe.deviation(",
+    for call in ("mfpipe.collect_stats(", "mfpipe.mean_field(", "mfpipe.substitute(", "mfpipe.context_deviation(",
                  "mfpipe.decode(", 'os.environ.get("MFPIPE_MODEL"', "savefig"):
         assert call in source, call
 
@@ -64,13 +64,21 @@ def test_import_mfpipe_does_not_import_the_reading_api():
         import mfpipe.results
         assert f is mfpipe.results.open_results and mfpipe.open_stats is mfpipe.results.open_stats
         assert not hasattr(mfpipe, "no_such_name")
-        # the notebook API: loaded on first use; mfpipe.deviation is pass 2's package, callable
-        names = {"collect_stats", "mean_field", "substitute", "deviation", "decode"}
-        assert names <= set(mfpipe.__all__) and names <= set(dir(mfpipe))
+        # the notebook API: loaded on first use; mfpipe.deviation is pass 2's package, so the notebook's per-context
+        # deviation is mfpipe.context_deviation (the package is no function: an earlier release's call is told so)
+        names = {"collect_stats", "mean_field", "substitute", "context_deviation", "decode"}
+        assert names <= set(mfpipe.__all__) and names <= set(dir(mfpipe)) and "deviation" not in mfpipe.__all__
         assert "mfpipe.notebook.stats" not in sys.modules and "torch" not in sys.modules
         assert mfpipe.collect_stats is sys.modules["mfpipe.notebook.stats"].collect_stats
+        try:
+            mfpipe.deviation
+        except AttributeError as e:
+            assert "mfpipe.context_deviation(model, stats, tokens)" in str(e), e
+        else:
+            raise AssertionError("mfpipe.deviation before the package is imported")
         import mfpipe.deviation.store
-        assert callable(mfpipe.deviation) and mfpipe.deviation is sys.modules["mfpipe.deviation"]
+        assert mfpipe.deviation is sys.modules["mfpipe.deviation"] and not callable(mfpipe.deviation)
+        assert mfpipe.context_deviation is sys.modules["mfpipe.notebook.analysis"].context_deviation
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)

@@ -1,7 +1,9 @@
-"""The exclusion arm (App. llama, "Exclusion experiment"; mfpipe.experiments.rollout.exclusion): the class predicates
-against plain references, the arm's tracked set on a byte-level BPE tokenizer of the mini suite's kind against the
-main selection filtered and topped up by hand, its side-by-side quantities on tiny models against direct
-recomputations, and its place in the DAG (its own tracked-set, statistics and rollout jobs; nothing else changes)."""
+"""The exclusion arm (App. llama, "Exclusion experiment"; config section `exclusion`, workflow/rules/exclusion.smk,
+mfpipe.corpus.exclusion and mfpipe.experiments.rollout.exclusion): the class predicates against plain references, the
+arm's tracked set on a byte-level BPE tokenizer of the mini suite's kind against the main selection filtered and
+topped up by hand, its side-by-side quantities on tiny models against direct recomputations, its place in the DAG
+(its own tracked-set, statistics and rollout jobs; nothing else changes) and in the project (one config section, one
+rule file, this test file; editing the rollout's code reruns no statistics of the arm)."""
 
 from __future__ import annotations
 
@@ -192,15 +194,15 @@ def test_arm_summary_against_table_1_and_a_direct_magnitude_ratio(setup):
 @pytest.mark.slow
 def test_the_arm_plans_its_own_jobs_and_changes_no_other(tmp_path):
     """A dry run of the whole ci DAG (shard counts standing in for the corpus checkpoint, as `mfpipe estimate` plans)
-    with the arm (the default) and without it (`tracked.exclude` empty): the arm adds exactly its tracked set per
+    with the arm (the default) and without it (section `exclusion` empty): the arm adds exactly its tracked set per
     model, its statistics jobs on excl/stats and excl/eval and its rollout per (model, rollout revision); every other
-    job is the same. No other rule's params can see the exclude config: only the arm's rule file reads it."""
+    job is the same. No other rule's params can see the section: only the arm's rule file reads it."""
     import yaml
 
     from mfpipe.estimate import jobs as J
 
     off = tmp_path / "off.yaml"
-    off.write_text(yaml.safe_dump({"tracked": {"exclude": {"classes": []}}}))
+    off.write_text(yaml.safe_dump({"exclusion": {"classes": []}}))
     cfg = J.load_config([CI], base=REPO / "config" / "config.yaml")
     corpus = J.predict_corpus(cfg, {}, results="/nonexistent")
 
@@ -225,23 +227,49 @@ def test_the_arm_plans_its_own_jobs_and_changes_no_other(tmp_path):
     shards = [dict(w) for r, w in added if r == "stats_shard"]
     assert shards and all(w["dataset"].startswith("excl/") for w in shards)
     assert {r for r, _ in added} == {"tracked_types_excl", "stats_shard", "stats_merge", "exclusion_rollout"}
-    # params: the exclude config is read by the arm's rule file alone, and there by the arm's tracked set only
+    # params: the section is read by the arm's rule file alone, and there by the arm's tracked set only
     for smk in (REPO / "workflow" / "rules").glob("*.smk"):
         text = smk.read_text()
         if smk.name != "exclusion.smk":
-            assert "exclude" not in text.lower().replace("excluded", ""), smk
+            assert 'config["exclusion"]' not in text and "EXCLUDE" not in text, smk
     text = (REPO / "workflow" / "rules" / "exclusion.smk").read_text()
     assert text.count("EXCLUDE[") == 2 and text.index("EXCLUDE[") < text.index("rule exclusion_rollout")
-    assert 'config["tracked"]' not in re.sub(r'config\["tracked"\]\["(n_tracked|exclude)"\]', "", text)
+    assert 'config["tracked"]' not in re.sub(r'config\["tracked"\]\["n_tracked"\]', "", text)
 
 
 def test_the_arms_tracked_set_reads_no_rollout_code():
-    """The arm's tracked set is the corpus stage's (mfpipe.corpus.exclude, its job in mfpipe.corpus.jobs): editing the
-    rollout's code (the divergence diagnostics, the side-by-side table) reruns no statistics of the arm."""
+    """The arm's tracked set is the corpus stage's (mfpipe.corpus.exclusion, its job in mfpipe.corpus.jobs): editing
+    the rollout's code (the divergence diagnostics, the side-by-side table) reruns no statistics of the arm."""
     from mfpipe.workflow.codedeps import code_inputs
 
     deps = code_inputs(REPO / "src", REPO / "workflow" / "scripts")
     files = deps["mfpipe.corpus.jobs:tracked_types_excl"]
-    assert any(f.endswith("corpus/exclude.py") for f in files), files
+    assert any(f.endswith("corpus/exclusion.py") for f in files), files
     assert not [f for f in files if "/experiments/" in f], files
     assert any(f.endswith("rollout/divergence.py") for f in deps["mfpipe.experiments.rollout.jobs:exclusion_rollout"])
+
+
+def test_the_arm_is_one_config_section_one_rule_file_and_one_test_file():
+    """Issue 60 item 1: the arm's options are the top-level section `exclusion` (a config of the earlier layout,
+    `tracked.exclude`, is told where they went), its rules are workflow/rules/exclusion.smk, its library the two modules
+    named for it (the corpus stage's selection and the rollout's table) and its tests this file."""
+    import yaml
+
+    from mfpipe.workflow.config import ConfigError, validate_schema
+
+    schema = yaml.safe_load((REPO / "src" / "mfpipe" / "schemas" / "config.schema.yaml").read_text())["properties"]
+    assert set(schema["exclusion"]["properties"]) == {"classes", "strings"}
+    assert "exclude" not in schema["tracked"]["properties"]
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate_schema(cfg)
+    assert cfg["exclusion"] == {"classes": list(EX.CLASSES), "strings": []}  # the default: the arm runs
+    with pytest.raises(ConfigError, match=r"tracked\.exclude was renamed exclusion"):
+        validate_schema({**cfg, "tracked": {"n_tracked": 1000, "exclude": {"classes": []}}})
+    modules = sorted(str(p.relative_to(REPO / "src")) for p in (REPO / "src").rglob("*.py") if "exclu" in p.stem)
+    assert modules == ["mfpipe/corpus/exclusion.py", "mfpipe/experiments/rollout/exclusion.py"], modules
+    rules = {p.name: re.findall(r"^(?:use )?rule (\w*excl\w*)", p.read_text(), re.M)
+             for p in (REPO / "workflow" / "rules").glob("*.smk")}
+    assert {k: v for k, v in rules.items() if v} == {"exclusion.smk": ["tracked_types_excl", "exclusion_rollout"]}
+    tests = sorted(p.name for p in (REPO / "tests").glob("test_*.py") if "rollout.exclusion" in p.read_text()
+                   or "corpus.exclusion" in p.read_text())
+    assert tests == ["test_exclusion.py"], tests

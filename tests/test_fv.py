@@ -146,6 +146,10 @@ def test_an_untracked_cue_is_refused_with_a_clear_error(setup):
 
 
 # ------------------------------------------------------------------ AIE against plain torch hooks
+AIE_ATOL = 2e-8  # on answer probabilities; the measured gap is 1.7e-10 (gpt2) and 1.2e-10 (gemma2)
+INJECTION_ATOL = 5e-8  # the measured gap is 2.1e-9 at most (gemma2's per-head protocol)
+
+
 def test_aie_equals_per_head_patching_with_torch_hooks(setup):
     model, ad, tk, _, _ = setup
     pool = _pool(tk)
@@ -174,8 +178,12 @@ def test_aie_equals_per_head_patching_with_torch_hooks(setup):
                 with patched_reads(model, patch), torch.no_grad():
                     pp = torch.softmax(model(ids).logits[0, -1].double(), -1)[p.answer].item()
                 ref[l, h] += (pp - p_clean) / len(bad)
-    np.testing.assert_allclose(got.numpy(), ref, atol=2e-6)
-    assert p0 == pytest.approx(np.mean(base), abs=1e-6)
+    # float32 forwards, batched against one at a time: measured at most 1.7e-10 apart on answer probabilities ~1e-3
+    np.testing.assert_allclose(got.numpy(), ref, atol=AIE_ATOL)
+    # the effects compared are far above that tolerance: a patch that changed nothing (or a reference that patched
+    # nothing) would be caught, not passed within it; the median, so most heads, not one, carry a measurable effect
+    assert np.median(np.abs(ref)) >= 100 * AIE_ATOL, np.abs(ref)
+    assert p0 == pytest.approx(np.mean(base), abs=AIE_ATOL) and np.mean(base) >= 100 * AIE_ATOL
 
 
 # ------------------------------------------------------------------ injections
@@ -227,11 +235,15 @@ def test_injections_equal_torch_hook_references(setup):
                 return args, kwargs
             return (x, *args[1:]), kwargs
 
+        with torch.no_grad():
+            plain = torch.softmax(model(ids).logits[0, -1].double(), -1)[p.answer].item()
         hd = blocks(model)[1].register_forward_pre_hook(pre, with_kwargs=True)
         with torch.no_grad():
             ref = torch.softmax(model(ids).logits[0, -1].double(), -1)[p.answer].item()
         hd.remove()
-        assert pa[0, j] == pytest.approx(ref, abs=1e-5)
+        assert pa[0, j] == pytest.approx(ref, abs=INJECTION_ATOL)
+        # the injection's effect on every prompt is far above the tolerance (an injection dropped would fail)
+        assert abs(ref - plain) >= 100 * INJECTION_ATOL, (j, ref, plain)
 
         def patch(layer, reads):
             out = reads.clone()
@@ -242,7 +254,8 @@ def test_injections_equal_torch_hook_references(setup):
 
         with patched_reads(model, patch), torch.no_grad():
             ref = torch.softmax(model(ids).logits[0, -1].double(), -1)[p.answer].item()
-        assert pa[1, j] == pytest.approx(ref, abs=1e-5)
+        assert pa[1, j] == pytest.approx(ref, abs=INJECTION_ATOL)
+        assert abs(ref - plain) >= 100 * INJECTION_ATOL, (j, ref, plain)
 
 
 # ------------------------------------------------------------------ the experiment and its tables
@@ -256,7 +269,7 @@ def ran(setup):
     return E.run_task(ad, _task(), tk, 0, lambda cue: Hd.corpus_null(st, tracked, cue), cfg, context_length=T_CTX)
 
 
-def test_run_task_tables_and_figure(setup, ran, tmp_path):
+def test_run_task_tables_and_figure(setup, ran, tmp_path, monkeypatch):
     model, ad, tk, tracked, st = setup
     out = ran
     tr = out["transfer"]
@@ -294,9 +307,30 @@ def test_run_task_tables_and_figure(setup, ran, tmp_path):
     det = Dt.details_markdown(tabs, "tiny", "r1")
     assert "recovered by the pipeline's own AIE" in det and "Wilcoxon" in det and "at every setting" in det
     assert "n_clean" in Dt.clean_markdown(tabs["clean"], "tiny", "r1")
+    from figure_data import bars, capture, main_axes
+
+    figures = capture(monkeypatch)
     Fg.plot_transfer(tabs["transfer"], tmp_path / "fv.png", title="tiny")
     Fg.plot_clean_sweep(tabs["clean"], tmp_path / "clean.png", title="tiny")
     assert (tmp_path / "fv.png").stat().st_size > 1000 and (tmp_path / "clean.png").stat().st_size > 1000
+    # what is drawn: a bar per task for each selection x construction, its height the summed protocol's accuracy
+    (ax,) = main_axes(figures[0])
+    drawn = bars(ax)
+    tasks = list(dict.fromkeys(m["task"]))
+    for sel, cons in Fg.PIPES:
+        want = [m[(m["task"] == t) & (m["protocol"] == "sum") & (m["selection"] == sel)
+                  & (m["construction"] == cons)]["accuracy"].iloc[0] for t in tasks]
+        np.testing.assert_allclose(drawn[f"{sel} · {cons}"][1], want, rtol=1e-12)
+    # the clean sweep: per task and protocol, MFA·r's accuracy against the number of clean prompts
+    cl = tabs["clean"]
+    for ax, task in zip(main_axes(figures[1]), list(dict.fromkeys(cl["task"]))):
+        for container in ax.containers:
+            prot = container.get_label().split("(")[1].rstrip(")")
+            g = cl[(cl["task"] == task) & (cl["protocol"] == prot)].sort_values("n_clean")
+            line = container.lines[0]
+            np.testing.assert_array_equal(np.asarray(line.get_xdata(), float), g["n_clean"])
+            np.testing.assert_allclose(np.asarray(line.get_ydata(), float), g["accuracy"], rtol=1e-12)
+        assert len(ax.containers) == cl.loc[cl["task"] == task, "protocol"].nunique() > 0
 
 
 def test_the_sweeps_agree_with_the_main_table_at_its_own_cells(ran):
@@ -610,3 +644,53 @@ def test_the_gptj_preset_names_todds_ten_heads_and_its_measured_null():
         assert f"results/tables/fv_clean_{model}_main.md" in targets(plan)
     with pytest.raises(ConfigError, match="head_lists"):
         validate_schema(dict(cfg, fv=dict(fv, head_lists=[{"name": "MFA", "model": "m", "heads": ["L0H0"]}])))
+
+
+def test_the_lens_analysis_through_products_equals_the_store():
+    """Issue 58: the category and per-prompt decodes (rank_rows, prompt_rank_rows) through Jacobian-vector products on
+    the J-lens store's sample (jlens.decode: jvp; mfpipe.experiments.fv.decode.lens_rows) equal those through the
+    stored J: the same rows, the same ranks; the raw lens's rows are bit for bit the same; rows asked in another order
+    than recorded are refused."""
+    from types import SimpleNamespace
+
+    from mfpipe.experiments.fv import decode as Dc
+    from mfpipe.jlens import lens as JL
+    from mfpipe.jlens.jvp import JLensSample
+
+    ad = get_adapter(make_tiny_model("gpt2", seed=5))
+    L, H, dh, V = ad.n_layers, ad.n_heads, ad.d_head, ad.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    windows = np.random.default_rng(3).integers(0, V, size=(6, 12))
+    store = JL.estimate_jlens(ad, windows, n_positions=10, seed=2, batch_size=4, progress=False)
+    sample = JLensSample(windows, n_positions=10, seed=2, batch_size=4, chunk=6)
+    O = Hd.out_slices(ad)
+    n = 5
+    d0 = {"zbar": torch.randn(L, H, dh, generator=g), "r": torch.randn(L, H, dh, generator=g),
+          "sel": {"AIE": [(0, 1)], "MFA": [(1, 0), (0, 2)]},
+          "clean": [SimpleNamespace(answer=int(a)) for a in range(3, 3 + n)],
+          "reads": SimpleNamespace(z=torch.randn(n, L, H, dh, generator=g))}
+    pops = {"seen": np.arange(4), "held-out": np.arange(4, 8), "out-of-task": np.arange(8, 14),
+            "unrelated": np.arange(20, 26)}
+    null = torch.randn(L, H, dh, generator=g)
+    task = SimpleNamespace(name="t")
+
+    def rows(decode):
+        return (Dc.rank_rows(task, decode, pops, d0, O, [("AIE", "raw"), ("MFA", "r")], 1),
+                Dc.prompt_rank_rows(task, decode, d0, null, O))
+
+    by_store = [pd.DataFrame(r) for r in Dc.lens_rows(ad, store, rows)]
+    by_products = [pd.DataFrame(r) for r in Dc.lens_rows(ad, sample, rows)]
+    for a, b in zip(by_store, by_products):
+        assert len(a) == len(b) and set(a["lens"]) == {"raw", "J"}
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+    calls = []
+
+    def swapped(decode):  # the second pass asks in another order than the first
+        calls.append(1)
+        out = rows(decode)
+        if len(calls) == 2:
+            decode(torch.zeros(1, ad.d_model), 0, "block")
+        return out
+
+    with pytest.raises(RuntimeError, match="same order"):
+        Dc.lens_rows(ad, sample, swapped)

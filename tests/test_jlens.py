@@ -447,7 +447,7 @@ def test_the_jlens_job_writes_its_store_and_a_checks_table_row_per_point_and_lay
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     job = SimpleNamespace(params=params, log=log, input=SimpleNamespace(shards=str(shards)), output=out,
-                          model=lambda: (model, ad))
+                          model=lambda **kw: (model, ad))
     try:
         jlens(job)
     finally:

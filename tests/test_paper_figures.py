@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from figure_data import capture, lines, main_axes
 from synthetic_stats import BOS, VOCAB, NamedList, run_job, windows, write_corpus, tracked_set
 
 
@@ -18,7 +19,7 @@ def _job_files(tmp_path, *names):
 
 
 # ----------------------------------------------------------------------------------------------------- fig:zipf
-def test_rank_frequency_is_the_bincount_of_the_stats_shards_and_the_cutoff_its_rank_n_row(tmp_path):
+def test_rank_frequency_is_the_bincount_of_the_stats_shards_and_the_cutoff_its_rank_n_row(tmp_path, monkeypatch):
     tok = windows(30, seed=4)
     tok[3, 5] = BOS  # a BOS inside a window: counted in the denominator, never ranked
     ts = tracked_set(tok, n=8)
@@ -40,6 +41,7 @@ def test_rank_frequency_is_the_bincount_of_the_stats_shards_and_the_cutoff_its_r
     np.testing.assert_allclose(got["frequency"], [counts[i] / counts.sum() for i in ranked], rtol=1e-12)
     out = _job_files(tmp_path, "zipf.csv", "zipf_md.md", "zipf_pdf.pdf", "zipf_png.png")
     out = NamedList(csv=out.zipf, md=out.zipf_md, pdf=out.zipf_pdf, png=out.zipf_png)
+    figures = capture(monkeypatch)
     run_job("corpus", "zipf", input=NamedList(tables=tables), output=out,
             params=NamedList(models=["a", "b"], n_tracked=8), log=[str(tmp_path / "zipf.log")])
     summary = pd.read_csv(out.csv)
@@ -54,6 +56,16 @@ def test_rank_frequency_is_the_bincount_of_the_stats_shards_and_the_cutoff_its_r
     assert sel.type_ids.tolist() == ranked[:8]
     assert row["top_n_coverage"] == pytest.approx(sel.coverage, rel=1e-12)
     assert Path(out.pdf).stat().st_size > 0 and Path(out.png).stat().st_size > 0
+    # what is drawn: each model's rank-frequency curve is its table, the cutoff marked at its rank-N row
+    (ax,) = main_axes(figures[-1])
+    drawn = lines(ax)
+    for m, table in zip(("a", "b"), tables):
+        t = pd.read_csv(table)
+        (x, y), = [v for k, v in drawn.items() if k.startswith(f"{m} (")]
+        np.testing.assert_array_equal(x, t["rank"])
+        np.testing.assert_allclose(y, t["frequency"], rtol=1e-12)
+    marks = [v for k, v in drawn.items() if k.startswith("_line") and len(v[0]) == 1]
+    assert [(float(x[0]), float(y[0])) for x, y in marks] == [(8.0, pytest.approx(row["cutoff_frequency"]))] * 2
 
 
 # --------------------------------------------------------------------------------------------------- fig:curves
@@ -69,7 +81,7 @@ def _cross_corpus_scores(rng) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_curves_replication_rows_are_the_cross_corpus_diagonal_and_the_job_draws_them(tmp_path):
+def test_curves_replication_rows_are_the_cross_corpus_diagonal_and_the_job_draws_them(tmp_path, monkeypatch):
     from mfpipe.experiments.rollout.figures import curve_rows
 
     df = _cross_corpus_scores(np.random.default_rng(0))
@@ -87,9 +99,19 @@ def test_curves_replication_rows_are_the_cross_corpus_diagonal_and_the_job_draws
     want = cos[cos["eval_corpus"] == "owt"]["value"].tolist()
     assert gen["value"].tolist() == want
     out = NamedList(pdf=str(tmp_path / "curves.pdf"), png=str(tmp_path / "curves.png"))
+    figures = capture(monkeypatch)
     run_job("experiments.rollout", "plot_figure", input=NamedList(table=str(path)), output=out,
             params=NamedList(kind="curves", title="curves"), log=[str(tmp_path / "curves.log")])
     assert Path(out.pdf).stat().st_size > 0 and Path(out.png).stat().st_size > 0
+    # what is drawn: a curve per statistics corpus in each row, the table's values by fractional depth
+    top, bottom = main_axes(figures[-1])
+    for ax, rows in ((top, rep), (bottom, gen)):
+        drawn = lines(ax)
+        assert set(drawn) == {f"stats: {x}" for x in rows["stats_corpus"].unique()}
+        for x, g in rows.groupby("stats_corpus"):
+            g = g.sort_values("frac_depth")
+            np.testing.assert_allclose(drawn[f"stats: {x}"][0], g["frac_depth"])
+            np.testing.assert_allclose(drawn[f"stats: {x}"][1], g["value"])
 
 
 # ------------------------------------------------------------------------------- circuits straddle the ranking
@@ -190,7 +212,7 @@ def test_single_revision_correlation_equals_scipy_spearman_on_the_two_columns(tm
 
 
 # ----------------------------------------------------------------------------------------------- fig:vocab-mfgap
-def test_vocab_mfgap_figure_draws_every_arm_and_needs_steps(tmp_path):
+def test_vocab_mfgap_figure_draws_every_arm_and_needs_steps(tmp_path, monkeypatch):
     from mfpipe.experiments.substitution.figures import vocab_mfgap_figure
 
     rows = []
@@ -202,9 +224,29 @@ def test_vocab_mfgap_figure_draws_every_arm_and_needs_steps(tmp_path):
     path = tmp_path / "topn.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     out = NamedList(pdf=str(tmp_path / "vm.pdf"), png=str(tmp_path / "vm.png"))
+    figures = capture(monkeypatch)
     run_job("experiments.substitution", "figure_vocab_mfgap", input=NamedList(table=str(path), training=[]), output=out,
             params=NamedList(window=[16, 256], band=[0.1, 0.8], title="t"), log=[str(tmp_path / "vm.log")])
     assert Path(out.pdf).stat().st_size > 0 and Path(out.png).stat().st_size > 0
+    # what is drawn: per arm (columns, N ascending) L_model and L_MF on top, ΔL and D_MF (twin axis) below
+    fig = figures[-1]
+    panels = main_axes(fig)
+    tops = [a for a in panels if a.get_title().startswith("N = ")]
+    table = pd.DataFrame(rows)
+    assert [a.get_title().split(" (")[0] for a in tops] == ["N = 1000", "N = 2000"]
+    for ax, n in zip(tops, (1000, 2000)):
+        g = table[table["n_tracked"] == n].sort_values("step")
+        drawn = lines(ax)
+        for col in ("L_model", "L_MF"):
+            key = r"$L_\mathrm{model}$" if col == "L_model" else r"$L_\mathrm{MF}$"
+            np.testing.assert_array_equal(drawn[key][0], g["step"])
+            np.testing.assert_allclose(drawn[key][1], g[col])
+    below = {a.get_position().x0: a for a in panels if r"$\Delta L$" in lines(a)}
+    twins = {a.get_position().x0: a for a in panels if r"$D_\mathrm{MF}$" in lines(a)}
+    for (x0, ax), n in zip(sorted(below.items()), (1000, 2000)):
+        g = table[table["n_tracked"] == n].sort_values("step")
+        np.testing.assert_allclose(lines(ax)[r"$\Delta L$"][1], g["delta_L"])
+        np.testing.assert_allclose(lines(twins[x0])[r"$D_\mathrm{MF}$"][1], g["D_MF"])
     bad = pd.DataFrame(rows).assign(step=np.nan)
     with pytest.raises(ValueError, match="training step"):
         vocab_mfgap_figure(bad, tmp_path / "bad")

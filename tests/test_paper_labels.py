@@ -71,10 +71,27 @@ def test_every_named_target_is_planned(targets):
             where = [name for name, ts in targets.items() if any(rx.match(t) for t in ts)]
             if not where:
                 missing.append(f"{label}: {p}")
-            elif "(App. M)" not in DOC.read_text().split(f"| {label} |")[1].split("\n")[0]:
+                continue
+            what = DOC.read_text().split(f"| {label} |")[1].split("\n")[0]
+            if "(App. M" not in what:
                 assert "default" in where, f"{label}: {p} is planned only by {where}; mark the row (App. M)"
                 assert {"gpt2-small", "gpt2-small + pythia-160m"} & set(where), f"{label}: no preset plans {p}"
+                continue
+            assert "App. M" in where, f"{label}: {p} is marked App. M, which does not plan it ({where})"
+            # an App. M row the default run builds too (in small) says so, and the default run plans it
+            assert ("default run" in what) == ("default" in where), f"{label}: {p} planned by {where}; row: {what}"
     assert not missing, "targets no run plans:\n" + "\n".join(missing)
+
+
+def test_the_default_run_plans_app_m_in_small(targets):
+    """Issue 60 item 4: fig:vocab-mfgap (and the top-N table and fig:vocab-robustness) is in the default run: the mini
+    GPT-2's own top-500 arm at five checkpoints of its sweep, beside the configured N; the other mini model has none."""
+    default = targets["default"]
+    assert {"figures/vocab_mfgap_mini-gpt2.png", "figures/vocab_mfgap_mini-gpt2.pdf", "figures/topn_mini-gpt2.png",
+            "tables/substitution_topn_mini-gpt2.csv"} <= default
+    assert not [t for t in default if "mini-neox" in t and ("topn" in t or "vocab" in t)]
+    row = DOC.read_text().split("| fig:vocab-mfgap |")[1].split("\n")[0]
+    assert "default run" in row and "App. M" in row
 
 
 def test_rows_without_targets_are_schematics():

@@ -21,8 +21,9 @@ from mfpipe.experiments.positional import tables as Tb
 from mfpipe.meanfield.kernel import kernel_from_store
 
 T_CTX = 32
-CFG = dict(min_position=4, max_other=1.0, n_top=8, posvar_threshold=0.0, carrier_threshold=0.0, wpos_components=6,
-           write_rank=2, ablation_dim=3, ridge_alpha=1.0, seed=0)
+# every head of the tiny models' 8 is a top head (top_fraction 1), so every reading runs on all of them
+CFG = dict(min_position=4, max_other=1.0, top_fraction=1.0, min_top=1, posvar_threshold=0.0, carrier_threshold=0.0,
+           wpos_components=6, write_rank=2, ablation_dim=3, ridge_alpha=1.0, seed=0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +51,11 @@ def test_posvar_of_every_head_equals_a_per_coordinate_lstsq_loop(ran):
     occ, O = ran["occ"], ran["O"]
     heads = An.head_table(occ, O, ran["W_pos"], ran["S_bar"], T_CTX, CFG)
     keep = An.head_masks(occ, CFG["min_position"], CFG["max_other"])
-    basis = np.column_stack([np.ones(len(occ))] + [F.position_basis(occ.position, T_CTX)[:, j] for j in range(10)])
+    # the paper's 11 regressors written out (App. positional), not the code's position_basis: an intercept, p̃ = p / T,
+    # p̃² and sin / cos of 2πkp̃ for k = 1..4
+    x = np.asarray(occ.position, dtype=np.float64) / T_CTX
+    basis = np.column_stack([np.ones_like(x), x, x ** 2] + [f(2 * np.pi * k * x) for k in (1, 2, 3, 4)
+                                                            for f in (np.sin, np.cos)])
     for r in heads.itertuples():
         m = keep[:, r.layer, r.head]
         Y = occ.delta[m, r.layer, r.head].astype(np.float64) @ O[r.layer, r.head]  # residual units, [n, d]
@@ -65,12 +70,59 @@ def test_posvar_of_every_head_equals_a_per_coordinate_lstsq_loop(ran):
     assert heads["wpos_share"].isna().all() == (ran["W_pos"] is None)  # rotary: no code readings, NaN
 
 
+
+def test_the_cluster_is_chosen_among_a_share_of_the_models_heads_by_deviation():
+    """Issue 60 item 8: the cluster rule is relative to the model's heads. A mini-like model (2 layers x 8 heads) whose
+    lowest-deviation head (S̄ rank 16, as L0H6 of the mini GPT-2) and its rank-2 head have a high posVar: the default
+    rule (the top 0.14 of the heads by S̄, at least 2) looks at the top 2 only, so the cluster is the rank-2 head; an
+    absolute count at least the number of heads (the old n_top 20) would have taken the rank-16 head too. GPT-2 small's
+    144 heads keep the paper's top 20."""
+    L, H = 2, 8
+    S_bar = np.linspace(1.0, 0.1, L * H)[np.random.default_rng(0).permutation(L * H)].reshape(L, H)
+    order = np.argsort(-S_bar, axis=None)  # flat head index by S̄, highest first
+    rank = np.empty(L * H, int)
+    rank[order] = np.arange(1, L * H + 1)
+    posvar = np.full(L * H, 0.1)
+    posvar[order[[1, 15]]] = [0.6, 0.95]  # rank 2 and rank 16
+    table = pd.DataFrame(dict(layer=np.repeat(np.arange(L), H), head=np.tile(np.arange(H), L), S_bar=S_bar.ravel(),
+                              S_rank=rank, posvar=posvar, wpos=True, wpos_share=0.5))
+    cfg = {k: v for k, v in An.DEFAULTS.items() if k in ("top_fraction", "min_top", "posvar_threshold",
+                                                         "carrier_threshold")}
+    assert cfg == dict(top_fraction=0.14, min_top=2, posvar_threshold=0.5, carrier_threshold=0.3)
+    # a plain reference: walk the heads by S̄ and keep the first k that pass
+    def by_hand(k):
+        return [divmod(int(i), H) for i in order[:k] if posvar[i] >= 0.5]
+
+    cl, car = An.cluster(table, {})
+    assert An.n_top(L * H, {}) == 2 and cl == car == by_hand(2) == [divmod(int(order[1]), H)]
+    assert divmod(int(order[15]), H) not in cl
+    assert An.cluster(table, {"top_fraction": 1.0})[0] == by_hand(16) and len(by_hand(16)) == 2  # the degenerate rule
+    assert An.cluster(table, {"min_top": 1, "top_fraction": 0.05})[0] == []  # top 1: no high-posVar head there
+    # the share, rounded half up, with its floor, never more than the heads there are
+    assert [An.n_top(n, {}) for n in (144, 208, 16, 4, 1)] == [20, 29, 2, 2, 1]
+    assert An.n_top(16, {"top_fraction": 0.25, "min_top": 1}) == 4 and An.n_top(10, {"top_fraction": 0.25}) == 3
+    assert An.n_top(16, {"min_top": 40}) == 16
+
+
+def test_the_schema_holds_the_relative_rule_and_names_the_replaced_count():
+    """The schema's defaults are the analysis's, and a config of the earlier absolute count (`positional.n_top`) is
+    told what replaced it, in one line."""
+    from mfpipe.workflow.config import ConfigError, apply_defaults, validate_schema
+
+    cfg = apply_defaults({"positional": {}})["positional"]
+    assert {k: cfg[k] for k in ("top_fraction", "min_top")} == {"top_fraction": 0.14, "min_top": 2}
+    assert {k: An.DEFAULTS[k] for k in ("top_fraction", "min_top")} == {"top_fraction": 0.14, "min_top": 2}
+    with pytest.raises(ConfigError, match=r"positional\.n_top was replaced by positional\.top_fraction .* positional\.min_top"):
+        validate_schema({"positional": {"n_top": 20}})
+
+
 def test_cluster_readings_and_the_subspace(ran):
     occ, O, W_pos = ran["occ"], ran["O"], ran["W_pos"]
     heads = An.head_table(occ, O, W_pos, ran["S_bar"], T_CTX, CFG)
     cl, car = An.cluster(heads, CFG)
     assert cl == [(int(a), int(b)) for a, b in zip(heads.sort_values("S_rank")["layer"],
-                                                    heads.sort_values("S_rank")["head"])][: CFG["n_top"]]
+                                                    heads.sort_values("S_rank")["head"])][: An.n_top(len(heads), CFG)]
+    assert len(cl) == len(heads) == 8
     ctab = An.cluster_tables(occ, O, W_pos, T_CTX, cl[:3], CFG)
     rows = ctab["rows"]
     assert len(rows) == 3 and rows["write_top3"].between(0, 1 + 1e-9).all()
@@ -170,7 +222,9 @@ def test_repeated_table_and_the_class_test_against_direct_computations():
     assert ct.iloc[1]["n_types"] == 29
 
 
-def test_tables_and_figure(ran, tmp_path):
+def test_tables_and_figure(ran, tmp_path, monkeypatch):
+    from figure_data import capture, image, lines, main_axes, tick_values
+
     from mfpipe.experiments.positional.figures import plot_positional
 
     occ, O, W_pos = ran["occ"], ran["O"], ran["W_pos"]
@@ -180,7 +234,28 @@ def test_tables_and_figure(ran, tmp_path):
     ctab = An.cluster_tables(occ, O, W_pos, T_CTX, cl[:2], CFG)
     md = Tb.positional_markdown(heads, ctab, 0.9, 3, "tiny", "r1", CFG)
     assert "posVar" in md and "## The positional cluster" in md and ("rotary" in md) == (W_pos is None)
-    plot_positional(heads, Tb.curves(occ, O, W_pos, T_CTX, cl[:2], CFG, n_bins=4), tmp_path / "p.png", title="t")
+    figures = capture(monkeypatch)
+    curves = Tb.curves(occ, O, W_pos, T_CTX, cl[:2], CFG, n_bins=4)
+    plot_positional(heads, curves, tmp_path / "p.png", title="t")
     plot_positional(heads.assign(cluster=False), pd.DataFrame(columns=["head", "position", "a_mean", "lead_mean"]),
                     tmp_path / "q.png")
     assert (tmp_path / "p.png").stat().st_size > 1000 and (tmp_path / "q.png").stat().st_size > 1000
+    # what is drawn: the heatmap's cell (layer, head) is that head's posVar, its axes whole layers and heads; a(p) and
+    # the leading coefficient per cluster head are the curves table's
+    fig = figures[0]
+    fig.draw_without_rendering()
+    heat, bos, lead = main_axes(fig)
+    grid = image(heat)
+    assert grid.shape == (ad_layers := int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1)
+    for r in heads.itertuples():
+        assert grid[r.layer, r.head] == pytest.approx(r.posvar, abs=1e-12)
+    assert tick_values(heat, "y").tolist() == list(range(ad_layers))
+    assert tick_values(heat, "x").tolist() == list(range(grid.shape[1]))
+    for ax, col in ((bos, "a_mean"), (lead, "lead_mean")):
+        drawn = lines(ax)
+        assert set(drawn) == set(curves["head"])
+        for head, g in curves.groupby("head"):
+            np.testing.assert_array_equal(drawn[head][0], g["position"])
+            np.testing.assert_allclose(drawn[head][1], g[col], rtol=1e-12)
+        v = tick_values(ax, "x")
+        assert np.array_equal(v, np.round(v))

@@ -19,9 +19,17 @@ def _code(rng, T=T, d=D, rank=3, noise=0.0):
     return basis @ rng.normal(size=(rank, d)) + noise * rng.normal(size=(T, d))
 
 
-def _slow_share(Y, X):
-    """The explained share, one coordinate at a time, with an explicit intercept column."""
-    A = np.column_stack([np.ones(len(Y)), X])
+def paper_basis(p, T):
+    """The paper's 11 regressors of posVar (App. positional, "Positional fraction"), written out here rather than taken
+    from the code under test: an intercept, p̃ = p / T, p̃², and sin / cos of 2πkp̃ for k = 1..4."""
+    x = np.asarray(p, dtype=np.float64) / T
+    return np.column_stack([np.ones_like(x), x, x ** 2,
+                            np.sin(2 * np.pi * x), np.cos(2 * np.pi * x), np.sin(4 * np.pi * x), np.cos(4 * np.pi * x),
+                            np.sin(6 * np.pi * x), np.cos(6 * np.pi * x), np.sin(8 * np.pi * x), np.cos(8 * np.pi * x)])
+
+
+def _slow_share(Y, A):
+    """The explained share, one coordinate at a time, of the regressors ``A`` (the intercept among them)."""
     num = den = 0.0
     for j in range(Y.shape[1]):
         beta, *_ = np.linalg.lstsq(A, Y[:, j], rcond=None)
@@ -37,7 +45,7 @@ def test_posvar_equals_a_per_coordinate_lstsq_loop():
     delta = np.column_stack([np.sin(2 * np.pi * p / T), (p / T) ** 2]) @ rng.normal(size=(2, DH))
     delta += rng.normal(size=delta.shape)
     got = F.posvar(delta, p, T)
-    assert got == pytest.approx(_slow_share(delta, F.position_basis(p, T)), rel=1e-10)
+    assert got == pytest.approx(_slow_share(delta, paper_basis(p, T)), rel=1e-10)
     assert 0.05 < got < 0.95
 
 

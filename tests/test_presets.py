@@ -90,13 +90,23 @@ def preset(name: str) -> dict:
     return yaml.safe_load((PRESETS / f"{name}.yaml").read_text())
 
 
+def shared_part(cfg: dict) -> dict:
+    """A preset's settings beyond its model, as a run of several presets shares them: its runtime and where its
+    statistics jobs keep their kernel sums (`stats.kernel_sums: disk` on the 7B-class presets, a memory placement
+    that changes no result; OVERLAY sets it for the run) are its own."""
+    rest = {k: v for k, v in cfg.items() if k not in ("models", "runtime")}
+    if "stats" in rest:
+        rest["stats"] = {k: v for k, v in rest["stats"].items() if k != "kernel_sums"}
+    return rest
+
+
 def shared_config(dest: Path) -> Path:
     """Every preset's model entries, as the presets write them (revisions cut down), in one config: the presets agree on
     everything else that a run shares (asserted), so one run stands for the seven."""
     models, common = [], None
     for name in sorted(PRESET_MODELS):
         cfg = preset(name)
-        rest = {k: v for k, v in cfg.items() if k not in ("models", "runtime")}
+        rest = shared_part(cfg)
         assert common is None or rest == common, f"preset {name} differs from the others beyond its model: {rest}"
         common = rest
         for m in cfg["models"]:
@@ -196,6 +206,105 @@ def test_every_preset_runs_to_its_end_targets_offline(presets_run, hub):
     # Pythia's checkpoints differ (their weights do), and so do their results
     losses = pd.read_csv(r / "tables" / "substitution_pythia-160m.csv")["L_model"]
     assert losses.nunique() == 2, losses
+
+
+def hub_model(hub, preset_name: str, revision: str):
+    """The tiny model the offline cache holds for ``preset_name`` at ``revision``, loaded with transformers alone
+    (float32, eager attention: the reference's hooks read the attention probabilities)."""
+    from transformers import AutoModelForCausalLM
+
+    repo = PRESET_MODELS[preset_name].repo_id
+    path = hub["root"] / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / hub["commits"][preset_name][revision]
+    return AutoModelForCausalLM.from_pretrained(str(path), torch_dtype="float32", attn_implementation="eager").eval()
+
+
+def half_windows(r: Path, model: str, half: str, n_tokens: int | None = None):
+    """The windows of one corpus half, in shard order (the first ``n_tokens`` worth, when given)."""
+    import numpy as np
+
+    from mfpipe.corpus.windows import list_shards, read_shard
+
+    toks = np.concatenate([read_shard(p).tokens for p in list_shards(r / "corpus" / CORPUS_PRESET / model / "shards" / half)])
+    return toks if n_tokens is None else toks[: -(-n_tokens // toks.shape[1])]
+
+
+def test_a_few_numbers_equal_a_direct_computation_on_the_tiny_models(presets_run, hub):
+    """The run's numbers against a computation from the cached tiny models with transformers and torch hooks alone
+    (the references of tests/stats_reference.py, tests/meanfield_reference.py, tests/hf_reference.py), on the run's own
+    windows: L_model of three (model, revision) cells (the loss averaged over every prediction of the held-out
+    windows); Pythia-160m step2's query counts and mean reads z̄ of its tracked types, a per-position loop over the
+    statistics half (the run rounds its partials to 11 mantissa bits: within 2.4e-4 of themselves); and its L_MF,
+    every substituted read replaced by ẑ of the per-position loop over the store's kernel."""
+    import numpy as np
+    import pandas as pd
+    import torch
+    from hf_reference import patched_reads
+    from meanfield_reference import slow_zhat
+    from stats_reference import reference_capture
+
+    from mfpipe.corpus.tracked import TrackedSet
+    from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.stats import open_stats
+    from mfpipe.stats.store import read_attrs
+
+    r = presets_run["wd"] / "results"
+
+    def loss(model, ids, patch=None):
+        with torch.no_grad(), patched_reads(model, patch or (lambda layer, reads: None)):
+            lp = torch.log_softmax(model(ids, use_cache=False).logits.double(), -1)
+        return float(-lp[:, :-1].gather(-1, ids[:, 1:, None]).mean())
+
+    cells = {}
+    for preset_name, model_name, rev in (("pythia-160m", "pythia-160m", "step1"), ("pythia-160m", "pythia-160m", "step2"),
+                                         ("gpt2-small", "gpt2-small", "main")):
+        table = pd.read_csv(r / "tables" / f"substitution_{model_name}.csv").set_index("revision")
+        attrs = read_attrs(r / "substitution" / model_name / rev / "substitution.zarr")
+        model = hub_model(hub, preset_name, rev)
+        ids = torch.as_tensor(half_windows(r, model_name, "eval", attrs["eval_tokens"]), dtype=torch.long)
+        assert ids.numel() == attrs["eval_tokens"] and table.loc[rev, "n_predictions"] == ids.shape[0] * (ids.shape[1] - 1)
+        want = loss(model, ids)
+        assert table.loc[rev, "L_model"] == pytest.approx(want, rel=1e-5), (model_name, rev)
+        cells[(model_name, rev)] = (model, ids, table.loc[rev], attrs)
+    # the two checkpoints' weights differ, and so do the losses, far beyond the tolerance
+    assert abs(cells[("pythia-160m", "step1")][2]["L_model"] - cells[("pythia-160m", "step2")][2]["L_model"]) > 1e-3
+
+    model, ev, row, attrs = cells[("pythia-160m", "step2")]
+    st = open_stats(r / "stats" / "pythia-160m" / "step2" / "stats.zarr")
+    tracked = TrackedSet.load(r / "corpus" / CORPUS_PRESET / "pythia-160m" / "tracked.json")
+    ids = tracked.type_ids
+    rank = {int(t): i for i, t in enumerate(ids)}
+    windows = half_windows(r, "pythia-160m", "stats")
+    assert st.attrs["n_windows"] == len(windows)
+    cap = np.concatenate([reference_capture(model, torch.as_tensor(windows[i : i + 16], dtype=torch.long))["reads"]
+                          for i in range(0, len(windows), 16)], axis=1)  # [L, B, T, H, dh]
+    count = np.zeros(len(ids), np.int64)
+    total = np.zeros((len(ids),) + cap.shape[:1] + cap.shape[3:])  # [N, L, H, dh]
+    for w in range(windows.shape[0]):
+        for j in range(1, windows.shape[1]):  # position 0 is BOS, never a query
+            s = rank.get(int(windows[w, j]))
+            if s is not None:
+                count[s] += 1
+                total[s] += cap[:, w, j]
+    np.testing.assert_array_equal(st.ds["query_count"].values, count)
+    seen = count > 0
+    want = (total[seen] / count[seen, None, None, None]).transpose(1, 2, 0, 3)  # [L, H, seen, dh]
+    got = st.ds["zbar"].values[:, :, : len(ids)][:, :, seen].astype(np.float64)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * scale)
+    assert seen.sum() >= 10 and np.abs(want - want.mean(2, keepdims=True)).max() > 100 * 1e-3 * scale  # types differ
+
+    kernel = kernel_from_store(st, tracked, min_count=int(attrs["min_count"]))
+    zhat, sub = slow_zhat(kernel, ev.numpy())
+    assert sub.sum() == row["n_substituted"] > 0
+
+    def substitute(layer, reads):
+        out = reads.clone()
+        out[torch.from_numpy(sub)] = torch.from_numpy(zhat[layer][sub]).to(out.dtype).reshape(int(sub.sum()), -1)
+        return out
+
+    L_mf = loss(model, ev, substitute)
+    assert row["L_MF"] == pytest.approx(L_mf, rel=1e-5)
+    assert abs(L_mf - row["L_model"]) > 100 * 1e-5 * L_mf  # the substitution changes the loss far beyond the tolerance
 
 
 def test_the_tokenizer_comes_from_the_hub_id_at_tokenizer_revision(presets_run, hub):
@@ -300,11 +409,11 @@ def test_the_new_families_presets_plan_offline(hub, tmp_path):
     env = dict(hub["env"], HF_HUB_CACHE=str(tmp_path / "hub"))
     shutil.copytree(hub["root"] / "hub", tmp_path / "hub")  # the corpora's tokenizers stay as the fixture wrote them
     models = []
-    common = {k: v for k, v in preset("gpt2-small").items() if k not in ("models", "runtime")}
+    common = shared_part(preset("gpt2-small"))
     for name, spec in sorted(NEW_PRESET_MODELS.items()):
         write_hub_model(tmp_path / "hub", spec, texts, ["main"])
         cfg = preset(name)
-        assert {k: v for k, v in cfg.items() if k not in ("models", "runtime")} == common, name
+        assert shared_part(cfg) == common, name
         models += cfg["models"]
     (tmp_path / "wd").mkdir()
     wd = clone(tmp_path / "wd")

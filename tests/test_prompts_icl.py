@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from figure_data import capture, lines, main_axes, scatter
 from hf_reference import head_maps, patched_reads
 from meanfield_reference import slow_zhat
 from stats_reference import reference_capture, tracked_for, zipf_windows
@@ -403,7 +404,7 @@ def test_instance_meter_equals_per_prefix_measurements(setup):
 
 
 # ------------------------------------------------------------------ end to end with a real tokenizer
-def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path):
+def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path, monkeypatch):
     """The job's path on a tiny GPT-2 with the trained tokenizer: all four classes generated and measured, the
     tables and both figures written."""
     from mfpipe.workflow.tables import write_table
@@ -438,13 +439,30 @@ def test_prompt_classes_tables_and_figures_end_to_end(tokenizer, tmp_path):
     write_table(df, csv=tmp_path / "prompts.csv")
     (tmp_path / "icl.md").write_text(I.class_markdown(table))
     # the figures are drawn by their own rules from the CSVs the forward jobs wrote (no model in the figure job)
+    figures = capture(monkeypatch)
     pdf, png = PF.icl_figure(tmp_path / "prompts.csv", tmp_path / "icl")
+    (ax,) = main_axes(figures[-1])
+    clouds = scatter(ax)
+    assert len(clouds) == len(P.CLASSES)
+    for c, g in df.groupby("cls"):  # each class's prompts at (D_MF, ΔL_perm), as the table holds them
+        np.testing.assert_allclose(clouds[f"{c} (n={len(g)})"], g[["D_MF", "delta_L_perm"]].to_numpy(), rtol=1e-6)
     seqs, _ = P.meter_sequences(ev, doc, 2, bos_id=0)
     tabs = IM.meter_tables(IM.instance_meter(ad, kernel, seqs), n_bins=4)
     for key in ("curves", "bins", "summary"):
         write_table(tabs[key], csv=tmp_path / f"meter_{key}.csv")
     pdf2, png2 = PF.meter_figure(*(tmp_path / f"meter_{key}.csv" for key in ("curves", "bins", "summary")),
                                  tmp_path / "meter")
+    loss_ax, head_ax, bins_ax, dmf_ax = main_axes(figures[-1])  # the twin axis (D_MF) is made last
+    c = tabs["curves"][tabs["curves"]["position"] > 0]
+    for ax, key, col in ((loss_ax, "next-token loss", "loss"), (dmf_ax, r"$D_{\mathrm{MF}}$", "D_MF")):
+        np.testing.assert_array_equal(lines(ax)[key][0], c["position"])
+        np.testing.assert_allclose(lines(ax)[key][1], c[col], rtol=1e-6)
+    (x, y), = lines(head_ax).values()
+    np.testing.assert_allclose(y, c["top_head_D"], rtol=1e-6)
+    data_line = bins_ax.containers[0].lines[0]  # the error bars' own line (not their caps)
+    x, y = np.asarray(data_line.get_xdata(), float), np.asarray(data_line.get_ydata(), float)
+    np.testing.assert_allclose(x, tabs["bins"]["rise_mean"], rtol=1e-6)
+    np.testing.assert_allclose(y, tabs["bins"]["loss_reduction_mean"], rtol=1e-6)
     for f in (pdf, png, pdf2, png2, tmp_path / "icl.md"):
         assert f.stat().st_size > 0
     md = (tmp_path / "icl.md").read_text()

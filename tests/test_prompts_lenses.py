@@ -299,3 +299,23 @@ def test_jlens_decode_columns(setup):
     back = pd.read_csv(__import__("io").StringIO(LE.contexts_csv(df)))
     assert "jlens_tokens" in back and "decode_tokens" in back
     assert "not applied" in LE.contexts_markdown(df0, "tiny", "r1")  # without a store: the raw lens only
+
+
+def test_jlens_decode_through_products_equals_the_store(setup):
+    """Issue 58: the lenses through Jacobian-vector products on the store's sample (jlens.decode: jvp) give the
+    same J-lens columns as through the stored J (the same top tokens; probabilities within 1e-5), every other column
+    unchanged."""
+    from mfpipe.jlens import lens as JL
+    from mfpipe.jlens.jvp import JLensSample
+
+    ad, kernel, rows = setup["ad"], setup["kernel"], setup["rows"]
+    J = JL.estimate_jlens(ad, setup["tokens"], n_positions=8, seed=0, batch_size=4, progress=False)
+    kw = dict(k_keys=3, decode_k=5, batch_size=4)
+    store = LE.context_details(ad, kernel, setup["tok"], setup["shards"], rows, jlens=J, **kw)
+    sample = JLensSample(setup["tokens"], n_positions=8, seed=0, batch_size=4, chunk=7)
+    products = LE.context_details(ad, kernel, setup["tok"], setup["shards"], rows, jlens=sample, **kw)
+    assert list(products.columns) == list(store.columns)
+    for c in store.columns:
+        if c != "jlens_probs":
+            assert products[c].tolist() == store[c].tolist(), c
+    np.testing.assert_allclose(np.stack(products["jlens_probs"]), np.stack(store["jlens_probs"]), rtol=0, atol=1e-5)

@@ -9,7 +9,6 @@ import xarray as xr
 from mfpipe.experiments.ranking.figures import ccmf_scatter
 from mfpipe.experiments.ranking.heads import head_roles
 from mfpipe.experiments.ranking.heads import heads_table, split_half_stability, top_bottom
-from mfpipe.experiments.ranking import figures
 
 
 def _store(L=3, H=4, seed=0):
@@ -65,9 +64,20 @@ def test_split_half_stability_spearman_and_shared_top():
     assert st["spearman"] == pytest.approx(-1.0) and st["top_shared"] == 0
 
 
-def test_ccmf_scatter_writes_both_files(tmp_path, monkeypatch):
-    saved = []
-    real = figures.save_figure
-    monkeypatch.setattr(figures, "save_figure", lambda fig, *paths: (saved.append(paths), real(fig, *paths)))
-    pdf, png = ccmf_scatter(heads_table(_store(), _scores()), tmp_path / "scatter", top=3)
-    assert pdf.stat().st_size > 0 and png.stat().st_size > 0 and len(saved) == 1
+def test_ccmf_scatter_draws_every_head_at_its_meters(tmp_path, monkeypatch):
+    from figure_data import capture, scatter
+
+    figures = capture(monkeypatch)
+    table = heads_table(_store(), _scores())
+    pdf, png = ccmf_scatter(table, tmp_path / "scatter", top=3)
+    assert pdf.stat().st_size > 0 and png.stat().st_size > 0 and len(figures) == 1
+    # what is drawn: every head once at (M_cov, M_ctx), in the cloud of its role; the top 3 by S̄ labelled
+    ax = figures[0].axes[0]
+    clouds = scatter(ax)
+    roles = head_roles(table)
+    for name, pts in clouds.items():
+        sel = (roles == ("" if name == "other" else name)).to_numpy()
+        np.testing.assert_allclose(pts, table.loc[sel, ["M_cov", "M_ctx"]].to_numpy(float), rtol=1e-12)
+    assert sum(len(v) for v in clouds.values()) == len(table)
+    top = table.sort_values("rank").head(3)
+    assert sorted(t.get_text() for t in ax.texts) == sorted(top["head_label"])

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from figure_data import capture, image, lines, main_axes, tick_values
 from rollout_reference import Ref, estimators_reference, forward_residuals
 from stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
@@ -321,7 +322,7 @@ def _is_png(path):
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_figures_write_pdf_and_png(stores, scores, tmp_path):
+def test_figures_write_pdf_and_png_of_what_the_tables_hold(stores, scores, tmp_path, monkeypatch):
     mt, model, ad, p, _ = stores
     if mt != "gpt2":
         pytest.skip("the figures depend only on the tables; one architecture suffices")
@@ -338,9 +339,71 @@ def test_figures_write_pdf_and_png(stores, scores, tmp_path):
     fns = {"rollout": F.rollout_figure, "teacher_forced": F.teacher_forced_figure,
            "error_decomposition": F.error_decomposition_figure, "clustering": F.clustering_figure,
            "cross_corpus": F.cross_corpus_figure}
+    figures = capture(monkeypatch)
+    drawn = {}
     for name, fn in fns.items():
         csv = tmp_path / f"{name}.csv"
         tables[name].to_csv(csv, index=False)  # figures are drawn from the CSV tables
         pdf, png = fn(csv, tmp_path / "figs" / name)
         assert pdf.read_bytes()[:5] == b"%PDF-" and _is_png(png), name
+        drawn[name] = main_axes(figures[-1])
     assert not [f for f in (tmp_path / "figs").iterdir() if f.name.startswith(".")]  # no temporary left
+    # what is drawn is the tables' numbers, on whole-numbered layer / depth axes
+    sc = tables["rollout"]
+    for ax, metric in zip(drawn["rollout"], ("cosine", "rsa", "rel_error", "norm_ratio")):
+        got = lines(ax)
+        for k, g in sc[(sc["metric"] == metric) & ~sc["pinned"].astype(bool)].groupby("kernel"):
+            g = g.sort_values("depth")
+            x, y = got[F.KERNEL_LABELS.get(k, k)]
+            np.testing.assert_array_equal(x, g["depth"])
+            np.testing.assert_allclose(y, g["value"], rtol=1e-6)
+        assert np.array_equal(tick_values(ax), np.round(tick_values(ax)))
+    for name, key, labels in (("teacher_forced", None, {"mean field": None}),
+                              ("error_decomposition", "estimator", {v: k for k, v in F.ESTIMATOR_LABELS.items()})):
+        t = tables[name]
+        for ax, metric in zip(drawn[name], ("cosine", "norm_ratio" if name == "teacher_forced" else "rel_error")):
+            for label, (x, y) in lines(ax).items():
+                sel = (t["metric"] == metric) & ((t[key] == labels[label]) if key else True)
+                g = t[sel].sort_values("layer")
+                np.testing.assert_array_equal(x, g["layer"])
+                np.testing.assert_allclose(y, g["value"], rtol=1e-6)
+            assert set(tick_values(ax)) <= set(t["layer"])
+    cl = tables["clustering"].sort_values("depth")
+    rms, eta, _ = drawn["clustering"]
+    np.testing.assert_allclose(lines(rms)["median"][1], cl["rel_rms_median"], rtol=1e-6)
+    np.testing.assert_allclose(lines(eta)[r"$\eta^2_z$ (z-scored)"][1], cl["eta2_z"], rtol=1e-6)
+    cc = tables["cross_corpus"]
+    (heat, *_) = drawn["cross_corpus"]
+    want = cc.pivot(index="stats_corpus", columns="eval_corpus", values="cosine")
+    rows = [t.get_text() for t in heat.get_yticklabels()]
+    cols = [t.get_text().replace("\n", " ") for t in heat.get_xticklabels()]
+    np.testing.assert_allclose(image(heat), want.loc[rows, cols].to_numpy(float), rtol=1e-6)
+
+
+def test_the_divergence_figure_draws_its_tables_on_whole_blocks_and_depths(tmp_path, monkeypatch):
+    """App. llama's figure from its four tables (issue 60: its blocks and depths had ticks at 0.2 apart)."""
+    rng = np.random.default_rng(0)
+    L = 3
+    steps = pd.DataFrame({"layer": range(L), "amp_attention": rng.uniform(1, 2, L), "amp_mlp": rng.uniform(1, 3, L),
+                          "amp_block": [1.2, 2.5, 1.7]})
+    curvature = pd.DataFrame([{"layer": l, "alpha": a, "amp_real": 1 + a * l, "amp_random": 1 + a}
+                              for l in range(L) for a in (0.25, 0.5, 1.0)])
+    tokens = pd.DataFrame({"layer": range(L), "median": [1.1, 1.3, 1.2], "p99": [3.0, 5.0, 4.0], "max": [9.0, 30.0, 12.0]})
+    magnitude = pd.DataFrame({"depth": range(1, L + 1), "ratio": [0.9, 1.4, 2.2]})
+    figures = capture(monkeypatch)
+    F.divergence_figure(steps, curvature, tokens, magnitude, tmp_path / "div")
+    fig = figures[-1]
+    fig.draw_without_rendering()
+    amp, curv, mag, tail = main_axes(fig)
+    for col, label in (("amp_attention", "attention update"), ("amp_mlp", "MLP"), ("amp_block", "block")):
+        np.testing.assert_allclose(lines(amp)[label][1], steps[col])
+    peak = curvature[curvature["layer"] == 1]  # the block of largest amplification
+    np.testing.assert_allclose(lines(curv)["real error"][1], peak["amp_real"])
+    np.testing.assert_allclose(lines(curv)["random, same norms"][1], peak["amp_random"])
+    assert [t.get_text() for t in curv.get_xticklabels()] == ["0.25", "0.5", "1"]
+    (x, y), = lines(mag).values()
+    np.testing.assert_allclose(y, magnitude["ratio"])
+    for col in ("median", "p99", "max"):
+        np.testing.assert_allclose(lines(tail)[col][1], tokens[col])
+    assert tick_values(amp).tolist() == tick_values(tail).tolist() == [0, 1, 2]
+    assert tick_values(mag).tolist() == [1, 2, 3]

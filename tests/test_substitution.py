@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from figure_data import capture, lines, main_axes
 from hf_reference import head_maps, patched_reads, reference_run
 from meanfield_reference import slow_zhat
 from stats_reference import tiny_stats_half, zipf_windows
@@ -243,7 +244,7 @@ def test_induction_window_from_curve():
     assert training_window([1000, 2000], None) == (1000.0, 2000.0)  # the configured window wins
 
 
-def test_sweep_table_and_waypoint_figure(setup, tmp_path):
+def test_sweep_table_and_waypoint_figure(setup, tmp_path, monkeypatch):
     """Results written as the workflow does are read back per revision (provenance-checked), and the waypoint
     figure plots exactly the table's numbers."""
     mt, model, ad, kernel, ev = setup
@@ -267,11 +268,18 @@ def test_sweep_table_and_waypoint_figure(setup, tmp_path):
         SU.sweep_table(paths[::-1], ["step0", "step8"], [0, 8], "tiny")
     heads = SU.head_deviation_table(paths, ["step0", "step8"], [0, 8], "tiny")
     assert len(heads) == 2 * ad.n_layers * ad.n_heads
+    figures = capture(monkeypatch)
     pdf, png = F.waypoint_figure(df, tmp_path / "waypoint", window=(2, 6))
     assert pdf.stat().st_size > 0 and png.stat().st_size > 0
+    top, bottom, right = main_axes(figures[-1])
+    drawn = {**lines(top), **lines(bottom), **lines(right)}
+    for key, col in ((r"$L_\mathrm{model}$", "L_model"), (r"$L_\mathrm{MF}$", "L_MF"), (r"$\Delta L$", "delta_L"),
+                     (r"$D_\mathrm{MF}$", "D_MF")):
+        np.testing.assert_array_equal(drawn[key][0], df["step"])
+        np.testing.assert_allclose(drawn[key][1], df[col], rtol=1e-12)
 
 
-def test_topn_table_and_figure(setup, tmp_path):
+def test_topn_table_and_figure(setup, tmp_path, monkeypatch):
     """App. M: arms of different N gather into one table (ΔL normalised to each arm's final value), a result of
     another N than its arm is refused, and the figure is written."""
     mt, model, ad, kernel, ev = setup
@@ -302,8 +310,17 @@ def test_topn_table_and_figure(setup, tmp_path):
     np.testing.assert_allclose(df.groupby("n_tracked")["delta_L_normalised"].last().to_numpy(), 1.0)
     with pytest.raises(ProvenanceError, match="N="):
         SU.topn_table(paths, [(99, r, s) for _, r, s in arms], "tiny")
+    figures = capture(monkeypatch)
     pdf, png = F.topn_figure(df, tmp_path / "topn", window=(1, 4))
     assert png.stat().st_size > 0
+    # a line per arm in each panel (ΔL, ΔL normalised, D_MF), the arm's rows by step
+    for ax, col in zip(main_axes(figures[-1]), ("delta_L", "delta_L_normalised", "D_MF")):
+        drawn = lines(ax)
+        for n, g in df.groupby("n_tracked"):
+            g = g.sort_values("step")
+            (x, y), = [v for k, v in drawn.items() if k.startswith(f"N = {n} (")]
+            np.testing.assert_array_equal(x, g["step"])
+            np.testing.assert_allclose(y, g[col], rtol=1e-12)
 
 
 def test_eval_windows_and_result_provenance(tmp_path):
@@ -340,3 +357,77 @@ def test_eval_windows_and_result_provenance(tmp_path):
     assert a["eval_shards"] == "shard-00000.npz,shard-00001.npz" and a["stats_tokens"] == a["n_tokens"] == 1234
     assert kernel_attrs["n_tokens"] == 1234  # the kernel's own attributes are left alone
     assert float(ds["delta_L"]) == pytest.approx(6.0 / 84)
+
+
+def test_a_models_own_topn_arms_run_at_its_chosen_revisions(tmp_path):
+    """Issue 60 item 4: the default run's mini GPT-2 has its own App. M arm (`models[].top_n`: N = 500 at five
+    checkpoints of its sweep, `final` resolved as in `revisions`); the mini GPT-NeoX, without one, takes
+    `substitution.top_n` (none). The top-N table's rows: the configured N at every sweep revision (the run's own
+    substitution), then the arm at its own. An arm revision outside the sweep is refused in one line; a config without
+    a model's own arms plans every model's at every revision, as before."""
+    import copy
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import yaml
+
+    from mfpipe.estimate import jobs as J
+    from mfpipe.experiments.substitution import rules as SR
+    from mfpipe.workflow.config import ConfigError, check_config
+    from mfpipe.workflow.plan import Plan
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = J.load_config([], base=repo / "config" / "config.yaml")
+    plan = Plan(cfg, repo / "src")
+    arm = ["step0", "step1024", "step1120", "step1216", "step1500"]
+    assert SR.topn(plan, "mini-gpt2") == [500] and SR.topn_revisions(plan, "mini-gpt2") == arm
+    assert SR.topn(plan, "mini-neox") == [] and len(SR.topn_revisions(plan, "mini-neox")) == 11
+    wc = SimpleNamespace(model="mini-gpt2")
+    rows = SR.topn_arms(plan, wc)
+    assert [r[1] for r in rows if r[0] == 1000] == plan.revisions["mini-gpt2"]
+    assert rows[11:] == [[500, rev, int(rev[4:])] for rev in arm]
+    assert [p for n, _, p in SR.topn_results(plan, wc) if n == 500] == [
+        f"results/substitution/mini-gpt2/{rev}/N500/substitution.zarr" for rev in arm]
+    # the kernel input of a forward job (pass 2, the substitution, App. B's reruns): U's store, one path; W: none
+    at = SimpleNamespace(model="mini-gpt2", revision="step1500")
+    assert plan.kernel_input("W") == [] and plan.kernel_input("calibrated")(at) == (
+        "results/kernels/mini-gpt2/step1500/calibrated.zarr")
+    targets = SR.targets(plan)
+    assert "results/figures/vocab_mfgap_mini-gpt2.png" in targets and "results/tables/substitution_topn_mini-gpt2.csv" in targets
+    assert not [t for t in targets if "mini-neox" in t and ("topn" in t or "vocab" in t)]
+
+    bad = copy.deepcopy(cfg)
+    bad["models"][0]["top_n"]["revisions"] = ["step0", "step64"]  # a saved checkpoint, not in the sweep
+    with pytest.raises(ConfigError, match=r"'mini-gpt2' top_n.revisions \['step64'\] are not among its revisions"):
+        check_config(bad)
+    # the overlay's way: every model's arms at every revision (a model's own arms would stand)
+    every = copy.deepcopy(cfg)
+    every["models"][0]["top_n"] = None
+    every["substitution"]["top_n"] = [2000]
+    plan = Plan(every, repo / "src")
+    for m in ("mini-gpt2", "mini-neox"):
+        assert SR.topn(plan, m) == [2000] and SR.topn_revisions(plan, m) == plan.revisions[m]
+    assert yaml.safe_load((repo / "config" / "experiments" / "topn-sensitivity.yaml").read_text())["substitution"] == {
+        "top_n": [2000, 4000]}
+
+
+def test_the_topn_figures_draw_an_arm_at_fewer_revisions(tmp_path, monkeypatch):
+    """The default run's arm runs at 5 of the sweep's 11 revisions: both App. M figures draw each arm at its own steps
+    (an arm's lines hold exactly its rows)."""
+    import pandas as pd
+
+    from mfpipe.experiments.substitution import figures as F
+
+    steps = {1000: [0, 16, 256, 1024, 1088, 1120, 1216, 1500], 500: [0, 1024, 1120, 1500]}
+    rows = [dict(n_tracked=n, revision=f"step{s}", step=s, L_model=5 - s / 1000, L_MF=5.2 - s / 1100,
+                 delta_L=0.2 + s / 10**4 + n / 10**5, D_MF=0.3, substituted_share=n / 2000, delta_L_normalised=1.0)
+            for n, ss in steps.items() for s in ss]
+    figs, new_figure = [], F.new_figure
+    monkeypatch.setattr(F, "new_figure", lambda *a, **k: figs.append(new_figure(*a, **k)) or figs[-1])
+    F.vocab_mfgap_figure(pd.DataFrame(rows), tmp_path / "vocab", title="t")
+    F.topn_figure(pd.DataFrame(rows), tmp_path / "topn")
+    assert len(figs) == 2
+    for fig, _ in figs:
+        drawn = {tuple(line.get_xdata()) for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) > 2}
+        assert drawn == {tuple(map(float, s)) for s in steps.values()}, drawn
+    assert (tmp_path / "vocab.png").stat().st_size > 0 and (tmp_path / "topn.png").stat().st_size > 0

@@ -247,6 +247,23 @@ def test_second_run_does_nothing(built):
     assert planned_jobs(text) == [], text[-3000:]
 
 
+def test_a_finished_run_copied_elsewhere_plans_nothing(built, tmp_path):
+    """Issue 60, item 5: the finished run's folder (checkout, results, logs, .snakemake) copied with `cp -a`, which
+    keeps every mtime, to another path plans nothing there: no job's recorded set of inputs changes (code inputs are
+    paths relative to the working directory, mfpipe.workflow.codedeps.code_inputs; absolute ones planned every job
+    again), no output is older than its inputs. The copy runs its own library (its src/, by relative paths)."""
+    dest = tmp_path / "elsewhere" / "project"
+    dest.parent.mkdir()
+    subprocess.run(["cp", "-a", str(built), str(dest)], check=True)
+    text = snakemake(dest, "-n")
+    assert planned_jobs(text) == [] and "Nothing to be done" in text, text[-3000:]
+    # what Snakemake compares (--rerun-triggers input): each job's recorded inputs, the code among them relative
+    records = [json.loads(p.read_text()) for p in (dest / ".snakemake" / "metadata").iterdir()]
+    inputs = {i for r in records for i in r.get("input") or []}
+    assert any(i.startswith("src/mfpipe/") for i in inputs), sorted(inputs)[:5]
+    assert not [i for i in inputs if os.path.isabs(i)], sorted(i for i in inputs if os.path.isabs(i))[:5]
+
+
 def test_token_budget_change_rebuilds_only_corpus_onward(built, tmp_path):
     cfg = variant(tmp_path, "budget", lambda c: c["corpus"].update(tokens_per_half=c["corpus"]["tokens_per_half"] // 2))
     rules = {r for r, _ in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))}
@@ -408,7 +425,7 @@ def test_editing_a_module_reruns_exactly_the_rules_whose_scripts_import_it(built
         if rule == "all":
             continue
         seen.add(rule)
-        declared = {p for p in inputs if p in modules}
+        declared = {str(built / p) for p in inputs if str(built / p) in modules}  # declared relative to the run's folder
         if declared != deps[rule]:
             wrong.append(f"{rule}: declares {sorted(declared - deps[rule])} it does not import, lacks "
                          f"{sorted(deps[rule] - declared)}")
@@ -587,7 +604,8 @@ def same_result(a: Path, b: Path) -> bool:
         return da.identical(db)
     if a.suffix == ".npz":
         with np.load(a, allow_pickle=False) as x, np.load(b, allow_pickle=False) as y:
-            return sorted(x.files) == sorted(y.files) and all(np.array_equal(x[k], y[k]) for k in x.files)
+            return sorted(x.files) == sorted(y.files) and all(
+                np.array_equal(x[k], y[k], equal_nan=x[k].dtype.kind in "fc") for k in x.files)  # NaN: no share
     if a.suffix in (".pdf", ".png"):
         return b.stat().st_size > 0
     if a.suffix == ".json":
@@ -683,7 +701,8 @@ def test_report_collects_every_figure_and_table_with_captions_and_the_config(bui
         first = caption.split("{{")[0].strip()
         assert first and first in html, f"caption of {fig} missing from the report"
     for table in ("divergence_steps", "divergence_units", "layer_localized", "rogue_dims", "pinning", "calibrated",
-                  "exclusion", "zipf_cutoff", "ranking_roles", "exp3_single"):
+                  "exclusion", "zipf_cutoff", "ranking_roles", "exp3_single", "positional", "positional_repeated",
+                  "positional_classes", "positional_ablation"):
         caption = (REPO / "workflow" / "report" / f"table_{table}.rst").read_text().split("(")[0].strip()
         assert caption and caption in html, f"caption of table {table} missing from the report"
     # the configuration block of workflow/report/workflow.rst: the run's config, the ci file's values over the defaults

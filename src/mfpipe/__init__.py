@@ -5,19 +5,19 @@ imports it): ``mfpipe.list_results(results)``, ``mfpipe.open_stats(model, revisi
 ``mfpipe.open_results(experiment, model, revision, results)``.
 
 Computing on a model in memory (mfpipe.notebook, loaded on first use): ``mfpipe.collect_stats(model, texts)``,
-``mfpipe.mean_field(stats)``, ``mfpipe.substitute(model, stats, tokens)``, ``mfpipe.deviation(model, stats,
-tokens)``, ``mfpipe.decode(model, vector, layer)``. ``mfpipe.deviation`` is also the package of pass 2: calling the
-package runs :func:`mfpipe.notebook.analysis.deviation` (mfpipe/deviation/__init__.py makes it callable).
+``mfpipe.mean_field(stats)``, ``mfpipe.substitute(model, stats, tokens)``, ``mfpipe.context_deviation(model, stats,
+tokens)``, ``mfpipe.decode(model, vector, layer)``. (``mfpipe.deviation`` is the package of pass 2, so the notebook's
+per-context deviation has a name of its own: nothing below this package reaches up into the notebook API.)
 """
 
 from mfpipe.version import __version__
 
 # served by __getattr__ from mfpipe.results, which is imported only when one of them is asked for
 _READING = ("open_stats", "open_results", "list_results")
-# served by __getattr__ from mfpipe.notebook's modules; `deviation` is the package mfpipe.deviation, callable
-_COMPUTING = ("collect_stats", "mean_field", "substitute", "decode")
+# served by __getattr__ from mfpipe.notebook's modules
+_COMPUTING = ("collect_stats", "mean_field", "substitute", "context_deviation", "decode")
 
-__all__ = ["__version__", *_READING, *_COMPUTING, "deviation"]
+__all__ = ["__version__", *_READING, *_COMPUTING]
 
 
 def __getattr__(name: str):
@@ -34,14 +34,13 @@ def __getattr__(name: str):
         from mfpipe.notebook.meanfield import mean_field
 
         return mean_field
-    if name == "deviation":  # the package of pass 2, not imported yet: importing it makes it callable
-        import mfpipe.deviation as pass2
-
-        return pass2
-    if name in ("substitute", "decode", "_notebook_deviation"):
+    if name in ("substitute", "context_deviation", "decode"):
         from mfpipe.notebook import analysis
 
-        return getattr(analysis, name.replace("_notebook_", ""))
+        return getattr(analysis, name)
+    if name == "deviation":  # the package of pass 2, not imported yet: an earlier release's notebook call lands here
+        raise AttributeError("mfpipe.deviation is the package of pass 2 (import mfpipe.deviation.<module>); the "
+                             "per-context deviation of a model in memory is mfpipe.context_deviation(model, stats, tokens)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

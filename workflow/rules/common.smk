@@ -156,8 +156,10 @@ RULE_FILES = [f"{name}.smk" for name in CORE_RULE_FILES] + [
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 
 
-# every job's library files, derived from the sources once per change of them (.snakemake/ holds the answer)
-CODE_INPUTS = code_inputs(SRC, SCRIPTS, cache=Path(".snakemake") / "mfpipe-code-inputs.json")
+# every job's library files, derived from the sources once per change of them (.snakemake/ holds the answer), as
+# paths relative to the working directory: Snakemake reruns a job whose recorded input paths changed, so absolute
+# ones would make a checkout moved or copied with its results plan every job again
+CODE_INPUTS = code_inputs(SRC, SCRIPTS, cache=Path(".snakemake") / "mfpipe-code-inputs.json", relative_to=Path.cwd())
 # the one job script: it runs the rule's job function, `mfpipe.<package>.jobs.<rule>` (mfpipe.workflow.runner.run_job)
 JOB_SCRIPT = "../scripts/job.py"
 
@@ -188,8 +190,8 @@ def model_input(wildcards):
     return []
 
 
-topn_arm = stats_rules.topn_arm  # whether a dataset prefix names a top-N arm (`N2000`)
-tracked_arm = stats_rules.tracked_arm  # ... a top-N arm or the exclusion arm (`excl`): its own tracked-<prefix>.json
+# whether a dataset prefix names a top-N arm (`N2000`) or the exclusion arm (`excl`): its own tracked-<prefix>.json
+tracked_arm = stats_rules.tracked_arm
 
 
 def dataset_parts(dataset):
@@ -209,9 +211,9 @@ def datasets(corpus=None):
     return stats_rules.datasets(PLAN, corpus)
 
 
-# what selects revisions is not part of what a job loads: listing another revision must not change the params of
-# the jobs of the revisions already built (nor re-tokenize the corpus)
-SWEEP_KEYS = ("revisions", "rollout_revisions", "induction_window")
+# what selects revisions (and App. M's arms) is not part of what a job loads: listing another revision must not change
+# the params of the jobs of the revisions already built (nor re-tokenize the corpus)
+SWEEP_KEYS = ("revisions", "rollout_revisions", "induction_window", "top_n")
 
 
 def model_spec(wildcards):
@@ -269,38 +271,10 @@ def partials_output(folder, keep):
     return directory(folder) if keep else temp(directory(folder))
 
 
-# ----------------------------------------------------------------- rollout (workflow/rules/rollout.smk)
-def stats_store(dataset):
-    return STORE("stats", dataset=dataset)
-
-
-# ------------------------------------------------- training sweep (workflow/rules/substitution.smk)
-SUBSTITUTION = config["substitution"]
-KERNELS = config["substitution"]["kernels"]
-
-
-revision_steps = PLAN.revision_steps
-
-
-def training_summary(wildcards):
-    """A mini model's training.json (its recorded induction-score curve shades the induction window)."""
-    if MODELS[wildcards.model]["source"] == "minisuite":
-        return [f"{R}/minisuite/{wildcards.model}/training.json"]
-    return []
-
-
-def substitution_kernel_input(wildcards):
-    """The calibrated kernel U of the revision when `substitution.kernel` is `calibrated` (App. B): one path, not a
-    list (the jobs open `input.kernel`, which a one-item list would make a list)."""
-    if SUBSTITUTION["kernel"] == "calibrated":
-        return STORE("calibrated", model=wildcards.model, revision=wildcards.revision)
-    return []
-
-
-# ------------------------------------- pass 2 and head ranking (workflow/rules/deviation.smk, ranking.smk, prompts.smk)
-DEVIATION = config["deviation"]  # pass 2 (its targets and input functions: mfpipe.deviation.rules)
-RANKING = config["ranking"]  # (mfpipe.experiments.ranking.rules)
-PROMPTS = config["prompts"]  # (mfpipe.experiments.prompts.rules)
+# ------------------------------------------------------------------- pass 2 (workflow/rules/deviation.smk)
+DEVIATION = config["deviation"]  # (its targets and input functions: mfpipe.deviation.rules)
+# No experiment's helper lives here: an experiment's input functions are in its `rules` module
+# (mfpipe.experiments.<name>.rules), its config section is read in its own rule file (tests/test_architecture.py)
 
 
 # ------------------------------------------------------ cluster resources (config `cluster`, profiles/slurm)
@@ -357,11 +331,3 @@ def table_report(path, name, caption=None):
     which says what the table is and which paper item it reproduces)."""
     cap = TABLE_CAPTION if caption is None else f"../report/{caption}.rst"
     return report(path, caption=cap, category="Tables", subcategory=name)
-
-
-def recompute_kernel_input(kernel):
-    """The calibrated store of the revision where `kernel` is U (one path: the job opens `input.kernel`); W: none
-    (App. B's recomputation, workflow/rules/substitution.smk)."""
-    if kernel == "calibrated":
-        return lambda wc: STORE("calibrated", model=wc.model, revision=wc.revision)
-    return []

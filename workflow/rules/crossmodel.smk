@@ -41,7 +41,7 @@ rule figure_crossmodel:
         models=crossmodel_rules.plotted(PLAN),
         tokens_per_step={m: crossmodel_rules.tokens_per_step(PLAN, m) for m in crossmodel_rules.plotted(PLAN)},
         windows={m: MODELS[m].get("induction_window") for m in crossmodel_rules.plotted(PLAN)},
-        band=SUBSTITUTION["induction_band"],
+        band=config["substitution"]["induction_band"],
     localrule: True
     conda:
         ENV

@@ -11,15 +11,15 @@ rule deviation_shard:
         shards=lambda wc: deviation_rules.deviation_group_shards(PLAN, wc),
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        kernel=substitution_kernel_input,
+        kernel=PLAN.kernel_input(config["substitution"]["kernel"]),
         code=job("deviation", "deviation_shard"),
     output:
         partials_output(f"{R}/deviation/{{model}}/{{revision}}/partials/group-{{i}}", DEVIATION["keep_partials"]),
     wildcard_constraints:
         i=r"\d+",
     params:
-        kernel=SUBSTITUTION["kernel"],
-        min_count=SUBSTITUTION["min_count"],
+        kernel=config["substitution"]["kernel"],
+        min_count=config["substitution"]["min_count"],
         top_k=DEVIATION["top_k"],
         other_share_max=DEVIATION["other_share_max"],
         batch_size=DEVIATION["batch_size"] or config["runtime"]["batch_size"],

@@ -1,10 +1,12 @@
 # The exclusion arm (App. llama, "Exclusion experiment"): a second tracked set with every newline / whitespace and
-# pure-punctuation type (and the user's strings) left out of the same top-N selection (config `tracked.exclude`), its
-# own statistics (datasets excl/stats and excl/eval through stats_shard / stats_merge) and the mean-field rollout on it
-# beside the main set's, per model and rollout revision. Nothing of the main set's jobs takes the exclude config.
-# Library: mfpipe.corpus.exclude (the selection), mfpipe.experiments.rollout.exclusion (its targets and the table).
+# pure-punctuation type (and the user's strings) left out of the same top-N selection (config section `exclusion`),
+# its own statistics (datasets excl/stats and excl/eval through stats_shard / stats_merge) and the mean-field rollout
+# on it beside the main set's, per model and rollout revision. This file is the one that reads the section: nothing of
+# the main set's jobs takes it. Library: two modules named for the arm, mfpipe.corpus.exclusion (the selection, the
+# corpus stage's, so that editing the rollout's code reruns no statistics of the arm) and
+# mfpipe.experiments.rollout.exclusion (its targets and the table); tests: tests/test_exclusion.py.
 
-EXCLUDE = config["tracked"]["exclude"]
+EXCLUDE = config["exclusion"]
 
 
 rule tracked_types_excl:
@@ -33,10 +35,10 @@ rule tracked_types_excl:
 
 rule exclusion_rollout:
     input:
-        stats=stats_store("stats"),
-        eval=stats_store("eval"),
-        excl_stats=stats_store("excl/stats"),
-        excl_eval=stats_store("excl/eval"),
+        stats=STORE("stats", dataset="stats"),
+        eval=STORE("stats", dataset="eval"),
+        excl_stats=STORE("stats", dataset="excl/stats"),
+        excl_eval=STORE("stats", dataset="excl/eval"),
         tracked_excl=f"{R}/corpus/{CORPUS}/{{model}}/tracked-excl.json",
         model=model_input,
         code=job("experiments.rollout", "exclusion_rollout"),

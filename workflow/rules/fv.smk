@@ -7,10 +7,12 @@ FV = config["fv"]
 
 rule function_vectors:
     input:
+        # the J-lens store where the job decodes through the full J (jlens.decode, mfpipe.jlens.rules; by default,
+        # every head of every clean prompt is many more vectors than d): else the products run on the shards below
+        unpack(lambda wc: jlens_rules.decode_inputs(PLAN, wc, fv_rules.decoded_vectors(PLAN, wc.model))),
         stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
-        jlens=STORE("jlens"),
         model=model_input,
         tokenizer=tokenizer_input,
         tasks=lambda wc: fv_rules.task_inputs(PLAN, wc),
@@ -32,6 +34,7 @@ rule function_vectors:
     params:
         tasks=lambda wc: fv_rules.fv_tasks(PLAN, wc.model),
         fv=lambda wc: fv_rules.fv_settings(PLAN, wc.model),
+        jlens=lambda wc: jlens_rules.decode_params(PLAN, wc.model, fv_rules.decoded_vectors(PLAN, wc.model)),
         batch_size=FV["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads

@@ -2,11 +2,15 @@
 # mfpipe.experiments.prompts). Per rollout revision: the lenses over pass 2's top contexts, the prompt classes of
 # Exp. 2 and the instance meter of Exp. 1 (forward-pass jobs writing tables), and their figures (figure rules).
 
+PROMPTS = config["prompts"]
+
 
 rule lenses:
     input:
+        # the J-lens store where the job decodes through the full J (jlens.decode, mfpipe.jlens.rules): else the
+        # products run on the statistics half's shards and the model, declared below
+        unpack(lambda wc: jlens_rules.decode_inputs(PLAN, wc, prompts_rules.lens_vectors(PLAN))),
         deviation=STORE("deviation"),
-        jlens=STORE("jlens"),
         stats=STORE("stats", dataset="stats"),
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
@@ -22,6 +26,7 @@ rule lenses:
         n_lens_heads=PROMPTS["lenses"]["n_lens_heads"],
         per_head=PROMPTS["lenses"]["per_head"],
         heads=PROMPTS["lenses"]["heads"],
+        jlens=lambda wc: jlens_rules.decode_params(PLAN, wc.model, prompts_rules.lens_vectors(PLAN)),
         batch_size=PROMPTS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads
@@ -62,7 +67,7 @@ rule icl_classes:
         tasks=PROMPTS["icl"]["tasks"],
         task_files=PROMPTS["icl"]["task_files"],
         natural_length=PROMPTS["icl"]["natural_length"],
-        min_count=SUBSTITUTION["min_count"],
+        min_count=config["substitution"]["min_count"],
         batch_size=PROMPTS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads
@@ -96,7 +101,7 @@ rule icl_meter:
         chunk_length=PROMPTS["icl_meter"]["chunk_length"],
         n_bins=PROMPTS["icl_meter"]["n_bins"],
         seed=PROMPTS["icl_meter"]["seed"],
-        min_count=SUBSTITUTION["min_count"],
+        min_count=config["substitution"]["min_count"],
         batch_size=PROMPTS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),
     threads: model_threads

@@ -3,6 +3,8 @@
 # model the Exp. 3 correlation across training; per rollout revision the ranking.
 #   snakemake --cores 2 results/figures/ccmf_scatter_mini-gpt2_final.png
 
+RANKING = config["ranking"]
+
 
 rule head_scores:
     input:
@@ -34,7 +36,7 @@ rule exp3_correlation:
     input:
         deviation=lambda wc: ranking_rules.deviation_results(PLAN, wc),
         heads=lambda wc: ranking_rules.head_score_results(PLAN, wc),
-        training=training_summary,
+        training=lambda wc: minisuite_rules.training_summary(PLAN, wc),
         code=job("experiments.ranking", "exp3_correlation"),
     output:
         csv=table_report(f"{R}/tables/exp3_correlation_{{model}}.csv", "head ranking"),
@@ -45,9 +47,9 @@ rule exp3_correlation:
     params:
         model=lambda wc: wc.model,
         revisions=lambda wc: REVISIONS[wc.model],
-        steps=lambda wc: revision_steps(wc.model),
+        steps=lambda wc: PLAN.revision_steps(wc.model),
         window=lambda wc: MODELS[wc.model].get("induction_window"),
-        band=SUBSTITUTION["induction_band"],
+        band=config["substitution"]["induction_band"],
         title=lambda wc: f"Mean-field deviation vs induction score: {wc.model}",
     localrule: True
     conda:
@@ -99,7 +101,7 @@ rule ranking:
 rule ranking_roles:
     input:
         heads=f"{R}/tables/ranking_heads_{{model}}_{{revision}}.csv",
-        stats=stats_store("stats"),
+        stats=STORE("stats", dataset="stats"),
         code=job("experiments.ranking", "ranking_roles"),
     output:
         csv=table_report(f"{R}/tables/ranking_roles_{{model}}_{{revision}}.csv", "head ranking",

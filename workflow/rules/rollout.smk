@@ -10,8 +10,8 @@ DIVERGENCE_REPORTED = ("steps", "curvature", "units", "tokens", "pairs_summary")
 
 rule rollout_scores:
     input:
-        stats=stats_store("stats"),
-        eval=stats_store("eval"),
+        stats=STORE("stats", dataset="stats"),
+        eval=STORE("stats", dataset="eval"),
         model=model_input,
         code=job("experiments.rollout", "rollout_scores"),
     output:
@@ -57,8 +57,8 @@ rule rollout_table:
 
 rule error_accounting:
     input:
-        stats=stats_store("stats"),
-        eval=stats_store("eval"),
+        stats=STORE("stats", dataset="stats"),
+        eval=STORE("stats", dataset="eval"),
         deviation=STORE("deviation"),  # pass 2: the paper's estimator (b)
         model=model_input,
         code=job("experiments.rollout", "error_accounting"),
@@ -111,8 +111,8 @@ rule attention_coverage:
 
 rule cross_corpus:
     input:
-        stats=[stats_store(ds) for c in CORPORA for ds in datasets(c) if ds.endswith("stats")],
-        eval=[stats_store(ds) for c in CORPORA for ds in datasets(c) if ds.endswith("eval")],
+        stats=[STORE("stats", dataset=ds) for c in CORPORA for ds in datasets(c) if ds.endswith("stats")],
+        eval=[STORE("stats", dataset=ds) for c in CORPORA for ds in datasets(c) if ds.endswith("eval")],
         model=model_input,
         code=job("experiments.rollout", "cross_corpus"),
     output:
@@ -143,8 +143,8 @@ rule cross_corpus:
 # dimensions and every kernel pinned vs unpinned. Statistics half -> kernel and start; evaluation half -> truth.
 rule rollout_divergence:
     input:
-        stats=stats_store("stats"),
-        eval=stats_store("eval"),
+        stats=STORE("stats", dataset="stats"),
+        eval=STORE("stats", dataset="eval"),
         model=model_input,
         code=job("experiments.rollout", "rollout_divergence"),
     output:
@@ -174,8 +174,8 @@ rule rollout_divergence:
 
 rule rollout_localized:
     input:
-        stats=stats_store("stats"),
-        eval=stats_store("eval"),
+        stats=STORE("stats", dataset="stats"),
+        eval=STORE("stats", dataset="eval"),
         model=model_input,
         code=job("experiments.rollout", "rollout_localized"),
     output:

@@ -5,6 +5,9 @@
 # Library: mfpipe.experiments.substitution (its jobs in jobs.py, its targets and input functions in rules.py).
 #   snakemake --cores 2 results/figures/waypoint_mini-gpt2.png
 
+SUBSTITUTION = config["substitution"]
+KERNELS = config["substitution"]["kernels"]
+
 
 rule substitution:
     input:
@@ -12,7 +15,7 @@ rule substitution:
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        kernel=substitution_kernel_input,
+        kernel=PLAN.kernel_input(SUBSTITUTION["kernel"]),
         code=job("experiments.substitution", "substitution"),
     output:
         directory(STORE("substitution")),
@@ -46,7 +49,7 @@ rule substitution_table:
     params:
         model=lambda wc: wc.model,
         revisions=lambda wc: REVISIONS[wc.model],
-        steps=lambda wc: revision_steps(wc.model),
+        steps=lambda wc: PLAN.revision_steps(wc.model),
     localrule: True
     conda:
         ENV
@@ -61,7 +64,7 @@ rule substitution_table:
 rule figure_waypoint:
     input:
         table=f"{R}/tables/substitution_{{model}}.csv",
-        training=training_summary,
+        training=lambda wc: minisuite_rules.training_summary(PLAN, wc),
         code=job("experiments.substitution", "figure_waypoint"),
     output:
         pdf=report(f"{R}/figures/waypoint_{{model}}.pdf", caption="../report/figure_waypoint.rst",
@@ -110,7 +113,7 @@ rule kernel_revision:
 rule kernel_dynamics:
     input:
         kernels=lambda wc: substitution_rules.kernel_results(PLAN, wc),
-        training=training_summary,
+        training=lambda wc: minisuite_rules.training_summary(PLAN, wc),
         code=job("experiments.substitution", "kernel_dynamics"),
     output:
         cka=table_report(f"{R}/tables/kernel_cka_{{model}}.csv", "kernel dynamics"),
@@ -127,7 +130,7 @@ rule kernel_dynamics:
     params:
         model=lambda wc: wc.model,
         revisions=lambda wc: REVISIONS[wc.model],
-        steps=lambda wc: revision_steps(wc.model),
+        steps=lambda wc: PLAN.revision_steps(wc.model),
         window=lambda wc: MODELS[wc.model].get("induction_window"),
         band=SUBSTITUTION["induction_band"],
     localrule: True
@@ -222,7 +225,7 @@ rule substitution_topn_table:
 rule figure_topn:
     input:
         table=f"{R}/tables/substitution_topn_{{model}}.csv",
-        training=training_summary,
+        training=lambda wc: minisuite_rules.training_summary(PLAN, wc),
         code=job("experiments.substitution", "figure_topn"),
     output:
         pdf=report(f"{R}/figures/topn_{{model}}.pdf", caption="../report/figure_topn.rst",
@@ -249,7 +252,7 @@ rule figure_topn:
 rule figure_vocab_mfgap:
     input:
         table=f"{R}/tables/substitution_topn_{{model}}.csv",
-        training=training_summary,
+        training=lambda wc: minisuite_rules.training_summary(PLAN, wc),
         code=job("experiments.substitution", "figure_vocab_mfgap"),
     output:
         pdf=report(f"{R}/figures/vocab_mfgap_{{model}}.pdf", caption="../report/figure_vocab_mfgap.rst",
@@ -288,7 +291,7 @@ use rule deviation_shard as deviation_shard_recompute with:
         shards=lambda wc: deviation_rules.deviation_group_shards(PLAN, wc),
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        kernel=recompute_kernel_input(RECOMPUTE_KERNEL),
+        kernel=PLAN.kernel_input(RECOMPUTE_KERNEL),
         code=job("deviation", "deviation_shard"),
     output:
         partials_output(f"{RECOMPUTE}/partials/group-{{i}}", DEVIATION["keep_partials"]),
@@ -323,7 +326,7 @@ use rule substitution as substitution_recompute with:
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        kernel=recompute_kernel_input(RECOMPUTE_KERNEL),
+        kernel=PLAN.kernel_input(RECOMPUTE_KERNEL),
         code=job("experiments.substitution", "substitution"),
     output:
         directory(STORE("substitution_recompute", kernel=RECOMPUTE_KERNEL)),
@@ -342,7 +345,7 @@ use rule icl_meter as icl_meter_recompute with:
         shards=f"{R}/corpus/{CORPUS}/{{model}}/shards",
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
-        kernel=recompute_kernel_input(RECOMPUTE_PROMPTS_KERNEL),
+        kernel=PLAN.kernel_input(RECOMPUTE_PROMPTS_KERNEL),
         code=job("experiments.prompts", "icl_meter"),
     output:
         curves=f"{RECOMPUTE_PROMPTS}/icl_meter_curves.csv",
@@ -366,9 +369,9 @@ use rule icl_classes as icl_classes_recompute with:
         tracked=f"{R}/corpus/{CORPUS}/{{model}}/tracked.json",
         model=model_input,
         tokenizer=tokenizer_input,
-        tasks=PROMPTS["icl"]["task_files"],
+        tasks=config["prompts"]["icl"]["task_files"],
         task_data=prompts_rules.icl_task_data(PLAN),
-        kernel=recompute_kernel_input(RECOMPUTE_PROMPTS_KERNEL),
+        kernel=PLAN.kernel_input(RECOMPUTE_PROMPTS_KERNEL),
         code=job("experiments.prompts", "icl_classes"),
     output:
         prompts=f"{RECOMPUTE_PROMPTS}/icl_prompts.csv",
@@ -396,7 +399,7 @@ rule calibrated_recompute:
     params:
         model=lambda wc: wc.model,
         revision="{revision}",
-        top=RANKING["top"],
+        top=config["ranking"]["top"],
     localrule: True
     conda:
         ENV

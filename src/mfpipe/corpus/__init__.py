@@ -4,8 +4,9 @@
   their split into the ``stats`` / ``eval`` (/ ``train``) halves.
 - :mod:`mfpipe.corpus.windows` — documents → BOS-led windows → fixed-size token shards, and reading them back.
 - :mod:`mfpipe.corpus.tracked` — the tracked type set: the top-N token types by frequency on the ``stats`` half.
-- :mod:`mfpipe.corpus.exclude` — the exclusion arm's tracked set (App. llama): the same selection with newline /
-  whitespace, punctuation and listed types skipped (``tracked.exclude``).
+- :mod:`mfpipe.corpus.exclusion` — the exclusion arm's tracked set (App. llama): the same selection with newline /
+  whitespace, punctuation and listed types skipped (config ``exclusion``; the arm's table is
+  :mod:`mfpipe.experiments.rollout.exclusion`).
 - :mod:`mfpipe.corpus.zipf` — the tokenizers' rank-frequency curves on the ``stats`` half and the tracked cutoff
   (``fig:zipf``).
 - :mod:`mfpipe.corpus.rules` — the targets of workflow/rules/corpus.smk.

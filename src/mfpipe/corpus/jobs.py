@@ -124,14 +124,14 @@ def zipf(job) -> None:
 
 
 def tracked_types_excl(job) -> None:
-    """The exclusion arm's tracked set (App. llama; mfpipe.corpus.exclude.select_arm): the main set's
+    """The exclusion arm's tracked set (App. llama; mfpipe.corpus.exclusion.select_arm): the main set's
     top-N selection on the stats half with every excluded type skipped and the next most frequent filling up to N.
 
     input.shards      the model's corpus shards; input.tokenizer the mini suite's, for a mini-suite model
     output[0]         tracked-excl.json (mfpipe.corpus.tracked.TrackedSet; meta: the rule and every type skipped)
-    params.n_tracked  N; params.classes, params.strings (config tracked.exclude); params.model, params.results
+    params.n_tracked  N; params.classes, params.strings (config section exclusion); params.model, params.results
     """
-    from mfpipe.corpus import exclude as EX
+    from mfpipe.corpus import exclusion as EX
 
     p, log = job.params, job.log
     ts = EX.arm_tracked(job.input.shards, p.model, p.results, int(p.n_tracked), list(p.classes), list(p.strings))

@@ -65,7 +65,9 @@ def zipf_summary(tables: Mapping[str, pd.DataFrame], n: int) -> pd.DataFrame:
 def zipf_figure(tables: Mapping[str, pd.DataFrame], n: int, out, png=None, title: str | None = None):
     """``fig:zipf``: one log-log rank-frequency curve per model, the rank-N cutoff dashed, each model's cutoff
     frequency marked and listed in the legend."""
-    from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
+    from matplotlib.ticker import FuncFormatter
+
+    from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure, step_label
 
     fig, axes = new_figure(1, 1, w=5.2, h=3.8)
     ax = axes[0, 0]
@@ -77,6 +79,7 @@ def zipf_figure(tables: Mapping[str, pd.DataFrame], n: int, out, png=None, title
         ax.plot([c["rank"]], [c["frequency"]], "o", ms=4, color=line.get_color())
     ax.axvline(n, ls="--", color="0.3", lw=1, label=f"cutoff N = {n}")
     ax.set_xlabel("rank")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: step_label(v)))  # ranks as numbers: 1, 10, 100
     ax.set_ylabel("frequency (statistics half)")
     ax.set_title(title or "Rank-frequency of each tokenizer")
     ax.legend(loc="lower left")

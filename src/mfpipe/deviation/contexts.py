@@ -1,4 +1,4 @@
-"""Pass 2's per-context meters kept per position instead of summed (``mfpipe.deviation(model, stats, tokens)``): for
+"""Pass 2's per-context meters kept per position instead of summed (``mfpipe.context_deviation(model, stats, tokens)``): for
 every window, query position, layer and head, D = 1 − cos(z, ẑ), M_cov and M_ctx (eq:deviation, eq:mcov-mctx), and on
 request the reads z and the mean field ẑ. The terms are pass 2's own (:func:`mfpipe.deviation.queries.query_terms` on
 the batch's :func:`mfpipe.meanfield.plan.query_plan`, :func:`mfpipe.meanfield.deviation.meters_head_major` through each

@@ -11,8 +11,9 @@ forward would take over :data:`TIMED_SECONDS`, of fewer windows.
 
 Measured (seconds per token, or per position, at full depth): the bare forward, pass 1 (``accumulate_shard``), the
 merge's finalize, pass 2 (``deviation_shard``), the substitution (both forwards, ``mfpipe.substitute``), one
-J-lens position (``position_jacobians``), a training step of a mini-suite model; the process's start-up to a
-loaded model and its peak resident memory (and the device's peak on a GPU)."""
+J-lens position (``position_jacobians``) and a decoded vector's Jacobian-vector products (``position_jvps``), a training step of a mini-suite model; the process's start-up to a
+loaded model and its peak resident memory (and the device's peak on a GPU); the rate a streamed model reads its blocks
+from a checkpoint, cold and warm, and what streaming takes off its jobs' memory (:mod:`mfpipe.estimate.weights`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import math
 import sys
 import time
 
-from mfpipe.estimate.timing import time_jlens, time_passes, time_training, timed
+from mfpipe.estimate.timing import time_jlens, time_jvp, time_passes, time_training, timed
+from mfpipe.estimate.weights import stream_fields
 
 __all__ = ["calibrate", "MAX_CALIBRATION_BYTES"]
 
@@ -55,17 +57,21 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _load_seconds(model) -> float:
+def _load_seconds(model) -> tuple[float, tuple[float, float]]:
     """Seconds a job takes to load this model's weights from a checkpoint folder (written here, read back as jobs
-    read theirs)."""
+    read theirs), and the seconds per byte of reading its tensors cold and warm as a streamed model reads its blocks
+    (:func:`mfpipe.estimate.weights.read_rates`)."""
     import tempfile
 
     import transformers
 
+    from mfpipe.estimate.weights import read_rates
+
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         t, _ = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp))
-    return t
+        rates = read_rates(tmp)
+    return t, rates
 
 
 def _build(spec: dict, config: dict, results: str):
@@ -171,19 +177,23 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     model.config._attn_implementation = "eager"
     model, adapter, source = _adapter(model, source)
     # the process so far (imports, the model's classes, its build) and a load of its weights from a folder
-    startup = _process_age() + _load_seconds(model)
+    load_s, rates = _load_seconds(model)
+    startup = _process_age() + load_s
     scale = layers / adapter.n_layers
     # a batch's kernel sums of all layers are kept for one add per batch up to DEFERRED_SUMS_MAX bytes: scaled by
     # the depth run, the cut model keeps them where the whole model would (its time and memory are the whole one's)
     P1.DEFERRED_SUMS_MAX = int(P1.DEFERRED_SUMS_MAX / scale)
     peaks = _Peaks()
     out = {"model": spec["name"], "source": source, "layers": layers, "layers_run": adapter.n_layers,
-           "heads": adapter.n_heads, "d_model": adapter.d_model, "startup_s": startup,
+           "heads": adapter.n_heads, "d_model": adapter.d_model, "d_head": adapter.d_head, "startup_s": startup,
            "runtime_batch_size": int(config["runtime"]["batch_size"])}
     windows, ts = peaks("forward", lambda: _forward(model, adapter, config, batches, device, out))
     B, T = out["batch_size"], out["T"]
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))
     out["jlens_s_per_position"] = peaks("jlens", lambda: time_jlens(adapter, windows, T, config)) * scale
+    # the J-lens decode through Jacobian-vector products (the lenses', jlens.decode): a position's own work, a vector
+    out["jvp_position_s"], out["jvp_s_per_vector"] = (
+        x * scale for x in peaks("jvp", lambda: time_jvp(adapter, windows, T, config)))
     with torch.no_grad():  # a batch of short prompts (function vectors' injections): the per-call cost
         short = torch.as_tensor(windows[:B, :4], device=device)
         out["short_forward_s"] = min(timed(lambda: adapter.base(input_ids=short, use_cache=False))[0]
@@ -195,7 +205,12 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     held = out["pass1_held_bytes"]
     if width != 1.0:  # a 16-bit model timed in float32 sums its mlp_out too (Adapter.mlp_out_from_resid: float32's)
         held += adapter.n_layers * (int(ts.n) + 2) * adapter.d_model * 8
-    out.update(_memory(model, adapter, base_rss, scale, peaks, width, held))
+    # the kernel and pass 2's sums are held whole, all layers at once: counted at the depth run and at full depth
+    arrays = [layer_arrays(n, adapter.n_heads, int(ts.n), adapter.d_head, int(config["deviation"]["top_k"]))
+              for n in (adapter.n_layers, layers)]
+    out.update(_memory(model, adapter, base_rss, scale, peaks, width, held, arrays))
+    # its blocks' weights streamed where they would not fit (runtime.stream_weights): one block's memory, a read a batch
+    out.update(stream_fields(config, spec, adapter, out, width, scale, rates, device))
     if device.startswith("cuda"):
         out["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     out["n_tracked"] = int(ts.n)
@@ -249,13 +264,25 @@ def _forward(model, adapter, config: dict, batches: int, device: str, out: dict)
     return windows, _tracked(rest, perm, int(config["tracked"]["n_tracked"]), int(bos), V)
 
 
-def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0, held_bytes: float = 0.0) -> dict:
+def layer_arrays(L: int, H: int, N: int, dh: int, top_k: int) -> dict:
+    """Bytes of the arrays the substitution and pass 2 hold whole over ``L`` layers at ``N`` tracked types: the
+    kernel W [L,H,N,N+2] and mu [L,H,N+2,dh] in float32 (``kernel_from_store``), and for pass 2 its float64 sums
+    and residual Grams (``DeviationAccumulator``; tests/test_streaming.py checks both against the real ones)."""
+    K = N + 2
+    kernel = L * H * K * (N + dh) * 4
+    sums = 8 * L * (2 * N + 6 * N * H + 4 * N * H * dh + N * H * dh + H + 2 * H * top_k + H * dh * dh)
+    return {"substitution": kernel, "pass2": kernel + sums}
+
+
+def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0, held_bytes: float = 0.0,
+            arrays: list | None = None) -> dict:
     """Each kind of job's peak resident memory at full depth (MiB): the process without the model, the weights
     (the layers' scaled, the embedding and LM head once) and the rise of its stage, scaled where the stage's
-    buffers are per layer (pass 2's sums, the J-lens's graph and cache, training) and not for the forward (one
-    layer's activations at a time) nor the substitution (its logits are the LM head's, once); pass 1's rise with
-    ``held_bytes`` (its accumulators at the depth run) scaled and the rest not, the larger of its forwards and its
-    partial's write (benchmarks/stats_memory.py measures the same at several depths)."""
+    buffers are per layer (the J-lens's graph and cache, training) and not for the forward (one layer's activations
+    at a time); pass 1's rise with ``held_bytes`` (its accumulators at the depth run) scaled and the rest not, the
+    larger of its forwards and its partial's write (benchmarks/stats_memory.py measures the same at several depths);
+    pass 2's and the substitution's with the arrays they hold whole (``arrays``: :func:`layer_arrays` at the depth run
+    and at full depth) counted at full depth and the rest not (a batch's logits are the LM head's, once)."""
     size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     layer_bytes = sum(size(adapter.block_module(l).parameters()) for l in range(adapter.n_layers))
     other = (size(model.parameters()) - layer_bytes) * width
@@ -266,8 +293,13 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
     # (one layer's activations, the batch's plan, one block of derived sums as the partial is written) is not
     held = held_bytes / 2**20
     rise["pass1"] = max(rise["pass1"] + held * (scale - 1), held * scale + rise.pop("pass1_write", 0.0))
+    # pass 2 and the substitution: the kernel and pass 2's sums (``arrays``: at the depth run, at full depth) are per
+    # layer, the rest (one layer's activations, a batch's logits) is not; without ``arrays`` pass 2's all scaled
+    for k in ("pass2", "substitution") if arrays else ():
+        if k in rise:
+            rise[k] = max(rise[k] - arrays[0][k] / 2**20, 0.0) + arrays[1][k] / 2**20
     # the forward holds one layer's activations at a time: not per layer
-    per_layer = {"pass2", "jlens", "train"}
+    per_layer = {"jlens", "train"} | (set() if arrays else {"pass2"})
     peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in rise.items()}
     return {"peak_mb": peak, "peak_rss_mb": max(peak.values()), "param_bytes": int(other + layer_bytes * scale)}
 

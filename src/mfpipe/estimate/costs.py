@@ -7,22 +7,28 @@ job's: its imports, measured) plus its work. The work is what dominates the job'
 counted and priced by the calibration: tokens through a corpus pass at the pass's measured seconds per token,
 kernel cells through a store's write and read, heads through a Gram matrix and its eigendecomposition, pair
 weights through the calibrated kernel's passes, J-lens positions, training tokens. :data:`RULES` maps each rule to
-its formula; a rule not there costs its start-up and is listed as such."""
+its formula (with :mod:`mfpipe.estimate.slices`'s: the positional slice, the token counts, the jobs whose work is their
+start-up, each named); a rule not there is unpriced (:func:`priced`): it costs its start-up, and `mfpipe estimate`
+prints it on a line of its own."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Context", "job_cost", "RULES", "FIGURE_RULES"]
+from mfpipe.estimate.slices import EXTRA_PEAK, SLICE_RULES
+from mfpipe.estimate.weights import STARTUP_READS, streamed, weight_reads
+
+__all__ = ["Context", "job_cost", "RULES", "FIGURE_RULES", "priced", "kept"]
 
 FIGURE_RULES = {"figure_waypoint", "figure_rollout", "figure_teacher_forced", "figure_error_decomposition",
                 "figure_clustering", "figure_cross_corpus", "figure_icl_classes", "figure_icl_meter", "figure_fv",
-                "figure_crossmodel", "figure_topn", "figure_divergence"}
+                "figure_crossmodel", "figure_topn", "figure_divergence", "figure_curves", "figure_positional",
+                "figure_fv_clean", "figure_vocab_mfgap", "zipf"}
 # figures drawn from stores (the deviation stores, the kernels): a store job's start-up and a figure's
 STORE_FIGURE_RULES = {"exp3_correlation", "ranking", "kernel_dynamics"}
 STORE_RULES = {"stats_merge", "deviation_merge", "kernel_revision", "calibrate_kernel", "attention_coverage",
-               "substitution_table", "substitution_topn_table"}  # model-free jobs that open Zarr stores
+               "substitution_table", "substitution_topn_table", "ranking_roles"}  # model-free jobs that open Zarr stores
 
 
 @dataclass
@@ -91,6 +97,10 @@ def stats_shard(ctx, c, wc):
     # each shard's partial: the calibration's own write (its derived sums made as they are written, per layer)
     write = c.get("partial_write_s", _cells(c, ctx) * c["store_write_s_per_cell"])
     work = tok * c["pass1_s_per_token"] + c["pass1_first_s"] + n_shards * write
+    # a streamed model: its blocks read per batch, and per shard some 4 times more (the norm forms and the derived
+    # sums read each block outside the forwards; tests/test_streaming.py counts them)
+    B = int(ctx.config["runtime"]["batch_size"])
+    work += weight_reads(c, tok / ctx.T(corpus), B, n_shards * (4 + 4 / c["layers"]))
     return work, disk
 
 
@@ -112,14 +122,22 @@ def deviation_shard(ctx, c, wc):
     per_job = ctx.config["deviation"]["shards_per_job"]
     if per_job:
         w = min(w - int(wc.get("i", 0)) * sw, int(per_job) * sw)
-    return w * T * c["pass2_s_per_token"] + c["pass2_first_s"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+    # a partial per shard (deleted after the merge unless deviation.keep_partials): the calibration's partial, where
+    # an older calibration lacks it the store it merges into
+    disk = math.ceil(w / sw) * c.get("deviation_partial_bytes", c["deviation_store_bytes"])
+    B = int(ctx.config["deviation"].get("batch_size") or ctx.config["runtime"]["batch_size"])
+    reads = weight_reads(c, w, B, 1)  # a streamed model: its blocks per batch, and once for the residual Grams
+    return (w * T * c["pass2_s_per_token"] + c["pass2_first_s"] + _cells(c, ctx) * c["store_read_s_per_cell"] + reads,
+            disk)
 
 
 def substitution(ctx, c, wc):
     corpus = ctx.config["corpus"]["name"]
     T = ctx.T(corpus)
     w = min(math.ceil(int(ctx.config["substitution"]["eval_tokens"]) / T), ctx.windows(wc["model"], corpus, "eval"))
-    return w * T * c["substitution_s_per_token"] + _cells(c, ctx) * c["store_read_s_per_cell"], 0.0
+    B = int(ctx.config["substitution"].get("batch_size") or ctx.config["runtime"]["batch_size"])
+    reads = weight_reads(c, 2 * w, B, 1)  # a streamed model: its blocks per forward (two a batch), once for the Grams
+    return w * T * c["substitution_s_per_token"] + _cells(c, ctx) * c["store_read_s_per_cell"] + reads, 0.0
 
 
 def deviation_merge(ctx, c, wc):
@@ -212,10 +230,20 @@ def jlens(ctx, c, wc):
     return int(ctx.config["jlens"]["n_positions"]) * c["jlens_s_per_position"], 0.0
 
 
+def jvp_decode(ctx, c, n: int) -> float:
+    """Seconds of a consumer's J-lens decodes of ``n`` vectors through Jacobian-vector products, where jlens.decode
+    takes that path for it (mfpipe.jlens.rules.shape_path; 0 where it reads the store)."""
+    from mfpipe.jlens.rules import shape_path
+
+    if shape_path(ctx.config, (c["layers"], c["heads"], c["d_model"]), n) != "jvp":
+        return 0.0
+    return int(ctx.config["jlens"]["n_positions"]) * (c.get("jvp_position_s", 0.0) + n * c.get("jvp_s_per_vector", 0.0))
+
+
 def lenses(ctx, c, wc):
     p = ctx.config["prompts"]["lenses"]
-    T = ctx.T(ctx.config["corpus"]["name"])
-    return (int(p["n_lens_heads"]) + len(p["heads"])) * int(p["per_head"]) * T * c["pass2_s_per_token"] * 2, 0.0
+    T, n = ctx.T(ctx.config["corpus"]["name"]), (int(p["n_lens_heads"]) + len(p["heads"])) * int(p["per_head"])
+    return n * T * c["pass2_s_per_token"] * 2 + jvp_decode(ctx, c, n), 0.0
 
 
 def icl_classes(ctx, c, wc):
@@ -244,7 +272,9 @@ def function_vectors(ctx, c, wc):
     sweep = int(f["n_extract"]) * (c["layers"] * len(f["sum_scales"]) * 4 + len(f["head_scales"]) * 4)
     held = int(f["n_splits"]) * (int(f["n_pairs"]) - int(f["n_extract"])) * (2 * int(f["n_selected"]) + 1)
     runs = int(f["n_seeds"]) * n_tasks
-    return runs * (long_ * prompt * c["forward_s_per_token"] * 2 + (sweep + held) / B * c["short_forward_s"]), 0.0
+    decodes = runs * (4 + c["layers"] * c["heads"] * (1 + int(f["n_clean"])))  # fv.rules.decoded_vectors
+    return (runs * (long_ * prompt * c["forward_s_per_token"] * 2 + (sweep + held) / B * c["short_forward_s"])
+            + jvp_decode(ctx, c, decodes)), 0.0
 
 
 def minisuite_train(ctx, c, wc):
@@ -283,12 +313,13 @@ RULES = {
     "attention_coverage": attention_coverage,
     "head_scores": head_scores, "jlens": jlens, "lenses": lenses, "icl_classes": icl_classes, "icl_meter": icl_meter,
     "function_vectors": function_vectors, "minisuite_train": minisuite_train, "corpus_shards": corpus_shards,
+    **SLICE_RULES,
 }
 # jobs that load a model (their start-up is the calibration's: imports and the model)
 MODEL_RULES = {"stats_shard", "deviation_shard", "substitution", "substitution_topn", "rollout_scores",
                "error_accounting", "cross_corpus", "exclusion_rollout", "rollout_divergence", "rollout_localized",
                "head_scores", "jlens", "lenses", "icl_classes",
-               "icl_meter", "function_vectors", "minisuite_train"}
+               "icl_meter", "function_vectors", "minisuite_train", "positional", "positional_ablation"}
 # jobs that load a tokenizer and no model
 TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "tracked_types_excl", "minisuite_tasks"}
 
@@ -296,7 +327,8 @@ TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "trac
 # the calibration stage whose memory a job's peak is (the others: the bare forward's)
 PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pass2", "icl_meter": "pass2",
               "substitution": "substitution", "substitution_topn": "substitution", "icl_classes": "substitution",
-              "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train"}
+              "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train",
+              "positional": "pass2"}  # (the positional job's batches are deviation forwards, pass 2's)
 # App. B's recomputation (workflow/rules/substitution.smk) reruns these jobs with the other kernel: their costs; its
 # table job opens the two arms' stores
 RECOMPUTE_RULES = {"deviation_shard_recompute": "deviation_shard", "deviation_merge_recompute": "deviation_merge",
@@ -321,14 +353,31 @@ def kernel_sums_mb(c: dict) -> float:
     return c["layers"] * c["heads"] * N * (N + 2) * 4 / 2**20
 
 
+def kept(config: dict, rule: str) -> bool:
+    """Whether a job's output stays on disk to the run's end: every output but the partials, which stay only where
+    the config keeps them (``stats.keep_partials``, ``deviation.keep_partials``; else deleted after their merge)."""
+    section = {"stats_shard": "stats", "deviation_shard": "deviation", "deviation_shard_recompute": "deviation"}
+    return bool(config[section[rule]]["keep_partials"]) if rule in section else True
+
+
+def priced(rule: str) -> bool:
+    """Whether ``rule`` has a cost formula (:data:`RULES`); a job of a rule without one is counted as its start-up
+    only, and `mfpipe estimate` names it."""
+    return rule in RULES
+
+
 def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
-    """``{"seconds", "startup_s", "peak_mb", "disk_bytes", "modelled"}`` of one job."""
+    """``{"seconds", "startup_s", "peak_mb", "disk_bytes", "modelled"}`` of one job (``modelled``: :func:`priced`)."""
     model = wildcards.get("model") or wildcards.get("mini")
     c = ctx.cal.get(model) if model else None
     if rule in MODEL_RULES:
         start, peak = c["startup_s"], c["peak_mb"].get(PEAK_STAGE.get(rule, "forward"), c["peak_rss_mb"])
         if rule == "stats_shard" and (ctx.config.get("stats") or {}).get("kernel_sums") == "disk":
             peak -= kernel_sums_mb(c)  # mapped from a file: the page cache's, not the job's own memory
+        if rule in EXTRA_PEAK:  # what the job holds beyond its calibrated stage (mfpipe.estimate.slices)
+            peak += EXTRA_PEAK[rule](ctx, c, wildcards)
+        if streamed(c, rule):  # one block's weights resident, not all; the load's probe reads every block twice
+            peak, start = peak - c["stream_saving_mb"], start + STARTUP_READS * c["blocks_read_s"]
     else:
         kind = ("figure" if rule in FIGURE_RULES else "store" if rule in STORE_RULES
                 else "store_figure" if rule in STORE_FIGURE_RULES else "tokenizer" if rule in TOKENIZER_RULES
@@ -340,7 +389,8 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
     if c is not None and rule in READS_STORES:
         start += c["store_open_s"]
     fn = RULES.get(rule)
-    work, disk = fn(ctx, c, wildcards) if fn is not None and c is not None else (0.0, 0.0)
+    # (a model-free job without a model wildcard -- a figure, the mini suite's tokenizer -- is priced too)
+    work, disk = fn(ctx, c, wildcards) if fn is not None else (0.0, 0.0)
     work *= ctx.startup.get("contention_work", 1.0)  # beside the run's other jobs (`--jobs-at-once`)
     return {"seconds": start + work, "startup_s": start, "peak_mb": peak, "disk_bytes": disk,
-            "modelled": fn is not None}
+            "modelled": priced(rule)}

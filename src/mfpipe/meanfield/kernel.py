@@ -118,7 +118,7 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
         raise ProvenanceError(
             f"statistics store {stats.path} was computed with another tracked set "
             f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {fingerprint!r}); rerun the stats stage")
-    layers = []
+    W = None  # filled a layer at a time: never a second copy of the whole kernel (a list of layers, then a stack)
     mc = None
     for l in range(stats.n_layers):
         if calibrated is None:
@@ -127,12 +127,15 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
         else:
             Wl = calibrated.isel(layer=l)
             mc = int(calibrated.attrs.get("min_count", stats.attrs.get("min_count", 20)))
-        layers.append(torch.from_numpy(np.asarray(Wl.transpose("head", "query", "key").values)).to(dtype))
+        Wl = torch.from_numpy(np.asarray(Wl.transpose("head", "query", "key").values))
+        if W is None:
+            W = torch.empty((stats.n_layers, *Wl.shape), dtype=dtype)
+        W[l] = Wl  # the same cast to dtype as .to(dtype)
     mu = stats.mu().transpose("layer", "head", "key", "head_dim")
     key_lut, query_lut, n, _ = bucket_luts(tracked)
     attrs = {k: stats.attrs.get(k) for k in ("model", "revision", "revision_commit", "tracked_fingerprint",
                                             "corpus_fingerprint", "n_tracked", "context_length", "n_tokens")}
     attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
     attrs["min_count"] = mc
-    return MeanFieldKernel(torch.stack(layers), torch.from_numpy(np.asarray(mu.values)).to(dtype), key_lut, query_lut,
+    return MeanFieldKernel(W, torch.from_numpy(np.asarray(mu.values)).to(dtype), key_lut, query_lut,
                            n, attrs)

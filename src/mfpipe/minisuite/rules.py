@@ -11,6 +11,14 @@ def tasks_input(plan, wildcards) -> list[str]:
     return []
 
 
+def training_summary(plan, wildcards) -> list[str]:
+    """A mini model's training.json (its recorded induction-score curve shades the induction window of the training
+    sweep's figures); nothing for another model."""
+    if plan.is_mini(wildcards.model):
+        return [f"{plan.results}/minisuite/{wildcards.model}/training.json"]
+    return []
+
+
 def targets(plan) -> list[str]:
     """Per mini-suite model the run analyses: its induction scores; with any, the induction table."""
     R, t = plan.results, []

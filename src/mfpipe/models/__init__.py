@@ -2,6 +2,9 @@
 
 - :mod:`mfpipe.models.loader` — one loader for a hub name + ``revision`` (resolved to a commit), a local folder or a
   mini-suite checkpoint, and its tokenizer.
+- :mod:`mfpipe.models.streamed` — a model too large for the memory loaded to run one block at a time
+  (``runtime.stream_weights``): built on the meta device, each block's weights read from its safetensors files as the
+  block runs (:mod:`mfpipe.models.adapters.streaming`).
 - :mod:`mfpipe.models.adapters` — the adapter, built on where a model keeps its pieces (placed by structure, not by
   name): the one place that knows module paths, with the read/patch site every corpus pass and intervention goes
   through.

@@ -214,6 +214,22 @@ def resolve_device(device: str | None):
     return torch.device(device)
 
 
+def _streamed(spec: dict, revision: str | None, path: str, rev: str | None, config, dtype: str, device, stream):
+    """:func:`mfpipe.models.streamed.load_streamed` with its errors as :class:`ModelLoadError` naming the model."""
+    from mfpipe.models.adapters.streaming import StreamingError
+    from mfpipe.models.streamed import load_streamed
+
+    try:
+        return load_streamed(spec.get("source"), path, rev, config, dtype, resolve_device(device), stream,
+                             _describe(spec, revision))
+    except StreamingError as e:
+        raise ModelLoadError(f"{_describe(spec, revision)}: {e}") from e
+    except OSError as e:  # the hub's snapshot not in the cache (and the hub not reachable), a file not readable
+        if spec.get("source") == "hub":
+            raise _offline_message(spec, revision, e) from e
+        raise ModelLoadError(f"could not stream the weights of {_describe(spec, revision)}: {e}") from e
+
+
 @_collector_paused
 def load_model(
     spec: dict,
@@ -222,10 +238,13 @@ def load_model(
     device: str | None = "cpu",
     results_dir: str | Path = "results",
     commit: str | None = None,
+    stream: bool | str = False,
 ):
     """A `transformers` causal LM in eval mode with eager attention. ``commit``: for a hub model, the commit
     ``revision`` was resolved to when the run was planned (:func:`resolve_commit`): that is what is loaded, so a
-    branch that moves mid-run cannot mix two models' weights in one result."""
+    branch that moves mid-run cannot mix two models' weights in one result. ``stream`` (``runtime.stream_weights``):
+    True streams its blocks' weights from its safetensors files one block at a time (:mod:`mfpipe.models.streamed`),
+    "auto" where they would not fit the memory (:func:`mfpipe.models.streamed.streams`), False loads them whole."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -247,6 +266,10 @@ def load_model(
         if spec.get("source") == "hub":
             raise _offline_message(spec, revision, e) from e
         raise ModelLoadError(f"could not read the config of {_describe(spec, revision)}: {e}") from e
+    if stream not in (False, None, "false"):
+        model = _streamed(spec, revision, path, kwargs.get("revision"), config, dtype, device, stream)
+        if model is not None:
+            return model
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path,

@@ -1,7 +1,8 @@
-"""What the notebook API takes, checked once: the model (a ``transformers`` causal LM or an nnsight ``LanguageModel``),
-its tokenizer, the token windows (texts tokenized and BOS-led as the pipeline does, or token ids) and the statistics
-(an in-memory Dataset, a store on disk or an opened store). Bad input raises :class:`NotebookError` with one line
-saying what is wrong and what to do."""
+"""What the notebook API takes, checked once: the model (a ``transformers`` causal LM or an nnsight
+``TransformersModel``, or the ``LanguageModel`` nnsight 0.8 deprecates for it), its tokenizer, the token windows
+(texts tokenized and BOS-led as the pipeline does, or token ids) and the statistics (an in-memory Dataset, a store on
+disk or an opened store). Bad input raises :class:`NotebookError` with one line saying what is wrong and what to do,
+never a traceback of numpy, torch or the adapter."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ from typing import Any
 import numpy as np
 
 __all__ = ["NotebookError", "resolve_model", "prepared", "bos_id_of", "text_windows", "token_windows", "by_length",
-           "check_fits", "as_stats", "check_stats", "tokens_fingerprint", "token_strings"]
+           "in_input_order", "check_fits", "as_stats", "check_stats", "tokens_fingerprint", "token_strings",
+           "positive_int", "MODEL_CLASSES"]
+
+# what the errors name as the model a call takes (nnsight 0.8 deprecates LanguageModel for TransformersModel)
+MODEL_CLASSES = "a transformers causal LM (AutoModelForCausalLM.from_pretrained(...)) or nnsight.TransformersModel(...)"
 
 
 class NotebookError(ValueError):
@@ -21,46 +26,80 @@ class NotebookError(ValueError):
 
 
 def resolve_model(model, tokenizer=None) -> tuple[Any, Any]:
-    """``(hf_model, tokenizer)`` of a ``transformers`` causal LM or an nnsight ``LanguageModel`` / ``NNsight`` wrapper
-    (its wrapped module; its tokenizer unless one is given; weights loaded if it was created without them)."""
+    """``(hf_model, tokenizer)`` of a ``transformers`` causal LM or an nnsight ``TransformersModel`` / ``LanguageModel``
+    / ``NNsight`` wrapper (its wrapped module; its tokenizer unless one is given; weights loaded if it was created
+    without them)."""
     inner = getattr(model, "_module", None)
     if inner is not None and type(model).__module__.startswith("nnsight"):
         if getattr(model, "dispatched", True) is False:
-            model.dispatch()  # a LanguageModel made without its weights (meta tensors) loads them now
+            model.dispatch()  # a TransformersModel made without its weights (meta tensors) loads them now
             inner = model._module
         tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         model = inner
     if getattr(getattr(model, "config", None), "model_type", None) is None or not hasattr(model, "forward"):
-        raise NotebookError(f"{type(model).__name__} is not a transformers causal LM or an nnsight LanguageModel; "
-                            "pass e.g. AutoModelForCausalLM.from_pretrained(...) or nnsight.LanguageModel(...)")
+        raise NotebookError(f"{type(model).__name__} is not a transformers causal LM or an nnsight TransformersModel; "
+                            f"pass {MODEL_CLASSES}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise NotebookError(f"tokenizer= is a {type(tokenizer).__name__}, not a tokenizer: pass "
+                            "AutoTokenizer.from_pretrained(...) (the model's)")
     return model, tokenizer
+
+
+def positive_int(name: str, value, allow_none: bool = False):
+    """``value`` as an int >= 1 (None kept where ``allow_none``), else a NotebookError naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise NotebookError(f"{name}={value!r}: give a whole number >= 1")
+    return int(value)
 
 
 @contextmanager
 def prepared(model, device=None) -> Iterator[Any]:
     """The adapter of ``model`` (placed by structure, :func:`mfpipe.models.adapters.get_adapter`: a model it cannot
     place raises its one-line error naming what did not match and ``mfpipe conformance``) with the model in eval
-    mode, eager attention and on ``device``; all three are put back as they were on exit."""
+    mode, eager attention and on ``device``; all three are put back as they were on exit. A device that does not
+    exist here or a model the adapter cannot place is one NotebookError line."""
     import torch
 
-    from mfpipe.models.adapters import get_adapter
+    from mfpipe.models.adapters import UnsupportedArchitectureError, get_adapter
 
     was_training = model.training
     impl = getattr(model.config, "_attn_implementation", None)
     home = next(model.parameters()).device
+    if device is not None:
+        _check_device(device)
     try:
         model.eval()
         if impl != "eager":
             model.set_attn_implementation("eager")  # the read site reads the attention probabilities
         if device is not None and torch.device(device) != home:
             model.to(device)
-        yield get_adapter(model)
+        try:
+            adapter = get_adapter(model)
+        except UnsupportedArchitectureError as e:
+            raise NotebookError(f"mfpipe cannot analyse this {type(model).__name__}: {e}") from None
+        yield adapter
     finally:
         if device is not None and torch.device(device) != home:
             model.to(home)
         if impl not in (None, "eager"):
             model.set_attn_implementation(impl)
         model.train(was_training)
+
+
+def _check_device(device) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise NotebookError(f"device={device!r} is no torch device ({e}): give e.g. 'cpu' or 'cuda:0'") from None
+    cuda = torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    ok = {"cpu": True, "meta": False, "cuda": cuda, "mps": torch.backends.mps.is_available()}.get(dev.type, True)
+    if not ok:
+        raise NotebookError(f"device={device!r} is not available on this machine: give 'cpu' or a device that is "
+                            "(torch.cuda.is_available())")
 
 
 def bos_id_of(model, tokenizer, stats=None) -> int:
@@ -84,7 +123,7 @@ def _is_texts(x) -> bool:
 
 def _tokenize(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     if tokenizer is None:
-        raise NotebookError("texts need a tokenizer: pass tokenizer= (an nnsight LanguageModel brings its own)")
+        raise NotebookError("texts need a tokenizer: pass tokenizer= (an nnsight TransformersModel brings its own)")
     from mfpipe.corpus.windows import tokenize_documents
 
     return tokenize_documents(tokenizer, list(texts))
@@ -105,27 +144,54 @@ def text_windows(x, tokenizer, bos_id: int, context_length: int | None) -> list[
                 raise NotebookError(f"the texts hold {sum(map(len, ids))} tokens, less than one window of "
                                     f"context_length={context_length}; give more text or a shorter context_length")
             return [windows.tokens.astype(np.int64)]
+        empty = [i for i, t in enumerate(ids) if not len(t)]
+        if empty:
+            raise NotebookError(f"text #{empty[0]} holds no tokens: a window needs BOS and at least one token; "
+                                "drop the empty texts")
         return [np.asarray([[bos_id, *t]], dtype=np.int64) for t in ids]
+    if isinstance(x, Sequence) and any(isinstance(t, str) for t in x):
+        raise NotebookError("the input mixes texts and token ids: give a list of texts or token ids, not both")
     return token_windows(x, bos_id)
+
+
+def _as_array(b) -> np.ndarray:
+    try:
+        return np.asarray(b.detach().cpu().numpy() if hasattr(b, "detach") else b)
+    except ValueError:  # numpy: a ragged nested list ("inhomogeneous shape")
+        raise NotebookError("the windows are a ragged nested list: give a [n, T] array of one length, or a list of "
+                            "1-D token-id sequences (one window each)") from None
 
 
 def token_windows(x, bos_id: int) -> list[np.ndarray]:
     """Token-id windows as 2-D int64 arrays (see :func:`text_windows`), each row starting with ``bos_id``."""
     if hasattr(x, "detach"):
         x = x.detach().cpu().numpy()
-    if isinstance(x, np.ndarray) or (isinstance(x, Sequence) and x and np.isscalar(x[0])):
-        arr = np.asarray(x)
-        blocks = [arr[None] if arr.ndim == 1 else arr]
-    elif isinstance(x, Sequence) and x:
-        blocks = [np.asarray(b.detach().cpu().numpy() if hasattr(b, "detach") else b) for b in x]
-        blocks = [b[None] if b.ndim == 1 else b for b in blocks]
-    else:
+    if isinstance(x, (str, bytes)) or not isinstance(x, (np.ndarray, Sequence)):
         raise NotebookError(f"cannot read windows from {type(x).__name__}: give texts, a [n, T] array of token ids "
                             "or a list of token-id sequences")
+    if isinstance(x, Sequence) and not len(x):
+        raise NotebookError("no windows: the list is empty; give texts or token ids")
+    if isinstance(x, np.ndarray) or np.isscalar(x[0]):
+        arr = _as_array(x)
+        blocks = [arr[None] if arr.ndim == 1 else arr]
+    else:
+        blocks = [_as_array(b) for b in x]
+        blocks = [b[None] if b.ndim == 1 else b for b in blocks]
     out = []
     for k, b in enumerate(blocks):
-        if b.ndim != 2 or not np.issubdtype(b.dtype, np.integer):
-            raise NotebookError(f"windows #{k}: expected integer token ids of shape [n, T], got {b.dtype} {b.shape}")
+        if b.ndim != 2:
+            raise NotebookError(f"windows #{k} have shape {b.shape}: give [n, T] token ids (a 2-D array) or 1-D "
+                                "sequences")
+        if b.size == 0:
+            raise NotebookError(f"windows #{k} are empty (shape {b.shape}): give at least one window of BOS and a "
+                                "token")
+        if not np.issubdtype(b.dtype, np.integer):
+            raise NotebookError(f"windows #{k} hold {b.dtype}, not integer token ids: give ids (e.g. .astype(int) of "
+                                "whole numbers) or texts with tokenizer=")
+        if b.min() < 0:
+            i, j = (int(v[0]) for v in np.nonzero(b < 0))
+            raise NotebookError(f"window {i} of #{k} holds token id {int(b[i, j])} at position {j}: ids are >= 0 "
+                                "(-1 is the padding of results' token_id: drop it)")
         if b.shape[1] < 2:
             raise NotebookError(f"windows #{k} have length {b.shape[1]}: a window needs BOS and at least one token "
                                 "(T >= 2)")
@@ -137,12 +203,25 @@ def token_windows(x, bos_id: int) -> list[np.ndarray]:
     return out
 
 
-def by_length(blocks: list[np.ndarray]) -> list[np.ndarray]:
-    """The windows of ``blocks`` regrouped by length (first appearance order): one forward batch has one length."""
+def by_length(blocks: list[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The windows of ``blocks`` regrouped by length (first appearance order; one forward batch has one length) and
+    ``order``: the place in the input (``blocks`` concatenated) of each window of the groups concatenated, for
+    :func:`in_input_order`."""
     groups: dict[int, list[np.ndarray]] = {}
+    places: dict[int, list[np.ndarray]] = {}
+    n = 0
     for b in blocks:
         groups.setdefault(b.shape[1], []).append(b)
-    return [np.concatenate(g) for g in groups.values()]
+        places.setdefault(b.shape[1], []).append(np.arange(n, n + len(b)))
+        n += len(b)
+    return [np.concatenate(g) for g in groups.values()], np.concatenate([np.concatenate(p) for p in places.values()])
+
+
+def in_input_order(x: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` (windows in :func:`by_length`'s group order) put back in the input's order."""
+    out = np.empty_like(x)
+    out[order] = x
+    return out
 
 
 def check_fits(model, blocks: list[np.ndarray]) -> None:
@@ -175,7 +254,10 @@ def as_stats(stats):
                                 "or mfpipe.open_results('stats', model, revision)")
         return MeanFieldStats(stats)
     if isinstance(stats, (str, Path)):
-        return open_stats(stats)
+        try:
+            return open_stats(stats)
+        except (OSError, ValueError) as e:  # missing, incomplete or not a statistics store: the reader's one line
+            raise NotebookError(f"{e}; or pass mfpipe.collect_stats(model, texts)") from None
     raise NotebookError(f"statistics must be a Dataset, a store path or mfpipe.open_stats(...), not {type(stats).__name__}")
 
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import xarray as xr
 
-from mfpipe.notebook.inputs import NotebookError, as_stats, by_length, text_windows, tokens_fingerprint
+from mfpipe.notebook.identity import check_identity
+from mfpipe.notebook.inputs import (NotebookError, as_stats, by_length, in_input_order, positive_int, text_windows,
+                                    tokens_fingerprint)
 
 __all__ = ["MeanField", "mean_field", "pad_windows", "result_attrs"]
 
@@ -28,13 +30,15 @@ def pad_windows(arrays: list[np.ndarray], fill) -> np.ndarray:
 
 
 def result_attrs(stats, blocks: list[np.ndarray], what: str, **extra) -> dict:
-    """Provenance of a notebook result: the statistics' (model, revision, tracked set, corpus, N), the windows'
-    fingerprint and size, what computed it and the mfpipe version."""
+    """Provenance of a notebook result: the statistics' (model, revision, weights and tokenizer, tracked set, corpus,
+    N), the windows' fingerprint and size (``blocks`` in the input's order), what computed it and the mfpipe
+    version."""
     from mfpipe.version import __version__
 
     a = stats.attrs
-    attrs = {k: a.get(k) for k in ("model", "revision", "revision_commit", "half", "tracked_fingerprint",
-                                   "corpus_fingerprint", "n_tracked", "context_length") if a.get(k) is not None}
+    attrs = {k: a.get(k) for k in ("model", "revision", "revision_commit", "half", "weights_fingerprint",
+                                   "tokenizer_fingerprint", "tracked_fingerprint", "corpus_fingerprint", "n_tracked",
+                                   "context_length") if a.get(k) is not None}
     attrs.update({"stats_tokens": a.get("n_tokens"), "source": f"in-memory (mfpipe.{what})",
                   "tokens_fingerprint": tokens_fingerprint(blocks), "n_windows": int(sum(len(b) for b in blocks)),
                   "n_tokens": int(sum(b.size for b in blocks)), "mfpipe_version": __version__})
@@ -90,14 +94,18 @@ class MeanField:
         """ẑ_sX = Σ_t Â_stX μ_t (eq:ccmf) of every head at every position of the windows: ``zhat`` (window, position,
         layer, head, head_dim), NaN where the position is not substituted (no tracked query type, or a row of W
         without support in some layer), ``substituted`` (window, position); ``token_id`` -1 on padding. Texts (one
-        window each, BOS-led) need ``tokenizer``."""
+        window each, BOS-led) need ``tokenizer``, the statistics' own (refused when their provenance records another).
+        Windows keep the input's order (``window`` i is the i-th), whatever their lengths."""
         bos = self.stats.attrs.get("bos_id")
         if bos is None:
             raise NotebookError("these statistics record no bos_id: pass token windows from a store of this mfpipe")
+        if tokenizer is not None:
+            check_identity(None, tokenizer, {"tokenizer_fingerprint": self.stats.attrs.get("tokenizer_fingerprint")},
+                           f"statistics {self.stats.path or '(in memory)'}")
         blocks = text_windows(tokens_or_texts, tokenizer, int(bos), None)
         k = self.kernel(max(int(b.max()) for b in blocks) + 1)
         zs, subs = [], []
-        groups = by_length(blocks)
+        groups, order = by_length(blocks)
         for g in groups:
             kb, qt = k.buckets(g)
             z, sub = k.zhat(kb, qt)
@@ -106,9 +114,10 @@ class MeanField:
             z[~sub] = np.nan
             zs.append(z)
             subs.append(sub)
-        ds = xr.Dataset({"zhat": (("window", "position", "layer", "head", "head_dim"), pad_windows(zs, np.nan)),
-                         "substituted": (("window", "position"), pad_windows(subs, False))},
-                        coords={"token_id": (("window", "position"), pad_windows(groups, -1)),
+        ds = xr.Dataset({"zhat": (("window", "position", "layer", "head", "head_dim"),
+                                  in_input_order(pad_windows(zs, np.nan), order)),
+                         "substituted": (("window", "position"), in_input_order(pad_windows(subs, False), order))},
+                        coords={"token_id": (("window", "position"), in_input_order(pad_windows(groups, -1), order)),
                                 "layer": np.arange(k.n_layers), "head": np.arange(k.W.shape[1])})
         ds.attrs.update(result_attrs(self.stats, blocks, "mean_field", min_count=k.attrs.get("min_count")))
         return ds
@@ -125,4 +134,4 @@ def mean_field(stats, *, min_count: int | None = None) -> MeanField:
         mf.W.sel(layer=0, head=1)             # (query, key)
         mf.zhat(prompt_ids)["zhat"]           # (window, position, layer, head, head_dim)
     """
-    return MeanField(as_stats(stats), min_count)
+    return MeanField(as_stats(stats), positive_int("min_count", min_count, allow_none=True))

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mfpipe.notebook.inputs import (NotebookError, bos_id_of, check_fits, prepared, resolve_model, text_windows,
-                                    tokens_fingerprint)
+from mfpipe.notebook.identity import identity_attrs
+from mfpipe.notebook.inputs import (NotebookError, bos_id_of, check_fits, positive_int, prepared, resolve_model,
+                                    text_windows, tokens_fingerprint)
 
 __all__ = ["collect_stats", "select_tracked_types", "DEFAULT_N_TRACKED", "DEFAULT_CONTEXT_LENGTH"]
 
@@ -33,7 +34,7 @@ def select_tracked_types(blocks: list[np.ndarray], tokenizer, bos_id: int, vocab
     elif isinstance(tracked, (str, Path)):
         ts = TrackedSet.load(tracked)
     elif tracked is not None:
-        ids = [int(tokenizer.convert_tokens_to_ids(t)) if isinstance(t, str) else int(t) for t in tracked]
+        ids = [_tracked_id(tokenizer, t, vocab_size) for t in tracked]
         if bos_id in ids:
             raise NotebookError(f"tracked= holds the BOS id {bos_id}: BOS is never a tracked type")
         ts = TrackedSet(np.asarray(ids, dtype=np.int64), [decode(i) for i in ids], counts[ids], bos_id, vocab_size,
@@ -50,6 +51,21 @@ def select_tracked_types(blocks: list[np.ndarray], tokenizer, bos_id: int, vocab
     return ts
 
 
+def _tracked_id(tokenizer, t, vocab_size: int) -> int:
+    """The id of one entry of ``tracked=``: a token string of the tokenizer or an id below ``vocab_size``."""
+    if isinstance(t, str):
+        if tokenizer is None:
+            raise NotebookError(f"tracked= holds the token {t!r}: token strings need tokenizer=, or give ids")
+        tid = tokenizer.convert_tokens_to_ids(t)
+        if tid is None or (tid == getattr(tokenizer, "unk_token_id", None) and t != tokenizer.unk_token):
+            raise NotebookError(f"tracked= holds {t!r}, no token of the tokenizer: give its tokens as the tokenizer "
+                                "spells them (tokenizer.convert_ids_to_tokens) or ids")
+        return int(tid)
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+        raise NotebookError(f"tracked= holds {t!r}: give token ids 0..{vocab_size - 1} or token strings")
+    return int(t)
+
+
 def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | None = None, tracked=None,
                   context_length: int | None = None, batch_size: int = 8, device=None, progress: bool = True,
                   partial_mantissa_bits: int | None = None, name: str | None = None, revision: str | None = None):
@@ -61,8 +77,11 @@ def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | No
     stage packs a half), a ``[n, T]`` array of BOS-led token windows, or a list of such arrays (each summed as one
     shard, as the statistics jobs sum corpus shards). ``tracked``: a TrackedSet / tracked.json / token ids; else the
     top ``n_tracked`` types (1000) of the windows. ``partial_mantissa_bits``: round each shard's sums as the pipeline's
-    ``stats.partial_mantissa_bits`` does. ``model``: a transformers causal LM or an nnsight LanguageModel (put in eval
-    mode with eager attention, on ``device``, for the call).
+    ``stats.partial_mantissa_bits`` does. ``model``: a transformers causal LM or an nnsight TransformersModel (put in
+    eval mode with eager attention, on ``device``, for the call). The provenance records the fingerprints of the
+    model's weights and of the tokenizer (``weights_fingerprint``, ``tokenizer_fingerprint``:
+    :mod:`mfpipe.notebook.identity`), so the other calls refuse another model of the same shape, another revision or
+    another tokenizer.
 
     Example::
 
@@ -75,8 +94,11 @@ def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | No
 
     hf, tok = resolve_model(model, tokenizer)
     bos = bos_id_of(hf, tok)
+    batch_size = positive_int("batch_size", batch_size)
     if context_length is None:
         context_length = min(DEFAULT_CONTEXT_LENGTH, int(getattr(hf.config, "max_position_embeddings", 0) or 1 << 30))
+    elif positive_int("context_length", context_length) < 2:
+        raise NotebookError("context_length=1: a window needs BOS and at least one token; give context_length >= 2")
     blocks = text_windows(tokens_or_texts, tok, bos, context_length)
     if len({b.shape[1] for b in blocks}) != 1:
         raise NotebookError(f"statistics need windows of one length, got {sorted({b.shape[1] for b in blocks})}; give "
@@ -92,6 +114,7 @@ def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | No
             parts.append(with_derived({key: stored_form(key, v, partial_mantissa_bits) for key, v in sums.items()
                                        if key != "resid_mid_sum"}))
         meta = _provenance(hf, adapter, blocks, name, revision, partial_mantissa_bits)
+    meta.update(identity_attrs(hf, tok))  # what mean_field, substitute, context_deviation and decode check
     return finalize(merge_sums(parts), ts, meta)
 
 

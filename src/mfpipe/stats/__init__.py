@@ -15,7 +15,8 @@
   another model, revision, tracked set or corpus; a model checked against a store.
 - :mod:`mfpipe.stats.buckets`, :mod:`mfpipe.stats.derived`, :mod:`mfpipe.stats.native`,
   :mod:`mfpipe.stats.torch_engine`, :mod:`mfpipe.stats.workspace` — pass 1's machinery (the
-  C allocator's settings are :mod:`mfpipe.workflow.heap`).
+  C allocator's settings are :mod:`mfpipe.workflow.heap`); :mod:`mfpipe.stats.engine` — the protocol of its two
+  engines (the compiled loops and the torch ops) and which one a pass runs on.
 - :mod:`mfpipe.stats.errors` — the stage's errors, each saying what to change.
 - :mod:`mfpipe.stats.rules` — the targets and input functions of workflow/rules/stats.smk.
 - :mod:`mfpipe.stats.jobs` — the jobs of workflow/rules/stats.smk, one function per rule.

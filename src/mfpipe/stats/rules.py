@@ -1,7 +1,7 @@
 """The statistics stage's planning: its targets and the input functions of workflow/rules/stats.smk, on the run's
 plan (:class:`mfpipe.workflow.plan.Plan`). A dataset is a half of the primary corpus (``stats``, ``eval``), of a
 cross corpus (``<corpus>/<half>``), ``N<n>/stats``: the primary corpus's statistics half with a top-N arm's tracked
-set (App. M), or ``excl/<half>``: a primary half with the exclusion arm's tracked set (config ``tracked.exclude``)."""
+set (App. M), or ``excl/<half>``: a primary half with the exclusion arm's tracked set (config ``exclusion``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from mfpipe.corpus.windows import shard_groups
 from mfpipe.workflow.plan import HALVES
 
 
-# the dataset prefix of the exclusion arm (`excl/stats`, `excl/eval`: tracked-excl.json; config `tracked.exclude`)
+# the dataset prefix of the exclusion arm (`excl/stats`, `excl/eval`: tracked-excl.json; config section `exclusion`)
 EXCLUSION_ARM = "excl"
 
 

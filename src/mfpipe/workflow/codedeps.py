@@ -5,10 +5,10 @@ it, directly or through other modules -- and a rule cannot forget one (hand-writ
 
 The rule is static and deliberately coarse: every ``import`` / ``from … import`` statement of ``mfpipe``
 anywhere in a file counts, including imports inside functions (a lazy import still runs when the function
-does), and importing ``mfpipe.a.b`` also depends on the package files ``mfpipe/__init__.py`` and
-``mfpipe/a/__init__.py`` that Python executes first. ``from mfpipe.a import b`` depends on the submodule
-``mfpipe/a/b.py`` when there is one. ``importlib.import_module("mfpipe.x")`` with a literal name counts like
-``import mfpipe.x``; with a computed name it cannot be followed, and is refused (:class:`UnfollowedImport`):
+does), and importing ``mfpipe.<a>.<b>`` also depends on the package files ``mfpipe/__init__.py`` and
+``mfpipe/<a>/__init__.py`` that Python executes first. ``from mfpipe.<a> import <b>`` depends on the submodule
+``mfpipe/<a>/<b>.py`` when there is one. ``importlib.import_module("mfpipe.<x>")`` with a literal name counts like
+``import mfpipe.<x>``; with a computed name it cannot be followed, and is refused (:class:`UnfollowedImport`):
 write the import statically. Non-``mfpipe`` imports (torch, numpy, …) are not followed: their versions are the
 software environment's business, not a code input.
 
@@ -315,25 +315,33 @@ def find_jobs(src: str | Path) -> dict[str, list[str]]:
     return out
 
 
-def _sources_digest(src: Path, scripts: list[Path]) -> str:
-    """A digest of what the dependencies are derived from: every library file's and script's path and bytes."""
+def _sources_digest(src: Path, scripts: list[Path], relative_to: Path | None = None) -> str:
+    """A digest of what the dependencies are derived from: every library file's and script's path (relative to
+    ``relative_to`` where given, as the answer is: a moved checkout keeps its digest) and bytes."""
     h = hashlib.sha256()
     for f in sorted([*(src / PACKAGE).rglob("*.py"), *scripts]):
-        h.update(str(f).encode() + b"\0" + f.read_bytes() + b"\0")
+        name = os.path.relpath(f, relative_to) if relative_to is not None else str(f)
+        h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
 
 def code_inputs(src: str | Path, scripts_dir: str | Path, runner: str = "job.py",
-                cache: str | Path | None = None) -> dict[str, list[str]]:
+                cache: str | Path | None = None, relative_to: str | Path | None = None) -> dict[str, list[str]]:
     """The code inputs of every job: ``{"module:function": files}`` for each job function (:func:`find_jobs`, run
     by the script ``runner`` of ``scripts_dir``) and ``{script name: files}`` for each other script of
     ``scripts_dir`` (:func:`script_dependencies`). With ``cache`` (a JSON file) the answer is kept there under a
     digest of the sources (every library file and script, path and bytes), so a workflow that is planned again
     with the same code reads it instead of parsing the library (a second or two each time the Snakefile is read:
-    every run, every dry run and, on a cluster, every job)."""
+    every run, every dry run and, on a cluster, every job).
+
+    ``relative_to`` (the workflow's working directory): the files as paths relative to it, not absolute. Snakemake
+    records each job's input paths and, by default (``--rerun-triggers input``), reruns a job whose set of inputs
+    changed: absolute paths would make a checkout moved or copied with its results (renamed, on another mount)
+    plan every job again though no file changed."""
     src = Path(src).resolve()
     scripts = sorted(Path(scripts_dir).resolve().glob("*.py"))
-    digest = _sources_digest(src, scripts) if cache is not None else None
+    base = Path(relative_to).resolve() if relative_to is not None else None
+    digest = _sources_digest(src, scripts, base) if cache is not None else None
     if cache is not None:
         try:
             held = json.loads(Path(cache).read_text())
@@ -346,6 +354,8 @@ def code_inputs(src: str | Path, scripts_dir: str | Path, runner: str = "job.py"
     for module, functions in (find_jobs(src) if runner else {}).items():
         for f in functions:
             out[f"{module}:{f}"] = job_dependencies(src, module, f, run)
+    if base is not None:
+        out = {k: [os.path.relpath(p, base) for p in files] for k, files in out.items()}
     if cache is not None:
         try:  # written whole then renamed: workflows read while planning (a cluster's jobs) never see half of it
             Path(cache).parent.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,14 @@ RENAMED_KEYS = {
     ("deviation", "icl_meter"): "prompts.icl_meter",
     ("deviation", "lenses"): "prompts.lenses",
     ("prompts", "lenses", "n_heads"): "prompts.lenses.n_lens_heads",
+    ("tracked", "exclude"): "exclusion",
+}
+
+
+#: keys of an earlier release whose meaning changed -> what to set instead (a key that merely moved is in RENAMED_KEYS)
+REPLACED_KEYS = {
+    ("positional", "n_top"): "positional.top_fraction (the share of the model's heads by S̄ the positional cluster is "
+                             "chosen among) and positional.min_top (its floor)",
 }
 
 
@@ -80,6 +88,9 @@ def validate_schema(config: dict, schema_path: str | os.PathLike | Traversable =
         if _has_path(config, old):
             raise ConfigError(f"config key {'.'.join(old)} was renamed {new} (same meaning): rename it in your config "
                               "file")
+    for old, new in REPLACED_KEYS.items():
+        if _has_path(config, old):
+            raise ConfigError(f"config key {'.'.join(old)} was replaced by {new}: set those in your config file instead")
     validator = jsonschema.Draft202012Validator(load_schema(schema_path))
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:
@@ -182,6 +193,19 @@ def resolve_rollout_revisions(config: dict, model: dict) -> list[str]:
     return resolve_revisions(config, model)[-1:]
 
 
+def check_topn_revisions(config: dict, model: dict) -> None:
+    """A model's own App. M arms (``models[].top_n``) run at revisions of its sweep: each is compared with the main
+    set's substitution there."""
+    own = model.get("top_n")
+    if not own or own.get("revisions") is None:
+        return
+    sweep = resolve_revisions(config, model)
+    outside = [r for r in resolve_revisions(config, dict(model, revisions=own["revisions"])) if r not in sweep]
+    if outside:
+        raise ConfigError(f"models: {model['name']!r} top_n.revisions {outside} are not among its revisions {sweep}: "
+                          "each arm is compared with the substitution of the model's sweep at the same revision")
+
+
 INHERITED_CORPUS_KEYS = ("context_length", "tokens_per_half", "shard_windows")
 
 
@@ -233,6 +257,7 @@ def check_config(config: dict) -> None:
                 )
             resolve_revisions(config, m)
             resolve_rollout_revisions(config, m)
+        check_topn_revisions(config, m)
     seen_lists = set()
     for entry in (config.get("fv") or {}).get("head_lists") or []:
         for task in entry.get("tasks") or ["*"]:

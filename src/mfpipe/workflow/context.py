@@ -20,6 +20,7 @@ from typing import Any
 from mfpipe.corpus.tracked import TrackedSet
 from mfpipe.stats.api import MeanFieldStats
 from mfpipe.stats.halves import check_model, open_stats_half
+from mfpipe.workflow.runner import stream_setting
 
 __all__ = ["ForwardJob", "open_forward_job"]
 
@@ -37,6 +38,7 @@ class ForwardJob:
     corpus: dict  # the corpus's info (mfpipe.stats.halves.corpus_info)
     calibrated: Any = None  # xarray U (App. B) when params.kernel == "calibrated"
     threads: int | None = None
+    stream: bool | str = False  # runtime.stream_weights (mfpipe.workflow.runner.stream_setting)
     _model: Any = field(default=None, repr=False)
     _adapter: Any = field(default=None, repr=False)
     _kernels: dict = field(default_factory=dict, repr=False)
@@ -46,7 +48,7 @@ class ForwardJob:
         from mfpipe.workflow.runner import load_job_model
 
         if self._adapter is None:
-            self._model, self._adapter = load_job_model(self.params, self.threads)
+            self._model, self._adapter = load_job_model(self.params, self.threads, stream=self.stream)
             check_model(self._adapter, self.stats)
         return self
 
@@ -93,5 +95,6 @@ def open_forward_job(job, *, shards_dir: str | Path | None = None, threads: int 
         calibrated = load_calibrated(inp.kernel, expect={"model": name, "revision": revision,
                                                          "tracked_fingerprint": tracked.fingerprint})
     fj = ForwardJob(name, revision, p, tracked, shards, stats, corpus, calibrated,
-                    threads=int(job.threads) if threads is None else threads)
+                    threads=int(job.threads) if threads is None else threads,
+                    stream=stream_setting(getattr(job, "config", None)))
     return fj.load_model() if load else fj

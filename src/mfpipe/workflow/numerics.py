@@ -1,5 +1,6 @@
-"""Pinned CPU numerics: the same bits from a CPU run on every x86-64 machine with AVX2, whatever code paths the
-machine would pick by itself (issue 42), and the record of the numerics a result ran under (its provenance).
+"""Pinned CPU numerics: the same bits from a CPU run whatever code paths the machine would pick by itself (issue 42;
+measured on AMD EPYC machines only, and aimed at every x86-64 CPU with AVX2), and the record of the numerics a result
+ran under (its provenance).
 
 What changes a CPU run's bits (measured on torch 2.13 CPU, MKL 2024.2, an AVX-512 machine; benchmarks/HISTORY.md,
 "Issue 42"): ATen's kernel set (``ATEN_CPU_CAPABILITY``, default the best the CPU has: softmax, layer norm, sums and

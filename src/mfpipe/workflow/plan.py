@@ -58,6 +58,15 @@ class Plan:
         in and the others left for the rule: ``plan.store("stats", dataset="stats")``."""
         return store_pattern(kind, self.results, **wildcards)
 
+    def kernel_input(self, kernel: str):
+        """The ``kernel`` input of a forward job that runs with ``kernel`` (``W`` or ``calibrated``, App. B): for U an
+        input function giving the revision's calibrated store (one path, not a list: the jobs open ``input.kernel``,
+        which a one-item list would make a list), for W none. Pass 2 and the substitution take the run's kernel
+        (``substitution.kernel``), App. B's recomputation the other one."""
+        if kernel == "calibrated":
+            return lambda wc: self.store("calibrated", model=wc.model, revision=wc.revision)
+        return []
+
     def is_mini(self, model: str) -> bool:
         return self.models[model]["source"] == "minisuite"
 

@@ -24,10 +24,11 @@ LOADED_MODULES_ENV = "MFPIPE_LOADED_MODULES"
 CAUSE_PREFIX = "mfpipe error: "
 
 
-def load_job_model(params: Any, threads: int | None = None):
+def load_job_model(params: Any, threads: int | None = None, stream: bool | str = False):
     """(model, adapter) for a rule whose params carry ``model_spec``, ``revision``, ``commit`` (a hub revision's
     resolved commit, or None), ``dtype``, ``device`` and ``results`` (see ``model_params()`` in
-    workflow/rules/common.smk)."""
+    workflow/rules/common.smk); ``stream``: the config's ``runtime.stream_weights`` (not a param: it changes no
+    result), whether the blocks' weights are streamed from their files (:mod:`mfpipe.models.streamed`)."""
     import torch
 
     from mfpipe.models.adapters import get_adapter
@@ -37,8 +38,13 @@ def load_job_model(params: Any, threads: int | None = None):
 
     pin_torch(threads or None)
     model = load_model(dict(params.model_spec), params.revision, dtype=params.dtype, device=params.device,
-                       results_dir=params.results, commit=getattr(params, "commit", None))
+                       results_dir=params.results, commit=getattr(params, "commit", None), stream=stream)
     return model, get_adapter(model)
+
+
+def stream_setting(config: dict | None) -> bool | str:
+    """``runtime.stream_weights`` of a workflow config (auto where it says nothing)."""
+    return ((config or {}).get("runtime") or {}).get("stream_weights", "auto")
 
 
 def failed_job_causes(log_dir: str | Path, since: float) -> list[str]:
@@ -161,9 +167,13 @@ class Job:
         nothing), e.g. stats.kernel_sums."""
         return dict(getattr(self.sm, "config", None) or {})
 
-    def model(self, threads: int | None = None):
-        """(model, adapter) of the rule's (model, revision) (:func:`load_job_model`) with the job's threads."""
-        return load_job_model(self.params, self.threads if threads is None else threads)
+    def model(self, threads: int | None = None, streams: bool = True):
+        """(model, adapter) of the rule's (model, revision) (:func:`load_job_model`) with the job's threads, its
+        blocks' weights streamed where ``runtime.stream_weights`` says so and the job ``streams`` (the J-lens does not:
+        its backward passes keep every block's weights alive, so it loads them whole)."""
+        stream = stream_setting(self.config)
+        stream = stream if streams or stream is False else "never"  # whole, refused where it cannot fit
+        return load_job_model(self.params, self.threads if threads is None else threads, stream=stream)
 
 
 def job_module(code_file: str | Path) -> str:

@@ -2,8 +2,9 @@
 
 Top: L_model (solid, filled markers) and L_MF (dashed, hollow markers) per model, colour and marker shape both
 naming the model, as the paper draws it; middle: ΔL; bottom: D_MF. Each model's induction window (in its own
-tokens) is shaded in its colour. Revisions at step 0 sit at the axis' left edge (symlog, linear below one
-million tokens' tenth of the first checkpoint)."""
+tokens) is shaded in its colour, and shown again in a linear inset where the symlog axis crams the windows'
+checkpoints into a sliver (:func:`mfpipe.workflow.plots.step_axis`). Revisions at step 0 sit at the axis' left edge
+(symlog, linear up to the first checkpoint's tokens)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from mfpipe.experiments.crossmodel.compare import training_tokens
-from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
+from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure, step_axis
 
 __all__ = ["crossmodel_figure"]
 
@@ -47,15 +48,17 @@ def crossmodel_figure(models: list[dict], out, png=None, title: str | None = Non
         raise ValueError("no model to plot")
     allx = np.concatenate(xs)
     first = allx[allx > 0].min() if (allx > 0).any() else 1.0
-    for ax in (top, mid, bottom):
-        ax.set_xscale("symlog", linthresh=float(first))
-        ax.set_xlim(0.0, float(allx.max()) * 1.3)
     top.set_ylabel("loss (nats)")
-    top.legend(fontsize=6, ncol=2, loc="upper right")
+    top.legend(fontsize=6, ncol=2, loc="best")
     mid.axhline(0.0, color="0.6", lw=0.8)
     mid.set_ylabel(r"$\Delta L$ (nats)")
     bottom.set_ylabel(r"$D_\mathrm{MF}$")
-    bottom.set_xlabel("training tokens (symlog; shaded: each model's induction window)")
+    # the models' windows together, in tokens: one linear inset of them where the symlog axis crams their checkpoints
+    spans = [(float(m["window"][0]) * m["tokens_per_step"], float(m["window"][1]) * m["tokens_per_step"])
+             for m in models if m.get("window") is not None]
+    window = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+    for ax, label in ((top, ""), (mid, ""), (bottom, "training tokens (symlog; shaded: each model's induction window)")):
+        step_axis(ax, allx, window, label=label, linthresh=float(first))
     if title:
         fig.suptitle(title)
     pdf, png = figure_paths(out, png)

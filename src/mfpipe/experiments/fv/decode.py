@@ -21,7 +21,7 @@ import torch
 
 from mfpipe.experiments.fv import inject as Inj
 
-__all__ = ["decoder", "ranks", "populations", "rank_rows", "prompt_rank_rows", "POPULATIONS"]
+__all__ = ["decoder", "lens_rows", "ranks", "populations", "rank_rows", "prompt_rank_rows", "POPULATIONS"]
 
 #: population -> its config key in ``fv.populations`` and the paper's count
 POPULATIONS = {"seen": ("seen", 10), "held-out": ("held_out", 10), "out-of-task": ("out_of_task", 15),
@@ -41,6 +41,42 @@ def decoder(adapter, jlens):
         return out
 
     return decode
+
+
+def lens_rows(adapter, jlens, rows):
+    """``rows(decode)`` with ``decode`` the :func:`decoder` of ``jlens``: a J-lens store or None directly; a J-lens
+    sample (:class:`~mfpipe.jlens.jvp.JLensSample`: the J-lens through Jacobian-vector products) twice, first with a
+    decode that records what is asked and returns no lens (so ``rows`` builds no row), then, the products of every
+    recorded vector computed in one pass over the sample's positions (:func:`~mfpipe.jlens.jvp.jvp_products`), with
+    one that answers the same calls in the same order (each checked to be the recorded one), ``J`` read out as
+    :func:`~mfpipe.jlens.jvp.lens_logits` reads it."""
+    from mfpipe.jlens.jvp import JLensSample, jvp_products
+
+    if not isinstance(jlens, JLensSample):
+        return rows(decoder(adapter, jlens))
+    asked: list = []
+
+    def record(v: torch.Tensor, layer: int, point: str) -> dict:
+        asked.append((v.float().to(adapter.device), int(layer), point))
+        return {}
+
+    rows(record)
+    if not asked:
+        return rows(decoder(adapter, None))
+    layers = np.concatenate([np.full(len(v), layer) for v, layer, _ in asked])
+    points = [point for v, _, point in asked for _ in range(len(v))]
+    Jv = jvp_products(adapter, jlens, torch.cat([v for v, _, _ in asked]), layers, points, desc="fv jvp")
+    answers = iter(zip(asked, torch.split(Jv, [len(v) for v, _, _ in asked])))
+
+    def replay(v: torch.Tensor, layer: int, point: str) -> dict:
+        (want, l, p), jv = next(answers, ((None, None, None), None))
+        v = v.float().to(adapter.device)
+        if (l, p) != (int(layer), point) or not torch.equal(v, want):
+            raise RuntimeError(f"the J-lens products were recorded for ({p}, layer {l}), asked for ({point}, layer "
+                               f"{layer}) or another vector: the rows must ask the same in the same order")
+        return {"raw": adapter.unembed(v).float().cpu(), "J": adapter.unembed(jv.to(adapter.dtype)).float().cpu()}
+
+    return rows(replay)
 
 
 def ranks(logits: torch.Tensor, ids) -> np.ndarray:

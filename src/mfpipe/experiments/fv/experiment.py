@@ -106,10 +106,10 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, jlens=No
     clean = Sw.clean_sweep(adapter, task, pool, per_split, null, c, progress)
     s0 = per_split[0]
     pops = Dc.populations(tokenizer, pool, s0, bos_id, c["populations"], seed, c["answer_prefix"])
-    decode = Dc.decoder(adapter, jlens)
     pipes = Sw.PIPES + [(name, cons) for name in lists for cons in CONSTRUCTIONS]
-    rank_rows = Dc.rank_rows(task, decode, pops, s0, O, pipes, s0["best"]["sum"][0])
-    prompt_rows = Dc.prompt_rank_rows(task, decode, s0, null, O)
+    rank_rows, prompt_rows = Dc.lens_rows(adapter, jlens, lambda decode: (
+        Dc.rank_rows(task, decode, pops, s0, O, pipes, s0["best"]["sum"][0]),
+        Dc.prompt_rank_rows(task, decode, s0, null, O)))
     info = _info(task, pool, per_split, cue, lists)
     if log is not None:
         log.info("task %s: %d pairs (of %d usable, %d dropped), cue token %d; split 0: AIE heads %s, MFA heads %s, "

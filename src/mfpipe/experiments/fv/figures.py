@@ -67,6 +67,7 @@ def plot_clean_sweep(clean: pd.DataFrame, path, *, title: str = "") -> None:
                       label=f"AIE·raw ({prot})")
         ax.set_xscale("log")
         ax.set_xticks(sorted(set(clean["n_clean"])), [str(n) for n in sorted(set(clean["n_clean"]))])
+        ax.set_xticks([], minor=True)  # counts: ticks at the sweep's own, no log-axis minor labels between them
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("clean prompts")
         ax.set_title(task, fontsize=9)

@@ -12,7 +12,9 @@ def function_vectors(job) -> None:
 
     input.stats       the revision's statistics-half store (the corpus null at the cue type)
     input.shards, input.tracked, input.model, input.tokenizer   as every forward job (mfpipe.workflow.context)
-    input.jlens       the revision's J-lens store (mfpipe.jlens; the lens analysis decodes through it)
+    input.jlens       the revision's J-lens store (mfpipe.jlens; the lens analysis decodes through it), where
+                      params.jlens (mfpipe.jlens.rules.decode_params) says "matrix"; with "jvp" the analysis decodes
+                      through Jacobian-vector products on the same sample of input.shards' statistics half
     input.tasks       task files: the mini suite's tasks.json and the user's JSON files
     output.transfer, heads, sweep, clean, ranks   per-split results of every prompt-sampling seed (CSV, column
                       ``seed``); output.info: per seed and task (JSON); output.recovery: the head lists' recovery
@@ -31,6 +33,7 @@ def function_vectors(job) -> None:
     from mfpipe.experiments.fv import experiment as E
     from mfpipe.experiments.fv import tables as Tb
     from mfpipe.jlens.checks import checks_table
+    from mfpipe.jlens.jvp import JLensSample
     from mfpipe.jlens.lens import open_jlens
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_write_text
@@ -39,14 +42,19 @@ def function_vectors(job) -> None:
     p, out, log = job.params, job.output, job.log
     fj = open_forward_job(job)
     name, revision = fj.name, fj.revision
-    jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision})
+    jd = dict(p.jlens)  # how the lens analysis decodes through the J-lens (mfpipe.jlens.rules.decode_params)
+    if jd["decode"] == "matrix":
+        jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision})
+    else:  # Jacobian-vector products on the store's sample of the statistics half
+        jl = JLensSample.from_shards(fj.shards, n_positions=jd["n_positions"], seed=jd["seed"],
+                                     batch_size=jd["batch_size"], chunk=jd["chunk"])
     cfg = {**dict(p.fv), "batch_size": int(p.batch_size)}
     tasks = E.resolve_tasks(list(p.tasks), list(job.input.tasks))
     res, infos = E.run_seeds(fj.adapter, tasks, fj.tokenizer(), fj.tracked, fj.stats, cfg, jlens=jl, log=log,
                              desc=f"fv {name}@{revision}")
     tabs = Tb.fv_tables(res, infos)
     # the J-lens the decodes read, and how far its estimate can be trusted (its own table adds the decode agreement)
-    tabs["jlens_checks"] = checks_table(jl) if "check_split_half" in jl else pd.DataFrame()
+    tabs["jlens_checks"] = checks_table(jl) if jd["decode"] == "matrix" and "check_split_half" in jl else pd.DataFrame()
     for k in ("transfer", "heads", "sweep", "clean"):
         write_table(res[k], csv=getattr(out, k))
     write_table(tabs["recovery"], csv=out.recovery)

@@ -34,6 +34,18 @@ def fv_settings(plan, model: str) -> dict:
     return out
 
 
+def decoded_vectors(plan, model: str):
+    """The vectors the function-vector job of ``model`` decodes through the J-lens, as a function of the model's
+    ``(layers, heads)`` (:func:`mfpipe.jlens.rules.decode_path` weighs them against the full J): per seed and task,
+    the summed vector of each selection (AIE, MFA, each head list) and construction (raw, r), every head's ``O_h r``
+    and every head's per-prompt residual of each clean prompt (App. fv-gpt2, App. fv-jlens)."""
+    s = fv_settings(plan, model)
+    n_tasks = sum(int(plan.config["minisuite"]["tasks"]["n_tasks"]) if t == "minisuite" else 1
+                  for t in fv_tasks(plan, model))
+    runs, pipes, clean = int(s["n_seeds"]) * n_tasks, 2 * (2 + len(s["head_lists"])), int(s["n_clean"])
+    return lambda layers, heads: runs * (pipes + layers * heads * (1 + clean))
+
+
 def task_inputs(plan, wildcards) -> list[str]:
     """The task files a job reads: the mini suite's tasks, the user's files and the vendored datasets it names
     (mfpipe.tasks): editing one reruns the job."""

@@ -8,10 +8,13 @@ Inputs: an :class:`~mfpipe.experiments.positional.collect.Occurrences` (``delta`
 on a rotary model: every reading that needs it is NaN there, with ``wpos = False`` in the table) and ``S̄ [L, H]``
 (the head ranking's score, from the deviation store).
 
-Definitions (config ``positional``; docs/positional.md):
+Definitions (config ``positional``; README.md, "Positional transport"):
 
 * a head's occurrences: valid, ``p >= min_position``, the head's attention on untracked keys ``<= max_other``;
-* **positional cluster**: the heads with ``posVar >= posvar_threshold`` among the ``n_top`` heads by S̄;
+* **positional cluster**: the heads with ``posVar >= posvar_threshold`` among the top heads by S̄, a share of the
+  model's heads (:func:`n_top`: ``top_fraction`` of them, rounded, at least ``min_top``; the default 0.14 is the
+  paper's top 20 of GPT-2 small's 144), so that on a small model the rule still looks at its high-deviation heads
+  only (an absolute count at least the number of heads would take every head, the lowest-deviation ones too);
 * **positional write** of a head: the fit of its residual-unit write on the position code's top ``wpos_components``
   principal components (``W_pos`` models), or on the smooth position function of posVar (rotary models);
 * **carriers**: cluster heads whose ``W_pos`` share is ``>= carrier_threshold`` (rotary: the cluster);
@@ -26,10 +29,11 @@ import pandas as pd
 
 from mfpipe.experiments.positional import fits as F
 
-__all__ = ["DEFAULTS", "head_masks", "head_table", "cluster", "positional_write", "cluster_tables", "union_subspace"]
+__all__ = ["DEFAULTS", "head_masks", "head_table", "n_top", "cluster", "positional_write", "cluster_tables",
+           "union_subspace"]
 
-DEFAULTS = dict(min_position=8, max_other=0.1, n_top=20, posvar_threshold=0.5, carrier_threshold=0.3,
-                wpos_components=10, write_rank=2, ablation_dim=20, ridge_alpha=1.0, seed=0)
+DEFAULTS = dict(min_position=8, max_other=0.1, top_fraction=0.14, min_top=2, posvar_threshold=0.5,
+                carrier_threshold=0.3, wpos_components=10, write_rank=2, ablation_dim=20, ridge_alpha=1.0, seed=0)
 
 
 def head_masks(occ, min_position: int, max_other: float) -> np.ndarray:
@@ -72,11 +76,19 @@ def head_table(occ, O, W_pos, S_bar, T: int, cfg: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def cluster(table: pd.DataFrame, cfg: dict) -> tuple[list, list]:
-    """(the positional cluster, its carriers) as [(layer, head)] by S̄ rank: posVar >= threshold among the top n_top
-    heads by S̄; carriers: W_pos share >= carrier_threshold (the whole cluster on a rotary model)."""
+def n_top(n_heads: int, cfg: dict) -> int:
+    """How many of a model's ``n_heads`` heads (layers x heads) the cluster is chosen among: ``top_fraction`` of them,
+    rounded half up, at least ``min_top``, at most all of them."""
     c = {**DEFAULTS, **cfg}
-    top = table[table["S_rank"] <= int(c["n_top"])].sort_values("S_rank")
+    return int(min(n_heads, max(int(c["min_top"]), np.floor(float(c["top_fraction"]) * n_heads + 0.5))))
+
+
+def cluster(table: pd.DataFrame, cfg: dict) -> tuple[list, list]:
+    """(the positional cluster, its carriers) as [(layer, head)] by S̄ rank: posVar >= threshold among the top
+    :func:`n_top` heads by S̄ (``table`` has a row per head of the model); carriers: W_pos share >= carrier_threshold
+    (the whole cluster on a rotary model)."""
+    c = {**DEFAULTS, **cfg}
+    top = table[table["S_rank"] <= n_top(len(table), c)].sort_values("S_rank")
     cl = top[top["posvar"] >= float(c["posvar_threshold"])]
     car = cl if not bool(cl["wpos"].any()) else cl[cl["wpos_share"] >= float(c["carrier_threshold"])]
     return ([(int(a), int(b)) for a, b in zip(cl["layer"], cl["head"])],

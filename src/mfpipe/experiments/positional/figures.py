@@ -14,7 +14,7 @@ def plot_positional(heads: pd.DataFrame, curves: pd.DataFrame, path, *, title: s
     """Three panels: posVar heatmap (cluster heads outlined), a(p) and the leading coefficient per cluster head."""
     from matplotlib.patches import Rectangle
 
-    from mfpipe.workflow.plots import figure_paths, new_figure, save_figure
+    from mfpipe.workflow.plots import figure_paths, integer_ticks, new_figure, save_figure
 
     fig, axes = new_figure(3, w=3.4, h=2.9)
     L, H = int(heads["layer"].max()) + 1, int(heads["head"].max()) + 1
@@ -26,6 +26,8 @@ def plot_positional(heads: pd.DataFrame, curves: pd.DataFrame, path, *, title: s
         ax.add_patch(Rectangle((r.head - 0.5, r.layer - 0.5), 1, 1, fill=False, ec="red", lw=1.2))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
+    integer_ticks(ax, "x", range(H))
+    integer_ticks(ax, "y", range(L))
     ax.set_title("posVar (red: positional cluster)", fontsize=8)
     fig.colorbar(im, ax=ax, shrink=0.8)
     for ax, col, label in ((axes[0, 1], "a_mean", "attention on BOS a(p)"),
@@ -33,6 +35,7 @@ def plot_positional(heads: pd.DataFrame, curves: pd.DataFrame, path, *, title: s
         for head, g in curves.groupby("head", sort=False):
             ax.plot(g["position"], g[col], marker=".", ms=3, lw=1, label=head)
         ax.set_xlabel("query position p")
+        integer_ticks(ax, "x")
         ax.set_title(label, fontsize=8)
         if len(curves):
             ax.legend(fontsize=6, frameon=False)

@@ -58,7 +58,8 @@ def positional_markdown(heads: pd.DataFrame, ctab: dict, S_share: float, S_dim: 
              "an intercept and {p̃, p̃², sin 2πkp̃, cos 2πkp̃, k = 1..4} (p̃ = p/T); wpos_share: the share that is a "
              f"linear image of W_pos[p] (its top {c['wpos_components']} principal components over the kept "
              "positions); decode_r2: ridge decode of p from Δ (5-fold), beside a position-shuffled baseline. "
-             f"Positional cluster: posVar >= {c['posvar_threshold']} among the top {c['n_top']} heads by S̄; "
+             f"Positional cluster: posVar >= {c['posvar_threshold']} among the top {An.n_top(len(heads), c)} of the "
+             f"model's {len(heads)} heads by S̄ (top_fraction {c['top_fraction']}, at least {c['min_top']}); "
              f"carriers: wpos_share >= {c['carrier_threshold']}.", ""]
     if not wpos:
         lines += [ROTARY_NOTE, ""]

@@ -5,7 +5,7 @@ forward-pass jobs wrote (no model, no torch): Fig. icl (per-prompt ΔL_perm agai
 from __future__ import annotations
 
 from mfpipe.experiments.prompts.sets import ordered_classes
-from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
+from mfpipe.workflow.plots import figure_paths, integer_ticks, new_figure, read_table, save_figure
 
 __all__ = ["icl_figure", "meter_figure"]
 
@@ -57,6 +57,7 @@ def meter_figure(curves, bins, summary, out, png=None,
     for a in (axes[0, 0], axes[0, 1]):
         a.axvline(kk + 0.5, color="k", ls="--", lw=0.8)
         a.grid(alpha=0.3)
+        integer_ticks(a, "x")  # query positions
     ax = axes[0, 1]
     ax.plot(c["position"], c["top_head_D"], color="#2ca02c", lw=1.0)
     ax.set_xlabel("query position")

@@ -15,6 +15,7 @@ def lenses(job) -> None:
     from mfpipe.corpus.windows import list_shards
     from mfpipe.deviation.store import check_against_half, open_deviation, stats_fingerprint
     from mfpipe.experiments.prompts import lenses as LE
+    from mfpipe.jlens.jvp import JLensSample
     from mfpipe.jlens.lens import open_jlens
     from mfpipe.workflow.context import open_forward_job
     from mfpipe.workflow.io import atomic_write_text
@@ -28,8 +29,15 @@ def lenses(job) -> None:
     # the store's (top_shard, top_window) index the statistics half's sorted shard list
     shard_paths = list_shards(fj.shards / "stats")
     check_against_half(ds, inp.deviation, fj.shards, shard_paths, info)
-    jlens = open_jlens(inp.jlens, {"model": name, "revision": revision, "half": "stats",
-                                   "corpus_fingerprint": info["fingerprint"]})
+    jl = dict(p.jlens)  # how it decodes through the J-lens (mfpipe.jlens.rules.decode_params)
+    if jl["decode"] == "matrix":
+        jlens = open_jlens(inp.jlens, {"model": name, "revision": revision, "half": "stats",
+                                       "corpus_fingerprint": info["fingerprint"]})
+    else:  # Jacobian-vector products on the store's sample of the statistics half
+        jlens = JLensSample.from_shards(fj.shards, n_positions=jl["n_positions"], seed=jl["seed"],
+                                        batch_size=jl["batch_size"], chunk=jl["chunk"], progress=True)
+    log.info("J-lens decodes: %s", "the stored J" if jl["decode"] == "matrix" else
+             f"Jacobian-vector products over {jl['n_positions']} positions (seed {jl['seed']})")
     adapter, tokenizer = fj.load_model().adapter, fj.tokenizer()
     kernel = fj.kernel(ds.attrs.get("min_count")).to(adapter.device)
     t0 = time.perf_counter()

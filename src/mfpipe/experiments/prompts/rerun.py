@@ -40,8 +40,15 @@ class ContextRerun:
         self.lay, self.hd, self.pos = (rows[c].to_numpy(np.int64) for c in ("layer", "head", "position"))
 
     def run(self, batch_size: int, jlens=None) -> None:
-        """Every batch of ``batch_size`` distinct windows: one forward, then the decodes of its rows' vectors."""
+        """Every batch of ``batch_size`` distinct windows: one forward, then the decodes of its rows' vectors. Through
+        a J-lens sample (:class:`~mfpipe.jlens.jvp.JLensSample`), the J-lens decodes of every row run after the
+        last batch, in one pass over the sample's positions (:meth:`decode_products`)."""
+        from mfpipe.jlens.jvp import JLensSample
+
         dev = self.dev
+        sample = jlens if isinstance(jlens, JLensSample) else None
+        if sample is not None:
+            jlens, self.deltas = None, torch.zeros(len(self.lay), self.adapter.d_model, dtype=torch.float32, device=dev)
         for b0 in range(0, len(self.uniq), int(batch_size)):
             sel = np.flatnonzero((self.row_u >= b0) & (self.row_u < b0 + int(batch_size)))
             ids = self.wtok[b0 : b0 + int(batch_size)]
@@ -55,6 +62,22 @@ class ContextRerun:
             self.adapter.run(torch.from_numpy(ids), select=("attn_probs", "values", "reads"), on_layer=on_layer)
             if len(sel):
                 self.decode(sel, delta, jlens)
+                if sample is not None:
+                    self.deltas[torch.as_tensor(sel, device=dev)] = delta
+        if sample is not None and len(self.lay):
+            self.decode_products(sample)
+
+    def decode_products(self, sample, rows: int = 256) -> None:
+        """The J-lens decodes of every row's deviation vector at its layer (``attn`` point) through Jacobian-vector
+        products on ``sample``'s positions (:func:`mfpipe.jlens.jvp.jvp_products`, one pass for all rows), read out
+        as :func:`mfpipe.jlens.jvp.lens_logits` reads them; ``rows`` at a time through the unembedding."""
+        from mfpipe.jlens.jvp import jvp_products
+
+        Jv = jvp_products(self.adapter, sample, self.deltas, self.lay, "attn", desc="lenses jvp")
+        for r0 in range(0, len(Jv), rows):
+            logits = self.adapter.unembed(Jv[r0 : r0 + rows].to(self.adapter.dtype))
+            p, i = torch.softmax(logits, dim=-1).topk(self.decode_k, dim=-1)
+            self.jprob[r0 : r0 + rows], self.jpos[r0 : r0 + rows] = p.double().cpu().numpy(), i.cpu().numpy()
 
     def add_layer(self, cap, sel, kb, qt, ranks, delta, b0: int) -> None:
         """Layer ``cap.layer`` of the batch from window ``b0``: the meters, attended keys and deviation vectors (into

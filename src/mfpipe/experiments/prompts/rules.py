@@ -12,6 +12,14 @@ def icl_task_data(plan) -> list[str]:
     return [str(data / f"{t}.json") for t in plan.config["prompts"]["icl"]["tasks"] if (data / f"{t}.json").is_file()]
 
 
+def lens_vectors(plan) -> int:
+    """The deviation vectors the lenses job decodes through the J-lens (one per context: ``per_head`` of each of the
+    ``n_lens_heads`` heads and the named ones), which :func:`mfpipe.jlens.rules.decode_path` weighs against the full
+    J."""
+    p = plan.config["prompts"]["lenses"]
+    return (int(p["n_lens_heads"]) + len(p["heads"] or [])) * int(p["per_head"])
+
+
 def targets(plan) -> list[str]:
     """Per rollout revision of every model: the lenses, the prompt-class and instance-meter tables and their
     figures (Exp. 2, 1)."""

@@ -41,12 +41,12 @@ def exp3_figure(df, path_stem, window=None, title: str | None = None) -> tuple[P
     ax.plot(x[~significant], rho[~significant], "o", mfc="white", mec="#1f77b4", ms=5, zorder=3,
             label=f"p ≥ {SIGNIFICANCE:g}", gid="not-significant")
     ax.axhline(0.0, color="0.6", lw=0.8)
-    step_axis(ax, x)
     ax.set_ylabel(r"Spearman $\rho$($\bar S^{\ell h}$, induction score)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     if title:
         ax.set_title(title)
+    step_axis(ax, x, window)
     pdf, png = figure_paths(path_stem)
     save_figure(fig, pdf, png)
     return pdf, png

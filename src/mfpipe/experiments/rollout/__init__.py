@@ -14,9 +14,9 @@ held-out centroids, the nested estimators of Sec. 4.3 and the descriptive diagno
   dimensions and every kernel pinned vs unpinned (tab:rogue-dims, tab:qwen-pinned).
 - :mod:`~mfpipe.experiments.rollout.tables` — cross-layer summaries (Table 1 and its kin) and their Markdown.
 - :mod:`~mfpipe.experiments.rollout.figures` — the rollout figures, drawn from those tables.
-- :mod:`~mfpipe.experiments.rollout.exclusion` — the exclusion arm (App. llama): its tracked set (the same selection
-  with newline / whitespace, punctuation and listed types skipped), its side-by-side table and targets
-  (workflow/rules/exclusion.smk).
+- :mod:`~mfpipe.experiments.rollout.exclusion` — the exclusion arm (App. llama; config section ``exclusion``,
+  workflow/rules/exclusion.smk): its side-by-side table and targets; its tracked set (the same selection with newline /
+  whitespace, punctuation and listed types skipped) is the corpus stage's, :mod:`mfpipe.corpus.exclusion`.
 - :mod:`~mfpipe.experiments.rollout.jobs` — the jobs of workflow/rules/rollout.smk, one function per rule (one
   for all the figures); :mod:`~mfpipe.experiments.rollout.rules` — its targets, figures and output paths.
 

@@ -2,7 +2,10 @@
 pipeline -- token selection, corpus statistics, rollout -- rerun with every newline / whitespace and pure-punctuation
 type (and any type the user lists) excluded from the tracked vocabulary, compared side by side with the main set.
 
-Selection, the classes and the arm's tracked set: :mod:`mfpipe.corpus.exclude` (its names are re-exported here).
+The arm is one config section (``exclusion``), one rule file (workflow/rules/exclusion.smk) and one test file
+(tests/test_exclusion.py) over two modules named for it: this one, the rollout's part, and
+:mod:`mfpipe.corpus.exclusion`, the corpus stage's: the selection, the classes and the arm's tracked set (its names are
+re-exported here), apart so that editing the rollout's code reruns no statistics of the arm.
 Its file is results/corpus/<corpus>/<model>/tracked-excl.json; its statistics are the datasets ``excl/stats`` and
 ``excl/eval`` (the primary corpus's halves with that tracked set, :data:`mfpipe.stats.rules.EXCLUSION_ARM`), their own
 jobs.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mfpipe.corpus.exclude import (  # noqa: F401  (the arm's selection, re-exported)
+from mfpipe.corpus.exclusion import (  # noqa: F401  (the arm's selection, re-exported)
     CLASSES,
     N_EXAMPLES,
     PREDICATES,
@@ -122,8 +125,8 @@ def side_by_side_markdown(df, title: str) -> str:
 
 
 def targets(plan) -> list[str]:
-    """Per model and rollout revision, the side-by-side table, when config ``tracked.exclude`` asks for the arm."""
-    if not arm_active(plan.config["tracked"].get("exclude")):
+    """Per model and rollout revision, the side-by-side table, when config section ``exclusion`` asks for the arm."""
+    if not arm_active(plan.config["exclusion"]):
         return []
     R = plan.results
     return [f"{R}/tables/exclusion_{m}_{rev}.{e}" for m in plan.models for rev in plan.rollout_revisions[m]

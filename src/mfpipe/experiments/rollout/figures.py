@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from mfpipe.experiments.rollout.tables import DEFAULT_KERNELS
-from mfpipe.workflow.plots import figure_paths, new_figure, read_table, save_figure
+from mfpipe.workflow.plots import figure_paths, integer_ticks, new_figure, plain_log_axis, read_table, save_figure
 
 __all__ = [
     "save_figure",
@@ -71,12 +71,6 @@ def _xlabel(key: str, frac: bool) -> str:
     return "layer (residual depth)" if key == "depth" else "block (layer)"
 
 
-def _integer_ticks(ax, values) -> None:
-    v = np.unique(np.asarray(values))
-    if v.size <= 13:
-        ax.set_xticks(v)
-
-
 def _style_axis(ax, metric: str, xkey: str, xvalues, frac: bool, ylabel_suffix: str = "") -> None:
     """The labels, title and grid every per-layer metric panel shares (integer ticks unless fractional depth)."""
     ax.set_xlabel(_xlabel(xkey, frac))
@@ -84,7 +78,7 @@ def _style_axis(ax, metric: str, xkey: str, xvalues, frac: bool, ylabel_suffix: 
     ax.set_title(METRIC_LABELS[metric])
     ax.grid(alpha=0.3)
     if not frac:
-        _integer_ticks(ax, xvalues)
+        integer_ticks(ax, "x", xvalues)
 
 
 def rollout_figure(scores, out, png=None, title: str | None = None, frac: bool = False,
@@ -206,7 +200,7 @@ def clustering_figure(table, out, png=None, title: str | None = None, frac: bool
         a.set_xlabel(_xlabel("depth", frac))
         a.grid(alpha=0.3)
         if not frac:
-            _integer_ticks(a, df["depth"])
+            integer_ticks(a, "x", df["depth"])
     fig.suptitle(title or "Same-type occurrences and their type centroids")
     pdf, png = figure_paths(out, png)
     save_figure(fig, pdf, png)
@@ -306,6 +300,7 @@ def divergence_figure(steps, curvature, tokens, magnitude, out, png=None, title:
         ax.plot(st["layer"], st[col], marker="o", color=color, label=label)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xlabel("block")
+    integer_ticks(ax, "x", st["layer"])
     ax.set_ylabel(r"$\|e_{out}\|/\|e_{in}\|$")
     ax.set_title("(A) per-step amplification")
     ax.legend()
@@ -317,6 +312,9 @@ def divergence_figure(steps, curvature, tokens, magnitude, out, png=None, title:
         ax.plot(c["alpha"], c["amp_real"], marker="o", color="#000000", label="real error")
         ax.plot(c["alpha"], c["amp_random"], marker="s", color="#ff7f0e", label="random, same norms")
         ax.set_xscale("log")
+        alphas = sorted(set(c["alpha"].astype(float)))  # ticks at the scales tested, as plain numbers
+        ax.set_xticks(alphas, [f"{a:g}" for a in alphas])
+        ax.set_xticks([], minor=True)
         ax.set_title(f"(B) curvature test, block {peak}")
         ax.legend()
     ax.set_xlabel(r"$\alpha$")
@@ -325,13 +323,16 @@ def divergence_figure(steps, curvature, tokens, magnitude, out, png=None, title:
     ax.plot(mg["depth"], mg["ratio"], marker="o", color="#2ca02c")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xlabel("depth")
+    integer_ticks(ax, "x", mg["depth"])
     ax.set_ylabel("predicted / true centred RMS")
     ax.set_title("(C) centred magnitude")
     ax = axes[0, 3]
     for col, style in (("median", "-o"), ("p99", "--s"), ("max", ":^")):
         ax.plot(tk["layer"], tk[col], style, color="#9467bd", label=col)
     ax.set_yscale("log")
+    plain_log_axis(ax, "y", tk[["median", "p99", "max"]].to_numpy())
     ax.set_xlabel("block")
+    integer_ticks(ax, "x", tk["layer"])
     ax.set_ylabel("per-token amplification")
     ax.set_title("(D) per-token tail")
     ax.legend()

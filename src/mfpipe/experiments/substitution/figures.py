@@ -6,7 +6,8 @@
 * :func:`vocab_mfgap_figure` -- ``fig:vocab-mfgap``: fig:mfgap's panels once per tracked-set size N
 * :func:`cka_figure`, :func:`spread_figure` -- the kernel's change across checkpoints (CKA, head spread)
 
-Training steps go on a symmetric-log axis with the induction window shaded (:func:`mfpipe.workflow.plots.step_axis`,
+Training steps go on a symmetric-log axis with the induction window shaded and, where the axis crams its checkpoints
+into a sliver, shown again in a linear inset (:func:`mfpipe.workflow.plots.step_axis`,
 :func:`mfpipe.workflow.plots.shade_window`); the helpers and the atomic writer are those of :mod:`mfpipe.workflow.plots`.
 """
 
@@ -43,7 +44,7 @@ def waypoint_figure(table, out, png=None, window=None, title: str | None = None)
     right.set_ylabel(r"$D_\mathrm{MF}$", color="#9467bd")
     shade_window(bottom, window)
     for ax in (top, bottom):
-        step_axis(ax, x)
+        step_axis(ax, x, window)
     if title:
         fig.suptitle(title)
     pdf, png = figure_paths(out, png)
@@ -84,12 +85,12 @@ def cka_figure(matrix, adjacent, steps, out, png=None, window=None, title: str |
     shade_window(ax, window)
     ax.plot(steps[1:], adj, color="#1f77b4", marker="o", markersize=4, linewidth=1.6, label="adjacent checkpoints")
     ax.axhline(1.0, color="gray", linestyle=":", linewidth=1)
-    step_axis(ax, steps)
     ax.set_ylabel("linear CKA with the previous checkpoint")
     ax.set_title("adjacent-checkpoint CKA")
     ax.grid(alpha=0.3)
     if window is not None:
         ax.legend(loc="lower left")
+    step_axis(ax, steps, window)
     fig.suptitle(title or "How much the mean-field kernel W changes across training")
     pdf, png = figure_paths(out, png)
     save_figure(fig, pdf, png)
@@ -116,7 +117,7 @@ def spread_figure(spread, out, png=None, window=None, title: str | None = None) 
     ax.fill_between(steps, q25.to_numpy(), q75.to_numpy(), color="#1f77b4", alpha=0.25, lw=0, label="IQR over heads")
     ax.plot(steps, mean.to_numpy(), color="#1f77b4", marker="o", markersize=4, linewidth=1.8, label="mean over heads")
     ax.set_title("mean fold-variation")
-    ax.legend(loc="upper left")
+    ax.legend(loc="best")
     ax = axes[0, 1]
     shade_window(ax, window)
     layers = sorted(df["layer"].unique())
@@ -129,12 +130,12 @@ def spread_figure(spread, out, png=None, window=None, title: str | None = None) 
                     label=f"layer {layer}" if j == 0 else None, gid=f"L{layer}H{head}")
     ax.set_title("each head (colour: layer)")
     if len(layers) <= 12:
-        ax.legend(loc="upper left", ncol=2 if len(layers) > 6 else 1, fontsize=7)
+        ax.legend(loc="best", ncol=2 if len(layers) > 6 else 1, fontsize=7)
     for a in axes.flat:
-        step_axis(a, steps)
         a.axhline(1.0, color="gray", linestyle=":", linewidth=1)
         a.set_ylabel(r"fold-variation $\exp(\mathrm{mean}_s\,\mathrm{std}_t \log W_{st})$")
         a.grid(alpha=0.3)
+        step_axis(a, steps, window)
     fig.suptitle(title or "How evenly each head divides its attention across token types")
     pdf, png = figure_paths(out, png)
     save_figure(fig, pdf, png)
@@ -155,8 +156,9 @@ def topn_figure(table, out, png=None, window=None, title: str | None = None) -> 
             ax.plot(g["step"].to_numpy(float), g[col], "-o", ms=3, label=f"N = {n} ({100 * share:.0f}% substituted)")
         ax.set_ylabel(label)
         shade_window(ax, window)
-        step_axis(ax, df["step"])
     axes[0, 0].legend(loc="upper left")
+    for ax in axes[0]:
+        step_axis(ax, df["step"], window)
     if title:
         fig.suptitle(title)
     pdf, png = figure_paths(out, png)
@@ -199,13 +201,14 @@ def vocab_mfgap_figure(table, out, png=None, window=None, title: str | None = No
         right.set_ylim(*pad(*lims["D"]))
         for ax in (top, bottom):
             shade_window(ax, window)
-            step_axis(ax, x)
         if j == 0:
             top.set_ylabel("next-token loss (nats)")
             top.legend(loc="upper right")
             bottom.set_ylabel(r"$\Delta L$ (nats)", color="#2ca02c")
         if j == len(arms) - 1:
             right.set_ylabel(r"$D_\mathrm{MF}$", color="#9467bd")
+        for ax in (top, bottom):
+            step_axis(ax, x, window)
     if title:
         fig.suptitle(title)
     pdf, png = figure_paths(out, png)

@@ -3,12 +3,25 @@ the run's plan (:class:`mfpipe.workflow.plan.Plan`)."""
 
 from __future__ import annotations
 
+from mfpipe.workflow.config import resolve_revisions
 
-def topn(plan) -> list[int]:
-    """App. M: the substitution repeated with other tracked-set sizes (the configured N is always an arm): the
-    other sizes of ``substitution.top_n``, ascending."""
-    c = plan.config
-    return sorted({int(n) for n in c["substitution"]["top_n"]} - {int(c["tracked"]["n_tracked"])})
+
+def topn(plan, model: str) -> list[int]:
+    """App. M: the substitution of ``model`` repeated with other tracked-set sizes (the configured N is always an
+    arm): the other sizes of the model's own ``top_n.n``, or else of ``substitution.top_n``, ascending."""
+    c, own = plan.config, plan.models[model].get("top_n")
+    sizes = own["n"] if own else c["substitution"]["top_n"]
+    return sorted({int(n) for n in sizes} - {int(c["tracked"]["n_tracked"])})
+
+
+def topn_revisions(plan, model: str) -> list[str]:
+    """The revisions of ``model``'s sweep its top-N arms run at: its own ``top_n.revisions`` (resolved as its
+    ``revisions`` are: ``final`` is the last step), or every revision of the sweep."""
+    own = plan.models[model].get("top_n")
+    if not own or own.get("revisions") is None:
+        return list(plan.revisions[model])
+    wanted = set(resolve_revisions(plan.config, dict(plan.models[model], revisions=own["revisions"])))
+    return [r for r in plan.revisions[model] if r in wanted]
 
 
 def substitution_results(plan, wildcards) -> list[str]:
@@ -25,20 +38,19 @@ def kernel_results(plan, wildcards) -> list[str]:
 
 
 def topn_results(plan, wildcards) -> list[tuple]:
-    """(N, revision, result) of every arm and revision of a model: the configured N first."""
-    n_tracked = int(plan.config["tracked"]["n_tracked"])
-    out = []
-    for n in [n_tracked] + topn(plan):
-        out += [(n, rev, plan.store("substitution", model=wildcards.model, revision=rev) if n == n_tracked
-                 else plan.store("substitution_topn", model=wildcards.model, revision=rev, n=n))
-                for rev in plan.revisions[wildcards.model]]
+    """(N, revision, result) of every arm and revision of a model: the configured N first (every revision of the
+    sweep, the run's own substitution), then each top-N arm at :func:`topn_revisions`."""
+    m, n_tracked = wildcards.model, int(plan.config["tracked"]["n_tracked"])
+    out = [(n_tracked, rev, plan.store("substitution", model=m, revision=rev)) for rev in plan.revisions[m]]
+    for n in topn(plan, m):
+        out += [(n, rev, plan.store("substitution_topn", model=m, revision=rev, n=n)) for rev in topn_revisions(plan, m)]
     return out
 
 
 def topn_arms(plan, wildcards) -> list[list]:
     """[N, revision, step] of every result of :func:`topn_results`, in its order (the top-N table's rows)."""
-    steps = plan.revision_steps(wildcards.model) * (1 + len(topn(plan)))
-    return [[n, rev, s] for (n, rev, _), s in zip(topn_results(plan, wildcards), steps)]
+    step = dict(zip(plan.revisions[wildcards.model], plan.revision_steps(wildcards.model)))
+    return [[n, rev, step[rev]] for n, rev, _ in topn_results(plan, wildcards)]
 
 
 def recompute_kernels(plan) -> tuple[str, str]:
@@ -87,7 +99,7 @@ def targets(plan) -> list[str]:
         for rev in plan.rollout_revisions[m]:
             t += [f"{R}/tables/{name}_{m}_{rev}.{e}" for name in ("kernel_bias", "calibration", "calibrated")
                   for e in ("csv", "md")]
-        if topn(plan):
+        if topn(plan, m):
             t += [f"{R}/tables/substitution_topn_{m}.csv", f"{R}/tables/substitution_topn_{m}.md"]
             if plan.sweeps(m):
                 t += [f"{R}/figures/{f}_{m}.{e}" for f in ("topn", "vocab_mfgap") for e in ("pdf", "png")]

@@ -15,9 +15,16 @@
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its
   checks (``groups``).
+* ``jvp.py`` — :func:`~mfpipe.models.adapters.jvp.position_jvps`: the same-position Jacobian-vector products of the
+  final residual along given vectors (``torch.func.jvp``, vectors batched as tangent rows, the prefix a kept key/value
+  cache), the J-lens decode without its Jacobian (:mod:`mfpipe.jlens.jvp`).
 * ``mlp_units.py`` — :func:`~mfpipe.models.adapters.mlp_units.mlp_units`: an MLP as a sum over its hidden units (its
   post-activation and output projection, found among the modules the adapter names), with forward-mode directional
   derivatives, for the rollout's divergence diagnostics (App. llama).
+* ``streaming.py`` — weights streamed block by block (:class:`~mfpipe.models.adapters.streaming.BlockStreamer`): a
+  block's parameters read from the checkpoint's safetensors files before its forward and dropped after it, or while
+  :func:`~mfpipe.models.adapters.streaming.held` (the block pieces above hold their block), for a model whose weights
+  exceed the memory (:mod:`mfpipe.models.streamed` loads it).
 * ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
   every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
   with ``mfpipe conformance`` first).

@@ -35,7 +35,6 @@ Conventions shared by all adapters
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
+from mfpipe.models.adapters.streaming import holds_block
 from mfpipe.models.adapters.structure import Structure, base_model
 
 __all__ = ["Adapter", "LayerCapture", "NormForm", "base_model"]
@@ -66,12 +66,12 @@ def _identity(x: Tensor) -> Tensor:
 
 
 def no_grad(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with torch.no_grad():
-            return fn(*args, **kwargs)
+    return torch.no_grad()(fn)  # torch's decorator: each call runs without autograd
 
-    return wrapper
+
+def block_piece(fn):
+    """A block piece ``(self, layer, ...)``: under no_grad, block ``layer`` held (a streamed block's weights read)."""
+    return holds_block(no_grad(fn))
 
 
 class Adapter(TracedSite):
@@ -121,12 +121,9 @@ class Adapter(TracedSite):
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:
-        return (
-            f"Adapter(model_type={self.model_type!r}, n_layers={self.n_layers}, "
-            f"n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, d_model={self.d_model}, "
-            f"d_head={self.d_head}, parallel_residual={self.parallel_residual}, "
-            f"has_post_attn_norm={self.has_post_attn_norm})"
-        )
+        return (f"Adapter(model_type={self.model_type!r}, n_layers={self.n_layers}, n_heads={self.n_heads}, "
+                f"n_kv_heads={self.n_kv_heads}, d_model={self.d_model}, d_head={self.d_head}, "
+                f"parallel_residual={self.parallel_residual}, has_post_attn_norm={self.has_post_attn_norm})")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -224,11 +221,12 @@ class Adapter(TracedSite):
             raise ValueError(f"context_length={context_length} outside 2..{wpe.shape[0]} (queries need positions >= 1)")
         return wpe[1:n].mean(0)
 
-    @no_grad
+    @block_piece
     def attn_input_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm applied to the residual stream before attention (identity where absent: OLMo-2)."""
         return self._opt_module(layer, self.ATTN_NORM)(self._in(x)).to(x.dtype)
 
+    @holds_block
     def attn_input_norm_form(self, layer: int) -> NormForm | None:
         """:meth:`attn_input_norm` as a :class:`NormForm` (its weights, no copies), or None where it has none the
         statistics pass can use: a norm module of another kind, or a model that is not float32 (its norm rounds its
@@ -253,7 +251,7 @@ class Adapter(TracedSite):
             return NormForm("rms", eps, w if not off else off + w.detach())
         return None
 
-    @no_grad
+    @block_piece
     def value_map(self, layer: int, x: Tensor) -> Tensor:
         """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, dh]`` (incl. the pre-attention
         norm and the value bias; GQA KV heads expanded to query heads)."""
@@ -281,7 +279,7 @@ class Adapter(TracedSite):
             v = src(h)
         return self._expand_kv(v.unflatten(-1, (KV, dh)), -2).to(x.dtype)
 
-    @no_grad
+    @block_piece
     def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
         """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
         output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded to
@@ -307,7 +305,7 @@ class Adapter(TracedSite):
         b = None if bias is None else bias[o : o + n].view(KV, dh)
         return self._expand_kv(w, 0), None if b is None else self._expand_kv(b, 0)
 
-    @no_grad
+    @block_piece
     def out_proj_slices(self, layer: int) -> Tensor:
         """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection."""
         proj = self._sub(layer, self.O_PROJ)
@@ -329,11 +327,12 @@ class Adapter(TracedSite):
         """The decoder stack's final norm; its input is the final residual ``resid_in[L]`` (the J-lens's output)."""
         return module_at(self.base, self.FINAL_NORM)
 
-    @no_grad
+    @block_piece
     def out_proj_bias(self, layer: int) -> Tensor | None:
         b = self._sub(layer, self.O_PROJ).bias
         return None if b is None else b.detach()
 
+    @holds_block
     def attn_out_weights(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         """``(W [H, dh, d], b [d] or None)`` where ``attn_out`` is that affine map of the per-head reads,
         ``attn_out = sum_h reads[..., h, :] @ W[h] + b`` (the output projection, :meth:`out_proj_slices` /
@@ -353,12 +352,12 @@ class Adapter(TracedSite):
         its residual additions round to the model's dtype (bfloat16: 2^-9 of the residual, not of mlp_out)."""
         return self.dtype == torch.float32
 
-    @no_grad
+    @block_piece
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
         """The norm on the attention output before it joins the residual (identity where absent)."""
         return self._opt_module(layer, self.POST_ATTN_NORM)(self._in(x)).to(x.dtype)
 
-    @no_grad
+    @block_piece
     def mlp(self, layer: int, x_resid: Tensor) -> Tensor:
         """The MLP branch as a function of the residual stream it reads (``resid_mid`` for sequential
         blocks, the block input for GPT-NeoX parallel residual): pre-norm, MLP, post-norm where present."""

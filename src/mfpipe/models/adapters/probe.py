@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.streaming import held
+
 __all__ = ["probe", "Seen", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index", "Shape",
            "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
 
@@ -119,7 +121,8 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     out["embed_scale"], out["position_row_offset"] = embed_scale(base, seen, table, embed_norm, same, mt)
     out.update(value_layout(seen, sources, named_value, shape, mt, emb.weight.dtype))
     out["mlp_tuple"] = isinstance(last.out, tuple)
-    out["mlp_sequences"] = _needs_sequences(block, chain, first.x, last.y, same)
+    with held(block):  # called outside a forward: a streamed block's weights are read for it
+        out["mlp_sequences"] = _needs_sequences(block, chain, first.x, last.y, same)
     return out
 
 

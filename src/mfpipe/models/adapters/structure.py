@@ -41,8 +41,9 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
+from mfpipe.models.adapters.streaming import held
 
-__all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "describe"]
+__all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
 
 # how a block's values come out of its value source:
 #   "split":  a projection of its own, [KV * dh] outputs (Llama, Mistral, Qwen, Gemma, OLMo-2, GPT-J, StableLM)
@@ -120,8 +121,7 @@ def describe(model: nn.Module) -> Structure:
     stack = _stack(base, shape.L, mt)  # "" or the path of the module holding the blocks ("decoder.")
     stack_mod = submodule(base, stack)
     children = dict(stack_mod.named_children())
-    layers = stack + _one([n for n, m in children.items() if isinstance(m, nn.ModuleList) and len(m) == shape.L],
-                          f"the list of its {shape.L} blocks", mt)
+    layers = stack + _layers(children, shape.L, mt)
     emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embeds = [n for n, m in children.items() if m is emb]
     if not embeds and emb is not None:  # an encoder's embedding sits in a module of its own (BERT's embeddings)
@@ -156,7 +156,8 @@ def describe(model: nn.Module) -> Structure:
         raise UnsupportedArchitectureError(mt, "it has a norm on the embedding and a learned position table")
     roles = found["roles"]
     norm = submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
-    rms_offset, centred = _norm_kind(norm, mt)
+    with held(block):  # called outside a forward: a streamed block's weights are read for it
+        rms_offset, centred = _norm_kind(norm, mt)
     return Structure(
         layers=layers, embed=embed, final_norm=stack + final_norm, attn=attn,
         value_source=f"{attn}.{found['value_source']}", value_layout=found["value_layout"],
@@ -171,6 +172,22 @@ def describe(model: nn.Module) -> Structure:
         embed_norm=stack + embed_norm if embed_norm else None, position_row_offset=found["position_row_offset"],
         norm_centred=centred, logit_scale=probe.logit_scale(model, base, mt),
     )
+
+
+def blocks(model: nn.Module) -> nn.ModuleList:
+    """The list of a decoder's ``num_hidden_layers`` blocks (what :func:`describe` places its ``layers`` at), found
+    before any forward: weight streaming (:mod:`mfpipe.models.adapters.streaming`) hooks them."""
+    mt = getattr(model.config, "model_type", None)
+    base = base_model(model)
+    L = _shape(model.config, mt).L
+    stack = _stack(base, L, mt)
+    stack_mod = submodule(base, stack)
+    return getattr(stack_mod, _layers(dict(stack_mod.named_children()), L, mt))
+
+
+def _layers(children: dict[str, nn.Module], L: int, mt) -> str:
+    return _one([n for n, m in children.items() if isinstance(m, nn.ModuleList) and len(m) == L],
+                f"the list of its {L} blocks", mt)
 
 
 def _shape(cfg, mt) -> Shape:

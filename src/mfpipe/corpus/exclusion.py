@@ -1,8 +1,9 @@
 """The exclusion arm's tracked set (paper App. ``app:llama``, "Exclusion experiment: structural tokens are not the
 cause"): the main tracked set's selection rerun with every newline / whitespace and pure-punctuation type (and any type
-the user lists) left out. The arm's statistics, rollout and side-by-side table are the rollout experiment's
-(:mod:`mfpipe.experiments.rollout.exclusion`); the selection lives with the corpus so that its job reads nothing
-else (editing the rollout's code reruns no statistics of the arm).
+the user lists) left out. The arm is one config section (``exclusion``), one rule file (workflow/rules/exclusion.smk)
+and one test file (tests/test_exclusion.py) over two modules named for it: this one, the corpus stage's part, and
+:mod:`mfpipe.experiments.rollout.exclusion`, the rollout's part (its side-by-side table and targets). The selection
+lives with the corpus so that its job reads nothing else: editing the rollout's code reruns no statistics of the arm.
 
 Selection (:func:`select_arm`): the SAME rule as the main tracked set (:func:`mfpipe.corpus.tracked.select_tracked`:
 the top-N types by count on the ``stats`` half, ties broken by the smaller id, BOS and types that never occur never
@@ -12,7 +13,7 @@ remaining vocabulary"); a top-up type is itself never an excluded one. Its file 
 results/corpus/<corpus>/<model>/tracked-excl.json; its statistics are the datasets ``excl/stats`` and ``excl/eval``
 (the primary corpus's halves with that tracked set, :data:`mfpipe.stats.rules.EXCLUSION_ARM`), their own jobs.
 
-Classes (config ``tracked.exclude.classes``), on a type's decoded string ``s``:
+Classes (config ``exclusion.classes``), on a type's decoded string ``s``:
 
 - ``newline_whitespace``: ``s`` is non-empty and every character is Unicode whitespace (``str.isspace``: newline,
   carriage return, tab, space, NBSP, the Unicode line and paragraph separators, ...).
@@ -22,7 +23,7 @@ Classes (config ``tracked.exclude.classes``), on a type's decoded string ``s``:
   character of a partial UTF-8 byte) and inner whitespace make a type not pure punctuation (``").\\n\\n"`` is one,
   ``". ."`` is not).
 
-The user's ``tracked.exclude.strings`` exclude types whose decoded string equals one of them exactly. Both lists empty:
+The user's ``exclusion.strings`` exclude types whose decoded string equals one of them exactly. Both lists empty:
 no arm (:func:`arm_active`).
 
 """
@@ -69,7 +70,7 @@ def exclusion_reason(s: str, classes: Sequence[str] = CLASSES, strings: Sequence
 
 
 def arm_active(exclude: dict | None) -> bool:
-    """Whether config ``tracked.exclude`` asks for the arm (a class or a user string)."""
+    """Whether config section ``exclusion`` asks for the arm (a class or a user string)."""
     return bool(exclude and (exclude.get("classes") or exclude.get("strings")))
 
 

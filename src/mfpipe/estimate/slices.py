@@ -1,0 +1,138 @@
+"""The prices of the jobs :mod:`mfpipe.estimate.costs` did not price before issue 58: the positional slice's two forward
+jobs, the corpus stage's token counts, and the jobs whose work is small beside their process's start-up (tables and
+figures drawn from small CSV/JSON files, a store's few arrays), named here one by one so that a rule nobody priced is
+seen (:func:`mfpipe.estimate.costs.priced`), never counted as start-up in silence.
+
+Each formula takes ``(ctx, c, wildcards)`` (:class:`mfpipe.estimate.costs.Context`, the model's calibration or None)
+and gives ``(work seconds, disk bytes)``; :data:`EXTRA_PEAK` gives the MiB a job holds beyond its calibrated stage
+(the positional job's occurrences, the ablation's attention patterns)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["SLICE_RULES", "STARTUP_ONLY", "EXTRA_PEAK", "kernel_cells", "occurrences", "count_tokens"]
+
+
+def kernel_cells(c: dict, config: dict) -> float:
+    """Cells of a statistics store's kernel sums, L·H·N·(N+2), at the config's N (what a store job reads)."""
+    n = int(config["tracked"]["n_tracked"])
+    return c["layers"] * c["heads"] * n * (n + 2)
+
+
+def _primary(ctx) -> tuple[str, int]:
+    corpus = ctx.config["corpus"]["name"]
+    return corpus, ctx.T(corpus)
+
+
+def _eval_windows(ctx, model: str) -> int:
+    corpus, _ = _primary(ctx)
+    return ctx.windows(model, corpus, "eval")
+
+
+def occurrences(ctx, c, wc) -> tuple[int, int]:
+    """(windows, query occurrences) of the positional job's natural sample
+    (:func:`mfpipe.experiments.positional.collect.sample_occurrences`): ``positional.tokens // T`` eval windows, one
+    position in ``stride`` from ``min_position``, every one counted (an upper bound: the job drops untracked ones)."""
+    p = ctx.config["positional"]
+    _, T = _primary(ctx)
+    windows = min(_eval_windows(ctx, wc["model"]), int(p["tokens"]) // T)
+    per_window = max(math.ceil((T - int(p["min_position"])) / int(p["stride"])), 0)
+    return windows, windows * per_window
+
+
+def positional(ctx, c, wc):
+    """One deviation forward (pass 2's, :func:`mfpipe.meanfield.forward.deviation_forward`) per sampled window, and
+    one per repeated ``[BOS; c; c]`` sequence of ``2k + 1`` tokens; the kernel read from the statistics store."""
+    p = ctx.config["positional"]
+    _, T = _primary(ctx)
+    windows, _ = occurrences(ctx, c, wc)
+    k = int(p["repeated"]["chunk_length"] or (T - 1) // 2)
+    repeated = min(int(p["repeated"]["n_sequences"]), _eval_windows(ctx, wc["model"])) * (2 * k + 1)
+    tokens = windows * T + repeated
+    return (tokens * c["pass2_s_per_token"] + c["pass2_first_s"]
+            + kernel_cells(c, ctx.config) * c["store_read_s_per_cell"]), 0.0
+
+
+def positional_ablation(ctx, c, wc):
+    """Per window: the unablated forward and one per arm (carriers, non-carriers, ``n_random`` random subspaces),
+    each with its loss through the LM head (:func:`mfpipe.experiments.positional.ablation.run_ablation`)."""
+    p = ctx.config["positional"]
+    _, T = _primary(ctx)
+    n = min(int(p["ablation_windows"]), _eval_windows(ctx, wc["model"]))
+    runs = 1 + 2 + int(p["n_random"])
+    per_token = c["forward_s_per_token"] + c.get("lm_head_s_per_token", 0.0)
+    return n * T * runs * per_token + kernel_cells(c, ctx.config) * c["store_read_s_per_cell"], 0.0
+
+
+def _dtype_bytes(ctx, model: str) -> int:
+    spec = ctx.models.get(model, {})
+    return 4 if str(spec.get("dtype") or ctx.config["runtime"]["dtype"]) == "float32" else 2
+
+
+def _out_proj_mb(c) -> float:
+    """``O [L, H, dh, d]`` in float64 (both positional jobs hold it): L·d·d·8 bytes where H·dh = d."""
+    d_head = c.get("d_head") or c["d_model"] / c["heads"]
+    return c["layers"] * c["heads"] * d_head * c["d_model"] * 8 / 2**20
+
+
+def positional_peak(ctx, c, wc) -> float:
+    """The occurrences held whole (Δ ``[n, L, H, dh]`` float32, D, the BOS gate, the untracked share float32 and the
+    offset int64 per head; window, position, type int64 and valid per occurrence), twice while the batches' parts are
+    concatenated, and O."""
+    _, n = occurrences(ctx, c, wc)
+    d_head = c.get("d_head") or c["d_model"] / c["heads"]
+    per = c["layers"] * c["heads"] * (4 * d_head + 3 * 4 + 8) + 3 * 8 + 1
+    return 2 * n * per / 2**20 + _out_proj_mb(c)
+
+
+def ablation_peak(ctx, c, wc) -> float:
+    """Every layer's attention pattern ``[B, H, T, T]`` of a batch, unablated and under the carriers' arm, kept on
+    the host at the model's width for the consumers' change (one layer's pair of them in float64 as it is taken); O
+    in float64 and float32."""
+    p = ctx.config["positional"]
+    _, T = _primary(ctx)
+    B = int(p["batch_size"] or ctx.config["runtime"]["batch_size"])
+    pattern = B * c["heads"] * T * T
+    patterns = 2 * pattern * (c["layers"] * _dtype_bytes(ctx, wc["model"]) + 8) / 2**20
+    return patterns + 1.5 * _out_proj_mb(c)
+
+
+def count_tokens(ctx, c, wc):
+    """The stats half's shards read and their types counted (:func:`mfpipe.corpus.tracked.count_types`), at the
+    rate timed beside the start-ups (``count_s_per_token``)."""
+    corpus = wc.get("corpus") or ctx.config["corpus"]["name"]
+    model = wc.get("model")
+    tokens = ctx.windows(model, corpus, "stats") * ctx.T(corpus) if model else 0
+    return tokens * ctx.startup.get("count_s_per_token", 0.0), 0.0
+
+
+def startup_only(ctx, c, wc):
+    """Work small beside the job's start-up (measured by its kind: a table's, a figure's, a store's imports)."""
+    return 0.0, 0.0
+
+
+def kernel_column(ctx, c, wc):
+    """The statistics store's P read for its <bos> column: the chunks hold every key, so all of it."""
+    return kernel_cells(c, ctx.config) * c["store_read_s_per_cell"], 0.0
+
+
+# jobs whose work is their start-up: tables and figures from small CSV / JSON files, model-free jobs on a store's small
+# arrays (S̄ per head, the substitution results) -- each named, so that a new rule is seen unpriced until it is
+STARTUP_ONLY = {
+    # tables
+    "coverage_table", "zipf", "run_costs", "crossmodel_table", "induction_table", "exp3_single", "rollout_table",
+    "substitution_table", "substitution_topn_table", "calibrated_recompute",
+    # figures (the figure start-up draws and saves one)
+    "figure_waypoint", "figure_rollout", "figure_teacher_forced", "figure_error_decomposition", "figure_clustering",
+    "figure_cross_corpus", "figure_curves", "figure_icl_classes", "figure_icl_meter", "figure_fv", "figure_fv_clean",
+    "figure_crossmodel", "figure_topn", "figure_divergence", "figure_positional", "figure_vocab_mfgap",
+    # figures and tables from the deviation stores' and the kernels' small arrays
+    "exp3_correlation", "ranking", "kernel_dynamics",
+    # a tokenizer's few-shot tasks
+    "minisuite_tasks",
+}
+SLICE_RULES = {"positional": positional, "positional_ablation": positional_ablation, "tracked_types": count_tokens,
+               "tracked_types_topn": count_tokens, "tracked_types_excl": count_tokens, "rank_frequency": count_tokens,
+               "ranking_roles": kernel_column, **dict.fromkeys(STARTUP_ONLY, startup_only)}
+EXTRA_PEAK = {"positional": positional_peak, "positional_ablation": ablation_peak}
