@@ -5,7 +5,7 @@ target) on random weights of the published shapes, on a reduced budget that fits
 (Snakemake's benchmark files), `mfpipe estimate`'s prediction for the same config, their ratios, and the stage's
 cost in bare forwards over the tokens it reads.
 
-    python benchmarks/paper_shape.py RUN_DIR                  # the measured run (1-2 h on 2 quiet cores)
+    python benchmarks/paper_shape.py RUN_DIR                  # the measured run (~2 h on 2 quiet cores)
     python benchmarks/paper_shape.py RUN_DIR --smoke          # the same pipeline, cut shape and tiny budget (minutes)
     python benchmarks/paper_shape.py RUN_DIR --table-only     # the table again from a finished run's files
 
@@ -35,6 +35,7 @@ few thousand tokens a half (a further overlay written into RUN_DIR), for tests a
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -247,7 +248,7 @@ def run_estimate(workdir: Path, files: list[str], env: dict, jobs_at_once: int, 
 def run_preset(preset: str, root: Path, cache: Path, smoke: bool, cores: int, jobs_at_once: int,
                timeout: float | None, progress=print) -> dict:
     """One preset's run and its estimate (module docstring, step 2); ``{"wall_s", "calibration", "files"}``. A run
-    folder whose workflow finished (its ``run.json``) is read, not run again."""
+    folder whose workflow finished (its ``run.json``) is read, not run again; so is its estimate."""
     workdir = clone_workflow(root / preset)
     files = configfiles(preset, workdir, smoke)
     env = hub_env(cache, workdir)
@@ -258,6 +259,10 @@ def run_preset(preset: str, root: Path, cache: Path, smoke: bool, cores: int, jo
         progress(f"{preset}: snakemake --cores {cores} --configfile {' '.join(files)} (in {workdir}) ...")
         info = {"wall_s": run_workflow(workdir, files, env, cores, timeout), "cores": cores, "files": files}
         done.write_text(json.dumps(info, indent=1))
+    calibration = workdir / "estimate_calibration.json"
+    if calibration.is_file() and (workdir / "estimate_jobs.csv").is_file():  # made beside this run before
+        info["calibration"] = json.loads(calibration.read_text())
+        return info
     progress(f"{preset}: ran in {info['wall_s']:.0f} s; mfpipe estimate --jobs-at-once {jobs_at_once} ...")
     info["calibration"] = run_estimate(workdir, files, env, jobs_at_once, timeout)
     return info
@@ -277,17 +282,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     root = args.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
+    say = functools.partial(print, flush=True)
     if not args.table_only:
-        prepare_cache(root / "hub", smoke=args.smoke, presets=args.presets)
+        prepare_cache(root / "hub", smoke=args.smoke, presets=args.presets, progress=say)
     results = {}
     for preset in args.presets:
         workdir = root / preset
+        if args.table_only and not (workdir / "estimate_jobs.csv").is_file():
+            raise SystemExit(f"paper_shape.py: {workdir} holds no finished run and estimate (run.json, "
+                             "estimate_jobs.csv): run without --table-only first")
         if args.table_only:
             info = json.loads((workdir / "run.json").read_text())
             info["calibration"] = json.loads((workdir / "estimate_calibration.json").read_text())
         else:
             k = args.jobs_at_once or max(1, args.cores // min(args.cores, forward_threads(workdir, preset, args)))
-            info = run_preset(preset, root, root / "hub", args.smoke, args.cores, k, args.timeout)
+            info = run_preset(preset, root, root / "hub", args.smoke, args.cores, k, args.timeout, progress=say)
         jobs = job_frame(workdir, info["files"], info["calibration"])
         results[preset] = (info, stage_table(jobs), jobs)
     md, js = write_report(root, results)

@@ -84,10 +84,13 @@ def test_deviation_and_substitution_benchmarks_run(engine):
 
 
 def _paper_shape():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import paper_shape
+    """benchmarks/paper_shape.py as a module (a script beside its helpers, not a package)."""
+    import importlib.util
 
-    return paper_shape
+    spec = importlib.util.spec_from_file_location("paper_shape", REPO / "benchmarks" / "paper_shape.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_paper_shape_cache_holds_the_published_shapes_offline(tmp_path):
