@@ -178,7 +178,8 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
             "train_s_per_token", "jlens_s_per_position", "calibration_s_per_pair"} <= set(rates)
     assert all(out[k] >= 0 and math.isfinite(out[k]) for k in rates)
     assert out["forward_s_per_token"] > 0 and out["startup_s"] > 0 and out["peak_rss_mb"] > 0
-    assert set(out["peak_mb"]) == {"forward", "pass1", "pass2", "substitution", "jlens", "train"}
+    assert out["jvp_s_per_vector"] > 0 and math.isfinite(out["jvp_position_s"]) and out["jvp_position_s"] >= 0
+    assert set(out["peak_mb"]) == {"forward", "pass1", "pass2", "substitution", "jlens", "jvp", "train"}
     assert out["n_tracked"] == cfg["tracked"]["n_tracked"]  # the Zipf law's top N, however few windows
     assert out["deviation_partial_bytes"] > 0 and out["d_head"] * out["heads"] == out["d_model"]
     # every rule's formula finds what it reads
