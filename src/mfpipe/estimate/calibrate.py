@@ -69,7 +69,7 @@ def _load_seconds(model) -> tuple[float, tuple[float, float]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        t, _ = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp))
+        t = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(tmp))[0]  # (the copy dropped at once)
         rates = read_rates(tmp)
     return t, rates
 
@@ -191,7 +191,7 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     B, T = out["batch_size"], out["T"]
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))
     out["jlens_s_per_position"] = peaks("jlens", lambda: time_jlens(adapter, windows, T, config)) * scale
-    # the J-lens decode through Jacobian-vector products (the lenses', jlens.decode): a position's own work, a vector
+    # the J-lens decode through Jacobian-vector products (jlens.decode: the lenses'): a position's own work, a vector
     out["jvp_position_s"], out["jvp_s_per_vector"] = (
         x * scale for x in peaks("jvp", lambda: time_jvp(adapter, windows, T, config)))
     with torch.no_grad():  # a batch of short prompts (function vectors' injections): the per-call cost

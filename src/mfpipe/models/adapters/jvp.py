@@ -9,8 +9,9 @@ batched over the vectors with ``torch.func.vmap`` (the tangents are the batch: t
 vectors' tangents as rows of it), each vector inserted at its own (point, layer), the layers below it run without a
 tangent. As for the Jacobians, the prefix ``< t`` does not depend on ``x_t``: it runs once into the model's key/value
 cache without a graph, then the token alone with the tangents. The cache is kept as the prefix left it through every
-chunk of vectors (each cache layer's ``update`` returns the prefix with the token's keys and values and stores
-nothing), so the chunks of one position share it and a layer's batched keys are dropped once the layer has run. A
+chunk of vectors (each cache layer's ``update``, and the cache's own, returns the prefix with the token's keys and
+values and stores nothing), so the chunks of one position share it and a layer's batched keys are dropped once the
+layer has run. A
 model whose forward takes or honours no cache (or whose cache holds no ``layers`` to keep) runs each window whole,
 cut after ``t``, with the vector inserted at ``t`` alone: the same products, up to rounding, at ``t + 1`` times the
 cost; a log line says so.
@@ -155,27 +156,28 @@ def _kept(cache):
     layers = getattr(cache, "layers", None)
     if not isinstance(layers, (list, tuple)) or not layers:
         raise NoCache(f"its {type(cache).__name__} holds no cache layers to keep")
-    before = [dict(vars(layer)) for layer in layers]
+    owners = [cache, *layers]  # the cache's own counters too, where a version keeps any
+    before = [dict(vars(x)) for x in owners]
 
-    def kept(layer, update):
+    def kept(owner, update):
         def wrapped(*args, **kwargs):
-            state = dict(vars(layer))
+            state = dict(vars(owner))
             try:
                 return update(*args, **kwargs)
             finally:
-                vars(layer).clear()
-                vars(layer).update(state)
+                vars(owner).clear()
+                vars(owner).update(state)
 
         return wrapped
 
-    for layer in layers:
-        layer.update = kept(layer, layer.update)
+    for x in owners:
+        x.update = kept(x, x.update)
     try:
         yield
     finally:
-        for layer, state in zip(layers, before):
-            vars(layer).clear()
-            vars(layer).update(state)
+        for x, state in zip(owners, before):
+            vars(x).clear()
+            vars(x).update(state)
 
 
 def _check(adapter, run, window: Tensor) -> None:
@@ -236,5 +238,10 @@ def _products(adapter, run, key: tuple[str, int], V: Tensor) -> Tensor:
             raise RuntimeError(f"{adapter.model_type}: the J-lens decode saw {len(seen)} final-norm calls")
         return seen[0][:, -1].sum(0)
 
-    _, products = vmap(lambda v: jvp(final_residual, (zero,), (v,)))(V)
+    try:
+        _, products = vmap(lambda v: jvp(final_residual, (zero,), (v,)))(V)
+    except NotImplementedError as e:  # an op without a forward-mode derivative in this torch
+        raise NotImplementedError(f"{adapter.model_type}: the J-lens decode's forward-mode products need an op torch "
+                                  f"has no forward-mode derivative for ({str(e).splitlines()[0][:200]}); set "
+                                  "jlens.decode: matrix (the stored J)") from e
     return products.double()

@@ -258,8 +258,8 @@ class BlockStreamer:
     # ------------------------------------------------------------------ the forward's hooks
     def _pre_hook(self, i: int):
         def pre(module, args):
-            # a forward stopped inside a block (the traced site's early stop, an exception) never ran that block's
-            # forward hook: its hold is let go here, so at most one block is held by the forward
+            # a forward that left a block without its forward hook (always_call runs it after an exception too: a
+            # safety net) has its hold let go here, so the forward holds at most one block at a time
             if self._in_forward is not None and self._in_forward != i:
                 self.release(self._in_forward)
                 self._in_forward = None
