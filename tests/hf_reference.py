@@ -70,8 +70,13 @@ PATHS: dict[str, dict] = {
                    mlp_out="mlp"),
     "mixtral": _LLAMA,
     "cohere": _LLAMA,
+    # a multimodal composite (issue 59): Gemma-3's text model one level down, beside its vision tower
+    "gemma3": dict(_LLAMA, layers="model.language_model.layers", final="model.language_model.norm",
+                   attn_out="post_attention_layernorm", mlp_out="post_feedforward_layernorm"),
     "codegen": dict(layers="transformer.h", final="transformer.ln_f", v_src="attn.qkv_proj", o_proj="attn.out_proj",
                     attn="attn", attn_norm="ln_1", attn_out=None, mlp_out="mlp"),
+    # latent attention (issue 59): the values are kv_b_proj's output, per head [k_nope | v]
+    "deepseek_v3": dict(_LLAMA, v_src="self_attn.kv_b_proj"),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",
@@ -110,11 +115,15 @@ def o_proj(model, layer: int):
 def shape(model) -> tuple[int, int, int]:
     """(H query heads, KV heads, head width)."""
     cfg = model.config
+    if cfg.model_type == "gemma3":  # a composite: its language model's sizes
+        cfg = cfg.text_config
     H = cfg.num_attention_heads
     KV = getattr(cfg, "num_key_value_heads", None) or H
     if cfg.model_type == "falcon":  # grouped (new architecture), multi-query, or one KV head per head
         KV = cfg.num_kv_heads if cfg.new_decoder_architecture else 1 if cfg.multi_query else H
     dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    if cfg.model_type == "deepseek_v3":  # the reads are v_head_dim wide (head_dim is its rotary query/key part)
+        dh = cfg.v_head_dim
     return H, KV, dh
 
 
@@ -123,7 +132,10 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
     mt = model.config.model_type
     H, KV, dh = shape(model)
     B, T = out.shape[:2]
-    if mt == "gpt2":  # Conv1D d -> 3d laid out [q | k | v]
+    if mt == "deepseek_v3":  # kv_b_proj of the latent [B, 1, T, r]: per head [k_nope (qk_nope_head_dim) | v (dh)]
+        nope = model.config.qk_nope_head_dim
+        v = out.reshape(B, -1, H, nope + dh)[..., nope:]
+    elif mt == "gpt2":  # Conv1D d -> 3d laid out [q | k | v]
         d = model.config.hidden_size
         v = out[..., 2 * d : 3 * d].reshape(B, T, H, dh)
     elif mt == "gpt_neox":  # fused, per head [q | k | v]

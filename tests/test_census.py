@@ -1,7 +1,7 @@
 """The census of decoder families (mfpipe.models.census, `mfpipe census`) on a fixed subset: each row says placed or
-not, the checks passed and the one-line reason of a refusal; a family placed but failing a check is exactly one the
-workflow's planning refuses (mfpipe.conformance.conformance_cached); the table's counts and its section of
-docs/architectures.md."""
+not, the checks passed, the kind of a refusal (modelling or mfpipe) and its one-line reason; a family placed but
+failing a check is exactly one the workflow's planning refuses (mfpipe.conformance.conformance_cached); the table's
+counts and its section of docs/architectures.md; a tiny copy of every default config that failed one before issue 59."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from mfpipe.models.census import BEGIN, END, census, census_markdown, causal_lm_
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 # a fixed subset: five that pass (three of them placed by issue 48: CodeGen's sharded qkv, OPT's nested blocks,
-# Mixtral's experts), one placed but failing, two refused for two reasons
-SUBSET = ["gpt2", "llama", "codegen", "opt", "mixtral", "gpt_neox_japanese", "mamba", "xglm"]
+# Mixtral's experts), one placed but failing, two refused for two reasons of the mfpipe kind and the modelling kind;
+# issue 59: one whose config had no tiny copy before (Nemotron's head_dim None), one encoder (a modelling refusal),
+# one of latent attention (DeepSeek-V3) and one multimodal composite placed through its language model (Gemma-3)
+SUBSET = ["gpt2", "llama", "codegen", "opt", "mixtral", "gpt_neox_japanese", "mamba", "xglm", "nemotron", "bert",
+          "deepseek_v3", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,15 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
     assert japanese.reason.startswith("fails: ") and "pieces rebuild the next residual" in japanese.reason
     assert not rows["xglm"].placed and "reads the token embedding changed" in rows["xglm"].reason
     assert not rows["mamba"].placed and "no attention heads" in rows["mamba"].reason
+    # issue 59: a refusal has a kind -- modelling (no attention heads, an encoder: BERT attends to later tokens) or
+    # mfpipe (the tool's); an accepted row none. Nemotron's default config (head_dim and KV heads None) had no tiny
+    # copy before; now it is placed and passes
+    assert {f: rows[f].kind for f in SUBSET} == {
+        "gpt2": "", "llama": "", "codegen": "", "opt": "", "mixtral": "", "nemotron": "", "gpt_neox_japanese": "mfpipe",
+        "xglm": "mfpipe", "mamba": "modelling", "bert": "modelling", "deepseek_v3": "", "gemma3": ""}
+    assert all(rows[f].accepted and rows[f].passed == rows[f].checks >= 10 for f in ("deepseek_v3", "gemma3"))
+    assert rows["bert"].reason.startswith("an encoder: its outputs read later tokens (cannot place the token")
+    assert rows["nemotron"].accepted and rows["nemotron"].passed == rows["nemotron"].checks >= 10
     # accepted by the census exactly where the workflow's planning accepts the type (placed-but-failing: refused)
     cache = tmp_path / "conformance.json"
     for family in ("gpt2", "gpt_neox_japanese", "xglm"):
@@ -49,18 +61,85 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
     monkeypatch.setattr("mfpipe.conformance.check_model", lambda model, structure: ().no_such_attribute)
     assert conformance_cached({"model_type": "gpt_oss"}, cache).startswith(
         "a conformance check raises on a tiny copy (AttributeError")
-    assert conformance_cached({"model_type": "deepseek_v32"}, cache).startswith(
+    # (before issue 59 deepseek_v32's default config was one; now a Dory config its validator refuses: no loop)
+    assert conformance_cached({"model_type": "dory", "n_recurrent_loops": 0}, cache).startswith(
         "transformers cannot build a tiny copy of its config (StrictDataclassClassValidationError")
 
 
 def test_the_table_counts_and_replaces_its_section(rows, tmp_path):
     text = census_markdown(list(rows.values()), "9.9")
-    assert text.startswith("transformers 9.9: 8 decoder-only causal-LM families; **5 placed and passing**, 1 placed "
-                           "but failing a check (refused at DAG time), 2 not placed.")
-    assert "| `codegen` | yes | 14 / 14 |  |" in text and "| `gpt_neox_japanese` | yes | 13 / 14 | fails: " in text
+    assert text.startswith("transformers 9.9: 12 decoder-only causal-LM families; **8 placed and passing**, 1 placed "
+                           "but failing a check (refused at DAG time), 3 not placed. Of the refusals, 2 of the "
+                           "modelling kind (no attention heads, an encoder) and **2 of the mfpipe kind** (the tool's "
+                           "to mend).")
+    assert "| family | placed | checks passed | refusal kind | refused because |" in text
+    assert "| `codegen` | yes | 14 / 14 |  |  |" in text
+    assert "| `gpt_neox_japanese` | yes | 13 / 14 | mfpipe | fails: " in text
+    assert "| `mamba` | no | - | modelling | no attention heads" in text
     doc = tmp_path / "a.md"
     doc.write_text(f"# t\n\n{BEGIN}\nold\n{END}\n\nafter\n")
     write_section(doc, text)
     new = doc.read_text()
     assert "old" not in new and text in new and new.endswith(f"{END}\n\nafter\n")
     assert BEGIN in DOCS.read_text() and END in DOCS.read_text()  # the docs page has its section
+
+
+# issue 59: families whose default config had no tiny copy before, one per way it failed: head_dim and KV heads None
+# (Nemotron), sub-configs (DBRX), per-layer attributes (Gemma-4), a shared block two layers use (Zamba), mlp_layer_types
+# (Cohere-2 MoE), a strict layer-type validator (DeepSeek-V3.2), a layout of (attention, mlp) pairs (Dory), size fields
+# of their own (MPT, LongCat), experts under an alias (Kimi)
+FAILED_BEFORE = ["nemotron", "dbrx", "gemma4_text", "zamba", "cohere2_moe", "deepseek_v32", "dory", "mpt",
+                 "longcat_flash", "kimi_linear"]
+
+
+@pytest.mark.parametrize("family", FAILED_BEFORE)
+def test_every_default_config_gets_a_small_tiny_copy_that_runs(family):
+    import torch
+
+    from mfpipe.models.adapters.composite import is_composite, language_model, shrink_composite
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import meta_parameter_count, random_model, shrink_config
+
+    full = default_config(family)
+    tiny = shrink_composite(full, shrink_config) if is_composite(full) else shrink_config(full)
+    assert type(tiny) is type(full) and tiny.model_type == full.model_type == family
+    assert meta_parameter_count(tiny) < 3_000_000  # the defaults have 0.1 to 700 G
+    text, text_full = (tiny.text_config, full.text_config) if is_composite(full) else (tiny, full)
+    for key in ("layer_types", "mlp_layer_types"):  # cut to the new depth, every kind kept
+        if isinstance(getattr(text_full, key, None), list):
+            assert len(getattr(text, key)) == text.num_hidden_layers
+            assert set(getattr(text, key)) == set(getattr(text_full, key)), key
+    model = language_model(random_model(tiny))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[3, 4, 5, 6, 7]])).logits
+    assert logits.shape[:2] == (1, 5) and torch.isfinite(logits).all()
+
+
+def test_a_per_layer_attribute_and_experts_are_shrunk_in_proportion():
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import shrink_config
+
+    gemma4 = shrink_config(default_config("gemma4_text"))  # the full-attention layers' head 512 of 256 elsewhere
+    dims = {gemma4.per_layer_config[i].head_dim: t for i, t in enumerate(gemma4.layer_types)}
+    assert dims == {16: "sliding_attention", 32: "full_attention"}
+    kimi = shrink_config(default_config("kimi_linear"))  # 256 experts, 8 per token, stored as num_experts
+    assert (kimi.num_local_experts, kimi.num_experts_per_tok) == (4, 2)
+    zamba = shrink_config(default_config("zamba"))  # its attention block is shared: two layers use it
+    assert zamba.layers_block_type.count("hybrid") == 2
+    # a default its own validator refuses (its text config must have no per-layer input): mended as the message says
+    # (an assistant reads its target model's KV states: no forward of its own)
+    assistant = default_config("gemma4_assistant").text_config
+    assert assistant.hidden_size_per_layer_input == 0 and assistant.vocab_size_per_layer_input == 0
+    tiny = shrink_config(default_config("gemma4_assistant")).text_config  # every layer reads the shared KV states
+    assert tiny.num_kv_shared_layers == tiny.num_hidden_layers and tiny.hidden_size == 64
+
+
+def test_an_encoder_attends_ahead_and_a_decoder_does_not():
+    import transformers
+
+    from mfpipe.models.census import attends_ahead
+    from mfpipe.models.tiny import make_tiny_model, random_model, shrink_config
+
+    assert not attends_ahead(make_tiny_model("llama"))
+    assert attends_ahead(random_model(shrink_config(transformers.BertConfig())))
+    assert not attends_ahead(random_model(shrink_config(transformers.BertConfig(is_decoder=True))))

@@ -180,3 +180,39 @@ def test_no_incoming_error_is_no_amplification():
     h = DV.headline(tables)
     assert h["peak_layer"] == 1 and h["peak_amplification"] == pytest.approx(steps.loc[1, "amp_block"])
     assert h["top_tokens"] == top[top["layer"] == 1]["token"].head(10).tolist()
+
+
+def test_a_mixture_of_experts_keeps_its_unit_rows_with_the_reason():
+    """Issue 59 item 6: a mixture of experts has no fixed hidden units. On a tiny Mixtral whose block 1 is given a
+    dense gated MLP (a MoE model with dense layers), the unit table keeps block 0's row without readings, saying why,
+    and computes block 1 as a dense model's (every unit recovers the whole excess, the identity exact); a dense
+    model's table has no such column."""
+    import transformers
+
+    from mfpipe.models.adapters.mlp_units import MOE_REASON, NoUnitDecomposition
+
+    model, _, K, bos, rolled, true = _problem("mixtral")
+    with pytest.raises(NoUnitDecomposition, match="mixture of experts"):
+        mlp_units(get_adapter(model), 0, torch.as_tensor(true[0]))
+    dense = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, hidden_act="silu"))
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    model.model.layers[1].mlp = dense.eval()
+    a = get_adapter(model)
+    types = np.arange(N)
+    units = DV.unit_table(a, K, bos, rolled, true, types, top_k=10**6, n_random=2)
+    assert units["layer"].tolist() == [0, 1]
+    assert units["not_applicable"].tolist() == [f"not applicable: {MOE_REASON}", ""]
+    moe, dense_row = units.iloc[0], units.iloc[1]
+    assert dense_row["n_units"] == 96 and dense_row["top_k"] == 96 and dense_row["excess"] > 0
+    assert dense_row["share_top_k"] == pytest.approx(1.0, abs=1e-5) and dense_row["decomposition_residual"] < 1e-4
+    assert pd.isna(moe["n_units"]) and np.isnan(moe[["excess", "share_top_k", "share_all"]].astype(float)).all()
+    dist, top, _, _ = DV.token_tables(a, K, bos, rolled, true, types, [str(i) for i in range(N)])
+    md = DV.markdown({"steps": DV.step_table(a, K, bos, rolled, true, types), "units": units, "tokens": dist,
+                      "top_tokens": top, "magnitude": DV.magnitude_table(rolled, true, types),
+                      "curvature": pd.DataFrame(), "pairs_summary": pd.DataFrame(), "pairs": pd.DataFrame()}, "moe")
+    assert f"not applicable: {MOE_REASON}" in md
+    _, d, K2, bos2, rolled2, true2 = _problem("llama")
+    assert "not_applicable" not in DV.unit_table(d, K2, bos2, rolled2, true2, types, top_k=3, n_random=2)

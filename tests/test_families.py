@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -216,3 +217,96 @@ def test_the_captured_branches_add_up_to_the_next_residual(model_type):
     for c, want in zip(caps, nxt):
         assert c.mlp_out.shape == c.resid_in.shape == (2, 9, 64)
         torch.testing.assert_close(c.resid_in + c.attn_out + c.mlp_out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_multimodal_composite_is_placed_through_its_language_model(tmp_path):
+    """Issue 59 item 4: a tiny Gemma-3 composite (its text model beside a SigLIP tower) is placed as its language
+    model: the adapter's model is the text-only causal LM built on the composite's own modules (shared, no tower), its
+    logits on text-only input are the composite's bit for bit, and the composite saved to a folder loads through
+    mfpipe's loader as that text LM, as a hub id of it would (its statistics and substitution against the references:
+    tests/test_stats_reference.py, tests/test_substitution.py; conformance: above)."""
+    from mfpipe.models.adapters.composite import is_composite, language_model
+    from mfpipe.models.loader import load_model
+
+    comp = make_tiny_model("gemma3", seed=6)
+    assert type(comp).__name__ == "Gemma3ForConditionalGeneration" and is_composite(comp.config)
+    adapter = get_adapter(comp)
+    lm = adapter.model
+    assert type(lm).__name__ == "Gemma3ForCausalLM" and lm is not comp
+    assert (adapter.model_type, adapter.n_layers, adapter.n_heads, adapter.d_model) == ("gemma3_text", 2, 4, 64)
+    assert lm.model is comp.model.language_model and lm.get_output_embeddings() is comp.lm_head
+    shared = {id(p) for p in comp.parameters()}
+    assert all(id(p) in shared for p in lm.parameters())
+    assert not any("vision" in n or "projector" in n for n, _ in lm.named_parameters())
+    ids = torch.randint(0, 120, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = comp(ids, use_cache=False).logits
+        torch.testing.assert_close(lm(ids, use_cache=False).logits, want, rtol=0, atol=0)
+    comp.save_pretrained(tmp_path / "tiny-gemma3")
+    loaded = load_model({"name": "tiny-gemma3", "source": "local", "path": str(tmp_path / "tiny-gemma3")})
+    assert type(loaded).__name__ == "Gemma3ForCausalLM" and not is_composite(loaded.config)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, want, rtol=0, atol=0)
+    plain = make_tiny_model("gemma3_text")
+    assert language_model(plain) is plain and get_adapter(plain).model is plain
+    # the census and the planning's conformance check read a composite's default config the same way: Gemma-3's (the
+    # conditional-generation model, its language model taken out) and Llama-4's (transformers' causal LM of it is
+    # already the text model) are placed and pass, where before "no attention heads in its config" refused them
+    from mfpipe.models.census import census_row
+
+    for family in ("gemma3", "llama4"):
+        row = census_row(family)
+        assert row.accepted and row.passed == row.checks == 14, row
+    assert conformance.conformance_cached({"model_type": "llama4"}, tmp_path / "conformance.json") is None
+
+
+def test_latent_attention_is_placed_by_what_its_modules_do():
+    """Issue 59: DeepSeek-V3's multi-head latent attention (tiny recipe: query/key heads 12 + 4 rotary wide, the
+    config's head_dim the rotary 4, values 8 wide). The output projection reads H x 8; the values are kv_b_proj's, per head [k_nope (12) | v (8)], and
+    kv_b_proj reads kv_a_layernorm of kv_a_proj_with_mqa's first 32 outputs (the latent, before the rotary key): the
+    probe finds the chain by its tensors. No affine value weights exist (a norm between): the statistics pass sums
+    the values it reads and the conformance checks them against a per-position loop instead. A description with the
+    latent sliced one place off fails the value map and the block rebuild."""
+    model = make_tiny_model("deepseek_v3", seed=2)
+    s = describe(model)
+    assert (s.value_head_dim, s.value_source, s.value_layout, s.value_chunks, s.value_offset) == (
+        8, "self_attn.kv_b_proj", "chunked", 4, 12)
+    assert (s.latent_proj, s.latent_offset, s.latent_width, s.latent_norm) == (
+        "self_attn.kv_a_proj_with_mqa", 0, 32, "self_attn.kv_a_layernorm")
+    adapter = get_adapter(model)
+    assert adapter.d_head == 8 and adapter.value_weights(0) is None
+    assert model.config.qk_nope_head_dim + model.config.qk_rope_head_dim != adapter.d_head
+    rows = conformance.check_model(model, s)
+    names = [r.name for r in rows]
+    assert "statistics: value means (summed as read) vs a per-position loop" in names and not failing(rows)
+    assert "block: value weights of the attention-input norm" not in names and len(rows) == 14
+    bad = failing(conformance.check_model(model, dataclasses.replace(s, latent_offset=1)))
+    assert {"block: value map of the residual", "block: pieces rebuild the next residual (relative)"} <= set(bad)
+
+
+def test_the_rollout_of_latent_attention_is_the_forward_on_one_window():
+    """Issue 59: the open-loop rollout (Alg. 1) runs on latent attention through the adapter's value map (the latent
+    projection, slice, norm and kv_b_proj as the attention runs them) and its mixture-of-experts block: on a window of
+    distinct types, the kernel measured by the forward's own attentions rolled out from the layer-0 residuals gives
+    the forward's residuals layer by layer (HF's hidden states and the final norm's input)."""
+    from mfpipe.experiments.rollout import algorithm as R
+
+    model = make_tiny_model("deepseek_v3", seed=3)
+    adapter = get_adapter(model)
+    bos, n, L = model.config.bos_token_id, 7, adapter.n_layers
+    types = torch.randperm(120, generator=torch.Generator().manual_seed(4))[:n] + 3
+    final = []
+    hook = model.model.norm.register_forward_pre_hook(lambda mod, args: final.append(args[0][0].double()))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([[bos, *types.tolist()]]), output_attentions=True, output_hidden_states=True,
+                        use_cache=False)
+    finally:
+        hook.remove()
+    resid = torch.stack([h[0].double() for h in out.hidden_states[:L]] + final).numpy()  # [L + 1, 1 + n, d]
+    att = torch.stack([a[0].double() for a in out.attentions]).numpy()  # [L, H, 1 + n, 1 + n]
+    P = np.zeros((L, adapter.n_heads, n, n + 2))
+    P[..., :n], P[..., n] = att[:, :, 1:, 1:], att[:, :, 1:, 0]
+    b = R.bos_residuals(adapter, bos)
+    np.testing.assert_allclose(b, resid[:, 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(R.rollout(adapter, P, b, init=resid[0, 1:]), resid[:, 1:], rtol=2e-4, atol=2e-4)

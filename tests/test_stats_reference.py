@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from stats_reference import BOS, reference_capture, tracked_for, zipf_windows
-from tiny_models import NEW_MODEL_TYPES, PLACED_MODEL_TYPES, TINY_MODEL_TYPES, VOCAB, make_tiny_model
+from tiny_models import (COMPOSITE_MODEL_TYPES, NEW_MODEL_TYPES, PLACED_MODEL_TYPES, TINY_MODEL_TYPES, VOCAB,
+                         make_tiny_model)
 
 from mfpipe.corpus.tracked import TrackedSet
 from mfpipe.models.adapters import get_adapter
@@ -129,7 +130,7 @@ def windows():
     return zipf_windows(6, seed=1)
 
 
-@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", TINY_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES)
 def test_every_statistic_matches_bruteforce(model_type, windows):
     model = make_tiny_model(model_type, seed=3)
     tracked = tracked_for(windows)

@@ -2,6 +2,7 @@
 conformance command builds the same kind of model)."""
 
 from mfpipe.models.tiny import (  # noqa: F401
+    COMPOSITE_MODEL_TYPES,
     D_MODEL,
     N_HEADS,
     N_KV_HEADS,

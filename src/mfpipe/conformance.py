@@ -60,10 +60,11 @@ def reference_forward(model, ids):
     return ([a.double() for a in out.attentions], [h.double() for h in out.hidden_states], out.logits.double())
 
 
-def reference_stats(attentions, hidden, tokens: np.ndarray, tracked) -> dict[str, np.ndarray]:
+def reference_stats(attentions, hidden, tokens: np.ndarray, tracked, values=None) -> dict[str, np.ndarray]:
     """Per-position loops over windows, queries and keys: P [L,H,N,K], n̄ [N,K], context counts C [N,K], query
     counts [N] and the residual centroids [L,K,d] (mean of the forward's hidden state entering each block by key
-    bucket), from :func:`reference_forward`'s outputs of ``tokens``."""
+    bucket), from :func:`reference_forward`'s outputs of ``tokens``; with ``values`` ([L] of [B,T,H,dh]), also the
+    value means mu [L,H,K,dh] by key bucket."""
     N = tracked.n
     K = N + 2
     rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
@@ -74,6 +75,7 @@ def reference_stats(attentions, hidden, tokens: np.ndarray, tracked) -> dict[str
     nbar, C, qn = np.zeros((N, K)), np.zeros((N, K)), np.zeros(N)
     d = hidden[0].shape[-1]
     csum, ccount = np.zeros((L, K, d)), np.zeros(K)
+    vsum = None if values is None else np.zeros((L, H, K, values[0].shape[-1]))
     probs = [a.numpy() for a in attentions]
     for w in range(tokens.shape[0]):
         for j in range(tokens.shape[1]):
@@ -81,6 +83,8 @@ def reference_stats(attentions, hidden, tokens: np.ndarray, tracked) -> dict[str
             ccount[t] += 1
             for l in range(L):
                 csum[l, t] += hidden[l][w, j].numpy()
+                if vsum is not None:
+                    vsum[l, :, t] += values[l][w, j].numpy()
             if j == 0 or t >= N:
                 continue
             qn[t] += 1
@@ -91,15 +95,25 @@ def reference_stats(attentions, hidden, tokens: np.ndarray, tracked) -> dict[str
                 for l in range(L):
                     P[l, :, t, bucket[w][k]] += probs[l][w, :, j, k]
     with np.errstate(invalid="ignore", divide="ignore"):
-        return dict(P=P / qn[None, None, :, None], nbar=nbar / qn[:, None], context_count=C, query_count=qn,
-                    centroid=csum / ccount[None, :, None])
+        out = dict(P=P / qn[None, None, :, None], nbar=nbar / qn[:, None], context_count=C, query_count=qn,
+                   centroid=csum / ccount[None, :, None])
+        return out if vsum is None else dict(out, mu=vsum / ccount[None, None, :, None])
+
+
+def _shrunk(config):
+    """:func:`mfpipe.models.tiny.shrink_config` of ``config``; of a multimodal composite, each of its sub-configs (its
+    language model is what is placed: :mod:`mfpipe.models.adapters.composite`)."""
+    from mfpipe.models.adapters.composite import is_composite, shrink_composite
+    from mfpipe.models.tiny import shrink_config
+
+    return shrink_composite(config, shrink_config) if is_composite(config) else shrink_config(config)
 
 
 def tiny_copy(source: str, revision: str | None = None, seed: int = 0):
     """A tiny random model of ``source``'s architecture: a verified ``model_type`` name (its test recipe), a local
     folder with config.json, or a Hugging Face id (its config.json only, from the cache or the hub)."""
     from mfpipe.models.tiny import (MAX_TINY_PARAMETERS, VERIFIED_MODEL_TYPES, make_tiny_model, meta_parameter_count,
-                                    random_model, shrink_config)
+                                    random_model)
 
     if source in VERIFIED_MODEL_TYPES:
         return make_tiny_model(source, seed=seed)
@@ -109,7 +123,7 @@ def tiny_copy(source: str, revision: str | None = None, seed: int = 0):
         config = AutoConfig.from_pretrained(source, revision=revision)
     except (OSError, ValueError) as e:
         raise SystemExit(f"mfpipe conformance: cannot read the config of {source!r} (revision {revision!r}): {e}") from None
-    tiny = shrink_config(config)
+    tiny = _shrunk(config)
     size = meta_parameter_count(tiny)
     if size > MAX_TINY_PARAMETERS:
         raise SystemExit(f"mfpipe conformance: the tiny copy of {source!r} still has {size / 1e6:.0f} M parameters: "
@@ -123,9 +137,11 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
     import torch
 
     from mfpipe.models.adapters import Adapter, describe
+    from mfpipe.models.adapters.composite import language_model
 
-    adapter = Adapter(model, structure or describe(model))
-    vocab = int(model.config.vocab_size)
+    lm = language_model(model)  # a composite: its language model (the references run the composite's own forward)
+    adapter = Adapter(lm, structure or describe(lm))
+    vocab = int(lm.config.vocab_size)
     rng = np.random.default_rng(seed)
     bos = vocab - 1
     tokens = rng.integers(0, min(vocab - 1, 24), size=(B, T))  # a small alphabet: types repeat in a window
@@ -149,9 +165,10 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
     rows.append(Check("block: value map of the residual", max(
         err(adapter.value_map(c.layer, hid[c.layer].float()).transpose(1, 2), c.values) for c in caps), 1e-4))
     W_v = [adapter.value_weights(l) for l in range(L)]
-    rows.append(Check("block: value weights of the attention-input norm", max(
-        err(torch.einsum("btd,hde->bhte", adapter.attn_input_norm(l, hid[l].float()), W_v[l][0])
-            + (0 if W_v[l][1] is None else W_v[l][1][None, :, None, :]), caps[l].values) for l in range(L)), 1e-4))
+    if W_v[0] is not None:  # latent attention has none (a norm between): the statistics pass sums its values instead
+        rows.append(Check("block: value weights of the attention-input norm", max(
+            err(torch.einsum("btd,hde->bhte", adapter.attn_input_norm(l, hid[l].float()), W_v[l][0])
+                + (0 if W_v[l][1] is None else W_v[l][1][None, :, None, :]), caps[l].values) for l in range(L)), 1e-4))
     # every block rebuilt from the forward's probabilities and the adapter's pieces -> the forward's next residual
     worst = 0.0
     for l in range(L):
@@ -172,24 +189,25 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
                       err(adapter.unembed(finals[0]), logits) / max(1.0, float(logits.abs().max())), 1e-5))
     own = adapter.run(ids, patch_reads=lambda layer, r: r, logits=True)
     rows.append(Check("substitution: own reads written back (exact)", err(own.logits, logits.float()), 0.0))
-    rows += _stats_and_substitution(model, adapter, tokens, att, hid, seed)
+    values = None if W_v[0] is not None else [adapter.value_map(l, hid[l].float()).double() for l in range(L)]
+    rows += _stats_and_substitution(model, adapter, tokens, att, hid, seed, values)
     return rows
 
 
-def _stats_and_substitution(model, adapter, tokens, att, hid, seed) -> list[Check]:
+def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None) -> list[Check]:
     import torch
 
     from mfpipe.corpus.tracked import TrackedSet
     from mfpipe.meanfield.kernel import kernel_from_store
     from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 
-    vocab = int(model.config.vocab_size)
+    vocab = int(adapter.config.vocab_size)
     counts = np.bincount(tokens[:, 1:].ravel(), minlength=vocab)
     counts[vocab - 1] = 0
     order = np.lexsort((np.arange(vocab), -counts))[:8]
     tracked = TrackedSet(type_ids=order, strings=[f"t{i}" for i in order], counts=counts[order], bos_id=vocab - 1,
                          vocab_size=vocab)
-    ref = reference_stats(att, hid, tokens, tracked)
+    ref = reference_stats(att, hid, tokens, tracked, values)
     sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=B, device="cpu", progress=False)
     meta = {"model": "conformance", "revision": "tiny", "half": "stats", "corpus": "random", "corpus_fingerprint": "-",
             "model_type": adapter.model_type}
@@ -200,6 +218,9 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed) -> list[Chec
         rows.append(Check(f"statistics: {name} vs a per-position loop", _nan_err(got, ref[name]), 1e-5))
     got = np.asarray(ds["centroid"].values, dtype=np.float64)[: adapter.n_layers]
     rows.append(Check("statistics: residual centroids vs a per-position loop", _nan_err(got, ref["centroid"]), 1e-4))
+    if values is not None:  # no value weights: the pass sums the values it reads (in place of the value-weights row)
+        rows.append(Check("statistics: value means (summed as read) vs a per-position loop",
+                          _nan_err(np.asarray(ds["mu"].values, dtype=np.float64), ref["mu"]), 1e-4))
     with tempfile.TemporaryDirectory() as tmp:
         kernel = kernel_from_store(open_stats(write_store(finalize(sums, tracked, meta), Path(tmp) / "s.zarr")),
                                    tracked, min_count=1)
@@ -251,10 +272,13 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
     import transformers
 
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
-    from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model, shrink_config
+    from mfpipe.models.adapters.composite import language_model
+    from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model
 
     code = hashlib.sha256()
-    for f in sorted((Path(__file__).parent / "models" / "adapters").glob("*.py")) + [Path(__file__)]:
+    models = Path(__file__).parent / "models"  # the placement's code and the shrinker's: a new tiny copy, a new verdict
+    shrinker = [models / "shrink.py", models / "defaults.py"]
+    for f in sorted((models / "adapters").glob("*.py")) + shrinker + [Path(__file__)]:
         code.update(f.read_bytes())
     key = hashlib.sha256(json.dumps([config, torch.__version__, transformers.__version__, code.hexdigest()],
                                     sort_keys=True, default=str).encode()).hexdigest()
@@ -269,7 +293,7 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
     try:
         full = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
                                                                  if k not in ("architectures", "auto_map")})
-        tiny = shrink_config(full)
+        tiny = _shrunk(full)
         size = meta_parameter_count(tiny)
         if size > MAX_TINY_PARAMETERS:
             raise ValueError(f"its shrunk config still has {size / 1e6:.0f} M parameters (shrink_config does not know "
@@ -280,7 +304,7 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
         model, failure = None, f"transformers cannot build a tiny copy of its config ({type(e).__name__}: {e})"
     if model is not None:
         try:
-            rows = check_model(model, describe(model))
+            rows = check_model(model, describe(language_model(model)))  # a composite: its language model
             bad = [f"{r.name} (error {r.error:.2g} > {r.tolerance:g})" for r in rows if not r.ok]
             failure = f"conformance check(s) failed on a tiny copy: {'; '.join(bad)}" if bad else None
         except UnsupportedArchitectureError as e:
@@ -310,11 +334,12 @@ def main(argv=None) -> int:
     import torch
 
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
+    from mfpipe.models.adapters.composite import language_model
 
     torch.manual_seed(0)
     model = tiny_copy(args.model, args.revision)
     try:
-        structure = describe(model)
+        structure = describe(language_model(model))  # a composite: its language model
     except UnsupportedArchitectureError as e:
         print(f"mfpipe conformance: {args.model}: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,10 @@
   through.
 - :mod:`mfpipe.models.tiny` — tiny random models: the recipes of the verified architectures and a shrunk copy of
   any config (the test suite's models and the conformance command's).
+- :mod:`mfpipe.models.shrink` — the shrunk copy of any decoder's config (re-exported by ``tiny``): sizes shrunk by
+  what each field is, per-layer fields cut to the same layers with every kind kept, derived fields derived again.
+- :mod:`mfpipe.models.defaults` — configs built through transformers' strict validators: a default config its own
+  validator refuses, a shrunk one refused for a value the validator names.
 - :mod:`mfpipe.models.census` — ``mfpipe census``: every causal-LM family of the installed transformers, placed
   and checked on a tiny copy of its default config, as one table (docs/architectures.md).
 - :mod:`mfpipe.models.induction` — induction-head scores on repeated random sequences (TransformerLens convention)

@@ -1,11 +1,21 @@
 """The census of decoder families (``mfpipe census``): for every causal-LM family the installed ``transformers``
 ships (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; encoder-decoder families and remote code left out), a tiny random copy
-of its default config (:func:`mfpipe.models.tiny.shrink_config`) is placed by structure
+of its default config (:func:`mfpipe.models.tiny.shrink_config`; a multimodal composite's sub-configs each shrunk, the
+composite then read as its language model: :mod:`mfpipe.models.adapters.composite`) is placed by structure
 (:func:`mfpipe.models.adapters.describe`) and run through ``mfpipe conformance``'s checks
 (:func:`mfpipe.conformance.check_model`). Each family gets one row: placed or not, the checks passed, and for a
 refusal the one-line reason (the placement's, the failing checks', or why no tiny copy could be built). A family that
 is placed but fails a check is refused at DAG time (the workflow's planning runs the same checks on a model of a type
 the test suite does not verify), so "passes" is what a run accepts.
+
+Each refusal has a kind. `modelling`: the family is no decoder with attention heads, by rules read off the family
+itself -- its config (or a composite's text config) has no attention heads at all (a state-space or
+recurrent model: Mamba, RWKV, xLSTM) or its ``layer_types`` name no attention layer (Bamba's default: Mamba
+throughout), or it is an encoder: its tiny copy, built from the default config as transformers builds its causal LM,
+reads later tokens (its logits at a token change with a later token, :func:`attends_ahead`: a BERT-style encoder whose
+LM head is causal only with ``is_decoder=True``, XLNet's permutation LM). `mfpipe`:
+anything else (no tiny copy, a placement or a check that fails, a probe that crashes) -- the tool's to mend; the goal
+is none.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["CensusRow", "causal_lm_families", "census_row", "census", "census_markdown", "write_section",
-           "main", "BEGIN", "END"]
+           "attends_ahead", "main", "BEGIN", "END"]
 
 PER_FAMILY_SECONDS = 120  # a tiny copy that takes longer to build and check is reported as such
 
@@ -28,6 +38,15 @@ class CensusRow:
     passed: int  # conformance checks passed (of `checks`); 0 when not placed
     checks: int
     reason: str  # why it is refused ("" when every check passes)
+    # the kind of refusal: "modelling" (no attention heads at all, or an encoder: the module docstring) or "mfpipe"
+    # (anything else: the tool's to mend); "" when accepted
+    kind: str = ""
+
+    def __post_init__(self):
+        if self.accepted:
+            self.kind = ""
+        elif not self.kind:
+            self.kind = "mfpipe"
 
     @property
     def accepted(self) -> bool:
@@ -65,27 +84,91 @@ def _alarm(signum, frame):
     raise _Timeout(f"over {PER_FAMILY_SECONDS} s")
 
 
+def _heads(config):
+    """The attention heads of ``config`` (a heterogeneous config's first layer's: its global value is ambiguous)."""
+    try:
+        return getattr(config, "num_attention_heads", None)
+    except Exception:  # AmbiguousGlobalPerLayerAttributeError (dots3_note_text's per-layer heads)
+        return getattr(config.per_layer_config[0], "num_attention_heads", None)
+
+
+def _attention_layers(config) -> bool:
+    """Whether ``config``'s layers include attention: False only where its ``layer_types`` name none but
+    state-space, recurrent, convolution or linear-attention mixers (Bamba's and Granite-4's default configs: Mamba
+    throughout)."""
+    kinds = getattr(config, "layer_types", None)
+    if not kinds or not isinstance(kinds, (list, tuple)):
+        return True
+    other = ("linear", "mamba", "conv", "recurrent", "ssm", "delta", "rwkv")
+    return not all(isinstance(k, str) and any(t in k for t in other) for k in kinds)
+
+
+def _size(tiny) -> int:
+    """The parameter count of ``tiny``'s causal LM (on the meta device); a family whose causal LM exists only as its
+    decoder form (Reformer's ``ReformerModelWithLMHead`` asserts ``is_decoder``, which its default config, shared with
+    its masked LM, leaves off) gets ``is_decoder=True`` on ``tiny``, as a checkpoint of it has."""
+    from mfpipe.models.tiny import meta_parameter_count
+
+    try:
+        return meta_parameter_count(tiny)
+    except AssertionError as e:
+        if "is_decoder=True" not in str(e):
+            raise
+        tiny.is_decoder = True
+        return meta_parameter_count(tiny)
+
+
+def attends_ahead(model) -> bool:
+    """Whether ``model`` reads later tokens (an encoder): its logits at the first three of four tokens change when the
+    fourth does. Read off the outputs, not the attention probabilities (BigBird's block-sparse attention returns none);
+    False where the forward fails or two forwards of one input differ (Reformer's random hashing: nothing to tell)."""
+    import torch
+
+    if callable(getattr(model, "set_default_language", None)) and getattr(model.config, "languages", None):
+        model.set_default_language(model.config.languages[0])  # X-MOD's forward needs a language
+    try:
+        with torch.no_grad():
+            a, b, c = (model(input_ids=torch.tensor([ids])).logits[0, :3] for ids in ([3, 4, 5, 6], [3, 4, 5, 6],
+                                                                                     [3, 4, 5, 7]))
+    except Exception:  # a forward that fails says nothing
+        return False
+    return bool(torch.equal(a, b) and not torch.equal(a, c))
+
+
+def _refused(family: str, model, reason: str) -> CensusRow:
+    """The row of a family refused at placement: an encoder's refusal is of the modelling kind."""
+    if attends_ahead(model):
+        return CensusRow(family, False, 0, 0, f"an encoder: its outputs read later tokens ({reason})", "modelling")
+    return CensusRow(family, False, 0, 0, reason)
+
+
 def census_row(family: str, seed: int = 0) -> CensusRow:
     """The census row of one family (see the module docstring)."""
     import torch
 
     from mfpipe.conformance import check_model
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
-    from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model, shrink_config
+    from mfpipe.models.adapters.composite import is_composite, language_model, shrink_composite, text_config
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import MAX_TINY_PARAMETERS, random_model, shrink_config
 
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(PER_FAMILY_SECONDS)
     try:
-        from transformers import CONFIG_MAPPING
-
         torch.manual_seed(seed)
         try:
-            config = CONFIG_MAPPING[family]()
-            if not getattr(config, "num_attention_heads", None):
-                return CensusRow(family, False, 0, 0, "no attention heads in its config (num_attention_heads): a "
-                                                      "state-space or recurrent model, or a composite of sub-configs")
-            tiny = shrink_config(config)
-            size = meta_parameter_count(tiny)
+            config = default_config(family)  # a default its own validator refuses: mended where it names the value
+            if not _heads(text_config(config)):  # a composite's: its language model's
+                return CensusRow(family, False, 0, 0, "no attention heads in its config (num_attention_heads; a "
+                                                      "composite's in its text_config): a state-space or recurrent "
+                                                      "model", "modelling")
+            if not _attention_layers(text_config(config)):
+                return CensusRow(family, False, 0, 0, "no attention layer in its default config (layer_types: "
+                                                      f"{sorted(set(text_config(config).layer_types))}): a "
+                                                      "state-space or recurrent model as configured", "modelling")
+            # a composite is placed through its language model (mfpipe.models.adapters.composite), as the loader does
+            tiny = shrink_composite(config, shrink_config) if is_composite(config) else shrink_config(config)
+            size = _size(tiny)
             if size > MAX_TINY_PARAMETERS:
                 return CensusRow(family, False, 0, 0, f"its shrunk config still has {size / 1e6:.0f} M parameters: "
                                                       "mfpipe.models.tiny.shrink_config does not know its size fields")
@@ -93,11 +176,12 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
         except Exception as e:
             return CensusRow(family, False, 0, 0, f"no tiny copy of its default config: {_one_line(e)}")
         try:
+            model = language_model(model)
             structure = describe(model)
         except UnsupportedArchitectureError as e:
-            return CensusRow(family, False, 0, 0, e.reason)
+            return _refused(family, model, e.reason)
         except Exception as e:
-            return CensusRow(family, False, 0, 0, f"the placement's probe forward fails: {_one_line(e)}")
+            return _refused(family, model, f"the placement's probe forward fails: {_one_line(e)}")
         try:
             rows = check_model(model, structure, seed=seed)
         except Exception as e:
@@ -128,12 +212,14 @@ def census_markdown(rows: list[CensusRow], transformers_version: str) -> str:
     placed_failing = [r for r in rows if r.placed and not r.accepted]
     lines = [f"transformers {transformers_version}: {len(rows)} decoder-only causal-LM families; "
              f"**{len(accepted)} placed and passing**, {len(placed_failing)} placed but failing a check (refused at "
-             f"DAG time), {len(rows) - len(accepted) - len(placed_failing)} not placed.", "",
-             "| family | placed | checks passed | refused because |", "|---|---|---|---|"]
+             f"DAG time), {len(rows) - len(accepted) - len(placed_failing)} not placed. Of the refusals, "
+             f"{sum(r.kind == 'modelling' for r in rows)} of the modelling kind (no attention heads, an encoder) and "
+             f"**{sum(r.kind == 'mfpipe' for r in rows)} of the mfpipe kind** (the tool's to mend).", "",
+             "| family | placed | checks passed | refusal kind | refused because |", "|---|---|---|---|---|"]
     for r in rows:
         checks = f"{r.passed} / {r.checks}" if r.placed else "-"
         reason = r.reason.replace("|", "\\|")
-        lines.append(f"| `{r.family}` | {'yes' if r.placed else 'no'} | {checks} | {reason} |")
+        lines.append(f"| `{r.family}` | {'yes' if r.placed else 'no'} | {checks} | {r.kind} | {reason} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,8 +253,8 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)  # transformers' notes on odd default configs, one per family
     rows = census(args.families or None, progress=lambda r: print(
-        f"{r.family:<28} {'placed' if r.placed else 'not placed':<11} {r.passed}/{r.checks} {r.reason}"[:160],
-        file=sys.stderr))
+        f"{r.family:<28} {'placed' if r.placed else 'not placed':<11} {r.passed}/{r.checks} {r.kind:<9} "
+        f"{r.reason}"[:170], file=sys.stderr))
     text = census_markdown(rows, transformers.__version__)
     if args.write:
         write_section(args.write, text)

@@ -2,7 +2,8 @@
 checkpoint of the offline mini suite.
 
 Always eager attention (the probabilities must be observable), never remote code, safetensors
-only. A model spec is the config's model entry::
+only. A multimodal composite whose language model is a decoder (Gemma-3, Llama-4, Qwen-3.5...) loads as that
+language model's text-only causal LM (:mod:`mfpipe.models.adapters.composite`). A model spec is the config's model entry::
 
     {name: gpt2-small, source: hub, hub_id: openai-community/gpt2, revisions: [main]}
     {name: mine, source: local, path: /data/my-model}
@@ -285,6 +286,11 @@ def load_model(
         raise ModelLoadError(
             f"could not load the weights of {_describe(spec, revision)} (safetensors only): {e}"
         ) from e
+    # a multimodal composite (Gemma-3's conditional-generation model): its language model, read on text-only input
+    # as the text-only causal LM (the towers are dropped with the composite)
+    from mfpipe.models.adapters.composite import language_model
+
+    model = language_model(model)
     model.eval()
     model.requires_grad_(False)
     return model.to(resolve_device(device))

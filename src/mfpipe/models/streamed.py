@@ -172,6 +172,11 @@ def load_streamed(source: str, path: str, rev: str | None, config, dtype: str, d
             "every block's weights alive. Run it on a host with more memory (cluster.forward.mem_mb)")
     if not streams(mode, need, room):
         return None
+    from mfpipe.models.adapters.composite import is_composite
+
+    if is_composite(model.config):  # its blocks are placed on the text model; its checkpoint names them otherwise
+        raise StreamingError("a multimodal composite's language model is not streamed block by block: load it whole "
+                             "(runtime.stream_weights: false) on a host where its weights fit")
     checkpoint = Checkpoint(safetensors_files(checkpoint_folder(source, path, rev)))
     streamer = stream_blocks(model, blocks(model), checkpoint, device)
     log.info("%s: weights streamed one block at a time (runtime.stream_weights: %s): %.2f GiB of weights, %.2f GiB "

@@ -7,10 +7,13 @@ small seeded noise so that biases and norm weights are non-trivial (HF initialis
 would hide a missing bias or norm in a test). Config fields can be overridden by keyword.
 :data:`VERIFIED_MODEL_TYPES` are the types with a recipe here: the test suite checks each of them against
 brute-force references on every commit. :func:`shrink_config` makes the same kind of tiny copy of any
-model's config (same ``model_type``, shrunk sizes): what ``mfpipe conformance`` runs on.
+model's config (same ``model_type``, shrunk sizes; :mod:`mfpipe.models.shrink`, re-exported here): what
+``mfpipe conformance`` and ``mfpipe census`` run on.
 """
 
 from __future__ import annotations
+
+from mfpipe.models.shrink import MAX_POS, shrink_config  # noqa: F401 (re-exported: the tiny copy of any config)
 
 
 # the paper's six architectures, then the families placed by structure (issue 30)
@@ -18,9 +21,11 @@ PAPER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "gpt_neox", "llama", "qwen3", "gem
 NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma", "gemma3_text", "stablelm")
 # the failure classes of the census placed (issue 48): blocks one level down and an MLP of three modules (OPT), a
 # fused multi-query / grouped value layout (Falcon), a mixture of experts (Mixtral), a LayerNorm without a bias and a
-# logit scale (Cohere), a fused projection in four shards (CodeGen)
-PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen")
-VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES
+# logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3)
+PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3")
+# issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
+COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
+VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
 TINY_MODEL_TYPES = PAPER_MODEL_TYPES  # the six every test parametrizes over (the new ones: tests/test_families.py)
 
 VOCAB = 128
@@ -28,7 +33,6 @@ D_MODEL = 64
 N_HEADS = 4
 N_KV_HEADS = 2
 N_LAYERS = 2
-MAX_POS = 128
 
 
 def _base_config(model_type: str) -> tuple[type, dict]:
@@ -114,7 +118,7 @@ def _base_config(model_type: str) -> tuple[type, dict]:
 
 
 def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type, dict] | None:
-    """The recipes of :data:`PLACED_MODEL_TYPES` (their variants by override: Falcon's
+    """The recipes of :data:`PLACED_MODEL_TYPES` and :data:`COMPOSITE_MODEL_TYPES` (their variants by override: Falcon's
     ``new_decoder_architecture=True, num_kv_heads=2`` grouped layout, ``multi_query=False`` per-head layout)."""
     import transformers
 
@@ -141,6 +145,19 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
             vocab_size=VOCAB, n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, n_positions=MAX_POS, n_ctx=MAX_POS,
             rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1,
             bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, tie_word_embeddings=False)
+    if model_type == "deepseek_v3":  # latent attention: values decompressed by kv_b_proj from a normed latent, 8 wide
+        # per head (the query/key heads 12 + 4 rotary; the config's head_dim is the rotary 4); a dense first block, then
+        # 4 routed experts (2 per token) and a shared one; biases on the latent projections and the output projection
+        return transformers.DeepseekV3Config, dict(
+            common_rope, intermediate_size=2 * D_MODEL, moe_intermediate_size=D_MODEL // 2,
+            num_key_value_heads=N_HEADS, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=4,
+            v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, attention_bias=True)
+    if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
+        return transformers.Gemma3Config, dict(
+            text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
     return None
 
 
@@ -165,15 +182,16 @@ def make_tiny_model(model_type: str, seed: int = 0, noise: float = 0.05, **overr
     return random_model(make_tiny_config(model_type, **overrides), seed=seed, noise=noise)
 
 
-# 4 GB in float32: the verified recipes are ~0.1 M; the census's largest tiny copies (MoE configs whose expert count
-# shrink_config keeps, Phi-4-multimodal) are below 0.9 G, MPT's and LongCat's unshrunk defaults above
+# 4 GB in float32: the verified recipes are ~0.1 M; since issue 59 shrink_config's copies of every family's default
+# config are below 12 M (the largest: Phi-4-multimodal's towers); a config with size fields it does not know could be
+# far larger (before issue 59, MPT's and LongCat's: 1.2 G and 7.8 G)
 MAX_TINY_PARAMETERS = 1_000_000_000
 
 
 def meta_parameter_count(config) -> int:
     """The parameter count of the causal LM ``config`` builds, counted on the meta device (no memory, no time): a
-    config whose size fields :func:`shrink_config` does not know stays large (MPT's, LongCat's), and building it for
-    real could exhaust the machine's memory (``mfpipe census`` and the planning's conformance check refuse it)."""
+    config whose size fields :func:`shrink_config` does not know stays large, and building it for real could
+    exhaust the machine's memory (``mfpipe census`` and the planning's conformance check refuse it)."""
     import torch
     import transformers
 
@@ -210,73 +228,3 @@ def random_ids(batch: int = 2, seq: int = 16, vocab: int = VOCAB, seed: int = 0,
     if bos is not None:
         ids[:, 0] = bos
     return ids
-
-
-# a config's size fields under the names configs give them (GPT-2 / GPT-J keep their own)
-_SIZE_KEYS = {
-    "width": ("hidden_size", "n_embd"),
-    "layers": ("num_hidden_layers", "n_layer"),
-    "heads": ("num_attention_heads", "n_head"),
-    "inner": ("intermediate_size", "n_inner", "ffn_dim"),
-    "positions": ("max_position_embeddings", "n_positions"),
-}
-
-
-def shrink_config(config, width: int = D_MODEL, layers: int = N_LAYERS, heads: int = N_HEADS, vocab: int = VOCAB):
-    """A tiny copy of ``config`` (a transformers config of any decoder): the same class and ``model_type`` and every
-    switch as set (biases, norms, parallel residual, rotary share, soft-caps, tied embeddings...), with the sizes
-    shrunk: width, layers, heads (a grouped-query config keeps a KV-head count below the heads: 1 stays 1, else 2),
-    head width ``width // heads``, the MLP 2 x width, the vocabulary, at most 128 positions, the rotary dimensions
-    and per-frequency rope factors cut in proportion, the layer-type pattern cut to ``layers`` with both kinds
-    kept, a sliding window of at most 8. Special token ids outside the new vocabulary are dropped."""
-    d = config.to_dict()
-    out = {k: v for k, v in d.items() if k not in ("architectures", "auto_map", "_name_or_path", "transformers_version")}
-
-    def put(role, value):
-        for k in _SIZE_KEYS[role]:
-            if k in out and (out[k] is not None or role != "inner"):
-                out[k] = value
-
-    H0 = int(config.num_attention_heads)
-    dh0 = int(getattr(config, "head_dim", None) or config.hidden_size // H0)
-    put("width", width), put("layers", layers), put("heads", heads), put("inner", 2 * width)
-    dh = width // heads
-    if "head_dim" in out and out["head_dim"] is not None:
-        out["head_dim"] = dh
-    for key in ("num_key_value_heads", "num_kv_heads"):  # Falcon: num_kv_heads
-        kv0 = out.get(key)
-        if isinstance(kv0, int):
-            out[key] = heads if kv0 >= H0 else (1 if kv0 == 1 else 2)
-    if out.get("word_embed_proj_dim") == config.hidden_size:  # OPT: no projection around the embedding unless set
-        out["word_embed_proj_dim"] = width
-    for k in _SIZE_KEYS["positions"]:
-        if isinstance(out.get(k), int):
-            out[k] = min(out[k], MAX_POS)
-    if isinstance(out.get("original_max_position_embeddings"), int):
-        out["original_max_position_embeddings"] = min(out["original_max_position_embeddings"], MAX_POS)
-    if isinstance(out.get("rotary_dim"), int):  # GPT-J: the same share of the head, even
-        out["rotary_dim"] = max(2, 2 * round(out["rotary_dim"] * dh / dh0 / 2))
-    if isinstance(out.get("query_pre_attn_scalar"), (int, float)):
-        out["query_pre_attn_scalar"] = dh
-    for key in ("rope_scaling", "rope_parameters"):
-        rs = out.get(key)
-        if isinstance(rs, dict):
-            share = float(out.get("partial_rotary_factor") or 1.0)
-            n = max(1, int(dh * share) // 2)
-            out[key] = {k: (v[:n] + [v[-1]] * max(0, n - len(v)) if isinstance(v, list) else v) for k, v in rs.items()}
-    if isinstance(out.get("sliding_window"), int):
-        out["sliding_window"] = min(out["sliding_window"], 8)
-    lt = out.get("layer_types")
-    if isinstance(lt, list) and lt:
-        kinds = list(dict.fromkeys(lt))
-        out["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
-    for k in list(out):
-        if k.endswith("_token_id") and isinstance(out[k], int) and not 0 <= out[k] < vocab:
-            out[k] = None
-    out["vocab_size"] = vocab
-    for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout"):
-        if k in out:
-            out[k] = 0.0
-    cfg = type(config)(**out)
-    cfg._attn_implementation = "eager"
-    return cfg

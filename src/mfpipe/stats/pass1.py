@@ -163,7 +163,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
     def _derive_from_weights(self, value_weights, attn_out_weights, mlp_out_from_resid: bool) -> None:
         """The statistics derived from others' sums rather than read (value, attn_out and mlp_out; the layouts
         checked now) and so the capture fields read (:attr:`select`)."""
-        # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums
+        # layer -> (W [H,d,dh], b [H,dh] | None), e.g. adapter.value_weights: value sums from the ln1(x) sums; None
+        # where the values are no affine map of ln1(x) (latent attention: a norm between), so they are summed as read
+        if value_weights is not None and value_weights(0) is None:
+            value_weights = None
         if value_weights is not None and self.attn_input_norm is None:
             raise ValueError("value_weights maps the attention-input norm's sums to value sums: pass attn_input_norm too")
         self.value_weights = value_weights

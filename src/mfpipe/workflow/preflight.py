@@ -139,7 +139,8 @@ def check_inputs(config: dict) -> None:
                 model_type = cfg.get("model_type")
                 if model_type not in verified:
                     _check_unverified(spec, cfg, where)
-                vocab = cfg.get("vocab_size") or vocab
+                # a multimodal composite keeps its language model's vocabulary in its text_config
+                vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or vocab
         if vocab is not None and n_tracked >= vocab:
             raise ConfigError(
                 f"tracked.n_tracked {n_tracked} does not fit the vocabulary of model {spec['name']!r} ({vocab} tokens, "

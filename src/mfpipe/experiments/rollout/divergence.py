@@ -17,7 +17,8 @@ input, output projection, post-attention norm, residual, MLP -- exactly
 * the MLP's nonlinear excess ``E = MLP(m̂) - MLP(m) - J(m)(m̂ - m)`` (``m`` the MLP's input) decomposed exactly over
   its hidden units (:func:`mfpipe.models.adapters.mlp_units.mlp_units`): unit ``k`` contributes ``C_k = ε_k W_k``,
   ``sum_k C_k = E``; the share a set recovers is ``<sum_K C_k, E> / |E|^2`` (the shares of all units sum to 1);
-  top-k units by ``|C_k|`` against ``k`` random units (mean over draws);
+  top-k units by ``|C_k|`` against ``k`` random units (mean over draws); a block whose MLP is a mixture of experts
+  has no fixed hidden units: its row is kept with the reason (``not_applicable``), every other table is computed;
 * per-token amplification ``|e_out_s| / |e_in_s|``: median, 99th percentile, max, the ten most amplified types'
   share of the output-error energy, the top types by string;
 * the centred magnitude: the predicted centroid cloud's centred RMS norm over the true one, per depth (with the
@@ -36,7 +37,7 @@ import torch
 
 from mfpipe.experiments.rollout import algorithm as R
 from mfpipe.experiments.rollout import metrics as M
-from mfpipe.models.adapters.mlp_units import mlp_units
+from mfpipe.models.adapters.mlp_units import NoUnitDecomposition, mlp_units
 
 __all__ = ["DEFAULT_ALPHAS", "block_stages", "trajectories", "step_table", "curvature_table", "unit_table",
            "unit_shares", "token_tables", "magnitude_table", "capitalisation_pairs", "pairs_summary", "run", "headline", "markdown"]
@@ -144,16 +145,29 @@ def unit_shares(units_hat, units, rows) -> tuple[np.ndarray, float, float, float
     return share, energy.cpu().numpy(), (E2 ** 0.5, delta, recon / E2 ** 0.5 if E2 > 0 else float("nan"))
 
 
+UNIT_COLUMNS = ("layer", "n_units", "top_k", "excess", "excess_share", "share_top_k", "share_random_k", "share_all",
+                "decomposition_residual", "post_norm")
+
+
 def unit_table(adapter, kernel, bos, rolled, true, types, top_k: int = 25, n_random: int = 8,
                seed: int = 0) -> pd.DataFrame:
     """Per block: the MLP's nonlinear excess at the rolled input (over the response ``|ΔMLP|``), the share of it the
     top-``k`` units (by ``|C_k|``) recover, the mean share of ``k`` random units over ``n_random`` draws, and the
-    decomposition's residual ``|sum_k C_k - E| / |E|`` (rounding: it is exact)."""
+    decomposition's residual ``|sum_k C_k - E| / |E|`` (rounding: it is exact). A block whose MLP has no fixed hidden
+    units (a mixture of experts: :class:`~mfpipe.models.adapters.mlp_units.NoUnitDecomposition`) keeps its row, its
+    readings NaN and the reason in a ``not_applicable`` column ("not applicable: ..."; empty on the rows computed),
+    which the table has only where some block does not apply: a dense model's table is unchanged."""
     rows, S = [], torch.as_tensor(types)
     rng = np.random.default_rng(int(seed))
     for layer, _, _, (_, in_h, _), (_, m_in, _) in _steps(adapter, kernel, bos, rolled, true):
-        uh = mlp_units(adapter, layer, in_h)
-        u = mlp_units(adapter, layer, m_in, tangent=in_h - m_in)  # the tangent in the model's dtype: m̂ - m as fed
+        try:
+            uh = mlp_units(adapter, layer, in_h)
+            u = mlp_units(adapter, layer, m_in, tangent=in_h - m_in)  # the tangent in the model's dtype: m̂ - m as fed
+        except NoUnitDecomposition as e:
+            rows.append({**dict.fromkeys(UNIT_COLUMNS, np.nan), "layer": layer,
+                         "post_norm": adapter.structure.post_mlp_norm is not None,
+                         "not_applicable": f"not applicable: {e.reason}"})
+            continue
         share, energy, (e_norm, delta, resid) = unit_shares(uh, u, S)
         F = share.size
         k = min(int(top_k), F)
@@ -165,7 +179,11 @@ def unit_table(adapter, kernel, bos, rolled, true, types, top_k: int = 25, n_ran
                      "excess_share": e_norm / delta if delta > 0 else float("nan"),
                      "share_top_k": float(share[top].sum()), "share_random_k": float(np.mean(rand)),
                      "share_all": float(share.sum()), "decomposition_residual": resid, "post_norm": u.post_norm})
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    if "not_applicable" in df:
+        df["not_applicable"] = df["not_applicable"].fillna("")
+        df = df.astype({"n_units": "Int64", "top_k": "Int64"})  # counts stay integers beside the blocks' NaN
+    return df
 
 
 def _per_token(adapter, kernel, bos, rolled, true, types):

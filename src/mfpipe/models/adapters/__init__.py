@@ -11,6 +11,9 @@
 * ``probe.py`` — the probe forward of :func:`describe`: one forward of three tokens whose tensors decide what names and
   shapes cannot (the norms' roles, the residual form, the MLP chain and how it is called, the value layout among every
   chunked one, the final norm among several, the embedding's scale and position rows, the logits' scale).
+* ``latent.py`` — latent attention (DeepSeek-V2/V3's MLA): the value source that reads a norm of a slice of another
+  projection, found in the probe forward (:func:`~mfpipe.models.adapters.latent.latent_sources`) and run as the
+  attention runs it by the value map (:func:`~mfpipe.models.adapters.latent.latent_input`).
 * ``jacobian.py`` — :func:`~mfpipe.models.adapters.jacobian.position_jacobians`: same-position Jacobians of the final
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its
@@ -25,6 +28,9 @@
   block's parameters read from the checkpoint's safetensors files before its forward and dropped after it, or while
   :func:`~mfpipe.models.adapters.streaming.held` (the block pieces above hold their block), for a model whose weights
   exceed the memory (:mod:`mfpipe.models.streamed` loads it).
+* ``composite.py`` — :func:`~mfpipe.models.adapters.composite.language_model`: a multimodal composite (Gemma-3's
+  conditional-generation model) as the text-only causal LM of its language model, on the composite's own modules
+  (the loader and :func:`get_adapter` place a composite through it, on text-only input).
 * ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
   every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
   with ``mfpipe conformance`` first).

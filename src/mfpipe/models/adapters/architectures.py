@@ -12,17 +12,22 @@ from __future__ import annotations
 from torch import nn
 
 from mfpipe.models.adapters.base import Adapter
+from mfpipe.models.adapters.composite import language_model
 from mfpipe.models.adapters.structure import UnsupportedArchitectureError, describe
 
 __all__ = ["UnsupportedArchitectureError", "get_adapter"]
 
 
 def get_adapter(model: nn.Module) -> Adapter:
-    """The adapter for a loaded HF causal LM (``*ForCausalLM`` / ``GPT2LMHeadModel``) or its base model.
+    """The adapter for a loaded HF causal LM (``*ForCausalLM`` / ``GPT2LMHeadModel``) or its base model; for a
+    multimodal composite (Gemma-3's ``Gemma3ForConditionalGeneration``), its language model's: the adapter's
+    ``model`` is then the text-only causal LM built on the composite's own modules
+    (:func:`~mfpipe.models.adapters.composite.language_model`).
 
     Raises :class:`UnsupportedArchitectureError` (a ValueError) naming what :func:`describe` could not place.
     """
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         raise UnsupportedArchitectureError(None, f"{type(model).__name__} has no transformers config; pass a "
                                                  "transformers causal LM (e.g. from AutoModelForCausalLM)")
+    model = language_model(model)
     return Adapter(model, describe(model))

@@ -18,8 +18,9 @@ by what the modules are and do, not by ``model_type``); ``architectures.py`` bui
 
 Conventions shared by all adapters
 ----------------------------------
-* Heads: ``H = n_heads`` query heads of width ``d_head``. Grouped-query KV heads are expanded to query heads exactly
-  as HF's ``repeat_kv`` does: query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
+* Heads: ``H = n_heads`` query heads whose values and reads are ``d_head`` wide (latent attention's ``v_head_dim``,
+  not its query/key width). Grouped-query KV heads are expanded to query heads exactly as HF's ``repeat_kv`` does:
+  query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
 * ``reads[..., h, :]`` is head ``h``'s slice of the input of the output projection (``c_proj`` / ``dense`` /
   ``o_proj``), i.e. ``sum_j probs[h, i, j] * values[h, j]``; and ``sum_h reads_h @ out_proj_slices(l)[h] +
   out_proj_bias(l)`` is the output projection's output.
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.latent import latent_input
+from mfpipe.models.adapters.probe import chunk_index
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
 from mfpipe.models.adapters.streaming import holds_block
 from mfpipe.models.adapters.structure import Structure, base_model
@@ -81,14 +84,13 @@ class Adapter(TracedSite):
     Attributes: ``model`` (the HF model given), ``base`` (its decoder stack, ``model.base_model``:
     ``GPT2Model`` / ``GPTNeoXModel`` / ``LlamaModel`` ...), ``config``, ``structure`` and the shape fields below.
     The module paths (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base model, the rest from one block) are the
-    structure's; the value layouts (fused or separate, nn.Linear or GPT-2's Conv1D) are handled here.
+    structure's; the value layouts (fused or separate, nn.Linear or GPT-2's Conv1D, latent) are handled here.
     """
 
     def __init__(self, model: nn.Module, structure: Structure):
         self.model = model
         self.base: nn.Module = base_model(model)
-        cfg = model.config
-        self.config = cfg
+        self.config = cfg = model.config
         self.structure = s = structure
         self.model_type: str = str(cfg.model_type)
         self.LAYERS, self.EMBED, self.FINAL_NORM = s.layers, s.embed, s.final_norm
@@ -99,22 +101,19 @@ class Adapter(TracedSite):
         self.n_heads: int = int(cfg.num_attention_heads)
         self.n_kv_heads: int = int(s.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.d_model: int = int(cfg.hidden_size)
-        self.d_head: int = int(getattr(cfg, "head_dim", None) or self.d_model // self.n_heads)
+        self.d_head: int = int(s.value_head_dim or getattr(cfg, "head_dim", None) or self.d_model // self.n_heads)
         self.parallel_residual: bool = bool(s.parallel_residual)
         self.has_post_attn_norm: bool = self.POST_ATTN_NORM is not None
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         self._layer_modules = module_at(self.base, self.LAYERS)
         if len(self._layer_modules) != self.n_layers:
-            raise ValueError(
-                f"{self.model_type}: config says {self.n_layers} layers, model has {len(self._layer_modules)}"
-            )
+            raise ValueError(f"{self.model_type}: config says {self.n_layers} layers, model has "
+                             f"{len(self._layer_modules)}")
         # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
         self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
         self._v_index = None  # "chunked": the values' positions among the source's outputs
         if s.value_layout == "chunked":
-            from mfpipe.models.adapters.probe import chunk_index
-
             src = self._sub(0, self.V_SRC)
             width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
             self._v_index = chunk_index(int(width), self.n_kv_heads * self.d_head, s.value_chunks, s.value_offset)
@@ -162,8 +161,8 @@ class Adapter(TracedSite):
         return v.repeat_interleave(self.n_rep, dim=dim) if self.n_rep > 1 else v
 
     def _values_from_src(self, src_out: Tensor) -> Tensor:
-        """[B,T,*] output of ``V_SRC`` -> values [B,H,T,dh] (GQA expanded)."""
-        B, T = src_out.shape[:2]
+        """[B,T,*] output of ``V_SRC`` (latent attention's: [B,1,T,*]) -> values [B,H,T,dh] (GQA expanded)."""
+        B, T = src_out.shape[0], src_out.shape[-2]
         if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
             qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
             return qkv[..., 2 * self.d_head :]
@@ -254,8 +253,8 @@ class Adapter(TracedSite):
     @block_piece
     def value_map(self, layer: int, x: Tensor) -> Tensor:
         """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, dh]`` (incl. the pre-attention
-        norm and the value bias; GQA KV heads expanded to query heads)."""
-        h = self._opt_module(layer, self.ATTN_NORM)(self._in(x))
+        norm and the value bias; GQA KV heads expanded to query heads; latent attention's latent norm on the way)."""
+        h = latent_input(self._block(layer), self.structure, self._opt_module(layer, self.ATTN_NORM)(self._in(x)))
         src = self._sub(layer, self.V_SRC)
         H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
         if self.structure.value_layout == "neox":  # rows laid out per head [H, (q|k|v), dh]
@@ -280,12 +279,14 @@ class Adapter(TracedSite):
         return self._expand_kv(v.unflatten(-1, (KV, dh)), -2).to(x.dtype)
 
     @block_piece
-    def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None]:
+    def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
         output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded to
         query heads), so that ``value_map(layer, x)`` is that map of the norm. Being affine, it maps a sum of ``h``
         over n positions to the sum of their values: ``sum v = (sum h) @ W + n b`` (the statistics pass derives its
-        per-head value sums from the norm's sums this way)."""
+        per-head value sums from the norm's sums this way). None for latent attention: a norm sits between."""
+        if self.structure.latent_proj is not None:
+            return None
         src = self._sub(layer, self.V_SRC)
         H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
         wt, bias = src.weight.detach(), None if src.bias is None else src.bias.detach()

@@ -85,7 +85,7 @@ def position_jvps(adapter, ids, positions, vectors, layers, points, *, chunk: in
         for p, _ in flags:
             p.requires_grad_(False)
         model.eval()
-        with torch.no_grad():  # forward mode needs no graph
+        with torch.no_grad(), _forward_mode_experts(model):  # forward mode needs no graph
             if prefix_cache:
                 try:
                     return _sum(adapter, ids, pos, V, groups, chunk, out, cached=True)
@@ -98,6 +98,24 @@ def position_jvps(adapter, ids, positions, vectors, layers, points, *, chunk: in
         for p, f in flags:
             p.requires_grad_(f)
         model.train(training)
+
+
+@contextlib.contextmanager
+def _forward_mode_experts(model):
+    """A mixture of experts runs its experts' eager implementation (transformers' loop over the experts) while the
+    tangents run: the fused kernel it runs by default (``grouped_mm``) has no forward-mode derivative. The products
+    are the same to rounding; the setting is restored after. A model whose modelling code has no switchable experts
+    (every dense model) is untouched."""
+    impl = getattr(model.config, "_experts_implementation", None)
+    switchable = getattr(type(model), "_can_set_experts_implementation", None)
+    if impl in (None, "eager") or not callable(switchable) or not switchable():
+        yield
+        return
+    model.set_experts_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(impl)
 
 
 def _sum(adapter, ids, pos, V, groups, chunk: int, out: Tensor, *, cached: bool) -> Tensor:

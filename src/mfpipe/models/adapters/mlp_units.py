@@ -7,8 +7,11 @@ With a ``tangent`` the same forward carries forward-mode derivatives (``torch.au
 directional derivative ``J_h(x) tangent`` of every unit at once: the linear part the nonlinear excess is measured
 against. Nothing here knows a module path: the output projection is found among the MLP module the adapter names
 (:attr:`Structure.mlp`) as the last 2-D weight called with the model's width as its output, and the MLP's output is
-checked to be that projection's output (an MLP that is not linear in one post-activation -- a mixture of experts --
-is refused by name).
+checked to be that projection's output. An MLP with no such decomposition raises :class:`NoUnitDecomposition`
+with the reason, which the divergence tables carry in the layer's row (the job does not fail): a mixture of experts
+(its experts' weights stacked in one parameter, or a module of an expert class: it routes each token to its own
+experts, so the layer has no fixed hidden units), an MLP with no forward-mode derivative, one not linear in one
+post-activation.
 
 The decomposition is of the MLP itself (pre-norm, MLP): on Gemma-2 and OLMo-2 a norm follows the MLP inside the
 branch, and the branch's output is not linear in ``h``; :attr:`MlpUnits.post_norm` says so.
@@ -24,7 +27,18 @@ from torch import Tensor
 
 from mfpipe.models.adapters.site import module_at
 
-__all__ = ["MlpUnits", "mlp_units"]
+__all__ = ["MOE_REASON", "MlpUnits", "NoUnitDecomposition", "mlp_units"]
+
+MOE_REASON = "a mixture of experts routes each token to its own experts; no fixed hidden units"
+
+
+class NoUnitDecomposition(ValueError):
+    """The MLP of a layer has no decomposition over fixed hidden units; ``reason`` says why in a phrase (the tables'
+    ``not_applicable`` column), the message names the model and layer as well."""
+
+    def __init__(self, adapter, layer: int, reason: str):
+        super().__init__(f"{adapter.model_type}: the MLP of layer {layer}: {reason}; no unit decomposition")
+        self.reason = reason
 
 
 class MlpUnits(NamedTuple):
@@ -47,17 +61,30 @@ def _projection_weight(mod) -> Tensor:
 
 
 def _unpack(x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Primal and tangent as ``[N, width]`` rows: an MLP the adapter calls on ``[1, N, d]`` (``mlp_sequences``: a MoE
+    model's dense layers are called as its experts are) records its projection's tensors with that leading 1."""
     p, t = fwAD.unpack_dual(x)
-    return p.detach().double(), (None if t is None else t.detach().double())
+    rows = lambda v: v.detach().double().reshape(-1, v.shape[-1])  # noqa: E731
+    return rows(p), (None if t is None else rows(t))
+
+
+def _is_mixture(mlp) -> bool:
+    """Whether the MLP module is a mixture of experts: its experts' weights stacked in one parameter (``[E, ...]``,
+    transformers' fused ``*Experts`` modules) or a module of it whose class is an expert one. (Not "MoE" in a class
+    name: a MoE family's dense layers are named so too, Cohere2-MoE's ``Cohere2MoeMLP``.)"""
+    return (any(p.ndim >= 3 for p in mlp.parameters())
+            or any("expert" in type(m).__name__.lower() for m in mlp.modules()))
 
 
 @torch.no_grad()
 def mlp_units(adapter, layer: int, x_resid: Tensor, tangent: Tensor | None = None) -> MlpUnits:
     """The MLP of block ``layer`` at the residual rows ``x_resid [N, d]`` (what the MLP branch reads: ``resid_mid``,
     or the block input for a parallel-residual block), split over its hidden units; with ``tangent [N, d]`` also the
-    directional derivatives along it. Raises ``ValueError`` naming the model when the MLP's output is not one
-    projection of one post-activation."""
+    directional derivatives along it. Raises :class:`NoUnitDecomposition` (a ``ValueError``: the model, the layer and
+    the reason) when the MLP is a mixture of experts or its output is not one projection of one post-activation."""
     mlp = module_at(adapter.block_module(layer), adapter.structure.mlp)
+    if _is_mixture(mlp):
+        raise NoUnitDecomposition(adapter, layer, MOE_REASON)
     calls: list[tuple] = []
     hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0], out)))
              for m in mlp.modules() if getattr(m, "weight", None) is not None and m.weight.ndim == 2]
@@ -70,12 +97,13 @@ def mlp_units(adapter, layer: int, x_resid: Tensor, tangent: Tensor | None = Non
             except (NotImplementedError, RuntimeError) as e:
                 if tangent is None:
                     raise
-                raise ValueError(f"{adapter.model_type}: the MLP of layer {layer} has no forward-mode derivative "
-                                 f"({str(e).splitlines()[0]}); no linear part to measure the excess against") from e
+                raise NoUnitDecomposition(adapter, layer, f"it has no forward-mode derivative "
+                                          f"({str(e).splitlines()[0]}): no linear part to measure the excess against"
+                                          ) from e
             outs = [c for c in calls if c[2].shape[-1] == adapter.d_model]
             if not outs:
-                raise ValueError(f"{adapter.model_type}: no linear map of the MLP of layer {layer} writes the model width "
-                                 f"{adapter.d_model}; the unit decomposition needs one output projection")
+                raise NoUnitDecomposition(adapter, layer, f"no linear map of it writes the model width "
+                                                          f"{adapter.d_model}: no output projection of hidden units")
             mod, hin, hout = outs[-1]
             h, h_dot = _unpack(hin)
             out, out_dot = _unpack(hout)
@@ -86,12 +114,12 @@ def mlp_units(adapter, layer: int, x_resid: Tensor, tangent: Tensor | None = Non
     bias = None if getattr(mod, "bias", None) is None else mod.bias.detach().double()
     recon = h @ weight + (0 if bias is None else bias)
     if not torch.allclose(recon, out, rtol=1e-4, atol=1e-5 * (1 + float(out.abs().max()))):
-        raise ValueError(f"{adapter.model_type}: the MLP of layer {layer} is not one projection of its post-activation "
-                         f"({type(mod).__name__} does not reproduce its own output); no unit decomposition")
+        raise NoUnitDecomposition(adapter, layer, f"it is not one projection of its post-activation "
+                                                  f"({type(mod).__name__} does not reproduce its own output)")
     post_norm = adapter.structure.post_mlp_norm is not None
     if not post_norm and not _is_mlp_output(adapter, layer, x, out):
-        raise ValueError(f"{adapter.model_type}: the MLP of layer {layer} is not its last projection's output (a mixture "
-                         "of experts?); no unit decomposition")
+        raise NoUnitDecomposition(adapter, layer, "its output is not its last projection's output: not one "
+                                                  "projection of one post-activation")
     return MlpUnits(out=out, hidden=h, hidden_tangent=h_dot, out_tangent=out_dot, weight=weight, bias=bias,
                     post_norm=post_norm)
 

@@ -7,7 +7,8 @@ names and shapes cannot:
 * the MLP: one module, or the chain of block children that hands each one's output to the next (OPT's ``fc1``,
   ``activation_fn``, ``fc2``), and how it is called (a mixture of experts takes ``[B, T, d]`` only);
 * the value layout: the one (source, KV heads, chunks, offset) whose values, weighted by the forward's attention
-  probabilities, give the output projection's input, the reads (:func:`value_layout`);
+  probabilities, give the output projection's input, the reads (:func:`value_layout`); the source may be a latent
+  attention's decompressing projection (:mod:`~mfpipe.models.adapters.latent`);
 * the final norm among several norms outside the blocks (the one that reads the last block's output) and a norm on
   the embedding (BLOOM's), the embedding's scale and a learned position table's row offset (:func:`embed_scale`);
 * the final logits' scale against the LM head's output (:func:`logit_scale`).
@@ -19,6 +20,7 @@ cannot be placed raises, the sizes placed by (:class:`Shape`), and what kind a m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -93,17 +95,19 @@ class Seen(NamedTuple):
 
 
 def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: list[str], table, shape: Shape, mt,
-          named_mlp: str | None, named_value: tuple[str, str] | None) -> dict:
-    """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict."""
+          named_mlp: str | None, named_value: tuple[str, str] | None, find_latents=None) -> dict:
+    """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict.
+    ``find_latents``: :func:`mfpipe.models.adapters.latent.latent_sources` (which imports this module's helpers)."""
     block = blocks[0]
     attn_mod = submodule(block, attn)
-    sources = [n for n, m in attn_mod.named_children()
-               if n != out_proj and (linear_shape(m) or (0, 0))[0] == shape.d]
+    linears = [n for n, m in attn_mod.named_children() if n != out_proj and linear_shape(m)]
+    sources = [n for n in linears if linear_shape(getattr(attn_mod, n))[0] == shape.d]
     watch = {n: m for n, m in block.named_children()}
     emb = base.get_input_embeddings()
     watch.update({"<attn>": attn_mod, "<out_proj>": getattr(attn_mod, out_proj), "<block>": block,
                   "<last>": blocks[-1], "<embed>": emb})
-    watch.update({f"<src>{n}": getattr(attn_mod, n) for n in sources})
+    watch.update({f"<src>{n}": getattr(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
+    watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": getattr(stack, n) for n in outer_norms})
     seen, order = _probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
@@ -119,7 +123,8 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain,
                roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt))
     out["embed_scale"], out["position_row_offset"] = embed_scale(base, seen, table, embed_norm, same, mt)
-    out.update(value_layout(seen, sources, named_value, shape, mt, emb.weight.dtype))
+    latents = find_latents(seen, attn_mod, out_proj, shape.d, same) if find_latents else {}
+    out.update(value_layout(seen, sources, named_value, shape, mt, emb.weight.dtype, latents))
     out["mlp_tuple"] = isinstance(last.out, tuple)
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         out["mlp_sequences"] = _needs_sequences(block, chain, first.x, last.y, same)
@@ -287,10 +292,13 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor, same) ->
 
 
 def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, shape: Shape, mt,
-                 dtype: torch.dtype = torch.float32) -> dict:
+                 dtype: torch.dtype = torch.float32, latents: dict | None = None) -> dict:
     """The value source and layout: the one named (:func:`~mfpipe.models.adapters.structure._value_by_name`) where
     its values reproduce the reads, else the one (source, KV heads, chunks, offset) among all chunked layouts of the
-    attention's projections from the width d that does. A layout that is one of the named ones keeps its name."""
+    attention's projections from the width d, and of the latent ones (``latents``: name -> where it reads,
+    :mod:`~mfpipe.models.adapters.latent`), that does; ``latent`` says where the source reads (None: the norm's output).
+    A layout that is one of the named ones keeps its name (a latent source's stays chunked)."""
+    latents = latents or {}
     attn_out = seen["<attn>"].out
     probs = attn_out[1] if isinstance(attn_out, tuple) and len(attn_out) > 1 else None
     if not isinstance(probs, Tensor) or "<out_proj>" not in seen:
@@ -301,7 +309,8 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     tol = max(1e-4, 20 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4
 
     def fits(src: str, kv: int, index: Tensor) -> bool:
-        v = seen[f"<src>{src}"].y.double()[..., index]  # [1, T, kv * dh]
+        y = seen[f"<src>{src}"].y  # [1, T, W]; a latent source's [1, 1, T, W]
+        v = y.reshape(1, -1, y.shape[-1]).double()[..., index]  # [1, T, kv * dh]
         v = v.unflatten(-1, (kv, dh)).transpose(1, 2).repeat_interleave(H // kv, dim=1)  # [1, H, T, dh]
         got = torch.einsum("bhqk,bhkd->bqhd", probs, v).flatten(-2)
         return got.shape == reads.shape and float((got - reads).norm()) <= tol * float(reads.norm().clamp_min(1e-30))
@@ -311,15 +320,17 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
         kv = {"split": shape.KV, "qkv": shape.KV, "neox": H}[lay]
         chunks, offset = {"split": (1, 0), "qkv": (1, (H + shape.KV) * dh), "neox": (H, 2 * dh)}[lay]
         if f"<src>{n}" in seen and fits(n, kv, chunk_index(seen[f"<src>{n}"].y.shape[-1], kv * dh, chunks, offset)):
-            return dict(value_source=n, value_layout=lay, kv_heads=None, value_chunks=1, value_offset=0)
+            return dict(value_source=n, value_layout=lay, kv_heads=None, value_chunks=1, value_offset=0, latent=None)
     found = {}
-    for n in sources:
+    for n in [*sources, *latents]:
         if f"<src>{n}" not in seen:
             continue
         W = seen[f"<src>{n}"].y.shape[-1]
         for kv in (k for k in range(1, H + 1) if H % k == 0):
             for chunks in (c for c in range(1, kv + 1) if kv % c == 0 and W % c == 0):
-                for offset in range(0, W // chunks - kv * dh // chunks + 1, dh):
+                # a latent source's values sit after each head's key part, whose width need not be a multiple of dh
+                rest = W // chunks - kv * dh // chunks
+                for offset in range(0, rest + 1, (math.gcd(dh, rest) or dh) if n in latents else dh):
                     index = chunk_index(W, kv * dh, chunks, offset)
                     if fits(n, kv, index):
                         found.setdefault((n, kv, tuple(index.tolist())), (chunks, offset))
@@ -329,9 +340,10 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
                                                f"chunked layout, give the attention's reads): {why}")
     (n, kv, _), (chunks, offset) = next(iter(found.items()))
     W = seen[f"<src>{n}"].y.shape[-1]
-    lay = _canonical(W, kv, chunks, offset, shape)
+    lay = "chunked" if n in latents else _canonical(W, kv, chunks, offset, shape)
     return dict(value_source=n, value_layout=lay, kv_heads=None if kv == shape.KV else kv,
-                value_chunks=chunks if lay == "chunked" else 1, value_offset=offset if lay == "chunked" else 0)
+                value_chunks=chunks if lay == "chunked" else 1, value_offset=offset if lay == "chunked" else 0,
+                latent=latents.get(n))
 
 
 def chunk_index(width: int, n_values: int, chunks: int, offset: int) -> Tensor:

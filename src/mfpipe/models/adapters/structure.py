@@ -6,9 +6,12 @@ block for the rest):
 
 * the attention module (its output ``[0]`` is the attention branch before any post-norm, ``[1]`` the
   probabilities under eager attention; where a block's attention module wraps the attention proper, GPT-Neo's, the
-  inner one), its output projection (input = the per-head reads) and where the values come from: a separate value
-  projection, or a fused one in one of the layouts of ``VALUE_LAYOUTS`` (``chunked`` covers any layout of equal
-  chunks with the values at one offset in each: Falcon's multi-query and grouped layouts, CodeGen's four shards);
+  inner one), its output projection (input = the per-head reads, ``H x dv``: ``dv`` the head width, or latent
+  attention's ``v_head_dim``) and where the values come from: a separate value projection, or a fused one in one of
+  the layouts of ``VALUE_LAYOUTS`` (``chunked`` covers any layout of equal chunks with the values at one offset in
+  each: Falcon's multi-query and grouped layouts, CodeGen's four shards), or latent attention's decompressing
+  projection, which reads a norm of a slice of another projection (DeepSeek-V2/V3's ``kv_b_proj`` of
+  ``kv_a_layernorm`` of ``kv_a_proj_with_mqa``: :mod:`~mfpipe.models.adapters.latent`);
 * the norms by role: before attention, after attention (Gemma-2/3, OLMo-2), before the MLP (or the attention's
   own norm, shared: GPT-J, parallel StableLM), after the MLP; ``None`` where a block has none;
 * the MLP: one module (a mixture of experts included: Mixtral's router and experts, called on ``[B, T, d]`` as the
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
+from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
 from mfpipe.models.adapters.streaming import held
 
@@ -51,7 +55,8 @@ __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_m
 #   "neox":   one projection, outputs per head [H, (q | k | v), dh] (GPT-NeoX / Pythia's query_key_value)
 #   "chunked": one projection of `value_chunks` equal chunks, each holding KV * dh / value_chunks values at
 #              `value_offset` (Falcon's multi-query [q.. | k | v] and grouped [(q.. | k | v) per KV head], CodeGen's
-#              four shards [q | v | k]); found by the probe, which tries every such layout against the reads
+#              four shards [q | v | k]; latent attention's kv_b_proj, per head [k_nope | v]); found by the probe,
+#              which tries every such layout against the reads
 VALUE_LAYOUTS = ("split", "qkv", "neox", "chunked")
 _VALUE_SOURCES = {"v_proj": "split", "qkv_proj": "qkv", "c_attn": "qkv", "query_key_value": "neox"}
 _OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
@@ -86,6 +91,15 @@ class Structure:
     position_row_offset: int = 0  # position p reads row p + offset of the position table (OPT: 2)
     norm_centred: bool = False  # the norms subtract the mean and have no bias (Cohere's LayerNorm)
     logit_scale: float = 1.0  # the logits are the LM head's output times this (Cohere), before any soft-cap
+    # each head's value and read width where the output projection's input is H x another width than the config's
+    # head width (latent attention's v_head_dim; the query/key width plays no part: probabilities are read)
+    value_head_dim: int | None = None
+    # latent attention (mfpipe.models.adapters.latent): the value source reads latent_norm of the slice
+    # [latent_offset, latent_offset + latent_width) of latent_proj's output (paths from the block), not the norm's
+    latent_proj: str | None = None
+    latent_offset: int = 0
+    latent_width: int = 0
+    latent_norm: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -139,9 +153,8 @@ def describe(model: nn.Module) -> Structure:
     block = blocks[0]
     attn = _attention(block, mt)
     attn_mod = submodule(block, attn)
-    out_proj = _one([n for n, m in attn_mod.named_children()
-                     if n in _OUT_PROJ_NAMES and linear_shape(m) == (shape.H * shape.dh, shape.d)],
-                    f"the attention's output projection ({shape.H} x {shape.dh} -> {shape.d})", mt)
+    out_proj, dv = _out_projection(attn_mod, shape, mt)
+    dh, shape.dh = shape.dh, dv  # the values and reads are dv wide from here on
     named_value = _value_by_name(attn_mod, shape)
     mlp_parts = [n for n, m in block.named_children()
                  if n != attn.split(".")[0] and not is_norm(m) and any(True for _ in m.parameters())]
@@ -150,11 +163,11 @@ def describe(model: nn.Module) -> Structure:
         _one([], "one MLP module in a block", mt)
     found = probe.probe(model, base, stack_mod, blocks, attn, out_proj, outer_norms,
                         getattr(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
-                        named_mlp[0] if len(named_mlp) == 1 else None, named_value)
+                        named_mlp[0] if len(named_mlp) == 1 else None, named_value, latent_sources)
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
     if embed_norm and len(tables) == 1:
         raise UnsupportedArchitectureError(mt, "it has a norm on the embedding and a learned position table")
-    roles = found["roles"]
+    roles, latent = found["roles"], found["latent"]
     norm = submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
@@ -170,7 +183,9 @@ def describe(model: nn.Module) -> Structure:
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
         embed_norm=stack + embed_norm if embed_norm else None, position_row_offset=found["position_row_offset"],
-        norm_centred=centred, logit_scale=probe.logit_scale(model, base, mt),
+        norm_centred=centred, logit_scale=probe.logit_scale(model, base, mt), value_head_dim=None if dv == dh else dv,
+        latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
+        latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
     )
 
 
@@ -226,6 +241,19 @@ def _attention(block: nn.Module, mt) -> str:
         path = f"{path}.{inner[0]}"
         inner = attentions(submodule(block, path))
     return path
+
+
+def _out_projection(attn_mod: nn.Module, shape: Shape, mt) -> tuple[str, int]:
+    """(the attention's output projection, the width of each head's read): the one of the known names from
+    ``H x dh`` to ``d``; where there is none, the one from ``H x dv`` to ``d`` for another ``dv`` (latent attention,
+    whose heads read values ``v_head_dim`` wide; the probe's value search then confirms the heads)."""
+    named = {n: linear_shape(m) for n, m in attn_mod.named_children() if n in _OUT_PROJ_NAMES}
+    what = f"the attention's output projection ({shape.H} x {shape.dh} -> {shape.d})"
+    exact = [n for n, s in named.items() if s == (shape.H * shape.dh, shape.d)]
+    if exact:
+        return _one(exact, what, mt), shape.dh
+    wide = [n for n, s in named.items() if s and s[1] == shape.d and s[0] % shape.H == 0]
+    return _one(wide, what, mt), named[wide[0]][0] // shape.H
 
 
 def _value_by_name(attn_mod: nn.Module, shape: Shape) -> tuple[str, str] | None:
