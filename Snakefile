@@ -33,4 +33,5 @@ rule all:
     default_target: True
     input:
         every_target(),
+        EXPLORER_TARGETS,
         rules.run_costs.output,

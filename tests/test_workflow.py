@@ -152,6 +152,58 @@ def test_head_ranking_outputs(built):
     assert not (r / "tables" / "exp3_correlation_mini-neox.csv").exists()  # one revision is no sweep
 
 
+def test_explorer_opens_from_disk_offline_and_shows_the_tables_values(built, tmp_path):
+    """Issue 61: the ci run's explorer, opened from disk in Chromium with the network off: the index links every model;
+    the grid draws every head with the ranking table's S̄; the revision slider moves the grid to the substitution
+    table's values of that revision; a click on a head opens its card with the kernel heatmap and its contexts; every
+    link of the index, the card and the tables page resolves; the training page draws the sweep table's ΔL; no
+    console error. The index page and every data file stay under 2 MB."""
+    import pandas as pd
+    from browser import broken_links, click_head, console_errors, grid_z, open_browser, set_revision, wait_for
+
+    ex = built / "results" / "explorer"
+    for f in [ex / "index.html", *ex.glob("*/index.html"), *ex.glob("*/data/model.js"), *ex.glob("*/data/cards/*/*.js")]:
+        assert f.stat().st_size < 2e6, f
+    tables = built / "results" / "tables"
+    d = open_browser(tmp_path)
+    try:
+        d.get((ex / "index.html").as_uri())
+        links = [a.get_attribute("href") for a in d.find_elements("css selector", "#models a")]
+        assert len(links) == 2 and not broken_links(ex / "index.html", [a.split("explorer/", 1)[1] for a in links])
+        d.find_element("link text", "mini-gpt2").click()
+        wait_for(d, "window.MFX && MFX.data && document.getElementById('grid').data")
+        rank = pd.read_csv(tables / "ranking_heads_mini-gpt2_step20.csv")
+        z = np.array(grid_z(d), float)
+        assert z.shape == (1, 2) and np.isfinite(z).all()  # every head drawn
+        assert np.allclose(z[rank["layer"], rank["head"]], rank["S_bar"], rtol=1e-12, atol=0)
+        sub = pd.read_csv(tables / "substitution_heads_mini-gpt2.csv")
+        d.execute_script("const s=document.getElementById('score'); s.value='substitution_D';"
+                         "s.dispatchEvent(new Event('change'));")
+        for i, rev in enumerate(["step4", "step20"]):
+            set_revision(d, i)
+            z, want = np.array(grid_z(d), float), sub[sub["revision"] == rev]
+            assert np.allclose(z[want["layer"], want["head"]], want["deviation"], rtol=1e-12, atol=0), rev
+        click_head(d, 0, 1)
+        assert d.find_elements("css selector", "#kernel .hm, #kernel .heatmaplayer")
+        assert d.find_elements("css selector", "#contexts .context .tok.query")
+        hrefs = d.execute_script("return Array.from(document.querySelectorAll('a')).map(a => a.getAttribute('href'));")
+        assert "../index.html" in hrefs and len(hrefs) > 3 and not broken_links(ex / "mini-gpt2" / "index.html", hrefs)
+        d.find_element("id", "tab-tables").click()
+        hrefs = d.execute_script("return Array.from(document.querySelectorAll('#page-tables a'))"
+                                 ".map(a => a.getAttribute('href'));")
+        assert hrefs and not broken_links(ex / "mini-gpt2" / "index.html", hrefs)
+        d.find_element("id", "tab-training").click()
+        y = wait_for(d, "document.getElementById('training-delta_L') && document.getElementById('training-delta_L').data[0].y")
+        sweep = pd.read_csv(tables / "substitution_mini-gpt2.csv").sort_values("step")
+        assert np.allclose(np.array(y, float), sweep["delta_L"])
+        for tab in ("rollout", "fv", "divergence"):
+            d.find_element("id", f"tab-{tab}").click()
+            wait_for(d, f"document.querySelector('#page-{tab} .js-plotly-plot, #page-{tab} .note')")
+        assert console_errors(d) == []
+    finally:
+        d.quit()
+
+
 def test_example_notebook_reads_the_run(built, tmp_path):
     """examples/reading_results.ipynb runs on this run's results (the reading API, provenance, its figure);
     the helpers are in tests/example_notebook.py, the API's own tests in tests/test_examples.py."""
@@ -222,13 +274,14 @@ def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
     assert sum(r == "substitution" for r, _ in per_revision) == 1
     assert sum(r == "deviation_merge" for r, _ in per_revision) == 1 and sum(r == "head_scores" for r, _ in per_revision) == 1
     others = {(r, w) for r, w in jobs if "revision=" not in w}
-    # the models-side-by-side table and figure gather every model's sweep: they follow it
-    crossmodel = {("crossmodel_table", ""), ("figure_crossmodel", "")}
+    # the models-side-by-side table and figure gather every model's sweep: they follow it; so does the explorer's
+    # index over the models (the model's explorer shows every revision: it reruns, below)
+    crossmodel = {("crossmodel_table", ""), ("figure_crossmodel", ""), ("explorer_index", "")}
     assert crossmodel <= others, others
     others -= crossmodel
     assert all("model=mini-gpt2" in w for _, w in others) and {r for r, _ in others} <= {
         "substitution_table", "figure_waypoint", "kernel_dynamics", "substitution_topn_table", "figure_topn",
-        "exp3_correlation"}, others
+        "exp3_correlation", "explorer"}, others
     # App. M: a top-N arm adds its tracked set, its statistics (the N<n>/stats dataset) and a substitution per
     # revision, and the per-model top-N table and figure; nothing already built reruns
     cfg = variant(tmp_path, "topn", lambda c: c.update(substitution={"top_n": [32]}))

@@ -250,8 +250,8 @@ def model_params():
 
 
 def every_target():
-    """Every stage's and every experiment's targets: what the default target makes, and what the run's cost table
-    waits for."""
+    """Every stage's and every experiment's targets: what the default target makes (with the explorer over them,
+    workflow/rules/explorer.smk), and what the run's cost table waits for."""
     targets = []
     for stage in (minisuite_rules, corpus_rules, stats_rules, deviation_rules, jlens_rules,
                   *EXPERIMENT_RULES.values()):

@@ -7,7 +7,7 @@ rule run_costs:
     input:
         # every target of `rule all` but this table: a job that may still be running when it sums would be missing
         # from it (the function-vector and cross-model figures were, in a CI run where they finished last)
-        targets=every_target(),
+        targets=every_target() + EXPLORER_TARGETS,
         code=job("workflow", "run_costs"),
     output:
         csv=table_report(f"{R}/tables/run_costs.csv", "run costs"),

@@ -28,7 +28,8 @@ FIGURE_RULES = {"figure_waypoint", "figure_rollout", "figure_teacher_forced", "f
 # figures drawn from stores (the deviation stores, the kernels): a store job's start-up and a figure's
 STORE_FIGURE_RULES = {"exp3_correlation", "ranking", "kernel_dynamics"}
 STORE_RULES = {"stats_merge", "deviation_merge", "kernel_revision", "calibrate_kernel", "attention_coverage",
-               "substitution_table", "substitution_topn_table", "ranking_roles"}  # model-free jobs that open Zarr stores
+               "substitution_table", "substitution_topn_table", "ranking_roles",
+               "explorer"}  # model-free jobs that open Zarr stores
 
 
 @dataclass

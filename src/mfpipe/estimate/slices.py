@@ -117,6 +117,19 @@ def kernel_column(ctx, c, wc):
     return kernel_cells(c, ctx.config) * c["store_read_s_per_cell"], 0.0
 
 
+CARD_BYTES = 16e3  # one head card of the explorer: its scores, rows, kernel heatmap and contexts (~13 kB measured)
+
+
+def explorer(ctx, c, wc):
+    """One model's explorer (mfpipe.explorer): every revision's statistics store read for the kernel heatmaps (P and
+    W = P / n̄: the kernel cells twice) and a card written per head and revision."""
+    if c is None:
+        return 0.0, 0.0
+    revs = len(ctx.revisions(wc["model"]))
+    seconds = 2 * revs * kernel_cells(c, ctx.config) * c["store_read_s_per_cell"]
+    return seconds, revs * c["layers"] * c["heads"] * CARD_BYTES
+
+
 # jobs whose work is their start-up: tables and figures from small CSV / JSON files, model-free jobs on a store's small
 # arrays (S̄ per head, the substitution results) -- each named, so that a new rule is seen unpriced until it is
 STARTUP_ONLY = {
@@ -131,8 +144,10 @@ STARTUP_ONLY = {
     "exp3_correlation", "ranking", "kernel_dynamics",
     # a tokenizer's few-shot tasks
     "minisuite_tasks",
+    # the explorer's shared assets (a copy of plotly.js) and its index over the models
+    "explorer_assets", "explorer_index",
 }
 SLICE_RULES = {"positional": positional, "positional_ablation": positional_ablation, "tracked_types": count_tokens,
                "tracked_types_topn": count_tokens, "tracked_types_excl": count_tokens, "rank_frequency": count_tokens,
-               "ranking_roles": kernel_column, **dict.fromkeys(STARTUP_ONLY, startup_only)}
+               "ranking_roles": kernel_column, "explorer": explorer, **dict.fromkeys(STARTUP_ONLY, startup_only)}
 EXTRA_PEAK = {"positional": positional_peak, "positional_ablation": ablation_peak}

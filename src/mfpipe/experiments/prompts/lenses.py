@@ -147,7 +147,9 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
                     atol: float = D_ATOL, jlens=None) -> pd.DataFrame:
     """Re-run the windows of ``rows`` (from :func:`mine_contexts`) and add, per row: ``left``/``query``/``right``
     (the excerpt), ``next_token``, the head's top ``k_keys`` attended keys (``key_tokens``, ``key_shares``,
-    ``key_positions``), ``other_share`` (attention on ``<other>`` keys), ``D_recomputed`` (``D_ok``: within
+    ``key_positions``), the excerpt token by token with the head's attention on each (``excerpt_tokens``,
+    ``excerpt_attention``, the query at ``query_index``) and on BOS (``bos_share``), ``other_share`` (attention on
+    ``<other>`` keys), ``D_recomputed`` (``D_ok``: within
     ``atol`` of the stored D), ``M_cov``, ``M_ctx`` (eq:mcov-mctx) and the raw logit-lens decode of the deviation
     vector Δ = z − ẑ in residual-stream units, Δ_resid = Δ O_h (``O_h = out_proj_slices(l)[h]``, no bias): the
     top ``decode_k`` tokens of softmax(W_U final_norm(Δ_resid)) (``decode_tokens``, ``decode_ids``,
@@ -181,6 +183,13 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     df["key_tokens"] = [[BOS_KEY if q == 0 else _decode(tokenizer, win[n, q : q + 1]) for q in rerun.kpos[n] if q >= 0]
                         for n in range(R)]
     df["key_shares"] = [ks[np.isfinite(ks)].tolist() for ks in rerun.kshare]
+    # the head's attention on every token of the excerpt, token by token (the explorer's highlighting), and on BOS
+    lo = [max(1, int(pos[n]) - before) for n in range(R)]
+    hi = [min(T, int(pos[n]) + 1 + after) for n in range(R)]
+    df["query_index"] = [int(pos[n]) - lo[n] for n in range(R)]
+    df["excerpt_tokens"] = [[_decode(tokenizer, [t]) for t in win[n, lo[n] : hi[n]]] for n in range(R)]
+    df["excerpt_attention"] = [rerun.att[n, lo[n] : hi[n]].astype(np.float64).tolist() for n in range(R)]
+    df["bos_share"] = [float(rerun.att[n, 0]) for n in range(R)]
     df["decode_ids"] = [d[d >= 0].tolist() for d in rerun.dpos]
     df["decode_tokens"] = [[_decode(tokenizer, [t]) for t in d if t >= 0] for d in rerun.dpos]
     df["decode_probs"] = [p[np.isfinite(p)].tolist() for p in rerun.dprob]

@@ -19,8 +19,9 @@ __all__ = ["ContextRerun"]
 class ContextRerun:
     """The per-row results of re-running the windows ``win`` [R, T] of ``rows`` (layer, head, position, shard,
     window), filled by :meth:`run`: ``out`` (``D_recomputed``, ``M_cov``, ``M_ctx``, ``other_share``, ``valid``),
-    the top ``k_keys`` keys (``kpos``, ``kshare``) and the top ``decode_k`` tokens of the raw and J-lens decodes
-    (``dpos``, ``dprob``, ``jpos``, ``jprob``); -1 / NaN where a row has none."""
+    the top ``k_keys`` keys (``kpos``, ``kshare``), the head's whole attention row at the query (``att``) and the
+    top ``decode_k`` tokens of the raw and J-lens decodes (``dpos``, ``dprob``, ``jpos``, ``jprob``); -1 / NaN where
+    a row has none."""
 
     def __init__(self, adapter, kernel, rows: pd.DataFrame, win: np.ndarray, k_keys: int, decode_k: int):
         R = len(rows)
@@ -35,6 +36,7 @@ class ContextRerun:
         self.out = {k: np.full(R, np.nan) for k in ("D_recomputed", "M_cov", "M_ctx", "other_share")}
         self.out["valid"] = np.zeros(R, bool)
         self.kpos, self.kshare = np.full((R, k_keys), -1, np.int64), np.full((R, k_keys), np.nan)
+        self.att = np.full(win.shape[:2], np.nan, np.float32)  # [R, T] the head's attention row at the query
         self.dpos, self.dprob = np.full((R, decode_k), -1, np.int64), np.full((R, decode_k), np.nan)
         self.jpos, self.jprob = np.full((R, decode_k), -1, np.int64), np.full((R, decode_k), np.nan)
         self.lay, self.hd, self.pos = (rows[c].to_numpy(np.int64) for c in ("layer", "head", "position"))
@@ -103,6 +105,7 @@ class ContextRerun:
         out["valid"][r] = valid[bi, j].cpu().numpy()
         att = probs[bi, hi, j]  # [r, T]
         out["other_share"][r] = (att * (kb[bi] == kernel.n + 1)).sum(-1).double().cpu().numpy()
+        self.att[r] = att.cpu().numpy()
         v, i = att.topk(min(self.k_keys, att.shape[-1]), dim=-1)
         self.kshare[r, : v.shape[1]], self.kpos[r, : v.shape[1]] = v.cpu().numpy(), i.cpu().numpy()
         d = (terms.z - terms.zhat)[bi, j, hi].float()  # [r, dh], head space
