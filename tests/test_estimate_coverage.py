@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -124,19 +125,42 @@ def test_the_positional_jobs_are_priced_by_their_forwards_and_hold_their_occurre
                                     budget=300_000, seed=seed)
         assert (windows, n) == (len(set(w.tolist())), len(pos)) == (585, 585 * 63)
     cells = 12 * 12 * 1000 * 1002
-    assert C.job_cost(ctx, "positional", wc)["seconds"] == pytest.approx(
-        3.0 + (585 * 512 + 256 * 511) * 1e-3 + 2.0 + cells * 1e-9)
+    assert C.job_cost(ctx, "positional", wc)["seconds"] == pytest.approx(  # two passes over the sample (issue 58)
+        3.0 + (2 * 585 * 512 + 256 * 511) * 1e-3 + 2.0 + cells * 1e-9)
     assert C.job_cost(ctx, "positional_ablation", wc)["seconds"] == pytest.approx(
         3.0 + 256 * 512 * (1 + 2 + 5) * (1e-4 + 2e-5) + cells * 1e-9)
-    # Δ [n, L, H, 64] float32 with D, the gate, the untracked share (float32) and the offset (int64), window,
-    # position, type (int64) and valid, twice while concatenated; O [L, H, dh, d] float64
-    occ = 2 * 585 * 63 * (12 * 12 * (64 * 4 + 12 + 8) + 25) / 2**20
-    assert C.job_cost(ctx, "positional", wc)["peak_mb"] == pytest.approx(500.0 + occ + 12 * 768 * 768 * 8 / 2**20)
     B = p["batch_size"] or cfg["runtime"]["batch_size"]
+    # streamed (issue 58): per occurrence window, position, type, position index twice (int64) and valid; per head D
+    # and the untracked share (float32), the decode's fold (int8) and shuffled position (int32), a(p) of the cluster's
+    # heads (at most 20 of 144); per head and sampled position (63) Δ's sums and count, its 64 x 64 scatter, five
+    # folds' moments; per cluster head and (position, offset bin) cell (14 bins) Δ's sums and count, a(p) per
+    # position, the offsets' histogram (512); a batch of B windows' Δ in float32 and three float64 copies
+    n = 585 * 63
+    held = n * (5 * 8 + 1 + 144 * (4 + 4 + 1 + 4) + 20 * 4)
+    sums = 144 * 8 * (63 * (64 + 1) + 64 * 64 + 5 * (64 * 64 + 3 * 64 + 5))
+    cluster = 20 * 8 * (63 * 14 * (64 + 1) + 63 + 512 + 64 + 3)
+    batch = B * 63 * 144 * (64 * (4 + 3 * 8) + 20)
+    assert C.job_cost(ctx, "positional", wc)["peak_mb"] == pytest.approx(
+        500.0 + (held + sums + cluster + batch) / 2**20 + 12 * 768 * 768 * 8 / 2**20)
+    # no Δ of every head: the old whole hold was 2 n (L H (4 dh + 20) + 25) bytes, 2.8 GiB here
+    assert C.job_cost(ctx, "positional", wc)["peak_mb"] < 500.0 + 2 * n * (144 * (64 * 4 + 20) + 25) / 2**20 / 4
     # float32 patterns of every layer, unablated and the carriers' arm, and one layer's pair in float64
     pattern = (2 * 12 * B * 12 * 512 * 512 * 4 + 2 * B * 12 * 512 * 512 * 8) / 2**20
     assert C.job_cost(ctx, "positional_ablation", wc)["peak_mb"] == pytest.approx(
         500.0 + pattern + 1.5 * 12 * 768 * 768 * 8 / 2**20)
+
+
+def test_the_positional_memory_model_counts_the_experiments_cells_and_cluster():
+    """The estimate's copies of the positional cluster's bound and offset bins (a core module does not import an
+    experiment's) are the experiment's."""
+    from mfpipe.experiments.positional.analysis import n_top
+    from mfpipe.experiments.positional.fits import offset_features
+
+    assert S.OFFSET_BINS == offset_features(np.arange(4096)).shape[1] == 14
+    for n in (1, 4, 16, 144, 208, 1024, 1600):
+        for p in ({"top_fraction": 0.14, "min_top": 2}, {"top_fraction": 0.5, "min_top": 1},
+                  {"top_fraction": 0.01, "min_top": 40}):
+            assert S.cluster_bound(n, p) == n_top(n, p)
 
 
 def test_the_token_counts_are_priced_at_their_timed_rate():

@@ -186,7 +186,8 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     peaks = _Peaks()
     out = {"model": spec["name"], "source": source, "layers": layers, "layers_run": adapter.n_layers,
            "heads": adapter.n_heads, "d_model": adapter.d_model, "d_head": adapter.d_head, "startup_s": startup,
-           "runtime_batch_size": int(config["runtime"]["batch_size"])}
+           "runtime_batch_size": int(config["runtime"]["batch_size"]),
+           "wpos": adapter.position_table() is not None}  # a learned position table: the positional job decodes
     windows, ts = peaks("forward", lambda: _forward(model, adapter, config, batches, device, out))
     B, T = out["batch_size"], out["T"]
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SLICE_RULES", "STARTUP_ONLY", "EXTRA_PEAK", "kernel_cells", "occurrences", "count_tokens"]
+__all__ = ["SLICE_RULES", "STARTUP_ONLY", "EXTRA_PEAK", "kernel_cells", "occurrences", "count_tokens", "OFFSET_BINS",
+           "cluster_bound"]
 
 
 def kernel_cells(c: dict, config: dict) -> float:
@@ -42,14 +43,16 @@ def occurrences(ctx, c, wc) -> tuple[int, int]:
 
 
 def positional(ctx, c, wc):
-    """One deviation forward (pass 2's, :func:`mfpipe.meanfield.forward.deviation_forward`) per sampled window, and
-    one per repeated ``[BOS; c; c]`` sequence of ``2k + 1`` tokens; the kernel read from the statistics store."""
+    """Two deviation forwards (pass 2's, :func:`mfpipe.meanfield.forward.deviation_forward`) per sampled window (the
+    streamed collection's two passes, :mod:`mfpipe.experiments.positional.stream`: the second reads the cluster's
+    heads and the decode's folds, known only after the first), and one per repeated ``[BOS; c; c]`` sequence of
+    ``2k + 1`` tokens; the kernel read from the statistics store."""
     p = ctx.config["positional"]
     _, T = _primary(ctx)
     windows, _ = occurrences(ctx, c, wc)
     k = int(p["repeated"]["chunk_length"] or (T - 1) // 2)
     repeated = min(int(p["repeated"]["n_sequences"]), _eval_windows(ctx, wc["model"])) * (2 * k + 1)
-    tokens = windows * T + repeated
+    tokens = 2 * windows * T + repeated
     return (tokens * c["pass2_s_per_token"] + c["pass2_first_s"]
             + kernel_cells(c, ctx.config) * c["store_read_s_per_cell"]), 0.0
 
@@ -76,14 +79,38 @@ def _out_proj_mb(c) -> float:
     return c["layers"] * c["heads"] * d_head * c["d_model"] * 8 / 2**20
 
 
+# the offset bins of the cluster's cells: mfpipe.experiments.positional.fits.offset_features's one-hot offsets 0..7
+# and bins [8, 16), [16, 32), ..., [256, ∞) (a core module does not import an experiment's; a test ties the two)
+OFFSET_BINS = 14
+
+
+def cluster_bound(n_heads: int, p: dict) -> int:
+    """The most heads the positional cluster can hold: :func:`mfpipe.experiments.positional.analysis.n_top`'s
+    ``top_fraction`` of ``n_heads`` rounded half up, at least ``min_top``, at most all (a test ties the two)."""
+    return int(min(n_heads, max(int(p["min_top"]), math.floor(float(p["top_fraction"]) * n_heads + 0.5))))
+
+
 def positional_peak(ctx, c, wc) -> float:
-    """The occurrences held whole (Δ ``[n, L, H, dh]`` float32, D, the BOS gate, the untracked share float32 and the
-    offset int64 per head; window, position, type int64 and valid per occurrence), twice while the batches' parts are
-    concatenated, and O."""
+    """The streamed occurrences (:mod:`mfpipe.experiments.positional.stream`, :mod:`~mfpipe.experiments.positional.
+    cells`): per occurrence its window, position, type and position index twice (int64) and valid flag; per head and
+    occurrence D and the untracked share (float32) and, on a learned position table, the decode's fold (int8) and
+    shuffled position (int32); a(p) of the cluster's heads (float32); every head's Δ sums and count per sampled
+    position and its scatter (float64), with a position table the decode's five folds' moments; per cluster head
+    (at most the top ``top_fraction`` of them: the bound) Δ's sums and count per (position, offset bin) cell, a(p)'s
+    per position and the offsets' histogram; a batch's Δ in float32 and three float64 copies; O. Δ of each head and
+    occurrence (``4·dh`` bytes) is never held: only the per-occurrence scalars grow with ``positional.tokens``."""
+    p = ctx.config["positional"]
+    _, T = _primary(ctx)
     _, n = occurrences(ctx, c, wc)
-    d_head = c.get("d_head") or c["d_model"] / c["heads"]
-    per = c["layers"] * c["heads"] * (4 * d_head + 3 * 4 + 8) + 3 * 8 + 1
-    return 2 * n * per / 2**20 + _out_proj_mb(c)
+    LH, dh = c["layers"] * c["heads"], c.get("d_head") or c["d_model"] / c["heads"]
+    K, bins = cluster_bound(LH, p), OFFSET_BINS
+    wpos = bool(c.get("wpos", True))  # (a calibration without the flag: priced as decoding)
+    positions = max(math.ceil((T - int(p["min_position"])) / int(p["stride"])), 1)
+    held = n * (5 * 8 + 1 + LH * (8 + 5 * wpos) + 4 * K)
+    moments = LH * 8 * (positions * (dh + 1) + dh * dh + wpos * 5 * (dh * dh + 3 * dh + 5))
+    cluster = K * 8 * (positions * bins * (dh + 1) + positions + T + dh + 3)
+    batch = int(p["batch_size"] or ctx.config["runtime"]["batch_size"]) * positions * LH * (dh * (4 + 3 * 8) + 20)
+    return (held + moments + cluster + batch) / 2**20 + _out_proj_mb(c)
 
 
 def ablation_peak(ctx, c, wc) -> float:

@@ -29,8 +29,8 @@ import pandas as pd
 
 from mfpipe.experiments.positional import fits as F
 
-__all__ = ["DEFAULTS", "head_masks", "head_table", "n_top", "cluster", "positional_write", "cluster_tables",
-           "union_subspace"]
+__all__ = ["DEFAULTS", "head_masks", "s_ranks", "head_table", "n_top", "spearman", "cluster", "positional_write",
+           "cluster_tables", "union_subspace"]
 
 DEFAULTS = dict(min_position=8, max_other=0.1, top_fraction=0.14, min_top=2, posvar_threshold=0.5,
                 carrier_threshold=0.3, wpos_components=10, write_rank=2, ablation_dim=20, ridge_alpha=1.0, seed=0)
@@ -47,6 +47,15 @@ def _gram(O, l, h) -> np.ndarray:
     return o @ o.T
 
 
+def s_ranks(S_bar) -> np.ndarray:
+    """Each head's rank by S̄ (0 = the highest; NaN last; ties by flat index), flat ``[L·H]``."""
+    flat = np.nan_to_num(np.asarray(S_bar, float).reshape(-1), nan=-np.inf)
+    order = np.lexsort((np.arange(flat.size), -flat))
+    rank = np.empty(flat.size, int)
+    rank[order] = np.arange(flat.size)
+    return rank
+
+
 def head_table(occ, O, W_pos, S_bar, T: int, cfg: dict) -> pd.DataFrame:
     """One row per head: occurrences kept, S̄ and its rank, mean D (natural text), posVar, and on ``W_pos`` models the
     ``W_pos`` share and the ridge decode of ``p`` (and its shuffled baseline)."""
@@ -54,9 +63,7 @@ def head_table(occ, O, W_pos, S_bar, T: int, cfg: dict) -> pd.DataFrame:
     keep = head_masks(occ, c["min_position"], c["max_other"])
     L, H = keep.shape[1:]
     kept = np.arange(int(c["min_position"]), T)
-    order = np.lexsort((np.arange(L * H), -np.nan_to_num(np.asarray(S_bar, float).reshape(-1), nan=-np.inf)))
-    rank = np.empty(L * H, int)
-    rank[order] = np.arange(L * H)
+    rank = s_ranks(S_bar)
     rows = []
     for l in range(L):
         for h in range(H):
@@ -104,7 +111,8 @@ def positional_write(delta_h, p, O_h, W_pos, T: int, min_position: int, k: int) 
     return F.fitted(write, X)
 
 
-def _spearman(a, b) -> float:
+def spearman(a, b) -> float:
+    """Spearman's rho of ``a`` and ``b``; NaN with fewer than three pairs or a constant side."""
     from scipy.stats import spearmanr
 
     a, b = np.asarray(a, float), np.asarray(b, float)
@@ -123,8 +131,8 @@ def _head_row(occ, m, l, h, O, W_pos, T, c) -> tuple[dict, np.ndarray, np.ndarra
     row = dict(layer=l, head=h, n=int(m.sum()), bos_mean=float(a.mean()), offset_sd=float(off.std()),
                offset_median=float(np.median(off)), a_share=F.explained_share(d, a[:, None], G),
                write_top1=F.leading_share(fit, 1), write_top2=F.leading_share(fit, 2),
-               write_top3=F.leading_share(fit, 3), spearman_a_p=_spearman(a, p),
-               spearman_norm_p=_spearman(np.linalg.norm(fit, axis=1), p), spearman_lead_p=_spearman(lead, p),
+               write_top3=F.leading_share(fit, 3), spearman_a_p=spearman(a, p),
+               spearman_norm_p=spearman(np.linalg.norm(fit, axis=1), p), spearman_lead_p=spearman(lead, p),
                offset_share=F.explained_share(d, F.offset_features(off), G))
     if W_pos is not None:
         kept = np.arange(int(c["min_position"]), T)

@@ -27,8 +27,8 @@ import torch
 from mfpipe.meanfield.forward import deviation_forward, kernel_for
 from mfpipe.meanfield.kernel import MeanFieldKernel
 
-__all__ = ["Occurrences", "sample_occurrences", "collect", "repeated_sequences", "repeated_deviation",
-           "class_types"]
+__all__ = ["Occurrences", "sample_occurrences", "prepare", "batches", "collect", "repeated_sequences",
+           "repeated_deviation", "class_types"]
 
 
 @dataclass
@@ -118,17 +118,10 @@ def _batch(adapter, k: MeanFieldKernel, zbar: torch.Tensor, toks: np.ndarray, qt
     return {key: v.cpu().numpy() for key, v in out.items()}
 
 
-def collect(adapter, kernel: MeanFieldKernel, zbar, windows, query_buckets, window, position, *, batch_size: int,
-            progress: bool = False) -> Occurrences:
-    """The occurrences ``(window, position)`` of ``windows [n_windows, T]`` (module docstring), one
-    :func:`~mfpipe.meanfield.forward.deviation_forward` per batch of ``batch_size`` distinct windows.
-
-    ``zbar [N, L, H, dh]`` the statistics half's per-type mean read (float32 tensor or array: ``MeanFieldStats.zbar``
-    transposed to (query, layer, head, head_dim)); ``query_buckets`` the windows' query types ``[n_windows, T]``
-    (``MeanFieldKernel.buckets`` / the tracked set's ``query_bucket_lut``; None: the kernel's). Occurrences of an
-    untracked type are dropped first (they have no z̄_s); the rest come back sorted by (window, position)."""
-    from tqdm.auto import tqdm
-
+def prepare(adapter, kernel: MeanFieldKernel, zbar, windows, query_buckets, window, position):
+    """What :func:`collect` and :func:`batches` run on: ``(kernel, zbar tensor, windows, query types [n_windows, T],
+    window, position, query_type)``, the occurrences of an untracked type dropped (they have no z̄_s) and the rest
+    sorted by (window, position) (:func:`collect`'s arguments)."""
     k = kernel_for(kernel, adapter)
     windows = np.asarray(windows, dtype=np.int64)
     qb = _query_types(query_buckets, windows, k)
@@ -140,22 +133,44 @@ def collect(adapter, kernel: MeanFieldKernel, zbar, windows, query_buckets, wind
     qtype = qb[window, position]
     keep = qtype >= 0
     order = np.lexsort((position[keep], window[keep]))
-    window, position, qtype = window[keep][order], position[keep][order], qtype[keep][order]
+    return k, zb, windows, qb, window[keep][order], position[keep][order], qtype[keep][order]
+
+
+def batches(adapter, prepared, *, batch_size: int, progress: bool = False, desc: str = "positional occurrences"):
+    """Yield ``(lo, hi, part)`` per batch of ``batch_size`` distinct windows: ``part`` the fields of
+    :class:`Occurrences` (``delta``, ``D``, ``bos``, ``offset``, ``other``, ``valid``) of the sorted occurrences
+    ``lo:hi`` of ``prepared`` (:func:`prepare`). The same batches in the same order on every call, so a second pass
+    gives the first's numbers bit for bit."""
+    from tqdm.auto import tqdm
+
+    k, zb, windows, qb, window, position, qtype = prepared
     uw = np.unique(window)
     bs = max(int(batch_size), 1)
-    parts = []
-    for b0 in tqdm(range(0, len(uw), bs), desc="positional occurrences", disable=not progress, mininterval=2.0,
-                   dynamic_ncols=True):
+    for b0 in tqdm(range(0, len(uw), bs), desc=desc, disable=not progress, mininterval=2.0, dynamic_ncols=True):
         w = uw[b0 : b0 + bs]
         lo, hi = np.searchsorted(window, w[0], "left"), np.searchsorted(window, w[-1], "right")
         bi = np.searchsorted(w, window[lo:hi])
-        parts.append(_batch(adapter, k, zb, windows[w], qb[w], bi, position[lo:hi], qtype[lo:hi]))
-    L, H, dh = adapter.n_layers, adapter.n_heads, zb.shape[-1]
+        yield int(lo), int(hi), _batch(adapter, k, zb, windows[w], qb[w], bi, position[lo:hi], qtype[lo:hi])
+
+
+def collect(adapter, kernel: MeanFieldKernel, zbar, windows, query_buckets, window, position, *, batch_size: int,
+            progress: bool = False) -> Occurrences:
+    """The occurrences ``(window, position)`` of ``windows [n_windows, T]`` (module docstring), one
+    :func:`~mfpipe.meanfield.forward.deviation_forward` per batch of ``batch_size`` distinct windows, held whole (the
+    job streams them instead: :mod:`mfpipe.experiments.positional.stream`).
+
+    ``zbar [N, L, H, dh]`` the statistics half's per-type mean read (float32 tensor or array: ``MeanFieldStats.zbar``
+    transposed to (query, layer, head, head_dim)); ``query_buckets`` the windows' query types ``[n_windows, T]``
+    (``MeanFieldKernel.buckets`` / the tracked set's ``query_bucket_lut``; None: the kernel's). Occurrences of an
+    untracked type are dropped first (they have no z̄_s); the rest come back sorted by (window, position)."""
+    prepared = prepare(adapter, kernel, zbar, windows, query_buckets, window, position)
+    parts = [part for _, _, part in batches(adapter, prepared, batch_size=batch_size, progress=progress)]
+    L, H, dh = adapter.n_layers, adapter.n_heads, prepared[1].shape[-1]
     empty = {"delta": np.zeros((0, L, H, dh), np.float32), "D": np.zeros((0, L, H), np.float32),
              "bos": np.zeros((0, L, H), np.float32), "other": np.zeros((0, L, H), np.float32),
              "offset": np.zeros((0, L, H), np.int64), "valid": np.zeros(0, bool)}
     cols = {f: np.concatenate([p[f] for p in parts]) if parts else empty[f] for f in _FIELDS}
-    return Occurrences(window, position, qtype, **cols)
+    return Occurrences(*prepared[4:], **cols)
 
 
 def repeated_sequences(windows, n: int, k: int, *, bos_id: int, seed) -> np.ndarray:

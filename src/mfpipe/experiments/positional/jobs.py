@@ -42,8 +42,9 @@ def positional(job) -> None:
     import torch
 
     from mfpipe.deviation.store import open_deviation
-    from mfpipe.experiments.positional import analysis as An
+    from mfpipe.experiments.positional import cells as Ce
     from mfpipe.experiments.positional import collect as C
+    from mfpipe.experiments.positional import stream as Sm
     from mfpipe.experiments.positional import tables as Tb
     from mfpipe.workflow.io import atomic_savez, atomic_write_text
     from mfpipe.workflow.tables import write_table
@@ -58,23 +59,23 @@ def positional(job) -> None:
     lut = fj.tracked.query_bucket_lut()
     win, pos = C.sample_occurrences(len(windows), T, stride=int(cfg["stride"]), min_position=int(cfg["min_position"]),
                                     budget=int(cfg["tokens"]), seed=int(cfg["seed"]))
-    occ = C.collect(ad, kernel, zbar, windows, lut, win, pos, batch_size=int(p.batch_size), progress=True)
+    # streamed (issue 58): Δ is never held whole, only summed per position and cell (modules stream, cells)
+    prepared = C.prepare(ad, kernel, zbar, windows, lut, win, pos)
+    S_bar = dev["S_bar"].transpose("layer", "head").values
+    occ, heads, cl, carriers, ctab, sums = Sm.analyse(ad, prepared, O, W_pos, S_bar, T, cfg,
+                                                      batch_size=int(p.batch_size), progress=True)
     log.info("%s @ %s: %d occurrences (%d valid) of %d eval windows, W_pos %s", name, revision, len(occ),
              int(occ.valid.sum()), len(np.unique(win)), "present" if W_pos is not None else "absent (rotary)")
-    S_bar = dev["S_bar"].transpose("layer", "head").values
-    heads = An.head_table(occ, O, W_pos, S_bar, T, cfg)
-    cl, carriers = An.cluster(heads, cfg)
     heads["cluster"] = [(l, h) in cl for l, h in zip(heads["layer"], heads["head"])]
     heads["carrier"] = [(l, h) in carriers for l, h in zip(heads["layer"], heads["head"])]
-    ctab = An.cluster_tables(occ, O, W_pos, T, cl, cfg)
-    S, share = An.union_subspace(ctab["fits"], carriers, int(cfg["ablation_dim"]), O.shape[-1])
+    S, share = Ce.union_subspace(ctab["fits"], carriers, int(cfg["ablation_dim"]), O.shape[-1])
     log.info("cluster %s, carriers %s; S: %d dimensions holding %.3f of the carriers' positional writes",
              [f"L{l}H{h}" for l, h in cl], [f"L{l}H{h}" for l, h in carriers], S.shape[1], share)
     write_table(heads, csv=out.heads)
     atomic_write_text(out.heads_md, Tb.positional_markdown(heads, ctab, share, S.shape[1], name, revision, cfg))
     write_table(ctab["rows"], csv=out.cluster)
     write_table(ctab["overlaps"], csv=out.overlaps)
-    write_table(Tb.curves(occ, O, W_pos, T, cl, cfg), csv=out.curves)
+    write_table(Ce.curves(sums, ctab["fits"], cl, cfg), csv=out.curves)
     atomic_savez(out.subspace, S=S, share=np.float64(share), carriers=np.asarray(carriers, np.int64).reshape(-1, 2),
                  cluster=np.asarray(cl, np.int64).reshape(-1, 2))
     _readings(job, fj, ad, kernel, windows, occ, dev, cfg, log)
