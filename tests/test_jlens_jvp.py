@@ -205,7 +205,8 @@ def test_each_consumer_decodes_the_cheaper_way(repo, tmp_path):
     from mfpipe.jlens import rules as R
 
     plan = _plan(repo, tmp_path)
-    assert prompts_rules.lens_vectors(plan) == 64 and R.model_shape(plan, "mini-gpt2") == (2, 8, 128)
+    # the default config's lenses read every head of the mini models (16, for the explorer), 8 contexts each
+    assert prompts_rules.lens_vectors(plan) == 16 * 8 and R.model_shape(plan, "mini-gpt2") == (2, 8, 128)
     assert R.JVP_ROW_COST == 3.0 and R.decode_path(plan, "mini-gpt2", 43) == "matrix"  # 43 x 3 > d = 128
     assert R.decode_path(plan, "mini-gpt2", 42) == "jvp"
     wc = SimpleNamespace(model="mini-gpt2", revision="final")
