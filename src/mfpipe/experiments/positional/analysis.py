@@ -29,7 +29,7 @@ import pandas as pd
 
 from mfpipe.experiments.positional import fits as F
 
-__all__ = ["DEFAULTS", "head_masks", "s_ranks", "head_table", "n_top", "spearman", "cluster", "positional_write",
+__all__ = ["cluster_pairs", "DEFAULTS", "head_masks", "s_ranks", "head_table", "n_top", "spearman", "cluster", "positional_write",
            "cluster_tables", "union_subspace"]
 
 DEFAULTS = dict(min_position=8, max_other=0.1, top_fraction=0.14, min_top=2, posvar_threshold=0.5,
@@ -166,20 +166,7 @@ def cluster_tables(occ, O, W_pos, T: int, heads, cfg: dict) -> dict:
         rows.append(row)
         fits[(l, h)], readouts[(l, h)] = fit, readout
         spans[(l, h)] = F.subspace(fit, int(c["write_rank"]))
-    d = int(np.asarray(O).shape[-1])
-    pairs = []
-    names = list(fits)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            ra, rb = readouts[a], readouts[b]
-            cos = float(abs(ra @ rb) / max(np.linalg.norm(ra) * np.linalg.norm(rb), 1e-30))
-            pairs.append(dict(head_a=f"L{a[0]}H{a[1]}", head_b=f"L{b[0]}H{b[1]}",
-                              overlap=F.principal_overlap(spans[a], spans[b]), readout_cos=cos,
-                              chance=F.chance_overlap(int(c["write_rank"]), int(c["write_rank"]), d)))
-    model = dict(d_model=d, wpos=W_pos is not None, participation_ratio=np.nan)
-    if W_pos is not None:
-        model["participation_ratio"] = F.participation_ratio(np.asarray(W_pos, float)[int(c["min_position"]):T])
-    return dict(rows=pd.DataFrame(rows), overlaps=pd.DataFrame(pairs), model=model, fits=fits)
+    return dict(rows=pd.DataFrame(rows), fits=fits, **cluster_pairs(readouts, spans, O, W_pos, T, c))
 
 
 def union_subspace(fits: dict, heads, dim: int, d: int) -> tuple[np.ndarray, float]:
@@ -192,3 +179,23 @@ def union_subspace(fits: dict, heads, dim: int, d: int) -> tuple[np.ndarray, flo
     k = int(min(int(dim), np.linalg.matrix_rank(stack)))
     S = F.subspace(stack, k)
     return S, F.share_in_span(stack, S)
+
+
+def cluster_pairs(readouts: dict, spans: dict, O, W_pos, T: int, c: dict) -> dict:
+    """The cluster's pairwise table (``overlaps``: principal overlap of the heads' write spans, |cos| of their
+    readouts, the overlap of chance) and the ``model`` row (d, W_pos present, W_pos's participation ratio), from each
+    head's readout and span (``{(l, h): ...}``); shared by the all-at-once and the streamed readings."""
+    d = int(np.asarray(O).shape[-1])
+    pairs = []
+    names = list(readouts)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra, rb = readouts[a], readouts[b]
+            cos = float(abs(ra @ rb) / max(np.linalg.norm(ra) * np.linalg.norm(rb), 1e-30))
+            pairs.append(dict(head_a=f"L{a[0]}H{a[1]}", head_b=f"L{b[0]}H{b[1]}",
+                              overlap=F.principal_overlap(spans[a], spans[b]), readout_cos=cos,
+                              chance=F.chance_overlap(int(c["write_rank"]), int(c["write_rank"]), d)))
+    model = dict(d_model=d, wpos=W_pos is not None, participation_ratio=np.nan)
+    if W_pos is not None:
+        model["participation_ratio"] = F.participation_ratio(np.asarray(W_pos, float)[int(c["min_position"]):T])
+    return dict(overlaps=pd.DataFrame(pairs), model=model)

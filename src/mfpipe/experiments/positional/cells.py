@@ -247,20 +247,7 @@ def cluster_tables(s: ClusterSums, keep, position, scatter, O, W_pos, cfg: dict)
         rows.append(row)
         fits[(l, h)], readouts[(l, h)] = fit, readout
         spans[(l, h)] = _principal(fit)[1][:, : int(c["write_rank"])]
-    d = int(np.asarray(O).shape[-1])
-    pairs = []
-    names = list(fits)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            ra, rb = readouts[a], readouts[b]
-            cos = float(abs(ra @ rb) / max(np.linalg.norm(ra) * np.linalg.norm(rb), 1e-30))
-            pairs.append(dict(head_a=f"L{a[0]}H{a[1]}", head_b=f"L{b[0]}H{b[1]}",
-                              overlap=F.principal_overlap(spans[a], spans[b]), readout_cos=cos,
-                              chance=F.chance_overlap(int(c["write_rank"]), int(c["write_rank"]), d)))
-    model = dict(d_model=d, wpos=W_pos is not None, participation_ratio=np.nan)
-    if W_pos is not None:
-        model["participation_ratio"] = F.participation_ratio(np.asarray(W_pos, float)[int(c["min_position"]):s.T])
-    return dict(rows=pd.DataFrame(rows), overlaps=pd.DataFrame(pairs), model=model, fits=fits)
+    return dict(rows=pd.DataFrame(rows), fits=fits, **An.cluster_pairs(readouts, spans, O, W_pos, s.T, c))
 
 
 def curves(s: ClusterSums, fits: dict, heads, cfg: dict, n_bins: int = 16) -> pd.DataFrame:
