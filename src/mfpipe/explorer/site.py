@@ -99,10 +99,11 @@ def build_model(out_dir, files: Mapping, *, model: str, revisions: list[str], st
         folder = out_dir / "cards" / rev
         folder.mkdir(parents=True, exist_ok=True)
         ranks = {k: _ranks(v[rev]) for k, v in scores.items() if rev in v}
+        values = {k: _grid_json(scores[k][rev]) for k in ranks}  # once per revision, not per head
         for l in range(L):
             for h in range(H):
                 card = {"head": f"L{l}H{h}", "layer": l, "index": h, "revision": rev,
-                        "scores": {k: {"value": _grid_json(scores[k][rev])[l][h], "rank": int(ranks[k][l, h])}
+                        "scores": {k: {"value": values[k][l][h], "rank": int(ranks[k][l, h])}
                                    for k in ranks},
                         "rows": _card_rows(linked, rev, l, h), "roles": roles.get(rev, {}).get(f"L{l}H{h}", []),
                         "kernel": kc.head(l, h), "contexts": context_cards(lens.get(rev), l, h),
