@@ -77,6 +77,10 @@ PATHS: dict[str, dict] = {
                     attn="attn", attn_norm="ln_1", attn_out=None, mlp_out="mlp"),
     # latent attention (issue 59): the values are kv_b_proj's output, per head [k_nope | v]
     "deepseek_v3": dict(_LLAMA, v_src="self_attn.kv_b_proj"),
+    # the attention and the MLP add the residual themselves (issue 59): their branches are dense's and dense_4h_to_h's
+    "bloom": dict(layers="transformer.h", final="transformer.ln_f", v_src="self_attention.query_key_value",
+                  o_proj="self_attention.dense", attn="self_attention", attn_norm="input_layernorm",
+                  attn_out="self_attention.dense", mlp_out="mlp.dense_4h_to_h"),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",
@@ -138,7 +142,7 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
     elif mt == "gpt2":  # Conv1D d -> 3d laid out [q | k | v]
         d = model.config.hidden_size
         v = out[..., 2 * d : 3 * d].reshape(B, T, H, dh)
-    elif mt == "gpt_neox":  # fused, per head [q | k | v]
+    elif mt in ("gpt_neox", "bloom"):  # fused, per head [q | k | v]
         v = out.reshape(B, T, H, 3, dh)[..., 2, :]
     elif mt == "falcon" and not (model.config.new_decoder_architecture or model.config.multi_query):  # per head
         v = out.reshape(B, T, H, 3, dh)[..., 2, :]

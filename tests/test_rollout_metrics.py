@@ -65,6 +65,17 @@ def test_hand_computed_cases():
     assert M.centered_relative_error(p4, t4) == pytest.approx(0.5)
 
 
+def test_a_cloud_without_numbers_scores_nan_and_a_zero_one_zero():
+    """A hybrid's layer of another mixer has NaN clouds (no attention output): its cosine is NaN, not 0 (a 0 would
+    enter the cross-layer mean as a reading); a zero prediction still scores 0 (the convention for a zero vector)."""
+    t = np.array([[1.0, 0.0], [-1.0, 0.0]])
+    assert np.isnan(M.centered_cosine(np.full_like(t, np.nan), t)) and np.isnan(M.centered_cosine(t, t * np.nan))
+    assert M.centered_cosine(np.zeros_like(t), t) == 0.0
+    nan_layer = M.score_layers(np.stack([t, t * np.nan]), np.stack([t, t * np.nan]))
+    assert nan_layer["cosine"][0] == pytest.approx(1.0) and np.isnan(nan_layer["cosine"][1])
+    assert M.cross_layer_summary(nan_layer["cosine"])[0] == pytest.approx(1.0)  # the NaN layer left out
+
+
 def test_rsa_hand_case():
     t = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
     # pairs (01,02,03,12,13,23): cos = (0,-1,0,0,-1,0)

@@ -15,7 +15,8 @@ description: its ``output_attentions``, ``output_hidden_states`` and logits (:fu
   loops over the forward's attentions and hidden states (:func:`reference_stats`);
 * the substitution write-back: the model's own reads written back leave the logits bit-identical, and mean-field
   reads (a kernel from that statistics pass) written back through the site give the logits of a plain torch
-  ``forward_pre_hook`` on the output projection.
+  ``forward_pre_hook`` on the output projection (times the forward's own output gate where the attention has one,
+  read by a hook on its source: :mod:`mfpipe.models.adapters.gate`; the rebuilt block takes it of the residual).
 
 :func:`check_model` returns the rows (check, max error, tolerance, pass); :func:`main` prints them as one table and
 exits non-zero on any failure.
@@ -64,26 +65,30 @@ def reference_stats(attentions, hidden, tokens: np.ndarray, tracked, values=None
     """Per-position loops over windows, queries and keys: P [L,H,N,K], n̄ [N,K], context counts C [N,K], query
     counts [N] and the residual centroids [L,K,d] (mean of the forward's hidden state entering each block by key
     bucket), from :func:`reference_forward`'s outputs of ``tokens``; with ``values`` ([L] of [B,T,H,dh]), also the
-    value means mu [L,H,K,dh] by key bucket."""
+    value means mu [L,H,K,dh] by key bucket. A layer whose ``attentions`` (``values``) entry is None (a hybrid's
+    layer of another mixer) has NaN rows of P (mu)."""
     N = tracked.n
     K = N + 2
     rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
     bucket = [[N if j == 0 else rank.get(int(tokens[w, j]), N + 1) for j in range(tokens.shape[1])]
               for w in range(tokens.shape[0])]
-    L, H = len(attentions), attentions[0].shape[1]
+    L = len(attentions)
+    # a hybrid's layer of another mixer (attentions[l] None: no probabilities, no values) has NaN rows of P and mu
+    probs = [None if a is None else a.numpy() for a in attentions]
+    att_layers = [l for l in range(L) if probs[l] is not None]
+    H = next(p.shape[1] for p in probs if p is not None)
     P = np.zeros((L, H, N, K))
     nbar, C, qn = np.zeros((N, K)), np.zeros((N, K)), np.zeros(N)
     d = hidden[0].shape[-1]
     csum, ccount = np.zeros((L, K, d)), np.zeros(K)
-    vsum = None if values is None else np.zeros((L, H, K, values[0].shape[-1]))
-    probs = [a.numpy() for a in attentions]
+    vsum = None if values is None else np.zeros((L, H, K, next(v for v in values if v is not None).shape[-1]))
     for w in range(tokens.shape[0]):
         for j in range(tokens.shape[1]):
             t = bucket[w][j]
             ccount[t] += 1
             for l in range(L):
                 csum[l, t] += hidden[l][w, j].numpy()
-                if vsum is not None:
+                if vsum is not None and values[l] is not None:
                     vsum[l, :, t] += values[l][w, j].numpy()
             if j == 0 or t >= N:
                 continue
@@ -92,8 +97,11 @@ def reference_stats(attentions, hidden, tokens: np.ndarray, tracked, values=None
             nbar[t] += counts
             C[t] += counts > 0
             for k in range(j + 1):
-                for l in range(L):
+                for l in att_layers:
                     P[l, :, t, bucket[w][k]] += probs[l][w, :, j, k]
+    P[[l for l in range(L) if probs[l] is None]] = np.nan
+    if vsum is not None:
+        vsum[[l for l in range(L) if values[l] is None]] = np.nan
     with np.errstate(invalid="ignore", divide="ignore"):
         out = dict(P=P / qn[None, None, :, None], nbar=nbar / qn[:, None], context_count=C, query_count=qn,
                    centroid=csum / ccount[None, :, None])
@@ -138,6 +146,7 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
 
     from mfpipe.models.adapters import Adapter, describe
     from mfpipe.models.adapters.composite import language_model
+    from mfpipe.models.adapters.forms import per_layer_hidden
 
     lm = language_model(model)  # a composite: its language model (the references run the composite's own forward)
     adapter = Adapter(lm, structure or describe(lm))
@@ -148,50 +157,71 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
     tokens[:, 0] = bos
     ids = torch.as_tensor(tokens, dtype=torch.long)
     att, hid, logits = reference_forward(model, ids)
+    hid = per_layer_hidden(hid, adapter.layer_kinds)  # blocks the forward skips (Mllama's cross-attention): none kept
+    L, A = adapter.n_layers, adapter.attention_layers  # A: every layer but a hybrid's layers of another mixer
+    rows: list[Check] = []
+    # a hybrid's forward returns the probabilities of its attention layers only: they go to those layers
+    rows.append(Check("site: the forward's attention layers are the placed ones", 0.0 if len(att) in (L, len(A))
+                      else float("inf"), 0.0))
+    att = att if len(att) == L else [att[A.index(l)] if l in A else None for l in range(L)]
     caps, finals = [], []
     adapter.capture(ids, caps.append, finals.append)
-    rows: list[Check] = []
 
     def err(a, b):
         a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
         return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
 
-    L = adapter.n_layers
-    rows.append(Check("site: attention probabilities", max(err(c.attn_probs, att[c.layer]) for c in caps), 1e-5))
+    ac = [caps[l] for l in A]
+    rows.append(Check("site: attention probabilities", max(err(c.attn_probs, att[c.layer]) for c in ac), 1e-5))
     rows.append(Check("site: residual stream entering each block", max(err(c.resid_in, hid[c.layer]) for c in caps),
                       1e-4))
     rows.append(Check("site: reads = probabilities x values", max(
-        err(c.reads, torch.einsum("bhqk,bhkd->bqhd", att[c.layer], c.values.double())) for c in caps), 1e-4))
+        err(c.reads, torch.einsum("bhqk,bhkd->bqhd", att[c.layer], c.values.double())) for c in ac), 1e-4))
     rows.append(Check("block: value map of the residual", max(
-        err(adapter.value_map(c.layer, hid[c.layer].float()).transpose(1, 2), c.values) for c in caps), 1e-4))
-    W_v = [adapter.value_weights(l) for l in range(L)]
-    if W_v[0] is not None:  # latent attention has none (a norm between): the statistics pass sums its values instead
+        err(adapter.value_map(c.layer, hid[c.layer].float()).transpose(1, 2), c.values) for c in ac), 1e-4))
+    W_v = {l: adapter.value_weights(l) for l in A}
+    if W_v[A[0]] is not None:  # latent attention and hybrids have none: the statistics pass sums the values instead
         rows.append(Check("block: value weights of the attention-input norm", max(
             err(torch.einsum("btd,hde->bhte", adapter.attn_input_norm(l, hid[l].float()), W_v[l][0])
-                + (0 if W_v[l][1] is None else W_v[l][1][None, :, None, :]), caps[l].values) for l in range(L)), 1e-4))
-    # every block rebuilt from the forward's probabilities and the adapter's pieces -> the forward's next residual
-    worst = 0.0
-    for l in range(L):
-        x = hid[l].float()
-        v = adapter.value_map(l, x)  # [B,T,H,dh]
-        reads = torch.einsum("bhqk,bkhd->bqhd", att[l].float(), v)
-        o = torch.einsum("bthk,hkd->btd", reads, adapter.out_proj_slices(l))
-        if adapter.out_proj_bias(l) is not None:
-            o = o + adapter.out_proj_bias(l)
-        mid = x + adapter.post_attn_norm(l, o)
-        nxt = x + adapter.post_attn_norm(l, o) + adapter.mlp(l, x) if adapter.parallel_residual else mid + adapter.mlp(l, mid)
-        want = hid[l + 1]
-        if l == L - 1:  # transformers' last hidden state is the final norm's output
-            nxt = adapter.final_norm(nxt)
-        worst = max(worst, err(nxt, want) / max(1.0, float(want.abs().max())))
-    rows.append(Check("block: pieces rebuild the next residual (relative)", worst, 1e-4))
+                + (0 if W_v[l][1] is None else W_v[l][1][None, :, None, :]), caps[l].values) for l in A), 1e-4))
+    rows.append(Check("block: pieces rebuild the next residual (relative)", _rebuilt(adapter, att, hid, err), 1e-4))
     rows.append(Check("unembed: final norm and LM head give the logits",
                       err(adapter.unembed(finals[0]), logits) / max(1.0, float(logits.abs().max())), 1e-5))
     own = adapter.run(ids, patch_reads=lambda layer, r: r, logits=True)
     rows.append(Check("substitution: own reads written back (exact)", err(own.logits, logits.float()), 0.0))
-    values = None if W_v[0] is not None else [adapter.value_map(l, hid[l].float()).double() for l in range(L)]
+    values = None if W_v[A[0]] is not None else [
+        adapter.value_map(l, hid[l].float()).double() if l in A else None for l in range(L)]
     rows += _stats_and_substitution(model, adapter, tokens, att, hid, seed, values)
     return rows
+
+
+def _rebuilt(adapter, att, hid, err) -> float:
+    """The worst relative error of an attention block rebuilt from the forward's probabilities and the adapter's pieces
+    against the forward's next residual (a hybrid's blocks of another mixer are the model's own: not rebuilt)."""
+    import torch
+
+    from mfpipe.models.adapters.forms import IDENTITY_KINDS, side_branch
+
+    worst = 0.0
+    for l in adapter.attention_layers:
+        x = hid[l].float()
+        v = adapter.value_map(l, x)  # [B,T,H,dh]
+        reads = torch.einsum("bhqk,bkhd->bqhd", att[l].float(), v)
+        g = adapter.read_gate(l, x)  # an output gate (Qwen3-Next): of each position's own residual, else None
+        reads = reads if g is None else reads * g
+        o = torch.einsum("bthk,hkd->btd", reads, adapter.out_proj_slices(l))
+        if adapter.out_proj_bias(l) is not None:
+            o = o + adapter.out_proj_bias(l)
+        side = side_branch(adapter, l, x)  # a mixer beside the attention (Falcon-H1): the model's own, on the sequence
+        a = adapter.post_attn_norm(l, o) if side is None else adapter.post_attn_norm(l, o) + side
+        mid = x + a
+        nxt = x + a + adapter.mlp(l, x) if adapter.parallel_residual else mid + adapter.mlp(l, mid)
+        want = hid[l + 1]
+        if all(k in IDENTITY_KINDS for k in adapter.layer_kinds[l + 1:]):  # the last block run: transformers' last
+            # hidden state is the final norm's output
+            nxt = adapter.final_norm(nxt)
+        worst = max(worst, err(nxt, want) / max(1.0, float(want.abs().max())))
+    return worst
 
 
 def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None) -> list[Check]:
@@ -199,6 +229,8 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
 
     from mfpipe.corpus.tracked import TrackedSet
     from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.models.adapters.gate import gate_of
+    from mfpipe.models.adapters.site import module_at
     from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 
     vocab = int(adapter.config.vocab_size)
@@ -210,7 +242,7 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
     ref = reference_stats(att, hid, tokens, tracked, values)
     sums = accumulate_shard(model, adapter, tokens, tracked, batch_size=B, device="cpu", progress=False)
     meta = {"model": "conformance", "revision": "tiny", "half": "stats", "corpus": "random", "corpus_fingerprint": "-",
-            "model_type": adapter.model_type}
+            "model_type": adapter.model_type, "layer_kinds": list(adapter.layer_kinds)}
     ds = finalize(sums, tracked, meta, dtype=np.float64)
     rows = []
     for name in ("P", "nbar", "context_count", "query_count"):
@@ -232,16 +264,23 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
         return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
 
     got = adapter.run(ids, patch_reads=replace, logits=True).logits
-    proj = [adapter.out_proj_module(l) for l in range(adapter.n_layers)]
-    H, dh = adapter.n_heads, adapter.d_head
+    proj = {l: adapter.out_proj_module(l) for l in adapter.attention_layers}  # a hybrid's other layers: not patched
+    H, dh, s, gates = adapter.n_heads, adapter.d_head, adapter.structure, {}
 
     def hook_for(layer):
         def hook(mod, args):
             x = args[0]
-            return (replace(layer, x.reshape(*x.shape[:2], H, dh)).reshape(x.shape), *args[1:])
+            r = x.reshape(*x.shape[:2], H, dh)
+            # an output gate: the projection reads the mean-field read times the forward's own gate of the position
+            new = replace(layer, r) if layer not in gates else torch.where(
+                sub[..., None, None], zhat[layer].to(x.dtype) * gates[layer], r)
+            return (new.reshape(x.shape), *args[1:])
         return hook
 
-    handles = [p.register_forward_pre_hook(hook_for(l)) for l, p in enumerate(proj)]
+    handles = [p.register_forward_pre_hook(hook_for(l)) for l, p in proj.items()]
+    if s.output_gate is not None:  # the gate as the forward computes it, off its source (mfpipe.models.adapters.gate)
+        handles += [module_at(adapter.block_module(l), s.output_gate).register_forward_hook(
+            lambda m, a, out, l=l: gates.__setitem__(l, gate_of(out, s.gate_layout, H, dh))) for l in proj]
     try:
         with torch.no_grad():
             want = model(ids, use_cache=False).logits
@@ -273,6 +312,7 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
 
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
     from mfpipe.models.adapters.composite import language_model
+    from mfpipe.models.adapters.unplaced import explain
     from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model
 
     code = hashlib.sha256()
@@ -307,8 +347,8 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
             rows = check_model(model, describe(language_model(model)))  # a composite: its language model
             bad = [f"{r.name} (error {r.error:.2g} > {r.tolerance:g})" for r in rows if not r.ok]
             failure = f"conformance check(s) failed on a tiny copy: {'; '.join(bad)}" if bad else None
-        except UnsupportedArchitectureError as e:
-            failure = f"no structure mfpipe knows ({e.reason})"
+        except UnsupportedArchitectureError as e:  # said as precisely as the forward shows (models.adapters.unplaced)
+            failure = f"no structure mfpipe knows ({explain(e, language_model(model)).reason})"
         except Exception as e:
             failure = f"a conformance check raises on a tiny copy ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     known[key] = {"model_type": model_type, "failure": failure}
@@ -335,13 +375,14 @@ def main(argv=None) -> int:
 
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
     from mfpipe.models.adapters.composite import language_model
+    from mfpipe.models.adapters.unplaced import explain
 
     torch.manual_seed(0)
     model = tiny_copy(args.model, args.revision)
     try:
         structure = describe(language_model(model))  # a composite: its language model
     except UnsupportedArchitectureError as e:
-        print(f"mfpipe conformance: {args.model}: {e}", file=sys.stderr)
+        print(f"mfpipe conformance: {args.model}: {explain(e, language_model(model))}", file=sys.stderr)
         return 2
     print(f"{args.model} ({model.config.model_type}): a tiny random copy, placed as {structure}")
     rows = check_model(model, structure)

@@ -3,7 +3,9 @@ every window, query position, layer and head, D = 1 − cos(z, ẑ), M_cov and M
 request the reads z and the mean field ẑ. The terms are pass 2's own (:func:`mfpipe.deviation.queries.query_terms` on
 the batch's :func:`mfpipe.meanfield.plan.query_plan`, :func:`mfpipe.meanfield.deviation.meters_head_major` through each
 head's output-projection gram), so the occurrence means of these arrays are the deviation store's ``D``, ``M_cov``,
-``M_ctx`` (and its ``zbar``, ``zhat_bar`` per query type) on the same windows."""
+``M_ctx`` (and its ``zbar``, ``zhat_bar`` per query type) on the same windows. Where the attention gates its reads
+(:mod:`mfpipe.models.adapters.gate`), ``gate`` holds the model's own gate of each query beside z and ẑ, which enter
+the output projection times it."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import numpy as np
 import torch
 
 from mfpipe.deviation.queries import query_terms
-from mfpipe.meanfield.deviation import layer_grams, meters_head_major, stack_head_major
+from mfpipe.meanfield.deviation import gate_head_major, layer_grams, meters_head_major, stack_head_major
 from mfpipe.meanfield.plan import query_plan
+from mfpipe.models.adapters.gate import has_gate
 
 __all__ = ["context_meters", "METERS"]
 
@@ -25,7 +28,9 @@ def context_meters(adapter, kernel, tokens: np.ndarray, *, batch_size: int = 8, 
     (:class:`~mfpipe.meanfield.kernel.MeanFieldKernel` of a statistics half): ``D``, ``M_cov``, ``M_ctx`` ``[n, T, L, H]``
     float64, NaN where the position is no valid query in that layer (an untracked type, or a W row without support);
     ``valid [n, T, L]``; with ``reads`` also ``z`` and ``zhat`` ``[n, T, L, H, dh]`` (float32, head space; NaN where not
-    valid). One traced forward per batch of ``batch_size`` windows reading attention, values and reads."""
+    valid), and on a model whose attention gates its reads ``gate`` ``[n, T, L, H, dh]``, the model's own gate of each
+    query (its write is ``z * gate`` through O_h). One traced forward per batch of ``batch_size`` windows reading
+    attention, values and reads."""
     from tqdm.auto import tqdm
 
     tokens = np.asarray(tokens)
@@ -36,8 +41,9 @@ def context_meters(adapter, kernel, tokens: np.ndarray, *, batch_size: int = 8, 
     grams = layer_grams(adapter).to(dev)
     out = {m: np.full((n, T, L, H), np.nan) for m in METERS}
     out["valid"] = np.zeros((n, T, L), dtype=bool)
-    if reads:
-        out["z"], out["zhat"] = (np.full((n, T, L, H, dh), np.nan, dtype=np.float32) for _ in range(2))
+    gated = has_gate(adapter)  # the meters of the gated reads (meanfield.deviation.gate_head_major), as pass 2's
+    for key in (("z", "zhat") if reads else ()) + (("gate",) if reads and gated else ()):
+        out[key] = np.full((n, T, L, H, dh), np.nan, dtype=np.float32)
     for b0 in tqdm(range(0, n, int(batch_size)), desc="deviation", disable=not progress, mininterval=2.0):
         chunk = tokens[b0 : b0 + int(batch_size)]
         kb, qt = k.buckets(chunk)
@@ -46,9 +52,12 @@ def context_meters(adapter, kernel, tokens: np.ndarray, *, batch_size: int = 8, 
 
         def on_layer(cap, plan=plan, rows_w=rows_w, rows_j=rows_j):
             l = cap.layer
+            if cap.attn_probs is None:  # a hybrid's layer of another mixer: no meters (NaN), never valid
+                return
             t = query_terms(plan, cap.attn_probs.float(), cap.values.float(), k.W[l].to(dev, torch.float32),
                             k.mu[l], reads=cap.reads)
-            m = meters_head_major(stack_head_major(t), grams[l])  # [H, rows]
+            g = adapter.read_gate(l, cap.resid_in[plan.b, plan.j]) if gated else None  # [rows, H, dh]: each query's
+            m = meters_head_major(gate_head_major(stack_head_major(t), g), grams[l])  # [H, rows]
             v = t.valid.cpu().numpy()
             w, j = rows_w[v], rows_j[v]
             out["valid"][w, j, l] = True
@@ -57,6 +66,9 @@ def context_meters(adapter, kernel, tokens: np.ndarray, *, batch_size: int = 8, 
             if reads:
                 out["z"][w, j, l] = t.z.float().cpu().numpy()[v]
                 out["zhat"][w, j, l] = t.zhat.float().cpu().numpy()[v]
+            if "gate" in out:  # the query's own gate, from the residual entering the block at each plan row
+                out["gate"][w, j, l] = g.float().cpu().numpy()[v]
 
-        adapter.run(torch.as_tensor(chunk), select=("attn_probs", "values", "reads"), on_layer=on_layer)
+        want = ("attn_probs", "values", "reads") + (("resid_in",) if gated else ())
+        adapter.run(torch.as_tensor(chunk), select=want, on_layer=on_layer)
     return out

@@ -46,7 +46,7 @@ from torch import Tensor
 from mfpipe.stats.engine import engine_name
 from mfpipe.deviation.queries import QueryTerms, key_part, query_terms
 from mfpipe.meanfield.plan import query_plan
-from mfpipe.meanfield.deviation import meters_head_major, stack_head_major
+from mfpipe.meanfield.deviation import gate_head_major, meters_head_major, stack_head_major
 from mfpipe.stats.workspace import HelperThread, reducer_threads
 
 __all__ = ["DeviationAccumulator", "window_halves", "TOP_K", "OTHER_SHARE_MAX", "ADDITIVE", "THREADED_MIN_PROBS"]
@@ -71,14 +71,20 @@ def window_halves(doc_ids: np.ndarray) -> np.ndarray:
 class DeviationAccumulator:
     """Pass-2 reducer. ``W [L,H,N,K]`` (the substitution kernel, :func:`~mfpipe.meanfield.kernel.kernel_from_store`)
     and ``mu [L,H,K,dh]`` as tensors, ``grams [L,H,dh,dh]`` (:func:`~mfpipe.meanfield.deviation.residual_gram` of each layer's
-    output projection slices), ``halves [n_windows]`` of the shard (:func:`window_halves`; windows arrive in order)."""
+    output projection slices), ``halves [n_windows]`` of the shard (:func:`window_halves`; windows arrive in order).
+    ``gate``: where the attention gates its reads, ``(layer, residual rows [n, d]) -> their gates [n, H, dh]``
+    (``adapter.read_gate``): the meters are then the gated reads' (:func:`~mfpipe.meanfield.deviation.gate_head_major`);
+    the sums of z and ẑ stay the reads' (their means are the statistics' zbar and the mean field)."""
 
     select = ("attn_probs", "values", "reads")
 
     def __init__(self, W, mu, grams, n: int, context_length: int, halves, device, top_k: int = TOP_K,
                  other_share_max: float = OTHER_SHARE_MAX, cpu_threads: int | str | None = "auto",
-                 engine: str = "auto"):
+                 engine: str = "auto", gate=None):
         self.device = torch.device(device)
+        self.gate = gate
+        if gate is not None:  # each query's gate is of the residual entering the block
+            self.select = (*type(self).select, "resid_in")
         # like pass 1: the reductions run on `cpu_threads` torch threads on CPU (reducer_threads says why); "auto":
         # one for a layer below THREADED_MIN_PROBS attention elements, the job's own setting from there on
         self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
@@ -105,6 +111,7 @@ class DeviationAccumulator:
         self.top_D = torch.full((L, H, self.top_k), -torch.inf, dtype=f64, device=dev)
         self.top_idx = torch.full((L, H, self.top_k), -1, dtype=torch.long, device=dev)  # window * T + position
         self.T = int(context_length)
+        self.other_layers: set[int] = set()
         self.n_windows = 0
         self.n_tokens = 0
 
@@ -114,6 +121,9 @@ class DeviationAccumulator:
             self._begin_batch(kb, qt)
 
     def on_layer(self, cap) -> None:
+        if cap.attn_probs is None:  # a hybrid's layer of another mixer: no attention (its sums NaN in sums())
+            self.other_layers.add(cap.layer)
+            return
         n = self.cpu_threads
         if n == "auto":
             n = None if cap.attn_probs.numel() >= THREADED_MIN_PROBS else 1
@@ -136,14 +146,15 @@ class DeviationAccumulator:
                 self._helper.both(lambda: run_terms(0), lambda: run_terms(1))
                 valid = terms[0].valid & terms[1].valid
                 if bool(valid.any()):
-                    self._helper.both(lambda: self._add_heads(l, terms[0], valid, heads[0]),
-                                      lambda: self._add_heads(l, terms[1], valid, heads[1]))
+                    g = self._gates(cap)
+                    self._helper.both(lambda: self._add_heads(l, terms[0], valid, heads[0], g),
+                                      lambda: self._add_heads(l, terms[1], valid, heads[1], g))
                     self._add_counts(l, valid)
         else:
             with reducer_threads(n):
                 t = self._terms(cap, slice(0, self.H))
                 if bool(t.valid.any()):
-                    self._add_heads(l, t, t.valid, slice(0, self.H))
+                    self._add_heads(l, t, t.valid, slice(0, self.H), self._gates(cap))
                     self._add_counts(l, t.valid)
 
     def close(self) -> None:
@@ -174,12 +185,16 @@ class DeviationAccumulator:
                            self.W[l][heads].to(self.device, torch.float32), self.mu[l][heads],
                            reads=cap.reads[:, :, heads], n_tracked=self.N, engine=self.engine)
 
+    def _gates(self, cap) -> Tensor | None:
+        """The output gates ``[n, H, dh]`` of the batch's query rows at layer ``cap.layer`` (None: no gate)."""
+        return None if self.gate is None else self.gate(cap.layer, cap.resid_in[self.plan.b, self.plan.j])
+
     def _add_counts(self, l: int, valid: Tensor) -> None:
         plan = self.plan
         s = plan.s[valid]
         self.count[:, l].index_put_((self.half[plan.b[valid]], s), torch.ones_like(s), accumulate=True)
 
-    def _add_heads(self, l: int, t: QueryTerms, valid: Tensor, heads: slice) -> None:
+    def _add_heads(self, l: int, t: QueryTerms, valid: Tensor, heads: slice, gate: Tensor | None = None) -> None:
         """Add the terms ``t`` of heads ``heads`` at the rows ``valid`` (valid in every head) into the sums: the
         cells of these heads only (two threads add their heads' side by side; each cell's terms arrive in
         context order either way)."""
@@ -189,7 +204,8 @@ class DeviationAccumulator:
         if not bool(valid.all()):  # rows whose W row is empty in this layer: dropped before the float64 work
             t = QueryTerms(t.z[valid], t.zhat[valid], t.mixed[valid], t.mixed_tracked[valid], nx=t.nx[valid],
                            valid=valid[valid], other=t.other[valid])
-        m = meters_head_major(stack_head_major(t), self.grams[l][heads])  # [h, n] each
+        g = None if gate is None else gate[valid][:, heads]  # the rows' gates, these heads'
+        m = meters_head_major(gate_head_major(stack_head_major(t), g), self.grams[l][heads])  # [h, n] each
         h = m["D"].shape[0]
         # scatter-add over (half, query type) of the valid contexts; head-major rows (head, context)
         half = self.half[plan.b[valid]]
@@ -234,6 +250,8 @@ class DeviationAccumulator:
         vk = self.vbar_tracked.reshape(L, N, H, dh).permute(0, 2, 1, 3).cpu().numpy()
         T = self.T
         idx = self.top_idx.cpu().numpy()
+        for l in self.other_layers:  # a hybrid's layers of another mixer: NaN, never 0 (merged by addition)
+            scal[:, :, l], vec[:, :, l], vk[l] = np.nan, np.nan, np.nan
         return {
             "n_windows": np.asarray(self.n_windows, dtype=np.int64),
             "n_tokens": np.asarray(self.n_tokens, dtype=np.int64),

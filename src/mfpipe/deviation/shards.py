@@ -55,6 +55,7 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
     from mfpipe.deviation.pass2 import DeviationAccumulator, window_halves
     from mfpipe.meanfield.deviation import layer_grams
     from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.models.adapters.gate import has_gate
     from mfpipe.stats.loop import run_reducer
 
     kernel = kernel_from_store(stats, tracked, min_count=min_count, calibrated=calibrated).to(adapter.device)
@@ -65,7 +66,10 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
     halves = window_halves(doc_ids)
 
     def reducer(ad, n, T, device):
-        return DeviationAccumulator(kernel.W, kernel.mu, grams, n, T, halves, device, top_k, other_share_max)
+        # a gated attention's meters are its gated reads' (meanfield.deviation.gate_head_major): the query's own gate
+        gate = adapter.read_gate if has_gate(adapter) else None
+        return DeviationAccumulator(kernel.W, kernel.mu, grams, n, T, halves, device, top_k, other_share_max,
+                                    gate=gate)
 
     with torch.no_grad():
         sums = run_reducer(model, adapter, tokens, tracked, reducer, batch_size=batch_size, device=adapter.device,
@@ -79,6 +83,7 @@ def deviation_shard(model, adapter, tokens: np.ndarray, doc_ids: np.ndarray, tra
             "stats_tokens": a.get("n_tokens"), "min_count": a.get("min_count"), "kernel": a.get("kernel"),
             "top_k": int(top_k), "other_share_max": float(other_share_max), "n_layers": adapter.n_layers,
             "n_heads": adapter.n_heads, "d_head": adapter.d_head, "model_type": adapter.model_type,
+            "layer_kinds": list(getattr(adapter, "layer_kinds", None) or ["attention"] * adapter.n_layers),
             "mfpipe_version": __version__, "numerics": numerics_info()}
     return sums, meta
 
@@ -177,7 +182,7 @@ def merge_partials(parts: Sequence[tuple[dict, dict]], names: Sequence[str] | No
             out[k] = x.astype(np.float64 if x.dtype.kind == "f" else np.int64) + (out[k] if k in out else 0)
         if "gram" not in out:
             out["gram"] = np.asarray(sums["gram"])
-        elif not np.allclose(out["gram"], sums["gram"], rtol=1e-6, atol=0):
+        elif not np.allclose(out["gram"], sums["gram"], rtol=1e-6, atol=0, equal_nan=True):  # NaN: a hybrid's others
             raise ProvenanceError(f"deviation partial {name} was computed with other output-projection weights")
         shard = np.asarray(sums["top_shard"]) if "top_shard" in sums else np.full_like(sums["top_window"], i)
         tops.append((np.asarray(sums["top_D"]), np.asarray(sums["top_window"]), np.asarray(sums["top_position"]),
@@ -247,7 +252,8 @@ def deviation_dataset(sums: Mapping[str, Any], meta: Mapping[str, Any], tracked,
     ids = np.asarray(getattr(tracked, "type_ids", np.arange(N)))[:N]
     ds = xr.Dataset(data, coords={"layer": np.arange(L), "head": np.arange(H), "query": np.arange(N),
                                   "query_str": ("query", labels), "query_token_id": ("query", ids),
-                                  "half": [0, 1]})
+                                  "half": [0, 1], "layer_kind": ("layer", np.asarray(
+                                      meta.get("layer_kinds") or ["attention"] * L, dtype=object))})
     attrs = {k: v for k, v in meta.items() if v is not None}
     attrs.update({"min_occurrences": int(min_occurrences), "n_tokens_pass2": int(sums["n_tokens"]),
                   "n_contexts": int(count.sum() // max(L, 1)), "mfpipe_version": __version__,

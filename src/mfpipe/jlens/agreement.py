@@ -8,8 +8,9 @@ estimates and counts how often the readouts agree:
   (:func:`~mfpipe.jlens.lens.sample_positions`, positions ``1..T-1``) but with another seed (the estimate's + 1), so
   they are not the positions ``J`` was averaged over. At ``attn`` of layer ``ℓ``: each head's write ``O_h z``
   (the head's read at the output projection's input times its slice of the projection, no bias:
-  :meth:`~mfpipe.models.adapters.base.Adapter.out_proj_slices`), ``n_decode x H`` vectors, where the lenses decode
-  head writes. At ``block`` of layer ``ℓ``: the residual entering block ``ℓ`` (``LayerCapture.resid_in``), and at
+  :meth:`~mfpipe.models.adapters.base.Adapter.out_proj_slices`; on a model whose attention gates its reads, z times
+  the model's own gate of that position, :func:`~mfpipe.models.adapters.gate.gate_reads`), ``n_decode x H`` vectors,
+  where the lenses decode head writes. At ``block`` of layer ``ℓ``: the residual entering block ``ℓ`` (``LayerCapture.resid_in``), and at
   ``ℓ = L`` the final residual (the final norm's input, where ``J = I``), ``n_decode`` vectors. One traced forward
   per batch (:meth:`~mfpipe.models.adapters.site.TracedSite.run`), each window cut after its batch's largest position.
 * **agreement.** ``top1_agreement``: the share of vectors whose raw decode (:func:`~mfpipe.jlens.lens.raw_decode`)
@@ -24,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from mfpipe.jlens.lens import POINTS, jlens_decode, raw_decode, sample_positions
+from mfpipe.models.adapters.gate import gate_reads
 
 __all__ = ["TOP_K", "decode_vectors", "decode_agreement"]
 
@@ -42,7 +44,8 @@ def decode_vectors(adapter, windows: np.ndarray, *, n_decode: int, seed: int, ba
     win, pos = sample_positions(windows.shape[0], windows.shape[1], n_decode, seed)
     L, d, bs = adapter.n_layers, adapter.d_model, max(1, int(batch_size))
     W = [adapter.out_proj_slices(l).float() for l in range(L)]  # [H, dh, d]
-    got: dict = {(p, l): [] for p in POINTS for l in range(L + 1) if not (p == "attn" and l == L)}
+    A = getattr(adapter, "attention_layers", range(L))  # a hybrid's other layers have no heads' writes
+    got: dict = {(p, l): [] for p in POINTS for l in range(L + 1) if not (p == "attn" and (l == L or l not in A))}
     for b0 in range(0, len(win), bs):
         k = np.arange(b0, min(b0 + bs, len(win)))
         ids = torch.from_numpy(windows[win[k], : int(pos[k].max()) + 1].astype(np.int64))
@@ -50,8 +53,10 @@ def decode_vectors(adapter, windows: np.ndarray, *, n_decode: int, seed: int, ba
         at = torch.from_numpy(pos[k]).to(adapter.device)
 
         def on_layer(cap, rows=rows, at=at):
-            z = cap.reads[rows, at]  # [B, H, dh]
-            got["attn", cap.layer].append(torch.einsum("bhe,hed->bhd", z, W[cap.layer]).reshape(-1, d).cpu())
+            if cap.reads is not None:
+                # [B, H, dh] as it enters the output projection: times the gate of its own position, where gated
+                z = gate_reads(adapter, cap.layer, cap.reads[rows, at], cap.resid_in[rows, at])
+                got["attn", cap.layer].append(torch.einsum("bhe,hed->bhd", z, W[cap.layer]).reshape(-1, d).cpu())
             got["block", cap.layer].append(cap.resid_in[rows, at].cpu())
 
         def on_final(h, rows=rows, at=at):

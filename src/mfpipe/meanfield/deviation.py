@@ -17,8 +17,9 @@ Geometry: "the value function includes the head's output projection, so all quan
 units" (App. P): vectors stay in head space (``dh``) and every inner product is taken through the head's slice of
 the output projection, ⟨x, y⟩ = x O_h O_hᵀ yᵀ with ``O_h = out_proj_slices(l)[h]`` ``[dh, d]`` (:func:`residual_gram`),
 which equals the dot product of the head's residual-stream contributions x O_h and y O_h (no bias: it is shared by
-the heads). Then D = 1 − cos(z, ẑ) (eq:deviation) and, with e = z − ẑ and e⊥ its component orthogonal to ẑ,
-σ_cov = a·e⊥/|e⊥|², σ_ctx = b·e⊥/|e⊥|² (σ_cov + σ_ctx = 1), M_cov = σ_cov D, M_ctx = σ_ctx D (eq:mcov-mctx,
+the heads; where the attention gates its reads, of (x * g) O_h and (y * g) O_h with g the query's own gate:
+:func:`gate_head_major`). Then D = 1 − cos(z, ẑ) (eq:deviation) and, with e = z − ẑ and e⊥ its component orthogonal
+to ẑ, σ_cov = a·e⊥/|e⊥|², σ_ctx = b·e⊥/|e⊥|² (σ_cov + σ_ctx = 1), M_cov = σ_cov D, M_ctx = σ_ctx D (eq:mcov-mctx,
 summing to D). When e⊥ vanishes (z collinear with ẑ: D is 0 or 2) the shares are undefined (the paper's footnote);
 we split D evenly and count the case (``degenerate``).
 
@@ -40,8 +41,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["key_type_ranks", "same_type_sums", "OccurrenceTerms", "occurrence_terms", "residual_gram", "layer_grams",
-           "gram_dot", "deviation_cosine", "meters", "stack_head_major", "meters_head_major", "corpus_deviation",
-           "MIN_OCCURRENCES"]
+           "gram_dot", "deviation_cosine", "meters", "stack_head_major", "gate_head_major", "meters_head_major",
+           "corpus_deviation", "MIN_OCCURRENCES"]
 
 MIN_OCCURRENCES = 50  # eq:ddec: S̄ averages over the query types with at least this many occurrences
 TINY = 1e-30
@@ -117,7 +118,8 @@ def residual_gram(out_proj_slices: Tensor) -> Tensor:
 
 
 def layer_grams(adapter) -> Tensor:
-    """``[L, H, dh, dh]``: :func:`residual_gram` of every layer's output projection slices (the adapter's)."""
+    """``[L, H, dh, dh]``: :func:`residual_gram` of every layer's output projection slices (the adapter's; NaN at a
+    hybrid's layers of another mixer)."""
     return torch.stack([residual_gram(adapter.out_proj_slices(l).float()) for l in range(adapter.n_layers)])
 
 
@@ -138,11 +140,12 @@ def deviation_cosine(z: Tensor, zhat: Tensor, G: Tensor | None = None) -> Tensor
     return 1.0 - zh / (zz * hh).clamp_min(TINY).sqrt()
 
 
-def meters(terms: OccurrenceTerms, G: Tensor) -> dict[str, Tensor]:
+def meters(terms: OccurrenceTerms, G: Tensor, gate: Tensor | None = None) -> dict[str, Tensor]:
     """Per occurrence and head ``[..., H]`` (float64): ``D``, ``sigma_cov``, ``sigma_ctx``, ``M_cov`` = σ_cov D,
-    ``M_ctx`` = σ_ctx D and ``degenerate`` (bool: e⊥ = 0, shares split evenly). See the module docstring."""
+    ``M_ctx`` = σ_ctx D and ``degenerate`` (bool: e⊥ = 0, shares split evenly). See the module docstring. ``gate``
+    ``[..., H, dh]``: each occurrence's output gate where the attention gates its reads (:func:`gate_head_major`)."""
     shape = terms.z.shape[:-1]  # [..., H]
-    m = meters_head_major(stack_head_major(terms), G)
+    m = meters_head_major(gate_head_major(stack_head_major(terms), gate), G)
     return {k: v.transpose(0, 1).reshape(shape) for k, v in m.items()}
 
 
@@ -156,6 +159,19 @@ def stack_head_major(terms: OccurrenceTerms) -> Tensor:
     for i, x in enumerate((terms.z, terms.zhat, terms.mixed)):
         X[i].copy_(x.reshape(-1, H, dh).permute(1, 2, 0))
     return X
+
+
+def gate_head_major(X: Tensor, gate: Tensor | None) -> Tensor:
+    """:func:`stack_head_major`'s ``X [3, H, dh, n]`` with each row's z, ẑ and mixed times its query's output gate
+    ``gate [n, H, dh]`` (in place; ``X`` as it is where None). Where the attention gates its reads
+    (:mod:`mfpipe.models.adapters.gate`) a head writes ``(z * g) O_h`` at a query of gate g, and the mean field read
+    there goes through the same gate (the rollout's), so the meters' residual-stream inner products are the gated
+    reads': G_h becomes diag(g) O_h O_hᵀ diag(g) per query. A gate of one value per head (LFM-3, Ling) cancels in
+    every meter; one per read entry (Qwen3-Next, Qwen3.5) does not."""
+    if gate is None:
+        return X
+    H, dh = X.shape[1:3]
+    return X.mul_(gate.reshape(-1, H, dh).permute(1, 2, 0).to(X.device, X.dtype)[None])
 
 
 def meters_head_major(X: Tensor, G: Tensor) -> dict[str, Tensor]:

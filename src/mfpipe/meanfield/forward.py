@@ -17,6 +17,7 @@ import torch
 from mfpipe.meanfield.ccmf import pair_kernel
 from mfpipe.meanfield.deviation import meters, occurrence_terms
 from mfpipe.meanfield.kernel import MeanFieldKernel
+from mfpipe.models.adapters.gate import has_gate
 
 __all__ = ["METERS", "kernel_for", "deviation_forward"]
 
@@ -39,7 +40,7 @@ def deviation_forward(adapter, kernel: MeanFieldKernel, ids: torch.Tensor, kb: t
     (:func:`~mfpipe.meanfield.ccmf.pair_kernel`, :func:`~mfpipe.meanfield.deviation.occurrence_terms`, :func:`~mfpipe.meanfield.deviation.meters`).
 
     ``kb``/``qt [B, T]`` the key buckets and query types of ``ids`` (:meth:`MeanFieldKernel.buckets`).
-    ``on_capture(cap, m_layer)``: called once per layer, in layer order, with the layer's
+    ``on_capture(cap, m_layer)``: called once per attention layer (a hybrid's others have none), in order, with its
     :class:`~mfpipe.models.adapters.site.LayerCapture` (``attn_probs``, ``values``, ``reads``; do not modify in
     place) and its meters (:func:`~mfpipe.meanfield.deviation.meters`: ``[B, T, H]`` each), so a caller reads more
     from the same forward.
@@ -57,15 +58,21 @@ def deviation_forward(adapter, kernel: MeanFieldKernel, ids: torch.Tensor, kb: t
 
     def on_layer(cap):
         l = cap.layer
+        if cap.attn_probs is None:  # a hybrid's layer of another mixer: no meters (NaN), no say in `valid`
+            for key in METERS:
+                out[key][:, :, l] = float("nan")
+            return
         a, _, v = pair_kernel(kernel.W[l].to(dev, torch.float32), kb, qt)
         terms = occurrence_terms(cap.attn_probs.float(), cap.values.float(), a.transpose(0, 1), kernel.mu[l], kb,
                                  reads=cap.reads)
-        m = meters(terms, grams[l])
+        # a gated attention: the meters of the gated reads, each query's own gate (meanfield.deviation.gate_head_major)
+        m = meters(terms, grams[l], None if cap.resid_in is None else adapter.read_gate(l, cap.resid_in))
         for key in out:
             out[key][:, :, l] = m[key].to(dev)
         valid.logical_and_(v.to(dev))
         if on_capture is not None:
             on_capture(cap, m)
 
-    res = adapter.run(ids, select=("attn_probs", "values", "reads"), on_layer=on_layer, logits=logits, loss=loss)
+    want = ("attn_probs", "values", "reads") + (("resid_in",) if has_gate(adapter) else ())
+    res = adapter.run(ids, select=want, on_layer=on_layer, logits=logits, loss=loss)
     return out, valid, res

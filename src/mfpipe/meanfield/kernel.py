@@ -56,6 +56,8 @@ class MeanFieldKernel:
     n: int
     attrs: dict = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # the layers with attention (None: all); a hybrid's other layers have NaN W and mu, no ẑ and no say in `valid`
+    attention_layers: tuple[int, ...] | None = None
     _grams: tuple | None = field(default=None, repr=False, compare=False)  # (adapter, [L,H,dh,dh]) cache
 
     @property
@@ -67,7 +69,7 @@ class MeanFieldKernel:
         fits = self.W.numel() * torch.finfo(dtype).bits // 8 <= resident_bytes
         home = device if fits else torch.device("cpu")
         return MeanFieldKernel(self.W.to(device=home, dtype=dtype), self.mu.to(device=device, dtype=dtype),
-                               self.key_lut, self.query_lut, self.n, dict(self.attrs), device)
+                               self.key_lut, self.query_lut, self.n, dict(self.attrs), device, self.attention_layers)
 
     def grams(self, adapter) -> Tensor:
         """The residual-stream grams ``[L,H,dh,dh]`` of the adapter's output projections (cached: the weights are
@@ -90,6 +92,9 @@ class MeanFieldKernel:
         plan = query_plan(kb, qt, self.n + 2, dev)
         zs, valid = [], None
         for l in range(self.n_layers):
+            if self.attention_layers is not None and l not in self.attention_layers:  # a hybrid's other mixer
+                zs.append(torch.zeros(B, T, *self.mu.shape[1:2], self.mu.shape[-1], dtype=self.W.dtype, device=dev))
+                continue
             z, v = ccmf_rows(plan, self.W[l].to(dev, non_blocking=True), self.mu[l].to(dev))
             full = torch.zeros(B, T, *z.shape[1:], dtype=z.dtype, device=dev)
             full[plan.b, plan.j] = torch.where(v[:, None, None], z, torch.zeros_like(z))  # 0 where not valid
@@ -137,5 +142,6 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
                                             "corpus_fingerprint", "n_tracked", "context_length", "n_tokens")}
     attrs["kernel"] = "W" if calibrated is None else "U (calibrated, App. B)"
     attrs["min_count"] = mc
+    hybrid = len(getattr(stats, "attention_layers", ())) < stats.n_layers
     return MeanFieldKernel(W, torch.from_numpy(np.asarray(mu.values)).to(dtype), key_lut, query_lut,
-                           n, attrs)
+                           n, attrs, attention_layers=tuple(stats.attention_layers) if hybrid else None)

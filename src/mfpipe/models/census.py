@@ -13,7 +13,10 @@ itself -- its config (or a composite's text config) has no attention heads at al
 recurrent model: Mamba, RWKV, xLSTM) or its ``layer_types`` name no attention layer (Bamba's default: Mamba
 throughout), or it is an encoder: its tiny copy, built from the default config as transformers builds its causal LM,
 reads later tokens (its logits at a token change with a later token, :func:`attends_ahead`: a BERT-style encoder whose
-LM head is causal only with ``is_decoder=True``, XLNet's permutation LM). `mfpipe`:
+LM head is causal only with ``is_decoder=True``, XLNet's permutation LM), or its heads have no probability row each
+(differential attention: DiffLlama's heads read the difference of two softmax maps, said by
+:func:`mfpipe.models.adapters.unplaced.explain`, which words every placement refusal as precisely as the forward
+shows). `mfpipe`:
 anything else (no tiny copy, a placement or a check that fails, a probe that crashes) -- the tool's to mend; the goal
 is none.
 """
@@ -72,8 +75,10 @@ def causal_lm_families() -> list[str]:
 
 
 def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
-    return text[:200]
+    """The error's type and the first line of its message that says something (an ImportError of transformers'
+    ``requires_backends`` opens with an empty line: Gemma-3n's vision tower needs timm)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
 
 
 class _Timeout(BaseException):  # not an Exception: the stages' own `except Exception` must not take it
@@ -142,10 +147,17 @@ def attends_ahead(model) -> bool:
     return not differ(a, b) and differ(a, c)
 
 
-def _refused(family: str, model, reason: str) -> CensusRow:
-    """The row of a family refused at placement: an encoder's refusal is of the modelling kind."""
+def _refused(family: str, model, reason: str, error=None) -> CensusRow:
+    """The row of a family refused at placement: an encoder's refusal is of the modelling kind (the encoder is the
+    reason); the placement's refusal ``error`` of any other is worded by what the model's forward shows
+    (:func:`mfpipe.models.adapters.unplaced.explain`), of the kind it says (differential attention: modelling)."""
+    from mfpipe.models.adapters.unplaced import explain
+
     if attends_ahead(model):
         return CensusRow(family, False, 0, 0, f"an encoder: its outputs read later tokens ({reason})", "modelling")
+    if error is not None:
+        error = explain(error, model)
+        return CensusRow(family, False, 0, 0, error.reason, error.kind)
     return CensusRow(family, False, 0, 0, reason)
 
 
@@ -186,7 +198,7 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
             model = language_model(model)
             structure = describe(model)
         except UnsupportedArchitectureError as e:
-            return _refused(family, model, e.reason)
+            return _refused(family, model, e.reason, e)
         except Exception as e:
             return _refused(family, model, f"the placement's probe forward fails: {_one_line(e)}")
         try:

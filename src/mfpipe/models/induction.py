@@ -166,6 +166,9 @@ def attention_on_targets(adapter, tokens: np.ndarray, queries: np.ndarray, targe
 
     def add_layer(cap) -> None:
         probs = cap.attn_probs  # [batch, head, query, key]
+        if probs is None:  # a hybrid's layer of another mixer: no attention, no score (NaN)
+            total[:, cap.layer] = np.nan
+            return
         q = torch.as_tensor(q_np, device=probs.device)
         t = torch.as_tensor(t_np, device=probs.device)
         # one gather for every target kind: [batch, head, n_targets, n_q], summed over sequences and queries

@@ -164,7 +164,14 @@ def _choose_layers(rows: dict, L0: int, layers: int, most: int = 8) -> list[int]
             break
         if i not in chosen:
             chosen.append(i)
-    return sorted(chosen)
+    chosen.sort()
+    # the copy ends as the original does where a list of layer indices (or a count of leading or trailing layers)
+    # tells its last layer apart: Mllama's last layer is no cross-attention layer, which its text forward would skip
+    firsts = {k: r[0] if isinstance(r[0], tuple) else (r[0],) for k, r in rows.items() if r}  # (_chosen: in tuples)
+    marks = [rows[k] for k, f in firsts.items() if {type(x) for x in f} == {bool}]
+    if L0 - 1 not in chosen and any(r[L0 - 1] != r[chosen[-1]] for r in marks):
+        chosen.append(L0 - 1)
+    return chosen
 
 
 def _cut(key: str, entries: list, chosen: list[int], original, s: _Sizes):
@@ -337,9 +344,28 @@ def shrink_config(config, width: int = 64, layers: int = 2, heads: int = 4, voca
     and 2 per token, the rotary dimensions and per-frequency rope factors cut in proportion, a window of at most 8;
     sub-configs (a composite's text and vision configs) alike. Special token ids outside the new vocabulary are
     dropped."""
-    cfg = build_validated(type(config), _shrink_level(config, _config_dict(config), width, layers, heads, vocab))
+    def build(n: int):
+        return build_validated(type(config), _shrink_level(config, _config_dict(config), width, n, heads, vocab))
+
+    cfg = build(layers)
+    # a layer pattern the config derives from a period rather than lists per layer (Jamba's attention every
+    # attn_layer_period layers from attn_layer_offset, Recurrent-Gemma's block_types cycled): more layers until every
+    # kind of the full depth is there (a hybrid's attention layers)
+    most = min(8, int(getattr(config, "num_hidden_layers", 0) or 0))
+    while _kinds(config) - _kinds(cfg) and layers < most:
+        layers += 1
+        cfg = build(layers)
     cfg._attn_implementation = "eager"
     return cfg
+
+
+def _kinds(config) -> set[str]:
+    """The layer kinds a config's ``layer_types`` names (a property on some: Jamba's), or none."""
+    try:
+        kinds = getattr(config, "layer_types", None)
+    except Exception:  # a per-layer attribute of a heterogeneous config
+        return set()
+    return {str(k) for k in kinds} if isinstance(kinds, (list, tuple)) else set()
 
 
 def _same_kv(old: dict, new: dict) -> dict:

@@ -21,8 +21,9 @@ PAPER_MODEL_TYPES: tuple[str, ...] = ("gpt2", "gpt_neox", "llama", "qwen3", "gem
 NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma", "gemma3_text", "stablelm")
 # the failure classes of the census placed (issue 48): blocks one level down and an MLP of three modules (OPT), a
 # fused multi-query / grouped value layout (Falcon), a mixture of experts (Mixtral), a LayerNorm without a bias and a
-# logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3)
-PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3")
+# logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3),
+# the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add)
+PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -153,6 +154,10 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
             num_key_value_heads=N_HEADS, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=12, qk_rope_head_dim=4,
             v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
             first_k_dense_replace=1, attention_bias=True)
+    if model_type == "bloom":  # attention and MLP return their branch plus the residual; ALiBi; a norm on the embedding
+        return transformers.BloomConfig, dict(
+            vocab_size=VOCAB, hidden_size=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, hidden_dropout=0.0,
+            attention_dropout=0.0, initializer_range=0.1, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=0)
     if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
         return transformers.Gemma3Config, dict(
             text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,

@@ -100,7 +100,8 @@ def context_deviation(model, stats, tokens_or_texts, *, tokenizer=None, min_coun
     1 − cos(z, ẑ), ``M_cov``, ``M_ctx`` (M_cov + M_ctx = D) as (window, position, layer, head), NaN where the position
     is no valid query in that layer (``valid``). ``reads="head"`` adds the read ``z`` and the mean field ``zhat`` in
     head space (head_dim), ``reads="resid"`` the same through each head's slice of the output projection (dim: the
-    head's write, what :func:`decode` reads; they carry the model's ``weights_fingerprint``, which decode checks).
+    head's write, what :func:`decode` reads; where the attention gates its reads, times the query's own gate first;
+    they carry the model's ``weights_fingerprint``, which decode checks).
     Windows keep the input's order (``window`` i is the i-th), whatever their lengths.
 
     Example::
@@ -129,6 +130,8 @@ def context_deviation(model, stats, tokens_or_texts, *, tokenizer=None, min_coun
                   if k in attrs}
     for key in ("z", "zhat") if reads else ():
         x = c.windows([o[key] for o in outs], np.nan)
+        if O is not None and "gate" in outs[0]:  # a gated attention: z and ẑ enter O_h times the query's own gate
+            x = x * c.windows([o["gate"] for o in outs], np.nan)
         if O is not None:  # [.., L, H, dh] through O_h [dh, d] of each layer -> [.., L, H, d]
             x = np.stack([np.einsum("...hd,hde->...he", x[:, :, l], O[l]) for l in range(len(O))], axis=2)
         data[key] = (dims + ("dim" if O is not None else "head_dim",), x, read_attrs)

@@ -131,6 +131,8 @@ def _provenance(hf, adapter, blocks: Sequence[np.ndarray], name, revision, bits)
             "model_type": adapter.model_type, "dtype": str(adapter.dtype).replace("torch.", ""),
             "n_kv_heads": adapter.n_kv_heads, "parallel_residual": adapter.parallel_residual,
             "numerics": numerics_info()}
+    if getattr(adapter, "layer_kinds", None):  # a hybrid's layers of another mixer (the store's `layer_kind`)
+        meta["layer_kinds"] = list(adapter.layer_kinds)
     if bits is not None:
         meta["partial_mantissa_bits"] = int(bits)
     return meta

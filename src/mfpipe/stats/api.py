@@ -90,6 +90,12 @@ class MeanFieldStats:
         self.d_head = int(ds.sizes["head_dim"])
         self.bos_bucket = self.n
         self.other_bucket = self.n + 1
+        # each layer's kind: "attention", or a hybrid's other mixer, whose P, mu, zbar and branch means are NaN (a
+        # store without the coordinate predates hybrids: attention throughout)
+        kinds = ds.coords.get("layer_kind")
+        self.layer_kinds = (tuple(str(k) for k in kinds.values) if kinds is not None
+                            else ("attention",) * self.n_layers)
+        self.attention_layers = tuple(l for l, k in enumerate(self.layer_kinds) if k == "attention")
 
     def __repr__(self) -> str:
         a = self.attrs
@@ -198,12 +204,15 @@ class MeanFieldStats:
         """Mean value vector mu_t of each head per key bucket (incl. ``<bos>``, ``<other>``):
         (layer, head, key, head_dim); with ``out_proj_slices`` (``layer -> [H, dh, d]``, e.g.
         ``adapter.out_proj_slices`` or the adapter itself) mapped to the residual stream through W_O^h:
-        (layer, head, key, dim), output-projection bias not included."""
-        return self._map(self._sel(self.ds["mu"], "layer", layer), layer, out_proj_slices)
+        (layer, head, key, dim), output-projection bias not included. Refused on a model whose attention gates its
+        reads (:mod:`mfpipe.models.adapters.gate`): a value's write depends on the gate of the query that reads it,
+        which a key type does not have; map :meth:`zhat` / :meth:`zbar` instead."""
+        return self._map(self._sel(self.ds["mu"], "layer", layer), layer, out_proj_slices, per_query=False)
 
     def zbar(self, layer: int | None = None, out_proj_slices: Callable[[int], Any] | Any = None) -> xr.DataArray:
         """Measured mean read of each head over type-s queries (eq:exact-contribution, teacher-forced):
-        (layer, head, query, head_dim), or mapped through W_O^h: (layer, head, query, dim)."""
+        (layer, head, query, head_dim), or mapped through W_O^h: (layer, head, query, dim); on a gated attention times
+        the gate of the query type's centroid first (:meth:`_map`)."""
         z = self._tracked_rows(self._sel(self.ds["zbar"], "layer", layer))
         return self._map(z, layer, out_proj_slices)
 
@@ -215,24 +224,47 @@ class MeanFieldStats:
         z = xr.dot(P, mu, dim="key")
         return self._map(z, layer, out_proj_slices)
 
-    def _map(self, x: xr.DataArray, layer: int | None, out_proj_slices) -> xr.DataArray:
+    def _map(self, x: xr.DataArray, layer: int | None, out_proj_slices, per_query: bool = True) -> xr.DataArray:
+        """``x`` through each head's slice of the output projection. Where the attention gates its reads (the adapter,
+        given itself or by its bound ``out_proj_slices``, has an output gate), a read enters the projection times the
+        gate of its query's residual, which the statistics do not hold per occurrence: a query type's read is gated
+        with the gate of the type's centroid (the residual entering the block), as the rollout gates a centroid's
+        mean-field read (:mod:`mfpipe.models.adapters.gate`); so ``zhat`` mapped is the rollout's write of type s, and
+        ``zbar`` goes through the same gate to stay comparable with it (E_s[z * g] itself is no statistic)."""
         if out_proj_slices is None:
             return x
         fn = getattr(out_proj_slices, "out_proj_slices", out_proj_slices)
+        ad = out_proj_slices if fn is not out_proj_slices else getattr(out_proj_slices, "__self__", None)
+        gated = getattr(getattr(ad, "structure", None), "output_gate", None) is not None
+        if gated and not per_query:
+            raise ValueError("this model's attention gates each head's read by its query position's residual "
+                             "(an output gate), so a key type's value has no write of its own: map zhat or zbar "
+                             "(gated with the query type's centroid), or take mu in head space")
         layers = [layer] if layer is not None else list(range(self.n_layers))
         outs = []
-        for l in layers:
-            w = _as_numpy(fn(int(l)))  # [H, dh, d]
+        for l in layers:  # a hybrid's layers of another mixer have no output projection: NaN
+            w = (_as_numpy(fn(int(l))) if self.layer_kinds[int(l)] == "attention"
+                 else np.full((self.n_heads, self.d_head, self.d_model), np.nan))  # [H, dh, d]
             if w.shape != (self.n_heads, self.d_head, self.d_model):
                 raise ValueError(
                     f"out_proj_slices({l}) has shape {w.shape}, expected {(self.n_heads, self.d_head, self.d_model)}"
                 )
             xl = x if layer is not None else x.isel(layer=l)
+            if gated and self.layer_kinds[int(l)] == "attention":
+                xl = xl.astype(np.float64) * self._centroid_gate(ad, int(l))
             wda = xr.DataArray(w, dims=("head", "head_dim", "dim"), coords={"dim": np.arange(self.d_model)})
             outs.append(xr.dot(xl.astype(np.float64), wda, dim="head_dim").astype(x.dtype))
         if layer is not None:
             return outs[0]
         return xr.concat(outs, dim="layer").assign_coords(layer=x["layer"])
+
+    def _centroid_gate(self, adapter, layer: int) -> xr.DataArray:
+        """The output gate (query, head, head_dim) of each tracked type's centroid entering block ``layer``."""
+        import torch
+
+        c = torch.from_numpy(np.asarray(self.centroids(depth=layer).transpose("query", "dim").values, np.float32))
+        g = adapter.read_gate(layer, c).double().cpu().numpy()
+        return xr.DataArray(g, dims=("query", "head", "head_dim"))
 
     def _tracked_rows(self, x):
         sub = x.isel(key=slice(0, self.n))

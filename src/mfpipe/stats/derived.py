@@ -34,6 +34,17 @@ from mfpipe.stats.layered import LayerDerived
 Weights = Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]
 
 
+def no_attention(P: torch.Tensor, pos: dict[str, torch.Tensor], layers, H: int) -> None:
+    """NaN (in place) in the kernel sums ``P [N*K, L*H]`` and the per-position sums ``pos`` other than the residual's
+    of ``layers``: a hybrid's layers of another mixer than attention, which have no probabilities, values, reads or
+    branch outputs (NaN, never 0: the partials are merged by addition, where NaN stays NaN)."""
+    for l in layers:
+        P[:, l * H:(l + 1) * H] = float("nan")
+        for name, t in pos.items():
+            if name not in ("resid", "resid_sq"):
+                t[l] = float("nan")
+
+
 def check_layout(weights: Weights, name: str, w_shape: tuple, b_shape: tuple, advice: str) -> None:
     """Refuse ``weights(0)`` of another layout than ``W w_shape`` / ``b b_shape`` before a shard's forward passes
     (``name`` and ``advice`` go into the message)."""

@@ -23,7 +23,7 @@ from mfpipe.stats.store import write_stats
 __all__ = ["refuse_partial", "half_partials", "checked_sums", "merged_meta", "merge_half"]
 
 # what the first partial fixes for every later one: the model's type, shape and dtype
-MODEL_KEYS = ("model_type", "n_layers", "n_heads", "d_model", "d_head", "dtype")
+MODEL_KEYS = ("model_type", "n_layers", "n_heads", "d_model", "d_head", "dtype", "layer_kinds")
 
 
 def refuse_partial(p: str, why: str) -> StatsError:
@@ -122,7 +122,7 @@ def merged_meta(info: dict, model: str, revision: str, half: str, model_source: 
     # hub models: the commits the revision and the tokenizer's revision stood for (branches move; commits do not)
     meta.update({k: v for k, v in (("revision_commit", commit), ("tokenizer_revision", info.get("tokenizer_revision")),
                                    ("tokenizer_commit", info.get("tokenizer_commit"))) if v})
-    for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual", "numerics"):
+    for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual", "numerics", "layer_kinds"):
         if k in seen["first_meta"]:
             meta[k] = seen["first_meta"][k]
     if seen["bits"]:  # the coarsest rounding of any partial bounds the merged sums (mfpipe.stats.partials)

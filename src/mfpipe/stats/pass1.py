@@ -129,8 +129,10 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         mlp_out_from_resid: bool = False,
         lazy_derived: bool = False,
         kernel_dir: str | None = None,
+        layer_kinds: tuple[str, ...] | None = None,
     ):
         self.L, self.H, self.d, self.dh = int(n_layers), int(n_heads), int(d_model), int(d_head)
+        self.other_layers = [l for l, k in enumerate(layer_kinds or ()) if k != "attention"]  # a hybrid's (_on_layer)
         self.N = int(n_tracked)
         self.K = self.N + 2
         self.T = int(context_length)
@@ -268,6 +270,9 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
         l = int(cap.layer)
         if self._plan is None:
             raise StatsError("Accumulator.on_layer called before begin_batch")
+        if l in self.other_layers:  # a hybrid's layer of another mixer: its input residual only (sums(): the rest NaN)
+            self._layers_seen.add(l)
+            return self._position_sums(l, {"resid": cap.resid_in}, self._scratch)
         H, T, eng, plan = self.H, self.T, self._engine, self._plan
         probs = cap.attn_probs
         B = probs.shape[0]
@@ -359,6 +364,7 @@ class Accumulator:  # the pass-1 reducer (mfpipe.stats.shards.Reducer)
             return t.detach().cpu().numpy()
 
         key_count, tot = np_(self.key_count), self._totals
+        derived.no_attention(self.P, self.pos, self.other_layers, H)  # a hybrid's other layers: NaN, never 0
         # views of the CPU accumulators, no copies; with the sums derived from them
         position = derived.position_sums({name: np_(t) for name, t in self.pos.items()}, key_count, H, dh,
                                          self.attn_out_weights, self.value_weights, lazy=self.lazy_derived)

@@ -34,7 +34,7 @@ def pass1_reducer(adapter, n_tracked: int, context_length: int, device, lazy_der
         attn_input_norm_form=getattr(adapter, "attn_input_norm_form", None),
         attn_out_weights=getattr(adapter, "attn_out_weights", None),
         mlp_out_from_resid=bool(getattr(adapter, "mlp_out_from_resid", False)), lazy_derived=lazy_derived,
-        kernel_dir=kernel_dir,
+        kernel_dir=kernel_dir, layer_kinds=getattr(adapter, "layer_kinds", None),
     )
 
 
@@ -76,6 +76,7 @@ def shard_partials(model, adapter, shards: list[str], tracked, folder: Path, *, 
             "model": model_name, "revision": revision, "dtype": dtype, "model_type": adapter.model_type,
             "n_layers": adapter.n_layers, "n_heads": adapter.n_heads, "n_kv_heads": adapter.n_kv_heads,
             "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
+            "layer_kinds": list(getattr(adapter, "layer_kinds", None) or ["attention"] * adapter.n_layers),
             "shard": shard, "numerics": numerics_info(),
         } | ({"revision_commit": str(commit)} if commit else {}))
         part = folder / (Path(shard).stem + ".zarr")  # partial shard-NNNNN.zarr <- corpus shard-NNNNN.npz

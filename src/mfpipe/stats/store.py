@@ -171,8 +171,12 @@ def _finalize(sums, tracked, meta, dtype, min_count, kernel: bool) -> xr.Dataset
         "query_token_id": ("query", ids),
         "key_str": ("key", np.asarray(key_str, dtype=object)),
         "key_token_id": ("key", key_ids),
+        # each layer's kind: "attention", or a hybrid's other mixer ("mamba", ...), whose P, mu, zbar, ln_in and
+        # branch means are NaN (the centroid entering it is measured)
+        "layer_kind": ("layer", np.asarray(list((meta or {}).get("layer_kinds") or ["attention"] * L), dtype=object)),
     }
     attrs = _store_attrs(sums, tracked, meta, min_count, bos)
+    attrs.pop("layer_kinds", None)  # the `layer_kind` coordinate records them (the same store from the notebook API)
     ds = xr.Dataset(data_vars, coords=coords, attrs=attrs)
     if kernel:
         ds["P"].attrs["description"] = KERNEL_DESCRIPTION
@@ -309,7 +313,8 @@ def write_stats(sums: Mapping[str, Any], tracked, meta: Mapping[str, Any] | None
         # the store's coordinates (no chunk is written: it is all fill value), then given all L layers
         one = xr.Dataset({"P": (KERNEL_DIMS, np.broadcast_to(np.asarray(np.nan, dtype=f), (1, H, N, K)),
                                 {"description": KERNEL_DESCRIPTION})},
-                         coords={c: ds.coords[c] for c in ("query_str", "query_token_id", "key_str", "key_token_id")})
+                         coords={**{c: ds.coords[c] for c in ("query_str", "query_token_id", "key_str", "key_token_id")},
+                                 "layer_kind": ("layer", ds.coords["layer_kind"].values[:1])})
         scratch = tmp / ".P-template"
         one.to_zarr(scratch, mode="w", encoding=_encoding(one), zarr_format=3, consolidated=False)
         meta_json = json.loads((scratch / "P" / "zarr.json").read_text())

@@ -171,17 +171,21 @@ def rank_rows(task, decode, pops: dict, d0: dict, O: torch.Tensor, pipelines, su
 
 def prompt_rank_rows(task, decode, d0: dict, null: torch.Tensor, O: torch.Tensor) -> list:
     """The per-prompt decode (App. fv-jlens) of every head on split 0's clean prompts: the rank of each prompt's own
-    answer in its residual ``O_h(z_{:,X} − ẑ_:)`` (median, best, share at rank 0), ``head_order`` the heads' order
+    answer in its residual ``O_h(z_{:,X} − ẑ_:)`` (times the prompt's own gate at the cue where the attention gates
+    its reads; ``O`` the ungated slices) (median, best, share at rank 0), ``head_order`` the heads' order
     by the median (0 = best), ``selections`` the selections holding the head."""
     ans = torch.as_tensor(np.asarray([p.answer for p in d0["clean"]], dtype=np.int64))
     n = len(ans)
     z = d0["reads"].z  # [n, L, H, dh]
+    # each prompt's own gate at its cue where the attention gates its reads: its write is ((z - ẑ) * g) O_h
+    g = getattr(d0["reads"], "g", None)
     member = _membership(d0["sel"])
     rows = []
     L, H = z.shape[1:3]
     for l in range(L):
         for h in range(H):
-            resid = (z[:, l, h] - null[l, h]) @ O[l, h]  # per-prompt residual, residual units
+            dz = z[:, l, h] - null[l, h]
+            resid = (dz if g is None else dz * g[:, l, h]) @ O[l, h]  # per-prompt residual, residual units
             for lens, lg in decode(resid, l, "attn").items():
                 rk = (lg > lg[torch.arange(n), ans][:, None]).sum(-1).numpy()
                 rows.append(dict(task=task.name, head=f"L{l}H{h}", layer=l, head_index=h, lens=lens, n=n,

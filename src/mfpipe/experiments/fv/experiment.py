@@ -108,7 +108,7 @@ def run_task(adapter, task, tokenizer, bos_id: int, null, cfg: dict, *, jlens=No
     pops = Dc.populations(tokenizer, pool, s0, bos_id, c["populations"], seed, c["answer_prefix"])
     pipes = Sw.PIPES + [(name, cons) for name in lists for cons in CONSTRUCTIONS]
     rank_rows, prompt_rows = Dc.lens_rows(adapter, jlens, lambda decode: (
-        Dc.rank_rows(task, decode, pops, s0, O, pipes, s0["best"]["sum"][0]),
+        Dc.rank_rows(task, decode, pops, s0, s0["O"], pipes, s0["best"]["sum"][0]),
         Dc.prompt_rank_rows(task, decode, s0, null, O)))
     info = _info(task, pool, per_split, cue, lists)
     if log is not None:
@@ -161,13 +161,14 @@ def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cue
         reads = Hd.cue_reads(adapter, clean, batch_size=bs, progress=progress)
         zbar = reads.mean
         r = Hd.task_deviation(zbar, null)
-        mfa, raw = Hd.head_norms(r, O), Hd.head_norms(zbar, O)
+        Ow = Hd.written_slices(O, reads.g)  # O itself unless the attention gates its reads (then through the cues')
+        mfa, raw = Hd.head_norms(r, Ow), Hd.head_norms(zbar, Ow)
         fs = Hd.cue_reads(adapter, Pr.fewshot_eval_prompts(pool, tokenizer, bos_id, ext, held, n_shots=c["n_shots"],
                                                             seed=[seed, s], **kw), batch_size=bs)
         sel = {"MFA": Hd.top_heads(mfa, k), **lists, "raw-magnitude": Hd.top_heads(raw, k),
                "random": Hd.random_heads(L, H, k, [seed, 0xAA, s])}
         per_split.append(dict(ext=ext, held=held, clean=clean, reads=reads, zbar=zbar, r=r, mfa=mfa, raw=raw,
-                              fewshot=fs, sel=sel, O=O, tuning_pairs={p.pair for p in clean}))
+                              fewshot=fs, sel=sel, O=Ow, O_heads=O, tuning_pairs={p.pair for p in clean}))
     if len(cues) != 1:
         raise ValueError(f"task {task.name!r}: the prompts end in {len(cues)} different tokens {sorted(cues)}; the "
                          "answer-cuing separator must encode as one token")

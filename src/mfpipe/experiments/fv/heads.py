@@ -8,6 +8,8 @@ adapter's one read/patch site (:meth:`mfpipe.models.adapters.Adapter.run`).
   (``"mean_field"``, the paper's ẑ_s) or the measured mean read at type-s positions (``"type_mean"``, the
   estimate the paper uses for GPT-J).
 * :func:`head_norms`: ``‖O_h v‖`` per head (residual-stream units, output-projection bias excluded).
+* :func:`written_slices`: the output projection's slices as a read's path to the residual at the cue: where the
+  attention gates its reads (:mod:`mfpipe.models.adapters.gate`), times the gate of the cue (:class:`CueReads` ``g``).
 * :func:`aie`: Todd et al.'s average indirect effect: each head's mean clean read patched into label-shuffled
   prompts at the final token, scored by the recovered probability of the answer.
 """
@@ -21,17 +23,20 @@ import torch
 from torch import Tensor
 
 from mfpipe.experiments.fv.prompts import FVPrompt, by_length
+from mfpipe.models.adapters.gate import has_gate
 
 __all__ = ["CueReads", "cue_reads", "corpus_null", "task_deviation", "head_norms", "top_heads", "random_heads",
-           "aie", "last_logits", "parse_heads"]
+           "aie", "last_logits", "parse_heads", "out_slices", "written_slices"]
 
 
 class CueReads:
     """Reads ``z [n, L, H, dh]`` at the cue of each prompt (float32, CPU), the model's ``top1 [n]`` and the
-    probability of the prompt's answer ``p_answer [n]`` there, in the prompts' order."""
+    probability of the prompt's answer ``p_answer [n]`` there, in the prompts' order; where the attention gates its
+    reads, ``g [n, L, H, dh]`` the model's own gate at each cue (1 at a hybrid's layers of another mixer), else None."""
 
-    def __init__(self, z: Tensor, top1: np.ndarray, p_answer: np.ndarray, answers: np.ndarray):
-        self.z, self.top1, self.p_answer, self.answers = z, top1, p_answer, answers
+    def __init__(self, z: Tensor, top1: np.ndarray, p_answer: np.ndarray, answers: np.ndarray,
+                 g: Tensor | None = None):
+        self.z, self.top1, self.p_answer, self.answers, self.g = z, top1, p_answer, answers, g
 
     @property
     def mean(self) -> Tensor:
@@ -55,9 +60,12 @@ def _chunks(idx: Sequence[int], size: int):
 
 def cue_reads(adapter, prompts: list[FVPrompt], *, batch_size: int = 16, progress=None) -> CueReads:
     """Every head's read at each prompt's last token, and the model's next-token prediction there (one forward per
-    prompt, unpadded batches of equal length)."""
+    prompt, unpadded batches of equal length). Where the attention gates its reads, also the gate at each cue (of the
+    residual entering each block there: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`)."""
     n, L, H, dh = len(prompts), adapter.n_layers, adapter.n_heads, adapter.d_head
     z = torch.zeros(n, L, H, dh, dtype=torch.float32)
+    gated = has_gate(adapter)
+    g = torch.ones(n, L, H, dh, dtype=torch.float32) if gated else None
     top1, pa = np.zeros(n, np.int64), np.zeros(n)
     answers = np.asarray([p.answer for p in prompts], dtype=np.int64)
     for _, idx in sorted(by_length(prompts).items()):
@@ -65,22 +73,28 @@ def cue_reads(adapter, prompts: list[FVPrompt], *, batch_size: int = 16, progres
             ids = torch.from_numpy(np.stack([prompts[i].tokens for i in ch]))
             got: dict = {}
 
-            def on_layer(cap, got=got):
-                got[cap.layer] = cap.reads[:, -1].detach().cpu()
+            def on_layer(cap, got=got):  # a hybrid's layer of another mixer has no reads: NaN
+                got[cap.layer] = (torch.full((len(ch), H, dh), float("nan")) if cap.reads is None
+                                  else cap.reads[:, -1].detach().cpu())
+                if gated and cap.reads is not None:
+                    got["g", cap.layer] = adapter.read_gate(cap.layer, cap.resid_in[:, -1]).float().cpu()
 
             def on_final(x, got=got):
                 got["final"] = x
 
-            adapter.run(ids, select=("reads",), on_layer=on_layer, on_final=on_final)
+            adapter.run(ids, select=("reads", "resid_in") if gated else ("reads",), on_layer=on_layer,
+                        on_final=on_final)
             lg = last_logits(adapter, got["final"]).float()
             ch_t = torch.as_tensor(ch)
             z[ch_t] = torch.stack([got[l] for l in range(L)], dim=1)
+            for l in (l for l in range(L) if ("g", l) in got):
+                g[ch_t, l] = got["g", l]
             top1[ch] = lg.argmax(-1).cpu().numpy()
             pr = torch.softmax(lg, -1)
             pa[ch] = pr[torch.arange(len(ch)), torch.as_tensor(answers[ch], device=pr.device)].double().cpu().numpy()
             if progress is not None:
                 progress.update(len(ch))
-    return CueReads(z, top1, pa, answers)
+    return CueReads(z, top1, pa, answers, g)
 
 
 def corpus_null(stats, tracked, cue_id: int, kind: str = "mean_field") -> Tensor:
@@ -109,6 +123,16 @@ def task_deviation(mean_reads: Tensor, null: Tensor) -> Tensor:
 def out_slices(adapter) -> Tensor:
     """``O [L, H, dh, d]``: each head's slice of its layer's output projection (float32, CPU)."""
     return torch.stack([adapter.out_proj_slices(l).detach().float().cpu() for l in range(adapter.n_layers)])
+
+
+def written_slices(O: Tensor, g: Tensor | None) -> Tensor:
+    """``O [L, H, dh, d]`` as the path of a read-space vector to the residual at the cue: where the attention gates its
+    reads (``g [n, L, H, dh]``, :class:`CueReads`), a read enters O_h times the gate of its query, here the mean of
+    the cues' own gates over the prompts at hand. The vectors (r, the mean read) stay reads, as AIE and the per-head
+    injection patch them and the model gates them with the prompt's own gate; their writes (the MFA and raw scores,
+    the summed function vector and its decode) go through ``diag(mean gate) O_h``, what a per-head injection of them
+    writes at a cue gated as the mean. ``O`` itself where ``g`` is None."""
+    return O if g is None else g.float().mean(0)[..., None] * O
 
 
 def head_norms(v: Tensor, O: Tensor) -> Tensor:

@@ -114,10 +114,12 @@ def clean_sweep(adapter, task, pool, per_split: list, null, c: dict, progress) -
         specs, injs = [], []
         for n in ns:
             r = Hd.task_deviation(d["reads"].z[:n].mean(0), null)
-            sel = Hd.top_heads(Hd.head_norms(r, d["O"]), k)
+            g = None if d["reads"].g is None else d["reads"].g[:n]  # the first n cues' gates, as their reads
+            On = Hd.written_slices(d.get("O_heads", d["O"]), g)
+            sel = Hd.top_heads(Hd.head_norms(r, On), k)
             for prot in ("sum", "per_head"):
                 layer, scale, _ = d["best"][prot]
-                injs.append(Inj.sum_injection(r, sel, d["O"], layer, scale) if prot == "sum"
+                injs.append(Inj.sum_injection(r, sel, On, layer, scale) if prot == "sum"
                             else Inj.per_head_injection(r, sel, scale))
                 specs.append((n, prot, layer if prot == "sum" else -1, scale, " ".join(f"L{l}H{h}" for l, h in sel)))
         top1, _ = Inj.evaluate(adapter, held, injs, batch_size=int(c["batch_size"]), progress=progress)

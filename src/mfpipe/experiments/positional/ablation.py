@@ -61,7 +61,7 @@ def run_ablation(adapter, windows: np.ndarray, arms, *, batch_size: int, progres
         ids = torch.from_numpy(np.asarray(windows[b0 : b0 + int(batch_size)], dtype=np.int64))
         probs: dict = {}
         r = adapter.run(ids, select=("attn_probs",), loss=True,
-                        on_layer=lambda cap: probs.__setitem__(cap.layer, cap.attn_probs.detach().cpu()))
+                        on_layer=lambda cap: probs.__setitem__(cap.layer, _cpu(cap.attn_probs)))
         base[b0 : b0 + len(ids)] = r.token_loss.double().cpu().numpy()
         for i, (_, by, basis, _) in enumerate(arms):
             S = torch.as_tensor(np.asarray(basis), dtype=torch.float32)
@@ -70,16 +70,21 @@ def run_ablation(adapter, windows: np.ndarray, arms, *, batch_size: int, progres
                 return project_out_heads(out, reads, O[layer], by[layer], S) if layer in by else None
 
             seen: dict = {}
-            cb = (lambda cap: seen.__setitem__(cap.layer, cap.attn_probs.detach().cpu())) if i == 0 else None
+            cb = (lambda cap: seen.__setitem__(cap.layer, _cpu(cap.attn_probs))) if i == 0 else None
             ra = adapter.run(ids, select=("attn_probs",) if i == 0 else (), loss=True, patch_out=patch, on_layer=cb)
             loss[i][b0 : b0 + len(ids)] = ra.token_loss.double().cpu().numpy()
             if i == 0:
                 for l in range(L):  # [B, H, T, T] -> each query row's L2 change, summed over batch and queries
-                    change[l] += (seen[l].double() - probs[l].double()).norm(dim=-1).sum((0, 2))
+                    change[l] += (float("nan") if probs[l] is None  # a hybrid's layer of another mixer: no rows
+                                  else (seen[l].double() - probs[l].double()).norm(dim=-1).sum((0, 2)))
         rows += len(ids) * T
         if progress is not None:
             progress.update(len(ids))
     return {"base": base, "loss": loss, "consumers": (change / max(rows, 1)).numpy()}
+
+
+def _cpu(probs):
+    return None if probs is None else probs.detach().cpu()  # None: a hybrid's layer of another mixer
 
 
 def token_categories(tokenizer, ids: np.ndarray) -> np.ndarray:

@@ -55,7 +55,7 @@ def queryable_types(kernel: MeanFieldKernel) -> np.ndarray:
     induction prompts draw from: their queries have a mean field)."""
     ids = np.flatnonzero(kernel.query_lut >= 0)
     ok = np.ones(kernel.n, dtype=bool)
-    for l in range(kernel.n_layers):
+    for l in kernel.attention_layers or range(kernel.n_layers):  # a hybrid's other layers have no W (NaN)
         Wl = kernel.W[l]
         ok &= (torch.isfinite(Wl).all(-1) & (Wl.nan_to_num(0.0).sum(-1) > 0)).all(0).cpu().numpy()
     return ids[ok[kernel.query_lut[ids]]]

@@ -151,7 +151,8 @@ def context_details(adapter, kernel, tokenizer, tokens, rows: pd.DataFrame, k_ke
     ``excerpt_attention``, the query at ``query_index``) and on BOS (``bos_share``), ``other_share`` (attention on
     ``<other>`` keys), ``D_recomputed`` (``D_ok``: within
     ``atol`` of the stored D), ``M_cov``, ``M_ctx`` (eq:mcov-mctx) and the raw logit-lens decode of the deviation
-    vector Δ = z − ẑ in residual-stream units, Δ_resid = Δ O_h (``O_h = out_proj_slices(l)[h]``, no bias): the
+    vector Δ = z − ẑ in residual-stream units, Δ_resid = Δ O_h (``O_h = out_proj_slices(l)[h]``, no bias; where the
+    attention gates its reads, Δ times the model's own gate of the query position first, as z and ẑ enter O_h): the
     top ``decode_k`` tokens of softmax(W_U final_norm(Δ_resid)) (``decode_tokens``, ``decode_ids``,
     ``decode_probs``; :meth:`Adapter.unembed`).
 

@@ -12,6 +12,7 @@ import torch
 
 from mfpipe.meanfield.ccmf import pair_kernel
 from mfpipe.meanfield.deviation import key_type_ranks, meters, occurrence_terms
+from mfpipe.models.adapters.gate import has_gate
 
 __all__ = ["ContextRerun"]
 
@@ -61,7 +62,9 @@ class ContextRerun:
             def on_layer(cap, sel=sel, kb=kb, qt=qt, ranks=ranks, delta=delta, b0=b0):
                 self.add_layer(cap, sel, kb, qt, ranks, delta, b0)
 
-            self.adapter.run(torch.from_numpy(ids), select=("attn_probs", "values", "reads"), on_layer=on_layer)
+            # a gated attention's write needs the query's residual (its gate): read it only there
+            want = ("attn_probs", "values", "reads") + (("resid_in",) if has_gate(self.adapter) else ())
+            self.adapter.run(torch.from_numpy(ids), select=want, on_layer=on_layer)
             if len(sel):
                 self.decode(sel, delta, jlens)
                 if sample is not None:
@@ -99,7 +102,9 @@ class ContextRerun:
         terms = occurrence_terms(probs, cap.values.float()[:, hsel], a.transpose(0, 1),
                                  kernel.mu[l][hs].to(dev, torch.float32), kb, reads=cap.reads[:, :, hsel],
                                  ranks=ranks)
-        m = meters(terms, self.grams[l][hs].to(dev))
+        # a gated attention: the rows' heads' gates of every position (the meters are the gated reads', as pass 2's)
+        gate = self.adapter.read_gate(l, cap.resid_in)[:, :, hsel] if has_gate(self.adapter) else None
+        m = meters(terms, self.grams[l][hs].to(dev), gate)
         for k in ("D", "M_cov", "M_ctx"):
             out["D_recomputed" if k == "D" else k][r] = m[k][bi, j, hi].cpu().numpy()
         out["valid"][r] = valid[bi, j].cpu().numpy()
@@ -108,7 +113,10 @@ class ContextRerun:
         self.att[r] = att.cpu().numpy()
         v, i = att.topk(min(self.k_keys, att.shape[-1]), dim=-1)
         self.kshare[r, : v.shape[1]], self.kpos[r, : v.shape[1]] = v.cpu().numpy(), i.cpu().numpy()
-        d = (terms.z - terms.zhat)[bi, j, hi].float()  # [r, dh], head space
+        # [r, dh], head space, as it enters the output projection: z and ẑ at one query go through that query's own
+        # gate alike (a gated attention, adapters.gate), so Δ_resid is the change of the head's actual write
+        d = (terms.z - terms.zhat)[bi, j, hi].float()
+        d = d if gate is None else d * gate[bi, j, hi].to(dev)
         O = self.adapter.out_proj_slices(l).to(dev, torch.float32)[torch.as_tensor(hd[r], device=dev)]
         delta[torch.as_tensor(mine, device=dev)] = torch.einsum("rd,rde->re", d, O)
 

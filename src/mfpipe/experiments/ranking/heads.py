@@ -14,8 +14,8 @@ __all__ = ["heads_table", "merge_rises", "top_bottom", "split_half_stability", "
            "ROLE_THRESHOLDS"]
 
 SCORES = ("induction", "previous_token", "duplicate_token", "bos_sink")
-HEAD_COLUMNS = ["rank", "head_label", "layer", "head", "S_bar", "M_cov", "M_ctx", "D", *SCORES, "S_bar_half0",
-                "S_bar_half1", "model", "revision"]
+HEAD_COLUMNS = ["rank", "head_label", "layer", "layer_kind", "head", "S_bar", "M_cov", "M_ctx", "D", *SCORES,
+                "S_bar_half0", "S_bar_half1", "model", "revision"]
 
 
 def heads_table(dev, scores=None) -> pd.DataFrame:
@@ -26,6 +26,9 @@ def heads_table(dev, scores=None) -> pd.DataFrame:
     layer, head = np.meshgrid(np.arange(L), np.arange(H), indexing="ij")
     df = pd.DataFrame({"layer": layer.ravel(), "head": head.ravel()})
     df["head_label"] = [head_label(int(l), int(h)) for l, h in zip(df["layer"], df["head"])]
+    # each layer's kind: attention, or a hybrid's other mixer, whose heads have no S̄ (NaN: ranked last, in no top)
+    kinds = dev.coords["layer_kind"].values if "layer_kind" in dev.coords else np.full(L, "attention", dtype=object)
+    df["layer_kind"] = np.asarray(kinds, dtype=object)[df["layer"].to_numpy()]
     for k in ("S_bar", "M_cov", "M_ctx", "D"):
         df[k] = np.asarray(dev[k].transpose("layer", "head").values).ravel()
     for i in (0, 1):

@@ -36,8 +36,9 @@ def teacher_forced_table(adapter, setup: RolloutSetup) -> pd.DataFrame:
     L = adapter.n_layers
     zbar_eval = _nan0(setup.ev.zbar().values)
     pred, meas = R.teacher_forced_attention(adapter, setup.P, setup.stats_centroids[:L], setup.bos, zbar_eval)
-    return pd.DataFrame(score_rows(pred, meas, setup.types, range(L), L, per_block=True,
-                                    model=setup.meta["model"], revision=setup.meta["revision"]))
+    return _with_kinds(pd.DataFrame(score_rows(pred, meas, setup.types, range(L), L, per_block=True,
+                                               model=setup.meta["model"], revision=setup.meta["revision"])),
+                       getattr(adapter, "layer_kinds", ()))
 
 
 def pass2_value_terms(setup: RolloutSetup, deviation) -> tuple[np.ndarray, np.ndarray]:
@@ -80,7 +81,7 @@ def error_decomposition_table(adapter, setup: RolloutSetup, deviation=None) -> p
         rows += score_rows(out[k], setup.truth[1:], setup.types, range(L), L, per_block=True,
                             model=setup.meta["model"], revision=setup.meta["revision"], estimator=k,
                             label=labels[k])
-    return pd.DataFrame(rows)
+    return _with_kinds(pd.DataFrame(rows), getattr(adapter, "layer_kinds", ()))
 
 
 def mlp_gap_table(adapter, store: MeanFieldStats, min_count: int = 1) -> pd.DataFrame:
@@ -91,7 +92,7 @@ def mlp_gap_table(adapter, store: MeanFieldStats, min_count: int = 1) -> pd.Data
     check_model(adapter, store)
     L = adapter.n_layers
     g = store.mlp_gap()
-    m_in = D.mlp_input_means(adapter, store.centroids().values, g["m"].values)
+    m_in = D.mlp_input_means(adapter, store.centroids().values, g["m"].values, g["mlp_out"].values)
     types = store_types(store, min_count)
     sc = D.mlp_gap(adapter, _nan0(m_in), _nan0(g["mlp_out"].values), types=types)
     df = pd.DataFrame({"layer": np.arange(L), "frac_depth": (np.arange(L) + 1) / L,
@@ -100,7 +101,16 @@ def mlp_gap_table(adapter, store: MeanFieldStats, min_count: int = 1) -> pd.Data
     return _label(df, store)
 
 
+def _with_kinds(df: pd.DataFrame, kinds) -> pd.DataFrame:
+    """A hybrid's per-layer table names each layer's kind beside it (its other mixer's rows have no attention
+    reading: NaN); a table of attention layers only stays as it was."""
+    if "layer" in df.columns and any(k != "attention" for k in kinds):
+        df.insert(int(df.columns.get_loc("layer")) + 1, "layer_kind", [kinds[int(l)] for l in df["layer"]])
+    return df
+
+
 def _label(df: pd.DataFrame, store: MeanFieldStats) -> pd.DataFrame:
+    _with_kinds(df, getattr(store, "layer_kinds", ()))
     df.insert(0, "half", store.attrs.get("half"))
     df.insert(0, "revision", store.attrs.get("revision"))
     df.insert(0, "model", store.attrs.get("model"))
@@ -161,12 +171,13 @@ def attention_coverage(stores: Sequence, expect: Mapping[str, Any] | None = None
         st = open_checked_stats(s, expect)
         ok = st.query_count().values > 0
         tr = po = ot = 0.0
-        for l in range(st.n_layers):
+        A = getattr(st, "attention_layers", range(st.n_layers))  # a hybrid's other layers have no P
+        for l in A:
             P = st.P(layer=l).values.astype(np.float64)[:, ok]  # [H, n, K]
             tr += P[..., : st.n].sum(-1).mean()
             po += P[..., st.bos_bucket].mean()
             ot += P[..., st.other_bucket].mean()
-        tr, po, ot = tr / st.n_layers, po / st.n_layers, ot / st.n_layers
+        tr, po, ot = tr / len(A), po / len(A), ot / len(A)
         a = st.attrs
         rows.append({"model": a.get("model"), "revision": a.get("revision"), "corpus": a.get("corpus"),
                      "half": a.get("half"), "n_tracked": st.n, "tracked": tr, "position0": po, "other": ot,

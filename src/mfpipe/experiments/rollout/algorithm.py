@@ -35,6 +35,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mfpipe.models.adapters.forms import side_branch
+from mfpipe.models.adapters.hybrid import mixer_block
+
 __all__ = [
     "bos_residuals",
     "context_free_residuals",
@@ -143,9 +146,15 @@ def head_reads(adapter, layer: int, kernel_l, c: Tensor, b: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def attention_output(adapter, layer: int, reads: Tensor, bias: bool = True, post_norm: bool = False) -> Tensor:
+def attention_output(adapter, layer: int, reads: Tensor, bias: bool = True, post_norm: bool = False,
+                     at: Tensor | None = None) -> Tensor:
     """``sum_h reads[:, h] @ W_O^h`` (+ the output-projection bias once; + the post-attention norm where the
-    architecture has one if ``post_norm``): ``reads [N, H, dh]`` -> ``[N, d]``."""
+    architecture has one if ``post_norm``): ``reads [N, H, dh]`` -> ``[N, d]``. Where the attention has an output gate
+    (Qwen3-Next: :mod:`mfpipe.models.adapters.gate`), each row's read enters times the gate of its query's residual
+    ``at [N, d]`` (the centroid the read is of), as the model gates a position's read by its own residual."""
+    gate = getattr(adapter, "read_gate", None)
+    g = None if gate is None or at is None else gate(layer, at)
+    reads = reads if g is None else reads.float() * g.to(reads.device)
     W = adapter.out_proj_slices(layer).float().to(reads.device)  # [H, dh, d]
     a = torch.einsum("shd,hdD->sD", reads.float(), W)
     if bias:
@@ -162,7 +171,9 @@ def block_update(adapter, layer: int, c: Tensor, reads: Tensor) -> Tensor:
     """One block at the centroids ``c [N, d]`` given the per-head reads ``[N, H, dh]``: output projection +
     bias, post-attention norm (Gemma-2 / OLMo-2), residual add, then the MLP once at the centroid (on the
     post-attention residual, or on the block input for GPT-NeoX parallel residual). Returns ``[N, d]``."""
-    a = attention_output(adapter, layer, reads, bias=True, post_norm=True)
+    a = attention_output(adapter, layer, reads, bias=True, post_norm=True, at=c)  # an output gate: the centroid's
+    side = side_branch(adapter, layer, c[:, None])  # a mixer beside the attention (Falcon-H1): on each centroid as a
+    a = a if side is None else a + side[:, 0]  # sequence of one position, as hybrid.mixer_block runs a mixer block
     if adapter.parallel_residual:
         return c + a + adapter.mlp(layer, c).float()
     m = c + a
@@ -225,8 +236,12 @@ def rollout(
     c = _pin(c, dims, vals, 0)
     out = [c]
     for layer in range(L):
-        reads = head_reads(adapter, layer, np.asarray(kernel[layer]), c, b_all[layer])
-        c = _pin(block_update(adapter, layer, c, reads), dims, vals, layer + 1)
+        if layer in adapter.attention_layers:
+            reads = head_reads(adapter, layer, np.asarray(kernel[layer]), c, b_all[layer])
+            c = block_update(adapter, layer, c, reads)
+        else:  # a hybrid's block of another mixer: the model's own block on each centroid (mixer_block says why)
+            c = mixer_block(adapter, layer, c)
+        c = _pin(c, dims, vals, layer + 1)
         out.append(c)
     return _np(torch.stack(out))
 
@@ -249,11 +264,15 @@ def teacher_forced_attention(adapter, kernel, centroids, bos_resid, zbar) -> tup
     b_all = _t(adapter, _bos_for(adapter, bos_resid))
     pred, meas = [], []
     for layer in range(L):
+        if layer not in adapter.attention_layers:  # a hybrid's other mixer: no attention output (NaN rows)
+            pred.append(torch.full((n, adapter.d_model), float("nan"), device=adapter.device))
+            meas.append(pred[-1])
+            continue
         c = _t(adapter, centroids[layer])
         zhat = head_reads(adapter, layer, np.asarray(kernel[layer]), c, b_all[layer])
         zb = _t(adapter, zbar[layer]).transpose(0, 1)  # [N, H, dh]
-        pred.append(attention_output(adapter, layer, zhat, bias=False))
-        meas.append(attention_output(adapter, layer, zb, bias=False))
+        pred.append(attention_output(adapter, layer, zhat, bias=False, at=c))  # an output gate: the true centroid's
+        meas.append(attention_output(adapter, layer, zb, bias=False, at=c))
     return _np(torch.stack(pred)), _np(torch.stack(meas))
 
 
@@ -295,6 +314,10 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu, vbar=None, s
     b_all = _t(adapter, _bos_for(adapter, bos_resid))
     out: dict[str, list[Tensor]] = {"a": [], "b": [], "c": []}
     for layer in range(L):
+        if layer not in adapter.attention_layers:  # a hybrid's other mixer: no attention estimator (NaN rows)
+            for v in out.values():
+                v.append(torch.full((n, adapter.d_model), float("nan"), device=adapter.device))
+            continue
         c = _t(adapter, centroids[layer])
         K = _t(adapter, np.asarray(P[layer]))
         keys = torch.cat([c, b_all[layer][None], c.mean(0, keepdim=True)], dim=0)

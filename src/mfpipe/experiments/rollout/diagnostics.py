@@ -122,6 +122,10 @@ def value_jensen_gap(adapter, norm_mean, centroids) -> dict[str, np.ndarray]:
     rel, dirn = [], []
     for layer in range(L):
         c = torch.as_tensor(_f64(centroids[layer]), dtype=torch.float32, device=adapter.device)
+        if layer not in getattr(adapter, "attention_layers", range(L)):  # a hybrid's other block: no norm, NaN
+            rel.append(np.full(c.shape[0], np.nan))
+            dirn.append(rel[-1])
+            continue
         lc = adapter.attn_input_norm(layer, c).double().cpu().numpy()
         r, d = _gap(nm[layer], lc)
         rel.append(r)
@@ -141,6 +145,10 @@ def value_jensen_gap_mu(adapter, mu, centroids) -> dict[str, np.ndarray]:
     for layer in range(L):
         c = _f64(centroids[layer])
         n = c.shape[0]
+        if layer not in getattr(adapter, "attention_layers", range(L)):  # a hybrid's other block: no values, NaN
+            rel.append(np.full((M.shape[1], n), np.nan))
+            dirn.append(rel[-1])
+            continue
         v = adapter.value_map(layer, torch.as_tensor(c, dtype=torch.float32, device=adapter.device))
         v = v.double().cpu().numpy().transpose(1, 0, 2)  # [H, N, dh]
         r, d = _gap(M[layer][:, :n], v)
@@ -170,13 +178,17 @@ def anisotropy(centroids) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------------------- App. K
-def mlp_input_means(adapter, centroids, resid_mid_mean=None) -> np.ndarray:
+def mlp_input_means(adapter, centroids, resid_mid_mean=None, mlp_out_mean=None) -> np.ndarray:
     """``[L, N, d]`` mean of the residual each layer's MLP branch reads: the post-attention residual
     ``resid_mid`` for sequential blocks (``resid_mid_mean``, e.g. ``resid_mid_sum / n``), the block input
-    ``c^l`` for GPT-NeoX parallel residual."""
+    ``c^l`` for GPT-NeoX parallel residual; where a mixer beside the attention adds a branch of its own (Falcon-H1:
+    ``resid_mid`` is the heads' alone), the next block's input less the MLP branch (``centroids [L+1, N, d]``,
+    ``mlp_out_mean [L, N, d]``)."""
     L = adapter.n_layers
     if adapter.parallel_residual:
         return _f64(centroids)[:L]
+    if getattr(getattr(adapter, "structure", None), "side_mixer", None) and mlp_out_mean is not None:
+        return _f64(centroids)[1:L + 1] - _f64(mlp_out_mean)[:L]
     if resid_mid_mean is None:
         raise ValueError("sequential blocks need resid_mid_mean (the mean post-attention residual)")
     return _f64(resid_mid_mean)[:L]
@@ -197,6 +209,9 @@ def mlp_gap(adapter, mlp_in_mean, mlp_out_mean, types=None) -> dict[str, np.ndar
     L = m_in.shape[0]
     at = []
     for layer in range(L):
+        if layer not in getattr(adapter, "attention_layers", range(L)):  # a hybrid's other block: no MLP branch read
+            at.append(np.full(m_in[layer].shape, np.nan))
+            continue
         x = torch.as_tensor(m_in[layer], dtype=torch.float32, device=adapter.device)
         at.append(adapter.mlp(layer, x).double().cpu().numpy())
     at_mean = np.stack(at)

@@ -37,6 +37,8 @@ import torch
 
 from mfpipe.experiments.rollout import algorithm as R
 from mfpipe.experiments.rollout import metrics as M
+from mfpipe.models.adapters.forms import side_branch
+from mfpipe.models.adapters.hybrid import mixer_block
 from mfpipe.models.adapters.mlp_units import NoUnitDecomposition, mlp_units
 
 __all__ = ["DEFAULT_ALPHAS", "block_stages", "trajectories", "step_table", "curvature_table", "unit_table",
@@ -67,10 +69,14 @@ def block_stages(adapter, layer: int, kernel_l, bos_l, x: torch.Tensor) -> tuple
                                                                                   torch.Tensor]:
     """The mean-field block at ``x [N, d]``: ``(mid, mlp_in, out)`` with ``mid = x + a(x)`` (the attention update),
     ``mlp_in`` what the MLP reads (``mid``; ``x`` for a parallel-residual block) and ``out = F_l(x)``, equal to
-    :func:`~mfpipe.experiments.rollout.algorithm.block_update` bit for bit."""
+    :func:`~mfpipe.experiments.rollout.algorithm.block_update` bit for bit; a hybrid's block of another mixer is the
+    model's own on each row (no attention update: ``mid = mlp_in = x``; ``out`` as the rollout takes it)."""
+    if layer not in adapter.attention_layers:
+        return x, x, mixer_block(adapter, layer, x)
     reads = R.head_reads(adapter, layer, kernel_l, x, bos_l)
-    a = R.attention_output(adapter, layer, reads, bias=True, post_norm=True)
-    mid = x + a
+    a = R.attention_output(adapter, layer, reads, bias=True, post_norm=True, at=x)  # as block_update: x's gate
+    side = side_branch(adapter, layer, x[:, None])  # as block_update: a mixer beside the attention (Falcon-H1)
+    mid = x + (a if side is None else a + side[:, 0])
     mlp_in = x if adapter.parallel_residual else mid
     return mid, mlp_in, mid + adapter.mlp(layer, mlp_in).float()
 
@@ -103,7 +109,8 @@ def step_table(adapter, kernel, bos, rolled, true, types) -> pd.DataFrame:
         e_in, e_mid, e_out = _norm(xh - x, S), _norm(mh - m, S), _norm(oh - o, S)
         scale = _norm(x, S)
         nxt = _norm(_t(adapter, rolled[layer + 1]) - _t(adapter, true[layer + 1]), S)
-        rows.append({"layer": layer, "frac_depth": (layer + 1) / L, "err_in": e_in, "err_in_rel": e_in / scale,
+        rows.append({"layer": layer, "layer_kind": adapter.layer_kinds[layer], "frac_depth": (layer + 1) / L,
+                     "err_in": e_in, "err_in_rel": e_in / scale,
                      "err_out": e_out, "amp_attention": _ratio(e_mid, e_in, scale),
                      "amp_mlp": _ratio(e_out, e_mid, scale), "amp_block": _ratio(e_out, e_in, scale),
                      "persist": _ratio(nxt, e_in, scale),

@@ -66,12 +66,13 @@ def center(x) -> np.ndarray:
 
 
 def per_type_cosine(pred, true) -> np.ndarray:
-    """``[..., N]`` cosine between each type's centred prediction and centred truth (0 for a zero vector)."""
+    """``[..., N]`` cosine between each type's centred prediction and centred truth (0 for a zero vector; NaN where
+    either cloud has NaN: a hybrid's layer of another mixer has no attention output to score, not a cosine of 0)."""
     p, t = _pair(pred, true)
     p, t = center(p), center(t)
     num = (p * t).sum(-1)
     den = np.linalg.norm(p, axis=-1) * np.linalg.norm(t, axis=-1)
-    return np.where(den > _EPS, num / np.maximum(den, _EPS), 0.0)
+    return np.where(den > _EPS, num / np.maximum(den, _EPS), np.where(np.isnan(den), np.nan, 0.0))
 
 
 def centered_cosine(pred, true) -> float:

@@ -219,7 +219,11 @@ def matrix_markdown(summary: pd.DataFrame, metric: str = "cosine", title: str | 
 
 def wide_markdown(df: pd.DataFrame, index: str, columns: Sequence[str], title: str | None = None,
                   digits: int = 3) -> str:
-    """A simple Markdown table of ``df[[index, *columns]]`` (floats to ``digits``)."""
+    """A simple Markdown table of ``df[[index, *columns]]`` (floats to ``digits``); a hybrid's ``layer_kind`` follows
+    its ``layer`` (which layers have no attention reading)."""
+    columns = list(columns)
+    if "layer_kind" in df and "layer_kind" not in columns and "layer" in (index, *columns):
+        columns.insert(columns.index("layer") + 1 if "layer" in columns else 0, "layer_kind")
     lines = [f"**{title}**", ""] if title else []
     lines += ["| " + " | ".join([index, *columns]) + " |", "|" + "|".join("---" for _ in range(len(columns) + 1)) + "|"]
     for _, r in df.iterrows():
@@ -232,8 +236,10 @@ def wide_markdown(df: pd.DataFrame, index: str, columns: Sequence[str], title: s
 
 
 def long_to_wide(df: pd.DataFrame, key: str, by: str | None = None) -> pd.DataFrame:
-    """``metric``/``value`` long rows -> one column per metric (``by`` columns kept)."""
-    idx = [c for c in (by, key, "frac_depth") if c]
+    """``metric``/``value`` long rows -> one column per metric (``by`` columns kept, and a hybrid's ``layer_kind``
+    with its rows of no reading: all NaN, which the pivot alone would drop)."""
+    idx = [c for c in (by, key, "layer_kind" if "layer_kind" in df else None, "frac_depth") if c]
     w = df.pivot_table(index=idx, columns="metric", values="value", sort=False).reset_index()
+    w = df[idx].drop_duplicates().merge(w, on=idx, how="left")  # every row, in the table's order
     w.columns.name = None
     return w[[*idx, *[m for m in M.METRICS if m in w.columns]]]

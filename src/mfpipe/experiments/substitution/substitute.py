@@ -6,7 +6,8 @@ Per batch of held-out windows (the ``eval`` half, disjoint from the statistics h
 1. ẑ for every layer from the window's token types alone (:func:`mfpipe.meanfield.ccmf.ccmf_reads`);
 2. the clean forward (:meth:`Adapter.run`, reads selected, loss): ``L_model`` per prediction, and per
    substituted position and head ``1 - cos(z, ẑ)`` (D of eq:dmf / eq:deviation, on the model's own reads, in
-   residual-stream units: :func:`mfpipe.meanfield.deviation.deviation_cosine`, the one definition pass 2 uses too);
+   residual-stream units: :func:`mfpipe.meanfield.deviation.deviation_cosine`, the one definition pass 2 uses too;
+   on a gated attention of the reads and ẑ times the query's own gate, as pass 2's: ``gate_head_major``);
 3. the substituted forward: at every layer, the read of every head at every substituted position (tracked
    query type with a valid Â row, :mod:`mfpipe.meanfield.ccmf`) is replaced by ẑ at the output projection's input,
    through the same adapter site that reads the statistics (before the post-attention norm on Gemma-2 and
@@ -27,6 +28,7 @@ import torch
 
 from mfpipe.meanfield.deviation import deviation_cosine
 from mfpipe.meanfield.kernel import MeanFieldKernel, Replacement, mean_field_replacement
+from mfpipe.models.adapters.gate import has_gate
 
 __all__ = ["SubstitutionSums", "substitution_batch", "substitution_pass", "result_dataset", "substitution_result"]
 
@@ -95,11 +97,19 @@ def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Re
     grams = kernel.grams(adapter)
 
     def on_layer(cap):
-        d = deviation_cosine(cap.reads, zhat[cap.layer], grams[cap.layer]) * sub_d[:, :, None]  # [B,T,H]
+        if cap.reads is None:  # a hybrid's layer of another mixer: no reads (its head deviation stays NaN)
+            head_dev[cap.layer] = float("nan")
+            return
+        z, zh = cap.reads, zhat[cap.layer]
+        if cap.resid_in is not None:  # a gated attention: D of the gated reads (meanfield.deviation.gate_head_major)
+            g = adapter.read_gate(cap.layer, cap.resid_in)
+            z, zh = z * g, zh * g
+        d = deviation_cosine(z, zh, grams[cap.layer]) * sub_d[:, :, None]  # [B,T,H]
         head_dev[cap.layer] = d.sum((0, 1)).cpu()
         pos_dev.add_(d.sum(-1).cpu())
 
-    clean = adapter.run(ids, select=("reads",), on_layer=on_layer, loss=True)
+    clean = adapter.run(ids, select=("reads", "resid_in") if has_gate(adapter) else ("reads",), on_layer=on_layer,
+                        loss=True)
 
     def patch(layer, reads):
         return replacement(layer, reads, zhat[layer], sub_d)
@@ -109,7 +119,7 @@ def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Re
     tl_mf = patched.token_loss.double().cpu()
     # the prediction made at position i (of token i+1) is substituted when position i is
     sub_pred = sub[:, :-1].cpu()
-    pos_dev = pos_dev / (L * H)
+    pos_dev = pos_dev / (len(getattr(adapter, "attention_layers", range(L))) * H)  # over the heads of attention
     s = SubstitutionSums(L, H)
     s.n_windows = B
     s.n_predictions = B * (T - 1)

@@ -11,9 +11,18 @@
 * ``probe.py`` — the probe forward of :func:`describe`: one forward of three tokens whose tensors decide what names and
   shapes cannot (the norms' roles, the residual form, the MLP chain and how it is called, the value layout among every
   chunked one, the final norm among several, the embedding's scale and position rows, the logits' scale).
+* ``residual.py`` — how a block's branches join the residual where not as the modules return them (the residual added
+  inside the attention and the MLP: BLOOM, MPT; a branch scale: MiniCPM-3), an absolute position table as a tensor
+  (a learned or a sinusoidal one) and how the MLP is called (on ``[B, T, d]`` where a mixture of experts needs it), for
+  the probe.
 * ``latent.py`` — latent attention (DeepSeek-V2/V3's MLA): the value source that reads a norm of a slice of another
   projection, found in the probe forward (:func:`~mfpipe.models.adapters.latent.latent_sources`) and run as the
   attention runs it by the value map (:func:`~mfpipe.models.adapters.latent.latent_input`).
+* ``gate.py`` — an output gate between the heads' reads and the output projection (Qwen3-Next's, Qwen3.5's, LFM-3's,
+  Ling's: the reads times a sigmoid of a slice of a projection of the attention's input), found by the probe
+  (:func:`~mfpipe.models.adapters.gate.gated_layout`); the reads stay probabilities x values, the gate is on the path
+  from a read to the residual (the site writes a replaced read through the model's own gate; the rollout takes the
+  gate of each centroid: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`).
 * ``jacobian.py`` — :func:`~mfpipe.models.adapters.jacobian.position_jacobians`: same-position Jacobians of the final
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its
@@ -28,9 +37,23 @@
   block's parameters read from the checkpoint's safetensors files before its forward and dropped after it, or while
   :func:`~mfpipe.models.adapters.streaming.held` (the block pieces above hold their block), for a model whose weights
   exceed the memory (:mod:`mfpipe.models.streamed` loads it).
+* ``hybrid.py`` — a hybrid's blocks of another mixer than attention (Mamba, a gated delta-net, a recurrent block:
+  :attr:`Structure.layer_kinds`, which :func:`describe` finds by the blocks' modules) as the model runs them, on rows
+  as sequences of one position (:func:`~mfpipe.models.adapters.hybrid.mixer_block`), for the rollout.
+* ``forms.py`` — block forms beyond one attention and one MLP: a block without an MLP (Nemotron-H's attention
+  blocks), a mixer beside the attention whose branch joins the heads' (Falcon-H1's Mamba:
+  :func:`~mfpipe.models.adapters.forms.side_branch`), a block the forward skips on text-only input, carried as the
+  identity (Mllama's cross-attention layers: :func:`~mfpipe.models.adapters.forms.skipped_capture`), the attention
+  and its norms in one module with its values clamped (DBRX's), and the refusals of forms mfpipe does not read.
 * ``composite.py`` — :func:`~mfpipe.models.adapters.composite.language_model`: a multimodal composite (Gemma-3's
   conditional-generation model) as the text-only causal LM of its language model, on the composite's own modules
   (the loader and :func:`get_adapter` place a composite through it, on text-only input).
+* ``linears.py`` — an attention's projections by path, a linear wrapped in a module of its own included (Moshi's
+  ``o_proj.linear``), for the structure and the probe.
+* ``unplaced.py`` — :func:`~mfpipe.models.adapters.unplaced.explain`: a refusal of :func:`describe` worded by what
+  the model's forward shows stands between its heads and their reads (differential attention, a norm or a gate on
+  the reads, a value scale, a sink's factor, heads routed per token) or its residual stream (several streams, a
+  post-norm, a residual scaled by the block), for the census.
 * ``architectures.py`` — :func:`get_adapter` (the types the test suite checks against brute-force references on
   every commit are ``mfpipe.models.tiny.VERIFIED_MODEL_TYPES``; others that :func:`describe` places are checked
   with ``mfpipe conformance`` first).

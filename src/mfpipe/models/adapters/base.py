@@ -1,37 +1,29 @@
 """The adapter base class: module paths, shapes and the block pieces of one loaded HF causal LM.
 
-An :class:`Adapter` wraps an already-loaded ``transformers`` causal LM (eager attention, eval mode) and
-offers two things:
+An :class:`Adapter` wraps a loaded ``transformers`` causal LM (eager attention, eval mode) and offers two things:
 
 1. The read/patch site (:class:`~mfpipe.models.adapters.site.TracedSite`, mixed in): ``run`` — ONE nnsight-traced
-   forward pass that hands the selected :class:`LayerCapture` fields of each layer (residual stream in, attention
-   probabilities, per-head values and reads, attention / MLP branch outputs) to a callback *while the forward is
-   running*, can replace every head's read at the output projection's input and that projection's output
+   forward pass that hands the selected :class:`LayerCapture` fields of each layer to a callback *while the forward
+   is running*, can replace every head's read at the output projection's input and that projection's output
    (``patch_out``), and can return the logits and the next-token loss; ``capture`` — all fields, no LM head.
 2. Block pieces (``embed``, ``position_table`` / ``position_offset``, ``attn_input_norm``, ``value_map`` /
    ``value_weights``, ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure
    functions of tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
    rollout (paper Alg. 1, App. E); ``unembed`` (final norm + LM head) for the logit lens of App. P.
 
-Where a model keeps its pieces is its :class:`~mfpipe.models.adapters.structure.Structure` (``structure.py``: found
-by what the modules are and do, not by ``model_type``); ``architectures.py`` builds the adapter from it.
+A model's pieces are where its :class:`~mfpipe.models.adapters.structure.Structure` says (found by what they do).
 
 Conventions shared by all adapters
 ----------------------------------
-* Heads: ``H = n_heads`` query heads whose values and reads are ``d_head`` wide (latent attention's ``v_head_dim``,
-  not its query/key width). Grouped-query KV heads are expanded to query heads exactly as HF's ``repeat_kv`` does:
-  query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
-* ``reads[..., h, :]`` is head ``h``'s slice of the input of the output projection (``c_proj`` / ``dense`` /
-  ``o_proj``), i.e. ``sum_j probs[h, i, j] * values[h, j]``; and ``sum_h reads_h @ out_proj_slices(l)[h] +
-  out_proj_bias(l)`` is the output projection's output.
-* ``attn_out`` is what the attention branch adds to the residual stream: the output projection's output for GPT-2 /
-  GPT-NeoX / Llama / Qwen-3, ``post_attention_layernorm(o_proj(...))`` for Gemma-2 / OLMo-2; ``resid_mid = resid_in +
-  attn_out``.
-* ``mlp_out`` is what the MLP branch adds to the residual stream, after the post-feedforward norm where present. For
-  sequential blocks ``resid_in[l+1] = resid_mid + mlp_out``; for GPT-NeoX with ``use_parallel_residual`` the MLP reads
-  the block input: ``resid_in[l+1] = resid_in + attn_out + mlp_out`` with ``mlp_out = mlp(l, resid_in)``.
-  :meth:`Adapter.mlp` takes the residual stream the MLP branch reads (``resid_mid`` for sequential blocks,
-  ``resid_in`` for parallel ones) and applies the branch's own pre-/post-norms.
+* Heads: ``H = n_heads`` query heads whose values and reads are ``d_head`` wide (latent attention's ``v_head_dim``);
+  grouped-query KV heads expanded as HF's ``repeat_kv`` does: query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
+* ``reads[..., h, :]``, head ``h``'s read, is ``sum_j probs[h, i, j] * values[h, j]``; the attention branch before any
+  post-norm is ``sum_h (reads_h * g_h) @ out_proj_slices(l)[h] + out_proj_bias(l)``, ``g_h`` 1 or an output gate of
+  the query's residual (``read_gate(l, resid_in)``: Qwen3-Next's, :mod:`~mfpipe.models.adapters.gate`).
+* ``attn_out`` / ``mlp_out`` are what the attention / MLP branch adds to the residual stream (after a post-norm, times
+  a branch scale, where present; ``resid_mid = resid_in + attn_out``). Sequential blocks: ``resid_in[l+1] = resid_mid
+  + mlp_out``; parallel ones (GPT-NeoX): ``resid_in[l+1] = resid_in + attn_out + mlp(l, resid_in)``.
+  :meth:`Adapter.mlp` takes the residual stream the MLP branch reads (``resid_mid`` or ``resid_in``).
 """
 
 from __future__ import annotations
@@ -42,8 +34,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.forms import clipped
+from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.latent import latent_input
 from mfpipe.models.adapters.probe import chunk_index
+from mfpipe.models.adapters.residual import table_rows
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
 from mfpipe.models.adapters.streaming import holds_block
 from mfpipe.models.adapters.structure import Structure, base_model
@@ -64,12 +59,11 @@ class NormForm:
     shift: Tensor | None = None
 
 
-def _identity(x: Tensor) -> Tensor:
-    return x
+_identity = nn.Identity()  # an absent norm
 
 
-def no_grad(fn):
-    return torch.no_grad()(fn)  # torch's decorator: each call runs without autograd
+def no_grad(fn):  # torch's decorator: each call runs without autograd
+    return torch.no_grad()(fn)
 
 
 def block_piece(fn):
@@ -81,11 +75,9 @@ class Adapter(TracedSite):
     """Architecture adapter for one loaded HF causal LM. Build it with :func:`get_adapter`, which places the model by
     structure (:func:`~mfpipe.models.adapters.structure.describe`).
 
-    Attributes: ``model`` (the HF model given), ``base`` (its decoder stack, ``model.base_model``:
-    ``GPT2Model`` / ``GPTNeoXModel`` / ``LlamaModel`` ...), ``config``, ``structure`` and the shape fields below.
-    The module paths (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base model, the rest from one block) are the
-    structure's; the value layouts (fused or separate, nn.Linear or GPT-2's Conv1D, latent) are handled here.
-    """
+    Attributes: ``model`` (the HF model given), ``base`` (its decoder stack, ``model.base_model``), ``config``,
+    ``structure`` and the shape fields below. The module paths (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base
+    model, the rest from one block) are the structure's; the value layouts (fused or not, Conv1D, latent) are here."""
 
     def __init__(self, model: nn.Module, structure: Structure):
         self.model = model
@@ -108,21 +100,21 @@ class Adapter(TracedSite):
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         self._layer_modules = module_at(self.base, self.LAYERS)
         if len(self._layer_modules) != self.n_layers:
-            raise ValueError(f"{self.model_type}: config says {self.n_layers} layers, model has "
-                             f"{len(self._layer_modules)}")
+            raise ValueError(f"{self.model_type}: config says {self.n_layers} layers, has {len(self._layer_modules)}")
+        self.layer_kinds, self.attention_layers, self.hybrid = layer_kinds(s, self.n_layers)  # pieces: attention only
         # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
         self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
         self._v_index = None  # "chunked": the values' positions among the source's outputs
         if s.value_layout == "chunked":
-            src = self._sub(0, self.V_SRC)
+            src = self._sub(self.attention_layers[0], self.V_SRC)
             width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
             self._v_index = chunk_index(int(width), self.n_kv_heads * self.d_head, s.value_chunks, s.value_offset)
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:
-        return (f"Adapter(model_type={self.model_type!r}, n_layers={self.n_layers}, n_heads={self.n_heads}, "
-                f"n_kv_heads={self.n_kv_heads}, d_model={self.d_model}, d_head={self.d_head}, "
-                f"parallel_residual={self.parallel_residual}, has_post_attn_norm={self.has_post_attn_norm})")
+        return (f"Adapter(model_type={self.model_type!r}, n_layers={self.n_layers}, n_heads={self.n_heads}, n_kv_heads="
+                f"{self.n_kv_heads}, d_model={self.d_model}, d_head={self.d_head}, parallel_residual="
+                f"{self.parallel_residual}, has_post_attn_norm={self.has_post_attn_norm})")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -145,6 +137,7 @@ class Adapter(TracedSite):
         return self._layer_modules[layer]
 
     def _sub(self, layer: int, path: str) -> nn.Module:
+        check_attention(self, layer, path)  # a hybrid's block of another mixer has none of the pieces
         return module_at(self._layer_modules[layer], path)
 
     def _opt_module(self, layer: int, path: str | None) -> Callable[[Tensor], Tensor]:
@@ -162,7 +155,7 @@ class Adapter(TracedSite):
 
     def _values_from_src(self, src_out: Tensor) -> Tensor:
         """[B,T,*] output of ``V_SRC`` (latent attention's: [B,1,T,*]) -> values [B,H,T,dh] (GQA expanded)."""
-        B, T = src_out.shape[0], src_out.shape[-2]
+        B, T, src_out = src_out.shape[0], src_out.shape[-2], clipped(self.structure, src_out)  # DBRX's clip_qkv
         if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
             qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
             return qkv[..., 2 * self.d_head :]
@@ -187,22 +180,21 @@ class Adapter(TracedSite):
 
     @no_grad
     def position_table(self) -> Tensor | None:
-        """The learned absolute position table ``W_pos [n_positions, d]`` (row p: position p), or None where positions
-        are not a learned table added to the embedding (rotary)."""
+        """The absolute position table ``W_pos [n_positions, d]`` (row p: position p; GPT-2's learned, XGLM's and CTRL's
+        sinusoidal), or None where positions are not a table added to the embedding (rotary)."""
         if self.structure.position_table is None:
-            return None
-        # position p's row is p + position_row_offset (OPT's table starts at row 2)
-        return module_at(self.base, self.structure.position_table).weight.detach()[self.structure.position_row_offset:]
+            return None  # below: position p's row is p + position_row_offset (OPT's table starts at row 2)
+        table = table_rows(module_at(self.base, self.structure.position_table))
+        return table.detach()[self.structure.position_row_offset:]
 
     def position_offset(self, context_length: int | None = None, position_count=None) -> Tensor | None:
-        """Mean learned positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1`` (position 0
-        holds BOS, never a query, so its row is left out), or None without a learned table (rotary).
+        """Mean positional embedding ``[d]`` over the positions tracked queries occupy: ``1..T-1`` (position 0 holds
+        BOS, never a query: left out), or None without a table (rotary).
 
-        A type's true layer-0 centroid is its embedding plus the mean of the table over ITS occurrences; one offset
-        shared by all types comes closest to those (occurrence-weighted squared error) when it is the mean over all
-        tracked-query occurrences, i.e. the table weighted by ``position_count [T]`` (the statistics half's
-        tracked-query count per position; 0 at position 0). Without it: uniform over ``1..T-1``, which is what packed
-        full windows give. ``context_length`` T defaults to ``len(position_count)``, else to the whole table."""
+        A type's true layer-0 centroid is its embedding plus the table's mean over ITS occurrences; one offset for all
+        types comes closest to those (occurrence-weighted squared error) as the table weighted by ``position_count
+        [T]`` (the statistics half's tracked-query count per position); without it uniform over ``1..T-1`` (packed
+        full windows). ``context_length`` T defaults to ``len(position_count)``, else to the whole table."""
         wpe = self.position_table()
         if wpe is None:
             return None
@@ -228,12 +220,11 @@ class Adapter(TracedSite):
     @holds_block
     def attn_input_norm_form(self, layer: int) -> NormForm | None:
         """:meth:`attn_input_norm` as a :class:`NormForm` (its weights, no copies), or None where it has none the
-        statistics pass can use: a norm module of another kind, or a model that is not float32 (its norm rounds its
-        output to the model's dtype; a form's sums would not). nn.LayerNorm -> ``layer``; an RMS norm with
-        ``variance_epsilon`` (or ``eps``) and a ``weight`` it multiplies by (Llama, Qwen-3), or by ``1 + weight`` (the
-        Gemma family: the structure's ``rms_offset``) -> ``rms``; none (OLMo-2) -> ``identity``. The statistics pass
-        also checks the form against the module on a probe before it uses it."""
-        if self.dtype != torch.float32:
+        statistics pass can use: a norm of another kind, or a model not float32 (its norm rounds to its dtype; a form's
+        sums would not). nn.LayerNorm -> ``layer``; an RMS norm with ``variance_epsilon`` (or ``eps``) and a
+        ``weight`` it multiplies by, or by ``1 + weight`` (the Gemma family: ``rms_offset``) -> ``rms``; none (OLMo-2)
+        -> ``identity``. The statistics pass checks the form against the module on a probe before it uses it."""
+        if self.dtype != torch.float32 or self.hybrid:  # a hybrid's other layers have no attention-input norm
             return None
         if self.ATTN_NORM is None:
             return NormForm("identity")
@@ -276,16 +267,16 @@ class Adapter(TracedSite):
             v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
         else:
             v = src(h)
-        return self._expand_kv(v.unflatten(-1, (KV, dh)), -2).to(x.dtype)
+        return self._expand_kv(clipped(self.structure, v).unflatten(-1, (KV, dh)), -2).to(x.dtype)
 
     @block_piece
     def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
         """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
-        output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded to
-        query heads), so that ``value_map(layer, x)`` is that map of the norm. Being affine, it maps a sum of ``h``
-        over n positions to the sum of their values: ``sum v = (sum h) @ W + n b`` (the statistics pass derives its
-        per-head value sums from the norm's sums this way). None for latent attention: a norm sits between."""
-        if self.structure.latent_proj is not None:
+        output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded),
+        ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
+        values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so). None for latent attention (a
+        norm sits between), a hybrid and clamped values (DBRX's): the pass then sums the values as read."""
+        if self.structure.latent_proj is not None or self.hybrid or self.structure.value_clip is not None:
             return None
         src = self._sub(layer, self.V_SRC)
         H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
@@ -308,7 +299,11 @@ class Adapter(TracedSite):
 
     @block_piece
     def out_proj_slices(self, layer: int) -> Tensor:
-        """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection."""
+        """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection (NaN at a
+        hybrid's layer of another mixer: it has none, and what is made of it is NaN, as its statistics are)."""
+        if layer not in self.attention_layers:
+            return torch.full((self.n_heads, self.d_head, self.d_model), float("nan"), dtype=self.dtype,
+                              device=self.device)
         proj = self._sub(layer, self.O_PROJ)
         w = proj.weight.detach() if self._conv1d(proj) else proj.weight.detach().t()  # -> [H*dh, d]
         return w.reshape(self.n_heads, self.d_head, self.d_model)
@@ -325,12 +320,14 @@ class Adapter(TracedSite):
         return self._block(layer)
 
     def final_norm_module(self) -> nn.Module:
-        """The decoder stack's final norm; its input is the final residual ``resid_in[L]`` (the J-lens's output)."""
-        return module_at(self.base, self.FINAL_NORM)
+        """The decoder stack's final norm (an identity where it has none); its input is the final residual."""
+        return nn.Identity() if self.FINAL_NORM is None else module_at(self.base, self.FINAL_NORM)
 
     @block_piece
     def out_proj_bias(self, layer: int) -> Tensor | None:
-        b = self._sub(layer, self.O_PROJ).bias
+        extra = None if self.structure.attn_bias is None else self._sub(layer, self.structure.attn_bias)
+        b = self._sub(layer, self.O_PROJ).bias  # and the bias the attention returns, added (GPT-NeoX-Japanese's)
+        b = b if extra is None else extra if b is None else b + extra
         return None if b is None else b.detach()
 
     @holds_block
@@ -338,11 +335,12 @@ class Adapter(TracedSite):
         """``(W [H, dh, d], b [d] or None)`` where ``attn_out`` is that affine map of the per-head reads,
         ``attn_out = sum_h reads[..., h, :] @ W[h] + b`` (the output projection, :meth:`out_proj_slices` /
         :meth:`out_proj_bias`): the statistics pass then derives its attn_out sums from its read sums. None where
-        it is not: a norm after the projection (Gemma-2, OLMo-2), or a model that is not float32 (its attn_out is
-        rounded to the model's dtype)."""
-        if self.POST_ATTN_NORM is not None or self.dtype != torch.float32:
+        it is not: a norm after the projection (Gemma-2, OLMo-2), an output gate, or a model that is not float32 (its
+        attn_out is rounded to the model's dtype)."""
+        if self.POST_ATTN_NORM is not None or self.dtype != torch.float32 or self.hybrid or self.structure.output_gate:
             return None
-        return self.out_proj_slices(layer), self.out_proj_bias(layer)
+        c, w, b = self.structure.branch_scale, self.out_proj_slices(layer), self.out_proj_bias(layer)
+        return (w, b) if c == 1.0 else (w * c, None if b is None else b * c)
 
     @property
     def mlp_out_from_resid(self) -> bool:
@@ -351,36 +349,38 @@ class Adapter(TracedSite):
         convention above; ``resid_in[L]`` is the final residual). The statistics pass then derives its mlp_out sums
         from its residual and attn_out sums and does not read the MLP's output. False for a model that is not float32:
         its residual additions round to the model's dtype (bfloat16: 2^-9 of the residual, not of mlp_out)."""
-        return self.dtype == torch.float32
+        return self.dtype == torch.float32 and not self.hybrid and self.structure.side_mixer is None  # 3 branches
 
     @block_piece
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
-        """The norm on the attention output before it joins the residual (identity where absent)."""
-        return self._opt_module(layer, self.POST_ATTN_NORM)(self._in(x)).to(x.dtype)
+        """The attention branch's post-norm (identity where absent), times the branch scale (MiniCPM-3's)."""
+        return self._scaled(self._opt_module(layer, self.POST_ATTN_NORM)(self._in(x))).to(x.dtype)
+
+    def _scaled(self, x: Tensor) -> Tensor:  # times a python float, as the block multiplies: to the bit
+        return x if self.structure.branch_scale == 1.0 else x * self.structure.branch_scale
 
     @block_piece
     def mlp(self, layer: int, x_resid: Tensor) -> Tensor:
-        """The MLP branch as a function of the residual stream it reads (``resid_mid`` for sequential
-        blocks, the block input for GPT-NeoX parallel residual): pre-norm, MLP, post-norm where present."""
-        h = self._opt_module(layer, self.MLP_NORM)(self._in(x_resid))
-        h = self._mlp_proper(layer, h)
-        return self._opt_module(layer, self.POST_MLP_NORM)(h).to(x_resid.dtype)
+        """The MLP branch of the residual it reads (``resid_mid``; parallel: ``resid_in``): norms, MLP, scale."""
+        h = self._mlp_proper(layer, self._opt_module(layer, self.MLP_NORM)(self._in(x_resid)))
+        return self._scaled(self._opt_module(layer, self.POST_MLP_NORM)(h)).to(x_resid.dtype)
 
     def _mlp_proper(self, layer: int, h: Tensor) -> Tensor:
         """The MLP module (or chain of modules: OPT) on its input ``h [..., d]``; a mixture of experts is called on
         ``[1, n, d]`` as the block calls it, so that each row is routed as the model routes a token."""
-        s = self.structure
-        shape = h.shape
+        if self.MLP is None:  # no MLP in the block (Nemotron-H's attention blocks: mfpipe.models.adapters.forms)
+            return torch.zeros_like(h)
+        s, shape = self.structure, h.shape
         if s.mlp_sequences:
             h = h.reshape(1, -1, shape[-1])
         for path in s.mlp_chain or (self.MLP,):
-            h = self._sub(layer, path)(h)
+            h = self._sub(layer, path)(h, *((torch.zeros_like(h),) if s.mlp_residual else ()))  # BLOOM: its branch
             h = h[0] if isinstance(h, tuple) else h
-        return h.reshape(*shape[:-1], h.shape[-1]) if s.mlp_sequences else h
+        return h.reshape(*shape[:-1], h.shape[-1])  # as its input: DBRX's returns [n, 1, d] of [n, d]
 
     @no_grad
     def final_norm(self, x: Tensor) -> Tensor:
-        return module_at(self.base, self.FINAL_NORM)(self._in(x)).to(x.dtype)
+        return self.final_norm_module()(self._in(x)).to(x.dtype)
 
     @no_grad
     def unembed(self, x: Tensor) -> Tensor:
@@ -389,7 +389,7 @@ class Adapter(TracedSite):
         The raw logit lens of a vector inserted into the residual stream (App. P). Needs the causal LM."""
         if not self.has_lm_head:
             raise ValueError(f"unembed needs the causal LM, but this adapter wraps the bare {type(self.base).__name__}")
-        h = module_at(self.base, self.FINAL_NORM)(self._in(x))
+        h = self.final_norm_module()(self._in(x))
         return self._final_logits(self.model.get_output_embeddings()(h)).float()
 
     def _final_logits(self, logits: Tensor) -> Tensor:

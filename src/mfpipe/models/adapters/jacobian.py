@@ -35,7 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["POINTS", "position_jacobians", "cache_tolerance", "cache_keyword", "returned_cache", "final_residual", "NoCache"]
+__all__ = ["POINTS", "position_jacobians", "cache_tolerance", "cache_keyword", "returned_cache", "final_residual",
+           "NoCache", "final_residual_hook"]
 
 POINTS = ("block", "attn")
 
@@ -127,7 +128,8 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
         for p, _ in flags:
             p.requires_grad_(False)
         model.eval()
-        if prefix_cache:
+        # a hybrid's cache holds a state-space or recurrent state its next token updates in place: no backward through
+        if prefix_cache and not getattr(adapter, "hybrid", False):
             try:
                 total, by = _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp)
                 return total if grp is None else (total, by)
@@ -242,11 +244,22 @@ def returned_cache(out):
     return None
 
 
+def final_residual_hook(adapter, fn):
+    """A hook that calls ``fn(x)`` with the final residual ``x [B, T, d]`` (the final norm's input) in each forward of
+    the decoder stack; its handle. Where the final norm is also the embedding's (NanoChat's one norm, which reads the
+    embedding first), or where there is none, the last block's output."""
+    s = adapter.structure
+    if s.final_norm is None or s.embed_norm == s.final_norm:
+        return adapter.block_module(adapter.n_layers - 1).register_forward_hook(
+            lambda module, args, out: fn(out[0] if isinstance(out, tuple) else out))
+    return adapter.final_norm_module().register_forward_pre_hook(
+        lambda module, args, kwargs: fn(_hidden(args, kwargs)), with_kwargs=True)
+
+
 def final_residual(adapter, ids: Tensor) -> Tensor:
     """The input of the final norm, ``[B, T, d]``, of one forward without a graph."""
     seen: list[Tensor] = []
-    handle = adapter.final_norm_module().register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(_hidden(args, kwargs)), with_kwargs=True)
+    handle = final_residual_hook(adapter, seen.append)
     try:
         with torch.no_grad():
             adapter.base(input_ids=ids, use_cache=False)
@@ -285,39 +298,39 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = N
 
         return hook
 
-    def final_hook(module, args, kwargs):
-        final.append(_hidden(args, kwargs))
-
     handles = []
+    A = list(getattr(adapter, "attention_layers", range(L)))  # a hybrid's other layers: no attention output (NaN)
     try:
         for l in range(L):
             handles.append(adapter.block_module(l).register_forward_pre_hook(block_hook(l), with_kwargs=True))
+        for l in A:
             handles.append(adapter.out_proj_module(l).register_forward_hook(attn_hook(l)))
-        handles.append(adapter.final_norm_module().register_forward_pre_hook(final_hook, with_kwargs=True))
+        handles.append(final_residual_hook(adapter, final.append))
         with torch.enable_grad():
             run()
             for h in handles:
                 h.remove()
             handles = []
-            if len(final) != 1 or any(x is None for x in block_in + attn_out):
+            if len(final) != 1 or any(x is None for x in block_in + [attn_out[l] for l in A]):
                 raise RuntimeError(f"{adapter.model_type}: the J-lens hooks saw {len(final)} final-norm calls and "
                                    f"{sum(x is None for x in block_in)} / {sum(x is None for x in attn_out)} blocks / "
                                    "output projections were not called")
             hL = final[0]
             y = hL[torch.arange(B, device=dev), pos]  # [B, d]
-            rows, by = _backward_rows(adapter, y, [*block_in, hL, *attn_out], pos, grad_chunk, d_out, groups)
+            rows, by = _backward_rows(adapter, y, [*block_in, hL, *(attn_out[l] for l in A)], pos, grad_chunk, d_out,
+                                      groups)
     finally:
         for h in handles:
             h.remove()
     rows[:, d_out:] = float("nan")
     out = torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
     out[0] = rows[: L + 1]
-    out[1, :L] = rows[L + 1 :]
+    out[1, A] = rows[L + 1 :]
     by_out = None
     if groups is not None:
         by_out = torch.full((groups.n, 2, L + 1, len(groups.keep), d), float("nan"), dtype=torch.float64, device=dev)
         by_out[:, 0] = by[:, : L + 1]
-        by_out[:, 1, :L] = by[:, L + 1 :]
+        by_out[:, 1, A] = by[:, L + 1 :]
     return out, y.detach(), by_out
 
 

@@ -27,7 +27,8 @@ import logging
 import torch
 from torch import Tensor
 
-from mfpipe.models.adapters.jacobian import NoCache, cache_keyword, cache_tolerance, final_residual, returned_cache
+from mfpipe.models.adapters.jacobian import (NoCache, cache_keyword, cache_tolerance, final_residual,
+                                             final_residual_hook, returned_cache)
 
 __all__ = ["position_jvps"]
 
@@ -86,7 +87,8 @@ def position_jvps(adapter, ids, positions, vectors, layers, points, *, chunk: in
             p.requires_grad_(False)
         model.eval()
         with torch.no_grad(), _forward_mode_experts(model):  # forward mode needs no graph
-            if prefix_cache:
+            # a hybrid's cache holds a state-space or recurrent state the token updates in place: not kept (whole)
+            if prefix_cache and not getattr(adapter, "hybrid", False):
                 try:
                     return _sum(adapter, ids, pos, V, groups, chunk, out, cached=True)
                 except NoCache as e:
@@ -202,8 +204,7 @@ def _check(adapter, run, window: Tensor) -> None:
     """A forward that takes a cache but does not attend to it would put the token at position 0 of an empty
     context: its final residual must be the whole window's at the token (as the Jacobians check)."""
     seen: list[Tensor] = []
-    handle = adapter.final_norm_module().register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(_hidden(args, kwargs)), with_kwargs=True)
+    handle = final_residual_hook(adapter, seen.append)
     try:
         run()
     finally:
@@ -241,8 +242,7 @@ def _products(adapter, run, key: tuple[str, int], V: Tensor) -> Tensor:
                 return (insert(output[0], u), *output[1:])
             return insert(output, u)
 
-        hooks = [adapter.final_norm_module().register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append(_hidden(args, kwargs)), with_kwargs=True)]
+        hooks = [final_residual_hook(adapter, seen.append)]
         if point == "block":
             hooks.append(adapter.block_module(layer).register_forward_pre_hook(pre, with_kwargs=True))
         else:

@@ -82,6 +82,11 @@ def mlp_units(adapter, layer: int, x_resid: Tensor, tangent: Tensor | None = Non
     or the block input for a parallel-residual block), split over its hidden units; with ``tangent [N, d]`` also the
     directional derivatives along it. Raises :class:`NoUnitDecomposition` (a ``ValueError``: the model, the layer and
     the reason) when the MLP is a mixture of experts or its output is not one projection of one post-activation."""
+    if layer not in getattr(adapter, "attention_layers", (layer,)):
+        raise NoUnitDecomposition(adapter, layer, f"a {adapter.layer_kinds[layer]} block of a hybrid (no attention, "
+                                                  "run as the model's own block)")
+    if adapter.structure.mlp is None:
+        raise NoUnitDecomposition(adapter, layer, "a block without an MLP (Nemotron-H's attention blocks)")
     mlp = module_at(adapter.block_module(layer), adapter.structure.mlp)
     if _is_mixture(mlp):
         raise NoUnitDecomposition(adapter, layer, MOE_REASON)

@@ -8,14 +8,13 @@ names and shapes cannot:
   ``activation_fn``, ``fc2``), and how it is called (a mixture of experts takes ``[B, T, d]`` only);
 * the value layout: the one (source, KV heads, chunks, offset) whose values, weighted by the forward's attention
   probabilities, give the output projection's input, the reads (:func:`value_layout`); the source may be a latent
-  attention's decompressing projection (:mod:`~mfpipe.models.adapters.latent`);
+  attention's decompressing projection (:mod:`~mfpipe.models.adapters.latent`), the reads gated (:mod:`~.gate`);
 * the final norm among several norms outside the blocks (the one that reads the last block's output) and a norm on
   the embedding (BLOOM's), the embedding's scale and a learned position table's row offset (:func:`embed_scale`);
 * the final logits' scale against the LM head's output (:func:`logit_scale`).
 
-It also holds what both it and :mod:`~mfpipe.models.adapters.structure` need of a module: the error a model that
-cannot be placed raises, the sizes placed by (:class:`Shape`), and what kind a module is (:func:`is_norm`,
-:func:`linear_shape`).
+It also holds what it and :mod:`~mfpipe.models.adapters.structure` need of a module: the refusal of a model that
+cannot be placed, the sizes placed by (:class:`Shape`), what kind a module is (:func:`is_norm`, :func:`linear_shape`).
 """
 
 from __future__ import annotations
@@ -27,20 +26,24 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.gate import gated_layout
+from mfpipe.models.adapters.linears import attention_linears
+from mfpipe.models.adapters.residual import (attn_adds_residual, branch_scale, input_embedding, mlp_needs_sequences,
+                                             mlp_residual, table_rows)
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["probe", "Seen", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index", "Shape",
-           "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
+__all__ = ["probe", "Seen", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index",
+           "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
 
 CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
 
 
 class UnsupportedArchitectureError(ValueError):
-    """The model cannot be placed: :func:`describe` found no structure it knows (the message says what failed)."""
+    """The model cannot be placed (the message says what failed); ``kind``: the census's kind of refusal, "modelling"
+    where the model has no heads of one probability row each (:mod:`mfpipe.models.census`), else "mfpipe"."""
 
-    def __init__(self, model_type: str | None, reason: str = "no structure mfpipe knows"):
-        self.model_type = model_type
-        self.reason = reason
+    def __init__(self, model_type: str | None, reason: str = "no structure mfpipe knows", kind: str = "mfpipe"):
+        self.model_type, self.reason, self.kind = model_type, reason, kind
         super().__init__(f"unsupported architecture: model_type={model_type!r}: {reason}; {CONFORMANCE_HINT}")
 
 
@@ -85,50 +88,62 @@ _IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary
 class Seen(NamedTuple):
     """What the probe forward saw of one module: its first input and its output ([0] of a tuple) as float32 copies,
     the same two tensors themselves (kept alive: a tensor a module hands on is the very object the next one reads),
-    and its raw output."""
+    its raw output and its other positional arguments (BLOOM's and MPT's MLP take the residual second)."""
 
     x: Tensor
     y: Tensor
     x_obj: Tensor
     y_obj: Tensor
     out: object
+    args: tuple = ()
 
 
 def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: list[str], table, shape: Shape, mt,
-          named_mlp: str | None, named_value: tuple[str, str] | None, find_latents=None) -> dict:
-    """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict.
-    ``find_latents``: :func:`mfpipe.models.adapters.latent.latent_sources` (which imports this module's helpers)."""
-    block = blocks[0]
+          named_mlp: str | None, named_value: tuple[str, str] | None, find_latents=None, at=0, forms=None) -> dict:
+    """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict. ``find_latents``:
+    :func:`mfpipe.models.adapters.latent.latent_sources`; ``at``: the block placed by (a hybrid's first attention
+    block; the embedding is read where block 0 reads it); ``forms``: :func:`~.forms.block_forms`."""
+    block = blocks[at]
     attn_mod = submodule(block, attn)
-    linears = [n for n, m in attn_mod.named_children() if n != out_proj and linear_shape(m)]
-    sources = [n for n in linears if linear_shape(getattr(attn_mod, n))[0] == shape.d]
-    watch = {n: m for n, m in block.named_children()}
-    emb = base.get_input_embeddings()
-    watch.update({"<attn>": attn_mod, "<out_proj>": getattr(attn_mod, out_proj), "<block>": block,
-                  "<last>": blocks[-1], "<embed>": emb})
-    watch.update({f"<src>{n}": getattr(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
+    linears, sources = attention_linears(attn_mod, out_proj, shape.d)  # a wrapped one too (Moshi's o_proj.linear)
+    watch = {n: m for n, m in block.named_children()} | getattr(forms, "watch", {})  # DBRX's wrapped norms (forms)
+    emb = input_embedding(model, base)
+    watch.update({"<attn>": attn_mod, "<out_proj>": submodule(attn_mod, out_proj), "<block>": block,
+                  "<first>": blocks[0], "<last>": blocks[-1], "<embed>": emb})
+    watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": getattr(stack, n) for n in outer_norms})
     seen, order = _probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
+    same = _same_within(emb.weight.dtype)
+    extra = forms(seen, same) if forms else {}  # no MLP, a mixer beside the attention (mfpipe.models.adapters.forms)
     chain = [named_mlp] if named_mlp else _mlp_chain(seen, order, block, attn.split(".")[0], mt)
     if chain[0] not in seen or chain[-1] not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's MLP")
     first, last = seen[chain[0]], seen[chain[-1]]
-    seen["<mlp>"] = Seen(first.x, last.y, first.x_obj, last.y_obj, last.out)
+    with held(block):  # called outside a forward: a streamed block's weights are read for it
+        residual = mlp_residual(block, chain, last, same)
+    # the MLP's branch: its output, less the residual it adds itself where it does (BLOOM, MPT)
+    branch = last.y if residual is None else last.y - residual.float()
+    seen["<mlp>"] = Seen(first.x, branch, first.x_obj, last.y_obj if residual is None else branch, last.out)
+    attn_residual = attn_adds_residual(seen, same)
+    if attn_residual:  # BLOOM: the attention returns block input + branch; its branch is the output projection's
+        seen["<attn>"] = seen["<attn>"]._replace(y=seen["<out_proj>"].y, y_obj=seen["<out_proj>"].y_obj)
     final_norm, embed_norm = _outer_norms(seen, outer_norms, mt)
-    norms = [n for n, m in block.named_children() if is_norm(m) and n in seen]
-    same = _same_within(emb.weight.dtype)
-    out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain,
-               roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt))
+    norms = [n for n, m in watch.items() if n[:1] != "<" and n != attn.split(".")[0] and is_norm(m) and n in seen]
+    scales = [float(v) for v in vars(block).values() if isinstance(v, float)]  # a block's own branch scale
+    out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain, attn_residual=attn_residual,
+               mlp_residual=residual is not None, roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt, scales))
+    if attn_residual and out["roles"]["post_attn_norm"]:
+        raise UnsupportedArchitectureError(mt, "its attention adds the residual itself and a norm follows it")
     out["embed_scale"], out["position_row_offset"] = embed_scale(base, seen, table, embed_norm, same, mt)
     latents = find_latents(seen, attn_mod, out_proj, shape.d, same) if find_latents else {}
-    out.update(value_layout(seen, sources, named_value, shape, mt, emb.weight.dtype, latents))
+    out.update(gated_layout(seen, attn_mod, out_proj, shape.H, shape.dh, order, lambda s: value_layout(
+        s, sources, named_value, shape, mt, emb.weight.dtype, latents)))  # an output gate: found where one is
     out["mlp_tuple"] = isinstance(last.out, tuple)
-    with held(block):  # called outside a forward: a streamed block's weights are read for it
-        out["mlp_sequences"] = _needs_sequences(block, chain, first.x, last.y, same)
-    return out
+    out["mlp_sequences"] = mlp_needs_sequences(blocks, block, chain, first.x, branch, same, residual is not None)
+    return out | extra
 
 
 def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, Seen], list[str]]:
@@ -141,15 +156,15 @@ def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, 
     def hook(name):
         def fn(mod, args, kwargs, out):
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
-            y = out[0] if isinstance(out, tuple) else out
+            y = out[0] if isinstance(out, (tuple, list)) else out  # GPT-1's blocks return a list
             if name not in seen and isinstance(x, Tensor) and isinstance(y, Tensor):
-                seen[name] = Seen(x.detach().float().clone(), y.detach().float().clone(), x, y, out)
+                seen[name] = Seen(x.detach().float().clone(), y.detach().float().clone(), x, y, out, tuple(args[1:]))
                 order.append(name)
         return fn
 
     for name, m in watch.items():
         handles.append(m.register_forward_hook(hook(name), with_kwargs=True))
-    emb = base.get_input_embeddings()
+    emb = input_embedding(model, base)
     vocab = int(getattr(model.config, "vocab_size", 3) or 3)
     try:
         with torch.no_grad():
@@ -196,8 +211,11 @@ def _mlp_chain(seen: dict, order: list[str], block: nn.Module, attn_top: str, mt
 def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
     """(the final norm, a norm on the embedding or None) among the norms outside the blocks: with one, it is the
     final norm; with more, the final norm reads the last block's output, an embedding norm the embedding's."""
-    if len(outer) == 1:
-        return outer[0], None
+    if not outer:  # no final norm: the LM head reads the last block's output
+        return None, None
+    if len(outer) == 1:  # NanoChat's one norm also reads the embedding, first: the final norm and the embedding's
+        seen_one = seen.get(f"<outer>{outer[0]}")
+        return outer[0], outer[0] if seen_one is not None and seen_one.x_obj is seen["<embed>"].y_obj else None
     last_out, emb_out = seen["<last>"].y_obj, seen["<embed>"].y_obj
     final = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"].x_obj is last_out]
     embn = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"].x_obj is emb_out]
@@ -207,9 +225,11 @@ def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
     return final[0], embn[0] if embn else None
 
 
-def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt) -> dict:
+def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scales=()) -> dict:
     """The probed ``norms``' roles around the attention ``attn`` and the MLP ``mlp`` and the residual form
-    (``parallel``: the MLP reads the block input) from the probe forward's tensors (:func:`_probe_forward`)."""
+    (``parallel``: the MLP reads the block input; ``branch_scale``: the attention branch enters the residual times
+    this, one of ``scales`` where one is it exactly: MiniCPM-3) from the probe forward's tensors
+    (:func:`_probe_forward`)."""
     block_in = seen["<block>"].x
     attn_in, attn_out = seen[attn].x, seen[attn].y
     mlp_in, mlp_out = seen[mlp].x, seen[mlp].y
@@ -237,58 +257,50 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt) -> d
         mlp_norm, mlp_reads = attn_norm, block_in  # the MLP shares the attention's norm: it reads the block input
     else:
         mlp_reads = seen[mlp_norm].x if mlp_norm else mlp_in
+    scale = 1.0
     if same(mlp_reads, block_in):
         parallel = True
     elif same(mlp_reads, block_in + attn_branch):
         parallel = False
     else:
-        raise UnsupportedArchitectureError(mt, "its MLP reads neither the block input nor the block input plus the "
-                                               "attention branch")
+        parallel, scale = False, branch_scale(mlp_reads - block_in, attn_branch, scales)
+        if scale is None or not same(mlp_reads, block_in + scale * attn_branch):
+            raise UnsupportedArchitectureError(mt, "its MLP reads neither the block input nor the block input plus "
+                                                   "the attention branch (times a scale)")
     unplaced = [n for n in norms if n not in (attn_norm, post_attn_norm, mlp_norm, post_mlp_norm)]
+    if any(seen[n].y_obj is seen["<block>"].y_obj for n in unplaced):  # GPT-1's post-norm blocks
+        raise UnsupportedArchitectureError(mt, f"its blocks end in a norm of the residual ({', '.join(unplaced)}): "
+                                               "no residual stream of summed branches, as mfpipe reads it")
     if unplaced:
         raise UnsupportedArchitectureError(mt, f"its norm(s) {', '.join(unplaced)} sit where mfpipe has no place")
     return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
-                parallel=parallel)
+                parallel=parallel, branch_scale=scale)
 
 
 def embed_scale(base, seen: dict, table, embed_norm: str | None, same, mt) -> tuple[float, int]:
     """(the scale the token embedding reaches block 0 with: 1 or sqrt(d); the row offset of the position table
     ``table`` added where there is one), through the embedding norm ``embed_norm`` where there is one."""
-    block_in = seen["<block>"].x
+    block_in = seen["<first>" if "<first>" in seen else "<block>"].x  # block 0's input (of any kind in a hybrid)
     if embed_norm is not None:  # block 0 reads the norm's output; the norm reads the (scaled) embedding
         if not same(seen[f"<outer>{embed_norm}"].y, block_in):
             raise UnsupportedArchitectureError(mt, f"its first block does not read its embedding norm {embed_norm}")
         block_in = seen[f"<outer>{embed_norm}"].x
     e = seen["<embed>"].y
     T = e.shape[-2]
-    offsets = [0] if table is None else range(table.num_embeddings - T + 1)
+    rows = None if table is None else table_rows(table)
+    offsets = [0] if rows is None else range(rows.shape[0] - T + 1)
     for offset in offsets[:3]:
-        # a learned absolute position table (GPT-2; OPT's starts at row 2): block 0 reads token + position rows
-        x = e if table is None else e + table.weight[offset: offset + T].detach().float()
-        if same(x, block_in):
-            return 1.0, offset
-        # the forward scales the embedding by sqrt(d) in the model's dtype (the Gemma family, where the embedding
-        # module does not do it itself)
-        scale = float(base.config.hidden_size) ** 0.5
-        if same(x * torch.tensor(scale, dtype=block_in.dtype), block_in):
-            return scale, offset
+        # an absolute position table (GPT-2's learned one; OPT's starts at row 2; XGLM's and CTRL's sinusoidal ones):
+        # block 0 reads token + position rows
+        pos = 0.0 if rows is None else rows[offset: offset + T].detach().float()
+        # the forward may scale the token embedding by sqrt(d) in the model's dtype, before the positions are added
+        # (the Gemma family, CTRL: where the embedding module does not do it itself)
+        for scale in (1.0, float(base.config.hidden_size) ** 0.5):
+            if same((e if scale == 1.0 else e * torch.tensor(scale, dtype=block_in.dtype)) + pos, block_in):
+                return scale, offset
     raise UnsupportedArchitectureError(mt, "its first block reads the token embedding changed in a way mfpipe cannot "
-                                           "place (neither as is, nor scaled by sqrt(d), nor plus a learned position "
-                                           "table)")
-
-
-def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor, same) -> bool:
-    """Whether the MLP takes ``[B, T, d]`` only: called on the rows of the probe's input as one ``[n, d]`` matrix it
-    fails or gives another result (a mixture of experts reads its input's shape)."""
-    try:
-        with torch.no_grad():
-            y = x3[0].to(next(block.parameters()).dtype)
-            for name in chain:
-                y = getattr(block, name)(y)
-                y = y[0] if isinstance(y, tuple) else y
-        return not same(y.float(), want[0])
-    except Exception:
-        return True
+                                           "place (neither as is, nor scaled by sqrt(d), nor plus an absolute "
+                                           "position table)")
 
 
 def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, shape: Shape, mt,

@@ -2,21 +2,21 @@
 
 :meth:`TracedSite.run` is the only code in mfpipe that reads or replaces activations inside a forward pass, apart
 from the J-lens's Jacobians (:mod:`mfpipe.models.adapters.jacobian`): they need the autograd graph of an ordinary
-forward, which this site runs under ``no_grad``, so that module hooks the modules the adapter names.
-Per layer it can
+forward, which this site runs under ``no_grad``, so that module hooks the modules the adapter names. Per layer it can
 
-* **read** the :class:`LayerCapture` fields named by ``select`` (like TransformerLens' ``names_filter``):
-  a field that is not selected is never read from the forward, converted or copied;
-* **replace** every head's read at the output projection's input (``patch_reads``), written back in
-  the model's dtype *before* the output projection runs, so on post-attention-norm blocks (Gemma-2,
-  OLMo-2) the replacement also passes through that norm;
-* **replace** the output projection's output (``patch_out``), seeing the per-head reads that went into it:
-  the paper's positional-transport ablation (App. positional, "Dereferencing") projects a residual-space
-  subspace S out of the summed write of a set of heads C mid-forward, ``out - P_S(sum_{h in C} O_h z_h)``
-  (``O_h`` from ``out_proj_slices``), which a reads-space patch cannot express;
+* **read** the :class:`LayerCapture` fields named by ``select`` (like TransformerLens' ``names_filter``): a field
+  that is not selected is never read from the forward, converted or copied;
+* **replace** every head's read at the output projection's input (``patch_reads``), written back in the model's
+  dtype *before* the output projection runs, so on post-attention-norm blocks (Gemma-2, OLMo-2) the replacement
+  also passes through that norm;
+* **replace** the output projection's output (``patch_out``), seeing the per-head reads that went into it: the
+  paper's positional-transport ablation (App. positional, "Dereferencing") projects a residual-space subspace S out
+  of the summed write of a set of heads C mid-forward, ``out - P_S(sum_{h in C} O_h z_h)`` (``O_h`` from
+  ``out_proj_slices``), which a reads-space patch cannot express;
 
-and after the last layer it hands over the final residual (``on_final``) and, when asked, runs the LM
-head for the logits and the next-token loss.
+and after the last layer it hands over the final residual (``on_final``) and, when asked, runs the LM head for the
+logits and the next-token loss. A block the forward skips (:mod:`~mfpipe.models.adapters.forms`) is read where the
+block run before it hands on its output.
 
 nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/design/nnsight-notes.md``)
 -------------------------------------------------------------------------------------------------------
@@ -25,15 +25,13 @@ nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/d
   write envoys too. Plain names assigned in the body do not reach the caller (only ``.save()`` does),
   so results leave through objects created outside (:class:`RunResult`, the callbacks).
 * Reads must follow forward-execution order; touching a module the forward already passed raises
-  ``nnsight.intervention.interleaver.OutOfOrderError``. :meth:`TracedSite._layer_site` therefore reads
-  in block order: block input, value source, output projection input, output projection output, attention
-  output, post-attention norm, MLP branch.
-* Without logits we trace the decoder stack (``model.base_model``) rather than the causal LM with
-  ``tracer.stop()`` to skip the LM head: ``stop()`` raises an exception whose traceback keeps the last
-  layer's activations alive in a reference cycle until the next garbage collection. Where a run reads
-  nothing after the last layer's ``on_layer`` (no final residual, logits or loss), :meth:`TracedSite.run`
-  does stop there (the last block's MLP is not run) and collects the young generations right after, which
-  frees that cycle (tests/test_adapters.py).
+  ``nnsight.intervention.interleaver.OutOfOrderError``. :meth:`TracedSite._layer_site` therefore reads in block
+  order: block input, value source, output projection input and output, attention output, post-attention norm, MLP.
+* Without logits we trace the decoder stack (``model.base_model``) rather than the causal LM with ``tracer.stop()``
+  to skip the LM head: ``stop()`` raises an exception whose traceback keeps the last layer's activations alive in a
+  reference cycle until the next garbage collection. Where a run reads nothing after the last layer's ``on_layer``
+  (no final residual, logits or loss), :meth:`TracedSite.run` does stop there (the last block's MLP is not run) and
+  collects the young generations right after, which frees that cycle (tests/test_adapters.py).
 * Assigning ``envoy.input = tensor`` replaces the module's first positional input (``envoy.output = tensor``
   its output); writing back the module's own input (output) leaves the logits bit-identical.
 * Wrapping a model with ``NNsight`` leaves its plain forward bit-identical; several wrappers of one
@@ -43,12 +41,14 @@ nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/d
 from __future__ import annotations
 
 import gc
-
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
+
+from mfpipe.models.adapters.forms import skipped_capture
+from mfpipe.models.adapters.gate import OutputGate, gated_input
 
 __all__ = ["CAPTURE_FIELDS", "LayerCapture", "RunResult", "TracedSite", "resolve_select"]
 
@@ -68,7 +68,7 @@ class LayerCapture:
     resid_in: Tensor | None = None  # [B,T,d] residual stream entering block `layer`
     attn_probs: Tensor | None = None  # [B,H,T,T] attention probabilities (query, key)
     values: Tensor | None = None  # [B,H,T,dh] per-head values (head space, before the output projection), GQA expanded
-    reads: Tensor | None = None  # [B,T,H,dh] per-head read = input of the output projection, split by head
+    reads: Tensor | None = None  # [B,T,H,dh] per-head read = probs x values (output projection's input, over a gate)
     attn_out: Tensor | None = None  # [B,T,d] what the attention branch adds to the residual (after post-attn norm if any)
     resid_mid: Tensor | None = None  # [B,T,d] resid_in + attn_out
     mlp_out: Tensor | None = None  # [B,T,d] what the MLP branch adds to the residual (after post-ff norm if any)
@@ -120,7 +120,7 @@ def module_at(root, path: str):
     return obj
 
 
-class TracedSite:
+class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.gate: read_gate)
     """Mixin of :class:`~mfpipe.models.adapters.Adapter`: the traced read/patch site.
 
     Uses the adapter's module paths (``LAYERS``, ``FINAL_NORM``, ``V_SRC``, ``O_PROJ``, ``ATTN``,
@@ -199,7 +199,7 @@ class TracedSite:
           replaced residual.
         * ``patch_out(layer, out, reads)``: called once per layer, in layer order, at the output projection's
           output, with that output ``out`` [B,T,d] (float32, bias included, before any post-attention norm; do
-          not modify in place) and the per-head reads that went into it [B,T,H,dh] (float32, after
+          not modify in place) and the per-head reads that went into it [B,T,H,dh] (float32, times an output gate, after
           ``patch_reads`` if any). Return the replacement [B,T,d] (cast to the model's dtype and written back as
           the projection's output, so a post-attention norm (Gemma-2, OLMo-2) and everything after see it) or
           ``None`` to leave it. E.g. the positional-transport ablation: ``out - P_S(sum_{h in C} O_h z_h)`` with
@@ -256,13 +256,22 @@ class TracedSite:
                     patch_resid=None, patch_out=None) -> None:
         """Runs in the nnsight worker, interleaved with the forward pass."""
         layers_env = module_at(base_env, self.LAYERS)
+        kinds = getattr(self, "layer_kinds", None)
         for layer in range(self.n_layers):
-            cap = self._layer_site(layers_env[layer], layer, sel, patch_reads, patch_resid, tuple(ids.shape),
-                                   patch_out)
+            # a hybrid's block of another mixer (Mamba, a delta-net...) runs as the model runs it: only its input is
+            # read (and patch_resid'd; where the forward skips the block, as the one before hands it on: adapters.forms)
+            other = kinds is not None and kinds[layer] != "attention"
+            cap = skipped_capture(layers_env, kinds, layer, sel, patch_resid, LayerCapture) or self._layer_site(
+                layers_env[layer], layer, sel & {"resid_in"} if other else sel, None if other else patch_reads,
+                patch_resid, tuple(ids.shape), None if other else patch_out)
             if on_layer is not None:
                 on_layer(cap)
         if on_final is not None:
-            on_final(module_at(base_env, self.FINAL_NORM).input.float())
+            s = self.structure  # a final norm that is also the embedding's (NanoChat) read it first: the last block's
+            # (or none: the last block's output is the final residual)
+            out = layers_env[-1].output if s.embed_norm == s.final_norm or s.final_norm is None else module_at(
+                base_env, self.FINAL_NORM).input
+            on_final((out[0] if isinstance(out, tuple) else out).float())
         if logits or loss:
             out = root.output
             lg = (out.logits if hasattr(out, "logits") else out[0]).float()
@@ -299,58 +308,78 @@ class TracedSite:
             resid_in = raw.float() if need_resid_in else None
         elif need_resid_in:
             resid_in = layer_env.input.float()
+        gate = self.gate_site(layer_env, sel, patch_reads, first=True)  # an output gate (adapters.gate): Qwen3-Next's
         if "values" in sel:
             cap.values = self._values_from_src(module_at(layer_env, self.V_SRC).output).float()
-        if "reads" in sel or patch_reads is not None or patch_out is not None:
-            cap.reads = self._out_proj_site(layer_env, layer, sel, patch_reads, patch_out)
+        gate = self.gate_site(layer_env, sel, patch_reads, first=False) if gate is None else gate  # forward order
+        s = self.structure
+        # the attention adds the residual itself (BLOOM): its branch is the output projection's output
+        proj_out = need_attn_out and s.attn_residual
         attn_out = None
-        if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None):
+        if "reads" in sel or patch_reads is not None or patch_out is not None or proj_out:
+            cap.reads, proj = self._out_proj_site(layer_env, layer, sel, patch_reads, patch_out, proj_out, gate)
+            attn_out = proj if proj_out else None
+        if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None and not proj_out):
             attn_res = module_at(layer_env, self.ATTN).output
             if "attn_probs" in sel:
                 cap.attn_probs = attn_res[1].float()
-            if need_attn_out and self.POST_ATTN_NORM is None:
-                attn_out = attn_res[0]
+            if need_attn_out and self.POST_ATTN_NORM is None and not proj_out:
+                # the bias the attention returns for the block to add (GPT-NeoX-Japanese's last)
+                extra = None if s.attn_bias is None else self._sub(layer, s.attn_bias)
+                attn_out = attn_res[0] if extra is None else attn_res[0] + extra
         if need_attn_out and self.POST_ATTN_NORM is not None:
             attn_out = module_at(layer_env, self.POST_ATTN_NORM).output
         if need_attn_out:
-            attn_out = attn_out.float()
+            attn_out = attn_out.float() if s.branch_scale == 1.0 else attn_out * s.branch_scale  # as the block scales
             if "attn_out" in sel:
-                cap.attn_out = attn_out
-        if "mlp_out" in sel:
+                cap.attn_out = attn_out.float()
+        if "mlp_out" in sel and self.MLP is None:  # no MLP in the block (Nemotron-H's attention blocks): a zero branch
+            cap.mlp_out = torch.zeros(*bt, self.d_model, device=self.device)
+        elif "mlp_out" in sel:
+            # the residual the MLP adds itself (BLOOM, MPT: its second argument), subtracted from its output
+            res = module_at(layer_env, self.MLP).inputs[0][1] if s.mlp_residual else None
             out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output
-            out = out[0] if self.POST_MLP_NORM is None and self.structure.mlp_tuple else out
+            out = out[0] if self.POST_MLP_NORM is None and s.mlp_tuple else out
+            out = out if s.branch_scale == 1.0 else out * s.branch_scale
             # a copy where .float() makes none: a block may add to its MLP's output in place (Falcon); [B, T, d] where
             # the MLP ran on [B * T, d] (OPT)
             out = out.float() if out.dtype != torch.float32 else out.clone()
+            out = out if res is None else out - res.float()
             cap.mlp_out = out if bt is None or out.ndim == 3 else out.reshape(*bt, out.shape[-1])
         if "resid_in" in sel:
             cap.resid_in = resid_in
         if "resid_mid" in sel:
-            cap.resid_mid = resid_in + attn_out
+            cap.resid_mid = resid_in + attn_out.float()
         return cap
 
     def _out_proj_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None,
-                       patch_out: PatchOut | None) -> Tensor | None:
-        """The output projection: read its input (the per-head reads) and patch it, then patch its output.
-        Returns the unpatched reads [B,T,H,dh] float32 where ``sel`` asks for them, else None."""
+                       patch_out: PatchOut | None, want_out: bool = False,
+                       gate: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """The output projection: read its input (the per-head reads; times the forward's own ``gate``: adapters.gate)
+        and patch it, then patch its output. Returns (the unpatched reads [B,T,H,dh] float32 where ``sel`` asks for
+        them, else None; its output, patched, where ``want_out``, else None)."""
         o_env = module_at(layer_env, self.O_PROJ)
         flat = o_env.input  # [B,T,H*dh]
         heads = (*flat.shape[:2], self.n_heads, self.d_head)
-        reads = flat.view(heads).float()
+        reads = flat.view(heads).float() if gate is None else flat.view(heads).float() / gate
         if patch_reads is not None:
             new = patch_reads(layer, reads)
             if new is not None:
-                flat = self._patched_input(new, flat, layer)  # what the projection now reads
+                flat = self._patched_input(new, flat, layer, None if gate is None else (reads, gate))  # now read
                 o_env.input = flat
+        out = None
         if patch_out is not None:
-            raw = o_env.output  # [B,T,d]: after its input (forward order), before the attention module's output
+            out = raw = o_env.output  # [B,T,d]: after its input (forward order), before the attention module's output
             new = patch_out(layer, raw.float(), flat.view(heads).float())
             if new is not None:
-                o_env.output = _like(new, raw, f"patch_out(layer={layer})", "the output projection's output")
-        return reads if "reads" in sel else None
+                out = _like(new, raw, f"patch_out(layer={layer})", "the output projection's output")
+                o_env.output = out
+        elif want_out:
+            out = o_env.output
+        return (reads if "reads" in sel else None), out
 
-    def _patched_input(self, new: Tensor, flat: Tensor, layer: int) -> Tensor:
-        """The replacement reads as the output projection's input: [B,T,H*dh] in the model's dtype/device."""
+    def _patched_input(self, new: Tensor, flat: Tensor, layer: int, gated: tuple | None = None) -> Tensor:
+        """The replacement reads as the output projection's input (``gated``: through the gate): [B,T,H*dh]."""
         want = (*flat.shape[:2], self.n_heads, self.d_head)
         if not isinstance(new, Tensor) or tuple(new.shape) != want:
             got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
@@ -358,6 +387,7 @@ class TracedSite:
                 f"patch_reads(layer={layer}) returned {got}; return the replacement reads as a tensor of shape "
                 f"[B,T,H,dh] = {list(want)} (or None to leave the layer unpatched)"
             )
+        new = new if gated is None else gated_input(flat, new, *gated)
         return new.to(device=flat.device, dtype=flat.dtype).reshape(flat.shape)
 
 

@@ -31,20 +31,23 @@ value source reproduces the attention's reads, which module chain is the MLP, wh
 the last block. A model it cannot place raises :class:`UnsupportedArchitectureError` naming what did not match and
 the conformance command (``mfpipe conformance``), which checks a placed model's pieces against its own forward.
 
-Rotary embeddings are not part of the description: no analysis recomputes attention scores (the probabilities are
-read from the forward), so a rotary share or style has nothing to be wrong about here.
+Rotary embeddings are no part of the description: no analysis recomputes attention scores (the forward's are read).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
+from mfpipe.models.adapters.forms import NO_MLP, block_forms, check_skipped, side_mixer, unstacked, wrapped_attention
 from mfpipe.models.adapters.latent import latent_sources
+from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
+from mfpipe.models.adapters.residual import input_embedding, position_tables, returned_bias
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
@@ -66,14 +69,14 @@ class Structure:
 
     layers: str
     embed: str
-    final_norm: str
+    final_norm: str | None  # None: the last block's output is what the LM head reads
     attn: str
     value_source: str
     value_layout: str
     out_proj: str
     attn_norm: str | None
     post_attn_norm: str | None
-    mlp: str
+    mlp: str | None  # None: the block has no MLP (Nemotron-H's attention blocks: mfpipe.models.adapters.forms)
     mlp_norm: str | None
     post_mlp_norm: str | None
     parallel_residual: bool
@@ -100,6 +103,28 @@ class Structure:
     latent_offset: int = 0
     latent_width: int = 0
     latent_norm: str | None = None
+    # the attention module returns its branch plus the residual it is handed (BLOOM's fused dropout_add): its branch
+    # is the output projection's output; the MLP takes (input, residual) and returns its branch plus the residual
+    # (BLOOM, MPT): its branch is its output with a zero residual
+    attn_residual: bool = False
+    mlp_residual: bool = False
+    branch_scale: float = 1.0  # each branch enters the residual times this (MiniCPM-3's scale_depth / sqrt(L))
+    # a bias the attention returns beside its output for the block to add to the branch (path from the block; None in
+    # the blocks that have none: GPT-NeoX-Japanese's last block's dense_bias)
+    attn_bias: str | None = None
+    # a hybrid (Jamba, Qwen3-Next, Nemotron-H...): each block's kind, "attention" or its mixer's ("mamba",
+    # "gated_delta_net", "linear_attention", "recurrent", "convolution", "mlp"...); the paths above are those of the
+    # attention blocks, a block of another kind is run as the model runs it. () where every block is attention
+    layer_kinds: tuple[str, ...] = ()
+    # an output gate (Qwen3-Next, LFM-3: mfpipe.models.adapters.gate): the reads enter the output projection times the
+    # sigmoid of the slice gate_layout (n, chunks, offset) of output_gate's output (a path from the block), a
+    # projection of the attention's input that runs before the value source where gate_first
+    output_gate: str | None = None
+    gate_layout: tuple[int, int, int] = (0, 1, 0)
+    gate_first: bool = False
+    side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
+    side_scale: float = 1.0  # ... times this
+    value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -136,22 +161,21 @@ def describe(model: nn.Module) -> Structure:
     stack_mod = submodule(base, stack)
     children = dict(stack_mod.named_children())
     layers = stack + _layers(children, shape.L, mt)
-    emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    emb = input_embedding(model, base) if hasattr(base, "get_input_embeddings") else None
     embeds = [n for n, m in children.items() if m is emb]
     if not embeds and emb is not None:  # an encoder's embedding sits in a module of its own (BERT's embeddings)
         where = next((n for n, m in base.named_modules() if m is emb), None)
         raise UnsupportedArchitectureError(mt, f"cannot place the token embedding beside its blocks (it sits in "
                                                f"{where})")
     embed = stack + _one(embeds, "the token embedding", mt)
-    outer_norms = [n for n, m in children.items() if is_norm(m) and m is not emb]
-    if not outer_norms:
-        _one([], "the final norm", mt)
+    outer_norms = [n for n, m in children.items() if is_norm(m) and m is not emb]  # none: no final norm
     n_pos = getattr(cfg, "max_position_embeddings", None)
-    tables = [n for n, m in children.items() if isinstance(m, nn.Embedding) and m is not emb
-              and isinstance(n_pos, int) and 0 <= m.num_embeddings - n_pos <= 2]
+    tables = position_tables(stack_mod, emb, shape.d, n_pos)
     blocks = submodule(base, layers)
-    block = blocks[0]
-    attn = _attention(block, mt)
+    attn, kinds = _attention_blocks(blocks, mt)
+    check_skipped(base, blocks, kinds, mt)  # the blocks the forward skips on text-only input (Mllama's cross-attention)
+    first = kinds.index("attention")  # a hybrid is placed on its first attention block
+    block = blocks[first]
     attn_mod = submodule(block, attn)
     out_proj, dv = _out_projection(attn_mod, shape, mt)
     dh, shape.dh = shape.dh, dv  # the values and reads are dv wide from here on
@@ -159,26 +183,28 @@ def describe(model: nn.Module) -> Structure:
     mlp_parts = [n for n, m in block.named_children()
                  if n != attn.split(".")[0] and not is_norm(m) and any(True for _ in m.parameters())]
     named_mlp = [n for n in mlp_parts if type(getattr(block, n)).__name__.lower().endswith("mlp")]
-    if not mlp_parts:
-        _one([], "one MLP module in a block", mt)
+    side = side_mixer(block, attn, lambda m: any(t in _own_name(m, block) for t, _ in _MIXERS))  # Falcon-H1's
+    mlp = named_mlp[0] if len(named_mlp) == 1 else None if mlp_parts else NO_MLP  # none: Nemotron-H's attention
     found = probe.probe(model, base, stack_mod, blocks, attn, out_proj, outer_norms,
-                        getattr(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
-                        named_mlp[0] if len(named_mlp) == 1 else None, named_value, latent_sources)
+                        submodule(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
+                        mlp, named_value, latent_sources, first, block_forms(block, attn, side, mlp == NO_MLP, mlp, mt))
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
     if embed_norm and len(tables) == 1:
         raise UnsupportedArchitectureError(mt, "it has a norm on the embedding and a learned position table")
     roles, latent = found["roles"], found["latent"]
-    norm = submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
+    norm = (submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
+            if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
     return Structure(
-        layers=layers, embed=embed, final_norm=stack + final_norm, attn=attn,
+        layers=layers, embed=embed, final_norm=stack + final_norm if final_norm else None, attn=attn,
         value_source=f"{attn}.{found['value_source']}", value_layout=found["value_layout"],
         out_proj=f"{attn}.{out_proj}", attn_norm=roles["attn_norm"], post_attn_norm=roles["post_attn_norm"],
-        mlp=found["mlp_chain"][-1], mlp_norm=roles["mlp_norm"], post_mlp_norm=roles["post_mlp_norm"],
+        mlp=(found["mlp_chain"] or [None])[-1], mlp_norm=roles["mlp_norm"], post_mlp_norm=roles["post_mlp_norm"],
         parallel_residual=roles["parallel"], rms_offset=rms_offset, embed_scale=found["embed_scale"],
         position_table=stack + tables[0] if len(tables) == 1 else None,
-        logit_softcap=getattr(cfg, "final_logit_softcapping", None) or None,
+        logit_softcap=(getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_soft_cap", None)
+                       or None),  # Gemma-2's, Recurrent-Gemma's
         kv_heads=found["kv_heads"], value_chunks=found["value_chunks"], value_offset=found["value_offset"],
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
@@ -186,7 +212,17 @@ def describe(model: nn.Module) -> Structure:
         norm_centred=centred, logit_scale=probe.logit_scale(model, base, mt), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
+        attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
+        attn_bias=returned_bias(blocks, attn, shape.d),
+        layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
+        side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"),
+        **_gate_fields(found["gate"], attn),
     )
+
+
+def _gate_fields(gate, attn: str) -> dict:
+    """The structure's output-gate fields of the probe's ``gate`` (source, layout, first) or None."""
+    return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2])
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
@@ -212,9 +248,26 @@ def _shape(cfg, mt) -> Shape:
         raise UnsupportedArchitectureError(mt, "its config has no num_hidden_layers / num_attention_heads / hidden_size")
     if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "add_cross_attention", False):
         raise UnsupportedArchitectureError(mt, "it has cross-attention (mfpipe reads decoder-only models)")
+    hc = next((int(v) for k in ("hc_mult", "hc_count") if isinstance(v := getattr(cfg, k, None), int)), 1)
+    if hc > 1:  # DeepSeek-V4's, HY-V4's hc_mult, Qwen-4-Exp's hc_count: [B, T, hc, d] between the blocks
+        raise UnsupportedArchitectureError(mt, f"its blocks carry {hc} residual streams mixed by hyper-connections: "
+                                               "mfpipe reads one residual stream")
     d = int(cfg.hidden_size)
-    return Shape(L=L, H=H, KV=int(getattr(cfg, "num_key_value_heads", None) or H),
-                 dh=int(getattr(cfg, "head_dim", None) or d // H), d=d)
+    return Shape(L=L, H=H, KV=int(_one_value(cfg, "num_key_value_heads", L, mt) or H),
+                 dh=int(_one_value(cfg, "head_dim", L, mt) or d // H), d=d)
+
+
+def _one_value(cfg, key: str, L: int, mt):
+    """``cfg.<key>``; where it is a per-layer attribute of a heterogeneous config that differs between layers
+    (Gemma-4's head_dim: its full-attention layers' heads twice as wide), a refusal naming the values."""
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        values = sorted({getattr(cfg.per_layer_config[i], key, None) for i in range(L)}, key=str)
+        if len(values) == 1:
+            return values[0]
+        raise UnsupportedArchitectureError(mt, f"its layers differ in {key} ({', '.join(map(str, values))}): mfpipe "
+                                               "reads heads of one width and count in every layer") from None
 
 
 def _stack(base: nn.Module, L: int, mt) -> str:
@@ -226,28 +279,82 @@ def _stack(base: nn.Module, L: int, mt) -> str:
     if has_blocks(base):
         return ""
     found = [n for n, m in base.named_children() if has_blocks(m)]
-    return _one(found, f"the list of its {L} blocks among the base model's modules", mt) + "."
+    return _one(found or unstacked(base, L, mt), f"the list of its {L} blocks among the base model's modules", mt) + "."
 
 
-def _attention(block: nn.Module, mt) -> str:
-    """The block's one ``*Attention`` module; where it wraps another (its one ``*Attention`` child that does the
-    attention proper: GPT-Neo), that one's path."""
+# a module whose class name says it is no softmax attention over the text (a hybrid's other blocks: Kimi-Linear's
+# KimiDeltaAttention, though its name ends in "Attention"; Mllama's cross-attention), and the kind its block gets
+_MIXERS = (("cross", "cross_attention"), ("mamba", "mamba"), ("deltanet", "gated_delta_net"), ("delta", "delta_net"),
+           ("linear", "linear_attention"), ("lightning", "linear_attention"), ("recurrent", "recurrent"),
+           ("rglru", "recurrent"), ("conv", "convolution"), ("ssm", "state_space"), ("rwkv", "rwkv"), ("mixer", "mixer"))
+
+
+def _attention(block: nn.Module, mt) -> str | None:
+    """The block's one ``*Attention`` module (softmax attention: not one of :data:`_MIXERS`); where it wraps another
+    (its one ``*Attention`` child that does the attention proper: GPT-Neo), that one's path. None where the block has
+    none (a hybrid's block of another mixer)."""
     def attentions(m):
-        return [n for n, c in m.named_children() if type(c).__name__.endswith("Attention")]
+        return [n for n, c in m.named_children() if type(c).__name__.endswith("Attention")
+                and not any(t in _own_name(c, block) for t, _ in _MIXERS)]
 
-    path = _one(attentions(block), "one attention module in a block", mt)
-    inner = attentions(getattr(block, path))
+    found = attentions(block) or wrapped_attention(block, attentions, mt)  # DBRX's: in a module with its norms
+    if not found:
+        return None
+    path = _one(found, "one attention module in a block", mt)
+    inner = attentions(submodule(block, path))
     while len(inner) == 1:
         path = f"{path}.{inner[0]}"
         inner = attentions(submodule(block, path))
     return path
 
 
+def _mixer_kind(block: nn.Module) -> str:
+    """The kind of a block without attention: its mixer's (:data:`_MIXERS`, by class name), "mlp" where it holds an
+    MLP or a mixture of experts only (Nemotron-H's), else its first module's class name."""
+    kids = [c for c in block.children() if not is_norm(c) and any(True for _ in c.parameters())]
+    names = [_own_name(c, block) for c in kids]
+    # by the names less the family's words first, then by the whole names (Jamba's JambaMambaMixer in a
+    # JambaMambaDecoderLayer is a "mixer" less its family's words)
+    for pool in (names, [type(c).__name__.lower() for c in kids]):
+        for token, kind in _MIXERS:
+            if any(token in n for n in pool) and (kind != "mixer" or pool is not names):
+                return kind
+    if names and all(any(t in n for t in ("mlp", "moe", "expert", "feedforward")) for n in names):
+        return "mlp"
+    return names[0] if names else "identity"
+
+
+def _own_name(module: nn.Module, block: nn.Module) -> str:
+    """``module``'s class name, lower case, less the words it shares with its block's at the start (the family's
+    name: Recurrent-Gemma's ``RecurrentGemmaAttention`` is ``attention``, no recurrent mixer)."""
+    def words(name):
+        return re.findall(r"[A-Z][a-z0-9]*|[a-z0-9]+|[A-Z]+(?![a-z])", name)
+
+    own, outer = words(type(module).__name__), words(type(block).__name__)
+    n = 0
+    while n < min(len(own), len(outer)) - 1 and own[n] == outer[n]:
+        n += 1
+    return "".join(own[n:]).lower()
+
+
+def _attention_blocks(blocks, mt) -> tuple[str, list[str]]:
+    """(the attention module's path in the attention blocks, each block's kind: "attention" or its mixer's). A
+    hybrid's attention blocks must keep their attention at one path, of one class."""
+    paths = [_attention(b, mt) for b in blocks]
+    found = {(p, type(submodule(b, p)).__name__) for p, b in zip(paths, blocks) if p is not None}
+    if not found:
+        kinds = sorted({_mixer_kind(b) for b in blocks})
+        _one([], f"one attention module in a block (none in any of its {len(blocks)} blocks: {', '.join(kinds)})", mt)
+    if len(found) > 1:
+        _one(sorted(f"{p} ({c})" for p, c in found), "one attention module at one path in its attention blocks", mt)
+    return next(iter(found))[0], ["attention" if p else _mixer_kind(b) for p, b in zip(paths, blocks)]
+
+
 def _out_projection(attn_mod: nn.Module, shape: Shape, mt) -> tuple[str, int]:
     """(the attention's output projection, the width of each head's read): the one of the known names from
     ``H x dh`` to ``d``; where there is none, the one from ``H x dv`` to ``d`` for another ``dv`` (latent attention,
     whose heads read values ``v_head_dim`` wide; the probe's value search then confirms the heads)."""
-    named = {n: linear_shape(m) for n, m in attn_mod.named_children() if n in _OUT_PROJ_NAMES}
+    named = {n: linear_shape(m) for n, m in linear_paths(attn_mod).items() if n.split(".")[0] in _OUT_PROJ_NAMES}
     what = f"the attention's output projection ({shape.H} x {shape.dh} -> {shape.d})"
     exact = [n for n, s in named.items() if s == (shape.H * shape.dh, shape.d)]
     if exact:
@@ -261,9 +368,8 @@ def _value_by_name(attn_mod: nn.Module, shape: Shape) -> tuple[str, str] | None:
     None; the probe checks it against the reads and searches every chunked layout where it fails."""
     H, KV, dh, d = shape.H, shape.KV, shape.dh, shape.d
     want_out = {"split": KV * dh, "qkv": (H + 2 * KV) * dh, "neox": 3 * H * dh}
-    sources = [(n, lay) for n, lay in _VALUE_SOURCES.items()
-               if isinstance(getattr(attn_mod, n, None), nn.Module)
-               and linear_shape(getattr(attn_mod, n)) == (d, want_out[lay])]
+    sources = [(p, lay) for p, m in linear_paths(attn_mod).items() for n, lay in _VALUE_SOURCES.items()
+               if p.split(".")[0] == n and linear_shape(m) == (d, want_out[lay])]  # Moshi's wrapped: v_proj.linear
     return sources[0] if len(sources) == 1 else None
 
 

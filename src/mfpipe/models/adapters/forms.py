@@ -1,0 +1,248 @@
+"""Block forms beyond one attention module and one MLP, read as the model computes them:
+
+* **no MLP** (Nemotron-H's attention blocks: a norm, the attention, the residual add; its MLP and MoE blocks are
+  layers of a kind of their own, ``"mlp"``): the structure's ``mlp`` is None and the MLP branch is zero
+  (:data:`NO_MLP` in the probe: a zero branch reading the block input plus the attention branch, where the block's
+  output is exactly that);
+* **a mixer beside the attention** (Falcon-H1: a Mamba mixer reads what the attention reads, and the residual after
+  the attention is the block input plus both branches, the mixer's times a scale of the block's own; then the MLP):
+  the structure's ``side_mixer`` / ``side_scale``. The heads are analysed as any attention's; the mixer's branch is
+  the model's own wherever a forward runs (the site reads and patches the heads only, so a substitution keeps the
+  model's own mixer output), and the rollout adds it at each centroid as the mixer computes it on that centroid as a
+  sequence of one position (:func:`side_branch`, as :func:`~mfpipe.models.adapters.hybrid.mixer_block` runs a
+  hybrid's other blocks); ``attn_out`` is the heads' branch alone, so ``mlp_out`` is read, never derived;
+* **a block the forward skips** (Mllama's cross-attention layers on text-only input: :data:`IDENTITY_KINDS`): a layer
+  of its own kind carried as the identity; the site reads the residual entering it where the last block run before
+  it hands it on (:func:`skipped_capture`), the rollout passes the centroids through unchanged, and the forward's own
+  hidden states, which have no entry for it, are expanded to one per layer for references (:func:`per_layer_hidden`);
+* **the attention and its norms inside one module of the block** (DBRX's ``norm_attn_norm``: :func:`wrapped_attention`;
+  the probe places those norms as the block's own), and **queries, keys and values clamped** to +-``clip_qkv``
+  (DBRX's): the structure's ``value_clip``, applied wherever values are read or computed (:func:`clipped`).
+
+Forms that are no attention block writing a residual stream of blocks of their own are refused with the reason:
+a whole decoder block nested in a layer, whose output feeds another mixer's input (Zamba's shared block:
+:func:`wrapped_attention`), attention sublayers several to a block, or blocks run again in recurrent cycles
+(LongCat-Flash's, HRM's: :func:`unstacked`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_norm, submodule
+from mfpipe.models.adapters.residual import branch_scale
+from mfpipe.models.adapters.streaming import held
+
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "clipped", "per_layer_hidden", "side_branch",
+           "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
+
+IDENTITY_KINDS = ("cross_attention",)  # layers a decoder's forward skips on text-only input: carried as the identity
+NO_MLP = "<no mlp>"  # the probe's name of the zero MLP branch of a block without one
+
+
+def side_mixer(block: nn.Module, attn: str, is_mixer) -> str | None:
+    """The one child of ``block`` beside its attention (``attn``'s top module) that ``is_mixer`` (by class name: a
+    Mamba mixer) and holds parameters, or None."""
+    top = attn.split(".")[0]
+    found = [n for n, m in block.named_children() if n != top and not is_norm(m) and is_mixer(m)
+             and any(True for _ in m.parameters())]
+    return found[0] if len(found) == 1 else None
+
+
+def wrapped_attention(block: nn.Module, attentions, mt) -> list[str]:
+    """The attention one level down (``attentions(module)``: its ``*Attention`` children), in a child of ``block``
+    that holds it and norms only (DBRX's ``norm_attn_norm``: ``norm_1``, ``attn``, ``norm_2``, which returns the
+    residual after the attention and the MLP norm of it): its path, or none. A child that holds an attention and
+    other modules besides norms (a whole decoder block nested in a layer: Zamba's shared transformer block) is
+    refused."""
+    found = []
+    for n, c in block.named_children():
+        inner = attentions(c)
+        rest = [k for k, g in c.named_children() if k not in inner and not is_norm(g)]
+        if len(inner) == 1 and not rest:
+            found.append(f"{n}.{inner[0]}")
+        elif inner:
+            beside = [k for k in dict(block.named_children()) if k != n]
+            raise UnsupportedArchitectureError(mt, f"its attention ({n}.{inner[0]}) sits in {type(c).__name__}, a "
+                                                   f"block of its own ({', '.join(rest)} beside it) nested in a layer "
+                                                   f"with {', '.join(beside)}: Zamba's shared transformer block, which "
+                                                   "reads the residual concatenated with the token embeddings and "
+                                                   "whose output enters the input of the layer's Mamba mixer, not "
+                                                   "the residual stream; mfpipe reads heads whose output projection "
+                                                   "writes a branch of the residual stream")
+    return found
+
+
+def unstacked(base: nn.Module, L: int, mt) -> list:
+    """Where no module of ``base`` holds a list of its ``L`` (``num_hidden_layers``) blocks: a refusal that says what
+    ``L`` counts instead, by the modules and one forward -- attention sublayers, several to a block (LongCat-Flash's
+    two per block), or the calls of fewer blocks run again in recurrent cycles (HRM's two stacks); else none."""
+    lists = {n: m for n, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) and n.count(".") < 2}
+    for n, blocks in lists.items():
+        inner = [(k, len(g)) for k, g in blocks[0].named_children() if isinstance(g, nn.ModuleList) and len(g) > 1
+                 and all(type(a).__name__.endswith(("Attention", "MLA")) for a in g)]
+        moe = [f"{k} ({type(g).__name__})" for k, g in blocks[0].named_children() if "moe" in type(g).__name__.lower()]
+        if inner and len(blocks) * inner[0][1] == L:
+            raise UnsupportedArchitectureError(mt, f"each of its {len(blocks)} blocks ({n}) holds {inner[0][1]} "
+                                                   f"attention sublayers (a list, {inner[0][0]}), which its "
+                                                   f"num_hidden_layers ({L}) counts, and modules the sublayers share"
+                                                   f"{': ' + ', '.join(moe) if moe else ''}: mfpipe reads one "
+                                                   "attention module per block")
+    calls: list[int] = []
+    handles = [b.register_forward_pre_hook(lambda *a: calls.append(1)) for m in lists.values() for b in m]
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([[1, 8, 15]]).remainder(int(base.config.vocab_size))
+            base(ids.to(base.get_input_embeddings().weight.device), use_cache=False)
+    except Exception:  # a forward that fails says nothing more
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    n_blocks = sum(len(m) for m in lists.values())
+    if len(calls) > n_blocks:  # (a default config's num_hidden_layers counts the calls: HRM's)
+        raise UnsupportedArchitectureError(mt, f"its forward runs its {n_blocks} blocks ({', '.join(lists)}) "
+                                               f"{len(calls)} times, again in recurrent cycles (HRM's two stacks over "
+                                               "two states, each stack ending in a norm of its state): no residual "
+                                               "stream through blocks of their own, as mfpipe reads a decoder")
+    return []
+
+
+def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, named_mlp: str | None, mt):
+    """The probe's hook for the forms above (:func:`mfpipe.models.adapters.probe.probe`'s ``forms``): called on the
+    probe forward's tensors ``seen`` (and ``same``, equality up to the model dtype's rounding) before the MLP and the
+    norms are placed; it checks the form, adds or rewrites what the probe reads, and returns the probe's extra
+    results. Its ``watch``: the norms of a module that holds the attention and its norms (:func:`wrapped_attention`),
+    which the probe places as the block's own."""
+    clip = getattr(submodule(block, attn), "clip_qkv", None)  # DBRX's: q, k, v clamped to +-clip_qkv
+    clip = {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
+    scales = [float(v) for v in vars(block).values() if isinstance(v, float)]
+    top = attn.split(".")[0]
+
+    def forms(seen: dict, same) -> dict:
+        for k in [k for k in seen if clip and k.startswith("<src>")]:  # the value search reads them as the heads do
+            seen[k] = seen[k]._replace(y=seen[k].y.clamp(min=-clip["value_clip"], max=clip["value_clip"]))
+        return place(seen, same) | clip
+
+    def place(seen: dict, same) -> dict:
+        block_in, block_out, attn = seen["<block>"].x, seen["<block>"].y, seen["<attn>"]
+        if no_mlp:
+            if not same(block_out, block_in + attn.y):
+                raise UnsupportedArchitectureError(mt, "its block without an MLP does not return its input plus its "
+                                                       "attention's output")
+            mid = block_in + attn.y  # the zero MLP reads the residual after the attention
+            zero = torch.zeros_like(mid)
+            seen[NO_MLP] = Seen(mid, zero, mid, zero, zero)
+            return {"mlp_chain": [], "mlp_sequences": False}
+        if side is None:
+            return {}
+        if side not in seen or named_mlp not in seen:
+            raise UnsupportedArchitectureError(mt, f"a probe forward did not run its mixer beside the attention "
+                                                   f"({side}) or its MLP")
+        mixer = seen[side]
+        if not same(mixer.x, attn.x):
+            raise UnsupportedArchitectureError(mt, f"its mixer beside the attention ({side}) reads another input than "
+                                                   "the attention: mfpipe reads both from one norm of the residual")
+        rest = block_out - seen[named_mlp].y - block_in - attn.y  # what the block adds besides the heads and the MLP
+        c = branch_scale(rest, mixer.y, scales)
+        if c is None or not same(block_in + attn.y + c * mixer.y, block_out - seen[named_mlp].y):
+            raise UnsupportedArchitectureError(mt, f"its mixer beside the attention ({side}) and the attention join "
+                                                   "the residual in a way mfpipe cannot place (not the block input "
+                                                   "plus the attention's output plus the mixer's times a scale)")
+        # what the MLP reads is the block input plus both branches: the norms' roles are placed on their sum
+        seen["<attn>"] = attn._replace(y=attn.y + c * mixer.y)
+        return {"side_scale": c}
+
+    wrapper = submodule(block, top)
+    forms.watch = {f"{top}.{n}": m for n, m in wrapper.named_children() if is_norm(m)} if top != attn else {}
+    return forms
+
+
+def check_skipped(base: nn.Module, blocks, kinds: list[str], mt) -> None:
+    """Where ``kinds`` name any of :data:`IDENTITY_KINDS`: refuse unless the blocks the decoder's forward skips on
+    text-only input (one forward of three tokens) are exactly those, and the first block runs."""
+    if not any(k in IDENTITY_KINDS for k in kinds):
+        return
+    ran: set[int] = set()
+    handles = [b.register_forward_pre_hook(lambda m, a, l=l: ran.add(l)) for l, b in enumerate(blocks)]
+    vocab = int(getattr(base.config, "vocab_size", 3) or 3)
+    try:
+        with torch.no_grad():
+            base(torch.tensor([[1, 8, 15]]).remainder(vocab).to(base.get_input_embeddings().weight.device),
+                 use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    skipped = [l for l in range(len(blocks)) if l not in ran]
+    identity = [l for l, k in enumerate(kinds) if k in IDENTITY_KINDS]
+    if skipped != identity:
+        raise UnsupportedArchitectureError(mt, f"its forward skips the blocks {skipped} on text-only input, and the "
+                                               f"blocks {identity} are of a kind mfpipe carries as the identity "
+                                               f"({', '.join(IDENTITY_KINDS)})")
+    if skipped and skipped[0] == 0:
+        raise UnsupportedArchitectureError(mt, "its forward skips its first block: mfpipe reads the residual entering "
+                                               "a skipped block where the block before it hands it on")
+
+
+@torch.no_grad()
+def side_branch(adapter, layer: int, x: Tensor) -> Tensor | None:
+    """The branch of block ``layer``'s mixer beside the attention (Falcon-H1) on the residual sequences ``x [B, T, d]``
+    (float32): the mixer on the attention-input norm of ``x``, times the block's scale, as the block computes it; None
+    where the block has none. The rollout passes each centroid as a sequence of one position (no history before it:
+    the mixer's state starts from zero)."""
+    s = adapter.structure
+    if s.side_mixer is None:
+        return None
+    block = adapter.block_module(layer)
+    with held(block):
+        h = adapter.attn_input_norm(layer, x.to(device=adapter.device, dtype=adapter.dtype))
+        y = submodule(block, s.side_mixer)(h)
+    y = y[0] if isinstance(y, tuple) else y
+    return (y if s.side_scale == 1.0 else y * s.side_scale).float()
+
+
+def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
+    """Inside the site's trace: None unless the forward skips block ``layer``; else its capture ``make(layer=layer,
+    resid_in=...)`` (a :class:`~mfpipe.models.adapters.site.LayerCapture`): the residual entering it (float32, where
+    ``sel`` asks for it) is read as the output of the last block run before it (in forward order: that block has run,
+    the next has not), where ``patch_resid(layer, resid)`` may replace it, so that every later block reads that."""
+    if kinds is None or kinds[layer] not in IDENTITY_KINDS:
+        return None
+    if patch_resid is None and "resid_in" not in sel:
+        return make(layer=layer)
+    prev = max(l for l in range(layer) if kinds[l] not in IDENTITY_KINDS)
+    env = layers_env[prev]
+    out = env.output
+    raw = out[0] if isinstance(out, tuple) else out
+    if patch_resid is not None:
+        new = patch_resid(layer, raw.float())
+        if new is not None:
+            if not isinstance(new, Tensor) or tuple(new.shape) != tuple(raw.shape):
+                raise ValueError(f"patch_resid(layer={layer}) returned {getattr(new, 'shape', type(new).__name__)}; "
+                                 f"return the residual as a tensor of shape {list(raw.shape)} (or None)")
+            raw = new.to(device=raw.device, dtype=raw.dtype)
+            env.output = (raw, *out[1:]) if isinstance(out, tuple) else raw
+    return make(layer=layer, resid_in=raw.float() if "resid_in" in sel else None)
+
+
+def clipped(structure, t: Tensor) -> Tensor:
+    """``t`` (a value source's output, or values) clamped to +-``structure.value_clip`` where the attention clamps its
+    queries, keys and values so (DBRX's ``clip_qkv``), as it does; else ``t``."""
+    c = structure.value_clip
+    return t if c is None else t.clamp(min=-c, max=c)
+
+
+def per_layer_hidden(hidden: list, kinds) -> list:
+    """The forward's ``output_hidden_states`` with one entry per layer (and the last): where the forward skipped blocks
+    (:data:`IDENTITY_KINDS`) it recorded none for them; the residual entering a skipped block is the one entering the
+    next block run (a list of the right length is returned as it is)."""
+    kinds = list(kinds)
+    run = [k for k in kinds if k not in IDENTITY_KINDS]
+    if len(hidden) == len(kinds) + 1 or len(hidden) != len(run) + 1:
+        return hidden
+    out, i = [], 0
+    for k in kinds:
+        out.append(hidden[i])
+        i += k not in IDENTITY_KINDS
+    return [*out, hidden[-1]]

@@ -1,0 +1,140 @@
+"""An output gate between the heads' reads and the output projection: Qwen3-Next's and Qwen3.5's full-attention
+layers (the query projection's second half of each head), LFM-3's and Ling's ``bailing_hybrid`` (a projection to one
+gate per head). The attention multiplies each head's read by the sigmoid of a slice of a projection of its own input
+before the output projection::
+
+    o_proj input[..., h, :] = reads[..., h, :] * sigmoid(gate[..., h, :]),   reads = probabilities x values
+
+How mfpipe places it, so that the paper's definitions hold as written: a head's read stays probabilities x values (its
+P, mu_t and zbar are the attention proper's), and the gate, a factor of the query position, is part of the path from
+the read to the residual, as the output projection is:
+
+* the site (:meth:`~mfpipe.models.adapters.site.TracedSite.run`) reads the gate off its source in the forward
+  (:meth:`OutputGate.gate_site`) and hands on the reads as the projection's input divided by it; a replaced read goes
+  through the model's own gate of its query position, as ``input + (new - reads) * gate`` (:func:`gated_input`),
+  which is the model's own input, bit for bit, wherever the read written back is its own;
+* the rollout (:mod:`mfpipe.experiments.rollout.algorithm`) computes the gate of each row it rolls out as the model
+  computes it of a position's residual (:meth:`OutputGate.read_gate`: the attention-input norm, the source, the
+  sigmoid), so a centroid's mean-field read enters the output projection times the centroid's own gate;
+* the probe (:mod:`~mfpipe.models.adapters.probe`) finds the gate (:func:`gated_layout`) where no value layout gives
+  the reads: the one slice of one of the attention's projections of its input whose sigmoid, dividing the output
+  projection's input, lets one do. Nothing is named by family: a gate of another slice or source is found alike;
+* a head's write to the residual is its read times the gate of its query, then O_h (:func:`gate_reads`): the J-lens
+  agreement, the function vectors, the context lens and ``context_deviation(reads="resid")`` take the gate of each
+  query position they run over; the statistics' ``zhat`` / ``zbar`` mapped through O_h take the gate of the query
+  type's centroid, as the rollout does, and ``mu`` mapped so is refused (a key type has no query gate).
+
+The sigmoid is taken in the source's dtype, as Qwen3-Next and LFM-3 take it (Ling's float32 sigmoid rounds to the
+same within the model's dtype); on a float32 model the gate is the forward's to the bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from mfpipe.models.adapters.streaming import holds_block
+
+__all__ = ["OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
+
+
+def _index(width: int, n: int, chunks: int, offset: int) -> Tensor:
+    """The positions of ``n`` gate pre-activations among a projection's ``width`` outputs laid out as ``chunks`` equal
+    chunks holding ``n / chunks`` each at ``offset`` (the value layouts' convention, ``probe.chunk_index``)."""
+    cw, nw = width // chunks, n // chunks
+    return (torch.arange(chunks)[:, None] * cw + offset + torch.arange(nw)[None]).reshape(-1)
+
+
+def gate_of(out: Tensor, layout: tuple[int, int, int], H: int, dh: int) -> Tensor:
+    """The gate ``[..., H, dh]`` (float32) of the gate source's output ``out [..., W]`` in ``layout`` (n, chunks,
+    offset): n = H x dh, one gate per read entry (Qwen3-Next), or n = H, one per head (LFM-3), spread over its read."""
+    n, chunks, offset = layout
+    g = torch.sigmoid(out[..., _index(out.shape[-1], n, chunks, offset).to(out.device)]).float()
+    return g[..., None].expand(*g.shape, dh) if n == H and n != H * dh else g.unflatten(-1, (H, dh))
+
+
+def gated_input(flat: Tensor, new: Tensor, reads: Tensor, gate: Tensor) -> Tensor:
+    """The output projection's input ``[B,T,H,dh]`` (float32) where the reads ``reads`` (its own input over the gate)
+    are replaced by ``new``: its own input plus the change of the read times the model's own gate. Where ``new`` is
+    ``reads`` the change is 0 exactly, and the input the model's own to the bit (``new * gate`` would round)."""
+    return flat.view(reads.shape).float() + (new.to(device=flat.device, dtype=torch.float32) - reads) * gate
+
+
+def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: list[str], layout) -> dict:
+    """``layout(seen)`` (the probe's value layout) and ``gate`` None where it places the values; else ``layout`` of the
+    probe's tensors with the output projection's input divided by each candidate gate (a slice of n = H x dh outputs,
+    in any chunked layout, of one of the attention's projections that reads its input; n = H of one whose outputs are
+    one per head), and ``gate`` = (source, layout, whether it runs before the value source) of the one candidate with
+    which a layout is found. Without one, the refusal of ``layout(seen)``."""
+    try:
+        return dict(layout(seen), gate=None)
+    except ValueError as e:  # UnsupportedArchitectureError (probe.py imports this module: caught by its base)
+        refusal = e
+    attn, found = seen["<attn>"], {}
+    for name in (n for n, _ in attn_mod.named_children() if n != out_proj and f"<src>{n}" in seen):
+        src = seen[f"<src>{name}"]
+        if not (src.x_obj is attn.x_obj or torch.equal(src.x, attn.x)):  # the gate is of the attention's input
+            continue
+        W = src.y.shape[-1]
+        shapes = [(H * dh, c, o) for c in range(1, H + 1) if H % c == 0 and W % c == 0
+                  for o in range(0, W // c - H * dh // c + 1, dh)] + ([(H, 1, 0)] if W == H else [])
+        for lay in shapes:
+            trial = dict(seen)
+            trial["<out_proj>"] = seen["<out_proj>"]._replace(x=seen["<out_proj>"].x / gate_of(src.y, lay, H, dh)
+                                                              .flatten(-2))
+            try:  # one gate in several layouts (an elementwise one, chunked or not) is one candidate
+                found.setdefault((name, tuple(_index(W, *lay).tolist())), (name, lay, layout(trial)))
+            except ValueError:
+                continue
+    if len(found) != 1:
+        raise refusal
+    name, lay, out = next(iter(found.values()))
+    first = order.index(f"<src>{name}") < order.index(f"<src>{out['value_source']}")
+    return dict(out, gate=(name, lay, first))
+
+
+def has_gate(adapter) -> bool:
+    """Whether the attention of ``adapter``'s model gates its heads' reads (the structure's ``output_gate``)."""
+    s = getattr(adapter, "structure", None)
+    return getattr(s, "output_gate", None) is not None
+
+
+def gate_reads(adapter, layer: int, reads: Tensor, resid: Tensor | None) -> Tensor:
+    """A head's read as it enters the output projection: ``reads [..., H, dh]`` times the model's own gate of the query
+    rows ``resid [..., d]`` (the residual entering block ``layer`` at those positions; :meth:`OutputGate.read_gate`),
+    so ``gate_reads(...)[..., h, :] @ out_proj_slices(layer)[h]`` is head h's write to the residual. ``reads`` itself
+    where the attention has no gate (``resid`` may then be None)."""
+    if not has_gate(adapter):
+        return reads
+    if resid is None:
+        raise ValueError(f"layer {layer}: the model's attention gates its reads by the query position's residual, so "
+                         "mapping a read to the residual needs the residual entering the block (select 'resid_in')")
+    return reads * adapter.read_gate(layer, resid).to(device=reads.device, dtype=reads.dtype)
+
+class OutputGate:
+    """Mixin of :class:`~mfpipe.models.adapters.base.Adapter`: the output gate's pieces (the structure's
+    ``output_gate``: its source's path from a block, ``gate_layout``, ``gate_first``; none where it has no gate)."""
+
+    @holds_block
+    @torch.no_grad()
+    def read_gate(self, layer: int, x: Tensor) -> Tensor | None:
+        """The output gate ``[..., H, dh]`` (float32) of residual rows ``x [..., d]`` entering block ``layer`` (the
+        attention-input norm, the gate's source, the sigmoid: as the attention computes it of a position's residual),
+        or None where the attention has no gate. A read of a row enters the output projection times it."""
+        s = self.structure
+        if s.output_gate is None:
+            return None
+        h = self.attn_input_norm(layer, x.to(device=self.device))
+        return gate_of(self._sub(layer, s.output_gate)(self._in(h)), s.gate_layout, self.n_heads, self.d_head)
+
+    def gate_site(self, layer_env, sel: frozenset[str], patch_reads, first: bool) -> Tensor | None:
+        """Inside the site's trace: the forward's own gate ``[B,T,H,dh]`` (float32) of the block ``layer_env``, read
+        off its source where the reads are read or patched and the source runs at this point of the block (``first``:
+        before the value source; nnsight reads in forward order), else None."""
+        s = self.structure
+        if s.output_gate is None or s.gate_first != first or ("reads" not in sel and patch_reads is None):
+            return None
+        src = functools.reduce(getattr, s.output_gate.split("."), layer_env)  # its envoy, as site.module_at
+        return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head)

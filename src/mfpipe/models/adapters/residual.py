@@ -1,0 +1,137 @@
+"""How a block's branches join the residual stream, where not as ``resid + branch`` of the modules' outputs, and how
+positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.adapters.probe`).
+
+* the residual added inside a module (BLOOM's fused ``dropout_add``): the attention returns the block input plus its
+  output projection's output (:func:`attn_adds_residual`: its branch is the projection's output), the MLP takes
+  ``(input, residual)`` and returns its branch plus the residual (:func:`mlp_residual`, BLOOM and MPT: its branch is its
+  output with a zero residual);
+* a branch scale (MiniCPM-3 multiplies each branch by ``scale_depth / sqrt(L)``: :func:`branch_scale`), and a bias the
+  attention returns for the block to add (:func:`returned_bias`: GPT-NeoX-Japanese's);
+* an absolute position table as a tensor (:func:`table_rows`: a learned one, or a sinusoidal buffer; the candidates:
+  :func:`position_tables`), and the input embedding a base model leaves to its causal LM (:func:`input_embedding`:
+  TrOCR's wrapper);
+* how the MLP is called: on ``[B, T, d]`` only where one block's MLP reads its input's shape (a mixture of experts,
+  also after a dense first block: :func:`mlp_needs_sequences`), with a zero residual where it adds its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor, nn
+
+from mfpipe.models.adapters.streaming import held
+
+__all__ = ["attn_adds_residual", "branch_scale", "input_embedding", "mlp_needs_sequences", "mlp_residual",
+           "position_tables", "returned_bias", "table_rows"]
+
+
+def input_embedding(model: nn.Module, base: nn.Module) -> nn.Module:
+    """The base model's input embedding; the causal LM's where the base model leaves it to it (TrOCR's wrapper)."""
+    try:
+        return base.get_input_embeddings()
+    except NotImplementedError:
+        return model.get_input_embeddings()
+
+
+def table_rows(obj) -> Tensor | None:
+    """The rows ``[n, d]`` of an absolute position table: a tensor (CTRL's sinusoidal ``pos_encoding`` buffer), or a
+    module's ``weight`` (an nn.Embedding: GPT-2's learned ``wpe``) or ``weights`` (XGLM's sinusoidal one), or None."""
+    for t in (obj, getattr(obj, "weight", None), getattr(obj, "weights", None)):
+        if isinstance(t, Tensor) and t.ndim == 2 and t.is_floating_point():
+            return t
+    return None
+
+
+def position_tables(stack_mod: nn.Module, emb, d: int, n_pos) -> list[str]:
+    """The candidates for an absolute position table beside the blocks: a child (an nn.Embedding, XGLM's sinusoidal
+    module) or a buffer of its own (CTRL's ``pos_encoding``) with ``d`` wide rows, as many as the positions (or up to
+    two more: OPT's and XGLM's start at row 2); the probe checks the one found against what block 0 reads."""
+    found = {n: m for n, m in stack_mod.named_children()  # a module with a weight: an nn.Embedding (not a projection)
+             if m is not emb and (isinstance(m, nn.Embedding) or getattr(m, "weight", None) is None)}
+    found.update(dict(stack_mod.named_buffers(recurse=False)))
+    return [n for n, m in found.items() if (t := table_rows(m)) is not None and t.shape[1] == d
+            and isinstance(n_pos, int) and 0 <= t.shape[0] - n_pos <= 2]
+
+
+def returned_bias(blocks, attn: str, d: int) -> str | None:
+    """The bias an attention module returns beside its output for the block to add (GPT-NeoX-Japanese's ``dense_bias``:
+    a ``[d]`` parameter of the attention module itself that some blocks' attention holds and the others' set to None),
+    as a path from the block; None where there is none. The conformance rebuild checks it."""
+    mods = [functools.reduce(getattr, attn.split("."), b) for b in blocks if hasattr(b, attn.split(".")[0])]
+    mods = [m for m in mods if isinstance(m, nn.Module)]
+    names = {n for m in mods for n, p in m.named_parameters(recurse=False)
+             if tuple(p.shape) == (d,) and any(n in vars(o) and getattr(o, n) is None for o in mods)}
+    return f"{attn}.{names.pop()}" if len(names) == 1 else None
+
+
+def mlp_residual(block, chain: list[str], last, same) -> Tensor | None:
+    """The residual a one-module MLP adds to its branch itself (BLOOM's and MPT's ``mlp(h, residual)``), or None: its
+    second positional argument, where the module called on its input and a zero residual gives its output less it."""
+    r = last.args[0] if len(chain) == 1 and last.args else None
+    if not isinstance(r, Tensor) or r.shape != last.y_obj.shape:
+        return None
+    try:
+        with torch.no_grad():
+            y = getattr(block, chain[0])(last.x_obj, torch.zeros_like(r))
+    except Exception:  # a second argument of another meaning
+        return None
+    y = (y[0] if isinstance(y, tuple) else y).float()
+    return r if same(y + r.float(), last.y) and not same(y, last.y) else None
+
+
+def attn_adds_residual(seen: dict, same) -> bool:
+    """Whether the attention returns the block input plus its output projection's output (BLOOM's dropout_add)."""
+    if "<out_proj>" not in seen:
+        return False
+    a, o = seen["<attn>"].y, seen["<out_proj>"].y
+    return a.shape == o.shape and not same(a, o) and same(a, seen["<block>"].x + o)
+
+
+def branch_scale(delta: Tensor, branch: Tensor, scales) -> float | None:
+    """The factor ``c`` with ``delta = c * branch`` (least squares), replaced by the one of ``scales`` it is to 1e-4
+    (the block's own number: the adapter then scales as the block does, to the bit); None where ``branch`` is 0."""
+    nb = float((branch.double() ** 2).sum())
+    if nb <= 0:
+        return None
+    c = float((delta.double() * branch.double()).sum()) / nb
+    return next((v for v in scales if abs(v - c) <= 1e-4 * abs(c)), c)
+
+
+def mlp_needs_sequences(blocks, block, chain: list[str], x3: Tensor, want: Tensor, same, residual: bool) -> bool:
+    """:func:`_needs_sequences` of the placed ``block`` (against the probe's output ``want``) or of one block of each
+    other MLP class (against its own call on ``[B, T, d]``): a mixture of experts after a dense first block (DeepSeek,
+    Qwen-MoE's ``mlp_only_layers``) is called as the mixture needs. One block per class: a streamed model's weights
+    are read for each."""
+    kinds = {type(getattr(block, chain[-1], None))}  # none: a block without an MLP (mfpipe...forms.NO_MLP)
+    others = []
+    for b in blocks:
+        mlp = getattr(b, chain[-1], None) if all(hasattr(b, n) for n in chain) else None
+        if isinstance(mlp, nn.Module) and type(mlp) not in kinds:
+            kinds.add(type(mlp))
+            others.append(b)
+    for b, w in [(block, want), *[(b, None) for b in others]]:
+        with held(b):  # called outside a forward: a streamed block's weights are read for it
+            if _needs_sequences(b, chain, x3, w, same, residual):
+                return True
+    return False
+
+
+def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, same, residual: bool = False) -> bool:
+    """Whether the MLP takes ``[B, T, d]`` only: called on the rows of the probe's input as one ``[n, d]`` matrix it
+    fails or gives another result than ``want`` (None: its own output on ``x3``) (a mixture of experts reads its
+    input's shape); ``residual``: with a zero residual (:func:`~mfpipe.models.adapters.residual.mlp_residual`)."""
+    def run(y):
+        for name in chain:
+            y = getattr(block, name)(y, *([torch.zeros_like(y)] if residual else []))
+            y = y[0] if isinstance(y, tuple) else y
+        return y
+
+    try:
+        with torch.no_grad():
+            x = x3.to(next(block.parameters()).dtype)
+            want = run(x).float() if want is None else want
+            return not same(run(x[0]).float(), want[0])
+    except Exception:
+        return True

@@ -1,0 +1,382 @@
+"""Why a decoder cannot be placed, said precisely: :func:`explain` re-reads a refusal of
+:func:`~mfpipe.models.adapters.structure.describe` that names only what it did not find ("cannot place the value
+projection: none") and, by a forward of the probe's tokens with hooks on its modules, names what stands
+between its heads and mfpipe's reading of them (each head's read = its probability row times its values, the
+output projection's input):
+
+* differential attention (DiffLlama: each head reads ``(softmax_1 - λ softmax_2) V``, normalised per head): no head
+  has one probability row -- a refusal of the ``modelling`` kind (:mod:`mfpipe.models.census`);
+* a norm between the reads and the output projection (BitNet's ``attn_sub_norm`` over all heads' reads together);
+* the reads equal to the probability-weighted values times a constant (MiMo-V2-Flash's ``attention_value_scale``),
+  times a factor per position and head in (0, 1) that the returned probabilities leave out (an attention sink applied
+  as ``sigmoid(logsumexp(scores) - sink)`` after the softmax: Granite-SWA's ``sinks``), or times a gate -- a sigmoid
+  or softplus of a projection of the position's input, per head or per channel (AFMoE's ``gate_proj``, Dots3's and
+  Laguna's ``g_proj``, AX-K2's gate half of a fused projection; Qwen3-Next's gated attention output);
+* heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
+* a block that keeps no residual stream of summed branches: several streams (Gemma-3n's AltUp, hyper-connections,
+  Reformer's reversible halves), a norm of the residual at its end (post-norm: GIT), a residual scaled by the block
+  (Zaya's residual-scaling modules, Beam's depth-scaled sum, Dory's per-channel interpolation), the attention's
+  output passed through another module before the residual (Inkling's short convolutions);
+* blocks of different pieces (ModernBERT-decoder's first block without an attention norm) or an LM head that is more
+  than a linear map of the final norm's output.
+
+Each test compares tensors of the forward (the probabilities the attention returns, what its projections write, the
+output projection's input, what the block's modules read and write) up to float32 rounding; where none explains
+what failed, the refusal stays as :func:`describe` gave it. The census (:mod:`mfpipe.models.census`) calls it on each
+refusal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mfpipe.models.adapters.linears import linear_paths
+from mfpipe.models.adapters.structure import base_model, blocks
+
+__all__ = ["explain"]
+
+_TOL = 1e-4  # relative: a float32 tiny model's rounding is ~1e-6; a wrong relation misses by the reads' size
+_IDS = torch.arange(3) * 7 + 1
+
+
+def _forward(model, base, watch: dict[str, nn.Module], whole: bool = False) -> dict[str, tuple]:
+    """One forward of the probe's tokens (through the base model; the causal LM where ``whole``) with a hook on each
+    module of ``watch``: name -> (input, output, raw output, its other positional arguments) of its first call."""
+    seen, handles = {}, []
+
+    def hook(name):
+        def fn(mod, args, kwargs, out):
+            x = args[0] if args else kwargs.get("hidden_states")
+            y = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
+            if name not in seen and isinstance(x, Tensor) and isinstance(y, Tensor):
+                seen[name] = (x, y, out, tuple(args[1:]))
+        return fn
+
+    for n, m in watch.items():
+        handles.append(m.register_forward_hook(hook(n), with_kwargs=True))
+    emb = base.get_input_embeddings()
+    vocab = int(getattr(model.config, "vocab_size", 3) or 3)
+    try:
+        with torch.no_grad():
+            (model if whole else base)((_IDS % vocab)[None].to(emb.weight.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _same(a: Tensor, b: Tensor) -> bool:  # one tensor, or a view of it (the LM head reads a slice of positions)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm) or "norm" in type(m).__name__.lower()
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and float((a - b).norm()) <= _TOL * float(b.norm().clamp_min(1e-30))
+
+
+def _weighted_values(probs: Tensor, seen: dict, srcs: list[str], H: int, dh: int):
+    """Every (source, kv heads, chunked layout) of the attention's projections, as the probe's value search tries
+    them (``chunks`` equal chunks holding ``kv * dh / chunks`` values each at one offset: a split projection, a fused
+    one, latent attention's per-head ``[k_nope | v]``): the values weighted by the probabilities, ``[T, H, dh]``."""
+    for n in srcs:
+        y = seen[n][1].detach().double()
+        y = y.reshape(-1, y.shape[-1])  # [T, W]
+        W = y.shape[-1]
+        for kv in (k for k in range(1, H + 1) if H % k == 0):
+            for chunks in (c for c in range(1, kv + 1) if kv % c == 0 and W % c == 0):
+                cw, vw = W // chunks, kv * dh // chunks
+                for offset in range(0, cw - vw + 1):
+                    index = (torch.arange(chunks)[:, None] * cw + offset + torch.arange(vw)[None]).reshape(-1)
+                    v = y[:, index].unflatten(-1, (kv, dh)).repeat_interleave(H // kv, dim=1)
+                    yield n, torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _gate(want: Tensor, seen: dict, srcs: list[str], H: int) -> tuple[str, str, str] | None:
+    """(the activation, the projection, where among its outputs) of the gate ``want`` ``[T, n]``: the sigmoid or the
+    softplus of ``n`` of a projection's outputs in ``chunks`` (dividing H) equal chunks at one offset each (AX-K2's
+    ``[q | gate]`` per head); None where none is."""
+    n_out = want.shape[-1]
+    for n in srcs:
+        y = seen[n][1].detach().double().reshape(want.shape[0], -1)
+        W = y.shape[-1]
+        for chunks in (c for c in range(1, H + 1) if H % c == 0 and W % c == 0 and n_out % c == 0):
+            cw, gw = W // chunks, n_out // chunks
+            for offset in range(0, cw - gw + 1):
+                index = (torch.arange(chunks)[:, None] * cw + offset + torch.arange(gw)[None]).reshape(-1)
+                for act, f in (("sigmoid", torch.sigmoid), ("softplus", F.softplus)):
+                    if _close(f(y[:, index]), want):
+                        each = f" of each of its {chunks} chunks" if chunks > 1 else ""
+                        return act, n, "" if W == n_out else f" (its outputs {offset}..{offset + gw - 1}{each})"
+    return None
+
+
+def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> str:
+    """The refusal of reads gated by ``gate`` (:func:`_gate`), ``per`` head or channel, values from ``n``."""
+    act, src, where = gate
+    said = (f"its reads ({n} weighted by its probabilities) are multiplied {per} by a gate, {act} of {src}{where}, "
+            "before the output projection")
+    if act == "sigmoid" and seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places: not the cause
+        scaled = [(m, c) for m, (x, y, *_) in seen.items() if m and x is not y and y.numel() == seen[n][0].numel()
+                  and abs((c := float((seen[n][0] * y).sum() / (y * y).sum().clamp_min(1e-30))) - 1) > 1e-4
+                  and _close(c * y.reshape(seen[n][0].shape), seen[n][0])]
+        if scaled:
+            return (f"{said}, a gate mfpipe places; but {n} reads its norm {scaled[0][0]}'s output times "
+                    f"{scaled[0][1]:.4g} (a latent rescaled after its norm), where mfpipe's latent attention reads the "
+                    "norm's output as is")
+        return f"{said}, a gate mfpipe places; but no layout of its values is found with it"
+    form = "a softplus" if act == "softplus" else f"the sigmoid of a projection ({src}) of another input"
+    return (f"{said}: {form}, a gated attention output of a form mfpipe does not place (mfpipe.models.adapters.gate "
+            "places a sigmoid of a projection of the attention's input)")
+
+
+def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) -> str | None:
+    """What the reads are, where the probability-weighted values of no layout are (see the module docstring)."""
+    reads = seen[out_proj][0]
+    for n, (x, y, *_) in seen.items():
+        if n and n != out_proj and y is reads and _norm(attn_mod.get_submodule(n)):
+            return (f"a norm of all its heads' reads together ({n}: {type(attn_mod.get_submodule(n)).__name__}) "
+                    "sits between the attention and its output projection: each head's share of the branch is "
+                    "divided by a root mean square over every head's reads")
+    out = seen[""][2]
+    probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+    if not isinstance(probs, Tensor):
+        return None
+    probs, R = probs.detach().double()[0], reads.detach().double().reshape(-1, H, dh)
+    srcs = [n for n in linear_paths(attn_mod) if n != out_proj and n in seen]
+    for n, pv in _weighted_values(probs, seen, srcs, H, dh):
+        c = float((R * pv).sum() / (pv * pv).sum().clamp_min(1e-30))
+        if abs(c - 1) > 1e-4 and _close(c * pv, R):  # (times 1: the values fit, nothing to explain)
+            named = [k for k, v in vars(cfg).items() if isinstance(v, float) and abs(v - c) <= 1e-4 * abs(c)]
+            what = f" (the config's {named[0]})" if named else ""
+            return (f"its values are its value projection's ({n}) outputs times {c:.4g}{what}: mfpipe's value map "
+                    "has no such factor")
+        s = (R * pv).sum(-1) / (pv * pv).sum(-1).clamp_min(1e-30)  # [T, H]
+        if not _close(pv, R) and _close(s[..., None] * pv, R):
+            sinks = [k for k, p in attn_mod.named_parameters(recurse=False) if tuple(p.shape) == (H,)]
+            if sinks and bool(((s > 0) & (s < 1)).all()):
+                return (f"each head's reads are its probability-weighted values ({n}) times a factor in (0, 1) per "
+                        f"position that the probabilities it returns leave out (its {sinks[0]} parameter: an "
+                        "attention sink applied as sigmoid(logsumexp(scores) - sink) after the softmax): mfpipe reads "
+                        "each head's weights from the probabilities its attention returns")
+            gate = _gate(s, seen, srcs, H) if bool((s > 0).all()) else None  # a gate is positive
+            if gate:
+                return _gate_reason(gate, "head by head", n, seen)
+        ok = pv.abs() > 1e-6 * float(pv.abs().max())
+        g = torch.where(ok, R / torch.where(ok, pv, torch.ones_like(pv)), torch.zeros_like(pv))
+        gate = _gate(g.flatten(1), seen, srcs, H) if bool(ok.all() and (g > 0).all()) else None
+        if gate:
+            return _gate_reason(gate, "channel by channel", n, seen)
+    return None
+
+
+def _differential(attn_mod: nn.Module) -> bool:
+    """Differential attention (DiffLlama): the module holds the λ of ``softmax_1 - λ softmax_2`` (its
+    re-parametrisation ``lambda_q1``, ``lambda_k1``, ...) and its ``lambda_init``."""
+    names = {n for n, _ in attn_mod.named_parameters(recurse=False)}
+    return hasattr(attn_mod, "lambda_init") and {"lambda_q1", "lambda_k1"} <= names
+
+
+def _attention(model) -> tuple[nn.Module | None, str | None, int, int]:
+    """(the first block's softmax attention module as the probe would place it -- the first ``*Attention`` module
+    of a block, not a mixer of a hybrid's by name --, its output projection's path: a projection to the model width
+    from ``H x dv``, the heads ``H`` and their read width ``dv``); None where there is none."""
+    cfg = model.config
+    H, d = int(getattr(cfg, "num_attention_heads", 0) or 0), int(getattr(cfg, "hidden_size", 0) or 0)
+    for block in blocks(model):
+        found = [m for m in block.modules() if type(m).__name__.endswith("Attention") and not any(
+            t in type(m).__name__.lower() for t in ("linear", "delta", "mamba", "recurrent", "conv"))]
+        if not found or not H:
+            continue
+        inner = [m for m in found[1:] if any(m is c for c in found[0].modules())]  # GPT-Neo's wraps the proper one
+        attn = inner[0] if inner else found[0]
+        outs = [(n, m.weight.shape) for n, m in linear_paths(attn).items() if (int(m.weight.shape[0]) == d and
+                int(m.weight.shape[1]) % H == 0 and type(m).__name__ != "Conv1D")]
+        named = [o for o in outs if o[0].split(".")[0] in ("o_proj", "out_proj", "dense", "c_proj")]
+        out = named or outs
+        return attn, (out[0][0] if len(out) == 1 else None), H, (int(out[0][1][1]) // H if len(out) == 1 else 0)
+    return None, None, H, 0
+
+
+_STREAM_KEYS = ("altup_num_inputs", "hc_count", "hc_mult")
+
+
+def _streams(model, base, d: int) -> str | None:
+    """Several residual streams: a count of them in the config (Gemma-3n's AltUp ``altup_num_inputs``,
+    hyper-connections' ``hc_count`` / ``hc_mult``), or a norm outside the blocks ``k x d`` wide (Reformer's reversible
+    residual: its final norm reads ``[x1 | x2]``)."""
+    for key in _STREAM_KEYS:
+        n = getattr(model.config, key, None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return (f"its blocks carry {n} residual streams ({key}), mixed in every block: mfpipe reads one residual "
+                    "stream of summed branches")
+    inside = {id(m) for b in blocks(model) for m in b.modules()}
+    for n, m in base.named_modules():
+        w = getattr(m, "weight", None)
+        if _norm(m) and id(m) not in inside and isinstance(w, Tensor) and w.ndim == 1 and w.numel() % d == 0 \
+                and w.numel() > d:
+            return (f"its blocks carry {w.numel() // d} residual streams side by side (its norm {n} reads "
+                    f"{w.numel() // d} x {d}: a reversible residual, each block adding its attention to one stream "
+                    "and its MLP to the other): mfpipe reads one residual stream of summed branches")
+    return None
+
+
+def _fit(target: Tensor, parts: list[Tensor], per_channel: bool) -> Tensor | None:
+    """The coefficients ``c`` (``[len(parts)]``, or ``[len(parts), d]`` per channel) with ``target = sum c_i parts_i``
+    within float32 rounding, or None."""
+    A = torch.stack([p.reshape(-1, p.shape[-1]) for p in parts], -1).double()  # [N, d, k]
+    y = target.reshape(-1, target.shape[-1]).double()
+    if per_channel:
+        c = torch.linalg.lstsq(A.transpose(0, 1), y.T[..., None]).solution[..., 0].T  # [k, d]
+        got = (A * c.T[None]).sum(-1)
+    else:
+        c = torch.linalg.lstsq(A.reshape(-1, A.shape[-1]), y.reshape(-1, 1)).solution[:, 0]
+        got = A @ c
+    return c if _close(got, y) else None
+
+
+def _block_form(model, base, attn_mod: nn.Module) -> str | None:
+    """What in the first attention block's forward keeps it from a residual stream of summed branches: a norm of the
+    residual at its end (post-norm: GIT's BERT layers), a module handed the branch and the residual that scales the
+    residual (Zaya's residual scaling), the attention's output passing through another module before the residual
+    (Inkling's short convolutions), the MLP reading the block input scaled (Beam's depth-scaled residual) or mixed
+    channel by channel with the branch (Dory's interpolation on the sphere)."""
+    block = next(b for b in blocks(model) if any(m is attn_mod for m in b.modules()))
+    attn = next(n for n, m in block.named_modules() if m is attn_mod)
+    kids = {n: m for n, m in block.named_modules() if n and (_norm(m) or "." not in n)}
+    seen = _forward(model, base, {"<block>": block, **kids, attn: attn_mod})
+    if "<block>" not in seen or attn not in seen:
+        return None
+    x0, y0 = seen["<block>"][0], seen["<block>"][1]
+    norms = [n for n in seen if n in kids and _norm(kids[n]) and seen[n][0].shape == x0.shape]  # of the residual
+    ends = [n for n in norms if seen[n][1] is y0]
+    if ends:
+        return (f"its blocks end in a norm of the residual ({ends[0]}: post-norm): no residual stream of summed "
+                "branches, as mfpipe reads it")
+    for n, (x, y, _, args) in seen.items():
+        r = args[0] if args else None
+        if n in kids and "." not in n and isinstance(r, Tensor) and r.shape == x.shape and r is not x:
+            try:
+                with torch.no_grad():
+                    f0, fr = (kids[n](x, torch.zeros_like(r)), kids[n](x, r))
+            except Exception:  # a second argument of another meaning (a mask, a position)
+                continue
+            f0, fr = (o[0] if isinstance(o, tuple) else o for o in (f0, fr))
+            s = _fit(fr - f0, [r], per_channel=True)
+            if s is not None and not torch.allclose(s, torch.ones_like(s)):
+                return (f"its blocks scale the residual stream itself: {n} ({type(kids[n]).__name__}), handed the "
+                        "branch and the residual, returns the residual times a vector (not 1) plus the branch: "
+                        "mfpipe reads a residual stream of summed branches")
+    a_out = seen[attn][1]
+    after = [n for n in seen if n in kids and "." not in n and n != attn and seen[n][0] is a_out and not _norm(kids[n])
+             and any(True for _ in kids[n].parameters())]  # not a dropout
+    if after:
+        return (f"its attention's output passes through {after[0]} ({type(kids[after[0]]).__name__}) before it joins "
+                "the residual: mfpipe reads the attention branch as the attention returns it (a norm after it at "
+                "most)")
+    branches = [a_out] + [seen[n][1] for n in norms if seen[n][0] is a_out]
+    for n in norms:
+        x = seen[n][0]
+        if x is x0 or any(x is b for b in branches):
+            continue
+        for per_channel, what, res in ((False, "the block input", x0), (True, "the block input", x0),
+                                       *((True, f"its norm {m}'s output", seen[m][1]) for m in norms)):
+            c = _fit(x, [res, branches[-1]], per_channel)
+            if c is not None and not torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
+                if not per_channel:
+                    return (f"its blocks scale the residual stream itself: what its norm {n} reads is "
+                            f"{float(c[0]):.4g} x the block input + {float(c[1]):.4g} x the attention branch: "
+                            "mfpipe reads a residual stream of summed branches, a branch maybe scaled, the stream "
+                            "never")
+                return (f"its blocks scale the residual stream channel by channel: what its norm {n} reads is a x "
+                        f"{what} + b x the attention branch with per-channel vectors a (not 1) and b: mfpipe reads a "
+                        "residual stream of summed branches, a branch maybe scaled, the stream never")
+    return None
+
+
+def _pieces(model, base) -> str | None:
+    """Blocks of different pieces where mfpipe reads one form (ModernBERT-decoder's first block without the others'
+    attention norm: an ``nn.Identity``), or an LM head that is more than a linear map of the final norm's output."""
+    bl = list(blocks(model))
+    for b in bl[1:]:
+        for n, m in b.named_children():
+            m0 = getattr(bl[0], n, None)
+            if _norm(m) and isinstance(m0, nn.Identity):
+                return (f"its first block has no {n} ({type(m0).__name__}) where the others have a norm "
+                        f"({type(m).__name__}): mfpipe places every block by one form")
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None or model is base:
+        return None
+    outer = {n: m for n, m in model.named_children() if m is not base and m is not head and any(
+        True for _ in m.parameters())}
+    seen = _forward(model, base, {"<head>": head, "<base>": base, **outer}, whole=True)
+    if "<head>" in seen and "<base>" in seen and not _same(seen["<head>"][0], seen["<base>"][1]):
+        on = [n for n in outer if n in seen and _same(seen[n][1], seen["<head>"][0])]
+        return (f"its LM head reads the final residual through {on[0] if on else 'another module'} before the "
+                "unembedding: mfpipe's unembedding is the final norm and one linear map")
+    return None
+
+
+def _attention_kinds(model) -> str | None:
+    """Layers whose attentions differ in their heads' count or width (Inkling-2's full and sliding attentions)."""
+    kinds = {}
+    for b in blocks(model):
+        for m in b.modules():
+            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "head_dim", None), int):
+                kinds.setdefault(type(m).__name__, (getattr(m, "num_heads", None), m.head_dim))
+                break
+    if len(set(kinds.values())) < 2:
+        return None
+    said = ", ".join(f"{k}: {h} heads of {dh}" for k, (h, dh) in kinds.items())
+    return f"its layers' attentions differ in their heads ({said}): mfpipe reads heads of one count and width per model"
+
+
+_VAGUE = ("cannot place one attention module at one path", "cannot place the token embedding",
+          "cannot place the final norm", "cannot place one MLP module", "its MLP reads neither", "cannot place the attention's output projection", "cannot place the list of")
+
+
+def _why(reason: str, model, attn_mod, out_proj, H: int, dv: int) -> str | None:
+    """The precise reason for the placement's refusal ``reason`` (only a vague one is re-worded), or None."""
+    base, d = base_model(model), int(model.config.hidden_size)
+    if reason.startswith("cannot place the value projection"):
+        if attn_mod is None or out_proj is None:
+            return None
+        watch = {"": attn_mod, **linear_paths(attn_mod), **{n: m for n, m in attn_mod.named_children() if _norm(m)}}
+        seen = _forward(model, base, watch)
+        return _values_reason(attn_mod, seen, out_proj, H, dv, model.config) if "" in seen and out_proj in seen \
+            else None
+    if not reason.startswith(_VAGUE):
+        return None
+    kinds = _attention_kinds(model) if reason.startswith("cannot place one attention module at one path") else None
+    if kinds:
+        return kinds
+    experts = [n for n, m in attn_mod.named_children() if callable(getattr(m, "reduce", None))
+               and callable(getattr(m, "map", None))] if attn_mod is not None else []
+    if out_proj is None and experts:
+        return (f"its heads are routed per token (a mixture of attention heads: {experts[0]} "
+                f"({type(attn_mod.get_submodule(experts[0])).__name__}) picks each token's query experts, each with "
+                "its own output projection): mfpipe reads a fixed set of heads per layer")
+    return (_streams(model, base, d) or (_block_form(model, base, attn_mod) if attn_mod is not None else None)
+            or _pieces(model, base))
+
+
+def explain(error, model):
+    """``error`` (an ``UnsupportedArchitectureError`` of :func:`~mfpipe.models.adapters.structure.describe` on the
+    causal LM ``model``) with a precise reason where the model's forward shows one (the module docstring; ``kind``
+    "modelling" for differential attention), else ``error`` itself."""
+    cls, mt = type(error), error.model_type
+    try:
+        attn_mod, out_proj, H, dv = _attention(model)
+        if attn_mod is not None and _differential(attn_mod):
+            return cls(mt, "differential attention: each head reads (softmax_1 - λ softmax_2) V, two softmax maps "
+                           "subtracted, normalised per head (its lambda_q1, lambda_k1, lambda_init): no head reads "
+                           "its values under one probability row, the object of the mean-field analysis",
+                       kind="modelling")
+        why = _why(error.reason, model, attn_mod, out_proj, H, dv)
+    except Exception:  # a forward or a model that fails says nothing more than the refusal
+        return error
+    return cls(mt, why) if why else error

@@ -1,0 +1,233 @@
+"""Issue 59 item 3: hybrids, whose blocks are attention or another mixer. A tiny Jamba (Mamba blocks at layers 0 and
+2, attention blocks at 1 and 3, a mixture of experts in the attention blocks) is placed with its layer kinds; its
+statistics equal per-position loops over the model's own forward (HF's ``output_attentions`` /
+``output_hidden_states`` and plain torch hooks on modules named here by hand) on the attention layers, with NaN rows
+and the layer's kind at the others; writing the model's own reads back leaves its loss unchanged, and the mean-field
+write-back equals a torch pre-hook on the attention layers' output projections; the rollout runs a Mamba block as
+the model's own one-position forward. Recurrent-Gemma (a recurrent block beside attention in blocks of one class)
+passes every conformance check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
+
+from mfpipe.models.adapters import describe, get_adapter
+from mfpipe.models.tiny import random_model
+
+KINDS = ("mamba", "attention", "mamba", "attention")
+
+
+def tiny_jamba(seed: int = 3):
+    from transformers import JambaConfig
+
+    cfg = JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                      expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=128,
+                      use_mamba_kernels=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return random_model(cfg, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def jamba():
+    return tiny_jamba()
+
+
+def _hooked_forward(model, ids):
+    """The model's own forward with plain torch hooks on the attention blocks' modules (paths written here by hand):
+    per layer, the probabilities, values, reads, attention output, MLP output (None at a Mamba layer), and the
+    hidden states (float64)."""
+    layers = model.model.layers
+    got: dict[tuple[str, int], torch.Tensor] = {}
+    handles = []
+    for l, block in enumerate(layers):
+        if not hasattr(block, "self_attn"):
+            continue
+        a = block.self_attn
+        handles += [
+            a.v_proj.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(("v", l), o)),
+            a.o_proj.register_forward_pre_hook(lambda m, i, l=l: got.__setitem__(("z", l), i[0])),
+            a.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(("a", l), o[0])),
+            block.feed_forward.register_forward_hook(
+                lambda m, i, o, l=l: got.__setitem__(("m", l), o[0] if isinstance(o, tuple) else o)),
+        ]
+    try:
+        with torch.no_grad():
+            out = model(ids, output_attentions=True, output_hidden_states=True, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    att = iter(out.attentions)  # the attention layers' only
+    B, T = ids.shape
+    per = []
+    for l in range(len(layers)):
+        if ("v", l) not in got:
+            per.append(None)
+            continue
+        v = got[("v", l)].view(B, T, 2, 16).repeat_interleave(2, dim=2)  # [B,T,H,dh]: GQA 2 KV heads -> 4 heads
+        per.append(dict(probs=next(att).double(), values=v.double(), reads=got[("z", l)].view(B, T, 4, 16).double(),
+                        attn_out=got[("a", l)].double(), mlp_out=got[("m", l)].double()))
+    hidden = [h.double() for h in out.hidden_states]
+    return per, hidden
+
+
+def _loops(model, tokens, tracked, L):
+    """Per-position loops: P [L,H,N,K], centroids [L,K,d] and mu / zbar / attn_out / mlp_out means by key bucket;
+    NaN at the Mamba layers (no attention there)."""
+    N, K = tracked.n, tracked.n + 2
+    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
+    ids = torch.as_tensor(tokens.astype(np.int64))
+    per, hidden = _hooked_forward(model, ids)
+    B, T = tokens.shape
+    P = np.full((L, 4, N, K), np.nan)
+    sums = {k: np.full((L, K) + s, np.nan) for k, s in (("mu", (4, 16)), ("zbar", (4, 16)), ("attn_out", (64,)),
+                                                        ("mlp_out", (64,)))}
+    centroid, kn, qn = np.zeros((L, K, 64)), np.zeros(K), np.zeros(N)
+    for l in range(L):
+        if per[l] is not None:
+            P[l] = 0.0
+            for k in sums:
+                sums[k][l] = 0.0
+    for w in range(B):
+        buckets = [N if j == 0 else rank.get(int(tokens[w, j]), N + 1) for j in range(T)]
+        for j in range(T):
+            t = buckets[j]
+            kn[t] += 1
+            if 0 < j and t < N:
+                qn[t] += 1
+            for l in range(L):
+                centroid[l, t] += hidden[l][w, j].numpy()
+                if per[l] is None:
+                    continue
+                p = per[l]
+                sums["mu"][l, t] += p["values"][w, j].numpy()
+                sums["zbar"][l, t] += p["reads"][w, j].numpy()
+                sums["attn_out"][l, t] += p["attn_out"][w, j].numpy()
+                sums["mlp_out"][l, t] += p["mlp_out"][w, j].numpy()
+                if 0 < j and t < N:
+                    for k in range(j + 1):
+                        P[l, :, t, buckets[k]] += p["probs"][w, :, j, k].numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = {k: v / kn[None, :, *([None] * (v.ndim - 2))] for k, v in sums.items()}
+        out["P"] = P / qn[None, None, :, None]
+        out["centroid"] = centroid / kn[None, :, None]
+    out["mu"], out["zbar"] = out["mu"].transpose(0, 2, 1, 3), out["zbar"].transpose(0, 2, 1, 3)  # [L,H,K,dh]
+    return out
+
+
+def test_a_hybrid_is_placed_with_its_layer_kinds(jamba):
+    s = describe(jamba)
+    assert s.layer_kinds == KINDS and s.attn == "self_attn" and s.mlp == "feed_forward"
+    ad = get_adapter(jamba)
+    assert ad.attention_layers == (1, 3) and ad.hybrid
+    with pytest.raises(ValueError, match="layer 0 is a mamba layer, not attention"):
+        ad.value_map(0, torch.zeros(2, 64))
+    # a family's own words are no mixer kind: Recurrent-Gemma's RecurrentGemmaAttention is attention
+    from transformers import RecurrentGemmaConfig
+
+    from mfpipe.models.tiny import shrink_config
+
+    cfg = shrink_config(RecurrentGemmaConfig())  # block_types cycled: grown to three layers, one of them attention
+    assert describe(random_model(cfg, seed=0)).layer_kinds == ("recurrent", "recurrent", "attention")
+
+
+def test_statistics_equal_the_loops_on_attention_layers_and_are_nan_elsewhere(jamba):
+    from mfpipe.stats import accumulate_shard, finalize
+
+    tokens = zipf_windows(6, seed=1)
+    tracked = tracked_for(tokens)
+    ad = get_adapter(jamba)
+    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    ds = finalize(sums, tracked, {"model": "tiny-jamba", "layer_kinds": list(ad.layer_kinds)}, dtype=np.float64)
+    ref = _loops(jamba, tokens, tracked, 4)
+    assert list(ds["layer_kind"].values) == list(KINDS)
+    for name, want in (("P", ref["P"]), ("mu", ref["mu"]), ("zbar", ref["zbar"]),
+                       ("attn_out_mean", ref["attn_out"]), ("mlp_out_mean", ref["mlp_out"]),
+                       ("centroid", ref["centroid"])):
+        got = np.asarray(ds[name].values, dtype=np.float64)[:4]
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        scale = np.nanmax(np.abs(want))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, equal_nan=True, err_msg=name)
+    for name in ("P", "mu", "zbar", "attn_out_mean", "resid_mid_mean", "mlp_out_mean", "ln_in_mean"):
+        v = ds[name].values
+        assert np.isnan(v[[0, 2]]).all(), name  # the Mamba layers: no attention, NaN rows (never 0)
+        assert not np.isnan(v[[1, 3]]).all(), name
+    assert np.isfinite(ds["centroid"].values[:, :tracked.n]).all()  # the residual entering every block is measured
+    np.testing.assert_allclose(ds["P"].values[[1, 3]].sum(-1), 1.0, atol=1e-5)
+
+
+def test_substitution_on_a_hybrid_patches_attention_layers_only(jamba, tmp_path):
+    from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+
+    ad = get_adapter(jamba)
+    tokens = zipf_windows(8, seed=1)
+    tracked = tracked_for(tokens)
+    ids = torch.as_tensor(tokens.astype(np.int64))
+    seen = []
+
+    def own(layer, reads):
+        seen.append(layer)
+        return reads
+
+    with torch.no_grad():
+        want = jamba(ids, use_cache=False).logits
+    got = ad.run(ids, patch_reads=own, logits=True, loss=True)
+    assert sorted(set(seen)) == [1, 3]  # patch_reads is called at the attention layers only
+    # own reads written back: the logits bit-identical, the loss the unpatched run's
+    assert torch.equal(got.logits, want) and float(got.loss) == float(ad.run(ids, loss=True).loss)
+    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "corpus_fingerprint": "-",
+            "layer_kinds": list(ad.layer_kinds)}
+    kernel = kernel_from_store(open_stats(write_store(finalize(sums, tracked, meta), tmp_path / "s.zarr")),
+                               tracked, min_count=1)
+    assert kernel.attention_layers == (1, 3)
+    zhat, sub = kernel.zhat(*kernel.buckets(tokens))
+    assert int(sub.sum()) > 10 and all(float(zhat[l].abs().max()) == 0 for l in (0, 2))
+
+    def replace(layer, reads):
+        return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
+
+    got = ad.run(ids, patch_reads=replace, logits=True).logits
+    handles = [jamba.model.layers[l].self_attn.o_proj.register_forward_pre_hook(
+        lambda m, a, l=l: (replace(l, a[0].view(*a[0].shape[:2], 4, 16)).reshape(a[0].shape),)) for l in (1, 3)]
+    try:
+        with torch.no_grad():
+            ref = jamba(ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    assert float((got - ref).abs().max()) <= 1e-5 and float((got - jamba(ids).logits).abs().max()) > 1e-4
+
+
+def test_the_rollout_runs_a_mamba_block_as_the_models_one_position_forward(jamba):
+    from mfpipe.experiments.rollout.algorithm import bos_residuals, rollout
+    from mfpipe.models.adapters.hybrid import mixer_block
+
+    ad = get_adapter(jamba)
+    types = torch.tensor([3, 5, 7])
+    caps, finals = [], []
+    ad.capture(types[:, None], caps.append, finals.append)  # each type as a sequence of one token
+    for l in (0, 2):
+        nxt = caps[l + 1].resid_in[:, 0]
+        assert float((mixer_block(ad, l, caps[l].resid_in[:, 0]) - nxt).abs().max()) == 0.0
+    K = np.full((4, 4, 3, 5), np.nan)
+    K[[1, 3]] = 0.0
+    K[[1, 3], :, :, 3] = 1.0  # every query reads the <bos> column only
+    got = rollout(ad, K, bos_residuals(ad, BOS), type_ids=types.numpy())
+    assert got.shape == (5, 3, 64) and np.isfinite(got).all()
+    c1 = mixer_block(ad, 0, torch.as_tensor(got[0]))
+    np.testing.assert_allclose(got[1], c1.numpy(), rtol=0, atol=0)  # layer 0, Mamba: the block's own forward
+
+
+@pytest.mark.parametrize("family", ["jamba", "recurrent_gemma"])
+def test_hybrid_families_pass_every_conformance_check(family):
+    from mfpipe.models.census import census_row
+
+    row = census_row(family)
+    assert row.accepted, row

@@ -1,0 +1,69 @@
+"""Issue 59 item 5: a family the placement refuses is refused for what its forward computes, said precisely
+(mfpipe.models.adapters.unplaced.explain, through the census), with the kind of refusal the census records: modelling
+only where the heads have no probability row each (differential attention); and a family whose projections sit in a
+wrapper of their own (Moshi's MoshiLinear) is placed and passes."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_tiny_model
+
+from mfpipe.models.adapters import UnsupportedArchitectureError, describe
+from mfpipe.models.adapters.unplaced import explain
+from mfpipe.models.census import census_row
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+# family -> (kind, what the reason must say): each a fact of the family's forward (see the module docstring of
+# mfpipe.models.adapters.unplaced), not only what the placement did not find
+REFUSED = {
+    "diffllama": ("modelling", "differential attention: each head reads (softmax_1 - λ softmax_2) V"),
+    "granite_swa": ("mfpipe", "(its sinks parameter: an attention sink applied as sigmoid(logsumexp(scores) - sink)"),
+    "mimo_v2_flash": ("mfpipe", "(v_proj) outputs times 0.707 (the config's attention_value_scale)"),
+    "bitnet": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm)"),
+    "laguna": ("mfpipe", "multiplied head by head by a gate, softplus of g_proj"),
+    "dots3_note_text": ("mfpipe", "but kv_b_proj reads its norm kv_a_layernorm's output times 2 (a latent rescaled"),
+    "jetmoe": ("mfpipe", "its heads are routed per token (a mixture of attention heads: experts (JetMoeMoA)"),
+    "gemma3n_text": ("mfpipe", "its blocks carry 4 residual streams (altup_num_inputs)"),
+    "reformer": ("mfpipe", "2 residual streams side by side (its norm encoder.layer_norm reads 2 x 64"),
+    "git": ("mfpipe", "its blocks end in a norm of the residual (output.LayerNorm: post-norm)"),
+    "zaya": ("mfpipe", "post_attention_residual_scale (ZayaResidualScaling), handed the branch and the residual"),
+    "beam": ("mfpipe", "reads is 0.7071 x the block input + 0.7071 x the attention branch"),
+    "dory": ("mfpipe", "a x its norm input_layernorm's output + b x the attention branch with per-channel vectors"),
+    "inkling_text": ("mfpipe", "its attention's output passes through attn_sconv (InklingShortConvolution)"),
+    "inkling2_text": ("mfpipe", "passes through post_attention_convolution (Inkling2ShortConvolution) before it joins"),
+    "modernbert-decoder": ("mfpipe", "its first block has no attn_norm (Identity) where the others have a norm"),
+}
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_a_refusal_says_what_the_forward_computes(family):
+    row = census_row(family)
+    kind, says = REFUSED[family]
+    assert not row.placed and row.kind == kind and says in row.reason, row
+
+
+def test_the_explanation_is_read_off_the_tensors_not_assumed():
+    """A tiny Llama whose output projections read the heads' reads halved is refused (no value layout gives them) and
+    the refusal names the factor; unhooked, the same model is placed, and a refusal of another kind stays as it was."""
+    model = make_tiny_model("llama")
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+             for layer in model.model.layers]
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        describe(model)
+    why = explain(e.value, model)
+    assert why.kind == "mfpipe" and "(v_proj) outputs times 0.5: mfpipe's value map has no such factor" in why.reason
+    for h in hooks:
+        h.remove()
+    describe(model)
+    other = UnsupportedArchitectureError("llama", "cannot place the value projection (...): none")
+    assert explain(other, model) is other  # the reads are the values weighted by the probabilities: nothing to say
+
+
+def test_a_projection_in_a_wrapper_of_its_own_is_placed_and_passes():
+    row = census_row("moshi")
+    assert row.accepted and row.passed == row.checks >= 10, row
