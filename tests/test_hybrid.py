@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from layer_loops import loop_means
 from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
 
 from mfpipe.models.adapters import describe, get_adapter
@@ -77,47 +78,9 @@ def _hooked_forward(model, ids):
 
 
 def _loops(model, tokens, tracked, L):
-    """Per-position loops: P [L,H,N,K], centroids [L,K,d] and mu / zbar / attn_out / mlp_out means by key bucket;
-    NaN at the Mamba layers (no attention there)."""
-    N, K = tracked.n, tracked.n + 2
-    rank = {int(t): i for i, t in enumerate(tracked.type_ids)}
-    ids = torch.as_tensor(tokens.astype(np.int64))
-    per, hidden = _hooked_forward(model, ids)
-    B, T = tokens.shape
-    P = np.full((L, 4, N, K), np.nan)
-    sums = {k: np.full((L, K) + s, np.nan) for k, s in (("mu", (4, 16)), ("zbar", (4, 16)), ("attn_out", (64,)),
-                                                        ("mlp_out", (64,)))}
-    centroid, kn, qn = np.zeros((L, K, 64)), np.zeros(K), np.zeros(N)
-    for l in range(L):
-        if per[l] is not None:
-            P[l] = 0.0
-            for k in sums:
-                sums[k][l] = 0.0
-    for w in range(B):
-        buckets = [N if j == 0 else rank.get(int(tokens[w, j]), N + 1) for j in range(T)]
-        for j in range(T):
-            t = buckets[j]
-            kn[t] += 1
-            if 0 < j and t < N:
-                qn[t] += 1
-            for l in range(L):
-                centroid[l, t] += hidden[l][w, j].numpy()
-                if per[l] is None:
-                    continue
-                p = per[l]
-                sums["mu"][l, t] += p["values"][w, j].numpy()
-                sums["zbar"][l, t] += p["reads"][w, j].numpy()
-                sums["attn_out"][l, t] += p["attn_out"][w, j].numpy()
-                sums["mlp_out"][l, t] += p["mlp_out"][w, j].numpy()
-                if 0 < j and t < N:
-                    for k in range(j + 1):
-                        P[l, :, t, buckets[k]] += p["probs"][w, :, j, k].numpy()
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out = {k: v / kn[None, :, *([None] * (v.ndim - 2))] for k, v in sums.items()}
-        out["P"] = P / qn[None, None, :, None]
-        out["centroid"] = centroid / kn[None, :, None]
-    out["mu"], out["zbar"] = out["mu"].transpose(0, 2, 1, 3), out["zbar"].transpose(0, 2, 1, 3)  # [L,H,K,dh]
-    return out
+    """Per-position loops (tests/layer_loops.py) over the hooked forward; NaN at the Mamba layers (no attention)."""
+    per, hidden = _hooked_forward(model, torch.as_tensor(tokens.astype(np.int64)))
+    return loop_means(per, hidden, tokens, tracked, L, 4, 16, 64)
 
 
 def test_a_hybrid_is_placed_with_its_layer_kinds(jamba):
