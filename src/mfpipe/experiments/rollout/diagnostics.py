@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from mfpipe.experiments.rollout import metrics as _m
+from mfpipe.models.adapters.forms import has_side_mixer
 
 __all__ = [
     "type_means",
@@ -187,7 +188,7 @@ def mlp_input_means(adapter, centroids, resid_mid_mean=None, mlp_out_mean=None) 
     L = adapter.n_layers
     if adapter.parallel_residual:
         return _f64(centroids)[:L]
-    if getattr(getattr(adapter, "structure", None), "side_mixer", None) and mlp_out_mean is not None:
+    if has_side_mixer(adapter) and mlp_out_mean is not None:
         return _f64(centroids)[1:L + 1] - _f64(mlp_out_mean)[:L]
     if resid_mid_mean is None:
         raise ValueError("sequential blocks need resid_mid_mean (the mean post-attention residual)")

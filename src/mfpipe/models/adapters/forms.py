@@ -35,7 +35,7 @@ from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "clipped", "per_layer_hidden", "side_branch",
-           "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
+           "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
 IDENTITY_KINDS = ("cross_attention",)  # layers a decoder's forward skips on text-only input: carried as the identity
 NO_MLP = "<no mlp>"  # the probe's name of the zero MLP branch of a block without one
@@ -183,6 +183,11 @@ def check_skipped(base: nn.Module, blocks, kinds: list[str], mt) -> None:
     if skipped and skipped[0] == 0:
         raise UnsupportedArchitectureError(mt, "its forward skips its first block: mfpipe reads the residual entering "
                                                "a skipped block where the block before it hands it on")
+
+
+def has_side_mixer(adapter) -> bool:
+    """Whether the blocks hold a mixer beside the attention (Falcon-H1), whose branch :func:`side_branch` computes."""
+    return getattr(getattr(adapter, "structure", None), "side_mixer", None) is not None
 
 
 @torch.no_grad()
