@@ -357,3 +357,19 @@ def test_the_printout_carries_the_device_corpus_and_unpriced_lines(capsys, tmp_p
     assert "jobs on cuda (calibrated on cpu)" in out and "- GPU rates not measured: x" in out
     assert "- corpus stage NOT PRICED: openwebtext (hub dataset Skylion007/openwebtext" in out
     assert "NOT PRICED: brand_new (1 job)" in out
+
+
+def test_the_exclusion_job_is_priced_as_two_arms_each_running_the_divergence_diagnostics():
+    """Each arm of exclusion_rollout runs the divergence diagnostics whole (exclusion.divergence_headline: DV.run, the
+    rollout_divergence job's work) besides its rollout and teacher-forced reads: the paper-shape run measured the job
+    at 134 s on GPT-2 small where a price of three rollouts an arm said 40 (issue 58)."""
+    cfg = J.load_config([REPO / "config" / "presets" / "gpt2-small.yaml"], base=BASE)
+    corpus = J.predict_corpus(cfg, {}, results="/nonexistent")
+    ctx = context(cfg, corpus, layers=12, heads=12, d_model=768, n_tracked=1000)
+    c, wc = ctx.cal["gpt2-small"], {"model": "gpt2-small", "revision": "main"}
+    c.update(rollout_s=30.0, store_read_s_per_cell=1e-9)
+    start = C.job_cost(ctx, "rollout_divergence", wc)["startup_s"]
+    divergence = C.job_cost(ctx, "rollout_divergence", wc)["seconds"] - start
+    rollout = C.job_cost(ctx, "rollout_scores", wc)["seconds"] - start  # the config's kernels, the stores read
+    exclusion = C.job_cost(ctx, "exclusion_rollout", wc)["seconds"] - start
+    assert 2 * divergence < exclusion < 2 * (divergence + rollout)

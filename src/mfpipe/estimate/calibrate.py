@@ -209,6 +209,8 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     # the kernel and pass 2's sums are held whole, all layers at once: counted at the depth run and at full depth
     arrays = [layer_arrays(n, adapter.n_heads, int(ts.n), adapter.d_head, int(config["deviation"]["top_k"]))
               for n in (adapter.n_layers, layers)]
+    if "rollout" in peaks.rise:  # the rollout jobs' rise and the statistics store they read, both per layer
+        peaks.rise["rollout"] += out.get("rollout_store_mb", 0.0)
     out.update(_memory(model, adapter, base_rss, scale, peaks, width, held, arrays))
     # its blocks' weights streamed where they would not fit (runtime.stream_weights): one block's memory, a read a batch
     out.update(stream_fields(config, spec, adapter, out, width, scale, rates, device))
@@ -300,7 +302,7 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
         if k in rise:
             rise[k] = max(rise[k] - arrays[0][k] / 2**20, 0.0) + arrays[1][k] / 2**20
     # the forward holds one layer's activations at a time: not per layer
-    per_layer = {"jlens", "train"} | (set() if arrays else {"pass2"})
+    per_layer = {"jlens", "train", "rollout"} | (set() if arrays else {"pass2"})
     peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in rise.items()}
     return {"peak_mb": peak, "peak_rss_mb": max(peak.values()), "param_bytes": int(other + layer_bytes * scale)}
 

@@ -188,9 +188,9 @@ def error_accounting(ctx, c, wc):
 
 
 def exclusion_rollout(ctx, c, wc):
-    # per arm (main, exclusion): the mean-field rollout, the teacher-forced reads and the divergence diagnostics
-    # (about three rollouts more), each arm's two stores read
-    return 2 * (_rollout(ctx, c, 4) + 2 * _cells(c, ctx) * c["store_read_s_per_cell"]), 0.0
+    # per arm (main, exclusion), each arm's two stores read: the mean-field rollout and the teacher-forced reads
+    # (about two rollouts), and the rollout_divergence job's work (exclusion.divergence_headline runs DV.run whole)
+    return 2 * (_rollout(ctx, c, 2) + rollout_divergence(ctx, c, wc)[0]), 0.0
 
 
 def rollout_divergence(ctx, c, wc):
@@ -329,7 +329,9 @@ TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "trac
 PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pass2", "icl_meter": "pass2",
               "substitution": "substitution", "substitution_topn": "substitution", "icl_classes": "substitution",
               "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train",
-              "positional": "pass2"}  # (the positional job's batches are deviation forwards, pass 2's)
+              "positional": "pass2",  # (the positional job's batches are deviation forwards, pass 2's)
+              **dict.fromkeys(("rollout_scores", "error_accounting", "cross_corpus", "exclusion_rollout",
+                               "rollout_divergence", "rollout_localized"), "rollout")}  # a store read whole
 # App. B's recomputation (workflow/rules/substitution.smk) reruns these jobs with the other kernel: their costs; its
 # table job opens the two arms' stores
 RECOMPUTE_RULES = {"deviation_shard_recompute": "deviation_shard", "deviation_merge_recompute": "deviation_merge",

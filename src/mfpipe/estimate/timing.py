@@ -89,14 +89,15 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
            "deviation_partial_bytes": dev_partial * scale,
            "pass1_held_bytes": held, "partial_write_s": pw * scale}
     out.update(store_math(stats, ds, rest, ts, B, config))
-    out.update(analyses(model, adapter, stats, config, scale))
+    out.update(analyses(model, adapter, stats, config, scale, peaks))
     return out
 
 
-def analyses(model, adapter, stats, config: dict, scale: float) -> dict:
+def analyses(model, adapter, stats, config: dict, scale: float, peaks=None) -> dict:
     """The store-bound analyses of a revision, on the calibration's statistics (as both halves), at full depth: the
     kernel dynamics' work for one layer (``kernel_dataset``'s loop body) times the layers, and Alg. 1 with the
-    config's rollout kernels (``run_rollouts``; None where the calibration's store is not one it accepts)."""
+    config's rollout kernels (``run_rollouts``; None where the calibration's store is not one it accepts), its
+    memory's rise (``peaks("rollout")``) and the statistics store it reads (``rollout_store_mb``, at the depth run)."""
     import numpy as np
 
     from mfpipe.experiments.rollout.runs import run_rollouts
@@ -114,8 +115,11 @@ def analyses(model, adapter, stats, config: dict, scale: float) -> dict:
     r = config["rollout"]
     try:
         ev = MeanFieldStats(stats.ds.assign_attrs(half="eval"))  # the same sums as the evaluation half
-        out["rollout_s"] = timed(lambda: run_rollouts(model, adapter, stats, ev, kernels=r["kernels"],
-                                                      pin=bool(r["pin_rogue"]), min_count=1))[0] * scale
+        run = lambda: run_rollouts(model, adapter, stats, ev, kernels=r["kernels"],  # noqa: E731
+                                   pin=bool(r["pin_rogue"]), min_count=1)
+        out["rollout_s"] = timed(lambda: peaks("rollout", run) if peaks is not None else run())[0] * scale
+        # the rollout jobs read the store from disk (here it is resident before the rise is measured): counted whole
+        out["rollout_store_mb"] = stats.ds.nbytes / 2**20
     except Exception as e:  # noqa: BLE001 -- priced by its flops instead
         out["rollout_s"], out["rollout_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     return out
