@@ -47,3 +47,40 @@ def loop_means(per, hidden, tokens, tracked, L: int, H: int, dh: int, d: int) ->
         out["centroid"] = centroid / kn[None, :, None]
     out["mu"], out["zbar"] = out["mu"].transpose(0, 2, 1, 3), out["zbar"].transpose(0, 2, 1, 3)  # [L,H,K,dh]
     return out
+
+
+# the store's variables against the loop reference's keys
+STORE_VS_LOOPS = (("P", "P"), ("mu", "mu"), ("zbar", "zbar"), ("attn_out_mean", "attn_out"),
+                  ("mlp_out_mean", "mlp_out"), ("centroid", "centroid"))
+
+
+def assert_store_equals_loops(ds, ref: dict, n_layers: int) -> None:
+    """A finalized store's means (``ds``, float64) equal :func:`loop_means`' ``ref``: NaN exactly where the loops
+    have NaN (the layers without attention), the rest to 1e-5."""
+    for name, key in STORE_VS_LOOPS:
+        want = ref[key]
+        got = np.asarray(ds[name].values, dtype=np.float64)[:n_layers]
+        assert np.array_equal(np.isnan(got), np.isnan(want)), name
+        scale = np.nanmax(np.abs(want))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, equal_nan=True, err_msg=name)
+
+
+def mean_field_patch(model, ad, tokens, tracked, name: str, path):
+    """The kernel of ``tokens``' own statistics (written to ``path / "s.zarr"``) and the patch that writes its
+    ẑ over every substituted read: ``(zhat, sub, replace)`` with ``replace(layer, reads)`` for ``patch_reads``."""
+    import torch
+
+    from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+
+    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    meta = {"model": f"tiny-{name}", "revision": "r", "half": "stats", "corpus_fingerprint": "-",
+            "layer_kinds": list(ad.layer_kinds)}
+    kernel = kernel_from_store(open_stats(write_store(finalize(sums, tracked, meta), path / "s.zarr")),
+                               tracked, min_count=1)
+    zhat, sub = kernel.zhat(*kernel.buckets(tokens))
+
+    def replace(layer, reads):
+        return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
+
+    return zhat, sub, replace

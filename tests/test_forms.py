@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from layer_loops import loop_means
+from layer_loops import loop_means, mean_field_patch
 from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
 
 from mfpipe.models.adapters import describe, get_adapter
@@ -170,9 +170,6 @@ def test_statistics_equal_the_per_position_loops(family):
 
 
 def test_substitution_equals_a_torch_hook_on_the_attention_layers(family, tmp_path):
-    from mfpipe.meanfield.kernel import kernel_from_store
-    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
-
     name, model, ad = family
     attn, oproj = SPECS[name][1], SPECS[name][4]
     tokens = zipf_windows(8, seed=1)
@@ -189,16 +186,8 @@ def test_substitution_equals_a_torch_hook_on_the_attention_layers(family, tmp_pa
     got = ad.run(ids, patch_reads=own, logits=True)
     assert sorted(set(seen)) == list(ad.attention_layers)  # patch_reads is called at the attention layers only
     assert torch.equal(got.logits, want)  # own reads written back: the logits bit-identical
-    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
-    meta = {"model": f"tiny-{name}", "revision": "r", "half": "stats", "corpus_fingerprint": "-",
-            "layer_kinds": list(ad.layer_kinds)}
-    kernel = kernel_from_store(open_stats(write_store(finalize(sums, tracked, meta), tmp_path / "s.zarr")),
-                               tracked, min_count=1)
-    zhat, sub = kernel.zhat(*kernel.buckets(tokens))
+    zhat, sub, replace = mean_field_patch(model, ad, tokens, tracked, name, tmp_path)
     assert int(sub.sum()) > 10
-
-    def replace(layer, reads):
-        return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
 
     got = ad.run(ids, patch_reads=replace, logits=True).logits
     H, dh = ad.n_heads, ad.d_head

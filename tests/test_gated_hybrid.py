@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from layer_loops import loop_means
+from layer_loops import assert_store_equals_loops, loop_means, mean_field_patch
 from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
 
 from mfpipe.models.adapters import describe, get_adapter
@@ -151,18 +151,10 @@ def test_statistics_equal_the_loops_on_a_gated_hybrid(gated):
     ds = finalize(sums, tracked, {"model": f"tiny-{family}", "layer_kinds": list(ad.layer_kinds)}, dtype=np.float64)
     ref = _loops(family, model, tokens, tracked, 4)
     assert tuple(ds["layer_kind"].values) == SPECS[family]["kinds"]
-    for name, want in (("P", ref["P"]), ("mu", ref["mu"]), ("zbar", ref["zbar"]),
-                       ("attn_out_mean", ref["attn_out"]), ("mlp_out_mean", ref["mlp_out"]),
-                       ("centroid", ref["centroid"])):
-        got = np.asarray(ds[name].values, dtype=np.float64)[:4]
-        assert np.array_equal(np.isnan(got), np.isnan(want)), name
-        scale = np.nanmax(np.abs(want))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, equal_nan=True, err_msg=name)
+    assert_store_equals_loops(ds, ref, 4)
 
 
 def test_substitution_writes_reads_through_the_models_own_gate(gated, tmp_path):
-    from mfpipe.meanfield.kernel import kernel_from_store
-    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
 
     family, model = gated
     ad = get_adapter(model)
@@ -173,16 +165,8 @@ def test_substitution_writes_reads_through_the_models_own_gate(gated, tmp_path):
         want = model(ids, use_cache=False).logits
     got = ad.run(ids, patch_reads=lambda layer, reads: reads, logits=True)
     assert torch.equal(got.logits, want)  # own reads written back: the logits bit-identical
-    sums = accumulate_shard(model, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
-    meta = {"model": f"tiny-{family}", "revision": "r", "half": "stats", "corpus_fingerprint": "-",
-            "layer_kinds": list(ad.layer_kinds)}
-    kernel = kernel_from_store(open_stats(write_store(finalize(sums, tracked, meta), tmp_path / "s.zarr")),
-                               tracked, min_count=1)
-    zhat, sub = kernel.zhat(*kernel.buckets(tokens))
+    zhat, sub, replace = mean_field_patch(model, ad, tokens, tracked, family, tmp_path)
     assert int(sub.sum()) > 10
-
-    def replace(layer, reads):
-        return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
 
     got = ad.run(ids, patch_reads=replace, logits=True).logits
     gates, handles = {}, []

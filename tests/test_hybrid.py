@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from layer_loops import loop_means
+from layer_loops import assert_store_equals_loops, loop_means
 from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
 
 from mfpipe.models.adapters import describe, get_adapter
@@ -109,13 +109,7 @@ def test_statistics_equal_the_loops_on_attention_layers_and_are_nan_elsewhere(ja
     ds = finalize(sums, tracked, {"model": "tiny-jamba", "layer_kinds": list(ad.layer_kinds)}, dtype=np.float64)
     ref = _loops(jamba, tokens, tracked, 4)
     assert list(ds["layer_kind"].values) == list(KINDS)
-    for name, want in (("P", ref["P"]), ("mu", ref["mu"]), ("zbar", ref["zbar"]),
-                       ("attn_out_mean", ref["attn_out"]), ("mlp_out_mean", ref["mlp_out"]),
-                       ("centroid", ref["centroid"])):
-        got = np.asarray(ds[name].values, dtype=np.float64)[:4]
-        assert np.array_equal(np.isnan(got), np.isnan(want)), name
-        scale = np.nanmax(np.abs(want))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, equal_nan=True, err_msg=name)
+    assert_store_equals_loops(ds, ref, 4)
     for name in ("P", "mu", "zbar", "attn_out_mean", "resid_mid_mean", "mlp_out_mean", "ln_in_mean"):
         v = ds[name].values
         assert np.isnan(v[[0, 2]]).all(), name  # the Mamba layers: no attention, NaN rows (never 0)
