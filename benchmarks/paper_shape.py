@@ -21,8 +21,8 @@ What it does, in RUN_DIR:
 2. ``<preset>/``: a copy of this checkout's workflow (the run does not see edits made to the checkout while it runs),
    run with ``snakemake --cores C --configfile config/presets/<preset>.yaml config/experiments/paper-shape.yaml
    [config/experiments/paper-shape-pythia-160m.yaml]`` (``HF_HUB_CACHE`` at the cache, ``HF_HUB_OFFLINE=1``), then
-   ``mfpipe estimate`` of the same config files with ``--compare logs/benchmarks`` (its ``--jobs`` CSV and
-   ``--calibration`` JSON read back).
+   ``mfpipe estimate`` of the same config files with ``--compare logs/benchmarks``, three times (``--estimates``;
+   its calibration times a few batches on a noisy machine): each job's median predicted seconds and peak.
 3. ``paper_shape.md`` and ``paper_shape.json``: per preset and stage (the rule file, as results/tables/run_costs.md
    groups them): jobs, measured job-seconds, predicted job-seconds, predicted / measured; the largest measured peak
    RSS (max_rss), the largest predicted peak, predicted / measured; the tokens the stage's model jobs read and
@@ -229,24 +229,47 @@ def run_workflow(workdir: Path, files: list[str], env: dict, cores: int, timeout
     return wall
 
 
-def run_estimate(workdir: Path, files: list[str], env: dict, jobs_at_once: int, timeout: float | None) -> dict:
-    """``mfpipe estimate`` of the run's config beside its benchmark files (the clone's library), in ``workdir``:
-    its console in ``estimate.md``, every job's prediction in ``estimate_jobs.csv``, the calibration in
-    ``estimate_calibration.json``; returns the calibration. Exit 1 (a job that will not fit) is a result, not a
-    failure."""
-    cmd = [sys.executable, "-m", "mfpipe.cli", "estimate", "--snakefile", str(workdir / "Snakefile"),
-           "--configfile", *files, "--jobs-at-once", str(jobs_at_once), "--compare", "logs/benchmarks",
-           "--jobs", "estimate_jobs.csv", "--calibration", "estimate_calibration.json"]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir, timeout=timeout)
-    (workdir / "estimate.md").write_text(done.stdout + f"\n(estimate took {time.perf_counter() - t0:.0f} s)\n")
-    if done.returncode not in (0, 1):
-        raise RuntimeError(f"mfpipe estimate in {workdir} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+def run_estimate(workdir: Path, files: list[str], env: dict, jobs_at_once: int, timeout: float | None,
+                 times: int = 3) -> dict:
+    """``mfpipe estimate`` of the run's config beside its benchmark files (the clone's library), in ``workdir``,
+    ``times`` times (its calibration is a few seconds of each pass, as noisy as the machine: the median of three): each
+    run's console in ``estimate.<i>.md``, its jobs' predictions in ``estimate_jobs.<i>.csv`` and its calibration in
+    ``estimate_calibration.<i>.json``; then each job's median seconds and peak in ``estimate_jobs.csv``, and the
+    calibration and console of the run whose total is the median in ``estimate_calibration.json`` and
+    ``estimate.md``; returns that calibration. Exit 1 (a job that will not fit) is a result, not a failure."""
+    import pandas as pd
+
+    totals = []
+    for i in range(times):
+        cmd = [sys.executable, "-m", "mfpipe.cli", "estimate", "--snakefile", str(workdir / "Snakefile"),
+               "--configfile", *files, "--jobs-at-once", str(jobs_at_once), "--compare", "logs/benchmarks",
+               "--jobs", f"estimate_jobs.{i}.csv", "--calibration", f"estimate_calibration.{i}.json"]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir, timeout=timeout)
+        (workdir / f"estimate.{i}.md").write_text(done.stdout + f"\n(estimate took {time.perf_counter() - t0:.0f} s)\n")
+        if done.returncode not in (0, 1):
+            raise RuntimeError(f"mfpipe estimate in {workdir} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        totals.append(pd.read_csv(workdir / f"estimate_jobs.{i}.csv"))
+    jobs, mid = median_estimate(totals)
+    jobs.to_csv(workdir / "estimate_jobs.csv", index=False)
+    shutil.copy(workdir / f"estimate_calibration.{mid}.json", workdir / "estimate_calibration.json")
+    shutil.copy(workdir / f"estimate.{mid}.md", workdir / "estimate.md")
     return json.loads((workdir / "estimate_calibration.json").read_text())
 
 
+def median_estimate(runs: list) -> tuple:
+    """(each job's median ``seconds`` and ``peak_mb`` over the estimates ``runs`` (their ``--jobs`` frames), the
+    index of the run whose total seconds is the median)."""
+    import pandas as pd
+
+    both = pd.concat(runs)
+    median = both.groupby(["rule", "job"], sort=False)[["seconds", "peak_mb"]].median()
+    jobs = runs[0].drop(columns=["seconds", "peak_mb"]).join(median, on=["rule", "job"])
+    return jobs, sorted(range(len(runs)), key=lambda i: runs[i]["seconds"].sum())[len(runs) // 2]
+
+
 def run_preset(preset: str, root: Path, cache: Path, smoke: bool, cores: int, jobs_at_once: int,
-               timeout: float | None, progress=print) -> dict:
+               timeout: float | None, progress=print, estimates: int = 3) -> dict:
     """One preset's run and its estimate (module docstring, step 2); ``{"wall_s", "calibration", "files"}``. A run
     folder whose workflow finished (its ``run.json``) is read, not run again; so is its estimate."""
     workdir = clone_workflow(root / preset)
@@ -263,8 +286,8 @@ def run_preset(preset: str, root: Path, cache: Path, smoke: bool, cores: int, jo
     if calibration.is_file() and (workdir / "estimate_jobs.csv").is_file():  # made beside this run before
         info["calibration"] = json.loads(calibration.read_text())
         return info
-    progress(f"{preset}: ran in {info['wall_s']:.0f} s; mfpipe estimate --jobs-at-once {jobs_at_once} ...")
-    info["calibration"] = run_estimate(workdir, files, env, jobs_at_once, timeout)
+    progress(f"{preset}: ran in {info['wall_s']:.0f} s; mfpipe estimate --jobs-at-once {jobs_at_once}, {estimates}x ...")
+    info["calibration"] = run_estimate(workdir, files, env, jobs_at_once, timeout, times=estimates)
     return info
 
 
@@ -279,6 +302,8 @@ def main(argv=None) -> int:
                          "min(cluster.forward.cpus, cores): 1 on 2 cores)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds a run (and an estimate) may take")
     ap.add_argument("--table-only", action="store_true", help="rebuild the tables from finished runs' files")
+    ap.add_argument("--estimates", type=int, default=3, metavar="N",
+                    help="estimates of each run, each job's median predicted (default 3; the smoke run: 1)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -296,7 +321,8 @@ def main(argv=None) -> int:
             info["calibration"] = json.loads((workdir / "estimate_calibration.json").read_text())
         else:
             k = args.jobs_at_once or max(1, args.cores // min(args.cores, forward_threads(workdir, preset, args)))
-            info = run_preset(preset, root, root / "hub", args.smoke, args.cores, k, args.timeout, progress=say)
+            info = run_preset(preset, root, root / "hub", args.smoke, args.cores, k, args.timeout, progress=say,
+                              estimates=1 if args.smoke else args.estimates)
         jobs = job_frame(workdir, info["files"], info["calibration"])
         results[preset] = (info, stage_table(jobs), jobs)
     md, js = write_report(root, results)

@@ -169,3 +169,18 @@ def test_paper_shape_table_from_a_finished_runs_files(tmp_path):
     assert stages["total"]["measured_s"] == 108.0 and stages["total"]["predicted_s"] == 113.0
     md = (tmp_path / "paper_shape.md").read_text()
     assert "| stats | 3 | 75 | 75 | 1.00 | 520 | 450 | 0.87 | 14592 | 15 | 5.14 |" in md, md
+
+
+def test_the_paper_shape_estimate_is_each_jobs_median_over_three():
+    """`mfpipe estimate` calibrates on a few seconds of each pass, as noisy as the machine: the paper-shape table
+    takes each job's median over three estimates, and the calibration of the run whose total is the median."""
+    import pandas as pd
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import paper_shape as ps
+
+    runs = [pd.DataFrame({"rule": ["a", "b"], "stage": ["s", "t"], "job": ["x", "y"], "seconds": s, "peak_mb": m})
+            for s, m in (([1.0, 50.0], [10.0, 7.0]), ([3.0, 20.0], [30.0, 5.0]), ([2.0, 10.0], [20.0, 6.0]))]
+    jobs, mid = ps.median_estimate(runs)
+    assert jobs["seconds"].tolist() == [2.0, 20.0] and jobs["peak_mb"].tolist() == [20.0, 6.0]
+    assert jobs["stage"].tolist() == ["s", "t"] and mid == 1  # totals 51, 23, 12: the middle one is run 1

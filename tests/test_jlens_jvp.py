@@ -235,7 +235,7 @@ def test_each_consumer_decodes_the_cheaper_way(repo, tmp_path):
 def test_the_estimate_prices_the_products_where_a_consumer_takes_them():
     """`mfpipe estimate`'s lenses and function vectors add the products' seconds (per position: its own work and
     each vector's) exactly where jlens.decode takes that path for them, and nothing where they read the store."""
-    from mfpipe.estimate.costs import jvp_decode
+    from mfpipe.estimate.prompts import jvp_decode
 
     c = {"layers": 12, "heads": 12, "d_model": 768, "jvp_position_s": 0.5, "jvp_s_per_vector": 0.01}
     ctx = SimpleNamespace(config={"jlens": {"decode": "auto", "n_positions": 256}})

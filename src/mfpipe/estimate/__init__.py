@@ -5,6 +5,8 @@
 - :mod:`~mfpipe.estimate.timing` — the calibration's timed work: the passes, the stores, the kernels, the J-lens.
 - :mod:`~mfpipe.estimate.weights` — a model streamed one block at a time: one block's memory, its blocks' reads.
 - :mod:`~mfpipe.estimate.costs` — the cost model: each job's seconds, peak memory and disk from the calibration.
+- :mod:`~mfpipe.estimate.prompts` — the prices of the jobs on prompts and sampled positions: head scores, J-lens,
+  lenses, the ICL classes and meter, function vectors.
 - :mod:`~mfpipe.estimate.slices` — the prices of the positional slice, the token counts and the start-up-only jobs.
 - :mod:`~mfpipe.estimate.notes` — what the numbers are not: the device measured, the unpriced rules and corpora, the
   knobs of a job that does not fit.

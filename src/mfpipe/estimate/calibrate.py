@@ -6,8 +6,9 @@ The model: the mini suite's shape from its config; a hub or local model's ``conf
 with its real weights where they are on this machine and weigh at most :data:`MAX_CALIBRATION_BYTES`, else random
 weights cut to its first :data:`CUT_LAYERS` layers; every per-layer cost is scaled by ``layers / layers_run`` (the
 embedding and the LM head too: an overestimate of a cut model's share outside its layers). The windows are
-Zipf-distributed token ids, as in the corpus-pass benchmarks, in batches of the config's size or, where a batch's
-forward would take over :data:`TIMED_SECONDS`, of fewer windows.
+Zipf-distributed token ids, as in the corpus-pass benchmarks, in batches of the config's size (the jobs' memory and
+their time per token are the batch's) or, where a batch's forward would take over :data:`MAX_BATCH_SECONDS`, of fewer
+windows.
 
 Measured (seconds per token, or per position, at full depth): the bare forward, pass 1 (``accumulate_shard``), the
 merge's finalize, pass 2 (``deviation_shard``), the substitution (both forwards, ``mfpipe.substitute``), one
@@ -23,7 +24,8 @@ import math
 import sys
 import time
 
-from mfpipe.estimate.timing import time_jlens, time_jvp, time_passes, time_training, timed
+from mfpipe.estimate.timing import (jlens_batch, jlens_held_bytes, time_fv, time_jlens, time_jvp, time_passes,
+                                   time_training, timed)
 from mfpipe.estimate.weights import stream_fields
 
 __all__ = ["calibrate", "MAX_CALIBRATION_BYTES"]
@@ -32,6 +34,7 @@ MAX_CALIBRATION_BYTES = 1 << 30  # weights beyond this (or not on this machine) 
 CUT_LAYERS = 2  # ... to this many layers
 TIMED_SECONDS = 2.0  # each pass's timed batches: about this many seconds of bare forwards
 MAX_TIMED_BATCHES = 8
+MAX_BATCH_SECONDS = 10.0  # a timed batch's forward at most: beyond, fewer windows than the job's batch
 
 
 def _process_age() -> float:
@@ -141,12 +144,18 @@ def _tracked(windows, perm, n: int, bos: int, V: int):
 
 class _Peaks:
     """Each stage's rise of the resident memory over what the process held when it began (the high-water mark reset
-    through ``/proc/self/clear_refs``, Linux; elsewhere the process's peak so far)."""
+    through ``/proc/self/clear_refs``, Linux; elsewhere the process's peak so far). The heap's free memory is handed
+    back first (:func:`~mfpipe.workflow.heap.release_free_memory`): the jobs keep freed memory, so without it a stage
+    measured after a larger one reused that one's pages and rose by little (the J-lens's rise read 0.15 GiB after
+    the passes, its job peaked 1.7 GiB above the weights at GPT-2 small's shape)."""
 
     def __init__(self):
         self.rise: dict[str, float] = {}
 
     def __call__(self, name: str, fn):
+        from mfpipe.workflow.heap import release_free_memory
+
+        release_free_memory()
         rss = _rss_mb()
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -191,7 +200,11 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     windows, ts = peaks("forward", lambda: _forward(model, adapter, config, batches, device, out))
     B, T = out["batch_size"], out["T"]
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))
-    out["jlens_s_per_position"] = peaks("jlens", lambda: time_jlens(adapter, windows, T, config)) * scale
+    out["jlens_s_per_position"] = time_jlens(adapter, windows, T, config) * scale
+    # its memory: a batch of the job's positions (the cache of their prefixes, the graph through their tokens, the
+    # Jacobians' sums of the call and of the job)
+    peaks("jlens", lambda: jlens_batch(adapter, windows, T, config))
+    peaks.rise["jlens"] += jlens_held_bytes(adapter.n_layers, adapter.d_model, config) / 2**20
     # the J-lens decode through Jacobian-vector products (jlens.decode: the lenses'): a position's own work, a vector
     out["jvp_position_s"], out["jvp_s_per_vector"] = (
         x * scale for x in peaks("jvp", lambda: time_jvp(adapter, windows, T, config)))
@@ -199,6 +212,7 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
         short = torch.as_tensor(windows[:B, :4], device=device)
         out["short_forward_s"] = min(timed(lambda: adapter.base(input_ids=short, use_cache=False))[0]
                                      for _ in range(3)) * scale
+    out["fv_s_per_token"] = time_fv(adapter, windows, config) * scale
     if spec["source"] == "minisuite":
         out["train_s_per_token"] = peaks("train", lambda: time_training(model, windows, B))
     # weights timed in float32 for a 16-bit model (see _adapter) count at the model's own width
@@ -252,10 +266,14 @@ def _forward(model, adapter, config: dict, batches: int, device: str, out: dict)
     with torch.no_grad():
         adapter.base(input_ids=ids, use_cache=False)  # warm-up
         one = timed(lambda: adapter.base(input_ids=ids, use_cache=False))[0]  # a window's forward
-    # each pass times as many batches after its warm-up as make about TIMED_SECONDS of forwards (a small model's
-    # batch is milliseconds: a steady time needs several); a batch whose forward takes longer is cut to fewer
-    # windows (the seconds per token of a compute-bound forward hardly depend on the batch)
-    B = int(max(1, min(B, TIMED_SECONDS // max(one, 1e-9))))
+    # each pass times as many batches of the job's size after its warm-up as make about TIMED_SECONDS of forwards (a
+    # small model's batch is milliseconds: a steady time needs several), at least one: a batch of the job's size,
+    # not fewer windows, for its memory is the job's (the activations grow with the batch) and so is its time per
+    # token (GPT-2 small at T = 512: pass 2 took 0.75 and the calibrated kernel's passes 3x the seconds per token
+    # of batch-1 timings, its paper-shape run)
+    # (a batch whose forward would take over MAX_BATCH_SECONDS, a 16-bit 7B model's on a CPU, is cut to fewer
+    # windows: the estimate says its peaks were measured at that batch)
+    B = int(max(1, min(B, MAX_BATCH_SECONDS // max(one, 1e-9))))
     n_batches = int(min(MAX_TIMED_BATCHES, max(int(batches), math.ceil(TIMED_SECONDS / max(one * B, 1e-6)))))
     windows = windows[: B * (n_batches + 1)]
     rest = windows[B:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mfpipe.estimate.prompts import PROMPT_PEAK, PROMPT_RULES
 from mfpipe.estimate.slices import EXTRA_PEAK, SLICE_RULES
 from mfpipe.estimate.weights import STARTUP_READS, streamed, weight_reads
 
@@ -30,6 +31,11 @@ STORE_FIGURE_RULES = {"exp3_correlation", "ranking", "kernel_dynamics"}
 STORE_RULES = {"stats_merge", "deviation_merge", "kernel_revision", "calibrate_kernel", "attention_coverage",
                "substitution_table", "substitution_topn_table", "ranking_roles",
                "explorer"}  # model-free jobs that open Zarr stores
+
+# float32 copies of a store's kernel cells a store job holds at its peak: a merge or a kernel job a few of the whole
+# store's (the default, 3), the explorer a revision's P whole (854 MiB measured at GPT-2 small's shape, 850 so), the
+# roles table a layer's chunk and its decompression at a time (its <bos> column read through the chunks: 433 and 393)
+STORE_COPIES = {"explorer": lambda c: 1.0, "ranking_roles": lambda c: 2.0 / c["layers"]}
 
 
 @dataclass
@@ -222,62 +228,6 @@ def attention_coverage(ctx, c, wc):
     return total, 0.0
 
 
-def head_scores(ctx, c, wc):
-    T = ctx.T(ctx.config["corpus"]["name"])
-    return int(ctx.config["ranking"]["head_scores"]["n_sequences"]) * T * c["forward_s_per_token"] * 2, 0.0
-
-
-def jlens(ctx, c, wc):
-    return int(ctx.config["jlens"]["n_positions"]) * c["jlens_s_per_position"], 0.0
-
-
-def jvp_decode(ctx, c, n: int) -> float:
-    """Seconds of a consumer's J-lens decodes of ``n`` vectors through Jacobian-vector products, where jlens.decode
-    takes that path for it (mfpipe.jlens.rules.shape_path; 0 where it reads the store)."""
-    from mfpipe.jlens.rules import shape_path
-
-    if shape_path(ctx.config, (c["layers"], c["heads"], c["d_model"]), n) != "jvp":
-        return 0.0
-    return int(ctx.config["jlens"]["n_positions"]) * (c.get("jvp_position_s", 0.0) + n * c.get("jvp_s_per_vector", 0.0))
-
-
-def lenses(ctx, c, wc):
-    p = ctx.config["prompts"]["lenses"]
-    T, n = ctx.T(ctx.config["corpus"]["name"]), (int(p["n_lens_heads"]) + len(p["heads"])) * int(p["per_head"])
-    return n * T * c["pass2_s_per_token"] * 2 + jvp_decode(ctx, c, n), 0.0
-
-
-def icl_classes(ctx, c, wc):
-    p = ctx.config["prompts"]["icl"]
-    T = ctx.T(ctx.config["corpus"]["name"])
-    prompts = 3 * int(p["n_prompts"]) + int(p["n_fewshot"])
-    return prompts * T * c["substitution_s_per_token"] * 1.5 * len(p["tasks"] or [1]) / 3, 0.0
-
-
-def icl_meter(ctx, c, wc):
-    p = ctx.config["prompts"]["icl_meter"]
-    T = ctx.T(ctx.config["corpus"]["name"])
-    k = min(int(p["chunk_length"]), (T - 1) // 2)
-    w = min(int(p["n_sequences"]), ctx.windows(wc["model"], ctx.config["corpus"]["name"], "eval") // 4)
-    return w * (2 * k + 1) * c["pass2_s_per_token"] * 2, 0.0
-
-
-def function_vectors(ctx, c, wc):
-    f = ctx.config["fv"]
-    tasks = f["tasks"] or []
-    n_tasks = sum(int(ctx.config["minisuite"]["tasks"]["n_tasks"]) if t == "minisuite" else 1 for t in tasks)
-    B = int(f.get("batch_size") or ctx.config["runtime"]["batch_size"])
-    prompt = 1 + 4 * int(f["n_shots"]) + 2
-    long_ = int(f["n_splits"]) * (int(f["n_clean"]) + int(f["n_pairs"]) - int(f["n_extract"]))
-    long_ += int(f["n_corrupted"]) * (c["layers"] * c["heads"] + 1)
-    sweep = int(f["n_extract"]) * (c["layers"] * len(f["sum_scales"]) * 4 + len(f["head_scales"]) * 4)
-    held = int(f["n_splits"]) * (int(f["n_pairs"]) - int(f["n_extract"])) * (2 * int(f["n_selected"]) + 1)
-    runs = int(f["n_seeds"]) * n_tasks
-    decodes = runs * (4 + c["layers"] * c["heads"] * (1 + int(f["n_clean"])))  # fv.rules.decoded_vectors
-    return (runs * (long_ * prompt * c["forward_s_per_token"] * 2 + (sweep + held) / B * c["short_forward_s"])
-            + jvp_decode(ctx, c, decodes)), 0.0
-
-
 def minisuite_train(ctx, c, wc):
     from mfpipe.minisuite.model import resolve_config
     from mfpipe.workflow.config import minimodel
@@ -312,9 +262,7 @@ RULES = {
     "cross_corpus": cross_corpus, "exclusion_rollout": exclusion_rollout,
     "rollout_divergence": rollout_divergence, "rollout_localized": rollout_localized,
     "attention_coverage": attention_coverage,
-    "head_scores": head_scores, "jlens": jlens, "lenses": lenses, "icl_classes": icl_classes, "icl_meter": icl_meter,
-    "function_vectors": function_vectors, "minisuite_train": minisuite_train, "corpus_shards": corpus_shards,
-    **SLICE_RULES,
+    "minisuite_train": minisuite_train, "corpus_shards": corpus_shards, **PROMPT_RULES, **SLICE_RULES,
 }
 # jobs that load a model (their start-up is the calibration's: imports and the model)
 MODEL_RULES = {"stats_shard", "deviation_shard", "substitution", "substitution_topn", "rollout_scores",
@@ -328,7 +276,8 @@ TOKENIZER_RULES = {"corpus_shards", "tracked_types", "tracked_types_topn", "trac
 # the calibration stage whose memory a job's peak is (the others: the bare forward's)
 PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pass2", "icl_meter": "pass2",
               "substitution": "substitution", "substitution_topn": "substitution", "icl_classes": "substitution",
-              "function_vectors": "substitution", "jlens": "jlens", "minisuite_train": "train",
+              "function_vectors": "forward",  # (short prompts; the mean field it reads: estimate.prompts.fv_peak)
+              "jlens": "jlens", "minisuite_train": "train",
               "positional": "pass2",  # (the positional job's batches are deviation forwards, pass 2's)
               **dict.fromkeys(("rollout_scores", "error_accounting", "cross_corpus", "exclusion_rollout",
                                "rollout_divergence", "rollout_localized"), "rollout")}  # a store read whole
@@ -341,6 +290,17 @@ RULES.update({new: RULES[old] for new, old in RECOMPUTE_RULES.items()})
 MODEL_RULES |= {new for new, old in RECOMPUTE_RULES.items() if old in MODEL_RULES}
 STORE_RULES |= {new for new, old in RECOMPUTE_RULES.items() if old in STORE_RULES} | {"calibrated_recompute"}
 PEAK_STAGE.update({new: PEAK_STAGE[old] for new, old in RECOMPUTE_RULES.items() if old in PEAK_STAGE})
+
+
+def reads_calibrated(config: dict, rule: str) -> bool:
+    """Whether the job's kernel is the calibrated U (App. B): it reads U whole and keeps it beside the kernel built
+    from it (GPT-2 small's recompute arms peaked 0.6-0.8 GiB, U's 550 MiB and more, above the same jobs with W).
+    The run's own pass 2 and substitution use ``substitution.kernel``, their reruns the other; the prompt jobs W,
+    their reruns U (mfpipe.experiments.substitution.rules.recompute_kernels)."""
+    own = config["substitution"]["kernel"] == "calibrated"
+    return {"deviation_shard": own, "substitution": own, "deviation_shard_recompute": not own,
+            "substitution_recompute": not own, "icl_meter_recompute": True, "icl_classes_recompute": True
+            }.get(rule, False)
 # jobs that open a statistics (or deviation) store before their work
 READS_STORES = (MODEL_RULES | STORE_RULES | STORE_FIGURE_RULES) - {
     "stats_shard", "minisuite_train",
@@ -377,8 +337,11 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
         start, peak = c["startup_s"], c["peak_mb"].get(PEAK_STAGE.get(rule, "forward"), c["peak_rss_mb"])
         if rule == "stats_shard" and (ctx.config.get("stats") or {}).get("kernel_sums") == "disk":
             peak -= kernel_sums_mb(c)  # mapped from a file: the page cache's, not the job's own memory
-        if rule in EXTRA_PEAK:  # what the job holds beyond its calibrated stage (mfpipe.estimate.slices)
-            peak += EXTRA_PEAK[rule](ctx, c, wildcards)
+        if reads_calibrated(ctx.config, rule):  # U in float32
+            peak += _cells(c, ctx) * 4 / 2**20
+        extra = EXTRA_PEAK.get(rule) or PROMPT_PEAK.get(rule)
+        if extra is not None:  # what the job holds beyond its calibrated stage (estimate.slices, estimate.prompts)
+            peak += extra(ctx, c, wildcards)
         if streamed(c, rule):  # one block's weights resident, not all; the load's probe reads every block twice
             peak, start = peak - c["stream_saving_mb"], start + STARTUP_READS * c["blocks_read_s"]
     else:
@@ -387,8 +350,8 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
                 else "table")
         start = ctx.startup[kind]
         peak = ctx.startup.get(f"{kind}_rss_mb", 0.0)
-        if c is not None and rule in STORE_RULES:
-            peak += 3 * _cells(c, ctx) * 4 / 2**20  # a layer-chunked store's arrays, a few float32 copies
+        if c is not None and rule in STORE_RULES:  # a layer-chunked store's arrays, float32 copies of its cells
+            peak += STORE_COPIES.get(rule, lambda c: 3.0)(c) * _cells(c, ctx) * 4 / 2**20
     if c is not None and rule in READS_STORES:
         start += c["store_open_s"]
     fn = RULES.get(rule)

@@ -70,6 +70,14 @@ def _at_once(commands: list[list[str]], env: dict | None = None) -> list[tuple[f
     return results
 
 
+# a probe's last line: the high-water mark of its own memory (VmHWM, MiB). ru_maxrss also counts the forking parent's
+# resident memory at the fork (Linux keeps it across exec): it read 301 MiB for every kind of job, the estimate's own
+# process, where a table job peaks at about 120
+PRINT_OWN_PEAK = ("import resource, pathlib; s = pathlib.Path('/proc/self/status'); print(int(next(x.split()[1] "
+                  "for x in s.read_text().splitlines() if x.startswith('VmHWM'))) / 1024 if s.exists() else "
+                  "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+
+
 def _startups(jobs_at_once: int = 1) -> dict:
     """Seconds to start a job process without a model, by kind (its imports), and its resident memory, as slow as
     it starts beside the run's other jobs (:func:`_contention`)."""
@@ -86,7 +94,7 @@ def _startups(jobs_at_once: int = 1) -> dict:
                            "from transformers import AutoTokenizer, PreTrainedTokenizerFast"}
     out = {}
     for kind, code in probes.items():
-        code += "; import resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+        code += "; " + PRINT_OWN_PEAK
         (t, done), = _at_once([[sys.executable, "-c", code]])
         out[kind], out[f"{kind}_rss_mb"] = t, float(done.stdout.split()[-1])
     out.update(_contention(probes["tokenizer"], out["tokenizer"], jobs_at_once))
@@ -188,18 +196,22 @@ def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: st
     from mfpipe.estimate import costs
     from mfpipe.estimate.costs import Context, job_cost
     from mfpipe.estimate.jobs import load_config, planned_jobs, predict_corpus
+    from mfpipe.estimate.prompts import exemplar_tokens
 
     config = load_config(configfiles, overrides, base=Path(snakefile).resolve().parent / "config" / "config.yaml")
     startup = _startups(jobs_at_once)
     with tempfile.TemporaryDirectory(prefix="mfpipe-estimate-") as tmp:
         progress("predicting the corpus halves ...")
-        corpus = predict_corpus(config, _tokenizers(config, Path(tmp), startup))
+        tokenizers = _tokenizers(config, Path(tmp), startup)
+        corpus = predict_corpus(config, tokenizers)
+        exemplars = {m: exemplar_tokens(config, t) for m, t in tokenizers.items()}  # the few-shot prompts' lengths
     progress("planning the jobs (snakemake's dry run) ...")
     jobs = planned_jobs(corpus, configfiles, overrides, snakefile)
     progress(f"calibrating {', '.join(m['name'] for m in config['models'])} on {device} ...")
     cal = _calibrations(config, device)
-    for c in cal.values():  # a model job's start-up, as slow as the others' with the run's jobs side by side
+    for name, c in cal.items():  # a model job's start-up, as slow as the others' with the run's jobs side by side
         c["startup_s"] *= startup["contention"]
+        c.update(exemplars.get(name) or {})
     ctx = Context(config, corpus, cal, startup)
     stages = stage_of_rules(Path(snakefile).resolve().parent / "workflow" / "rules")
     rows = []
@@ -324,6 +336,7 @@ def main(argv=None) -> int:
 def _print(jobs, ctx, devices: tuple, args, took: float) -> list[str]:
     """Print the estimate; its WILL NOT FIT lines back. ``devices``: the jobs' device, the calibration's, its note
     (:func:`mfpipe.estimate.notes.calibration_device`)."""
+    from mfpipe.estimate.calibrate import MAX_BATCH_SECONDS
     from mfpipe.estimate.notes import corpus_lines, unpriced_line
     from mfpipe.estimate.weights import stream_line
 
@@ -339,6 +352,9 @@ def _print(jobs, ctx, devices: tuple, args, took: float) -> list[str]:
               f"{c['batch_size']}: forward {1 / c['forward_s_per_token']:.0f} tok/s, pass 1 "
               f"{1 / c['pass1_s_per_token']:.0f}, pass 2 {1 / c['pass2_s_per_token']:.0f}, substitution "
               f"{1 / c['substitution_s_per_token']:.0f} tok/s; job start-up {c['startup_s']:.1f} s")
+        if c["batch_size"] < c.get("runtime_batch_size", c["batch_size"]):  # a batch too slow to time whole
+            print(f"- {name}: timed in batches of {c['batch_size']}, not the jobs' {c['runtime_batch_size']} (a batch's "
+                  f"forward would take over {MAX_BATCH_SECONDS:.0f} s): its model jobs' peaks are a smaller batch's")
         if stream_line(name, c):  # its weights streamed one block at a time (mfpipe.estimate.weights)
             print(f"- {stream_line(name, c)}")
     half = [m["name"] for m in ctx.config["models"]

@@ -10,8 +10,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "time_jvp", "time_training", "store_math",
-           "lm_head_s_per_token", "count_s_per_token"]
+__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_held_bytes", "time_jvp",
+           "time_fv", "time_training", "store_math", "lm_head_s_per_token", "count_s_per_token"]
 
 
 def _sync() -> None:
@@ -88,7 +88,7 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
            "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale,
            "deviation_partial_bytes": dev_partial * scale,
            "pass1_held_bytes": held, "partial_write_s": pw * scale}
-    out.update(store_math(stats, ds, rest, ts, B, config))
+    out.update(store_math(stats, ds, windows, ts, B, config))
     out.update(analyses(model, adapter, stats, config, scale, peaks))
     return out
 
@@ -159,19 +159,21 @@ def store_math(stats, ds, windows, ts, B: int, config: dict) -> dict:
     te, _ = timed(lambda: np.linalg.eigh(G))
     T = windows.shape[1]
 
-    # the calibrated kernel's passes (float32, as calibrate_kernel runs them): one layer's W through one window and
-    # through three, for the cost per pair weight apart from each pass's own
+    # the calibrated kernel's passes (float32, as calibrate_kernel runs them, in the job's batches): one layer's W
+    # through one batch of windows and through two, for the cost per pair weight apart from each pass's own (a batch
+    # of one window timed 3x faster per pair than the job's batches of 8 at GPT-2 small's shape: its arrays fit the
+    # caches)
     W = torch.rand(ds.sizes["head"], N, K, dtype=torch.float32)
     W = W / W.sum(-1, keepdim=True)
 
     def one_pass(w):
         return timed(lambda: corpus_pass(W, window_batches([w], ts, batch_size=B)))[0]
 
-    one, three = windows[:1], windows[:3]  # a pass costs ~H·T² per window: at T = 512 seconds a window on a CPU
+    one, two = windows[:B], windows[:2 * B]  # (the calibration's windows: at least two batches)
     one_pass(one)  # warm-up
-    small, big = one_pass(one), one_pass(three)
-    pairs = ds.sizes["head"] * T * T  # one window's
-    per_pair = max(big - small, 0.0) / (2 * pairs)
+    small, big = one_pass(one), one_pass(two)
+    pairs = ds.sizes["head"] * T * T * len(one)  # one batch's
+    per_pair = max(big - small, 0.0) / max((len(two) - len(one)) * ds.sizes["head"] * T * T, 1)
     # an iteration's own work beside its pass (the update of U in float64, the residuals): two iterations and the
     # final residual's pass are three passes
     t_cal = timed(lambda: calibrate(W, W, window_batches([one], ts, batch_size=B), iterations=2,
@@ -201,6 +203,32 @@ def time_jlens(adapter, windows, T: int, config: dict) -> float:
     return max(t_few - per_pass * few, 0.0) + per_pass * d
 
 
+def jlens_batch(adapter, windows, T: int, config: dict) -> None:
+    """One batch of the J-lens job's positions (``jlens.batch_size``, else ``runtime.batch_size``, windows at T/2)
+    with its check groups, through one chunk of backward passes: the job's memory per batch (the prefixes' cache, the
+    graph, the call's Jacobian sums) at a fraction of its time (the other chunks of rows reuse the same buffers)."""
+    import torch
+
+    from mfpipe.jlens.checks import N_GROUPS
+    from mfpipe.models.adapters.jacobian import position_jacobians
+
+    j = config["jlens"]
+    bs = min(int(j.get("batch_size") or config["runtime"]["batch_size"]), len(windows))
+    d, chunk = adapter.d_model, int(j["grad_chunk"])
+    keep = torch.arange(min(int(j["check_rows"]), d))
+    position_jacobians(adapter, windows[:bs], [T // 2] * bs, grad_chunk=chunk, rows=min(chunk, d),
+                       groups=torch.arange(bs) % N_GROUPS, group_rows=keep, n_groups=N_GROUPS)
+
+
+def jlens_held_bytes(L: int, d: int, config: dict) -> float:
+    """Bytes the J-lens job holds across its batches beside a batch's own (:func:`mfpipe.jlens.lens._jacobian_sums`):
+    the float64 sums ``[2, L+1, d, d]`` and the check groups' ``[G, 2, L+1, r, d]``."""
+    from mfpipe.jlens.checks import N_GROUPS
+
+    r = min(int(config["jlens"]["check_rows"]), d)
+    return 8.0 * 2 * (L + 1) * d * (d + N_GROUPS * r)
+
+
 def time_jvp(adapter, windows, T: int, config: dict) -> tuple[float, float]:
     """(seconds of one position's own work, seconds per vector) of the J-lens decode through Jacobian-vector
     products (:mod:`mfpipe.jlens.jvp`) at T/2: 16 and 48 vectors inserted at layer 0 (the whole depth) timed after a
@@ -222,6 +250,39 @@ def time_jvp(adapter, windows, T: int, config: dict) -> tuple[float, float]:
     # bounds it from above then
     per = (t_more - t_few) / 32 if t_more > t_few else t_more / 48
     return max(t_few - 16 * per, 0.0), per
+
+
+def time_fv(adapter, windows, config: dict) -> float:
+    """Seconds per token of the function-vector job's forwards at the depth run: a batch of AIE's rows (``fv``'s
+    batch, one few-shot prompt of ``n_shots`` exemplars repeated, each row's head read at the cue replaced; as
+    :func:`mfpipe.experiments.fv.heads.aie` runs them), the faster of two after a warm-up. Short prompts in batches
+    of the job's size: their cost per token is not a corpus window's (GPT-2 small: about 2.9 bare forwards')."""
+    import numpy as np
+    import torch
+
+    from mfpipe.experiments.fv.heads import last_logits
+
+    f = config["fv"]
+    B = int(f.get("batch_size") or config["runtime"]["batch_size"])
+    P = min(1 + 4 * int(f["n_shots"]) + 2, windows.shape[1])
+    ids = torch.as_tensor(np.tile(windows[0, :P], (B, 1)), device=adapter.device)
+    rows, hd = torch.arange(B), torch.arange(B) % adapter.n_heads
+    got: dict = {}
+
+    def patch(layer, reads):  # (AIE's rows of one chunk sit in one or two layers)
+        if layer != 0:
+            return None
+        out = reads.clone()
+        out[rows.to(out.device), -1, hd.to(out.device)] = 0
+        return out
+
+    def call():
+        adapter.run(ids, select=(), patch_reads=patch, on_final=lambda x: got.update(f=x))
+        return torch.softmax(last_logits(adapter, got["f"]).float(), -1)
+
+    with torch.no_grad():
+        call()
+        return min(timed(call)[0] for _ in range(2)) / ids.numel()
 
 
 def time_training(model, windows, B: int, steps: int = 3) -> float:
