@@ -212,7 +212,10 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
         short = torch.as_tensor(windows[:B, :4], device=device)
         out["short_forward_s"] = min(timed(lambda: adapter.base(input_ids=short, use_cache=False))[0]
                                      for _ in range(3)) * scale
-    out["fv_s_per_token"] = time_fv(adapter, windows, config) * scale
+    try:  # (priced at two bare forwards a token where a model's reads cannot be patched so)
+        out["fv_s_per_token"] = time_fv(adapter, windows, config) * scale
+    except Exception as e:  # noqa: BLE001
+        out["fv_s_per_token"], out["fv_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     if spec["source"] == "minisuite":
         out["train_s_per_token"] = peaks("train", lambda: time_training(model, windows, B))
     # weights timed in float32 for a 16-bit model (see _adapter) count at the model's own width
