@@ -176,9 +176,7 @@ def test_the_paper_shape_estimate_is_each_jobs_median_over_three():
     takes each job's median over three estimates, and the calibration of the run whose total is the median."""
     import pandas as pd
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import paper_shape as ps
-
+    ps = _paper_shape()
     runs = [pd.DataFrame({"rule": ["a", "b"], "stage": ["s", "t"], "job": ["x", "y"], "seconds": s, "peak_mb": m})
             for s, m in (([1.0, 50.0], [10.0, 7.0]), ([3.0, 20.0], [30.0, 5.0]), ([2.0, 10.0], [20.0, 6.0]))]
     jobs, mid = ps.median_estimate(runs)
