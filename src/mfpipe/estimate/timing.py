@@ -256,7 +256,8 @@ def time_fv(adapter, windows, config: dict) -> float:
     """Seconds per token of the function-vector job's forwards at the depth run: a batch of AIE's rows (``fv``'s
     batch, one few-shot prompt of ``n_shots`` exemplars repeated, each row's head read at the cue replaced; as
     :func:`mfpipe.experiments.fv.heads.aie` runs them), the faster of two after a warm-up. Short prompts in batches
-    of the job's size: their cost per token is not a corpus window's (GPT-2 small: about 2.9 bare forwards')."""
+    of the job's size, not a corpus window's batch (GPT-2 small: 0.76 of the bare forward's seconds per token). The
+    prompt counts 4 tokens an exemplar: a rate per token (the price counts the model's own exemplars' tokens)."""
     import numpy as np
     import torch
 
