@@ -27,6 +27,9 @@
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its
   checks (``groups``).
+* ``backward16.py`` — :func:`~mfpipe.models.adapters.backward16.fast_input_grads`: a 16-bit model's linear layers on
+  a CPU keep their forward's value and take their input's gradient in float32, batched (the J-lens's backward passes,
+  whose bfloat16 kernel for ``g @ W`` is some 35x slower than the forward's there).
 * ``jvp.py`` — :func:`~mfpipe.models.adapters.jvp.position_jvps`: the same-position Jacobian-vector products of the
   final residual along given vectors (``torch.func.jvp``, vectors batched as tangent rows, the prefix a kept key/value
   cache), the J-lens decode without its Jacobian (:mod:`mfpipe.jlens.jvp`).

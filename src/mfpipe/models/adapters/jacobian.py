@@ -35,6 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from mfpipe.models.adapters.backward16 import WIDE_ROWS, applies, fast_input_grads
+
 __all__ = ["POINTS", "position_jacobians", "cache_tolerance", "cache_keyword", "returned_cache", "final_residual",
            "NoCache", "final_residual_hook"]
 
@@ -128,17 +130,19 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
         for p, _ in flags:
             p.requires_grad_(False)
         model.eval()
-        # a hybrid's cache holds a state-space or recurrent state its next token updates in place: no backward through
-        if prefix_cache and not getattr(adapter, "hybrid", False):
-            try:
-                total, by = _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp)
-                return total if grp is None else (total, by)
-            except NoCache as e:
-                log.warning("%s: no key/value cache (%s); the J-lens runs every window whole", adapter.model_type, e)
-        ids = ids[:, : int(pos.max()) + 1]  # h^L[t] depends on positions <= t only
-        total, _, by = _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk, rows,
-                               grp)
-        return total if grp is None else (total, by)
+        with fast_input_grads(model):  # a 16-bit model on a CPU: its linear layers' backward in float32 (backward16)
+            # a hybrid's cache holds a state-space or recurrent state its next token updates in place: no backward
+            if prefix_cache and not getattr(adapter, "hybrid", False):
+                try:
+                    total, by = _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp)
+                    return total if grp is None else (total, by)
+                except NoCache as e:
+                    log.warning("%s: no key/value cache (%s); the J-lens runs every window whole", adapter.model_type,
+                                e)
+            ids = ids[:, : int(pos.max()) + 1]  # h^L[t] depends on positions <= t only
+            total, _, by = _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk,
+                                   rows, grp)
+            return total if grp is None else (total, by)
     finally:
         for p, f in flags:
             p.requires_grad_(f)
@@ -197,6 +201,8 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out:
         # memory takes (t + 1) times as many passes at once, one call instead of t + 1 launch-bound small ones (a
         # CPU runs the wide batched passes slower than grad_chunk at a time: benchmarks/HISTORY.md, "The J-lens")
         chunk = min(d, max(1, int(grad_chunk)) * ((t + 1) if dev.type == "cuda" else 1))
+        if applies(adapter.model):  # each backward widens every weight to float32 once: over WIDE_ROWS rows at least
+            chunk = min(d, max(chunk, WIDE_ROWS))
         sub = None if groups is None else groups._replace(member=groups.member[:, rows])
         out, y, by = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk, rows_out, sub)
         if t > 0 and not checked:
