@@ -109,3 +109,22 @@ def test_the_jlens_of_a_bfloat16_model_is_as_close_to_float64_as_its_own_backwar
     assert err(fast) <= 1.2 * err(own) + 2.0 ** -8, (err(fast), err(own))
     if not has_linear:
         assert torch.equal(torch.nan_to_num(fast), torch.nan_to_num(own))
+
+
+def test_modules_nnsight_has_traced_are_swapped_too_and_given_back(monkeypatch):
+    """nnsight leaves a forward of its own on each module it traced (the adapter's read/patch site): the J-lens after
+    a traced forward still takes the float32 gradients, and each module's forward is the one it had after."""
+    from mfpipe.models.adapters import backward16 as B16
+
+    ad = get_adapter(copy.deepcopy(make_tiny_model("llama", seed=4)).to(torch.bfloat16))
+    ids = _windows(2)
+    ad.run(ids, select=("reads",), on_layer=lambda cap: None)
+    own = {name: vars(m).get("forward") for name, m in ad.model.named_modules() if type(m) is torch.nn.Linear}
+    assert any(f is not None for f in own.values())  # what this test is about: nnsight's own forwards
+    calls, forward = [], B16._forward
+    monkeypatch.setattr(B16, "_forward", lambda m, x: calls.append(m) or forward(m, x))
+    JJ.position_jacobians(ad, ids, torch.tensor([5, 9]), grad_chunk=4)
+    traced = {id(m) for name, m in ad.model.named_modules() if own.get(name) is not None}
+    assert traced <= {id(m) for m in calls}
+    assert all(vars(m).get("forward") is own[name] for name, m in ad.model.named_modules() if name in own)
+    ad.run(ids, select=("reads",), on_layer=lambda cap: None)  # the site still traces

@@ -373,3 +373,31 @@ def test_the_exclusion_job_is_priced_as_two_arms_each_running_the_divergence_dia
     rollout = C.job_cost(ctx, "rollout_scores", wc)["seconds"] - start  # the config's kernels, the stores read
     exclusion = C.job_cost(ctx, "exclusion_rollout", wc)["seconds"] - start
     assert 2 * divergence < exclusion < 2 * (divergence + rollout)
+
+
+def test_the_corpus_jobs_memory_is_measured_by_its_own_code():
+    """The corpus job's peak: its own code (write_corpus, the model's tokenizer) run in a process of its own at the
+    ci budget, at least the imports' start-up and what the job's peak is at its tokens; a hub corpus measured on the
+    embedded text standing in (and said so); without a tokenizer, no measure and the start-up's memory."""
+    from mfpipe.estimate import corpus_memory as CM
+
+    cfg, _ = ci()
+    tok = small_tokenizer()
+    pred = J.predict_corpus(cfg, {m["name"]: tok for m in cfg["models"]}, results="/nonexistent")
+    mem = CM.corpus_memory(cfg, {m["name"]: tok for m in cfg["models"]})
+    assert set(mem) == {f"{c}/{m['name']}" for c in ("shakespeare-ci", "python-docs-ci") for m in cfg["models"]}
+    one = mem["shakespeare-ci/mini-gpt2"]
+    assert one["text"] == "the corpus's own text" and 100 < one["mb"] < 2048 and one["mb_per_token"] == 0.0
+    ctx = context(cfg, pred)
+    ctx.startup["tokenizer_rss_mb"] = 50.0
+    wc = {"corpus": "shakespeare-ci", "model": "mini-gpt2"}
+    assert C.job_cost(ctx, "corpus_shards", wc)["peak_mb"] == 50.0  # no measure: the start-up's
+    ctx.startup["corpus_memory"] = mem
+    assert C.job_cost(ctx, "corpus_shards", wc)["peak_mb"] == pytest.approx(one["mb"])
+    assert "its memory measured by the job's own code" in Nt.corpus_lines(ctx)[0]
+    assert CM.corpus_peak_mb({"mb": 300.0, "mb_per_token": 1e-4}, 2e6, 250.0) == pytest.approx(500.0)
+    assert CM.corpus_memory(cfg, {}) == {}
+    hub = J.load_config([REPO / "config" / "presets" / "gpt2-small.yaml"], base=BASE)
+    hub["corpus"]["tokens_per_half"] = 1 << 14  # one probe
+    (entry,) = CM.corpus_memory(hub, {m["name"]: tok for m in hub["models"]}).values()
+    assert entry["text"].startswith("the embedded Shakespeare standing in for Skylion007/openwebtext")

@@ -7,6 +7,7 @@
 - :mod:`~mfpipe.estimate.costs` — the cost model: each job's seconds, peak memory and disk from the calibration.
 - :mod:`~mfpipe.estimate.prompts` — the prices of the jobs on prompts and sampled positions: head scores, J-lens,
   lenses, the ICL classes and meter, function vectors.
+- :mod:`~mfpipe.estimate.corpus_memory` — the corpus stage's memory: the corpus job's own code run at two budgets.
 - :mod:`~mfpipe.estimate.slices` — the prices of the positional slice, the token counts and the start-up-only jobs.
 - :mod:`~mfpipe.estimate.notes` — what the numbers are not: the device measured, the unpriced rules and corpora, the
   knobs of a job that does not fit.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mfpipe.estimate.corpus_memory import corpus_peak_mb
 from mfpipe.estimate.prompts import PROMPT_PEAK, PROMPT_RULES
 from mfpipe.estimate.slices import EXTRA_PEAK, SLICE_RULES
 from mfpipe.estimate.weights import STARTUP_READS, streamed, weight_reads
@@ -352,6 +353,10 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
         peak = ctx.startup.get(f"{kind}_rss_mb", 0.0)
         if c is not None and rule in STORE_RULES:  # a layer-chunked store's arrays, float32 copies of its cells
             peak += STORE_COPIES.get(rule, lambda c: 3.0)(c) * _cells(c, ctx) * 4 / 2**20
+        if rule == "corpus_shards":  # its tokenizer, the corpus and both halves' windows (estimate.corpus_memory)
+            tokens = sum(ctx.windows(wildcards["model"], wildcards["corpus"], h) for h in ("stats", "eval"))
+            measure = ctx.startup.get("corpus_memory", {}).get(f"{wildcards['corpus']}/{wildcards['model']}")
+            peak = corpus_peak_mb(measure, tokens * ctx.T(wildcards["corpus"]), peak)
     if c is not None and rule in READS_STORES:
         start += c["store_open_s"]
     fn = RULES.get(rule)

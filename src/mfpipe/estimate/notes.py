@@ -55,13 +55,17 @@ def corpus_lines(ctx) -> list[str]:
     lines = []
     for name, corpus in corpora(ctx.config).items():
         hub = corpus.get("source") == "hf"
-        where = f"{name} (hub dataset {corpus.get('hf_name')}" + ("; its download is not priced)" if hub else ")")
+        where = name + (f" (hub dataset {corpus.get('hf_name')}; its download is not priced)" if hub else "")
         groups: dict = {}
         for m in ctx.config["models"]:
             pred = ctx.corpus.get(f"{name}/{m['name']}/stats", {})
             rate = pred.get("tokenize_s_per_token")
             key = (f"~{1 / rate:,.0f} tokens/s, the tokenizer timed on {pred.get('tokenize_text')}" if rate
                    else None)
+            mem = ctx.startup.get("corpus_memory", {}).get(f"{name}/{m['name']}")
+            if key is not None:
+                key += (f"; its memory measured by the job's own code on {mem['text']}" if mem else
+                        "; its memory the tokenizer's start-up only (the job's code could not run here)")
             groups.setdefault(key, []).append(m["name"])
         for key, models in groups.items():
             who = ", ".join(models)

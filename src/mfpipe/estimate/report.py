@@ -194,6 +194,7 @@ def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: st
     import pandas as pd
 
     from mfpipe.estimate import costs
+    from mfpipe.estimate.corpus_memory import corpus_memory
     from mfpipe.estimate.costs import Context, job_cost
     from mfpipe.estimate.jobs import load_config, planned_jobs, predict_corpus
     from mfpipe.estimate.prompts import exemplar_tokens
@@ -204,6 +205,7 @@ def estimate(configfiles=(), overrides=(), *, device: str = "cpu", snakefile: st
         progress("predicting the corpus halves ...")
         tokenizers = _tokenizers(config, Path(tmp), startup)
         corpus = predict_corpus(config, tokenizers)
+        startup["corpus_memory"] = corpus_memory(config, tokenizers)  # the corpus job's peak, its own code run
         exemplars = {m: exemplar_tokens(config, t) for m, t in tokenizers.items()}  # the few-shot prompts' lengths
     progress("planning the jobs (snakemake's dry run) ...")
     jobs = planned_jobs(corpus, configfiles, overrides, snakefile)

@@ -97,10 +97,15 @@ def fast_input_grads(model: nn.Module):
     swapped = []
     try:
         for m in model.modules():
-            if type(m) is nn.Linear and "forward" not in vars(m):
+            if type(m) is nn.Linear:
+                # nnsight leaves a forward of its own on each module it has traced (it calls F.linear outside a
+                # trace): put back as found
+                swapped.append((m, vars(m).get("forward")))
                 m.forward = types.MethodType(_forward, m)
-                swapped.append(m)
         yield
     finally:
-        for m in swapped:
-            del m.forward
+        for m, own in swapped:
+            if own is None:
+                del m.forward
+            else:
+                m.forward = own
