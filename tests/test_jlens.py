@@ -181,12 +181,15 @@ def test_the_cached_prefix_gives_the_whole_window_jacobian(mt):
 
 def test_a_model_without_a_usable_cache_runs_whole_windows(caplog):
     """A forward that takes no ``past_key_values``, or takes them and does not attend to them (its token would sit at
-    position 0 of an empty context), falls back to whole windows, with a log line: the same Jacobian."""
+    position 0 of an empty context), falls back to whole windows, with a log line: the same Jacobian. Sums added to
+    a caller's (``into``) get the window's once: the cache is refused before anything is added (position 0, which
+    needs none, comes last)."""
     import logging
 
     ad = get_adapter(make_tiny_model("llama", seed=1))
-    ids, pos = torch.as_tensor(_windows(3, seed=4)), torch.tensor([5, 2, 8])
+    ids, pos = torch.as_tensor(_windows(3, seed=4)), torch.tensor([5, 0, 8])
     whole = position_jacobians(ad, ids, pos, prefix_cache=False)
+    start = position_jacobians(ad, ids[:1], pos[:1])  # what a caller summed before
     forward = ad.base.forward
 
     def refuses(*a, past_key_values=None, use_cache=None, **k):
@@ -203,10 +206,14 @@ def test_a_model_without_a_usable_cache_runs_whole_windows(caplog):
         try:
             with caplog.at_level(logging.WARNING, logger="mfpipe.models.adapters.jacobian"):
                 got = position_jacobians(ad, ids, pos)
+                into = start.clone()
+                assert position_jacobians(ad, ids, pos, into=into) is into
         finally:
             del ad.base.forward
         assert any(said in r.getMessage() and "whole" in r.getMessage() for r in caplog.records), caplog.text
         torch.testing.assert_close(got, whole, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(into, start + whole, rtol=0, atol=1e-12 * float(whole[0].abs().max()),
+                                   equal_nan=True)
 
 
 def test_position_sampling_is_seeded_and_skips_bos():

@@ -148,14 +148,14 @@ def _jacobian_sums(adapter, windows, win, pos, bs: int, keep, *, progress: bool,
     import torch
 
     from mfpipe.jlens import checks as C
-    from mfpipe.models.adapters.jacobian import position_jacobians
+    from mfpipe.models.adapters.jacobian import jacobian_sums, position_jacobians
 
-    L, d = adapter.n_layers, adapter.d_model
-    total = torch.zeros(2, L + 1, d, d, dtype=torch.float64, device=adapter.device)
+    # the sums are added to in place, batch after batch: one buffer of each, none of a batch's own beside them
+    total = jacobian_sums(adapter)
     by_group, groups = None, None
     if keep is not None:
-        by_group = torch.zeros(C.N_GROUPS, 2, L + 1, len(keep), d, dtype=torch.float64, device=adapter.device)
-        groups, keep = C.sample_groups(len(win)), torch.from_numpy(np.asarray(keep))
+        groups, keep = C.sample_groups(len(win)), torch.from_numpy(np.asarray(keep)).to(adapter.device)
+        by_group = jacobian_sums(adapter, n_groups=C.N_GROUPS, keep=keep)
     # batched in order of position: the rows of one position share a prefix forward (and, for a model without a
     # key/value cache, each batch is cut after its largest position); the sum does not depend on the order
     order = np.argsort(pos, kind="stable")
@@ -168,14 +168,12 @@ def _jacobian_sums(adapter, windows, win, pos, bs: int, keep, *, progress: bool,
         k = order[b0 : b0 + bs]
         ids = torch.from_numpy(windows[win[k]].astype(np.int64))
         if groups is None:
-            total += position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
-                                        prefix_cache=prefix_cache)
+            position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                               prefix_cache=prefix_cache, into=total)
         else:
-            t, by = position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
-                                       prefix_cache=prefix_cache, groups=torch.from_numpy(groups[k]),
-                                       group_rows=keep, n_groups=C.N_GROUPS)
-            total += t
-            by_group += by
+            position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                               prefix_cache=prefix_cache, groups=torch.from_numpy(groups[k]), group_rows=keep,
+                               n_groups=C.N_GROUPS, into=total, into_groups=by_group)
     return total, by_group
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from mfpipe.models.adapters.backward16 import WIDE_ROWS, applies, fast_input_grads
 
-__all__ = ["POINTS", "position_jacobians", "cache_tolerance", "cache_keyword", "returned_cache", "final_residual",
+__all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "cache_keyword", "returned_cache", "final_residual",
            "NoCache", "final_residual_hook"]
 
 POINTS = ("block", "attn")
@@ -82,7 +82,8 @@ def _rows(g: Tensor, pos: Tensor, keep: Tensor | None = None):
 
 
 def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_cache: bool = True,
-                       rows: int | None = None, groups=None, group_rows=None, n_groups: int | None = None
+                       rows: int | None = None, groups=None, group_rows=None, n_groups: int | None = None,
+                       into: Tensor | None = None, into_groups: Tensor | None = None
                        ) -> Tensor | tuple[Tensor, Tensor]:
     """``sum_b ∂h^L[b, t_b] / ∂x^p_ℓ[b, t_b]`` as float64 ``[2, L+1, d, d]`` (point, layer, out, in), with
     ``point`` as in :data:`POINTS` and NaN at ``("attn", L)``; with ``groups``, ``(total, by_group)``.
@@ -91,16 +92,12 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
     ``grad_chunk``: backward passes batched in one ``torch.autograd.grad(..., is_grads_batched=True)`` (``<= 1``: one
     at a time; a model whose backward cannot be batched falls back to that as well).
 
-    ``prefix_cache`` (default): a causal model's prefix ``< t`` does not depend on ``x_t``, so its keys and values
-    are constants of the Jacobian. The rows of each distinct ``t`` run their prefix once without a graph (the model's
-    own key/value cache), then token ``t`` alone with the graph: each backward pass runs through one position instead
-    of ``t + 1`` (the backward passes are the cost: ``d`` of them; ``benchmarks/jlens.py`` times both). A model
-    whose forward takes or honours no key/value cache falls back, with a log line, to ``prefix_cache=False``: every
-    window cut after the largest position and run whole, each backward through every position (the same Jacobian,
-    up to float rounding; tests tie the two).
-
-    ``rows``: only the first ``rows`` output dimensions (rows of every block; the others NaN), ``rows`` backward
-    passes instead of ``d``: ``benchmarks/jlens.py`` times a share of the passes of a shape too slow to run whole.
+    ``prefix_cache`` (default): the rows of each distinct ``t`` run their prefix once without a graph (the model's
+    key/value cache: constants of the Jacobian), then token ``t`` alone with the graph, so each of the ``d`` backward
+    passes runs through one position (``benchmarks/jlens.py`` times both). A model whose forward takes or honours no
+    cache falls back, with a log line, to ``prefix_cache=False``: each window cut after the largest position and run
+    whole (the same Jacobian up to float rounding; tests tie the two). ``rows``: the first ``rows`` output
+    dimensions only (the others NaN), ``rows`` backward passes: ``benchmarks/jlens.py`` times a share of them.
 
     ``groups [B]`` (int, ``0..G-1``; ``G = n_groups``, default ``max(groups) + 1``): the group of each row. Then the
     call returns ``(total, by_group)``: ``total`` the sum above, computed exactly as without ``groups`` (the same
@@ -110,6 +107,9 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
     over the groups is ``total[:, :, group_rows]`` up to float64 rounding (the J-lens checks of
     :mod:`mfpipe.jlens.checks` compare disjoint position samples this way without a second backward pass; the
     ``group_rows`` bound their memory to ``G (2L+1) r d`` on a real model).
+
+    ``into`` (with ``groups``, ``into_groups``; :func:`jacobian_sums` makes them): the sums are added to these, in
+    place, and returned: one buffer across many calls (Qwen3-14B's shape: 17 GB in float64), none of a call's own.
 
     The model runs as it is loaded (eval mode is set for the call), with its parameters' ``requires_grad``
     switched off for the call and restored after: only the residual tensors are differentiated."""
@@ -124,6 +124,9 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
     if int(pos.min()) < 0 or int(pos.max()) >= ids.shape[1]:
         raise ValueError(f"positions must lie in 0..{ids.shape[1] - 1}, got {pos.min().item()}..{pos.max().item()}")
     grp = None if groups is None else _group_spec(adapter, groups, n_groups, group_rows, pos.numel())
+    total = jacobian_sums(adapter, rows) if into is None else into
+    by = None if grp is None else (jacobian_sums(adapter, rows, grp.n, grp.keep) if into_groups is None
+                                   else into_groups)
     flags = [(p, p.requires_grad) for p in model.parameters()]
     training = model.training
     try:
@@ -134,14 +137,14 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
             # a hybrid's cache holds a state-space or recurrent state its next token updates in place: no backward
             if prefix_cache and not getattr(adapter, "hybrid", False):
                 try:
-                    total, by = _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp)
+                    _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp, total, by)
                     return total if grp is None else (total, by)
-                except NoCache as e:
+                except NoCache as e:  # raised before anything was added
                     log.warning("%s: no key/value cache (%s); the J-lens runs every window whole", adapter.model_type,
                                 e)
             ids = ids[:, : int(pos.max()) + 1]  # h^L[t] depends on positions <= t only
-            total, _, by = _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk,
-                                   rows, grp)
+            _blocks(adapter, lambda: adapter.base(input_ids=ids, use_cache=False), pos, grad_chunk, rows, grp, total,
+                    by)
             return total if grp is None else (total, by)
     finally:
         for p, f in flags:
@@ -170,14 +173,16 @@ class NoCache(RuntimeError):
     """The model's forward gave no key/value cache to run a token after its prefix with."""
 
 
-def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out: int | None = None,
-                   groups: _Groups | None = None) -> tuple[Tensor, Tensor | None]:
-    """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache: ``(total,
-    by_group)``, ``by_group`` None without ``groups``."""
+def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out: int | None, groups: _Groups | None,
+                   total: Tensor, by_group: Tensor | None) -> None:
+    """:func:`position_jacobians` with the prefix of each row held as the model's key/value cache, added to ``total``
+    (and ``by_group``). The cache is checked on the first position after a prefix before anything is added, and
+    position 0 (no prefix) comes last: a :class:`NoCache` leaves the sums as they were."""
     d, dev = adapter.d_model, adapter.device
     kwarg = cache_keyword(adapter.base)
-    total, checked, by_group = 0, False, 0
-    for t in torch.unique(pos).tolist():
+    checked = False
+    ts = torch.unique(pos).tolist()
+    for t in ts[1:] + ts[:1] if ts[0] == 0 else ts:
         rows = torch.nonzero(pos == t).reshape(-1)
         token = ids[rows, t : t + 1]
         if t == 0:  # nothing before it
@@ -197,15 +202,14 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out:
                     return adapter.base(input_ids=token, use_cache=True, **{kwarg: cache})
                 except TypeError as e:
                     raise NoCache(str(e).splitlines()[0][:200]) from e
-        # a pass through one token holds 1 / (t + 1) of what a pass through the whole window holds: on a GPU the same
-        # memory takes (t + 1) times as many passes at once, one call instead of t + 1 launch-bound small ones (a
-        # CPU runs the wide batched passes slower than grad_chunk at a time: benchmarks/HISTORY.md, "The J-lens")
+        # a pass through one token holds 1 / (t + 1) of a whole window's: on a GPU (t + 1) times as many passes at
+        # once (a CPU runs wide batches slower than grad_chunk at a time: benchmarks/HISTORY.md, "The J-lens")
         chunk = min(d, max(1, int(grad_chunk)) * ((t + 1) if dev.type == "cuda" else 1))
         if applies(adapter.model):  # each backward widens every weight to float32 once: over WIDE_ROWS rows at least
             chunk = min(d, max(chunk, WIDE_ROWS))
         sub = None if groups is None else groups._replace(member=groups.member[:, rows])
-        out, y, by = _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk, rows_out, sub)
-        if t > 0 and not checked:
+
+        def check(y, t=t, rows=rows):
             # a forward that takes past_key_values but does not attend to them would put the token at position 0
             # of an empty context: its final residual must be the whole window's at t (a token without its context
             # is O(1) apart; the same sums in another order, a 16-bit model's one-token and whole-window kernels,
@@ -215,11 +219,10 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out:
             if not err < cache_tolerance(y.dtype):
                 raise NoCache(f"the token after its cached prefix gave another final residual than the whole window "
                                f"(relative difference {err:.2g}, above {cache_tolerance(y.dtype):.2g})")
-            checked = True
-        total = total + out
-        if groups is not None:
-            by_group = by_group + by
-    return total, (None if groups is None else by_group)
+
+        _blocks(adapter, run, torch.zeros(len(rows), dtype=torch.long, device=dev), chunk, rows_out, sub, total,
+                by_group, check=check if t > 0 and not checked else None)
+        checked = checked or t > 0
 
 
 def cache_tolerance(dtype) -> float:
@@ -274,11 +277,32 @@ def final_residual(adapter, ids: Tensor) -> Tensor:
     return seen[0]
 
 
-def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = None,
-            groups: _Groups | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The Jacobian blocks of one forward ``run()`` (hooked here), row ``b`` read at position ``pos[b]``: float64
-    ``[2, L+1, d, d]`` summed over rows (``rows_out`` output dimensions, the rest NaN); the final residual ``[B, d]``;
-    with ``groups``, the per-group sums of the kept rows ``[G, 2, L+1, r, d]`` (else None)."""
+def jacobian_sums(adapter, rows_out: int | None = None, n_groups: int | None = None, keep: Tensor | None = None
+                  ) -> Tensor:
+    """The float64 sums :func:`position_jacobians` adds to, zero where it adds and NaN where it adds nothing (the
+    ``attn`` point at layer ``L`` and at a hybrid's layers without attention, output dimensions from ``rows_out`` on):
+    ``[2, L+1, d, d]``, or with ``n_groups`` the per-group sums of the kept rows ``keep``, ``[G, 2, L+1, r, d]``."""
+    L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
+    d_out = d if rows_out is None else max(1, min(int(rows_out), d))
+    A = set(getattr(adapter, "attention_layers", range(L)))
+    none = [l for l in range(L + 1) if l == L or l not in A]
+    if n_groups is None:
+        out = torch.zeros(2, L + 1, d, d, dtype=torch.float64, device=dev)
+        out[:, :, d_out:] = float("nan")
+        out[1, none] = float("nan")
+        return out
+    out = torch.zeros(n_groups, 2, L + 1, len(keep), d, dtype=torch.float64, device=dev)
+    out[:, :, :, keep >= d_out] = float("nan")
+    out[:, 1, none] = float("nan")
+    return out
+
+
+def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None, groups: _Groups | None, total: Tensor,
+            by_total: Tensor | None, check=None) -> None:
+    """The Jacobian blocks of one forward ``run()`` (hooked here), row ``b`` read at position ``pos[b]``, summed over
+    rows into ``total`` (``[2, L+1, d, d]``, its first ``rows_out`` output dimensions) and, with ``groups``, the kept
+    rows per group into ``by_total`` (``[G, 2, L+1, r, d]``); ``check(y)``, given, sees the final residual
+    ``[B, d]`` before anything is added."""
     L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
     d_out = d if rows_out is None else max(1, min(int(rows_out), d))
     B = pos.numel()
@@ -323,36 +347,24 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None = N
                                    "output projections were not called")
             hL = final[0]
             y = hL[torch.arange(B, device=dev), pos]  # [B, d]
-            rows, by = _backward_rows(adapter, y, [*block_in, hL, *(attn_out[l] for l in A)], pos, grad_chunk, d_out,
-                                      groups)
+            if check is not None:
+                check(y.detach())
+            slots = [(0, l) for l in range(L + 1)] + [(1, l) for l in A]  # each input's (point, layer)
+            _backward_rows(adapter, y, [*block_in, hL, *(attn_out[l] for l in A)], slots, pos, grad_chunk, d_out,
+                           groups, total, by_total)
     finally:
         for h in handles:
             h.remove()
-    rows[:, d_out:] = float("nan")
-    out = torch.full((2, L + 1, d, d), float("nan"), dtype=torch.float64, device=dev)
-    out[0] = rows[: L + 1]
-    out[1, A] = rows[L + 1 :]
-    by_out = None
-    if groups is not None:
-        by_out = torch.full((groups.n, 2, L + 1, len(groups.keep), d), float("nan"), dtype=torch.float64, device=dev)
-        by_out[:, 0] = by[:, : L + 1]
-        by_out[:, 1, A] = by[:, L + 1 :]
-    return out, y.detach(), by_out
 
 
-def _backward_rows(adapter, y: Tensor, inputs: list[Tensor], pos: Tensor, grad_chunk: int, d_out: int,
-                   groups: _Groups | None) -> tuple[Tensor, Tensor | None]:
+def _backward_rows(adapter, y: Tensor, inputs: list[Tensor], slots: list[tuple[int, int]], pos: Tensor,
+                   grad_chunk: int, d_out: int, groups: _Groups | None, total: Tensor, by: Tensor | None) -> None:
     """Rows ``0..d_out-1`` of the Jacobians of ``y [B, d]`` (row ``b`` read at ``pos[b]``) with respect to each of
-    ``inputs``, summed over the rows ``b``: float64 ``[len(inputs), d, d]`` (rows from ``d_out`` on zero); with
-    ``groups``, the kept rows ``groups.keep`` summed per group, ``[G, len(inputs), r, d]`` (NaN where a kept row is
-    ``>= d_out``), else None. One backward per output dimension, ``grad_chunk`` of them batched at a time."""
+    ``inputs`` (its place ``slots[n]``, (point, layer), in the sums), summed over the rows ``b`` and added to
+    ``total [2, L+1, d, d]``; with ``groups``, the kept rows ``groups.keep`` summed per group, added to
+    ``by [G, 2, L+1, r, d]``. One backward per output dimension, ``grad_chunk`` of them batched at a time."""
     d, dev = adapter.d_model, adapter.device
     B = pos.numel()
-    rows = torch.zeros(len(inputs), d, d, dtype=torch.float64, device=dev)
-    by = None
-    if groups is not None:
-        by = torch.zeros(groups.n, len(inputs), len(groups.keep), d, dtype=torch.float64, device=dev)
-        by[:, :, groups.keep >= d_out] = float("nan")
     chunk = max(1, int(grad_chunk))
     i0 = 0
     while i0 < d_out:
@@ -374,13 +386,15 @@ def _backward_rows(adapter, y: Tensor, inputs: list[Tensor], pos: Tensor, grad_c
             j = torch.nonzero((groups.keep >= i0) & (groups.keep < i0 + k)).reshape(-1)
             local = groups.keep[j] - i0
         for n, g in enumerate(gs):
+            p, l = slots[n]
             if j is None or j.numel() == 0:
-                rows[n, i0 : i0 + k] = _rows(g, pos).reshape(k, d)
+                total[p, l, i0 : i0 + k] += _rows(g, pos).reshape(k, d)
             else:
-                total, v = _rows(g, pos, local)
-                rows[n, i0 : i0 + k] = total.reshape(k, d)
+                s, v = _rows(g, pos, local)
+                total[p, l, i0 : i0 + k] += s.reshape(k, d)
                 kept.append(v)
         if kept:  # a product, not index_add_: no atomics on a GPU
-            by[:, :, j] = torch.einsum("gb,nrbd->gnrd", groups.member, torch.stack(kept))
+            sums = torch.einsum("gb,nrbd->gnrd", groups.member, torch.stack(kept))
+            for n, (p, l) in enumerate(slots):
+                by[:, p, l, j] += sums[:, n]
         i0 += k
-    return rows, by
