@@ -24,8 +24,8 @@ import math
 import sys
 import time
 
-from mfpipe.estimate.timing import (jlens_batch, jlens_held_bytes, time_fv, time_jlens, time_jvp, time_passes,
-                                   time_training, timed)
+from mfpipe.estimate.timing import (jlens_batch, jlens_cache_bytes, jlens_held_bytes, jlens_sums, time_fv,
+                                   time_jlens, time_jvp, time_passes, time_training, timed)
 from mfpipe.estimate.weights import stream_fields
 
 __all__ = ["calibrate", "MAX_CALIBRATION_BYTES"]
@@ -201,10 +201,14 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     B, T = out["batch_size"], out["T"]
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))
     out["jlens_s_per_position"] = time_jlens(adapter, windows, T, config) * scale
-    # its memory: a batch of the job's positions (the cache of their prefixes, the graph through their tokens, the
-    # Jacobians' sums of the call and of the job)
-    peaks("jlens", lambda: jlens_batch(adapter, windows, T, config))
-    peaks.rise["jlens"] += jlens_held_bytes(adapter.n_layers, adapter.d_model, config) / 2**20
+    # its memory: the sums it holds, at full depth, and beside them a batch of its positions (a chunk of backward
+    # passes, the graph through their tokens: one layer's work at a time, not scaled by the depth) and their prefixes'
+    # caches (per layer: the layers not run added)
+    sums = jlens_sums(adapter, config)
+    peaks("jlens", lambda: jlens_batch(adapter, windows, T, config, sums))
+    sums = None  # handed back before the next measure
+    peaks.rise["jlens"] += (jlens_held_bytes(layers, adapter.d_model, config)
+                            + jlens_cache_bytes(adapter, T, config) * (layers - adapter.n_layers)) / 2**20
     # the J-lens decode through Jacobian-vector products (jlens.decode: the lenses'): a position's own work, a vector
     out["jvp_position_s"], out["jvp_s_per_vector"] = (
         x * scale for x in peaks("jvp", lambda: time_jvp(adapter, windows, T, config)))
@@ -302,7 +306,7 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
             arrays: list | None = None) -> dict:
     """Each kind of job's peak resident memory at full depth (MiB): the process without the model, the weights
     (the layers' scaled, the embedding and LM head once) and the rise of its stage, scaled where the stage's
-    buffers are per layer (the J-lens's graph and cache, training) and not for the forward (one layer's activations
+    buffers are per layer (training's) and not for the forward (one layer's activations
     at a time); pass 1's rise with ``held_bytes`` (its accumulators at the depth run) scaled and the rest not, the
     larger of its forwards and its partial's write (benchmarks/stats_memory.py measures the same at several depths);
     pass 2's and the substitution's with the arrays they hold whole (``arrays``: :func:`layer_arrays` at the depth run
@@ -323,7 +327,7 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
         if k in rise:
             rise[k] = max(rise[k] - arrays[0][k] / 2**20, 0.0) + arrays[1][k] / 2**20
     # the forward holds one layer's activations at a time: not per layer
-    per_layer = {"jlens", "train", "rollout"} | (set() if arrays else {"pass2"})
+    per_layer = {"train", "rollout"} | (set() if arrays else {"pass2"})
     peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in rise.items()}
     return {"peak_mb": peak, "peak_rss_mb": max(peak.values()), "param_bytes": int(other + layer_bytes * scale)}
 

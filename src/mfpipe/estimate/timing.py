@@ -10,8 +10,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_held_bytes", "time_jvp",
-           "time_fv", "time_training", "store_math", "lm_head_s_per_token", "count_s_per_token"]
+__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_sums", "jlens_cache_bytes",
+           "jlens_held_bytes", "time_jvp", "time_fv", "time_training", "store_math", "lm_head_s_per_token", "count_s_per_token"]
 
 
 def _sync() -> None:
@@ -203,10 +203,11 @@ def time_jlens(adapter, windows, T: int, config: dict) -> float:
     return max(t_few - per_pass * few, 0.0) + per_pass * d
 
 
-def jlens_batch(adapter, windows, T: int, config: dict) -> None:
+def jlens_batch(adapter, windows, T: int, config: dict, sums=None) -> None:
     """One batch of the J-lens job's positions (``jlens.batch_size``, else ``runtime.batch_size``, windows at T/2)
-    with its check groups, through one chunk of backward passes: the job's memory per batch (the prefixes' cache, the
-    graph, the call's Jacobian sums) at a fraction of its time (the other chunks of rows reuse the same buffers)."""
+    with its check groups, through one chunk of backward passes, added to ``sums`` (:func:`jlens_sums`, made before
+    the memory is measured: the job holds its sums once, counted by :func:`jlens_held_bytes`): the job's memory per
+    batch beside them (the prefixes' cache, the graph, a chunk of backward passes) at a fraction of its time."""
     import torch
 
     from mfpipe.jlens.checks import N_GROUPS
@@ -215,9 +216,31 @@ def jlens_batch(adapter, windows, T: int, config: dict) -> None:
     j = config["jlens"]
     bs = min(int(j.get("batch_size") or config["runtime"]["batch_size"]), len(windows))
     d, chunk = adapter.d_model, int(j["grad_chunk"])
-    keep = torch.arange(min(int(j["check_rows"]), d))
+    total, by, keep = sums if sums is not None else jlens_sums(adapter, config)
     position_jacobians(adapter, windows[:bs], [T // 2] * bs, grad_chunk=chunk, rows=min(chunk, d),
-                       groups=torch.arange(bs) % N_GROUPS, group_rows=keep, n_groups=N_GROUPS)
+                       groups=torch.arange(bs) % N_GROUPS, group_rows=keep, n_groups=N_GROUPS, into=total,
+                       into_groups=by)
+
+
+def jlens_sums(adapter, config: dict) -> tuple:
+    """``(total, by_group, kept rows)``: the J-lens job's sums at the model's depth (the depth run's), as it holds
+    them (:func:`mfpipe.models.adapters.jacobian.jacobian_sums`)."""
+    import torch
+
+    from mfpipe.jlens.checks import N_GROUPS
+    from mfpipe.models.adapters.jacobian import jacobian_sums
+
+    keep = torch.arange(min(int(config["jlens"]["check_rows"]), adapter.d_model))
+    return jacobian_sums(adapter), jacobian_sums(adapter, n_groups=N_GROUPS, keep=keep), keep
+
+
+def jlens_cache_bytes(adapter, T: int, config: dict) -> float:
+    """Bytes of a J-lens batch's prefix caches per layer: its windows' keys and values up to T/2."""
+    import torch
+
+    bs = int(config["jlens"].get("batch_size") or config["runtime"]["batch_size"])
+    itemsize = torch.finfo(adapter.dtype).bits // 8
+    return 2.0 * bs * (T // 2) * adapter.n_kv_heads * adapter.d_head * itemsize
 
 
 def jlens_held_bytes(L: int, d: int, config: dict) -> float:
