@@ -64,7 +64,10 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
     part = with_derived({k: stored_form(k, v, None) for k, v in sums.items() if k != "resid_mid_sum"})
     meta = {"model": "calibration", "revision": "calibration", "half": "stats", "corpus": "calibration",
             "corpus_fingerprint": "calibration", "model_type": adapter.model_type, "bos_id": int(ts.bos_id),
-            "context_length": int(windows.shape[1])}
+            "context_length": int(windows.shape[1]),
+            # the rollout's row-sum check allows the model's rounding (a 16-bit model's rows are ~4e-4 off 1): without
+            # its dtype the calibration's rollout failed on every 16-bit preset, and its jobs took the largest peak
+            "dtype": str(adapter.dtype).removeprefix("torch.")}
     tm, ds = timed(lambda: finalize(merge_sums([part]), ts, meta))
     stats = MeanFieldStats(ds)
     d = config["deviation"]
