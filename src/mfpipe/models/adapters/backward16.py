@@ -15,9 +15,10 @@ held twice, and a batch of backward passes (``is_grads_batched``, under ``vmap``
 custom ``autograd.Function`` would not be (vmap runs its backward one pass at a time). The J-lens switches the
 parameters' ``requires_grad`` off; a forward without a graph (its prefix's) runs the module as it is.
 
-At Gemma-2-2B's shape (2 of its layers, T = 512, a position at 256) a backward pass through one token costs 41 ms
-this way and 345 ms through the model's own backward; half of what is left is the attention's backward through the
-cached keys and values (their gradients, computed and then dropped: they are constants of the Jacobian).
+At Gemma-2-2B's shape (2 of its layers, T = 512, a position at 256, two threads) a backward pass through one token
+costs 16 ms this way and 341 ms through the model's own backward (``benchmarks/backward16.py``); much of what is left
+is the attention's backward through the cached keys and values (their gradients, computed and then dropped: they
+are constants of the Jacobian).
 
 Where it applies: 16-bit weights on a CPU. A float32 model, or any model on a GPU (whose 16-bit kernels are fast),
 runs its own backward, untouched. Only exact ``torch.nn.Linear`` modules are swapped (a subclass's forward may do
