@@ -47,6 +47,20 @@ def test_function_vector_benchmark_runs():
     assert re.search(r"ratio AIE / MFA: forwards 8\.5x, wall time [0-9.]+x", out), out
 
 
+def test_backward16_benchmark_runs(tmp_path):
+    """The two backwards of a 16-bit model timed on a config.json's shape (a small Llama, one layer)."""
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=64).save_pretrained(tmp_path)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "backward16.py"), "--config", str(tmp_path / "config.json"),
+           "--layers", "1", "--rows", "16", "--context-length", "16", "--repeats", "1", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert re.search(r"median of 1: float32 input gradients [0-9.]+ s, the model's own backward [0-9.]+ s", res.stdout)
+    assert re.search(r"products at W \(128, 64\), 64 rows \(GFLOP/s\): x @ W.T [0-9.]+", res.stdout), res.stdout
+
 def test_jlens_benchmark_runs():
     cmd = [sys.executable, str(REPO / "benchmarks" / "jlens.py"), "--model", "mini-gpt2-random", "--context-length",
            "16", "--positions", "6", "--windows", "4", "--batch-size", "3", "--repeats", "1"]
