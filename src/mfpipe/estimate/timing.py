@@ -11,7 +11,8 @@ from functools import partial
 from pathlib import Path
 
 __all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_sums", "jlens_cache_bytes",
-           "jlens_held_bytes", "time_jvp", "time_fv", "time_training", "store_math", "lm_head_s_per_token", "count_s_per_token"]
+           "jlens_held_bytes", "time_jvp", "time_fv", "time_training", "store_math", "lm_head_s_per_token",
+           "count_s_per_token"]
 
 
 def _sync() -> None:

@@ -37,8 +37,8 @@ from torch import Tensor
 
 from mfpipe.models.adapters.backward16 import WIDE_ROWS, applies, fast_input_grads
 
-__all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "cache_keyword", "returned_cache", "final_residual",
-           "NoCache", "final_residual_hook"]
+__all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "cache_keyword", "returned_cache",
+           "final_residual", "NoCache", "final_residual_hook"]
 
 POINTS = ("block", "attn")
 
