@@ -127,3 +127,82 @@ def test_probability_rounding_bounds_the_row_sums_of_a_bfloat16_softmax():
     K.check_row_stochastic(probs, atol=1e-4 + K.probability_rounding("bfloat16"))
     with pytest.raises(ValueError, match="do not sum to 1"):
         K.check_row_stochastic(probs, atol=1e-4 + K.probability_rounding("float32"))
+
+
+# ------------------------------------------------------------------------------- one layer at a time
+@pytest.mark.parametrize("name", [k for k in K.KERNEL_NAMES if k != "context_free_kernel"] + ["meanq_weighted",
+                                                                                                  "substituted"])
+def test_a_layered_kernel_equals_the_whole_array_bit_for_bit(name):
+    """Every kernel of a :class:`LayerKernel` P (the rollout jobs' store read one layer at a time) equals the
+    whole-array kernel exactly, layer by layer and whole; the source is read one layer per access."""
+    from mfpipe.experiments.rollout.layered import LayerKernel
+
+    P = _P(seed=5, L=4, H=3, N=7)
+    P[1, 2, 3] = np.nan  # a NaN row (a type with no query) stays where it was
+    reads = []
+    lazy = LayerKernel(P.shape, lambda l: reads.append(l) or P[l])
+    w = np.random.default_rng(1).random(7)
+
+    def build(P):
+        if name == "meanq_weighted":
+            return K.meanq(P, w)
+        if name == "substituted":
+            return K.substitute_layers(P, K.uniform(P), [1, -1])
+        return K.build_kernel(name, P, cooc_counts=np.random.default_rng(2).integers(0, 9, (7, 9)), seed=3)
+
+    want, got = build(P), build(lazy)
+    assert isinstance(got, LayerKernel) and got.shape == want.shape
+    for l in (2, 0, 3, 1):
+        assert np.array_equal(got[l], want[l], equal_nan=True), l
+    assert np.array_equal(np.asarray(got), want, equal_nan=True)
+    assert all(0 <= l < 4 for l in reads)
+    layer = got[0]
+    layer[:] = -1.0  # a caller writing into its layer changes nothing the next access sees
+    assert np.array_equal(got[0], want[0], equal_nan=True)
+
+
+def _rollout_peak(L: int, N: int, d: int) -> tuple[float, object]:
+    """tracemalloc's peak bytes of run_rollouts (every default kernel) on a tiny Llama of ``L`` layers, width ``d``,
+    at ``N`` tracked types, with the stores written before tracing starts."""
+    import pathlib
+    import tempfile
+    import tracemalloc
+
+    from stats_reference import tracked_for, zipf_windows
+
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.models.tiny import make_tiny_model
+    from mfpipe.stats import accumulate_shard, finalize, write_store
+
+    model = make_tiny_model("llama", seed=7, num_hidden_layers=L, hidden_size=d, intermediate_size=2 * d)
+    ad = get_adapter(model)
+    root, paths = pathlib.Path(tempfile.mkdtemp()), {}
+    tracked = tracked_for(zipf_windows(24, seed=1), n=N)
+    for half, seed in (("stats", 1), ("eval", 2)):
+        sums = accumulate_shard(model, ad, zipf_windows(24, seed=seed), tracked, batch_size=8, device="cpu",
+                                progress=False)
+        meta = {"model": "tiny", "revision": "r1", "half": half, "corpus": "z", "corpus_fingerprint": "f",
+                "model_type": ad.model_type}
+        paths[half] = write_store(finalize(sums, tracked, meta), root / f"{half}.zarr")
+    tracemalloc.start()
+    try:
+        RO.run_rollouts(model, ad, paths["stats"], paths["eval"], model_name="tiny", revision="r1")
+        return tracemalloc.get_traced_memory()[1], ad
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_rollout_holds_its_kernel_one_layer_at_a_time_and_its_centroids_as_the_estimate_counts():
+    """The rollout jobs' memory per layer (issue 58: at 3B-7B shape they held ~4 float64 kernels, 21 GiB for
+    Llama-3.2-3B): from 2 to 6 layers the peak grows by less than one layer's float64 kernel a layer (it held 3.6)
+    where the kernel dominates, and by the estimate's centroid copies (mfpipe.estimate.calibrate.layer_arrays)
+    within 25 % where the centroids dominate."""
+    from mfpipe.estimate.calibrate import layer_arrays
+
+    (a, ad), (b, _) = _rollout_peak(2, 120, 64), _rollout_peak(6, 120, 64)
+    kernel_layer = ad.n_heads * 120 * 122 * 8
+    assert b - a < 4 * kernel_layer, (a, b, kernel_layer)
+    (a, ad), (b, _) = _rollout_peak(2, 30, 512), _rollout_peak(6, 30, 512)
+    per = lambda n: layer_arrays(n, ad.n_heads, 30, ad.d_head, 1, ad.d_model)["rollout"]  # noqa: E731
+    assert 0.75 * (per(6) - per(2)) <= b - a <= 1.25 * (per(6) - per(2)), (a, b, per(2), per(6))

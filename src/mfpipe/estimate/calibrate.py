@@ -228,10 +228,8 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     if width != 1.0:  # a 16-bit model timed in float32 sums its mlp_out too (Adapter.mlp_out_from_resid: float32's)
         held += adapter.n_layers * (int(ts.n) + 2) * adapter.d_model * 8
     # the kernel and pass 2's sums are held whole, all layers at once: counted at the depth run and at full depth
-    arrays = [layer_arrays(n, adapter.n_heads, int(ts.n), adapter.d_head, int(config["deviation"]["top_k"]))
-              for n in (adapter.n_layers, layers)]
-    if "rollout" in peaks.rise:  # the rollout jobs' rise and the statistics store they read, both per layer
-        peaks.rise["rollout"] += out.get("rollout_store_mb", 0.0)
+    arrays = [layer_arrays(n, adapter.n_heads, int(ts.n), adapter.d_head, int(config["deviation"]["top_k"]),
+                           adapter.d_model) for n in (adapter.n_layers, layers)]
     out.update(_memory(model, adapter, base_rss, scale, peaks, width, held, arrays))
     # its blocks' weights streamed where they would not fit (runtime.stream_weights): one block's memory, a read a batch
     out.update(stream_fields(config, spec, adapter, out, width, scale, rates, device))
@@ -292,14 +290,21 @@ def _forward(model, adapter, config: dict, batches: int, device: str, out: dict)
     return windows, _tracked(rest, perm, int(config["tracked"]["n_tracked"]), int(bos), V)
 
 
-def layer_arrays(L: int, H: int, N: int, dh: int, top_k: int) -> dict:
-    """Bytes of the arrays the substitution and pass 2 hold whole over ``L`` layers at ``N`` tracked types: the
-    kernel W [L,H,N,N+2] and mu [L,H,N+2,dh] in float32 (``kernel_from_store``), and for pass 2 its float64 sums
-    and residual Grams (``DeviationAccumulator``; tests/test_streaming.py checks both against the real ones)."""
+# the float64 [L+1, N, d] centroid arrays a rollout job holds whole: the evaluation half's (the truth), the statistics
+# half's filled copy, the store's read before it is filled, the prediction being scored (its kernel is read one layer
+# at a time: mfpipe.experiments.rollout.layered); tests/test_rollout_kernels.py measures the growth per layer
+ROLLOUT_CENTROID_COPIES = 4
+
+
+def layer_arrays(L: int, H: int, N: int, dh: int, top_k: int, d: int = 0) -> dict:
+    """Bytes of the arrays the substitution, pass 2 and the rollout jobs hold whole over ``L`` layers at ``N``
+    tracked types: the kernel W [L,H,N,N+2] and mu [L,H,N+2,dh] in float32 (``kernel_from_store``), for pass 2 its
+    float64 sums and residual Grams (``DeviationAccumulator``; tests/test_streaming.py checks both against the real
+    ones), for a rollout its centroids at every depth (:data:`ROLLOUT_CENTROID_COPIES`, width ``d``)."""
     K = N + 2
     kernel = L * H * K * (N + dh) * 4
     sums = 8 * L * (2 * N + 6 * N * H + 4 * N * H * dh + N * H * dh + H + 2 * H * top_k + H * dh * dh)
-    return {"substitution": kernel, "pass2": kernel + sums}
+    return {"substitution": kernel, "pass2": kernel + sums, "rollout": ROLLOUT_CENTROID_COPIES * (L + 1) * N * d * 8}
 
 
 def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0, held_bytes: float = 0.0,
@@ -309,8 +314,9 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
     buffers are per layer (training's) and not for the forward (one layer's activations
     at a time); pass 1's rise with ``held_bytes`` (its accumulators at the depth run) scaled and the rest not, the
     larger of its forwards and its partial's write (benchmarks/stats_memory.py measures the same at several depths);
-    pass 2's and the substitution's with the arrays they hold whole (``arrays``: :func:`layer_arrays` at the depth run
-    and at full depth) counted at full depth and the rest not (a batch's logits are the LM head's, once)."""
+    pass 2's, the substitution's and the rollouts' with the arrays they hold whole (``arrays``: :func:`layer_arrays`
+    at the depth run and at full depth) counted at full depth and the rest not (a batch's logits are the LM head's,
+    once)."""
     size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     layer_bytes = sum(size(adapter.block_module(l).parameters()) for l in range(adapter.n_layers))
     other = (size(model.parameters()) - layer_bytes) * width
@@ -321,13 +327,14 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
     # (one layer's activations, the batch's plan, one block of derived sums as the partial is written) is not
     held = held_bytes / 2**20
     rise["pass1"] = max(rise["pass1"] + held * (scale - 1), held * scale + rise.pop("pass1_write", 0.0))
-    # pass 2 and the substitution: the kernel and pass 2's sums (``arrays``: at the depth run, at full depth) are per
-    # layer, the rest (one layer's activations, a batch's logits) is not; without ``arrays`` pass 2's all scaled
-    for k in ("pass2", "substitution") if arrays else ():
+    # pass 2, the substitution and the rollouts: the kernel, pass 2's sums, the rollout's centroids (``arrays``: at
+    # the depth run, at full depth) are per layer, the rest (one layer's activations and kernel, a batch's logits, the
+    # unembedding) is not; without ``arrays`` pass 2's and the rollout's all scaled
+    for k in ("pass2", "substitution", "rollout") if arrays else ():
         if k in rise:
             rise[k] = max(rise[k] - arrays[0][k] / 2**20, 0.0) + arrays[1][k] / 2**20
     # the forward holds one layer's activations at a time: not per layer
-    per_layer = {"train", "rollout"} | (set() if arrays else {"pass2"})
+    per_layer = {"train"} | (set() if arrays else {"pass2", "rollout"})
     peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in rise.items()}
     return {"peak_mb": peak, "peak_rss_mb": max(peak.values()), "param_bytes": int(other + layer_bytes * scale)}
 

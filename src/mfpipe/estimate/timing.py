@@ -100,8 +100,8 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
 def analyses(model, adapter, stats, config: dict, scale: float, peaks=None) -> dict:
     """The store-bound analyses of a revision, on the calibration's statistics (as both halves), at full depth: the
     kernel dynamics' work for one layer (``kernel_dataset``'s loop body) times the layers, and Alg. 1 with the
-    config's rollout kernels (``run_rollouts``; None where the calibration's store is not one it accepts), its
-    memory's rise (``peaks("rollout")``) and the statistics store it reads (``rollout_store_mb``, at the depth run)."""
+    config's rollout kernels (``run_rollouts``; None where the calibration's store is not one it accepts) and its
+    memory's rise (``peaks("rollout")``: the store read one layer of its kernel at a time, the centroids whole)."""
     import numpy as np
 
     from mfpipe.experiments.rollout.runs import run_rollouts
@@ -122,8 +122,6 @@ def analyses(model, adapter, stats, config: dict, scale: float, peaks=None) -> d
         run = lambda: run_rollouts(model, adapter, stats, ev, kernels=r["kernels"],  # noqa: E731
                                    pin=bool(r["pin_rogue"]), min_count=1)
         out["rollout_s"] = timed(lambda: peaks("rollout", run) if peaks is not None else run())[0] * scale
-        # the rollout jobs read the store from disk (here it is resident before the rise is measured): counted whole
-        out["rollout_store_mb"] = stats.ds.nbytes / 2**20
     except Exception as e:  # noqa: BLE001 -- priced by its flops instead
         out["rollout_s"], out["rollout_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     return out

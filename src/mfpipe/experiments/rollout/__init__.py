@@ -3,6 +3,7 @@ held-out centroids, the nested estimators of Sec. 4.3 and the descriptive diagno
 
 - :mod:`~mfpipe.experiments.rollout.algorithm` — the open-loop rollout (Alg. 1) and the teacher-forced estimators.
 - :mod:`~mfpipe.experiments.rollout.kernels` — the kernels of Table 1 (mean field and its ablations).
+- :mod:`~mfpipe.experiments.rollout.layered` — a kernel computed one layer at a time (the store's P read per layer).
 - :mod:`~mfpipe.experiments.rollout.metrics` — scores of a predicted centroid cloud against the true one.
 - :mod:`~mfpipe.experiments.rollout.diagnostics` — per-layer clustering and value-map diagnostics (App. D, H, K).
 - :mod:`~mfpipe.experiments.rollout.runs` — from stores to long score tables; the cross-corpus matrix (App. G).

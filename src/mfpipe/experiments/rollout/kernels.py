@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mfpipe.experiments.rollout.layered import LayerKernel
+
 __all__ = [
     "KERNEL_NAMES",
     "check_row_stochastic",
@@ -60,7 +62,9 @@ KERNEL_NAMES: tuple[str, ...] = ("mean_field", "cooc", "meanq", "uniform", "rows
                                  "context_free_kernel")
 
 
-def _as_kernel(P) -> np.ndarray:
+def _as_kernel(P) -> np.ndarray | LayerKernel:
+    if isinstance(P, LayerKernel):  # computed one layer at a time (mfpipe.experiments.rollout.layered)
+        return P
     if hasattr(P, "detach"):
         P = P.detach().cpu().double().numpy()
     K = np.asarray(P, dtype=np.float64)
@@ -82,8 +86,16 @@ def probability_rounding(dtype: str | None) -> float:
 
 
 def check_row_stochastic(K, atol: float = 1e-6) -> None:
-    """Raise ``ValueError`` unless every row of ``K [..., N, N+2]`` is non-negative and sums to 1."""
+    """Raise ``ValueError`` unless every row of ``K [..., N, N+2]`` is non-negative and sums to 1 (a
+    :class:`~mfpipe.experiments.rollout.layered.LayerKernel` checked one layer at a time)."""
     K = _as_kernel(K)
+    if isinstance(K, LayerKernel):
+        for l in range(len(K)):
+            try:
+                check_row_stochastic(K[l], atol)
+            except ValueError as e:
+                raise ValueError(f"layer {l}: {e}") from None
+        return
     if (K < -atol).any():
         raise ValueError(f"kernel has negative entries (min {K.min():.3g})")
     dev = np.abs(K.sum(-1) - 1.0)
@@ -93,8 +105,10 @@ def check_row_stochastic(K, atol: float = 1e-6) -> None:
 
 
 def mean_field(P) -> np.ndarray:
-    """The measured corpus mean field ``P [L, H, N, N+2]`` itself (a float64 copy)."""
-    return _as_kernel(P).copy()
+    """The measured corpus mean field ``P [L, H, N, N+2]`` itself (a float64 copy; a layered ``P`` itself, whose
+    layers are copies)."""
+    P = _as_kernel(P)
+    return P if isinstance(P, LayerKernel) else P.copy()
 
 
 @torch.no_grad()
@@ -155,24 +169,31 @@ def cooc(P, C, empty_rows: str = "uniform") -> np.ndarray:
         if empty_rows != "uniform":
             raise ValueError(f"empty_rows must be 'uniform' or 'raise', got {empty_rows!r}")
     Ct = np.where(empty[:, None], 1.0 / n, C / np.where(rs > 0, rs, 1.0))
-    K = P.copy()
-    T = P[..., :n].sum(-1, keepdims=True)  # [..., N, 1]
-    K[..., :n] = T * Ct
-    return K
+
+    def scaled(P):
+        K = P.copy()
+        T = P[..., :n].sum(-1, keepdims=True)  # [..., N, 1]
+        K[..., :n] = T * Ct
+        return K
+
+    return P.map(scaled) if isinstance(P, LayerKernel) else scaled(P)
 
 
 def meanq(P, weights=None) -> np.ndarray:
     """Query-blind: every row of each (l, h) replaced by the average row (unweighted mean over the ``N``
     query types, or weighted by ``weights [N]``, e.g. query counts)."""
     P = _as_kernel(P)
-    if weights is None:
-        avg = P.mean(-2, keepdims=True)
-    else:
+    if weights is not None:
         w = np.asarray(weights, dtype=np.float64).reshape(-1)
         if w.shape[0] != P.shape[-2] or (w < 0).any() or w.sum() <= 0:
             raise ValueError("weights must be non-negative [N] with a positive sum")
-        avg = np.einsum("...st,s->...t", P, w / w.sum())[..., None, :]
-    return np.broadcast_to(avg, P.shape).copy()
+        w = w / w.sum()
+
+    def blind(P):
+        avg = P.mean(-2, keepdims=True) if weights is None else np.einsum("...st,s->...t", P, w)[..., None, :]
+        return np.broadcast_to(avg, P.shape).copy()
+
+    return P.map(blind) if isinstance(P, LayerKernel) else blind(P)
 
 
 def uniform(P) -> np.ndarray:
@@ -180,9 +201,13 @@ def uniform(P) -> np.ndarray:
     ``<bos>`` and ``<other>`` masses kept."""
     P = _as_kernel(P)
     n = P.shape[-2]
-    K = P.copy()
-    K[..., :n] = P[..., :n].sum(-1, keepdims=True) / n
-    return K
+
+    def spread(P):
+        K = P.copy()
+        K[..., :n] = P[..., :n].sum(-1, keepdims=True) / n
+        return K
+
+    return P.map(spread) if isinstance(P, LayerKernel) else spread(P)
 
 
 def _derangement(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -201,11 +226,11 @@ def rowshuffle(P, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     lead = P.shape[:-2]
     n = P.shape[-2]
-    flat = P.reshape(-1, n, n + 2)
-    out = np.empty_like(flat)
-    for i in range(flat.shape[0]):
-        out[i] = flat[i][_derangement(n, rng)]
-    return out.reshape(*lead, n, n + 2)
+    # the derangements drawn in the (l, h) order of the whole array, so a layered P gets the same ones
+    perms = np.stack([_derangement(n, rng) for _ in range(int(np.prod(lead)))]).reshape(*lead, n)
+    if isinstance(P, LayerKernel):
+        return LayerKernel(P.shape, lambda l: np.take_along_axis(P[l], perms[l][..., None], axis=-2))
+    return np.take_along_axis(P, perms[..., None], axis=-2)
 
 
 def p0only(P) -> np.ndarray:
@@ -213,6 +238,9 @@ def p0only(P) -> np.ndarray:
     P = _as_kernel(P)
     if P.ndim != 4:
         raise ValueError(f"P0only needs [L, H, N, N+2]; got {P.shape}")
+    if isinstance(P, LayerKernel):
+        first = P[0]
+        return LayerKernel(P.shape, lambda l: first)
     return np.broadcast_to(P[:1], P.shape).copy()
 
 
@@ -221,6 +249,12 @@ def pavg(P) -> np.ndarray:
     P = _as_kernel(P)
     if P.ndim != 4:
         raise ValueError(f"Pavg needs [L, H, N, N+2]; got {P.shape}")
+    if isinstance(P, LayerKernel):  # the layers added in order, as numpy's mean over the outer axis adds them
+        total = P[0]
+        for l in range(1, len(P)):
+            total += P[l]
+        avg = total / len(P)
+        return LayerKernel(P.shape, lambda l: avg)
     return np.broadcast_to(P.mean(0, keepdims=True), P.shape).copy()
 
 
@@ -237,8 +271,11 @@ def substitute_layers(base, substitute, layers: Sequence[int]) -> np.ndarray:
     B, S = _as_kernel(base), _as_kernel(substitute)
     if B.shape != S.shape:
         raise ValueError(f"kernel shapes differ: {B.shape} vs {S.shape}")
-    K = B.copy()
     idx = np.asarray(list(layers), dtype=np.int64)
+    if isinstance(B, LayerKernel) or isinstance(S, LayerKernel):
+        chosen = set((idx % B.shape[0]).tolist())
+        return LayerKernel(B.shape, lambda l: S[l] if l in chosen else B[l])
+    K = B.copy()
     K[idx] = S[idx]
     return K
 

@@ -13,6 +13,7 @@ import pandas as pd
 from mfpipe.experiments.rollout import algorithm as R
 from mfpipe.experiments.rollout import kernels as K
 from mfpipe.experiments.rollout import metrics as M
+from mfpipe.experiments.rollout.layered import LayerKernel
 from mfpipe.experiments.rollout.tables import DEFAULT_KERNELS
 from mfpipe.stats.api import MeanFieldStats, ProvenanceError
 from mfpipe.stats.halves import check_model, eval_types, open_pair
@@ -48,7 +49,7 @@ class RolloutSetup:
 
     st: MeanFieldStats
     ev: MeanFieldStats
-    P: np.ndarray  # [L, H, N, N+2] float64, rows of types absent from the statistics half filled
+    P: LayerKernel  # [L, H, N, N+2] float64 per layer, rows of types absent from the statistics half filled
     bos: np.ndarray  # [L+1, d] weight-derived b^l
     init: np.ndarray  # [N, d] start of Alg. 1
     types: np.ndarray  # scored type indices
@@ -73,7 +74,9 @@ def prepare(adapter, st: MeanFieldStats, ev: MeanFieldStats, *, init: str = "emb
     T = int(st.attrs["context_length"])
     type_ids = np.asarray(st.ds["query_token_id"].values, dtype=np.int64)
     has_q = st.query_count().values > 0
-    P = _fill_rows(st.P().values, has_q, axis=2)
+    # the kernel read from the store one layer at a time, as Alg. 1 uses it (a whole float64 P is 12.8 GB at
+    # Qwen3-14B's shape: mfpipe.experiments.rollout.layered)
+    P = LayerKernel(st.ds["P"].shape, lambda l: _fill_rows(st.P(layer=l).values, has_q, axis=1))
     c_st = _fill_rows(st.centroids().values, has_q, axis=1)
     if bos is None:
         bos = R.bos_residuals(adapter, bos_id)
