@@ -445,7 +445,8 @@ def test_the_jlens_job_writes_its_store_and_a_checks_table_row_per_point_and_lay
     write_shards(Shard(windows.astype(np.int32), np.zeros_like(windows, dtype=np.int32)), shards / "stats", 4)
     (shards / "fingerprint.json").write_text(json.dumps({"fingerprint": "fp", "corpus": "c"}))
     params = SimpleNamespace(model_spec={"name": "tiny"}, revision="final", commit=None, n_positions=16, seed=4,
-                             batch_size=4, grad_chunk=16, check_rows=256, n_decode=5)
+                             batch_size=4, grad_chunk=16, check_rows=256, n_decode=5,
+                             sum_dtype="float64")
     out = _Output(tmp_path / "jlens.zarr", table=tmp_path / "checks.csv", md=tmp_path / "checks.md")
     log = logging.getLogger("test_jlens_job")
     records = []

@@ -246,11 +246,11 @@ def test_auto_streams_where_the_weights_would_not_fit(tmp_path, monkeypatch):
     ids = torch.as_tensor(zipf_windows(2, seed=0), dtype=torch.long)
     with torch.no_grad():
         assert torch.equal(roomy.model(ids).logits, tight.model(ids).logits)
-    # a job that cannot stream (the J-lens) loads whole where the weights fit, and refuses where they do not
+    # a job that cannot stream loads whole where the weights fit, and refuses where they do not
     monkeypatch.setattr(streamed, "memory_available", lambda device=None: need)
     assert streamer_of(get_adapter(load_model(spec, stream="never")).block_module(0)) is None
     monkeypatch.setattr(streamed, "memory_available", lambda device=None: need - 1)
-    with pytest.raises(ModelLoadError, match="'tiny'.*cannot stream them one block at a time.*backward passes"):
+    with pytest.raises(ModelLoadError, match="'tiny'.*cannot stream them one block at a time.*more memory"):
         load_model(spec, stream="never")
 
 
@@ -288,7 +288,8 @@ def test_the_estimate_prices_one_block_and_a_read_of_every_block_per_batch(pair)
     assert f["blocks_cached"] and f["blocks_read_s"] == pytest.approx(3 * sum(sizes) * warm)
     c = {**mem, **f}
     assert weight_reads(c, 10, 4, 1) == pytest.approx(4 * f["blocks_read_s"])  # 3 batches and one more read
-    assert streamed(c, "stats_shard") and not streamed(c, "jlens") and "J-lens cannot stream" in stream_line("m", c)
+    assert streamed(c, "stats_shard") and streamed(c, "jlens") and not streamed(c, "minisuite_train")
+    assert "per backward call for the J-lens's" in stream_line("m", c)
     off = stream_fields({"runtime": {"dtype": "float32", "stream_weights": False}}, {}, ast_, mem, 1.0, 3.0,
                         (cold, warm), "cpu")
     assert not off["streams"] and weight_reads({**mem, **off}, 10, 4) == 0 and stream_line("m", {**mem, **off}) is None
@@ -341,3 +342,60 @@ def test_the_estimate_counts_the_kernel_and_pass2_sums_as_allocated(pair, store)
     assert acc.W is kernel.W and acc.mu is kernel.mu  # the accumulator holds the kernel itself, no copy
     assert want["pass2"] == nbytes(*held.values()), sorted((k, tuple(t.shape)) for k, t in vars(acc).items()
                                                            if isinstance(t, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------------------ the J-lens
+def test_the_jlens_streamed_equals_the_whole_model_and_reads_its_blocks_again_in_the_backward(pair, monkeypatch):
+    """The J-lens of a streamed model (its graph saves where a block's weights are read from, and each backward call
+    reads them again: mfpipe.models.adapters.streaming.saved_from_checkpoint) equals the whole model's bit for bit,
+    holds no block after it, and reads every block's weights in its backward calls, not only in its forwards."""
+    from mfpipe.jlens.lens import estimate_jlens
+
+    mt, _, ast_, streamer, folder = pair
+    # the whole model's weights copied to fresh (aligned) memory as a streamed block's are read: a product of one
+    # row (the J-lens's token after its cached prefix) rounds by the weight's address (transformers leaves the
+    # safetensors' tensors where the file puts them), so only equally placed weights give equal bits
+    aw = get_adapter(load_model({"name": f"tiny-{mt}", "source": "local", "path": str(folder)}))
+    with torch.no_grad():
+        for p in aw.model.parameters():
+            p.data = p.data.clone()
+    windows = zipf_windows(4, seed=6)
+    kw = dict(n_positions=4, seed=1, batch_size=2, grad_chunk=8, progress=False, check_rows=8)
+    want = estimate_jlens(aw, windows, **kw)
+    reads: dict[str, int] = {}
+    real = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.__setitem__(name, reads.get(name, 0) + 1)
+                        or real(self, name))
+    blocks = streamer.reads
+    got = estimate_jlens(ast_, windows, **kw)
+    for k in ("J", "check_split_half", "check_convergence"):
+        assert np.array_equal(want[k].values, got[k].values, equal_nan=True), k
+    assert streamer.resident_bytes == 0
+    forwards = streamer.reads - blocks  # block loads by the forwards' hooks
+    weight = next(k for k in reads if k.endswith("weight") and ("mlp" in k or "c_fc" in k))
+    # each block's forwards read it once each; its backward calls, d / grad_chunk per position, read it again
+    assert reads[weight] > forwards / ast_.n_layers, (weight, reads[weight], forwards)
+
+
+def test_the_jlens_of_a_streamed_bfloat16_model_equals_its_whole_load(tmp_path):
+    """The 16-bit CPU path (mfpipe.models.adapters.backward16: the float32 product's gradient, its weight rebuilt per
+    backward) reads a streamed block's weight again in place of keeping it: J equal bit for bit; float32 sums within
+    float32 rounding of float64 ones."""
+    from mfpipe.jlens.lens import estimate_jlens
+
+    folder = _save_sharded(make_tiny_model("llama", seed=3).to(torch.bfloat16), tmp_path / "bf16")
+    spec = {"name": "tiny-bf16", "source": "local", "path": str(folder)}
+    whole = get_adapter(load_model(spec, dtype="bfloat16"))
+    streamed = get_adapter(load_model(spec, dtype="bfloat16", stream=True))
+    with torch.no_grad():  # placed as a streamed block's are (the test above)
+        for p in whole.model.parameters():
+            p.data = p.data.clone()
+    assert whole.dtype == torch.bfloat16 and streamer_of(streamed.block_module(0)) is not None
+    windows = zipf_windows(3, seed=2)
+    kw = dict(n_positions=3, seed=0, batch_size=3, grad_chunk=64, progress=False, check_rows=None)
+    want, got = estimate_jlens(whole, windows, **kw), estimate_jlens(streamed, windows, **kw)
+    assert np.array_equal(want["J"].values, got["J"].values, equal_nan=True)
+    narrow = estimate_jlens(streamed, windows, **kw, sum_dtype="float32")["J"].values
+    ok = np.isfinite(want["J"].values)
+    assert np.allclose(narrow[ok], want["J"].values[ok], rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(narrow[ok], np.zeros_like(narrow[ok]))

@@ -24,6 +24,7 @@ rule jlens:
         seed=JLENS["seed"],
         grad_chunk=JLENS["grad_chunk"],
         check_rows=JLENS["check_rows"],
+        sum_dtype=JLENS["sum_dtype"],
         n_decode=JLENS["n_decode"],
         batch_size=JLENS["batch_size"] or config["runtime"]["batch_size"],
         **model_params(),

@@ -24,8 +24,8 @@ import math
 import sys
 import time
 
-from mfpipe.estimate.timing import (jlens_batch, jlens_cache_bytes, jlens_held_bytes, jlens_sums, time_fv,
-                                   time_jlens, time_jvp, time_passes, time_training, timed)
+from mfpipe.estimate.timing import (jlens_batch, jlens_cache_bytes, jlens_held_bytes, jlens_rows, jlens_sums,
+                                   time_fv, time_jlens, time_jvp, time_passes, time_training, timed)
 from mfpipe.estimate.weights import stream_fields
 
 __all__ = ["calibrate", "MAX_CALIBRATION_BYTES"]
@@ -207,8 +207,13 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     sums = jlens_sums(adapter, config)
     peaks("jlens", lambda: jlens_batch(adapter, windows, T, config, sums))
     sums = None  # handed back before the next measure
+    # (a chunk's gradients, one [rows, d] per input: 2 per layer, the layers not run added too)
+    rows = jlens_rows(adapter, config)
     peaks.rise["jlens"] += (jlens_held_bytes(layers, adapter.d_model, config)
-                            + jlens_cache_bytes(adapter, T, config) * (layers - adapter.n_layers)) / 2**20
+                            + (jlens_cache_bytes(adapter, T, config) + 2 * 4 * rows * adapter.d_model)
+                            * (layers - adapter.n_layers)) / 2**20
+    # a streamed model's J-lens reads its blocks per position: the prefix's forward, the token's, each backward call
+    out["jlens_reads_per_position"] = 2 + math.ceil(adapter.d_model / rows)
     # the J-lens decode through Jacobian-vector products (jlens.decode: the lenses'): a position's own work, a vector
     out["jvp_position_s"], out["jvp_s_per_vector"] = (
         x * scale for x in peaks("jvp", lambda: time_jvp(adapter, windows, T, config)))

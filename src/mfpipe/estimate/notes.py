@@ -84,7 +84,7 @@ JOB_KNOBS = {
     "stats_shard": [_N, "runtime.batch_size"],
     "deviation_shard": ["deviation.batch_size", _N],
     "substitution": ["substitution.batch_size", _N], "substitution_topn": ["substitution.batch_size", _N],
-    "jlens": ["jlens.grad_chunk", "jlens.batch_size"],
+    "jlens": ["jlens.sum_dtype", "jlens.grad_chunk", "jlens.batch_size"],
     "lenses": ["prompts.batch_size"], "icl_classes": ["prompts.batch_size"], "icl_meter": ["prompts.batch_size"],
     "function_vectors": ["fv.batch_size"],
     "head_scores": ["runtime.batch_size"],

@@ -48,7 +48,11 @@ def head_scores(ctx, c, wc):
 
 
 def jlens(ctx, c, wc):
-    return int(ctx.config["jlens"]["n_positions"]) * c["jlens_s_per_position"], 0.0
+    from mfpipe.estimate.weights import streamed
+
+    # a streamed model's blocks read again per position: its prefix's and token's forwards, each backward call
+    reads = c.get("jlens_reads_per_position", 0) * c["blocks_read_s"] if streamed(c, "jlens") else 0.0
+    return int(ctx.config["jlens"]["n_positions"]) * (c["jlens_s_per_position"] + reads), 0.0
 
 
 def jvp_decode(ctx, c, n: int) -> float:

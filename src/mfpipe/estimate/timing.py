@@ -10,7 +10,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_sums", "jlens_cache_bytes",
+__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_sums", "jlens_rows",
+           "jlens_cache_bytes",
            "jlens_held_bytes", "time_jvp", "time_fv", "time_training", "store_math", "lm_head_s_per_token",
            "count_s_per_token"]
 
@@ -233,7 +234,17 @@ def jlens_sums(adapter, config: dict) -> tuple:
     from mfpipe.models.adapters.jacobian import jacobian_sums
 
     keep = torch.arange(min(int(config["jlens"]["check_rows"]), adapter.d_model))
-    return jacobian_sums(adapter), jacobian_sums(adapter, n_groups=N_GROUPS, keep=keep), keep
+    dt = getattr(torch, config["jlens"].get("sum_dtype", "float64"))
+    return jacobian_sums(adapter, dtype=dt), jacobian_sums(adapter, n_groups=N_GROUPS, keep=keep, dtype=dt), keep
+
+
+def jlens_rows(adapter, config: dict) -> int:
+    """Backward passes the J-lens batches in one call (``jlens.grad_chunk``; a 16-bit model on a CPU at least
+    :data:`~mfpipe.models.adapters.backward16.WIDE_ROWS`), at most ``d``."""
+    from mfpipe.models.adapters.backward16 import WIDE_ROWS, applies
+
+    chunk = int(config["jlens"]["grad_chunk"])
+    return min(adapter.d_model, max(chunk, WIDE_ROWS) if applies(adapter.model) else chunk)
 
 
 def jlens_cache_bytes(adapter, T: int, config: dict) -> float:
@@ -247,11 +258,13 @@ def jlens_cache_bytes(adapter, T: int, config: dict) -> float:
 
 def jlens_held_bytes(L: int, d: int, config: dict) -> float:
     """Bytes the J-lens job holds across its batches beside a batch's own (:func:`mfpipe.jlens.lens._jacobian_sums`):
-    the float64 sums ``[2, L+1, d, d]`` and the check groups' ``[G, 2, L+1, r, d]``."""
+    the sums ``[2, L+1, d, d]`` and the check groups' ``[G, 2, L+1, r, d]`` in ``jlens.sum_dtype``, and at its end the
+    float32 ``J`` beside float64 sums (float32 sums are divided and kept as ``J``, no copy)."""
     from mfpipe.jlens.checks import N_GROUPS
 
     r = min(int(config["jlens"]["check_rows"]), d)
-    return 8.0 * 2 * (L + 1) * d * (d + N_GROUPS * r)
+    wide = config["jlens"].get("sum_dtype", "float64") == "float64"
+    return (8.0 if wide else 4.0) * 2 * (L + 1) * d * (d + N_GROUPS * r) + (4.0 * 2 * (L + 1) * d * d if wide else 0)
 
 
 def time_jvp(adapter, windows, T: int, config: dict) -> tuple[float, float]:

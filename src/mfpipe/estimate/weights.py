@@ -3,10 +3,10 @@
 all of them, and a read of every block's weights per batch, at the rate the calibration measures on a checkpoint it
 wrote (:func:`read_rates`: the disk's where the blocks cannot stay in the page cache, the cache's where they can).
 
-The streamed jobs: every job that loads a model (:data:`STREAMING_RULES`), except the J-lens (its backward passes keep
-every block's weights alive: it loads them whole, and refuses where they do not fit) and the mini suite's training.
-Their weight reads are priced for the corpus passes (:func:`weight_reads`: the statistics pass, pass 2, the
-substitution); the other streamed jobs' are not, and :func:`stream_line` says so.
+The streamed jobs: every job that loads a model (:data:`STREAMING_RULES`), except the mini suite's training. Their
+weight reads are priced for the corpus passes (:func:`weight_reads`: the statistics pass, pass 2, the substitution)
+and the J-lens (its backward passes read every block again per call: ``mfpipe.estimate.prompts.jlens``); the other
+streamed jobs' are not, and :func:`stream_line` says so.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["NOT_STREAMED", "STARTUP_READS", "read_rates", "stream_fields", "stream_line", "streamed", "weight_reads"]
 
-NOT_STREAMED = {"jlens": "its backward passes keep every block's weights alive", "minisuite_train": "it trains"}
+NOT_STREAMED = {"minisuite_train": "it trains"}
 # the structural probe of a streamed model's load runs two forwards (mfpipe.models.adapters.probe): two reads of
 # every block at a job's start
 STARTUP_READS = 2
@@ -111,5 +111,5 @@ def stream_line(name: str, c: dict) -> str | None:
             f"({c['block_bytes'] / 2**30:.2f} GiB) beside the embedding, final norm and LM head "
             f"({c['resident_param_bytes'] / 2**30:.2f} GiB) and read its {c['blocks_bytes'] / 2**30:.1f} GiB of blocks "
             f"per batch from {where} at {rate:.2f} GB/s ({c['blocks_read_s']:.1f} s a batch, priced for the "
-            "statistics, pass-2 and substitution jobs; a larger runtime.batch_size amortizes it; the other jobs' reads "
-            f"are not priced). The J-lens cannot stream ({NOT_STREAMED['jlens']}): it needs them whole")
+            "statistics, pass-2 and substitution jobs, and per backward call for the J-lens's: a larger "
+            "runtime.batch_size, jlens.grad_chunk amortizes it; the other jobs' reads are not priced)")

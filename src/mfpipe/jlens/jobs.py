@@ -33,14 +33,15 @@ def jlens(job) -> None:
     if not paths:
         raise FileNotFoundError(f"{shards / 'stats'} holds no shard: rerun the corpus stage (corpus_shards)")
     windows = np.concatenate([read_shard(x).tokens for x in paths])
-    _, adapter = job.model(streams=False)  # its backward passes keep every block's weights alive: loaded whole
+    # streamed where its weights would not fit: its backward calls read each block again (saved_from_checkpoint)
+    _, adapter = job.model()
     log.info("%s @ %s: J-lens over %d positions of %d windows (T=%d) of the statistics half, seed %d, %d windows per "
              "batch", name, revision, int(p.n_positions), windows.shape[0], windows.shape[1], int(p.seed),
              int(p.batch_size))
     t0 = time.perf_counter()
     ds = JL.estimate_jlens(adapter, windows, n_positions=int(p.n_positions), seed=int(p.seed),
                            batch_size=int(p.batch_size), grad_chunk=int(p.grad_chunk), desc=f"jlens {name}@{revision}",
-                           check_rows=int(p.check_rows))
+                           check_rows=int(p.check_rows), sum_dtype=str(p.sum_dtype))
     L = adapter.n_layers
     off = float(np.abs(ds["J"].sel(point="block", layer=L).values - np.eye(adapter.d_model)).max())
     log.info("estimated in %.1f s; max |J_L - I| = %.2e (the final point's Jacobian is the identity)",

@@ -78,7 +78,8 @@ def sample_positions(n_windows: int, context_length: int, n_positions: int, seed
 
 def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int, batch_size: int,
                    progress: bool = True, grad_chunk: int = 16, desc: str = "jlens",
-                   dtype=np.float32, prefix_cache: bool = True, check_rows: int | None = 256) -> xr.Dataset:
+                   dtype=np.float32, prefix_cache: bool = True, check_rows: int | None = 256,
+                   sum_dtype: str = "float64") -> xr.Dataset:
     """The J-lens estimate of the model of ``adapter`` over ``windows [n, T]`` (token ids of the statistics half).
 
     :func:`sample_positions` picks ``n_positions`` (window, position) pairs; batches of ``batch_size`` of them, in
@@ -87,7 +88,11 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     :func:`~mfpipe.models.adapters.jacobian.position_jacobians` (``grad_chunk`` backward passes batched at a time,
     each through the sampled token alone, its prefix held as the model's key/value cache), summed in float64 and
     divided by ``n_positions``. ``prefix_cache=False`` runs every window whole instead (the same estimate up to
-    rounding; ``benchmarks/jlens.py`` times both).
+    rounding; ``benchmarks/jlens.py`` times both). ``sum_dtype``: the sums' dtype (``"float32"`` halves the largest
+    array of the job, ``2 (L+1) d^2``: 8.6 GB instead of 17.2 at Qwen3-14B's shape, for a relative rounding of about
+    ``n_positions`` x 2^-24 at worst, below the float32 ``J`` it is stored as for n_positions up to a few thousand).
+    A model whose blocks are streamed (:mod:`mfpipe.models.adapters.streaming`) reads each block's weights again in
+    every backward call instead of keeping them in the graph.
 
     Returns an :class:`xarray.Dataset`: ``J`` (point, layer, out, in) in ``dtype`` (NaN at ``attn``, layer ``L``),
     ``n_positions`` (scalar), ``sample_window`` / ``sample_position`` (sample) and attrs ``kind``, ``model_type``,
@@ -113,8 +118,10 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
     L, d, bs = adapter.n_layers, adapter.d_model, max(1, int(batch_size))
     keep = None if check_rows is None else C.check_row_indices(d, check_rows, int(seed) + 2)
     total, by_group = _jacobian_sums(adapter, windows, win, pos, bs, keep, progress=progress, desc=desc,
-                                     grad_chunk=grad_chunk, prefix_cache=prefix_cache)
-    J = (total / len(win)).cpu().numpy().astype(dtype)
+                                     grad_chunk=grad_chunk, prefix_cache=prefix_cache, sum_dtype=sum_dtype)
+    # divided in place and converted once: no second copy of the sums beside them (the job's largest array)
+    J = total.div_(len(win)).cpu().numpy().astype(dtype, copy=False)
+    del total
     attrs = {"kind": KIND, "model_type": adapter.model_type, "n_layers": int(L), "d_model": int(d),
              "context_length": int(T), "n_windows": int(n_win), "n_positions": len(win), "seed": int(seed),
              "batch_size": bs, "model_dtype": str(adapter.dtype).replace("torch.", ""), "positions": "same",
@@ -141,7 +148,7 @@ def estimate_jlens(adapter, windows: np.ndarray, *, n_positions: int, seed: int,
 
 
 def _jacobian_sums(adapter, windows, win, pos, bs: int, keep, *, progress: bool, desc: str, grad_chunk: int,
-                   prefix_cache: bool):
+                   prefix_cache: bool, sum_dtype: str = "float64"):
     """``(total [2, L+1, d, d], by_group [4, 2, L+1, r, d] or None)`` float64 over the samples ``(win, pos)`` of
     :func:`estimate_jlens`; ``by_group`` (the block sums of :mod:`mfpipe.jlens.checks`) where ``keep`` names the
     ``r`` output dimensions kept."""
@@ -149,13 +156,17 @@ def _jacobian_sums(adapter, windows, win, pos, bs: int, keep, *, progress: bool,
 
     from mfpipe.jlens import checks as C
     from mfpipe.models.adapters.jacobian import jacobian_sums, position_jacobians
+    from mfpipe.models.adapters.streaming import saved_from_checkpoint
 
+    if sum_dtype not in ("float64", "float32"):
+        raise ValueError(f"jlens.sum_dtype must be float64 or float32, got {sum_dtype!r}")
+    dt = getattr(torch, sum_dtype)
     # the sums are added to in place, batch after batch: one buffer of each, none of a batch's own beside them
-    total = jacobian_sums(adapter)
+    total = jacobian_sums(adapter, dtype=dt)
     by_group, groups = None, None
     if keep is not None:
         groups, keep = C.sample_groups(len(win)), torch.from_numpy(np.asarray(keep)).to(adapter.device)
-        by_group = jacobian_sums(adapter, n_groups=C.N_GROUPS, keep=keep)
+        by_group = jacobian_sums(adapter, n_groups=C.N_GROUPS, keep=keep, dtype=dt)
     # batched in order of position: the rows of one position share a prefix forward (and, for a model without a
     # key/value cache, each batch is cut after its largest position); the sum does not depend on the order
     order = np.argsort(pos, kind="stable")
@@ -167,13 +178,14 @@ def _jacobian_sums(adapter, windows, win, pos, bs: int, keep, *, progress: bool,
     for b0 in starts:
         k = order[b0 : b0 + bs]
         ids = torch.from_numpy(windows[win[k]].astype(np.int64))
-        if groups is None:
-            position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
-                               prefix_cache=prefix_cache, into=total)
-        else:
-            position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
-                               prefix_cache=prefix_cache, groups=torch.from_numpy(groups[k]), group_rows=keep,
-                               n_groups=C.N_GROUPS, into=total, into_groups=by_group)
+        with saved_from_checkpoint():  # a streamed model's blocks read again in each backward, not kept in the graph
+            if groups is None:
+                position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                                   prefix_cache=prefix_cache, into=total)
+            else:
+                position_jacobians(adapter, ids, torch.from_numpy(pos[k]), grad_chunk=grad_chunk,
+                                   prefix_cache=prefix_cache, groups=torch.from_numpy(groups[k]), group_rows=keep,
+                                   n_groups=C.N_GROUPS, into=total, into_groups=by_group)
     return total, by_group
 
 

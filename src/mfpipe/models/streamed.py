@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def stream_mode(value) -> bool | str:
     """``runtime.stream_weights`` as True, False or "auto" (YAML's true / false, or their strings); "never" is a job
-    that cannot stream (the J-lens): it loads the weights whole, and refuses where they exceed the memory."""
+    that cannot stream: it loads the weights whole, and refuses where they exceed the memory."""
     from mfpipe.models.adapters.streaming import StreamingError
 
     if value is None or isinstance(value, bool):
@@ -168,8 +168,8 @@ def load_streamed(source: str, path: str, rev: str | None, config, dtype: str, d
     if mode == "never" and need > room:
         raise StreamingError(
             f"its weights ({need / 2**30:.1f} GiB) exceed the memory available ({room / 2**30:.1f} GiB), and this job "
-            "cannot stream them one block at a time (runtime.stream_weights): its backward passes (the J-lens's) keep "
-            "every block's weights alive. Run it on a host with more memory (cluster.forward.mem_mb)")
+            "cannot stream them one block at a time (runtime.stream_weights). Run it on a host with more memory "
+            "(cluster.forward.mem_mb)")
     if not streams(mode, need, room):
         return None
     from mfpipe.models.adapters.composite import is_composite

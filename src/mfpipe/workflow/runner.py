@@ -169,8 +169,8 @@ class Job:
 
     def model(self, threads: int | None = None, streams: bool = True):
         """(model, adapter) of the rule's (model, revision) (:func:`load_job_model`) with the job's threads, its
-        blocks' weights streamed where ``runtime.stream_weights`` says so and the job ``streams`` (the J-lens does not:
-        its backward passes keep every block's weights alive, so it loads them whole)."""
+        blocks' weights streamed where ``runtime.stream_weights`` says so and the job ``streams`` (a job that cannot
+        stream loads them whole, refused where they do not fit)."""
         stream = stream_setting(self.config)
         stream = stream if streams or stream is False else "never"  # whole, refused where it cannot fit
         return load_job_model(self.params, self.threads if threads is None else threads, stream=stream)

@@ -35,6 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from mfpipe.models.adapters.streaming import reread, source_of
+
 __all__ = ["SIXTEEN_BIT", "WIDE_ROWS", "applies", "fast_input_grads"]
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -45,9 +47,11 @@ WIDE_ROWS = 64
 
 
 class _Weight(NamedTuple):
-    """A float32 copy of a 16-bit weight as the graph saves it: rebuilt from the weight when the backward needs it."""
+    """A float32 copy of a 16-bit weight as the graph saves it: rebuilt from the weight when the backward needs it (a
+    streamed block's: from where it is read, :func:`mfpipe.models.adapters.streaming.source_of`, so the backward does
+    not keep the block resident)."""
 
-    weight: Tensor
+    weight: Tensor | tuple
     size: tuple
     stride: tuple
     offset: int
@@ -56,7 +60,7 @@ class _Weight(NamedTuple):
 def _pack(weight: Tensor, wide: Tensor):
     def pack(t: Tensor):
         if t.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr():
-            return _Weight(weight, tuple(t.size()), t.stride(), t.storage_offset())
+            return _Weight(source_of(weight) or weight, tuple(t.size()), t.stride(), t.storage_offset())
         return t
 
     return pack
@@ -64,7 +68,8 @@ def _pack(weight: Tensor, wide: Tensor):
 
 def _unpack(saved):
     if isinstance(saved, _Weight):
-        return saved.weight.float().as_strided(saved.size, saved.stride, saved.offset)
+        weight = saved.weight if isinstance(saved.weight, Tensor) else reread(saved.weight)
+        return weight.float().as_strided(saved.size, saved.stride, saved.offset)
     return saved
 
 

@@ -277,9 +277,9 @@ def final_residual(adapter, ids: Tensor) -> Tensor:
     return seen[0]
 
 
-def jacobian_sums(adapter, rows_out: int | None = None, n_groups: int | None = None, keep: Tensor | None = None
-                  ) -> Tensor:
-    """The float64 sums :func:`position_jacobians` adds to, zero where it adds and NaN where it adds nothing (the
+def jacobian_sums(adapter, rows_out: int | None = None, n_groups: int | None = None, keep: Tensor | None = None,
+                  dtype: torch.dtype = torch.float64) -> Tensor:
+    """The sums (``dtype``) :func:`position_jacobians` adds to, zero where it adds and NaN where it adds nothing (the
     ``attn`` point at layer ``L`` and at a hybrid's layers without attention, output dimensions from ``rows_out`` on):
     ``[2, L+1, d, d]``, or with ``n_groups`` the per-group sums of the kept rows ``keep``, ``[G, 2, L+1, r, d]``."""
     L, d, dev = adapter.n_layers, adapter.d_model, adapter.device
@@ -287,11 +287,11 @@ def jacobian_sums(adapter, rows_out: int | None = None, n_groups: int | None = N
     A = set(getattr(adapter, "attention_layers", range(L)))
     none = [l for l in range(L + 1) if l == L or l not in A]
     if n_groups is None:
-        out = torch.zeros(2, L + 1, d, d, dtype=torch.float64, device=dev)
+        out = torch.zeros(2, L + 1, d, d, dtype=dtype, device=dev)
         out[:, :, d_out:] = float("nan")
         out[1, none] = float("nan")
         return out
-    out = torch.zeros(n_groups, 2, L + 1, len(keep), d, dtype=torch.float64, device=dev)
+    out = torch.zeros(n_groups, 2, L + 1, len(keep), d, dtype=dtype, device=dev)
     out[:, :, :, keep >= d_out] = float("nan")
     out[:, 1, none] = float("nan")
     return out

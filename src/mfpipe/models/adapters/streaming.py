@@ -29,12 +29,13 @@ import json
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["BlockStreamer", "Checkpoint", "StreamingError", "checkpoint_names", "held", "holds_block", "materialize",
-           "parameters_on_meta", "stream_blocks", "streamer_of"]
+           "parameters_on_meta", "reread", "saved_from_checkpoint", "source_of", "stream_blocks", "streamer_of"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -42,6 +43,9 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 # block module -> (its streamer, its index): what held() looks a block up in (weak: a model dropped is forgotten)
 _STREAMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the storage of each resident streamed block parameter -> (checkpoint, name, dtype, device): where a graph that saves
+# it for its backward (a linear layer's weight, for its input's gradient) reads it again (saved_from_checkpoint)
+_RESIDENT: dict[int, tuple] = {}
 
 
 class StreamingError(RuntimeError):
@@ -195,6 +199,7 @@ def _load(slots, checkpoint: Checkpoint, device) -> int:
             t = checkpoint.read(key).to(dtype=placeholder.dtype).to(device)
             loaded[id(placeholder)] = nn.Parameter(t, requires_grad=False)
             total += t.numel() * t.element_size()
+            _RESIDENT[t.untyped_storage().data_ptr()] = (checkpoint, key, t.dtype, t.device)
         owner._parameters[attr] = loaded[id(placeholder)]
     return total
 
@@ -241,6 +246,7 @@ class BlockStreamer:
         self.count[i] -= 1
         if self.count[i] == 0:
             for owner, attr, _, placeholder in self.slots[i]:
+                _RESIDENT.pop(owner._parameters[attr].untyped_storage().data_ptr(), None)
                 owner._parameters[attr] = placeholder
             self.resident_bytes -= self.block_bytes[i]
 
@@ -301,4 +307,46 @@ def held(block: nn.Module) -> Iterator[None]:
         return
     streamer, i = found
     with streamer.hold(i):
+        yield
+
+
+# ------------------------------------------------------------------------------------------ a backward, streamed
+def source_of(t: Tensor) -> tuple | None:
+    """Where the resident streamed block parameter whose storage ``t`` shares is read from (None: not one)."""
+    if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+        return None
+    found = _RESIDENT.get(t.untyped_storage().data_ptr())
+    return found if found is not None and found[2] == t.dtype else None
+
+
+def reread(source: tuple) -> Tensor:
+    """The tensor of ``source`` (:func:`source_of`) read again from its checkpoint, as its block's load read it."""
+    checkpoint, key, dtype, device = source
+    return checkpoint.read(key).to(dtype=dtype).to(device)
+
+
+class _Saved(NamedTuple):
+    source: tuple
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+def _pack(t: Tensor):
+    source = source_of(t)
+    return t if source is None else _Saved(source, tuple(t.size()), t.stride(), t.storage_offset())
+
+
+def _unpack(saved):
+    return reread(saved.source).as_strided(saved.size, saved.stride, saved.offset) if isinstance(saved, _Saved) \
+        else saved
+
+
+@contextlib.contextmanager
+def saved_from_checkpoint() -> Iterator[None]:
+    """A graph recorded in the ``with`` body saves, in place of a streamed block's parameter (or a view of it), where
+    to read it again, and its backward reads it when it needs it: a backward through a streamed model holds one
+    block's weights at a time, as its forward does, at the price of a read of every block per backward call (the
+    J-lens's, :mod:`mfpipe.jlens.lens`). Without it the graph would keep every block it passed through resident."""
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         yield
