@@ -8,6 +8,10 @@
 * ``values.py`` — the value maps mixed into every adapter (:class:`~mfpipe.models.adapters.values.ValueMaps`): where
   each head's values sit among the value source's outputs, as the site reads them and as the block pieces
   ``value_map`` / ``value_weights``.
+* ``layers.py`` — per-layer attention forms (:class:`~mfpipe.models.adapters.layers.LayerForm`: each layer's head
+  width, KV heads and value source, where the attention layers are of several kinds: MiMo-V2-Flash's), placed kind by
+  kind by a reduced probe, and the zero padding of every head-space tensor to the widest layer's width (an exact
+  embedding).
 * ``capture.py`` — what the site hands out and takes: :class:`LayerCapture` (one layer's fields,
   ``CAPTURE_FIELDS``), :class:`RunResult`, :func:`resolve_select` and ``module_at`` (a module by its dotted path).
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it

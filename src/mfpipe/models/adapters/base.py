@@ -18,6 +18,8 @@ Conventions shared by all adapters
 ----------------------------------
 * Heads: ``H = n_heads`` query heads whose values and reads are ``d_head`` wide (latent attention's ``v_head_dim``);
   grouped-query KV heads expanded as HF's ``repeat_kv`` does: query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
+  Where the layers differ (:mod:`~mfpipe.models.adapters.layers`), layer ``l``'s heads are ``head_dim(l)`` wide with
+  ``kv_heads(l)`` KV heads, and every head-space tensor is zero-padded to ``d_head``, the widest (an exact embedding).
 * ``reads[..., h, :]``, head ``h``'s read, is ``sum_j probs[h, i, j] * values[h, j]``; the attention branch before any
   post-norm is ``sum_h (reads_h * g_h) @ out_proj_slices(l)[h] + out_proj_bias(l)``, ``g_h`` 1 or an output gate of
   the query's residual (``read_gate(l, resid_in)``: Qwen3-Next's, :mod:`~mfpipe.models.adapters.gate`).
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
+from mfpipe.models.adapters.layers import pad_heads
 from mfpipe.models.adapters.residual import table_rows
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
 from mfpipe.models.adapters.streaming import holds_block
@@ -209,13 +212,15 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
     @block_piece
     def out_proj_slices(self, layer: int) -> Tensor:
         """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection (NaN at a
-        hybrid's layer of another mixer: it has none, and what is made of it is NaN, as its statistics are)."""
+        hybrid's layer of another mixer: it has none, and what is made of it is NaN, as its statistics are; a layer of
+        narrower heads has its rows zero-padded to ``d_head``, as its reads are)."""
         if layer not in self.attention_layers:
             return torch.full((self.n_heads, self.d_head, self.d_model), float("nan"), dtype=self.dtype,
                               device=self.device)
         proj = self._sub(layer, self.O_PROJ)
         w = proj.weight.detach() if self._conv1d(proj) else proj.weight.detach().t()  # -> [H*dh, d]
-        return w.reshape(self.n_heads, self.d_head, self.d_model)
+        w = w.reshape(self.n_heads, self.head_dim(layer), self.d_model)  # rows zero-padded to d_head: adapters.layers
+        return w if self.head_dim(layer) == self.d_head else pad_heads(w.transpose(1, 2), self.d_head).transpose(1, 2)
 
     def out_proj_module(self, layer: int) -> nn.Module:
         """The output projection of block ``layer`` (its input is the per-head reads): where a plain torch hook that

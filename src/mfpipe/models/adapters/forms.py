@@ -34,7 +34,8 @@ from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_
 from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "clipped", "per_layer_hidden", "side_branch",
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "clipped", "formed_sources", "per_layer_hidden",
+           "side_branch", "source_form",
            "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
 IDENTITY_KINDS = ("cross_attention",)  # layers a decoder's forward skips on text-only input: carried as the identity
@@ -115,14 +116,13 @@ def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, nam
     norms are placed; it checks the form, adds or rewrites what the probe reads, and returns the probe's extra
     results. Its ``watch``: the norms of a module that holds the attention and its norms (:func:`wrapped_attention`),
     which the probe places as the block's own."""
-    clip = getattr(submodule(block, attn), "clip_qkv", None)  # DBRX's: q, k, v clamped to +-clip_qkv
-    clip = {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
+    attn_mod = submodule(block, attn)
+    clip = source_form(attn_mod)  # DBRX's: q, k, v clamped to +-clip_qkv
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]
     top = attn.split(".")[0]
 
     def forms(seen: dict, same) -> dict:
-        for k in [k for k in seen if clip and k.startswith("<src>")]:  # the value search reads them as the heads do
-            seen[k] = seen[k]._replace(y=seen[k].y.clamp(min=-clip["value_clip"], max=clip["value_clip"]))
+        formed_sources(attn_mod, seen)  # the value search reads them as the heads do
         return place(seen, same) | clip
 
     def place(seen: dict, same) -> dict:
@@ -229,6 +229,22 @@ def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
             raw = new.to(device=raw.device, dtype=raw.dtype)
             env.output = (raw, *out[1:]) if isinstance(out, tuple) else raw
     return make(layer=layer, resid_in=raw.float() if "resid_in" in sel else None)
+
+
+def source_form(attn_mod: nn.Module) -> dict:
+    """The structure's fields of what the attention does to its value source's outputs before the heads read them:
+    ``value_clip`` where it clamps them (DBRX's ``clip_qkv``); {} where it reads them as they are."""
+    clip = getattr(attn_mod, "clip_qkv", None)
+    return {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
+
+
+def formed_sources(attn_mod: nn.Module, seen: dict) -> None:
+    """The probe's value-source candidates (``seen["<src>..."]``) rewritten as ``attn_mod`` reads them
+    (:func:`source_form`), for the value search (the probe's placed block, and each other attention kind's:
+    :mod:`~mfpipe.models.adapters.layers`)."""
+    clip = source_form(attn_mod).get("value_clip")
+    for k in [k for k in seen if clip is not None and k.startswith("<src>")]:
+        seen[k] = seen[k]._replace(y=seen[k].y.clamp(min=-clip, max=clip))
 
 
 def clipped(structure, t: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, bran
                                              mlp_needs_sequences, mlp_residual)
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["probe", "Seen", "norm_roles", "value_layout", "chunk_index",
+__all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout", "chunk_index",
            "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
 
 CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
@@ -111,7 +111,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": getattr(stack, n) for n in outer_norms})
-    seen, order = _probe_forward(model, base, watch)
+    seen, order = probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
     same = _same_within(emb.weight.dtype)
@@ -147,7 +147,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     return out | extra
 
 
-def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, Seen], list[str]]:
+def probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, Seen], list[str]]:
     """One forward of three tokens with a hook on every module of ``watch`` -> (name -> :class:`Seen`, the names in
     call order)."""
     seen: dict[str, Seen] = {}
@@ -230,7 +230,7 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
     """The probed ``norms``' roles around the attention ``attn`` and the MLP ``mlp`` and the residual form
     (``parallel``: the MLP reads the block input; ``branch_scale``: the attention branch enters the residual times
     this, one of ``scales`` where one is it exactly: MiniCPM-3) from the probe forward's tensors
-    (:func:`_probe_forward`)."""
+    (:func:`probe_forward`)."""
     block_in = seen["<block>"].x
     attn_in, attn_out = seen[attn].x, seen[attn].y
     mlp_in, mlp_out = seen[mlp].x, seen[mlp].y

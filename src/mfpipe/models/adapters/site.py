@@ -50,6 +50,7 @@ from mfpipe.models.adapters.capture import (CAPTURE_FIELDS, LayerCapture, PatchO
                                             Select, module_at, resolve_select)
 from mfpipe.models.adapters.forms import skipped_capture
 from mfpipe.models.adapters.gate import OutputGate, gated_input
+from mfpipe.models.adapters.layers import pad_heads, unpadded
 
 # LayerCapture, RunResult, resolve_select and module_at live in adapters.capture; re-exported here for their callers
 __all__ = ["CAPTURE_FIELDS", "LayerCapture", "RunResult", "TracedSite", "module_at", "resolve_select"]
@@ -245,7 +246,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
             resid_in = layer_env.input.float()
         gate = self.gate_site(layer_env, sel, patch_reads, first=True)  # an output gate (adapters.gate): Qwen3-Next's
         if "values" in sel:
-            cap.values = self._values_from_src(module_at(layer_env, self.V_SRC).output).float()
+            cap.values = self._values_from_src(module_at(layer_env, self.value_path(layer)).output, layer).float()
         gate = self.gate_site(layer_env, sel, patch_reads, first=False) if gate is None else gate  # forward order
         s = self.structure
         # the attention adds the residual itself (BLOOM): its branch is the output projection's output
@@ -295,8 +296,9 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
         them, else None; its output, patched, where ``want_out``, else None)."""
         o_env = module_at(layer_env, self.O_PROJ)
         flat = o_env.input  # [B,T,H*dh]
-        heads = (*flat.shape[:2], self.n_heads, self.d_head)
+        heads = (*flat.shape[:2], self.n_heads, self.head_dim(layer))  # zero-padded to d_head below: adapters.layers
         reads = flat.view(heads).float() if gate is None else flat.view(heads).float() / gate
+        reads = pad_heads(reads, self.d_head)
         if patch_reads is not None:
             new = patch_reads(layer, reads)
             if new is not None:
@@ -305,7 +307,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
         out = None
         if patch_out is not None:
             out = raw = o_env.output  # [B,T,d]: after its input (forward order), before the attention module's output
-            new = patch_out(layer, raw.float(), flat.view(heads).float())
+            new = patch_out(layer, raw.float(), pad_heads(flat.view(heads).float(), self.d_head))
             if new is not None:
                 out = _like(new, raw, f"patch_out(layer={layer})", "the output projection's output")
                 o_env.output = out
@@ -322,6 +324,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
                 f"patch_reads(layer={layer}) returned {got}; return the replacement reads as a tensor of shape "
                 f"[B,T,H,dh] = {list(want)} (or None to leave the layer unpatched)"
             )
+        new = unpadded(new, self.head_dim(layer), f"patch_reads(layer={layer})")  # the layer's own coordinates
         new = new if gated is None else gated_input(flat, new, *gated)
         return new.to(device=flat.device, dtype=flat.dtype).reshape(flat.shape)
 

@@ -42,8 +42,10 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
-from mfpipe.models.adapters.forms import NO_MLP, block_forms, check_skipped, side_mixer, unstacked, wrapped_attention
+from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, formed_sources, side_mixer, unstacked,
+                                          wrapped_attention)
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
+from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
@@ -125,6 +127,9 @@ class Structure:
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
+    # each layer's head width, KV heads and value source where its attention layers are of several kinds
+    # (mfpipe.models.adapters.layers: MiMo-V2-Flash's); () where every attention layer has the placed block's form
+    layer_forms: tuple[LayerForm, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -196,6 +201,7 @@ def describe(model: nn.Module) -> Structure:
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
+    forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj, first, found, shape, mt, formed_sources)
     return Structure(
         layers=layers, embed=embed, final_norm=stack + final_norm if final_norm else None, attn=attn,
         value_source=f"{attn}.{found['value_source']}", value_layout=found["value_layout"],
@@ -215,7 +221,7 @@ def describe(model: nn.Module) -> Structure:
         attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
-        side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"),
+        side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
         **_gate_fields(found["gate"], attn),
     )
 
