@@ -180,3 +180,23 @@ def test_the_padded_model_passes_every_conformance_check(pair):
     _, _, wide, padded = pair
     rows = check_model(wide, padded.structure)
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+def test_mimo_places_its_value_scale_and_its_sliding_window_layers_kv_heads():
+    """MiMo-V2-Flash: values times v_scale (the config's attention_value_scale), a full-attention layer of 2 KV heads
+    and a sliding-window one of 4 (with sinks); without the scale the same forms, value_scale 1."""
+    s = describe(make_tiny_model("mimo_v2_flash", seed=2))
+    assert s.value_scale == 0.6 and s.value_head_dim == 16
+    assert [(f.head_dim, f.kv_heads) for f in s.layer_forms] == [(16, 2), (16, 4)]
+    plain = describe(make_tiny_model("mimo_v2_flash", seed=2, attention_value_scale=None))
+    assert plain.value_scale == 1.0 and plain.layer_forms == s.layer_forms
+
+
+def test_a_value_scale_the_forward_does_not_apply_is_refused():
+    """The scale is read off the attention's v_scale and confirmed by the value search: a Llama's attention given a
+    v_scale it never multiplies by is not placed with it."""
+    model = make_tiny_model("llama", seed=2)
+    for layer in model.model.layers:
+        layer.self_attn.v_scale = 0.5
+    with pytest.raises(Exception, match="cannot place the value projection"):
+        describe(model)

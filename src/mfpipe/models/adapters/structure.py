@@ -42,8 +42,8 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
-from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, formed_sources, side_mixer, unstacked,
-                                          wrapped_attention)
+from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
+                                          side_mixer, unstacked, wrapped_attention)
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
 from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
@@ -127,6 +127,7 @@ class Structure:
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
+    value_scale: float = 1.0  # ... and multiplies its values by this (MiMo-V2-Flash's v_scale): forms.value_form
     # each layer's head width, KV heads and value source where its attention layers are of several kinds
     # (mfpipe.models.adapters.layers: MiMo-V2-Flash's); () where every attention layer has the placed block's form
     layer_forms: tuple[LayerForm, ...] = ()
@@ -201,6 +202,7 @@ def describe(model: nn.Module) -> Structure:
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
+    check_source_forms(blocks, attn, [l for l, k in enumerate(kinds) if k == "attention"], mt)
     forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj, first, found, shape, mt, formed_sources)
     return Structure(
         layers=layers, embed=embed, final_norm=stack + final_norm if final_norm else None, attn=attn,
@@ -222,6 +224,7 @@ def describe(model: nn.Module) -> Structure:
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
         side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
+        value_scale=found.get("value_scale", 1.0),
         **_gate_fields(found["gate"], attn),
     )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mfpipe.models.adapters.forms import clipped
+from mfpipe.models.adapters.forms import value_form
 from mfpipe.models.adapters.latent import latent_input
 from mfpipe.models.adapters.layers import LayerForm, pad_heads
 from mfpipe.models.adapters.probe import chunk_index
@@ -81,7 +81,7 @@ class ValueMaps:
     def _values_from_src(self, src_out: Tensor, layer: int = 0) -> Tensor:
         """[B,T,*] output of layer ``layer``'s value source (latent attention's: [B,1,T,*]) -> values [B,H,T,d_head]
         (GQA expanded, zero-padded to ``d_head``)."""
-        B, T, src_out = src_out.shape[0], src_out.shape[-2], clipped(self.structure, src_out)  # DBRX's clip_qkv
+        B, T, src_out = src_out.shape[0], src_out.shape[-2], value_form(self.structure, src_out)  # clip, scale
         if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
             qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
             return qkv[..., 2 * self.d_head :]
@@ -121,7 +121,7 @@ class ValueMaps:
             v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
         else:
             v = src(h)
-        v = self._expand_kv(clipped(self.structure, v).unflatten(-1, (KV, dh)), -2, layer)
+        v = self._expand_kv(value_form(self.structure, v).unflatten(-1, (KV, dh)), -2, layer)
         return pad_heads(v, self.d_head).to(x.dtype)
 
     @block_piece
@@ -129,8 +129,9 @@ class ValueMaps:
         """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
         output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded),
         ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
-        values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so). None for latent attention (a
-        norm sits between), a hybrid and clamped values (DBRX's): the pass then sums the values as read."""
+        values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so); values scaled by a constant
+        (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid and
+        clamped values (DBRX's): the pass then sums the values as read."""
         if self.structure.latent_proj is not None or self.hybrid or self.structure.value_clip is not None:
             return None
         src = self._sub(layer, self.value_path(layer))
@@ -151,4 +152,6 @@ class ValueMaps:
             w = wt[o : o + n].view(KV, dh, -1).transpose(1, 2)
         b = None if bias is None else bias[o : o + n].view(KV, dh)
         w, b = self._expand_kv(w, 0, layer), None if b is None else self._expand_kv(b, 0, layer)
+        c = self.structure.value_scale  # MiMo-V2-Flash's v_scale: (W s, b s), equal to rounding (derived sums only)
+        w, b = (w, b) if c == 1.0 else (w * c, None if b is None else b * c)
         return pad_heads(w, self.d_head), None if b is None else pad_heads(b, self.d_head)
