@@ -78,7 +78,7 @@ class ValueMaps:
         rep = self.n_rep if layer is None else self.n_heads // self.kv_heads(layer)
         return v.repeat_interleave(rep, dim=dim) if rep > 1 else v
 
-    def _values_from_src(self, src_out: Tensor, layer: int = 0) -> Tensor:
+    def _values_from_src(self, src_out: Tensor, layer: int) -> Tensor:
         """[B,T,*] output of layer ``layer``'s value source (latent attention's: [B,1,T,*]) -> values [B,H,T,d_head]
         (GQA expanded, zero-padded to ``d_head``)."""
         B, T, src_out = src_out.shape[0], src_out.shape[-2], value_form(self.structure, src_out)  # clip, scale
