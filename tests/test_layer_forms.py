@@ -200,3 +200,12 @@ def test_a_value_scale_the_forward_does_not_apply_is_refused():
         layer.self_attn.v_scale = 0.5
     with pytest.raises(Exception, match="cannot place the value projection"):
         describe(model)
+
+
+def test_forms_the_adapter_cannot_read_are_refused(pair):
+    plain, _, wide, _ = pair
+    s = describe(plain)
+    with pytest.raises(ValueError, match="one per layer"):
+        Adapter(wide, dataclasses.replace(s, layer_forms=FORMS[:1]))
+    with pytest.raises(ValueError, match="not a multiple of the KV heads"):
+        Adapter(wide, dataclasses.replace(s, layer_forms=(FORMS[0], LayerForm(DH + EXTRA, 3, "self_attn.v_proj"))))

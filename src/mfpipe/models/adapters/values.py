@@ -39,10 +39,11 @@ class ValueMaps:
         the layers differ, ``d_head`` is the widest layer's width and ``n_kv_heads`` the most KV heads of a layer."""
         s = self.structure
         forms = tuple(s.layer_forms)
-        if forms and (len(forms) != self.n_layers or s.value_layout != "split" or s.output_gate is not None):
+        ragged_gate = s.output_gate is not None and len({f.head_dim for f in forms}) > 1  # one gate width (gate.py)
+        if forms and (len(forms) != self.n_layers or s.value_layout != "split" or ragged_gate):
             raise ValueError(f"{self.model_type}: per-layer attention forms need one per layer ({len(forms)} for "
-                             f"{self.n_layers}), a value projection of their own (split, not {s.value_layout}) and no "
-                             "output gate")
+                             f"{self.n_layers}), a value projection of their own (split, not {s.value_layout}) and, "
+                             "with an output gate, heads of one width")
         self._forms = forms or (LayerForm(self.d_head, self.n_kv_heads, self.V_SRC),) * self.n_layers
         bad = sorted({f.kv_heads for f in self._forms if self.n_heads % f.kv_heads})
         if bad:
