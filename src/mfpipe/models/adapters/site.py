@@ -127,7 +127,8 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
           input, with that layer's per-head reads [B,T,H,dh] (float32; do not modify in place). Return the
           replacement [B,T,H,dh] (any float dtype; cast to the model's dtype and written back before the
           output projection runs), or ``None`` to leave the layer untouched. Called before that layer's
-          ``on_layer``; ``LayerCapture.reads`` stays the unpatched read.
+          ``on_layer``; ``LayerCapture.reads`` stays the unpatched read. (``dh`` is ``d_head``: a layer of narrower
+          heads hands its reads zero-padded and takes a replacement whose padded coordinates are 0, adapters.layers.)
         * ``patch_resid(layer, resid)``: called once per layer, in layer order, at the block's input with the
           residual stream entering block ``layer`` [B,T,d] (float32; do not modify in place). Return the
           replacement [B,T,d] (cast to the model's dtype and written back before the block runs; e.g. a
