@@ -78,6 +78,8 @@ PATHS: dict[str, dict] = {
     # latent attention (issue 59): the values are kv_b_proj's output, per head [k_nope | v]
     "deepseek_v3": dict(_LLAMA, v_src="self_attn.kv_b_proj"),
     # the attention and the MLP add the residual themselves (issue 59): their branches are dense's and dense_4h_to_h's
+    # values scaled by the config's attention_value_scale, a layer's KV heads its own (issue 59): MiMo-V2-Flash
+    "mimo_v2_flash": _LLAMA,
     "bloom": dict(layers="transformer.h", final="transformer.ln_f", v_src="self_attention.query_key_value",
                   o_proj="self_attention.dense", attn="self_attention", attn_norm="input_layernorm",
                   attn_out="self_attention.dense", mlp_out="mlp.dense_4h_to_h"),
@@ -126,7 +128,7 @@ def shape(model) -> tuple[int, int, int]:
     if cfg.model_type == "falcon":  # grouped (new architecture), multi-query, or one KV head per head
         KV = cfg.num_kv_heads if cfg.new_decoder_architecture else 1 if cfg.multi_query else H
     dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    if cfg.model_type == "deepseek_v3":  # the reads are v_head_dim wide (head_dim is its rotary query/key part)
+    if cfg.model_type in ("deepseek_v3", "mimo_v2_flash"):  # the reads are v_head_dim wide (head_dim: queries/keys')
         dh = cfg.v_head_dim
     return H, KV, dh
 
@@ -149,6 +151,10 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
     elif mt == "falcon":  # per KV group [q (H / KV heads) | k | v]; multi-query: one group
         kv = out.reshape(B, T, KV, H // KV + 2, dh)[..., -1, :]
         v = torch.stack([kv[:, :, h // (H // KV)] for h in range(H)], dim=2)
+    elif mt == "mimo_v2_flash":  # as many KV heads as the layer's v_proj holds (its sliding-window layers twice the
+        # full ones'), times the config's attention_value_scale as the attention multiplies them
+        kv = out.reshape(B, T, -1, dh) * model.config.attention_value_scale
+        v = torch.stack([kv[:, :, h // (H // kv.shape[2])] for h in range(H)], dim=2)
     elif mt == "codegen":  # four shards, each [q | v | k] of a quarter of the heads
         local = H * dh // 4
         v = out.reshape(B, T, 4, 3 * local)[..., local : 2 * local].reshape(B, T, H, dh)

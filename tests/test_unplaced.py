@@ -23,7 +23,6 @@ def _one_thread(one_thread):
 REFUSED = {
     "diffllama": ("modelling", "differential attention: each head reads (softmax_1 - λ softmax_2) V"),
     "granite_swa": ("mfpipe", "(its sinks parameter: an attention sink applied as sigmoid(logsumexp(scores) - sink)"),
-    "mimo_v2_flash": ("mfpipe", "(v_proj) outputs times 0.707 (the config's attention_value_scale)"),
     "bitnet": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm)"),
     "laguna": ("mfpipe", "multiplied head by head by a gate, softplus of g_proj"),
     "dots3_note_text": ("mfpipe", "but kv_b_proj reads its norm kv_a_layernorm's output times 2 (a latent rescaled"),
@@ -66,4 +65,11 @@ def test_the_explanation_is_read_off_the_tensors_not_assumed():
 
 def test_a_projection_in_a_wrapper_of_its_own_is_placed_and_passes():
     row = census_row("moshi")
+    assert row.accepted and row.passed == row.checks >= 10, row
+
+
+def test_values_scaled_by_a_constant_in_layers_of_two_kinds_are_placed_and_pass():
+    """MiMo-V2-Flash (refused for its value scale before issue 59 §3): v_scale in the value form, its sliding-window
+    layers' twice as many KV heads as a per-layer form (mfpipe.models.adapters.layers)."""
+    row = census_row("mimo_v2_flash")
     assert row.accepted and row.passed == row.checks >= 10, row

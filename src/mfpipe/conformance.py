@@ -269,11 +269,11 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
 
     def hook_for(layer):
         def hook(mod, args):
-            x = args[0]
-            r = x.reshape(*x.shape[:2], H, dh)
+            x, own = args[0], adapter.head_dim(layer)  # a layer of narrower heads: zhat's first `own` coordinates
+            r = x.reshape(*x.shape[:2], H, own)
             # an output gate: the projection reads the mean-field read times the forward's own gate of the position
-            new = replace(layer, r) if layer not in gates else torch.where(
-                sub[..., None, None], zhat[layer].to(x.dtype) * gates[layer], r)
+            new = torch.where(sub[..., None, None], zhat[layer][..., :own].to(x.dtype), r) if layer not in gates else \
+                torch.where(sub[..., None, None], zhat[layer].to(x.dtype) * gates[layer], r)
             return (new.reshape(x.shape), *args[1:])
         return hook
 

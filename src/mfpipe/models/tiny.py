@@ -23,7 +23,9 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # fused multi-query / grouped value layout (Falcon), a mixture of experts (Mixtral), a LayerNorm without a bias and a
 # logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3),
 # the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add)
-PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom")
+# and values scaled by a constant, with attention layers of two kinds (MiMo-V2-Flash: mfpipe.models.adapters.layers)
+PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
+                                       "mimo_v2_flash")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -158,6 +160,12 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
         return transformers.BloomConfig, dict(
             vocab_size=VOCAB, hidden_size=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, hidden_dropout=0.0,
             attention_dropout=0.0, initializer_range=0.1, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=0)
+    if model_type == "mimo_v2_flash":  # values times v_scale (0.6); layer 0 full attention, layer 1 a sliding window
+        # of 4 with twice the KV heads and sinks; queries/keys 24 wide per head (a third rotary), values 16; a dense
+        # first block, then 4 routed experts (2 per token)
+        return transformers.MiMoV2FlashConfig, dict(
+            gqa, head_dim=24, v_head_dim=16, sliding_window=4, attention_value_scale=0.6, intermediate_size=2 * D_MODEL,
+            moe_intermediate_size=D_MODEL // 2, n_routed_experts=4, num_experts_per_tok=2)
     if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
         return transformers.Gemma3Config, dict(
             text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,

@@ -121,6 +121,7 @@ def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | No
 def _provenance(hf, adapter, blocks: Sequence[np.ndarray], name, revision, bits) -> dict:
     """The store's provenance for an in-memory run: the model (its name or path, the commit transformers records),
     the windows' fingerprint as the corpus, the adapter's shape and the numerics this process runs under."""
+    from mfpipe.stats.shards import layer_head_dims
     from mfpipe.workflow.numerics import numerics_info
 
     cfg = hf.config
@@ -130,7 +131,7 @@ def _provenance(hf, adapter, blocks: Sequence[np.ndarray], name, revision, bits)
             "corpus": "in-memory", "corpus_fingerprint": tokens_fingerprint(list(blocks)), "n_shards": len(blocks),
             "model_type": adapter.model_type, "dtype": str(adapter.dtype).replace("torch.", ""),
             "n_kv_heads": adapter.n_kv_heads, "parallel_residual": adapter.parallel_residual,
-            "numerics": numerics_info()}
+            "numerics": numerics_info()} | layer_head_dims(adapter)  # layers of several head widths: each one's
     if getattr(adapter, "layer_kinds", None):  # a hybrid's layers of another mixer (the store's `layer_kind`)
         meta["layer_kinds"] = list(adapter.layer_kinds)
     if bits is not None:

@@ -122,7 +122,7 @@ def merged_meta(info: dict, model: str, revision: str, half: str, model_source: 
     # hub models: the commits the revision and the tokenizer's revision stood for (branches move; commits do not)
     meta.update({k: v for k, v in (("revision_commit", commit), ("tokenizer_revision", info.get("tokenizer_revision")),
                                    ("tokenizer_commit", info.get("tokenizer_commit"))) if v})
-    for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual", "numerics", "layer_kinds"):
+    for k in ("model_type", "dtype", "n_kv_heads", "parallel_residual", "numerics", "layer_kinds", "layer_head_dims"):
         if k in seen["first_meta"]:
             meta[k] = seen["first_meta"][k]
     if seen["bits"]:  # the coarsest rounding of any partial bounds the merged sums (mfpipe.stats.partials)

@@ -19,7 +19,7 @@ from mfpipe.stats.partials import partial_meta, partial_size, save_partial
 from mfpipe.workflow.numerics import numerics_info
 from mfpipe.stats.pass1 import Accumulator
 
-__all__ = ["accumulate_shard", "pass1_reducer", "shard_partials"]
+__all__ = ["accumulate_shard", "layer_head_dims", "pass1_reducer", "shard_partials"]
 
 
 def pass1_reducer(adapter, n_tracked: int, context_length: int, device, lazy_derived: bool = False,
@@ -78,10 +78,18 @@ def shard_partials(model, adapter, shards: list[str], tracked, folder: Path, *, 
             "d_model": adapter.d_model, "d_head": adapter.d_head, "parallel_residual": adapter.parallel_residual,
             "layer_kinds": list(getattr(adapter, "layer_kinds", None) or ["attention"] * adapter.n_layers),
             "shard": shard, "numerics": numerics_info(),
-        } | ({"revision_commit": str(commit)} if commit else {}))
+        } | ({"revision_commit": str(commit)} if commit else {}) | layer_head_dims(adapter))
         part = folder / (Path(shard).stem + ".zarr")  # partial shard-NNNNN.zarr <- corpus shard-NNNNN.npz
         save_partial(part, sums, meta, mantissa_bits=mantissa_bits)
         log.info("%s: %d windows x T=%d, %d tokens in %.1f s (%.0f tok/s); %d tracked queries; partial %.0f MiB "
                  "on disk", shard, tokens.shape[0], tokens.shape[1], tokens.size, dt, tokens.size / max(dt, 1e-9),
                  int(sums["query_count"].sum()), partial_size(part) / 2**20)
         del sums  # the shard's sums go before the next shard's are made: one set at a time, not two
+
+
+def layer_head_dims(adapter) -> dict:
+    """``layer_head_dims`` (each layer's own head width) where the layers' heads differ in width: the store's
+    ``head_dim`` coordinate is the widest, the others zero-padded (mfpipe.models.adapters.layers); {} else."""
+    head_dim = getattr(adapter, "head_dim", None)
+    dims = [int(head_dim(l)) for l in range(adapter.n_layers)] if callable(head_dim) else []
+    return {"layer_head_dims": dims} if len(set(dims)) > 1 else {}

@@ -5,6 +5,15 @@
 * ``site.py`` — the read/patch site mixed into every adapter: :meth:`Adapter.run` (one nnsight-traced
   forward that reads the selected :class:`LayerCapture` fields, replaces per-head reads at the output
   projection's input, and returns logits / loss) and :meth:`Adapter.capture` (all fields, no LM head).
+* ``values.py`` — the value maps mixed into every adapter (:class:`~mfpipe.models.adapters.values.ValueMaps`): where
+  each head's values sit among the value source's outputs, as the site reads them and as the block pieces
+  ``value_map`` / ``value_weights``.
+* ``layers.py`` — per-layer attention forms (:class:`~mfpipe.models.adapters.layers.LayerForm`: each layer's head
+  width, KV heads and value source, where the attention layers are of several kinds: MiMo-V2-Flash's), placed kind by
+  kind by a reduced probe, and the zero padding of every head-space tensor to the widest layer's width (an exact
+  embedding).
+* ``capture.py`` — what the site hands out and takes: :class:`LayerCapture` (one layer's fields,
+  ``CAPTURE_FIELDS``), :class:`RunResult`, :func:`resolve_select` and ``module_at`` (a module by its dotted path).
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it
   by what the modules are and do (not by ``model_type``); a model it cannot place raises
   :class:`UnsupportedArchitectureError` naming what did not match.
@@ -13,8 +22,8 @@
   chunked one, the final norm among several, the embedding's scale and position rows, the logits' scale).
 * ``residual.py`` — how a block's branches join the residual where not as the modules return them (the residual added
   inside the attention and the MLP: BLOOM, MPT; a branch scale: MiniCPM-3), an absolute position table as a tensor
-  (a learned or a sinusoidal one) and how the MLP is called (on ``[B, T, d]`` where a mixture of experts needs it), for
-  the probe.
+  (a learned or a sinusoidal one), the embedding's and the logits' scales, and how the MLP is called (on
+  ``[B, T, d]`` where a mixture of experts needs it), for the probe.
 * ``latent.py`` — latent attention (DeepSeek-V2/V3's MLA): the value source that reads a norm of a slice of another
   projection, found in the probe forward (:func:`~mfpipe.models.adapters.latent.latent_sources`) and run as the
   attention runs it by the value map (:func:`~mfpipe.models.adapters.latent.latent_input`).
@@ -41,8 +50,9 @@
   :func:`~mfpipe.models.adapters.streaming.held` (the block pieces above hold their block), for a model whose weights
   exceed the memory (:mod:`mfpipe.models.streamed` loads it).
 * ``hybrid.py`` — a hybrid's blocks of another mixer than attention (Mamba, a gated delta-net, a recurrent block:
-  :attr:`Structure.layer_kinds`, which :func:`describe` finds by the blocks' modules) as the model runs them, on rows
-  as sequences of one position (:func:`~mfpipe.models.adapters.hybrid.mixer_block`), for the rollout.
+  :attr:`Structure.layer_kinds`, which :func:`describe` finds by the blocks' modules, named by their mixer's class
+  name) as the model runs them, on rows as sequences of one position
+  (:func:`~mfpipe.models.adapters.hybrid.mixer_block`), for the rollout.
 * ``forms.py`` — block forms beyond one attention and one MLP: a block without an MLP (Nemotron-H's attention
   blocks), a mixer beside the attention whose branch joins the heads' (Falcon-H1's Mamba:
   :func:`~mfpipe.models.adapters.forms.side_branch`), a block the forward skips on text-only input, carried as the
@@ -64,7 +74,7 @@
 
 from mfpipe.models.adapters.architectures import get_adapter
 from mfpipe.models.adapters.base import Adapter, NormForm
-from mfpipe.models.adapters.site import CAPTURE_FIELDS, LayerCapture, RunResult, resolve_select
+from mfpipe.models.adapters.capture import CAPTURE_FIELDS, LayerCapture, RunResult, resolve_select
 from mfpipe.models.adapters.structure import Structure, UnsupportedArchitectureError, describe
 
 __all__ = [

@@ -7,9 +7,10 @@ An :class:`Adapter` wraps a loaded ``transformers`` causal LM (eager attention, 
    is running*, can replace every head's read at the output projection's input and that projection's output
    (``patch_out``), and can return the logits and the next-token loss; ``capture`` — all fields, no LM head.
 2. Block pieces (``embed``, ``position_table`` / ``position_offset``, ``attn_input_norm``, ``value_map`` /
-   ``value_weights``, ``out_proj_slices``, ``out_proj_bias``, ``post_attn_norm``, ``mlp``, ``final_norm``): pure
-   functions of tensors with the frozen weights of each architecture's real block, for the open-loop mean-field
-   rollout (paper Alg. 1, App. E); ``unembed`` (final norm + LM head) for the logit lens of App. P.
+   ``value_weights`` (:mod:`~mfpipe.models.adapters.values`, mixed in), ``out_proj_slices``, ``out_proj_bias``,
+   ``post_attn_norm``, ``mlp``, ``final_norm``): pure functions of tensors with the frozen weights of each
+   architecture's real block, for the open-loop mean-field rollout (paper Alg. 1, App. E); ``unembed`` (final norm +
+   LM head) for the logit lens of App. P.
 
 A model's pieces are where its :class:`~mfpipe.models.adapters.structure.Structure` says (found by what they do).
 
@@ -17,6 +18,8 @@ Conventions shared by all adapters
 ----------------------------------
 * Heads: ``H = n_heads`` query heads whose values and reads are ``d_head`` wide (latent attention's ``v_head_dim``);
   grouped-query KV heads expanded as HF's ``repeat_kv`` does: query head ``h`` reads KV head ``h // (H // n_kv_heads)``.
+  Where the layers differ (:mod:`~mfpipe.models.adapters.layers`), layer ``l``'s heads are ``head_dim(l)`` wide with
+  ``kv_heads(l)`` KV heads, and every head-space tensor is zero-padded to ``d_head``, the widest (an exact embedding).
 * ``reads[..., h, :]``, head ``h``'s read, is ``sum_j probs[h, i, j] * values[h, j]``; the attention branch before any
   post-norm is ``sum_h (reads_h * g_h) @ out_proj_slices(l)[h] + out_proj_bias(l)``, ``g_h`` 1 or an output gate of
   the query's residual (``read_gate(l, resid_in)``: Qwen3-Next's, :mod:`~mfpipe.models.adapters.gate`).
@@ -34,14 +37,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mfpipe.models.adapters.forms import clipped
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
-from mfpipe.models.adapters.latent import latent_input
-from mfpipe.models.adapters.probe import chunk_index
+from mfpipe.models.adapters.layers import pad_heads
 from mfpipe.models.adapters.residual import table_rows
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
 from mfpipe.models.adapters.streaming import holds_block
 from mfpipe.models.adapters.structure import Structure, base_model
+from mfpipe.models.adapters.values import ValueMaps, block_piece, no_grad
 
 __all__ = ["Adapter", "LayerCapture", "NormForm", "base_model"]
 
@@ -62,22 +64,14 @@ class NormForm:
 _identity = nn.Identity()  # an absent norm
 
 
-def no_grad(fn):  # torch's decorator: each call runs without autograd
-    return torch.no_grad()(fn)
-
-
-def block_piece(fn):
-    """A block piece ``(self, layer, ...)``: under no_grad, block ``layer`` held (a streamed block's weights read)."""
-    return holds_block(no_grad(fn))
-
-
-class Adapter(TracedSite):
+class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
     """Architecture adapter for one loaded HF causal LM. Build it with :func:`get_adapter`, which places the model by
     structure (:func:`~mfpipe.models.adapters.structure.describe`).
 
     Attributes: ``model`` (the HF model given), ``base`` (its decoder stack, ``model.base_model``), ``config``,
     ``structure`` and the shape fields below. The module paths (``LAYERS`` / ``EMBED`` / ``FINAL_NORM`` from the base
-    model, the rest from one block) are the structure's; the value layouts (fused or not, Conv1D, latent) are here."""
+    model, the rest from one block) are the structure's; the value layouts (fused or not, Conv1D, latent) are
+    :mod:`~mfpipe.models.adapters.values`'s."""
 
     def __init__(self, model: nn.Module, structure: Structure):
         self.model = model
@@ -102,13 +96,7 @@ class Adapter(TracedSite):
         if len(self._layer_modules) != self.n_layers:
             raise ValueError(f"{self.model_type}: config says {self.n_layers} layers, has {len(self._layer_modules)}")
         self.layer_kinds, self.attention_layers, self.hybrid = layer_kinds(s, self.n_layers)  # pieces: attention only
-        # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
-        self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
-        self._v_index = None  # "chunked": the values' positions among the source's outputs
-        if s.value_layout == "chunked":
-            src = self._sub(self.attention_layers[0], self.V_SRC)
-            width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
-            self._v_index = chunk_index(int(width), self.n_kv_heads * self.d_head, s.value_chunks, s.value_offset)
+        self._place_values()  # the value source's layout (adapters.values)
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:
@@ -145,26 +133,6 @@ class Adapter(TracedSite):
 
     def _in(self, x: Tensor) -> Tensor:
         return x.to(device=self.device, dtype=self.dtype)
-
-    # ------------------------------------------------------------------ layouts
-    def _conv1d(self, m: nn.Module) -> bool:
-        return type(m).__name__ == "Conv1D"  # transformers' GPT-2 projection: weight [d_in, d_out]
-
-    def _expand_kv(self, v: Tensor, dim: int) -> Tensor:
-        return v.repeat_interleave(self.n_rep, dim=dim) if self.n_rep > 1 else v
-
-    def _values_from_src(self, src_out: Tensor) -> Tensor:
-        """[B,T,*] output of ``V_SRC`` (latent attention's: [B,1,T,*]) -> values [B,H,T,dh] (GQA expanded)."""
-        B, T, src_out = src_out.shape[0], src_out.shape[-2], clipped(self.structure, src_out)  # DBRX's clip_qkv
-        if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
-            qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
-            return qkv[..., 2 * self.d_head :]
-        if self._v_offset:
-            src_out = src_out[..., self._v_offset : self._v_offset + self.n_kv_heads * self.d_head]
-        elif self._v_index is not None:
-            src_out = src_out.index_select(-1, self._v_index.to(src_out.device))
-        v = src_out.reshape(B, T, self.n_kv_heads, self.d_head).transpose(1, 2)  # [B,KV,T,dh]
-        return self._expand_kv(v, 1)
 
     # ------------------------------------------------------------------ block pieces
     @no_grad
@@ -242,71 +210,17 @@ class Adapter(TracedSite):
         return None
 
     @block_piece
-    def value_map(self, layer: int, x: Tensor) -> Tensor:
-        """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, dh]`` (incl. the pre-attention
-        norm and the value bias; GQA KV heads expanded to query heads; latent attention's latent norm on the way)."""
-        h = latent_input(self._block(layer), self.structure, self._opt_module(layer, self.ATTN_NORM)(self._in(x)))
-        src = self._sub(layer, self.V_SRC)
-        H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
-        if self.structure.value_layout == "neox":  # rows laid out per head [H, (q|k|v), dh]
-            w = src.weight.view(H, 3, dh, d)[:, 2].reshape(H * dh, d)
-            b = None if src.bias is None else src.bias.view(H, 3, dh)[:, 2].reshape(H * dh)
-            return nn.functional.linear(h, w, b).unflatten(-1, (H, dh)).to(x.dtype)
-        if self._v_index is not None:  # chunked (Falcon, CodeGen): the value rows gathered
-            idx = self._v_index.to(src.weight.device)
-            if self._conv1d(src):
-                v = h @ src.weight[:, idx] + (0 if src.bias is None else src.bias[idx])
-            else:
-                v = nn.functional.linear(h, src.weight[idx], None if src.bias is None else src.bias[idx])
-        elif self._v_offset and self._conv1d(src):  # GPT-2's Conv1D: weight [d, (q|k|v)]
-            o, n = self._v_offset, KV * dh
-            v = torch.addmm(src.bias[o : o + n], h.reshape(-1, d), src.weight[:, o : o + n])
-            v = v.view(*h.shape[:-1], n)
-        elif self._v_offset:  # one nn.Linear [(q|k|v), d] (Phi-3)
-            o, n = self._v_offset, KV * dh
-            v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
-        else:
-            v = src(h)
-        return self._expand_kv(clipped(self.structure, v).unflatten(-1, (KV, dh)), -2).to(x.dtype)
-
-    @block_piece
-    def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
-        """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
-        output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded),
-        ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
-        values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so). None for latent attention (a
-        norm sits between), a hybrid and clamped values (DBRX's): the pass then sums the values as read."""
-        if self.structure.latent_proj is not None or self.hybrid or self.structure.value_clip is not None:
-            return None
-        src = self._sub(layer, self.V_SRC)
-        H, KV, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
-        wt, bias = src.weight.detach(), None if src.bias is None else src.bias.detach()
-        if self.structure.value_layout == "neox":
-            w = wt.view(H, 3, dh, d)[:, 2].transpose(1, 2)
-            return w, None if bias is None else bias.view(H, 3, dh)[:, 2]
-        o, n = self._v_offset, KV * dh
-        if self._v_index is not None:  # chunked: the value rows gathered, as a split projection
-            idx = self._v_index.to(wt.device)
-            wt = wt[:, idx] if self._conv1d(src) else wt[idx]
-            bias = None if bias is None else bias[idx]
-            o = 0
-        if self._conv1d(src):  # [d, (q|k|v)] -> [KV, d, dh]
-            w = wt[:, o : o + n].reshape(d, KV, dh).transpose(0, 1)
-        else:  # nn.Linear: [KV*dh, d] -> [KV, d, dh]
-            w = wt[o : o + n].view(KV, dh, -1).transpose(1, 2)
-        b = None if bias is None else bias[o : o + n].view(KV, dh)
-        return self._expand_kv(w, 0), None if b is None else self._expand_kv(b, 0)
-
-    @block_piece
     def out_proj_slices(self, layer: int) -> Tensor:
         """``[H, dh, d]`` so that ``sum_h reads[..., h, :] @ W[h] + out_proj_bias`` = output projection (NaN at a
-        hybrid's layer of another mixer: it has none, and what is made of it is NaN, as its statistics are)."""
+        hybrid's layer of another mixer: it has none, and what is made of it is NaN, as its statistics are; a layer of
+        narrower heads has its rows zero-padded to ``d_head``, as its reads are)."""
         if layer not in self.attention_layers:
             return torch.full((self.n_heads, self.d_head, self.d_model), float("nan"), dtype=self.dtype,
                               device=self.device)
         proj = self._sub(layer, self.O_PROJ)
         w = proj.weight.detach() if self._conv1d(proj) else proj.weight.detach().t()  # -> [H*dh, d]
-        return w.reshape(self.n_heads, self.d_head, self.d_model)
+        w = w.reshape(self.n_heads, self.head_dim(layer), self.d_model)  # rows zero-padded to d_head: adapters.layers
+        return w if self.head_dim(layer) == self.d_head else pad_heads(w.transpose(1, 2), self.d_head).transpose(1, 2)
 
     def out_proj_module(self, layer: int) -> nn.Module:
         """The output projection of block ``layer`` (its input is the per-head reads): where a plain torch hook that

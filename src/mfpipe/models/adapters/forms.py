@@ -17,7 +17,9 @@
   hidden states, which have no entry for it, are expanded to one per layer for references (:func:`per_layer_hidden`);
 * **the attention and its norms inside one module of the block** (DBRX's ``norm_attn_norm``: :func:`wrapped_attention`;
   the probe places those norms as the block's own), and **queries, keys and values clamped** to +-``clip_qkv``
-  (DBRX's): the structure's ``value_clip``, applied wherever values are read or computed (:func:`clipped`).
+  (DBRX's): the structure's ``value_clip``; **values scaled** by a constant (MiMo-V2-Flash's ``v_scale``, the
+  config's ``attention_value_scale``): the structure's ``value_scale``; both applied, clamp then scale, wherever values
+  are read or computed (:func:`value_form`), found by the attention's own attribute and confirmed by the value search.
 
 Forms that are no attention block writing a residual stream of blocks of their own are refused with the reason:
 a whole decoder block nested in a layer, whose output feeds another mixer's input (Zamba's shared block:
@@ -34,7 +36,8 @@ from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_
 from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "clipped", "per_layer_hidden", "side_branch",
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "per_layer_hidden",
+           "side_branch", "source_form", "value_form", "check_source_forms",
            "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
 IDENTITY_KINDS = ("cross_attention",)  # layers a decoder's forward skips on text-only input: carried as the identity
@@ -115,15 +118,14 @@ def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, nam
     norms are placed; it checks the form, adds or rewrites what the probe reads, and returns the probe's extra
     results. Its ``watch``: the norms of a module that holds the attention and its norms (:func:`wrapped_attention`),
     which the probe places as the block's own."""
-    clip = getattr(submodule(block, attn), "clip_qkv", None)  # DBRX's: q, k, v clamped to +-clip_qkv
-    clip = {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
+    attn_mod = submodule(block, attn)
+    form = source_form(attn_mod)  # DBRX's q, k, v clamped to +-clip_qkv; MiMo-V2-Flash's values scaled
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]
     top = attn.split(".")[0]
 
     def forms(seen: dict, same) -> dict:
-        for k in [k for k in seen if clip and k.startswith("<src>")]:  # the value search reads them as the heads do
-            seen[k] = seen[k]._replace(y=seen[k].y.clamp(min=-clip["value_clip"], max=clip["value_clip"]))
-        return place(seen, same) | clip
+        formed_sources(attn_mod, seen)  # the value search reads them as the heads do
+        return place(seen, same) | form
 
     def place(seen: dict, same) -> dict:
         block_in, block_out, attn = seen["<block>"].x, seen["<block>"].y, seen["<attn>"]
@@ -231,11 +233,42 @@ def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
     return make(layer=layer, resid_in=raw.float() if "resid_in" in sel else None)
 
 
-def clipped(structure, t: Tensor) -> Tensor:
-    """``t`` (a value source's output, or values) clamped to +-``structure.value_clip`` where the attention clamps its
-    queries, keys and values so (DBRX's ``clip_qkv``), as it does; else ``t``."""
-    c = structure.value_clip
-    return t if c is None else t.clamp(min=-c, max=c)
+def source_form(attn_mod: nn.Module) -> dict:
+    """The structure's fields of what the attention does to its value source's outputs before the heads read them:
+    ``value_clip`` where it clamps them (DBRX's ``clip_qkv``), ``value_scale`` where it multiplies them by a constant
+    other than 1 (MiMo-V2-Flash's ``v_scale``); {} where it reads them as they are."""
+    clip, scale = getattr(attn_mod, "clip_qkv", None), getattr(attn_mod, "v_scale", None)
+    out = {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and float(scale) != 1.0:
+        out["value_scale"] = float(scale)
+    return out
+
+
+def formed_sources(attn_mod: nn.Module, seen: dict) -> None:
+    """The probe's value-source candidates (``seen["<src>..."]``) rewritten as ``attn_mod`` reads them
+    (:func:`source_form`, as :func:`value_form` applies it), for the value search (the probe's placed block, and each
+    other attention kind's: :mod:`~mfpipe.models.adapters.layers`), which confirms the form against the reads."""
+    form = source_form(attn_mod)
+    for k in [k for k in seen if form and k.startswith("<src>")]:
+        y = seen[k].y.clamp(min=-form["value_clip"], max=form["value_clip"]) if "value_clip" in form else seen[k].y
+        seen[k] = seen[k]._replace(y=y * form["value_scale"] if "value_scale" in form else y)
+
+
+def check_source_forms(blocks, attn: str, layers, mt) -> None:
+    """Refuse attention layers that clamp or scale their values differently (the structure holds one form)."""
+    forms = {str(source_form(submodule(blocks[l], attn))) for l in layers}
+    if len(forms) > 1:
+        raise UnsupportedArchitectureError(mt, f"its attention layers clamp or scale their values differently "
+                                               f"({', '.join(sorted(forms))}): mfpipe reads one value form")
+
+
+def value_form(structure, t: Tensor) -> Tensor:
+    """``t`` (a value source's output, or values) as the heads read it: clamped to +-``structure.value_clip`` where
+    the attention clamps its queries, keys and values so (DBRX's ``clip_qkv``), then times ``structure.value_scale``
+    (MiMo-V2-Flash's ``v_scale``: a python float, as the attention multiplies, to the bit); else ``t``."""
+    c, s = structure.value_clip, structure.value_scale
+    t = t if c is None else t.clamp(min=-c, max=c)
+    return t if s == 1.0 else t * s
 
 
 def per_layer_hidden(hidden: list, kinds) -> list:

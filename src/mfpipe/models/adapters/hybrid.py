@@ -7,19 +7,60 @@ no history before the row (a Mamba or recurrent state starting from zero, a delt
 the block's own MLP. The block is called with the arguments the model's forward hands it on a one-token input
 (position ids, masks), captured once per adapter by a plain torch pre-hook (:func:`one_token_call`): a block's
 signature differs by family (Recurrent-Gemma's needs its position ids and mask), and so the call is the model's own.
+
+It also names a block's kind for :func:`~mfpipe.models.adapters.structure.describe`: a mixer's by its class name
+(:data:`MIXERS`, :func:`mixer_kind`, less the family's words: :func:`own_name`).
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mfpipe.models.adapters.forms import IDENTITY_KINDS
+from mfpipe.models.adapters.probe import is_norm
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["check_attention", "layer_kinds", "mixer_block", "one_token_call"]
+__all__ = ["MIXERS", "check_attention", "layer_kinds", "mixer_block", "mixer_kind", "one_token_call", "own_name"]
+
+
+# a module whose class name says it is no softmax attention over the text (a hybrid's other blocks: Kimi-Linear's
+# KimiDeltaAttention, though its name ends in "Attention"; Mllama's cross-attention), and the kind its block gets
+MIXERS = (("cross", "cross_attention"), ("mamba", "mamba"), ("deltanet", "gated_delta_net"), ("delta", "delta_net"),
+          ("linear", "linear_attention"), ("lightning", "linear_attention"), ("recurrent", "recurrent"),
+          ("rglru", "recurrent"), ("conv", "convolution"), ("ssm", "state_space"), ("rwkv", "rwkv"), ("mixer", "mixer"))
+
+
+def mixer_kind(block: nn.Module) -> str:
+    """The kind of a block without attention: its mixer's (:data:`MIXERS`, by class name), "mlp" where it holds an
+    MLP or a mixture of experts only (Nemotron-H's), else its first module's class name."""
+    kids = [c for c in block.children() if not is_norm(c) and any(True for _ in c.parameters())]
+    names = [own_name(c, block) for c in kids]
+    # by the names less the family's words first, then by the whole names (Jamba's JambaMambaMixer in a
+    # JambaMambaDecoderLayer is a "mixer" less its family's words)
+    for pool in (names, [type(c).__name__.lower() for c in kids]):
+        for token, kind in MIXERS:
+            if any(token in n for n in pool) and (kind != "mixer" or pool is not names):
+                return kind
+    if names and all(any(t in n for t in ("mlp", "moe", "expert", "feedforward")) for n in names):
+        return "mlp"
+    return names[0] if names else "identity"
+
+
+def own_name(module: nn.Module, block: nn.Module) -> str:
+    """``module``'s class name, lower case, less the words it shares with its block's at the start (the family's
+    name: Recurrent-Gemma's ``RecurrentGemmaAttention`` is ``attention``, no recurrent mixer)."""
+    def words(name):
+        return re.findall(r"[A-Z][a-z0-9]*|[a-z0-9]+|[A-Z]+(?![a-z])", name)
+
+    own, outer = words(type(module).__name__), words(type(block).__name__)
+    n = 0
+    while n < min(len(own), len(outer)) - 1 and own[n] == outer[n]:
+        n += 1
+    return "".join(own[n:]).lower()
 
 
 def layer_kinds(structure, n_layers: int) -> tuple[tuple[str, ...], tuple[int, ...], bool]:

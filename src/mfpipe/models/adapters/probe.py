@@ -10,8 +10,9 @@ names and shapes cannot:
   probabilities, give the output projection's input, the reads (:func:`value_layout`); the source may be a latent
   attention's decompressing projection (:mod:`~mfpipe.models.adapters.latent`), the reads gated (:mod:`~.gate`);
 * the final norm among several norms outside the blocks (the one that reads the last block's output) and a norm on
-  the embedding (BLOOM's), the embedding's scale and a learned position table's row offset (:func:`embed_scale`);
-* the final logits' scale against the LM head's output (:func:`logit_scale`).
+  the embedding (BLOOM's), the embedding's scale and a learned position table's row offset
+  (:func:`~mfpipe.models.adapters.residual.embed_scale`); the final logits' scale against the LM head's output is
+  :func:`~mfpipe.models.adapters.residual.logit_scale`'s, from a forward of its own.
 
 It also holds what it and :mod:`~mfpipe.models.adapters.structure` need of a module: the refusal of a model that
 cannot be placed, the sizes placed by (:class:`Shape`), what kind a module is (:func:`is_norm`, :func:`linear_shape`).
@@ -28,11 +29,11 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears
-from mfpipe.models.adapters.residual import (attn_adds_residual, branch_scale, input_embedding, mlp_needs_sequences,
-                                             mlp_residual, table_rows)
+from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, embed_scale, input_embedding,
+                                             mlp_needs_sequences, mlp_residual)
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["probe", "Seen", "norm_roles", "embed_scale", "value_layout", "logit_scale", "chunk_index",
+__all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout", "chunk_index",
            "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
 
 CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
@@ -82,9 +83,6 @@ def submodule(root: nn.Module, path: str) -> nn.Module:
     return obj
 
 
-_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
-
-
 class Seen(NamedTuple):
     """What the probe forward saw of one module: its first input and its output ([0] of a tuple) as float32 copies,
     the same two tensors themselves (kept alive: a tensor a module hands on is the very object the next one reads),
@@ -113,7 +111,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": getattr(stack, n) for n in outer_norms})
-    seen, order = _probe_forward(model, base, watch)
+    seen, order = probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
     same = _same_within(emb.weight.dtype)
@@ -137,7 +135,10 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
                mlp_residual=residual is not None, roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt, scales))
     if attn_residual and out["roles"]["post_attn_norm"]:
         raise UnsupportedArchitectureError(mt, "its attention adds the residual itself and a norm follows it")
-    out["embed_scale"], out["position_row_offset"] = embed_scale(base, seen, table, embed_norm, same, mt)
+    scaled = embed_scale(base, seen, table, embed_norm, same)
+    if isinstance(scaled, str):
+        raise UnsupportedArchitectureError(mt, scaled)
+    out["embed_scale"], out["position_row_offset"] = scaled
     latents = find_latents(seen, attn_mod, out_proj, shape.d, same) if find_latents else {}
     out.update(gated_layout(seen, attn_mod, out_proj, shape.H, shape.dh, order, lambda s: value_layout(
         s, sources, named_value, shape, mt, emb.weight.dtype, latents)))  # an output gate: found where one is
@@ -146,7 +147,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     return out | extra
 
 
-def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, Seen], list[str]]:
+def probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, Seen], list[str]]:
     """One forward of three tokens with a hook on every module of ``watch`` -> (name -> :class:`Seen`, the names in
     call order)."""
     seen: dict[str, Seen] = {}
@@ -168,7 +169,7 @@ def _probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, 
     vocab = int(getattr(model.config, "vocab_size", 3) or 3)
     try:
         with torch.no_grad():
-            base((_IDS % vocab)[None].to(emb.weight.device), use_cache=False)
+            base((PROBE_IDS % vocab)[None].to(emb.weight.device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -229,7 +230,7 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
     """The probed ``norms``' roles around the attention ``attn`` and the MLP ``mlp`` and the residual form
     (``parallel``: the MLP reads the block input; ``branch_scale``: the attention branch enters the residual times
     this, one of ``scales`` where one is it exactly: MiniCPM-3) from the probe forward's tensors
-    (:func:`_probe_forward`)."""
+    (:func:`probe_forward`)."""
     block_in = seen["<block>"].x
     attn_in, attn_out = seen[attn].x, seen[attn].y
     mlp_in, mlp_out = seen[mlp].x, seen[mlp].y
@@ -275,32 +276,6 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
         raise UnsupportedArchitectureError(mt, f"its norm(s) {', '.join(unplaced)} sit where mfpipe has no place")
     return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
                 parallel=parallel, branch_scale=scale)
-
-
-def embed_scale(base, seen: dict, table, embed_norm: str | None, same, mt) -> tuple[float, int]:
-    """(the scale the token embedding reaches block 0 with: 1 or sqrt(d); the row offset of the position table
-    ``table`` added where there is one), through the embedding norm ``embed_norm`` where there is one."""
-    block_in = seen["<first>" if "<first>" in seen else "<block>"].x  # block 0's input (of any kind in a hybrid)
-    if embed_norm is not None:  # block 0 reads the norm's output; the norm reads the (scaled) embedding
-        if not same(seen[f"<outer>{embed_norm}"].y, block_in):
-            raise UnsupportedArchitectureError(mt, f"its first block does not read its embedding norm {embed_norm}")
-        block_in = seen[f"<outer>{embed_norm}"].x
-    e = seen["<embed>"].y
-    T = e.shape[-2]
-    rows = None if table is None else table_rows(table)
-    offsets = [0] if rows is None else range(rows.shape[0] - T + 1)
-    for offset in offsets[:3]:
-        # an absolute position table (GPT-2's learned one; OPT's starts at row 2; XGLM's and CTRL's sinusoidal ones):
-        # block 0 reads token + position rows
-        pos = 0.0 if rows is None else rows[offset: offset + T].detach().float()
-        # the forward may scale the token embedding by sqrt(d) in the model's dtype, before the positions are added
-        # (the Gemma family, CTRL: where the embedding module does not do it itself)
-        for scale in (1.0, float(base.config.hidden_size) ** 0.5):
-            if same((e if scale == 1.0 else e * torch.tensor(scale, dtype=block_in.dtype)) + pos, block_in):
-                return scale, offset
-    raise UnsupportedArchitectureError(mt, "its first block reads the token embedding changed in a way mfpipe cannot "
-                                           "place (neither as is, nor scaled by sqrt(d), nor plus an absolute "
-                                           "position table)")
 
 
 def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, shape: Shape, mt,
@@ -374,27 +349,3 @@ def _canonical(W: int, kv: int, chunks: int, offset: int, shape: Shape) -> str:
     if kv == H and chunks == H and W == 3 * H * dh and offset == 2 * dh:
         return "neox"
     return "chunked"
-
-
-def logit_scale(model, base, mt) -> float:
-    """The factor the causal LM's logits are the LM head's output times (Cohere's ``logit_scale``, Granite's
-    ``1 / logits_scaling``; 1 for most), from one forward of the probe's tokens; 1 where the model is a bare
-    decoder stack or has a soft-cap (whose transform the structure applies itself)."""
-    head = model.get_output_embeddings() if model is not base and hasattr(model, "get_output_embeddings") else None
-    if head is None or getattr(model.config, "final_logit_softcapping", None):
-        return 1.0
-    vocab = int(getattr(model.config, "vocab_size", 3) or 3)
-    with torch.no_grad():
-        out = model((_IDS % vocab)[None].to(head.weight.device), use_cache=False, output_hidden_states=True)
-        lm, logits = head(out.hidden_states[-1]).double(), out.logits.double()
-    if logits.shape != lm.shape or torch.allclose(logits, lm, rtol=1e-4, atol=1e-5):
-        return 1.0
-    c = float((logits * lm).sum() / (lm * lm).sum().clamp_min(1e-30))
-    if not torch.allclose(logits, c * lm, rtol=1e-3, atol=1e-4 * float(logits.abs().max())):
-        return 1.0  # not a scale: the conformance check's unembedding row says what is wrong
-    named = [float(v) for v in vars(model.config).values() if isinstance(v, (int, float)) and not isinstance(v, bool)
-             and v]
-    for v in named + [1.0 / v for v in named]:  # the config's own number, exactly, where one names the factor
-        if abs(v - c) <= 1e-4 * abs(c):
-            return v
-    return c

@@ -11,7 +11,9 @@ positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.a
   :func:`position_tables`), and the input embedding a base model leaves to its causal LM (:func:`input_embedding`:
   TrOCR's wrapper);
 * how the MLP is called: on ``[B, T, d]`` only where one block's MLP reads its input's shape (a mixture of experts,
-  also after a dense first block: :func:`mlp_needs_sequences`), with a zero residual where it adds its own.
+  also after a dense first block: :func:`mlp_needs_sequences`), with a zero residual where it adds its own;
+* how the embedding enters the stream and the logits leave it: the embedding's scale and a position table's row
+  offset (:func:`embed_scale`), the final logits' scale against the LM head's output (:func:`logit_scale`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["attn_adds_residual", "branch_scale", "input_embedding", "mlp_needs_sequences", "mlp_residual",
-           "position_tables", "returned_bias", "table_rows"]
+__all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "embed_scale", "input_embedding", "logit_scale",
+           "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "table_rows"]
+
+PROBE_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
 
 
 def input_embedding(model: nn.Module, base: nn.Module) -> nn.Module:
@@ -135,3 +139,53 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
             return not same(run(x[0]).float(), want[0])
     except Exception:
         return True
+
+
+def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[float, int] | str:
+    """(the scale the token embedding reaches block 0 with: 1 or sqrt(d); the row offset of the position table
+    ``table`` added where there is one), through the embedding norm ``embed_norm`` where there is one; where none fits,
+    why (the probe refuses the model so)."""
+    block_in = seen["<first>" if "<first>" in seen else "<block>"].x  # block 0's input (of any kind in a hybrid)
+    if embed_norm is not None:  # block 0 reads the norm's output; the norm reads the (scaled) embedding
+        if not same(seen[f"<outer>{embed_norm}"].y, block_in):
+            return f"its first block does not read its embedding norm {embed_norm}"
+        block_in = seen[f"<outer>{embed_norm}"].x
+    e = seen["<embed>"].y
+    T = e.shape[-2]
+    rows = None if table is None else table_rows(table)
+    offsets = [0] if rows is None else range(rows.shape[0] - T + 1)
+    for offset in offsets[:3]:
+        # an absolute position table (GPT-2's learned one; OPT's starts at row 2; XGLM's and CTRL's sinusoidal ones):
+        # block 0 reads token + position rows
+        pos = 0.0 if rows is None else rows[offset: offset + T].detach().float()
+        # the forward may scale the token embedding by sqrt(d) in the model's dtype, before the positions are added
+        # (the Gemma family, CTRL: where the embedding module does not do it itself)
+        for scale in (1.0, float(base.config.hidden_size) ** 0.5):
+            if same((e if scale == 1.0 else e * torch.tensor(scale, dtype=block_in.dtype)) + pos, block_in):
+                return scale, offset
+    return ("its first block reads the token embedding changed in a way mfpipe cannot place (neither as is, nor scaled "
+            "by sqrt(d), nor plus an absolute position table)")
+
+
+def logit_scale(model, base, mt) -> float:
+    """The factor the causal LM's logits are the LM head's output times (Cohere's ``logit_scale``, Granite's
+    ``1 / logits_scaling``; 1 for most), from one forward of the probe's tokens; 1 where the model is a bare
+    decoder stack or has a soft-cap (whose transform the structure applies itself)."""
+    head = model.get_output_embeddings() if model is not base and hasattr(model, "get_output_embeddings") else None
+    if head is None or getattr(model.config, "final_logit_softcapping", None):
+        return 1.0
+    vocab = int(getattr(model.config, "vocab_size", 3) or 3)
+    with torch.no_grad():
+        out = model((PROBE_IDS % vocab)[None].to(head.weight.device), use_cache=False, output_hidden_states=True)
+        lm, logits = head(out.hidden_states[-1]).double(), out.logits.double()
+    if logits.shape != lm.shape or torch.allclose(logits, lm, rtol=1e-4, atol=1e-5):
+        return 1.0
+    c = float((logits * lm).sum() / (lm * lm).sum().clamp_min(1e-30))
+    if not torch.allclose(logits, c * lm, rtol=1e-3, atol=1e-4 * float(logits.abs().max())):
+        return 1.0  # not a scale: the conformance check's unembedding row says what is wrong
+    named = [float(v) for v in vars(model.config).values() if isinstance(v, (int, float)) and not isinstance(v, bool)
+             and v]
+    for v in named + [1.0 / v for v in named]:  # the config's own number, exactly, where one names the factor
+        if abs(v - c) <= 1e-4 * abs(c):
+            return v
+    return c

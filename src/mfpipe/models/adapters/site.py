@@ -41,83 +41,19 @@ nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/d
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from mfpipe.models.adapters.capture import (CAPTURE_FIELDS, LayerCapture, PatchOut, PatchReads, PatchResid, RunResult,
+                                            Select, module_at, resolve_select)
 from mfpipe.models.adapters.forms import skipped_capture
 from mfpipe.models.adapters.gate import OutputGate, gated_input
+from mfpipe.models.adapters.layers import pad_heads, unpadded
 
-__all__ = ["CAPTURE_FIELDS", "LayerCapture", "RunResult", "TracedSite", "resolve_select"]
-
-
-@dataclass
-class LayerCapture:
-    """One layer's activations from :meth:`TracedSite.run` / ``capture`` (float32; do not modify in
-    place: for float32 models they are views of the model's own activations).
-
-    Shapes: B batch, T positions, H query heads, dh head width, d model width. A field that was not
-    selected is ``None``. Under ``patch_reads`` / ``patch_out``, ``reads`` is what attention computed (before
-    the replacement); every field downstream of the output projection (``attn_out``, ``resid_mid``,
-    ``mlp_out``, later layers) reflects the patched forward.
-    """
-
-    layer: int
-    resid_in: Tensor | None = None  # [B,T,d] residual stream entering block `layer`
-    attn_probs: Tensor | None = None  # [B,H,T,T] attention probabilities (query, key)
-    values: Tensor | None = None  # [B,H,T,dh] per-head values (head space, before the output projection), GQA expanded
-    reads: Tensor | None = None  # [B,T,H,dh] per-head read = probs x values (output projection's input, over a gate)
-    attn_out: Tensor | None = None  # [B,T,d] what the attention branch adds to the residual (after post-attn norm if any)
-    resid_mid: Tensor | None = None  # [B,T,d] resid_in + attn_out
-    mlp_out: Tensor | None = None  # [B,T,d] what the MLP branch adds to the residual (after post-ff norm if any)
-
-
-CAPTURE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LayerCapture) if f.name != "layer")
-
-
-@dataclass
-class RunResult:
-    """What :meth:`TracedSite.run` returns (float32 tensors; ``None`` where not asked for)."""
-
-    logits: Tensor | None = None  # [B,T,V] (logits=True)
-    loss: Tensor | None = None  # scalar: mean next-token cross entropy (nats) over the B*(T-1) predictions
-    token_loss: Tensor | None = None  # [B,T-1]: cross entropy of predicting ids[:, i+1] at position i
-
-
-Select = str | Iterable[str] | Callable[[str], bool] | None
-PatchReads = Callable[[int, Tensor], Tensor | None]
-PatchResid = Callable[[int, Tensor], Tensor | None]
-PatchOut = Callable[[int, Tensor, Tensor], Tensor | None]
-
-
-def resolve_select(select: Select) -> frozenset[str]:
-    """``"all"`` → every field of :class:`LayerCapture`; ``None`` or ``()`` → none; an iterable of field
-    names → those; a predicate ``name -> bool`` → the fields it accepts."""
-    if select is None:
-        return frozenset()
-    if isinstance(select, str):
-        if select == "all":
-            return frozenset(CAPTURE_FIELDS)
-        select = (select,)
-    if callable(select):
-        return frozenset(name for name in CAPTURE_FIELDS if select(name))
-    chosen = frozenset(select)
-    unknown = sorted(chosen - set(CAPTURE_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"unknown LayerCapture field(s) {unknown} in select; choose from {list(CAPTURE_FIELDS)} or 'all'"
-        )
-    return chosen
-
-
-def module_at(root, path: str):
-    """``root.a.b.c`` for ``path="a.b.c"`` (works on modules and on nnsight envoys)."""
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+# LayerCapture, RunResult, resolve_select and module_at live in adapters.capture; re-exported here for their callers
+__all__ = ["CAPTURE_FIELDS", "LayerCapture", "RunResult", "TracedSite", "module_at", "resolve_select"]
 
 
 class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.gate: read_gate)
@@ -191,7 +127,8 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
           input, with that layer's per-head reads [B,T,H,dh] (float32; do not modify in place). Return the
           replacement [B,T,H,dh] (any float dtype; cast to the model's dtype and written back before the
           output projection runs), or ``None`` to leave the layer untouched. Called before that layer's
-          ``on_layer``; ``LayerCapture.reads`` stays the unpatched read.
+          ``on_layer``; ``LayerCapture.reads`` stays the unpatched read. (``dh`` is ``d_head``: a layer of narrower
+          heads hands its reads zero-padded and takes a replacement whose padded coordinates are 0, adapters.layers.)
         * ``patch_resid(layer, resid)``: called once per layer, in layer order, at the block's input with the
           residual stream entering block ``layer`` [B,T,d] (float32; do not modify in place). Return the
           replacement [B,T,d] (cast to the model's dtype and written back before the block runs; e.g. a
@@ -310,7 +247,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
             resid_in = layer_env.input.float()
         gate = self.gate_site(layer_env, sel, patch_reads, first=True)  # an output gate (adapters.gate): Qwen3-Next's
         if "values" in sel:
-            cap.values = self._values_from_src(module_at(layer_env, self.V_SRC).output).float()
+            cap.values = self._values_from_src(module_at(layer_env, self.value_path(layer)).output, layer).float()
         gate = self.gate_site(layer_env, sel, patch_reads, first=False) if gate is None else gate  # forward order
         s = self.structure
         # the attention adds the residual itself (BLOOM): its branch is the output projection's output
@@ -360,8 +297,9 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
         them, else None; its output, patched, where ``want_out``, else None)."""
         o_env = module_at(layer_env, self.O_PROJ)
         flat = o_env.input  # [B,T,H*dh]
-        heads = (*flat.shape[:2], self.n_heads, self.d_head)
+        heads = (*flat.shape[:2], self.n_heads, self.head_dim(layer))  # zero-padded to d_head below: adapters.layers
         reads = flat.view(heads).float() if gate is None else flat.view(heads).float() / gate
+        reads = pad_heads(reads, self.d_head)
         if patch_reads is not None:
             new = patch_reads(layer, reads)
             if new is not None:
@@ -370,7 +308,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
         out = None
         if patch_out is not None:
             out = raw = o_env.output  # [B,T,d]: after its input (forward order), before the attention module's output
-            new = patch_out(layer, raw.float(), flat.view(heads).float())
+            new = patch_out(layer, raw.float(), pad_heads(flat.view(heads).float(), self.d_head))
             if new is not None:
                 out = _like(new, raw, f"patch_out(layer={layer})", "the output projection's output")
                 o_env.output = out
@@ -387,6 +325,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
                 f"patch_reads(layer={layer}) returned {got}; return the replacement reads as a tensor of shape "
                 f"[B,T,H,dh] = {list(want)} (or None to leave the layer unpatched)"
             )
+        new = unpadded(new, self.head_dim(layer), f"patch_reads(layer={layer})")  # the layer's own coordinates
         new = new if gated is None else gated_input(flat, new, *gated)
         return new.to(device=flat.device, dtype=flat.dtype).reshape(flat.shape)
 

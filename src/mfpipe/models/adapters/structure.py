@@ -36,18 +36,20 @@ Rotary embeddings are no part of the description: no analysis recomputes attenti
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
-from mfpipe.models.adapters.forms import NO_MLP, block_forms, check_skipped, side_mixer, unstacked, wrapped_attention
+from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
+                                          side_mixer, unstacked, wrapped_attention)
+from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
+from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
-from mfpipe.models.adapters.residual import input_embedding, position_tables, returned_bias
+from mfpipe.models.adapters.residual import input_embedding, logit_scale, position_tables, returned_bias
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
@@ -125,6 +127,10 @@ class Structure:
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
+    value_scale: float = 1.0  # ... and multiplies its values by this (MiMo-V2-Flash's v_scale): forms.value_form
+    # each layer's head width, KV heads and value source where its attention layers are of several kinds
+    # (mfpipe.models.adapters.layers: MiMo-V2-Flash's); () where every attention layer has the placed block's form
+    layer_forms: tuple[LayerForm, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -183,7 +189,7 @@ def describe(model: nn.Module) -> Structure:
     mlp_parts = [n for n, m in block.named_children()
                  if n != attn.split(".")[0] and not is_norm(m) and any(True for _ in m.parameters())]
     named_mlp = [n for n in mlp_parts if type(getattr(block, n)).__name__.lower().endswith("mlp")]
-    side = side_mixer(block, attn, lambda m: any(t in _own_name(m, block) for t, _ in _MIXERS))  # Falcon-H1's
+    side = side_mixer(block, attn, lambda m: any(t in own_name(m, block) for t, _ in MIXERS))  # Falcon-H1's
     mlp = named_mlp[0] if len(named_mlp) == 1 else None if mlp_parts else NO_MLP  # none: Nemotron-H's attention
     found = probe.probe(model, base, stack_mod, blocks, attn, out_proj, outer_norms,
                         submodule(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
@@ -196,6 +202,8 @@ def describe(model: nn.Module) -> Structure:
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
+    check_source_forms(blocks, attn, [l for l, k in enumerate(kinds) if k == "attention"], mt)
+    forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj, first, found, shape, mt, formed_sources)
     return Structure(
         layers=layers, embed=embed, final_norm=stack + final_norm if final_norm else None, attn=attn,
         value_source=f"{attn}.{found['value_source']}", value_layout=found["value_layout"],
@@ -209,13 +217,14 @@ def describe(model: nn.Module) -> Structure:
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
         embed_norm=stack + embed_norm if embed_norm else None, position_row_offset=found["position_row_offset"],
-        norm_centred=centred, logit_scale=probe.logit_scale(model, base, mt), value_head_dim=None if dv == dh else dv,
+        norm_centred=centred, logit_scale=logit_scale(model, base, mt), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
         attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
-        side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"),
+        side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
+        value_scale=found.get("value_scale", 1.0),
         **_gate_fields(found["gate"], attn),
     )
 
@@ -282,20 +291,13 @@ def _stack(base: nn.Module, L: int, mt) -> str:
     return _one(found or unstacked(base, L, mt), f"the list of its {L} blocks among the base model's modules", mt) + "."
 
 
-# a module whose class name says it is no softmax attention over the text (a hybrid's other blocks: Kimi-Linear's
-# KimiDeltaAttention, though its name ends in "Attention"; Mllama's cross-attention), and the kind its block gets
-_MIXERS = (("cross", "cross_attention"), ("mamba", "mamba"), ("deltanet", "gated_delta_net"), ("delta", "delta_net"),
-           ("linear", "linear_attention"), ("lightning", "linear_attention"), ("recurrent", "recurrent"),
-           ("rglru", "recurrent"), ("conv", "convolution"), ("ssm", "state_space"), ("rwkv", "rwkv"), ("mixer", "mixer"))
-
-
 def _attention(block: nn.Module, mt) -> str | None:
-    """The block's one ``*Attention`` module (softmax attention: not one of :data:`_MIXERS`); where it wraps another
-    (its one ``*Attention`` child that does the attention proper: GPT-Neo), that one's path. None where the block has
-    none (a hybrid's block of another mixer)."""
+    """The block's one ``*Attention`` module (softmax attention: not one of
+    :data:`~mfpipe.models.adapters.hybrid.MIXERS`); where it wraps another (its one ``*Attention`` child that does the
+    attention proper: GPT-Neo), that one's path. None where the block has none (a hybrid's block of another mixer)."""
     def attentions(m):
         return [n for n, c in m.named_children() if type(c).__name__.endswith("Attention")
-                and not any(t in _own_name(c, block) for t, _ in _MIXERS)]
+                and not any(t in own_name(c, block) for t, _ in MIXERS)]
 
     found = attentions(block) or wrapped_attention(block, attentions, mt)  # DBRX's: in a module with its norms
     if not found:
@@ -308,46 +310,17 @@ def _attention(block: nn.Module, mt) -> str | None:
     return path
 
 
-def _mixer_kind(block: nn.Module) -> str:
-    """The kind of a block without attention: its mixer's (:data:`_MIXERS`, by class name), "mlp" where it holds an
-    MLP or a mixture of experts only (Nemotron-H's), else its first module's class name."""
-    kids = [c for c in block.children() if not is_norm(c) and any(True for _ in c.parameters())]
-    names = [_own_name(c, block) for c in kids]
-    # by the names less the family's words first, then by the whole names (Jamba's JambaMambaMixer in a
-    # JambaMambaDecoderLayer is a "mixer" less its family's words)
-    for pool in (names, [type(c).__name__.lower() for c in kids]):
-        for token, kind in _MIXERS:
-            if any(token in n for n in pool) and (kind != "mixer" or pool is not names):
-                return kind
-    if names and all(any(t in n for t in ("mlp", "moe", "expert", "feedforward")) for n in names):
-        return "mlp"
-    return names[0] if names else "identity"
-
-
-def _own_name(module: nn.Module, block: nn.Module) -> str:
-    """``module``'s class name, lower case, less the words it shares with its block's at the start (the family's
-    name: Recurrent-Gemma's ``RecurrentGemmaAttention`` is ``attention``, no recurrent mixer)."""
-    def words(name):
-        return re.findall(r"[A-Z][a-z0-9]*|[a-z0-9]+|[A-Z]+(?![a-z])", name)
-
-    own, outer = words(type(module).__name__), words(type(block).__name__)
-    n = 0
-    while n < min(len(own), len(outer)) - 1 and own[n] == outer[n]:
-        n += 1
-    return "".join(own[n:]).lower()
-
-
 def _attention_blocks(blocks, mt) -> tuple[str, list[str]]:
     """(the attention module's path in the attention blocks, each block's kind: "attention" or its mixer's). A
     hybrid's attention blocks must keep their attention at one path, of one class."""
     paths = [_attention(b, mt) for b in blocks]
     found = {(p, type(submodule(b, p)).__name__) for p, b in zip(paths, blocks) if p is not None}
     if not found:
-        kinds = sorted({_mixer_kind(b) for b in blocks})
+        kinds = sorted({mixer_kind(b) for b in blocks})
         _one([], f"one attention module in a block (none in any of its {len(blocks)} blocks: {', '.join(kinds)})", mt)
     if len(found) > 1:
         _one(sorted(f"{p} ({c})" for p, c in found), "one attention module at one path in its attention blocks", mt)
-    return next(iter(found))[0], ["attention" if p else _mixer_kind(b) for p, b in zip(paths, blocks)]
+    return next(iter(found))[0], ["attention" if p else mixer_kind(b) for p, b in zip(paths, blocks)]
 
 
 def _out_projection(attn_mod: nn.Module, shape: Shape, mt) -> tuple[str, int]:

@@ -1,0 +1,82 @@
+"""What the read/patch site (:mod:`~mfpipe.models.adapters.site`) hands out and takes: one layer's activations
+(:class:`LayerCapture`, its fields :data:`CAPTURE_FIELDS`), a run's logits and loss (:class:`RunResult`), the choice of
+fields to read (:func:`resolve_select`) and the callbacks' types, and :func:`module_at`, a module (or an nnsight envoy)
+by its dotted path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+
+from torch import Tensor
+
+__all__ = ["CAPTURE_FIELDS", "LayerCapture", "PatchOut", "PatchReads", "PatchResid", "RunResult", "Select",
+           "module_at", "resolve_select"]
+
+
+@dataclass
+class LayerCapture:
+    """One layer's activations from :meth:`TracedSite.run` / ``capture`` (float32; do not modify in
+    place: for float32 models they are views of the model's own activations).
+
+    Shapes: B batch, T positions, H query heads, dh head width, d model width. A field that was not
+    selected is ``None``. Under ``patch_reads`` / ``patch_out``, ``reads`` is what attention computed (before
+    the replacement); every field downstream of the output projection (``attn_out``, ``resid_mid``,
+    ``mlp_out``, later layers) reflects the patched forward.
+    """
+
+    layer: int
+    resid_in: Tensor | None = None  # [B,T,d] residual stream entering block `layer`
+    attn_probs: Tensor | None = None  # [B,H,T,T] attention probabilities (query, key)
+    values: Tensor | None = None  # [B,H,T,dh] per-head values (head space, before the output projection), GQA expanded
+    reads: Tensor | None = None  # [B,T,H,dh] per-head read = probs x values (output projection's input, over a gate)
+    attn_out: Tensor | None = None  # [B,T,d] what the attention branch adds to the residual (after post-attn norm if any)
+    resid_mid: Tensor | None = None  # [B,T,d] resid_in + attn_out
+    mlp_out: Tensor | None = None  # [B,T,d] what the MLP branch adds to the residual (after post-ff norm if any)
+
+
+CAPTURE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LayerCapture) if f.name != "layer")
+
+
+@dataclass
+class RunResult:
+    """What :meth:`TracedSite.run` returns (float32 tensors; ``None`` where not asked for)."""
+
+    logits: Tensor | None = None  # [B,T,V] (logits=True)
+    loss: Tensor | None = None  # scalar: mean next-token cross entropy (nats) over the B*(T-1) predictions
+    token_loss: Tensor | None = None  # [B,T-1]: cross entropy of predicting ids[:, i+1] at position i
+
+
+Select = str | Iterable[str] | Callable[[str], bool] | None
+PatchReads = Callable[[int, Tensor], Tensor | None]
+PatchResid = Callable[[int, Tensor], Tensor | None]
+PatchOut = Callable[[int, Tensor, Tensor], Tensor | None]
+
+
+def resolve_select(select: Select) -> frozenset[str]:
+    """``"all"`` → every field of :class:`LayerCapture`; ``None`` or ``()`` → none; an iterable of field
+    names → those; a predicate ``name -> bool`` → the fields it accepts."""
+    if select is None:
+        return frozenset()
+    if isinstance(select, str):
+        if select == "all":
+            return frozenset(CAPTURE_FIELDS)
+        select = (select,)
+    if callable(select):
+        return frozenset(name for name in CAPTURE_FIELDS if select(name))
+    chosen = frozenset(select)
+    unknown = sorted(chosen - set(CAPTURE_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"unknown LayerCapture field(s) {unknown} in select; choose from {list(CAPTURE_FIELDS)} or 'all'"
+        )
+    return chosen
+
+
+def module_at(root, path: str):
+    """``root.a.b.c`` for ``path="a.b.c"`` (works on modules and on nnsight envoys)."""
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj

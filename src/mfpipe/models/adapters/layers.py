@@ -1,0 +1,131 @@
+"""Per-layer attention forms: layers whose heads differ in width, in KV heads or in value source (MiMo-V2-Flash's
+sliding-window layers hold twice the KV heads of its full-attention ones), placed kind by kind
+(:func:`place_layer_forms`), and the zero padding that gives every layer's heads one width (:func:`pad_heads`).
+
+A :class:`LayerForm` per layer says each head's value and read width ``head_dim``, the KV heads and the value source
+(:attr:`Structure.layer_forms <mfpipe.models.adapters.structure.Structure>`; empty where every attention layer has the
+placed block's form, as in every family placed before). The query heads ``H`` are the model's in every layer.
+
+**Padding is an exact embedding.** The adapter's ``d_head`` is the widest layer's width; a layer ``l`` of width
+``dh_l`` has its values, its reads and the rows of its output projection's head slices zero-padded, ``E_l v``,
+``E_l z`` and ``E_l O_h`` with ``E_l`` the isometry ``R^{dh_l} -> R^{d_head}`` that appends zeros. So
+``(E_l z) (E_l O_h) = z O_h``: every sum of values or reads is the padded sum, every product through ``O_h`` and every
+dot product or norm in head space is unchanged, and the padded coordinates are exactly 0 (tests/test_layer_forms.py
+checks the statistics, pass 2, the substitution and the rollout of a padded model against the unpadded one). The
+site writes a replaced read back as the layer's own ``dh_l`` coordinates and refuses nonzero padded ones.
+
+**Placement by kind.** The attention layers are grouped by their attention module's signature (its class and the
+paths and shapes of its projections). Where there is more than one kind, the block
+``describe`` placed gives its kind's form, and one block of each other kind is placed by a reduced probe
+(:func:`~mfpipe.models.adapters.probe.probe_forward` on that block's attention, output projection and projections):
+its width is its output projection's input over ``H``, and the value search
+(:func:`~mfpipe.models.adapters.probe.value_layout`) finds its value source and KV heads against its own reads. Norm
+roles and the MLP are the placed block's (the conformance check rebuilds every layer). A kind is placed for a value
+projection of its own (the ``split`` layout) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mfpipe.models.adapters.linears import attention_linears, linear_paths
+from mfpipe.models.adapters.probe import (Shape, UnsupportedArchitectureError, linear_shape, probe_forward, submodule,
+                                          value_layout)
+
+__all__ = ["LayerForm", "attention_signature", "pad_heads", "place_layer_forms", "unpadded"]
+
+
+@dataclass(frozen=True)
+class LayerForm:
+    """One layer's attention form: each head's value and read width, its KV heads (query head ``h`` reads KV head
+    ``h // (H // kv_heads)``) and its value source (a path from the block, laid out ``split``: ``[KV * head_dim]``)."""
+
+    head_dim: int
+    kv_heads: int
+    value_source: str
+
+
+def attention_signature(attn_mod: nn.Module) -> tuple:
+    """What tells two layers' attention forms apart: the class and its projections' paths and shapes (MiMo-V2-Flash's
+    sliding-window layers: wider key and value projections). A parameter of its own some layers hold does not (their
+    sinks; GPT-NeoX-Japanese's last block's returned bias): it changes no head's width, KV heads or value source."""
+    return type(attn_mod).__name__, tuple((n, linear_shape(m)) for n, m in linear_paths(attn_mod).items())
+
+
+def pad_heads(t: Tensor, width: int) -> Tensor:
+    """``t [..., dh_l]`` with zeros appended to ``width`` (``t`` itself where it is that wide already)."""
+    extra = width - t.shape[-1]
+    return t if extra == 0 else nn.functional.pad(t, (0, extra))
+
+
+def unpadded(t: Tensor, width: int, who: str) -> Tensor:
+    """The first ``width`` coordinates of padded head-space rows ``t [..., d_head]``; a ValueError where a padded
+    coordinate is not 0 (a caller's bug: those coordinates are no head's)."""
+    if t.shape[-1] == width:
+        return t
+    rest = t[..., width:]
+    if bool((rest != 0).any()):
+        raise ValueError(f"{who}: the replacement has nonzero entries in the padded coordinates {width}.."
+                         f"{t.shape[-1] - 1} of a layer whose heads are {width} wide; keep them 0 (Adapter.head_dim)")
+    return t[..., :width]
+
+
+def place_layer_forms(model, base, blocks, kinds: list[str], attn: str, out_proj: str, first: int, found: dict,
+                      shape: Shape, mt, source_form) -> tuple[LayerForm, ...]:
+    """Each layer's :class:`LayerForm` where the attention layers are of more than one kind, else ``()``. ``first``:
+    the block :func:`~mfpipe.models.adapters.structure.describe` placed (``found``: the probe's results for it, ``shape``
+    with its read width); ``source_form(attn_mod, seen)``: rewrites the probe's value-source outputs as that attention
+    reads them (:func:`~mfpipe.models.adapters.forms.formed_sources`)."""
+    attention = [l for l, k in enumerate(kinds) if k == "attention"]
+    signature = {l: attention_signature(submodule(blocks[l], attn)) for l in attention}
+    if len(set(signature.values())) < 2:
+        return ()
+    if found["value_layout"] != "split" or found.get("latent") is not None:
+        raise UnsupportedArchitectureError(mt, f"its attention layers are of {len(set(signature.values()))} kinds, "
+                                               f"and its values are laid out {found['value_layout']}: mfpipe places "
+                                               "layers of several kinds for a value projection of their own only")
+    forms = {signature[first]: LayerForm(shape.dh, int(found["kv_heads"] or shape.KV),
+                                         f"{attn}.{found['value_source']}")}
+    for l in attention:
+        if signature[l] not in forms:
+            forms[signature[l]] = _kind_form(model, base, blocks[l], l, attn, out_proj, shape, mt, source_form,
+                                             found["value_source"])
+    return tuple(forms[signature[l]] if l in signature else forms[signature[first]] for l in range(len(kinds)))
+
+
+def _kind_form(model, base, block, layer: int, attn: str, out_proj: str, shape: Shape, mt, source_form,
+               source: str) -> LayerForm:
+    """The form of one block of another kind: its read width from its output projection, its value source and KV
+    heads from the value search against its own reads (a reduced probe forward)."""
+    attn_mod = submodule(block, attn)
+    o = submodule(attn_mod, out_proj)
+    io = linear_shape(o)
+    if io is None or io[1] != shape.d or io[0] % shape.H:
+        raise UnsupportedArchitectureError(mt, f"layer {layer}'s output projection ({out_proj}: {io}) is no "
+                                               f"{shape.H} heads' reads to the width {shape.d}")
+    dh = io[0] // shape.H
+    _, sources = attention_linears(attn_mod, out_proj, shape.d)
+    watch = {"<attn>": attn_mod, "<out_proj>": o} | {f"<src>{n}": submodule(attn_mod, n) for n in sources}
+    seen, _ = probe_forward(model, base, watch)
+    source_form(attn_mod, seen)
+    dtype = next(attn_mod.parameters()).dtype
+    # the placed block's value source first, as wide as this kind's heads make it (a layer whose KV heads repeat
+    # would fit other layouts too); the value search then confirms it against the reads, or searches every layout
+    width = linear_shape(submodule(attn_mod, source))[1] if source in sources else 0
+    named = width and width % dh == 0 and shape.H % (width // dh) == 0
+    kv = width // dh if named else shape.KV
+    try:
+        got = value_layout(seen, sources, (source, "split") if named else None,
+                           Shape(L=shape.L, H=shape.H, KV=kv, dh=dh, d=shape.d), mt,
+                           dtype if dtype.is_floating_point else torch.float32)
+    except UnsupportedArchitectureError as e:
+        raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block: "
+                                               f"{e.reason}") from None
+    if got["value_layout"] != "split" or got["latent"] is not None:
+        raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block, lays "
+                                               f"its values out {got['value_layout']}: mfpipe places layers of several "
+                                               "kinds for a value projection of their own only")
+    return LayerForm(dh, int(got["kv_heads"] or kv), f"{attn}.{got['value_source']}")

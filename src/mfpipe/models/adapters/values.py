@@ -1,0 +1,158 @@
+"""The value maps of an :class:`~mfpipe.models.adapters.base.Adapter` (mixed in): where each head's values come out of
+the value source (split, fused ``qkv``, GPT-NeoX's per-head layout, a chunked one, latent attention's), as the site
+reads them off the source's output (``_values_from_src``) and as block pieces of the residual stream
+(:meth:`ValueMaps.value_map`; :meth:`ValueMaps.value_weights`, the value projection as an affine map of the
+attention-input norm's output, where it is one), each layer's own where the layers differ (each head's width, KV
+heads and value source: :mod:`~mfpipe.models.adapters.layers`), zero-padded to the widest layer's width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mfpipe.models.adapters.forms import value_form
+from mfpipe.models.adapters.latent import latent_input
+from mfpipe.models.adapters.layers import LayerForm, pad_heads
+from mfpipe.models.adapters.probe import chunk_index
+from mfpipe.models.adapters.streaming import holds_block
+
+__all__ = ["ValueMaps", "block_piece", "no_grad"]
+
+
+def no_grad(fn):  # torch's decorator: each call runs without autograd
+    return torch.no_grad()(fn)
+
+
+def block_piece(fn):
+    """A block piece ``(self, layer, ...)``: under no_grad, block ``layer`` held (a streamed block's weights read)."""
+    return holds_block(no_grad(fn))
+
+
+class ValueMaps:
+    """Mixin of :class:`~mfpipe.models.adapters.base.Adapter`: its value layouts and value maps. Uses the adapter's
+    shapes (``n_heads``, ``n_kv_heads``, ``d_head``, ``d_model``, ``n_rep``), ``structure``, ``V_SRC`` and its module
+    access (``_block``, ``_sub``, ``_opt_module``, ``_in``)."""
+
+    def _place_values(self) -> None:
+        """The value source's layout and each layer's form (adapters.layers), once per adapter (``__init__``): where
+        the layers differ, ``d_head`` is the widest layer's width and ``n_kv_heads`` the most KV heads of a layer."""
+        s = self.structure
+        forms = tuple(s.layer_forms)
+        ragged_gate = s.output_gate is not None and len({f.head_dim for f in forms}) > 1  # one gate width (gate.py)
+        if forms and (len(forms) != self.n_layers or s.value_layout != "split" or ragged_gate):
+            raise ValueError(f"{self.model_type}: per-layer attention forms need one per layer ({len(forms)} for "
+                             f"{self.n_layers}), a value projection of their own (split, not {s.value_layout}) and, "
+                             "with an output gate, heads of one width")
+        self._forms = forms or (LayerForm(self.d_head, self.n_kv_heads, self.V_SRC),) * self.n_layers
+        bad = sorted({f.kv_heads for f in self._forms if self.n_heads % f.kv_heads})
+        if bad:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of the KV heads {bad} of a layer")
+        self.d_head = max(f.head_dim for f in self._forms)
+        self.n_kv_heads = max(f.kv_heads for f in self._forms)
+        # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
+        self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
+        self._v_index = None  # "chunked": the values' positions among the source's outputs
+        if s.value_layout == "chunked":
+            src = self._sub(self.attention_layers[0], self.V_SRC)
+            width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
+            self._v_index = chunk_index(int(width), self.n_kv_heads * self.d_head, s.value_chunks, s.value_offset)
+
+    def head_dim(self, layer: int) -> int:
+        """Each head's value and read width in layer ``layer`` (``d_head`` but where the layers differ: the site and
+        the block pieces pad it with zeros to ``d_head``, :mod:`~mfpipe.models.adapters.layers`)."""
+        return self._forms[layer].head_dim
+
+    def kv_heads(self, layer: int) -> int:
+        """The KV heads of layer ``layer`` (``n_kv_heads`` but where the layers differ)."""
+        return self._forms[layer].kv_heads
+
+    def value_path(self, layer: int) -> str:
+        """The value source of block ``layer`` (a path from the block)."""
+        return self._forms[layer].value_source
+
+    # ------------------------------------------------------------------ layouts
+    def _conv1d(self, m: nn.Module) -> bool:
+        return type(m).__name__ == "Conv1D"  # transformers' GPT-2 projection: weight [d_in, d_out]
+
+    def _expand_kv(self, v: Tensor, dim: int, layer: int | None = None) -> Tensor:
+        rep = self.n_rep if layer is None else self.n_heads // self.kv_heads(layer)
+        return v.repeat_interleave(rep, dim=dim) if rep > 1 else v
+
+    def _values_from_src(self, src_out: Tensor, layer: int) -> Tensor:
+        """[B,T,*] output of layer ``layer``'s value source (latent attention's: [B,1,T,*]) -> values [B,H,T,d_head]
+        (GQA expanded, zero-padded to ``d_head``)."""
+        B, T, src_out = src_out.shape[0], src_out.shape[-2], value_form(self.structure, src_out)  # clip, scale
+        if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
+            qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
+            return qkv[..., 2 * self.d_head :]
+        KV, dh = self.kv_heads(layer), self.head_dim(layer)
+        if self._v_offset:
+            src_out = src_out[..., self._v_offset : self._v_offset + KV * dh]
+        elif self._v_index is not None:
+            src_out = src_out.index_select(-1, self._v_index.to(src_out.device))
+        v = src_out.reshape(B, T, KV, dh).transpose(1, 2)  # [B,KV,T,dh]
+        return pad_heads(self._expand_kv(v, 1, layer), self.d_head)
+
+    # ------------------------------------------------------------------ block pieces
+    @block_piece
+    def value_map(self, layer: int, x: Tensor) -> Tensor:
+        """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, d_head]`` (incl. the pre-attention
+        norm and the value bias; GQA KV heads expanded to query heads; latent attention's latent norm on the way;
+        zero-padded where the layer's heads are narrower, :mod:`~mfpipe.models.adapters.layers`)."""
+        h = latent_input(self._block(layer), self.structure, self._opt_module(layer, self.ATTN_NORM)(self._in(x)))
+        src = self._sub(layer, self.value_path(layer))
+        H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
+        if self.structure.value_layout == "neox":  # rows laid out per head [H, (q|k|v), dh]
+            w = src.weight.view(H, 3, dh, d)[:, 2].reshape(H * dh, d)
+            b = None if src.bias is None else src.bias.view(H, 3, dh)[:, 2].reshape(H * dh)
+            return nn.functional.linear(h, w, b).unflatten(-1, (H, dh)).to(x.dtype)
+        if self._v_index is not None:  # chunked (Falcon, CodeGen): the value rows gathered
+            idx = self._v_index.to(src.weight.device)
+            if self._conv1d(src):
+                v = h @ src.weight[:, idx] + (0 if src.bias is None else src.bias[idx])
+            else:
+                v = nn.functional.linear(h, src.weight[idx], None if src.bias is None else src.bias[idx])
+        elif self._v_offset and self._conv1d(src):  # GPT-2's Conv1D: weight [d, (q|k|v)]
+            o, n = self._v_offset, KV * dh
+            v = torch.addmm(src.bias[o : o + n], h.reshape(-1, d), src.weight[:, o : o + n])
+            v = v.view(*h.shape[:-1], n)
+        elif self._v_offset:  # one nn.Linear [(q|k|v), d] (Phi-3)
+            o, n = self._v_offset, KV * dh
+            v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
+        else:
+            v = src(h)
+        v = self._expand_kv(value_form(self.structure, v).unflatten(-1, (KV, dh)), -2, layer)
+        return pad_heads(v, self.d_head).to(x.dtype)
+
+    @block_piece
+    def value_weights(self, layer: int) -> tuple[Tensor, Tensor | None] | None:
+        """``(W [H, d, dh], b [H, dh] or None)``: the value projection as an affine map of the attention-input norm's
+        output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded),
+        ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
+        values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so); values scaled by a constant
+        (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid and
+        clamped values (DBRX's): the pass then sums the values as read."""
+        if self.structure.latent_proj is not None or self.hybrid or self.structure.value_clip is not None:
+            return None
+        src = self._sub(layer, self.value_path(layer))
+        H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
+        wt, bias = src.weight.detach(), None if src.bias is None else src.bias.detach()
+        if self.structure.value_layout == "neox":
+            w = wt.view(H, 3, dh, d)[:, 2].transpose(1, 2)
+            return w, None if bias is None else bias.view(H, 3, dh)[:, 2]
+        o, n = self._v_offset, KV * dh
+        if self._v_index is not None:  # chunked: the value rows gathered, as a split projection
+            idx = self._v_index.to(wt.device)
+            wt = wt[:, idx] if self._conv1d(src) else wt[idx]
+            bias = None if bias is None else bias[idx]
+            o = 0
+        if self._conv1d(src):  # [d, (q|k|v)] -> [KV, d, dh]
+            w = wt[:, o : o + n].reshape(d, KV, dh).transpose(0, 1)
+        else:  # nn.Linear: [KV*dh, d] -> [KV, d, dh]
+            w = wt[o : o + n].view(KV, dh, -1).transpose(1, 2)
+        b = None if bias is None else bias[o : o + n].view(KV, dh)
+        w, b = self._expand_kv(w, 0, layer), None if b is None else self._expand_kv(b, 0, layer)
+        c = self.structure.value_scale  # MiMo-V2-Flash's v_scale: (W s, b s), equal to rounding (derived sums only)
+        w, b = (w, b) if c == 1.0 else (w * c, None if b is None else b * c)
+        return pad_heads(w, self.d_head), None if b is None else pad_heads(b, self.d_head)
