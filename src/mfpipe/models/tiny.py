@@ -158,6 +158,13 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
         return transformers.BloomConfig, dict(
             vocab_size=VOCAB, hidden_size=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, hidden_dropout=0.0,
             attention_dropout=0.0, initializer_range=0.1, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=0)
+    if model_type in ("granite_swa", "granitemoe_swa"):  # reads times sigmoid(logsumexp(scores) - sink); full and
+        # sliding layers; the MoE one with 4 experts, 2 per token
+        swa = dict({k: v for k, v in gqa.items() if k != "head_dim"}, sliding_window=4, attention_multiplier=0.25)
+        if model_type == "granite_swa":
+            return transformers.GraniteSWAConfig, swa
+        return transformers.GraniteMoeSWAConfig, dict(swa, intermediate_size=2 * D_MODEL, num_local_experts=4,
+                                                      num_experts_per_tok=2)
     if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
         return transformers.Gemma3Config, dict(
             text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,

@@ -17,7 +17,9 @@
   hidden states, which have no entry for it, are expanded to one per layer for references (:func:`per_layer_hidden`);
 * **the attention and its norms inside one module of the block** (DBRX's ``norm_attn_norm``: :func:`wrapped_attention`;
   the probe places those norms as the block's own), and **queries, keys and values clamped** to +-``clip_qkv``
-  (DBRX's): the structure's ``value_clip``, applied wherever values are read or computed (:func:`clipped`).
+  (DBRX's): the structure's ``value_clip``, applied wherever values are read or computed (:func:`clipped`);
+* **a sink's factor on the reads** (Granite-SWA's ``sinks``: :mod:`~mfpipe.models.adapters.sinks`): the probe's
+  value search reads the probabilities behind the reads, which the attention does not return.
 
 Forms that are no attention block writing a residual stream of blocks of their own are refused with the reason:
 a whole decoder block nested in a layer, whose output feeds another mixer's input (Zamba's shared block:
@@ -32,6 +34,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_norm, submodule
 from mfpipe.models.adapters.residual import branch_scale
+from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "clipped", "per_layer_hidden", "side_branch",
@@ -119,11 +122,13 @@ def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, nam
     clip = {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]
     top = attn.split(".")[0]
+    sink = probe_sink(submodule(block, attn), attn)  # a sink's factor on the reads (Granite-SWA's): armed for the probe
 
     def forms(seen: dict, same) -> dict:
         for k in [k for k in seen if clip and k.startswith("<src>")]:  # the value search reads them as the heads do
             seen[k] = seen[k]._replace(y=seen[k].y.clamp(min=-clip["value_clip"], max=clip["value_clip"]))
-        return place(seen, same) | clip
+        found = sink(seen, same) if sink else {}  # the value search reads the probabilities behind the reads
+        return place(seen, same) | clip | found
 
     def place(seen: dict, same) -> dict:
         block_in, block_out, attn = seen["<block>"].x, seen["<block>"].y, seen["<attn>"]

@@ -125,6 +125,9 @@ class Structure:
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
+    # the reads are the returned weights' times sigmoid(logsumexp(scores) - this (H,) parameter) (a path from the
+    # block; Granite-SWA's sinks): the probabilities behind the reads are the weights times it (adapters.sinks)
+    attn_sink: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -216,6 +219,7 @@ def describe(model: nn.Module) -> Structure:
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
         side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"),
+        attn_sink=found.get("attn_sink"),
         **_gate_fields(found["gate"], attn),
     )
 
