@@ -22,8 +22,10 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # the failure classes of the census placed (issue 48): blocks one level down and an MLP of three modules (OPT), a
 # fused multi-query / grouped value layout (Falcon), a mixture of experts (Mixtral), a LayerNorm without a bias and a
 # logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3),
-# the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add)
-PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom")
+# the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add), an attention sink applied as
+# a factor of the reads that the returned probabilities leave out (Granite-SWA's, dense and a mixture of experts)
+PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
+                                       "granite_swa", "granitemoe_swa")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
