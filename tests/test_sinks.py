@@ -8,6 +8,9 @@ that raises inside the attention), adapters share one tap per module, and a fact
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import transformers
@@ -104,6 +107,17 @@ def test_the_mode_never_outlives_a_forward_and_taps_are_shared():
     got = again.run(random_ids(1, 8), logits=True).logits  # and the forward with the tap is the model's own
     with torch.no_grad():
         assert torch.equal(got, model(random_ids(1, 8), use_cache=False).logits)
+
+
+def test_a_tapped_model_is_freed():
+    """The shared taps (a dict weakly keyed by module) keep no model alive once its adapters are gone."""
+    model = sinked("granite_swa")
+    ad = get_adapter(model)
+    ad.run(random_ids(1, 8), select=("attn_probs",))
+    refs = [weakref.ref(model), weakref.ref(model.model.layers[0].self_attn)]  # the tapped module itself too
+    del model, ad
+    gc.collect()
+    assert all(r() is None for r in refs)
 
 
 def test_a_factor_of_another_form_is_refused(monkeypatch):

@@ -67,12 +67,17 @@ class SinkTap:
     read are kept (``scores``: the probe checks that they are the scores of the returned weights)."""
 
     def __init__(self, module: nn.Module, param: str, once: bool = False):
-        self.module, self.param, self.once = module, param, once
+        # a weak reference: the shared taps are values of a dict weakly keyed by their module, which must not keep it
+        self._module, self.param, self.once = weakref.ref(module), param, once
         self.factor: Tensor | None = None
         self.scores: Tensor | None = None
         self._modes: list[_FirstLogsumexp] = []
         self._handles = [module.register_forward_pre_hook(self._push),
                          module.register_forward_hook(self._pop, always_call=True)]
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self._module()
 
     def _push(self, module, args) -> None:
         self.factor = self.scores = None
@@ -87,7 +92,7 @@ class SinkTap:
             self.remove()
 
     def record(self, scores: Tensor, lse: Tensor) -> None:
-        sink = getattr(self.module, self.param)
+        sink = getattr(self.module, self.param)  # the module is running: alive
         if lse.ndim != 3 or lse.shape[1] != sink.numel():  # not [B, H, Tq]: no logsumexp of a head's scores
             return
         # the attention's own ops and dtypes (Granite-SWA's eager_attention_forward), so the factor is its own
