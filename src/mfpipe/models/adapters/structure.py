@@ -5,7 +5,8 @@ A structure names (paths from the base model for the block list, the token embed
 block for the rest):
 
 * the attention module (its output ``[0]`` is the attention branch before any post-norm, ``[1]`` the
-  probabilities under eager attention; where a block's attention module wraps the attention proper, GPT-Neo's, the
+  probabilities under eager attention, or the weights a sink's factor multiplies, ``attn_sink``: Granite-SWA's,
+  :mod:`~mfpipe.models.adapters.sinks`; where a block's attention module wraps the attention proper, GPT-Neo's, the
   inner one), its output projection (input = the per-head reads, ``H x dv``: ``dv`` the head width, or latent
   attention's ``v_head_dim``) and where the values come from: a separate value projection, or a fused one in one of
   the layouts of ``VALUE_LAYOUTS`` (``chunked`` covers any layout of equal chunks with the values at one offset in
