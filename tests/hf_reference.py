@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # Per HF model_type, paths from the causal LM (layers, final) or from one block (the rest):
 #   v_src: module whose output holds the values; o_proj: output projection (its input = the per-head reads);
@@ -83,6 +84,9 @@ PATHS: dict[str, dict] = {
     "bloom": dict(layers="transformer.h", final="transformer.ln_f", v_src="self_attention.query_key_value",
                   o_proj="self_attention.dense", attn="self_attention", attn_norm="input_layernorm",
                   attn_out="self_attention.dense", mlp_out="mlp.dense_4h_to_h"),
+    # an attention sink applied as a factor of the reads that the returned probabilities leave out (issue 59)
+    "granite_swa": _LLAMA,
+    "granitemoe_swa": dict(_LLAMA, mlp_out="block_sparse_moe"),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",
@@ -94,6 +98,55 @@ PATHS: dict[str, dict] = {
         mlp_out="mlp",
     ),
 }
+
+
+# the attention's reads are (softmax(scores) @ V) * sigmoid(logsumexp(scores) - sinks) (Granite-SWA's eager attention):
+# its probabilities are the returned softmax times that factor (mfpipe's tap is mfpipe.models.adapters.sinks; this one
+# is written out again on purpose)
+SINK_TYPES = ("granite_swa", "granitemoe_swa")
+
+
+class _FirstLogsumexp(TorchFunctionMode):
+    """Records the first ``torch.logsumexp`` of the forward it is pushed in (the attention's, of its scores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lse = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.logsumexp and self.lse is None:
+            self.lse = out
+        return out
+
+
+@contextmanager
+def sink_factors(model):
+    """Yields a dict filled, per layer, with the factor ``sigmoid(logsumexp(scores) - sinks)`` [B,H,T] of each forward
+    run inside (empty where the model has no sink): a plain pre-hook pushes a torch function mode on the attention
+    module, a forward hook (always called) pops it."""
+    factors: dict = {}
+    handles = []
+    if model.config.model_type in SINK_TYPES:
+        for l, blk in enumerate(blocks(model)):
+            attn, modes = module(blk, spec(model)["attn"]), []
+
+            def push(mod, args, modes=modes):
+                modes.append(_FirstLogsumexp())
+                modes[-1].__enter__()
+
+            def pop(mod, args, out, modes=modes, l=l):
+                mode = modes.pop()
+                mode.__exit__(None, None, None)
+                if mode.lse is not None:
+                    factors[l] = (mode.lse - mod.sinks.view(1, -1, 1)).float().sigmoid()
+
+            handles += [attn.register_forward_pre_hook(push), attn.register_forward_hook(pop, always_call=True)]
+    try:
+        yield factors
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def module(root, path: str):
@@ -197,11 +250,11 @@ def patched_reads(model, patch: PatchFn):
 def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dict:
     """One HF forward with hooks; per layer (tensors in the model's dtype, cloned):
 
-    ``resid_in`` [B,T,d], ``probs`` [B,H,T,T], ``values`` [B,H,T,dh], ``reads`` [B,T,H,dh] (before any patch),
-    ``o_out`` (output projection output), ``attn_block_out`` (attention module output[0]), ``attn_out`` (what
-    attention adds to the residual), ``mlp_out``, ``ln_in`` (pre-attention norm output, the residual where
-    there is none); plus ``final`` (input of the last norm), ``final_normed`` and ``logits``. ``patch`` is
-    applied as in :func:`patched_reads`.
+    ``resid_in`` [B,T,d], ``probs`` [B,H,T,T] (times a sink's factor: :func:`sink_factors`), ``values``
+    [B,H,T,dh], ``reads`` [B,T,H,dh] (before any patch), ``o_out`` (output projection output), ``attn_block_out``
+    (attention module output[0]), ``attn_out`` (what attention adds to the residual), ``mlp_out``, ``ln_in``
+    (pre-attention norm output, the residual where there is none); plus ``final`` (input of the last norm),
+    ``final_normed`` and ``logits``. ``patch`` is applied as in :func:`patched_reads`.
     """
     sp = spec(model)
     H, _, dh = shape(model)
@@ -235,7 +288,7 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
     handles.append(fin.register_forward_pre_hook(in_hook("final")))
     handles.append(fin.register_forward_hook(out_hook("final_normed")))
     try:
-        with torch.no_grad(), patched_reads(model, patch or (lambda layer, reads: None)):
+        with torch.no_grad(), patched_reads(model, patch or (lambda layer, reads: None)), sink_factors(model) as sink:
             out = model(torch.as_tensor(ids), output_attentions=True, output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
@@ -247,7 +300,7 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
         per_layer.append(
             dict(
                 resid_in=resid_in,
-                probs=out.attentions[l],
+                probs=out.attentions[l] if l not in sink else out.attentions[l] * sink[l][..., None],
                 values=values_from_src(model, rec[("v", l)]),
                 reads=reads.reshape(*reads.shape[:2], H, dh),
                 o_out=rec[("o_out", l)],

@@ -22,7 +22,6 @@ def _one_thread(one_thread):
 # mfpipe.models.adapters.unplaced), not only what the placement did not find
 REFUSED = {
     "diffllama": ("modelling", "differential attention: each head reads (softmax_1 - λ softmax_2) V"),
-    "granite_swa": ("mfpipe", "(its sinks parameter: an attention sink applied as sigmoid(logsumexp(scores) - sink)"),
     "bitnet": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm)"),
     "laguna": ("mfpipe", "multiplied head by head by a gate, softplus of g_proj"),
     "dots3_note_text": ("mfpipe", "but kv_b_proj reads its norm kv_a_layernorm's output times 2 (a latent rescaled"),

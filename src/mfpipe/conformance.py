@@ -3,7 +3,8 @@
 It builds a tiny random copy of the model's config (same ``model_type`` and switches, shrunk sizes:
 :func:`mfpipe.models.tiny.shrink_config`), places it by structure (:func:`mfpipe.models.adapters.describe`), and
 checks every piece the analyses use against the model's own ``transformers`` forward, which knows nothing of the
-description: its ``output_attentions``, ``output_hidden_states`` and logits (:func:`reference_forward`).
+description: its ``output_attentions`` (times an attention sink's factor where the attention has one, as its tap records
+it: :mod:`~mfpipe.models.adapters.sinks`), ``output_hidden_states`` and logits (:func:`reference_forward`).
 
 * the read/patch site: captured probabilities and residual stream equal the forward's; the captured reads are the
   probabilities times the captured values (the value layout and the output projection's input are right);
@@ -51,14 +52,17 @@ class Check:
         return bool(np.isfinite(self.error)) and self.error <= self.tolerance
 
 
-def reference_forward(model, ids):
+def reference_forward(model, ids, taps=None):
     """The model's own forward, nothing of mfpipe: ``(attentions [L] of [B,H,T,T], hidden_states [L+1] of [B,T,d],
-    logits [B,T,V])``, float64."""
+    logits [B,T,V])``, float64; ``taps`` (one per attention, or None): a sink's tap (the one piece of mfpipe here:
+    :mod:`~mfpipe.models.adapters.sinks`) whose factor of this forward the returned probabilities are multiplied by."""
     import torch
 
     with torch.no_grad():
         out = model(torch.as_tensor(ids), output_attentions=True, output_hidden_states=True, use_cache=False)
-    return ([a.double() for a in out.attentions], [h.double() for h in out.hidden_states], out.logits.double())
+    taps = taps if taps and len(taps) == len(out.attentions) else [None] * len(out.attentions)
+    att = [a if t is None else a * t.factor[..., None] for a, t in zip(out.attentions, taps)]
+    return [a.double() for a in att], [h.double() for h in out.hidden_states], out.logits.double()
 
 
 def reference_stats(attentions, hidden, tokens: np.ndarray, tracked, values=None) -> dict[str, np.ndarray]:
@@ -156,7 +160,7 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
     tokens = rng.integers(0, min(vocab - 1, 24), size=(B, T))  # a small alphabet: types repeat in a window
     tokens[:, 0] = bos
     ids = torch.as_tensor(tokens, dtype=torch.long)
-    att, hid, logits = reference_forward(model, ids)
+    att, hid, logits = reference_forward(model, ids, [adapter.sink_tap(l) for l in adapter.attention_layers])
     hid = per_layer_hidden(hid, adapter.layer_kinds)  # blocks the forward skips (Mllama's cross-attention): none kept
     L, A = adapter.n_layers, adapter.attention_layers  # A: every layer but a hybrid's layers of another mixer
     rows: list[Check] = []

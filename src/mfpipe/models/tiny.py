@@ -22,10 +22,11 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # the failure classes of the census placed (issue 48): blocks one level down and an MLP of three modules (OPT), a
 # fused multi-query / grouped value layout (Falcon), a mixture of experts (Mixtral), a LayerNorm without a bias and a
 # logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3),
-# the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add)
-# and values scaled by a constant, with attention layers of two kinds (MiMo-V2-Flash: mfpipe.models.adapters.layers)
+# the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add), values scaled by a constant,
+# with attention layers of two kinds (MiMo-V2-Flash: mfpipe.models.adapters.layers), an attention sink applied as a
+# factor of the reads that the returned probabilities leave out (Granite-SWA's, dense and a mixture of experts)
 PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
-                                       "mimo_v2_flash")
+                                       "mimo_v2_flash", "granite_swa", "granitemoe_swa")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -166,6 +167,13 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
         return transformers.MiMoV2FlashConfig, dict(
             gqa, head_dim=24, v_head_dim=16, sliding_window=4, attention_value_scale=0.6, intermediate_size=2 * D_MODEL,
             moe_intermediate_size=D_MODEL // 2, n_routed_experts=4, num_experts_per_tok=2)
+    if model_type in ("granite_swa", "granitemoe_swa"):  # reads times sigmoid(logsumexp(scores) - sink); full and
+        # sliding layers; the MoE one with 4 experts, 2 per token
+        swa = dict({k: v for k, v in gqa.items() if k != "head_dim"}, sliding_window=4, attention_multiplier=0.25)
+        if model_type == "granite_swa":
+            return transformers.GraniteSWAConfig, swa
+        return transformers.GraniteMoeSWAConfig, dict(swa, intermediate_size=2 * D_MODEL, num_local_experts=4,
+                                                      num_experts_per_tok=2)
     if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
         return transformers.Gemma3Config, dict(
             text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,

@@ -32,6 +32,10 @@
   (:func:`~mfpipe.models.adapters.gate.gated_layout`); the reads stay probabilities x values, the gate is on the path
   from a read to the residual (the site writes a replaced read through the model's own gate; the rollout takes the
   gate of each centroid: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`).
+* ``sinks.py`` — an attention sink applied after the softmax as a factor of each head's reads (Granite-SWA's
+  ``sigmoid(logsumexp(scores) - sink)``): a tap records the factor where the attention computes it
+  (:class:`~mfpipe.models.adapters.sinks.SinkTap`), and the site reads the probabilities behind the reads, the returned
+  weights times it (:meth:`~mfpipe.models.adapters.sinks.AttentionSink.effective_probs`).
 * ``jacobian.py`` — :func:`~mfpipe.models.adapters.jacobian.position_jacobians`: same-position Jacobians of the final
   residual with respect to each block's input and attention output (plain torch hooks and autograd, on the modules
   the adapter names), for the J-lens (:mod:`mfpipe.jlens`), with per-group sums of kept rows beside the total for its

@@ -97,6 +97,7 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
             raise ValueError(f"{self.model_type}: config says {self.n_layers} layers, has {len(self._layer_modules)}")
         self.layer_kinds, self.attention_layers, self.hybrid = layer_kinds(s, self.n_layers)  # pieces: attention only
         self._place_values()  # the value source's layout (adapters.values)
+        self._install_sinks()  # the taps of an attention sink's factor (adapters.sinks: Granite-SWA's)
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:

@@ -20,6 +20,8 @@
   (DBRX's): the structure's ``value_clip``; **values scaled** by a constant (MiMo-V2-Flash's ``v_scale``, the
   config's ``attention_value_scale``): the structure's ``value_scale``; both applied, clamp then scale, wherever values
   are read or computed (:func:`value_form`), found by the attention's own attribute and confirmed by the value search.
+* **a sink's factor on the reads** (Granite-SWA's ``sinks``: :mod:`~mfpipe.models.adapters.sinks`): the probe's
+  value search reads the probabilities behind the reads, which the attention does not return.
 
 Forms that are no attention block writing a residual stream of blocks of their own are refused with the reason:
 a whole decoder block nested in a layer, whose output feeds another mixer's input (Zamba's shared block:
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_norm, submodule
 from mfpipe.models.adapters.residual import branch_scale
+from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "per_layer_hidden",
@@ -122,10 +125,12 @@ def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, nam
     form = source_form(attn_mod)  # DBRX's q, k, v clamped to +-clip_qkv; MiMo-V2-Flash's values scaled
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]
     top = attn.split(".")[0]
+    sink = probe_sink(attn_mod, attn)  # a sink's factor on the reads (Granite-SWA's): armed for the probe
 
     def forms(seen: dict, same) -> dict:
         formed_sources(attn_mod, seen)  # the value search reads them as the heads do
-        return place(seen, same) | form
+        found = sink(seen, same) if sink else {}  # ... and the probabilities behind the reads
+        return place(seen, same) | form | found
 
     def place(seen: dict, same) -> dict:
         block_in, block_out, attn = seen["<block>"].x, seen["<block>"].y, seen["<attn>"]

@@ -51,12 +51,13 @@ from mfpipe.models.adapters.capture import (CAPTURE_FIELDS, LayerCapture, PatchO
 from mfpipe.models.adapters.forms import skipped_capture
 from mfpipe.models.adapters.gate import OutputGate, gated_input
 from mfpipe.models.adapters.layers import pad_heads, unpadded
+from mfpipe.models.adapters.sinks import AttentionSink
 
 # LayerCapture, RunResult, resolve_select and module_at live in adapters.capture; re-exported here for their callers
 __all__ = ["CAPTURE_FIELDS", "LayerCapture", "RunResult", "TracedSite", "module_at", "resolve_select"]
 
 
-class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.gate: read_gate)
+class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece (adapters.gate); a sink's factor
     """Mixin of :class:`~mfpipe.models.adapters.Adapter`: the traced read/patch site.
 
     Uses the adapter's module paths (``LAYERS``, ``FINAL_NORM``, ``V_SRC``, ``O_PROJ``, ``ATTN``,
@@ -259,7 +260,7 @@ class TracedSite(OutputGate):  # and an output gate's reads and piece (adapters.
         if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None and not proj_out):
             attn_res = module_at(layer_env, self.ATTN).output
             if "attn_probs" in sel:
-                cap.attn_probs = attn_res[1].float()
+                cap.attn_probs = self.effective_probs(layer, attn_res[1])  # times a sink's factor (adapters.sinks)
             if need_attn_out and self.POST_ATTN_NORM is None and not proj_out:
                 # the bias the attention returns for the block to add (GPT-NeoX-Japanese's last)
                 extra = None if s.attn_bias is None else self._sub(layer, s.attn_bias)

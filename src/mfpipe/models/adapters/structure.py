@@ -5,7 +5,8 @@ A structure names (paths from the base model for the block list, the token embed
 block for the rest):
 
 * the attention module (its output ``[0]`` is the attention branch before any post-norm, ``[1]`` the
-  probabilities under eager attention; where a block's attention module wraps the attention proper, GPT-Neo's, the
+  probabilities under eager attention, or the weights a sink's factor multiplies, ``attn_sink``: Granite-SWA's,
+  :mod:`~mfpipe.models.adapters.sinks`; where a block's attention module wraps the attention proper, GPT-Neo's, the
   inner one), its output projection (input = the per-head reads, ``H x dv``: ``dv`` the head width, or latent
   attention's ``v_head_dim``) and where the values come from: a separate value projection, or a fused one in one of
   the layouts of ``VALUE_LAYOUTS`` (``chunked`` covers any layout of equal chunks with the values at one offset in
@@ -131,6 +132,9 @@ class Structure:
     # each layer's head width, KV heads and value source where its attention layers are of several kinds
     # (mfpipe.models.adapters.layers: MiMo-V2-Flash's); () where every attention layer has the placed block's form
     layer_forms: tuple[LayerForm, ...] = ()
+    # the reads are the returned weights' times sigmoid(logsumexp(scores) - this (H,) parameter) (a path from the
+    # block; Granite-SWA's sinks): the probabilities behind the reads are the weights times it (adapters.sinks)
+    attn_sink: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -224,7 +228,7 @@ def describe(model: nn.Module) -> Structure:
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
         side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
-        value_scale=found.get("value_scale", 1.0),
+        value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"),
         **_gate_fields(found["gate"], attn),
     )
 

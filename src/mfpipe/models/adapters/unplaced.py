@@ -8,8 +8,8 @@ output projection's input):
   has one probability row -- a refusal of the ``modelling`` kind (:mod:`mfpipe.models.census`);
 * a norm between the reads and the output projection (BitNet's ``attn_sub_norm`` over all heads' reads together);
 * the reads equal to the probability-weighted values times a constant (MiMo-V2-Flash's ``attention_value_scale``),
-  times a factor per position and head in (0, 1) that the returned probabilities leave out (an attention sink applied
-  as ``sigmoid(logsumexp(scores) - sink)`` after the softmax: Granite-SWA's ``sinks``), or times a gate -- a sigmoid
+  times a factor per position and head in (0, 1) that the returned probabilities leave out (a sink of another
+  form than ``sigmoid(logsumexp(scores) - sink)``, which is placed: :mod:`~.sinks`), or times a gate -- a sigmoid
   or softplus of a projection of the position's input, per head or per channel (AFMoE's ``gate_proj``, Dots3's and
   Laguna's ``g_proj``, AX-K2's gate half of a fused projection; Qwen3-Next's gated attention output);
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
@@ -161,8 +161,8 @@ def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) ->
             if sinks and bool(((s > 0) & (s < 1)).all()):
                 return (f"each head's reads are its probability-weighted values ({n}) times a factor in (0, 1) per "
                         f"position that the probabilities it returns leave out (its {sinks[0]} parameter: an "
-                        "attention sink applied as sigmoid(logsumexp(scores) - sink) after the softmax): mfpipe reads "
-                        "each head's weights from the probabilities its attention returns")
+                        "attention sink, its factor not sigmoid(logsumexp(scores) - sink) of the scores' logsumexp "
+                        "the attention computes, the form mfpipe reads: Granite-SWA's)")
             gate = _gate(s, seen, srcs, H) if bool((s > 0).all()) else None  # a gate is positive
             if gate:
                 return _gate_reason(gate, "head by head", n, seen)
