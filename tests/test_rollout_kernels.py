@@ -206,3 +206,47 @@ def test_a_rollout_holds_its_kernel_one_layer_at_a_time_and_its_centroids_as_the
     (a, ad), (b, _) = _rollout_peak(2, 30, 512), _rollout_peak(6, 30, 512)
     per = lambda n: layer_arrays(n, ad.n_heads, 30, ad.d_head, 1, ad.d_model)["rollout"]  # noqa: E731
     assert 0.75 * (per(6) - per(2)) <= b - a <= 1.25 * (per(6) - per(2)), (a, b, per(2), per(6))
+
+
+def test_rows_below_one_are_allowed_only_in_a_sinks_layers():
+    P = _P()
+    P[1] *= 0.8  # layer 1's rows lose a sink's share
+    with pytest.raises(ValueError, match="layer 1"):
+        K.check_row_stochastic(P, below=[0])
+    K.check_row_stochastic(P, below=[1])
+    with pytest.raises(ValueError, match="layer 1"):  # never above 1
+        K.check_row_stochastic(np.concatenate([P[:1], P[1:2] * 1.3, P[2:]]), below=[1])
+    assert K.below_one("mean_field", [1], 3) == (1,) and K.below_one("Pavg", [1], 3) == (0, 1, 2)
+    assert K.below_one("P0only", [1], 3) == () and K.below_one("P0only", [0], 3) == (0, 1, 2)
+    K.check_row_stochastic(K.pavg(P), below=K.below_one("Pavg", [1], 3))
+
+
+@pytest.mark.parametrize("model_type", ["granite_swa", "mimo_v2_flash"])
+def test_the_rollout_of_a_model_with_attention_sinks_runs_every_kernel(model_type):
+    """A sink takes a share of each row of P and adds no value (the rows sum below 1 where it does: the adapter's
+    sink_layers): every kernel of Table 1 rolls out, the scores finite; the adapter names exactly those layers."""
+    import pathlib
+    import tempfile
+
+    from stats_reference import tracked_for, zipf_windows
+
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.models.tiny import make_tiny_model
+    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+
+    model = make_tiny_model(model_type, seed=7)
+    ad = get_adapter(model)
+    root, paths = pathlib.Path(tempfile.mkdtemp()), {}
+    tracked = tracked_for(zipf_windows(24, seed=1))
+    for half, seed in (("stats", 1), ("eval", 2)):
+        sums = accumulate_shard(model, ad, zipf_windows(24, seed=seed), tracked, batch_size=8, device="cpu",
+                                progress=False)
+        meta = {"model": "tiny", "revision": "r1", "half": half, "corpus": "z", "corpus_fingerprint": "f",
+                "model_type": ad.model_type}
+        paths[half] = write_store(finalize(sums, tracked, meta), root / f"{half}.zarr")
+    rows = open_stats(paths["stats"]).P().sum("key").values  # [L, H, N]
+    short = tuple(l for l in range(ad.n_layers) if (rows[l] < 1 - 1e-3).all())
+    assert short and ad.sink_layers() == short
+    df = RO.run_rollouts(model, ad, paths["stats"], paths["eval"], model_name="tiny", revision="r1")
+    assert set(df["kernel"]) == set(RO.DEFAULT_KERNELS) and np.isfinite(df["value"]).all()

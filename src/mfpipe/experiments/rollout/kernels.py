@@ -44,6 +44,7 @@ from mfpipe.experiments.rollout.layered import LayerKernel
 __all__ = [
     "KERNEL_NAMES",
     "check_row_stochastic",
+    "below_one",
     "probability_rounding",
     "mean_field",
     "context_free_kernel",
@@ -85,23 +86,39 @@ def probability_rounding(dtype: str | None) -> float:
     return UNIT_ROUNDOFF.get(str(dtype), UNIT_ROUNDOFF["float32"])
 
 
-def check_row_stochastic(K, atol: float = 1e-6) -> None:
+def check_row_stochastic(K, atol: float = 1e-6, below: Sequence[int] = (), sub: bool = False) -> None:
     """Raise ``ValueError`` unless every row of ``K [..., N, N+2]`` is non-negative and sums to 1 (a
-    :class:`~mfpipe.experiments.rollout.layered.LayerKernel` checked one layer at a time)."""
+    :class:`~mfpipe.experiments.rollout.layered.LayerKernel` checked one layer at a time). ``below``: the layers of a
+    ``[L, H, N, N+2]`` kernel whose rows may sum to less (at most 1): an attention sink takes a share of each row and
+    adds no value (gpt_oss, MiMo-V2-Flash's sliding layers, Granite-SWA: the adapter's ``sink_layers``); ``sub``: all
+    of ``K``'s rows may."""
     K = _as_kernel(K)
-    if isinstance(K, LayerKernel):
+    below = set(int(l) for l in below)
+    if isinstance(K, LayerKernel) or below:
         for l in range(len(K)):
             try:
-                check_row_stochastic(K[l], atol)
+                check_row_stochastic(K[l], atol, sub=l in below)
             except ValueError as e:
                 raise ValueError(f"layer {l}: {e}") from None
         return
     if (K < -atol).any():
         raise ValueError(f"kernel has negative entries (min {K.min():.3g})")
-    dev = np.abs(K.sum(-1) - 1.0)
+    dev = np.abs(K.sum(-1) - 1.0) if not sub else np.maximum(K.sum(-1) - 1.0, 0.0)
     if (dev > atol).any():
         idx = np.unravel_index(int(np.argmax(dev)), dev.shape)
         raise ValueError(f"kernel rows do not sum to 1: worst row {idx} off by {dev[idx]:.3g}")
+
+
+def below_one(name: str, sink_layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
+    """The layers of kernel ``name`` whose rows may sum below 1 (:func:`check_row_stochastic`'s ``below``) where the
+    layers ``sink_layers`` of ``P`` do (a sink's share): those layers, or every layer for a kernel built from them
+    across layers (``P0only`` from layer 0, ``Pavg`` from all)."""
+    sinks = tuple(int(l) for l in sink_layers)
+    if name == "P0only":
+        return tuple(range(n_layers)) if 0 in sinks else ()
+    if name == "Pavg":
+        return tuple(range(n_layers)) if sinks else ()
+    return sinks
 
 
 def mean_field(P) -> np.ndarray:

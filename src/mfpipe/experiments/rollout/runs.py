@@ -93,7 +93,8 @@ def prepare(adapter, st: MeanFieldStats, ev: MeanFieldStats, *, init: str = "emb
                          "RSA and the centred metrics need at least 3")
     meta = {"model": st.attrs.get("model"), "revision": st.attrs.get("revision"),
             "stats_corpus": st.attrs.get("corpus"), "eval_corpus": ev.attrs.get("corpus"),
-            "partial_mantissa_bits": st.attrs.get("partial_mantissa_bits"), "dtype": st.attrs.get("dtype")}
+            "partial_mantissa_bits": st.attrs.get("partial_mantissa_bits"), "dtype": st.attrs.get("dtype"),
+            "sink_layers": tuple(adapter.sink_layers())}  # rows of P below 1: a sink's share (adapters.sinks)
     return RolloutSetup(st=st, ev=ev, P=P, bos=np.asarray(bos), init=np.asarray(x0), types=types,
                         truth=ev.centroids().values.astype(np.float64), stats_centroids=c_st, type_ids=type_ids,
                         bos_id=bos_id, context_length=T, meta=meta)
@@ -201,7 +202,8 @@ def run_rollouts(model, adapter, stats_store, eval_store, kernels: Sequence[str]
         # rows of P sum to 1 within the rounding of the model's probabilities (bfloat16: ~4e-4) and of the partials
         # (stats.partial_mantissa_bits)
         K.check_row_stochastic(Kr, atol=1e-4 + rounding_bound(setup.meta.get("partial_mantissa_bits"))
-                               + K.probability_rounding(setup.meta.get("dtype")))
+                               + K.probability_rounding(setup.meta.get("dtype")),
+                               below=K.below_one(name, setup.meta.get("sink_layers", ()), L))
         for p in pins:
             pred = _rollout_one(adapter, setup, Kr, p)
             rows += score_rows(pred[1:], setup.truth[1:], setup.types, range(1, L + 1), L, **labels, kernel=name,

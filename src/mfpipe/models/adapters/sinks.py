@@ -172,6 +172,15 @@ class AttentionSink:
         mod, name = path.rsplit(".", 1)
         self._sink_taps = {l: shared_tap(self._sub(l, mod), name) for l in self.attention_layers}
 
+    def sink_layers(self) -> tuple[int, ...]:
+        """The attention layers whose probabilities leave out a sink's share, so their rows sum below 1: every one
+        where the factor is tapped (``attn_sink``), else those whose attention has its own 1-D sink parameter
+        (gpt_oss's, MiMo-V2-Flash's sliding layers: the sink's column dropped from the rows it returns)."""
+        if self.structure.attn_sink is not None:
+            return tuple(self.attention_layers)
+        attn = self.structure.attn
+        return tuple(l for l in self.attention_layers if "sink" in (sink_parameter(self._sub(l, attn)) or ""))
+
     def sink_tap(self, layer: int) -> SinkTap | None:
         """Layer ``layer``'s tap (its ``factor``: of the last forward), or None where its attention has no sink."""
         return None if self._sink_taps is None else self._sink_taps.get(layer)
