@@ -311,6 +311,7 @@ def test_calibrate_job_end_to_end(tmp_path):
                                                 "tracked_fingerprint": ts.fingerprint})
     W = st.W(min_count=1)
     assert U.dims == W.dims and U.shape == W.shape and U.dtype == np.float32
+    assert not U.variable._in_memory  # read from the store a layer at a time by kernel_from_store, never whole
     for c in ("layer", "head", "query", "key", "query_str", "key_str", "query_token_id", "key_token_id"):
         np.testing.assert_array_equal(U[c].values, W[c].values, err_msg=c)
     # U is what calibrate() makes of this layer's W and P (float32 storage)

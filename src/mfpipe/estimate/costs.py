@@ -294,8 +294,9 @@ PEAK_STAGE.update({new: PEAK_STAGE[old] for new, old in RECOMPUTE_RULES.items() 
 
 
 def reads_calibrated(config: dict, rule: str) -> bool:
-    """Whether the job's kernel is the calibrated U (App. B): it reads U whole and keeps it beside the kernel built
-    from it (GPT-2 small's recompute arms peaked 0.6-0.8 GiB, U's 550 MiB and more, above the same jobs with W).
+    """Whether the job's kernel is the calibrated U (App. B): it reads U a layer at a time beside the kernel built
+    from it (GPT-2 small's recompute arms peaked 0.6-0.8 GiB, U's 550 MiB and more, above the same jobs with W, when
+    they read it whole).
     The run's own pass 2 and substitution use ``substitution.kernel``, their reruns the other; the prompt jobs W,
     their reruns U (mfpipe.experiments.substitution.rules.recompute_kernels)."""
     own = config["substitution"]["kernel"] == "calibrated"
@@ -338,8 +339,8 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
         start, peak = c["startup_s"], c["peak_mb"].get(PEAK_STAGE.get(rule, "forward"), c["peak_rss_mb"])
         if rule == "stats_shard" and (ctx.config.get("stats") or {}).get("kernel_sums") == "disk":
             peak -= kernel_sums_mb(c)  # mapped from a file: the page cache's, not the job's own memory
-        if reads_calibrated(ctx.config, rule):  # U in float32
-            peak += _cells(c, ctx) * 4 / 2**20
+        if reads_calibrated(ctx.config, rule):  # a layer of U in float32
+            peak += _cells(c, ctx) / c["layers"] * 4 / 2**20
         extra = EXTRA_PEAK.get(rule) or PROMPT_PEAK.get(rule)
         if extra is not None:  # what the job holds beyond its calibrated stage (estimate.slices, estimate.prompts)
             peak += extra(ctx, c, wildcards)

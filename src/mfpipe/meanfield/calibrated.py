@@ -48,7 +48,9 @@ def load_calibrated(path: str | Path, expect: Mapping[str, Any] | None = None, l
     """The calibrated kernel ``U`` as an :class:`xarray.DataArray` with the dims and coordinates of
     :meth:`MeanFieldStats.W` (layer, head, query, key; one layer loaded with ``layer``), after checking the store's
     provenance against ``expect`` (:func:`mfpipe.stats.api.check_provenance`: e.g. ``model``, ``revision``,
-    ``tracked_fingerprint``); a mismatch raises :class:`~mfpipe.stats.api.ProvenanceError`."""
+    ``tracked_fingerprint``); a mismatch raises :class:`~mfpipe.stats.api.ProvenanceError`. Without ``layer`` it is
+    read from the store as it is indexed (``kernel_from_store`` reads a layer at a time): the recomputation's jobs held
+    all of U beside the kernel they built from it (7.2 GB at Qwen3-14B's shape)."""
     from mfpipe.stats.api import check_provenance
     from mfpipe.stats.store import open_zarr
 
@@ -57,7 +59,6 @@ def load_calibrated(path: str | Path, expect: Mapping[str, Any] | None = None, l
     if ds.attrs.get("kind") != "calibrated" or "U" not in ds:
         raise ValueError(f"{path} is not a calibrated kernel store (no U / kind != 'calibrated')")
     check_provenance(ds.attrs, expect, path)
-    U = ds["U"] if layer is None else ds["U"].isel(layer=layer)
-    U = U.load()
+    U = ds["U"] if layer is None else ds["U"].isel(layer=layer).load()
     U.attrs.update({"min_count": ds.attrs.get("min_count"), "kind": "calibrated"})
     return U
