@@ -4,6 +4,7 @@ kernel's passes, one J-lens position (its full J, and a decoded vector's product
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 import time
@@ -188,22 +189,28 @@ def store_math(stats, ds, windows, ts, B: int, config: dict) -> dict:
 
 
 def time_jlens(adapter, windows, T: int, config: dict) -> float:
-    """Seconds of one J-lens position at T/2 (its prefix's forward, then d backward passes through the token): a
-    share of the passes timed (``rows``: one and four chunks, the faster of two runs each: the straight line to d
-    multiplies their difference's noise by d / (3 chunks), and a run beside other work is only ever slower), the cost
-    of all d passes their straight line's."""
+    """Seconds of one J-lens position at T/2 (its prefix's forward, then d backward passes through the token, a call
+    of :func:`jlens_rows` of them at a time): one call's and two calls' rows timed, the faster of two runs each (a run
+    beside other work is only ever slower), the cost of all ``ceil(d / rows)`` calls their straight line's. A call is
+    the unit: each has a cost of its own beside its rows' (a 16-bit model's weights widened once a call); timing 16
+    and 64 rows inside one call of 64 measured a row's share only, and the line through two close points read 25 s
+    or 354 s a position for Gemma-2-2B on a loaded machine."""
     from mfpipe.models.adapters.jacobian import position_jacobians
 
     chunk, d = int(config["jlens"]["grad_chunk"]), adapter.d_model
-    few, more = min(chunk, d), min(4 * chunk, d)
+    rows = jlens_rows(adapter, config)
+    few, more = rows, min(2 * rows, d)
 
-    def position(rows):
-        return timed(lambda: position_jacobians(adapter, windows[:1], [T // 2], grad_chunk=chunk, rows=rows))[0]
+    def position(n):
+        return timed(lambda: position_jacobians(adapter, windows[:1], [T // 2], grad_chunk=chunk, rows=n))[0]
 
     position(few)  # warm-up
-    t_few, t_more = min(position(few) for _ in range(2)), min(position(more) for _ in range(2))
-    per_pass = max(t_more - t_few, 0.0) / max(more - few, 1)
-    return max(t_few - per_pass * few, 0.0) + per_pass * d
+    t_few = min(position(few) for _ in range(2))
+    if more == few:  # one call holds all d passes
+        return t_few
+    t_more = min(position(more) for _ in range(2))
+    per_call = max(t_more - t_few, 0.0)
+    return max(t_few - per_call, 0.0) + per_call * math.ceil(d / rows)
 
 
 def jlens_batch(adapter, windows, T: int, config: dict, sums=None) -> None:
