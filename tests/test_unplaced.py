@@ -23,7 +23,6 @@ def _one_thread(one_thread):
 REFUSED = {
     "diffllama": ("modelling", "differential attention: each head reads (softmax_1 - λ softmax_2) V"),
     "bitnet": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm)"),
-    "laguna": ("mfpipe", "multiplied head by head by a gate, softplus of g_proj"),
     "dots3_note_text": ("mfpipe", "but kv_b_proj reads its norm kv_a_layernorm's output times 2 (a latent rescaled"),
     "jetmoe": ("mfpipe", "its heads are routed per token (a mixture of attention heads: experts (JetMoeMoA)"),
     "gemma3n_text": ("mfpipe", "its blocks carry 4 residual streams (altup_num_inputs)"),

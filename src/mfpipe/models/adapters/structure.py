@@ -119,12 +119,14 @@ class Structure:
     # "gated_delta_net", "linear_attention", "recurrent", "convolution", "mlp"...); the paths above are those of the
     # attention blocks, a block of another kind is run as the model runs it. () where every block is attention
     layer_kinds: tuple[str, ...] = ()
-    # an output gate (Qwen3-Next, LFM-3: mfpipe.models.adapters.gate): the reads enter the output projection times the
-    # sigmoid of the slice gate_layout (n, chunks, offset) of output_gate's output (a path from the block), a
-    # projection of the attention's input that runs before the value source where gate_first
+    # an output gate (Qwen3-Next, LFM-3, Laguna: mfpipe.models.adapters.gate): the reads enter the output projection
+    # times the activation gate_act (sigmoid; Laguna's softplus) of the slice gate_layout (n, chunks, offset) of
+    # output_gate's output (a path from the block), a projection of the attention's input that runs before the value
+    # source where gate_first
     output_gate: str | None = None
     gate_layout: tuple[int, int, int] = (0, 1, 0)
     gate_first: bool = False
+    gate_act: str = "sigmoid"
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
@@ -234,8 +236,9 @@ def describe(model: nn.Module) -> Structure:
 
 
 def _gate_fields(gate, attn: str) -> dict:
-    """The structure's output-gate fields of the probe's ``gate`` (source, layout, first) or None."""
-    return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2])
+    """The structure's output-gate fields of the probe's ``gate`` (source, layout, first, activation) or None."""
+    return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2],
+                                        gate_act=gate[3])
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:

@@ -10,8 +10,9 @@ output projection's input):
 * the reads equal to the probability-weighted values times a constant (MiMo-V2-Flash's ``attention_value_scale``),
   times a factor per position and head in (0, 1) that the returned probabilities leave out (a sink of another
   form than ``sigmoid(logsumexp(scores) - sink)``, which is placed: :mod:`~.sinks`), or times a gate -- a sigmoid
-  or softplus of a projection of the position's input, per head or per channel (AFMoE's ``gate_proj``, Dots3's and
-  Laguna's ``g_proj``, AX-K2's gate half of a fused projection; Qwen3-Next's gated attention output);
+  or softplus of a projection, per head or per channel (AX-K2's gate half of a fused projection of another input;
+  where the projection reads the attention's input, as AFMoE's ``gate_proj``, Dots3's and Laguna's ``g_proj``,
+  Qwen3-Next's gated attention output, :mod:`~.gate` places it and the refusal says what else stands in the way);
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
 * a block that keeps no residual stream of summed branches: several streams (Gemma-3n's AltUp, hyper-connections,
   Reformer's reversible halves), a norm of the residual at its end (post-norm: GIT), a residual scaled by the block
@@ -120,7 +121,7 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
     act, src, where = gate
     said = (f"its reads ({n} weighted by its probabilities) are multiplied {per} by a gate, {act} of {src}{where}, "
             "before the output projection")
-    if act == "sigmoid" and seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places: not the cause
+    if seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places (either activation): not the cause
         scaled = [(m, c) for m, (x, y, *_) in seen.items() if m and x is not y and y.numel() == seen[n][0].numel()
                   and abs((c := float((seen[n][0] * y).sum() / (y * y).sum().clamp_min(1e-30))) - 1) > 1e-4
                   and _close(c * y.reshape(seen[n][0].shape), seen[n][0])]
@@ -129,9 +130,9 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
                     f"{scaled[0][1]:.4g} (a latent rescaled after its norm), where mfpipe's latent attention reads the "
                     "norm's output as is")
         return f"{said}, a gate mfpipe places; but no layout of its values is found with it"
-    form = "a softplus" if act == "softplus" else f"the sigmoid of a projection ({src}) of another input"
-    return (f"{said}: {form}, a gated attention output of a form mfpipe does not place (mfpipe.models.adapters.gate "
-            "places a sigmoid of a projection of the attention's input)")
+    return (f"{said}: the {act} of a projection ({src}) of another input, a gated attention output of a form mfpipe "
+            "does not place (mfpipe.models.adapters.gate places a sigmoid or softplus of a projection of the "
+            "attention's input)")
 
 
 def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) -> str | None:
