@@ -28,6 +28,8 @@ REFUSED = {
     "gemma3n_text": ("mfpipe", "its blocks carry 4 residual streams (altup_num_inputs)"),
     "reformer": ("mfpipe", "2 residual streams side by side (its norm encoder.layer_norm reads 2 x 64"),
     "git": ("mfpipe", "its blocks end in a norm of the residual (output.LayerNorm: post-norm)"),
+    # its cross-attention (encoder_attn), which text-only input does not run, left out: the post-norm is what remains
+    "trocr": ("mfpipe", "its blocks end in a norm of the residual (final_layer_norm)"),
     "zaya": ("mfpipe", "post_attention_residual_scale (ZayaResidualScaling), handed the branch and the residual"),
     "beam": ("mfpipe", "reads is 0.7071 x the block input + 0.7071 x the attention branch"),
     "dory": ("mfpipe", "a x its norm input_layernorm's output + b x the attention branch with per-channel vectors"),

@@ -11,6 +11,9 @@
   model's own mixer output), and the rollout adds it at each centroid as the mixer computes it on that centroid as a
   sequence of one position (:func:`side_branch`, as :func:`~mfpipe.models.adapters.hybrid.mixer_block` runs a
   hybrid's other blocks); ``attn_out`` is the heads' branch alone, so ``mlp_out`` is read, never derived;
+* **an attention the forward skips inside a block** (TrOCR's ``encoder_attn``, a cross-attention beside the
+  self-attention, called only with encoder states): no part of the text's decoder (:func:`idle_attentions`), its norm
+  never run either;
 * **a block the forward skips** (Mllama's cross-attention layers on text-only input: :data:`IDENTITY_KINDS`): a layer
   of its own kind carried as the identity; the site reads the residual entering it where the last block run before
   it hands it on (:func:`skipped_capture`), the rollout passes the centroids through unchanged, and the forward's own
@@ -39,7 +42,8 @@ from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "per_layer_hidden",
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "idle_attentions",
+           "per_layer_hidden",
            "side_branch", "source_form", "value_form", "check_source_forms",
            "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
@@ -78,6 +82,29 @@ def wrapped_attention(block: nn.Module, attentions, mt) -> list[str]:
                                                    "the residual stream; mfpipe reads heads whose output projection "
                                                    "writes a branch of the residual stream")
     return found
+
+
+def idle_attentions(base: nn.Module, blocks) -> frozenset[str]:
+    """The names of the blocks' ``*Attention`` children that one forward of three tokens runs in no block (TrOCR's
+    ``encoder_attn``: a cross-attention in every block, which its forward calls only with encoder states), where a
+    block has more than one such child (no forward otherwise; none where the forward fails)."""
+    def attentions(b):
+        return [(n, c) for n, c in b.named_children() if type(c).__name__.endswith("Attention")]
+
+    if all(len(attentions(b)) <= 1 for b in blocks):
+        return frozenset()
+    ran: set[str] = set()
+    handles = [c.register_forward_pre_hook(lambda *a, n=n: ran.add(n)) for b in blocks for n, c in attentions(b)]
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([[1, 8, 15]]).remainder(int(getattr(base.config, "vocab_size", 3) or 3))
+            base(ids.to(next(base.parameters()).device), use_cache=False)  # (TrOCR's wrapper has no input embedding)
+    except Exception:  # a forward that fails says nothing: the candidates stay as they are
+        return frozenset()
+    finally:
+        for h in handles:
+            h.remove()
+    return frozenset(n for b in blocks for n, _ in attentions(b) if n not in ran)
 
 
 def unstacked(base: nn.Module, L: int, mt) -> list:

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
-                                          side_mixer, unstacked, wrapped_attention)
+                                          idle_attentions, side_mixer, unstacked, wrapped_attention)
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
 from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
@@ -184,7 +184,7 @@ def describe(model: nn.Module) -> Structure:
     n_pos = getattr(cfg, "max_position_embeddings", None)
     tables = position_tables(stack_mod, emb, shape.d, n_pos)
     blocks = submodule(base, layers)
-    attn, kinds = _attention_blocks(blocks, mt)
+    attn, kinds = _attention_blocks(blocks, mt, idle_attentions(base, blocks))  # TrOCR's encoder_attn left out
     check_skipped(base, blocks, kinds, mt)  # the blocks the forward skips on text-only input (Mllama's cross-attention)
     first = kinds.index("attention")  # a hybrid is placed on its first attention block
     block = blocks[first]
@@ -298,15 +298,16 @@ def _stack(base: nn.Module, L: int, mt) -> str:
     return _one(found or unstacked(base, L, mt), f"the list of its {L} blocks among the base model's modules", mt) + "."
 
 
-def _attention(block: nn.Module, mt) -> str | None:
+def _attention(block: nn.Module, mt, idle=frozenset()) -> str | None:
     """The block's one ``*Attention`` module (softmax attention: not one of
-    :data:`~mfpipe.models.adapters.hybrid.MIXERS`); where it wraps another (its one ``*Attention`` child that does the
-    attention proper: GPT-Neo), that one's path. None where the block has none (a hybrid's block of another mixer)."""
+    :data:`~mfpipe.models.adapters.hybrid.MIXERS`, nor one of ``idle``, which text-only input does not run); where it
+    wraps another (its one ``*Attention`` child that does the attention proper: GPT-Neo), that one's path. None where
+    the block has none (a hybrid's block of another mixer)."""
     def attentions(m):
         return [n for n, c in m.named_children() if type(c).__name__.endswith("Attention")
                 and not any(t in own_name(c, block) for t, _ in MIXERS)]
 
-    found = attentions(block) or wrapped_attention(block, attentions, mt)  # DBRX's: in a module with its norms
+    found = [n for n in attentions(block) if n not in idle] or wrapped_attention(block, attentions, mt)  # DBRX's
     if not found:
         return None
     path = _one(found, "one attention module in a block", mt)
@@ -317,10 +318,10 @@ def _attention(block: nn.Module, mt) -> str | None:
     return path
 
 
-def _attention_blocks(blocks, mt) -> tuple[str, list[str]]:
+def _attention_blocks(blocks, mt, idle=frozenset()) -> tuple[str, list[str]]:
     """(the attention module's path in the attention blocks, each block's kind: "attention" or its mixer's). A
     hybrid's attention blocks must keep their attention at one path, of one class."""
-    paths = [_attention(b, mt) for b in blocks]
+    paths = [_attention(b, mt, idle) for b in blocks]
     found = {(p, type(submodule(b, p)).__name__) for p, b in zip(paths, blocks) if p is not None}
     if not found:
         kinds = sorted({mixer_kind(b) for b in blocks})
