@@ -35,7 +35,6 @@ REFUSED = {
     "dory": ("mfpipe", "a x its norm input_layernorm's output + b x the attention branch with per-channel vectors"),
     "inkling_text": ("mfpipe", "its attention's output passes through attn_sconv (InklingShortConvolution)"),
     "inkling2_text": ("mfpipe", "passes through post_attention_convolution (Inkling2ShortConvolution) before it joins"),
-    "modernbert-decoder": ("mfpipe", "its first block has no attn_norm (Identity) where the others have a norm"),
 }
 
 
@@ -66,6 +65,20 @@ def test_the_explanation_is_read_off_the_tensors_not_assumed():
 def test_a_projection_in_a_wrapper_of_its_own_is_placed_and_passes():
     row = census_row("moshi")
     assert row.accepted and row.passed == row.checks >= 10, row
+
+
+def test_a_first_block_without_the_others_attention_norm_is_placed_and_passes():
+    """ModernBERT-decoder (refused for its first block's nn.Identity attention norm before): placed by a block with the
+    norm (the identity read at the same path is the first block's), its embedding and the embedding's norm one level
+    down (embeddings.tok_embeddings, embeddings.norm), its prediction head between the final norm and the unembedding;
+    the conformance checks include the unembedding against the model's logits and statistics against loops. (Its
+    statistics and substitution against the torch-hook references: PLACED_MODEL_TYPES.)"""
+    row = census_row("modernbert-decoder")
+    assert row.accepted and row.passed == row.checks >= 10, row
+    model = make_tiny_model("modernbert-decoder")
+    s = describe(model)
+    assert (s.attn_norm, s.embed, s.embed_norm, s.head_transform, s.out_proj) == (
+        "attn_norm", "embeddings.tok_embeddings", "embeddings.norm", "lm_head", "attn.Wo")
 
 
 def test_values_scaled_by_a_constant_in_layers_of_two_kinds_are_placed_and_pass():

@@ -18,8 +18,8 @@ output projection's input):
   Reformer's reversible halves), a norm of the residual at its end (post-norm: GIT), a residual scaled by the block
   (Zaya's residual-scaling modules, Beam's depth-scaled sum, Dory's per-channel interpolation), the attention's
   output passed through another module before the residual (Inkling's short convolutions);
-* blocks of different pieces (ModernBERT-decoder's first block without an attention norm) or an LM head that is more
-  than a linear map of the final norm's output.
+* an LM head that reads the final norm's output through more than one module (ModernBERT-decoder's one prediction
+  head is placed: :func:`~mfpipe.models.adapters.residual.head_transform`).
 
 Each test compares tensors of the forward (the probabilities the attention returns, what its projections write, the
 output projection's input, what the block's modules read and write) up to float32 rounding; where none explains
@@ -300,15 +300,9 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
 
 
 def _pieces(model, base) -> str | None:
-    """Blocks of different pieces where mfpipe reads one form (ModernBERT-decoder's first block without the others'
-    attention norm: an ``nn.Identity``), or an LM head that is more than a linear map of the final norm's output."""
-    bl = list(blocks(model))
-    for b in bl[1:]:
-        for n, m in b.named_children():
-            m0 = getattr(bl[0], n, None)
-            if _norm(m) and isinstance(m0, nn.Identity):
-                return (f"its first block has no {n} ({type(m0).__name__}) where the others have a norm "
-                        f"({type(m).__name__}): mfpipe places every block by one form")
+    """An LM head that reads the final norm's output through more than one module of the causal LM (one is placed:
+    ModernBERT-decoder's prediction head, :func:`~mfpipe.models.adapters.residual.head_transform`; so is a first block
+    whose attention norm is the identity, :func:`~mfpipe.models.adapters.forms.placing_block`)."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if head is None or model is base:
         return None
@@ -317,8 +311,10 @@ def _pieces(model, base) -> str | None:
     seen = _forward(model, base, {"<head>": head, "<base>": base, **outer}, whole=True)
     if "<head>" in seen and "<base>" in seen and not _same(seen["<head>"][0], seen["<base>"][1]):
         on = [n for n in outer if n in seen and _same(seen[n][1], seen["<head>"][0])]
-        return (f"its LM head reads the final residual through {on[0] if on else 'another module'} before the "
-                "unembedding: mfpipe's unembedding is the final norm and one linear map")
+        if len(on) != 1 or not _same(seen[on[0]][0], seen["<base>"][1]):
+            return ("its LM head reads the final residual through modules of the causal LM other than one module "
+                    "of the final norm's output: mfpipe's unembedding is the final norm, at most one such module, and "
+                    "one linear map")
     return None
 
 
