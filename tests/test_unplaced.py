@@ -33,6 +33,7 @@ REFUSED = {
     "zaya": ("mfpipe", "post_attention_residual_scale (ZayaResidualScaling), handed the branch and the residual"),
     "beam": ("mfpipe", "reads is 0.7071 x the block input + 0.7071 x the attention branch"),
     "dory": ("mfpipe", "a x its norm input_layernorm's output + b x the attention branch with per-channel vectors"),
+    "minimax": ("mfpipe", "its blocks add the attention branch to its norm input_layernorm's output, not to the block"),
     "inkling_text": ("mfpipe", "its attention's output passes through attn_sconv (InklingShortConvolution)"),
     "inkling2_text": ("mfpipe", "passes through post_attention_convolution (Inkling2ShortConvolution) before it joins"),
 }

@@ -245,7 +245,8 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
     residual at its end (post-norm: GIT's BERT layers), a module handed the branch and the residual that scales the
     residual (Zaya's residual scaling), the attention's output passing through another module before the residual
     (Inkling's short convolutions), the MLP reading the block input scaled (Beam's depth-scaled residual) or mixed
-    channel by channel with the branch (Dory's interpolation on the sphere)."""
+    channel by channel with the branch (Dory's interpolation on the sphere), or a norm's output plus the branch
+    (MiniMax's residual: the output of the norm before the attention)."""
     block = next(b for b in blocks(model) if any(m is attn_mod for m in b.modules()))
     attn = next(n for n, m in block.named_modules() if m is attn_mod)
     kids = {n: m for n, m in block.named_modules() if n and (_norm(m) or "." not in n)}
@@ -287,6 +288,10 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
         for per_channel, what, res in ((False, "the block input", x0), (True, "the block input", x0),
                                        *((True, f"its norm {m}'s output", seen[m][1]) for m in norms)):
             c = _fit(x, [res, branches[-1]], per_channel)
+            if c is not None and res is not x0 and torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
+                return (f"its blocks add the attention branch to {what}, not to the block input (what its norm {n} "
+                        "reads is that output + b x the attention branch): a norm on the residual stream itself, "
+                        "which every block renormalises; mfpipe reads a residual stream of summed branches")
             if c is not None and not torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
                 if not per_channel:
                     return (f"its blocks scale the residual stream itself: what its norm {n} reads is "
