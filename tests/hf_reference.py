@@ -87,6 +87,9 @@ PATHS: dict[str, dict] = {
     # an attention sink applied as a factor of the reads that the returned probabilities leave out (issue 59)
     "granite_swa": _LLAMA,
     "granitemoe_swa": dict(_LLAMA, mlp_out="block_sparse_moe"),
+    # block 0's attn_norm an nn.Identity (its hook's output the residual itself), the others' a LayerNorm (issue 59)
+    "modernbert-decoder": dict(layers="model.layers", final="model.final_norm", v_src="attn.v_proj", o_proj="attn.Wo",
+                               attn="attn", attn_norm="attn_norm", attn_out=None, mlp_out="mlp"),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",

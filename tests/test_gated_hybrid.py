@@ -2,7 +2,9 @@
 hybrids, each with another mixer at layers 0 and 2 and attention at 1 and 3 whose reads enter the output projection
 times a sigmoid gate of the position's input: Qwen3-Next (gated delta-nets; the gate is each head's second half of the
 query projection, one per read entry, read before the values) and LFM-3 (short convolutions; ``g_proj``, one gate per
-head, read after the values; post-norms on both branches). Each is placed with its layer kinds and its gate; its
+head, read after the values; post-norms on both branches); and Laguna, no hybrid, whose gate is a softplus of
+``g_proj``, one per head (a dense first MLP, then mixtures of experts). Each is placed with its layer kinds and its
+gate; its
 statistics equal per-position loops over the model's own forward (HF's ``output_attentions`` /
 ``output_hidden_states`` and plain torch hooks on modules named here by hand), the reads being probabilities x values
 (not the gated projection input); its own reads written back leave the logits bit-identical; mean-field reads written
@@ -22,18 +24,25 @@ from mfpipe.models.adapters import describe, get_adapter
 from mfpipe.models.tiny import random_model
 
 H, KV, DH, D = 4, 2, 16, 64
-# per family, written by hand: its layer kinds, the gate's source and layout (n, chunks, offset), whether it runs before
-# the values, the attention-input norm, and the modules whose outputs are the attention and MLP branches
+# per family, written by hand: its layer kinds, the gate's source and layout (n, chunks, offset) and activation (a
+# sigmoid where none is named), whether it runs before the values, the attention-input norm, and the modules whose
+# outputs are the attention and MLP branches
 SPECS = {
     "qwen3_next": dict(kinds=("gated_delta_net", "attention") * 2, gate="q_proj", layout=(H * DH, H, DH), first=True,
                        norm="input_layernorm", attn_out="self_attn", mlp_out="mlp"),
     "lfm3": dict(kinds=("convolution", "attention") * 2, gate="g_proj", layout=(H, 1, 0), first=False,
                  norm="operator_norm", attn_out="post_operator_norm", mlp_out="post_ffn_norm"),
+    "laguna": dict(kinds=("attention",) * 4, gate="g_proj", layout=(H, 1, 0), first=False, act="softplus",
+                   norm="input_layernorm", attn_out="self_attn", mlp_out="mlp"),
 }
 
 
+def _attention(family: str) -> tuple[int, ...]:
+    return tuple(l for l, k in enumerate(SPECS[family]["kinds"]) if k == "attention")
+
+
 def tiny_gated(family: str, seed: int = 3):
-    from transformers import Lfm3Config, Qwen3NextConfig
+    from transformers import LagunaConfig, Lfm3Config, Qwen3NextConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=128, num_hidden_layers=4, num_attention_heads=H,
                   num_key_value_heads=KV, head_dim=DH, max_position_embeddings=128, bos_token_id=BOS,
@@ -43,6 +52,9 @@ def tiny_gated(family: str, seed: int = 3):
                               linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                               linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                               shared_expert_intermediate_size=32, **common)
+    elif family == "laguna":  # layer 0's MLP dense, the others' 4 experts (2 per token) and a shared one
+        cfg = LagunaConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=32, **common)
     else:  # a full and a sliding attention layer (window 8 of the 16 positions)
         cfg = Lfm3Config(layer_types=["conv", "full_attention", "conv", "sliding_attention"], sliding_window=8,
                          conv_L_cache=3, **common)
@@ -57,9 +69,11 @@ def gated(request):
 
 def _gate(family: str, out: torch.Tensor) -> torch.Tensor:
     """The gate [..., H, dh] of the source's output, written here by hand: Qwen3-Next's per head the second half of its
-    2 x dh query outputs; LFM-3's one per head, spread over the head's read."""
+    2 x dh query outputs; LFM-3's one per head, spread over the head's read; Laguna's so, through a softplus."""
     if family == "qwen3_next":
         return torch.sigmoid(out.view(*out.shape[:-1], H, 2 * DH)[..., DH:])
+    if family == "laguna":
+        return torch.nn.functional.softplus(out.float())[..., None].expand(*out.shape, DH)
     return torch.sigmoid(out)[..., None].expand(*out.shape, DH)
 
 
@@ -113,11 +127,13 @@ def _loops(family, model, tokens, tracked, L):
 def test_a_gated_hybrid_is_placed_with_its_gate(gated):
     family, model = gated
     spec, s = SPECS[family], describe(model)
-    assert s.layer_kinds == spec["kinds"] and s.attn == "self_attn" and s.value_source == "self_attn.v_proj"
-    # the gate's source and slice, and whether it runs before the values (the site reads in forward order)
-    assert (s.output_gate, s.gate_layout, s.gate_first) == (f"self_attn.{spec['gate']}", spec["layout"], spec["first"])
+    assert (s.layer_kinds or ("attention",) * 4) == spec["kinds"] and s.attn == "self_attn"
+    assert s.value_source == "self_attn.v_proj"
+    # the gate's source, slice and activation, and whether it runs before the values (the site reads in forward order)
+    assert (s.output_gate, s.gate_layout, s.gate_first, s.gate_act) == (
+        f"self_attn.{spec['gate']}", spec["layout"], spec["first"], spec.get("act", "sigmoid"))
     ad = get_adapter(model)
-    assert ad.attention_layers == (1, 3) and ad.attn_out_weights(1) is None
+    assert ad.attention_layers == _attention(family) and ad.attn_out_weights(1) is None
     x = torch.randn(5, D, generator=torch.Generator().manual_seed(0))
     block = model.model.layers[1]
     with torch.no_grad():
@@ -132,7 +148,7 @@ def test_reads_are_probabilities_times_values_and_the_gate_is_the_models(gated):
     per, _ = _hooked_forward(family, model, ids)
     caps = []
     get_adapter(model).capture(ids, caps.append)
-    for l in (1, 3):
+    for l in _attention(family):
         p = per[l]
         # the reference's own premise: the projection reads the reads times the gate (else this test means nothing)
         assert float((p["z"] - p["reads"] * p["gate"]).abs().max()) < 1e-6
@@ -170,7 +186,7 @@ def test_substitution_writes_reads_through_the_models_own_gate(gated, tmp_path):
 
     got = ad.run(ids, patch_reads=replace, logits=True).logits
     gates, handles = {}, []
-    for l in (1, 3):
+    for l in _attention(family):
         a = model.model.layers[l].self_attn
         handles += [getattr(a, SPECS[family]["gate"]).register_forward_hook(
                         lambda m, i, o, l=l: gates.__setitem__(l, _gate(family, o))),
@@ -194,9 +210,10 @@ def test_the_rollout_gates_each_centroids_read_by_its_own_residual(gated):
     with torch.no_grad():  # each type as a sequence of one token: it attends to itself alone
         hidden = model(types[:, None], output_hidden_states=True, use_cache=False).hidden_states
     K = np.full((4, H, 4, 6), np.nan)
-    K[[1, 3]] = 0.0
+    attn = list(_attention(family))
+    K[attn] = 0.0
     for s in range(4):
-        K[[1, 3], :, s, s] = 1.0  # each type reads its own column: the one-token forward's attention
+        K[attn, :, s, s] = 1.0  # each type reads its own column: the one-token forward's attention
     got = torch.as_tensor(rollout(ad, K, bos_residuals(ad, BOS), type_ids=types.numpy()))
     for l in range(4):  # the residual entering each block (transformers' last hidden state is after the final norm)
         want = hidden[l][:, 0]
@@ -208,7 +225,7 @@ def test_the_rollout_gates_each_centroids_read_by_its_own_residual(gated):
 # Qwen3.5's text model and its composites are Qwen3-Next's attention; Ling's (bailing_hybrid) is latent attention with
 # one gate per head; LARA-mini's attention has no gate (placed as a hybrid of gated delta-nets)
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe", "lfm3", "bailing_hybrid",
-                                    "lara_mini"])
+                                    "lara_mini", "laguna"])
 def test_gated_families_pass_every_conformance_check(family):
     from mfpipe.models.census import census_row
 

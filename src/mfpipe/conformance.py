@@ -284,7 +284,7 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
     handles = [p.register_forward_pre_hook(hook_for(l)) for l, p in proj.items()]
     if s.output_gate is not None:  # the gate as the forward computes it, off its source (mfpipe.models.adapters.gate)
         handles += [module_at(adapter.block_module(l), s.output_gate).register_forward_hook(
-            lambda m, a, out, l=l: gates.__setitem__(l, gate_of(out, s.gate_layout, H, dh))) for l in proj]
+            lambda m, a, out, l=l: gates.__setitem__(l, gate_of(out, s.gate_layout, H, dh, s.gate_act))) for l in proj]
     try:
         with torch.no_grad():
             want = model(ids, use_cache=False).logits

@@ -26,7 +26,7 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # with attention layers of two kinds (MiMo-V2-Flash: mfpipe.models.adapters.layers), an attention sink applied as a
 # factor of the reads that the returned probabilities leave out (Granite-SWA's, dense and a mixture of experts)
 PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
-                                       "mimo_v2_flash", "granite_swa", "granitemoe_swa")
+                                       "mimo_v2_flash", "granite_swa", "granitemoe_swa", "modernbert-decoder")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -174,6 +174,14 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
             return transformers.GraniteSWAConfig, swa
         return transformers.GraniteMoeSWAConfig, dict(swa, intermediate_size=2 * D_MODEL, num_local_experts=4,
                                                       num_experts_per_tok=2)
+    if model_type == "modernbert-decoder":  # block 0's attention norm the identity (block 1's a LayerNorm); the
+        # embedding and its norm in a module of their own; a prediction head (dense, GELU, norm) before the
+        # unembedding; layer 0 full attention, layer 1 a window of 4 (local_attention / 2)
+        return transformers.ModernBertDecoderConfig, dict(
+            vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=2 * D_MODEL, num_hidden_layers=N_LAYERS,
+            num_attention_heads=N_HEADS, max_position_embeddings=MAX_POS, local_attention=8, initializer_range=0.1,
+            bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=0, cls_token_id=VOCAB - 1,
+            sep_token_id=VOCAB - 1)
     if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
         return transformers.Gemma3Config, dict(
             text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,

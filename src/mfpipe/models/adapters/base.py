@@ -198,6 +198,8 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         if self.ATTN_NORM is None:
             return NormForm("identity")
         m = self._sub(layer, self.ATTN_NORM)
+        if type(m) is nn.Identity:  # a block without the others' norm (ModernBERT-decoder's first)
+            return NormForm("identity")
         if type(m) is nn.LayerNorm:
             return NormForm("layer", float(m.eps), m.weight, m.bias)
         w = getattr(m, "weight", None)
@@ -300,11 +302,14 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
     @no_grad
     def unembed(self, x: Tensor) -> Tensor:
         """Logits ``[..., V]`` (float32) of residual-stream vectors ``[..., d]``: the final norm, then the LM head
-        (``get_output_embeddings``), then any final logit transform of the architecture (:meth:`_final_logits`).
+        (``get_output_embeddings``; through the structure's ``head_transform`` where the forward runs one before it:
+        ModernBERT-decoder's prediction head), then any final logit transform of the architecture
+        (:meth:`_final_logits`).
         The raw logit lens of a vector inserted into the residual stream (App. P). Needs the causal LM."""
         if not self.has_lm_head:
             raise ValueError(f"unembed needs the causal LM, but this adapter wraps the bare {type(self.base).__name__}")
         h = self.final_norm_module()(self._in(x))
+        h = module_at(self.model, self.structure.head_transform)(h) if self.structure.head_transform else h
         return self._final_logits(self.model.get_output_embeddings()(h)).float()
 
     def _final_logits(self, logits: Tensor) -> Tensor:

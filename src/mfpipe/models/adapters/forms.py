@@ -11,6 +11,9 @@
   model's own mixer output), and the rollout adds it at each centroid as the mixer computes it on that centroid as a
   sequence of one position (:func:`side_branch`, as :func:`~mfpipe.models.adapters.hybrid.mixer_block` runs a
   hybrid's other blocks); ``attn_out`` is the heads' branch alone, so ``mlp_out`` is read, never derived;
+* **an attention the forward skips inside a block** (TrOCR's ``encoder_attn``, a cross-attention beside the
+  self-attention, called only with encoder states): no part of the text's decoder (:func:`idle_attentions`), its norm
+  never run either;
 * **a block the forward skips** (Mllama's cross-attention layers on text-only input: :data:`IDENTITY_KINDS`): a layer
   of its own kind carried as the identity; the site reads the residual entering it where the last block run before
   it hands it on (:func:`skipped_capture`), the rollout passes the centroids through unchanged, and the forward's own
@@ -22,6 +25,11 @@
   are read or computed (:func:`value_form`), found by the attention's own attribute and confirmed by the value search.
 * **a sink's factor on the reads** (Granite-SWA's ``sinks``: :mod:`~mfpipe.models.adapters.sinks`): the probe's
   value search reads the probabilities behind the reads, which the attention does not return.
+* **a norm that is the identity in some blocks** (ModernBERT-decoder's first block: an ``nn.Identity`` at the path of
+  the others' attention norm): the structure is placed by a block with the norm (:func:`placing_block`), and the
+  identity, read at the same path, is that block's norm; **the token embedding one level down** in a module with its
+  norm (ModernBERT-decoder's ``embeddings``: ``tok_embeddings``, ``norm``, a dropout): :func:`nested_embedding`, its
+  norm the embedding's.
 
 Forms that are no attention block writing a residual stream of blocks of their own are refused with the reason:
 a whole decoder block nested in a layer, whose output feeds another mixer's input (Zamba's shared block:
@@ -39,7 +47,8 @@ from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "per_layer_hidden",
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "idle_attentions",
+           "nested_embedding", "per_layer_hidden", "placing_block",
            "side_branch", "source_form", "value_form", "check_source_forms",
            "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
@@ -78,6 +87,56 @@ def wrapped_attention(block: nn.Module, attentions, mt) -> list[str]:
                                                    "the residual stream; mfpipe reads heads whose output projection "
                                                    "writes a branch of the residual stream")
     return found
+
+
+def idle_attentions(base: nn.Module, blocks) -> frozenset[str]:
+    """The names of the blocks' ``*Attention`` children that one forward of three tokens runs in no block (TrOCR's
+    ``encoder_attn``: a cross-attention in every block, which its forward calls only with encoder states), where a
+    block has more than one such child (no forward otherwise; none where the forward fails)."""
+    def attentions(b):
+        return [(n, c) for n, c in b.named_children() if type(c).__name__.endswith("Attention")]
+
+    if all(len(attentions(b)) <= 1 for b in blocks):
+        return frozenset()
+    ran: set[str] = set()
+    handles = [c.register_forward_pre_hook(lambda *a, n=n: ran.add(n)) for b in blocks for n, c in attentions(b)]
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([[1, 8, 15]]).remainder(int(getattr(base.config, "vocab_size", 3) or 3))
+            base(ids.to(next(base.parameters()).device), use_cache=False)  # (TrOCR's wrapper has no input embedding)
+    except Exception:  # a forward that fails says nothing: the candidates stay as they are
+        return frozenset()
+    finally:
+        for h in handles:
+            h.remove()
+    return frozenset(n for b in blocks for n, _ in attentions(b) if n not in ran)
+
+
+def placing_block(blocks, kinds: list[str]) -> int:
+    """The attention block a structure is placed by: the first that has no ``nn.Identity`` child at a name where
+    another attention block has a norm (ModernBERT-decoder's first block, whose attention norm is the identity: it is
+    placed by its second); the first attention block where every one has one."""
+    attention = [l for l, k in enumerate(kinds) if k == "attention"]
+
+    def thin(l: int) -> bool:
+        return any(isinstance(c, nn.Identity) and any(is_norm(getattr(blocks[o], n, None) or c) for o in attention)
+                   for n, c in blocks[l].named_children())
+
+    return next((l for l in attention if not thin(l)), attention[0])
+
+
+def nested_embedding(children: dict, emb: nn.Module) -> tuple[str, list[str]] | None:
+    """Where the token embedding ``emb`` sits one level down, in a child of the stack (``children``) that holds it and
+    norms and parameter-free modules only (ModernBERT-decoder's ``embeddings``: ``tok_embeddings``, ``norm``, ``drop``):
+    (its path, the paths of those norms, for the probe to place as the embedding's); None elsewhere (BERT's embeddings
+    hold position and token-type tables besides: an encoder's)."""
+    for n, c in children.items():
+        kids = dict(c.named_children())
+        inner = [k for k, m in kids.items() if m is emb]
+        if len(inner) == 1 and all(m is emb or is_norm(m) or not any(True for _ in m.parameters())
+                                   for m in kids.values()):
+            return f"{n}.{inner[0]}", [f"{n}.{k}" for k, m in kids.items() if m is not emb and is_norm(m)]
+    return None
 
 
 def unstacked(base: nn.Module, L: int, mt) -> list:

@@ -1,9 +1,10 @@
 """An output gate between the heads' reads and the output projection: Qwen3-Next's and Qwen3.5's full-attention
 layers (the query projection's second half of each head), LFM-3's and Ling's ``bailing_hybrid`` (a projection to one
-gate per head). The attention multiplies each head's read by the sigmoid of a slice of a projection of its own input
-before the output projection::
+gate per head), Laguna's (``g_proj``, one gate per head, through a softplus). The attention multiplies each head's
+read by an activation (:data:`GATE_ACTIVATIONS`: a sigmoid; Laguna's softplus) of a slice of a projection of its own
+input before the output projection::
 
-    o_proj input[..., h, :] = reads[..., h, :] * sigmoid(gate[..., h, :]),   reads = probabilities x values
+    o_proj input[..., h, :] = reads[..., h, :] * act(gate[..., h, :]),   reads = probabilities x values
 
 How mfpipe places it, so that the paper's definitions hold as written: a head's read stays probabilities x values (its
 P, mu_t and zbar are the attention proper's), and the gate, a factor of the query position, is part of the path from
@@ -15,17 +16,18 @@ the read to the residual, as the output projection is:
   which is the model's own input, bit for bit, wherever the read written back is its own;
 * the rollout (:mod:`mfpipe.experiments.rollout.algorithm`) computes the gate of each row it rolls out as the model
   computes it of a position's residual (:meth:`OutputGate.read_gate`: the attention-input norm, the source, the
-  sigmoid), so a centroid's mean-field read enters the output projection times the centroid's own gate;
+  activation), so a centroid's mean-field read enters the output projection times the centroid's own gate;
 * the probe (:mod:`~mfpipe.models.adapters.probe`) finds the gate (:func:`gated_layout`) where no value layout gives
-  the reads: the one slice of one of the attention's projections of its input whose sigmoid, dividing the output
-  projection's input, lets one do. Nothing is named by family: a gate of another slice or source is found alike;
+  the reads: the one slice of one of the attention's projections of its input and the one activation whose gate,
+  dividing the output projection's input, lets one do. Nothing is named by family: a gate of another slice or source is found alike;
 * a head's write to the residual is its read times the gate of its query, then O_h (:func:`gate_reads`): the J-lens
   agreement, the function vectors, the context lens and ``context_deviation(reads="resid")`` take the gate of each
   query position they run over; the statistics' ``zhat`` / ``zbar`` mapped through O_h take the gate of the query
   type's centroid, as the rollout does, and ``mu`` mapped so is refused (a key type has no query gate).
 
 The sigmoid is taken in the source's dtype, as Qwen3-Next and LFM-3 take it (Ling's float32 sigmoid rounds to the
-same within the model's dtype); on a float32 model the gate is the forward's to the bit.
+same within the model's dtype); the softplus in float32, then rounded to the source's dtype, as Laguna takes it; on a
+float32 model the gate is the forward's to the bit.
 """
 
 from __future__ import annotations
@@ -33,11 +35,18 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mfpipe.models.adapters.streaming import holds_block
 
-__all__ = ["OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
+__all__ = ["GATE_ACTIVATIONS", "OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
+
+# the activations an output gate is found with, by the structure's gate_act: each as its family's attention takes it
+GATE_ACTIVATIONS = {
+    "sigmoid": torch.sigmoid,  # in the source's dtype (Qwen3-Next, LFM-3)
+    "softplus": lambda t: F.softplus(t.float()).to(t.dtype),  # in float32, then the source's dtype (Laguna)
+}
 
 
 def _index(width: int, n: int, chunks: int, offset: int) -> Tensor:
@@ -47,11 +56,12 @@ def _index(width: int, n: int, chunks: int, offset: int) -> Tensor:
     return (torch.arange(chunks)[:, None] * cw + offset + torch.arange(nw)[None]).reshape(-1)
 
 
-def gate_of(out: Tensor, layout: tuple[int, int, int], H: int, dh: int) -> Tensor:
+def gate_of(out: Tensor, layout: tuple[int, int, int], H: int, dh: int, act: str = "sigmoid") -> Tensor:
     """The gate ``[..., H, dh]`` (float32) of the gate source's output ``out [..., W]`` in ``layout`` (n, chunks,
-    offset): n = H x dh, one gate per read entry (Qwen3-Next), or n = H, one per head (LFM-3), spread over its read."""
+    offset): n = H x dh, one gate per read entry (Qwen3-Next), or n = H, one per head (LFM-3, Laguna), spread over its
+    read; through the activation ``act`` (:data:`GATE_ACTIVATIONS`)."""
     n, chunks, offset = layout
-    g = torch.sigmoid(out[..., _index(out.shape[-1], n, chunks, offset).to(out.device)]).float()
+    g = GATE_ACTIVATIONS[act](out[..., _index(out.shape[-1], n, chunks, offset).to(out.device)]).float()
     return g[..., None].expand(*g.shape, dh) if n == H and n != H * dh else g.unflatten(-1, (H, dh))
 
 
@@ -66,8 +76,9 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
     """``layout(seen)`` (the probe's value layout) and ``gate`` None where it places the values; else ``layout`` of the
     probe's tensors with the output projection's input divided by each candidate gate (a slice of n = H x dh outputs,
     in any chunked layout, of one of the attention's projections that reads its input; n = H of one whose outputs are
-    one per head), and ``gate`` = (source, layout, whether it runs before the value source) of the one candidate with
-    which a layout is found. Without one, the refusal of ``layout(seen)``."""
+    one per head), each through each of :data:`GATE_ACTIVATIONS`, and ``gate`` = (source, layout, whether it runs
+    before the value source, activation) of the one candidate with which a layout is found. Without one, the refusal
+    of ``layout(seen)``."""
     try:
         return dict(layout(seen), gate=None)
     except ValueError as e:  # UnsupportedArchitectureError (probe.py imports this module: caught by its base)
@@ -80,19 +91,19 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
         W = src.y.shape[-1]
         shapes = [(H * dh, c, o) for c in range(1, H + 1) if H % c == 0 and W % c == 0
                   for o in range(0, W // c - H * dh // c + 1, dh)] + ([(H, 1, 0)] if W == H else [])
-        for lay in shapes:
+        for lay, act in ((lay, act) for lay in shapes for act in GATE_ACTIVATIONS):
             trial = dict(seen)
-            trial["<out_proj>"] = seen["<out_proj>"]._replace(x=seen["<out_proj>"].x / gate_of(src.y, lay, H, dh)
+            trial["<out_proj>"] = seen["<out_proj>"]._replace(x=seen["<out_proj>"].x / gate_of(src.y, lay, H, dh, act)
                                                               .flatten(-2))
             try:  # one gate in several layouts (an elementwise one, chunked or not) is one candidate
-                found.setdefault((name, tuple(_index(W, *lay).tolist())), (name, lay, layout(trial)))
+                found.setdefault((name, tuple(_index(W, *lay).tolist()), act), (name, lay, act, layout(trial)))
             except ValueError:
                 continue
     if len(found) != 1:
         raise refusal
-    name, lay, out = next(iter(found.values()))
+    name, lay, act, out = next(iter(found.values()))
     first = order.index(f"<src>{name}") < order.index(f"<src>{out['value_source']}")
-    return dict(out, gate=(name, lay, first))
+    return dict(out, gate=(name, lay, first, act))
 
 
 def has_gate(adapter) -> bool:
@@ -121,13 +132,14 @@ class OutputGate:
     @torch.no_grad()
     def read_gate(self, layer: int, x: Tensor) -> Tensor | None:
         """The output gate ``[..., H, dh]`` (float32) of residual rows ``x [..., d]`` entering block ``layer`` (the
-        attention-input norm, the gate's source, the sigmoid: as the attention computes it of a position's residual),
+        attention-input norm, the gate's source, the activation: as the attention computes it of a position's residual),
         or None where the attention has no gate. A read of a row enters the output projection times it."""
         s = self.structure
         if s.output_gate is None:
             return None
         h = self.attn_input_norm(layer, x.to(device=self.device))
-        return gate_of(self._sub(layer, s.output_gate)(self._in(h)), s.gate_layout, self.n_heads, self.d_head)
+        return gate_of(self._sub(layer, s.output_gate)(self._in(h)), s.gate_layout, self.n_heads, self.d_head,
+                       s.gate_act)
 
     def gate_site(self, layer_env, sel: frozenset[str], patch_reads, first: bool) -> Tensor | None:
         """Inside the site's trace: the forward's own gate ``[B,T,H,dh]`` (float32) of the block ``layer_env``, read
@@ -137,4 +149,4 @@ class OutputGate:
         if s.output_gate is None or s.gate_first != first or ("reads" not in sel and patch_reads is None):
             return None
         src = functools.reduce(getattr, s.output_gate.split("."), layer_env)  # its envoy, as site.module_at
-        return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head)
+        return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head, s.gate_act)

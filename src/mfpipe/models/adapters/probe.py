@@ -110,7 +110,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
                   "<first>": blocks[0], "<last>": blocks[-1], "<embed>": emb})
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
-    watch.update({f"<outer>{n}": getattr(stack, n) for n in outer_norms})
+    watch.update({f"<outer>{n}": submodule(stack, n) for n in outer_norms})  # one level down: an embedding's norm
     seen, order = probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")

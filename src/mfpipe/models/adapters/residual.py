@@ -13,7 +13,9 @@ positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.a
 * how the MLP is called: on ``[B, T, d]`` only where one block's MLP reads its input's shape (a mixture of experts,
   also after a dense first block: :func:`mlp_needs_sequences`), with a zero residual where it adds its own;
 * how the embedding enters the stream and the logits leave it: the embedding's scale and a position table's row
-  offset (:func:`embed_scale`), the final logits' scale against the LM head's output (:func:`logit_scale`).
+  offset (:func:`embed_scale`), the final logits' scale against the LM head's output (:func:`logit_scale`), and a
+  module the forward runs between the final norm and the LM head (:func:`head_transform`: ModernBERT-decoder's
+  prediction head).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "embed_scale", "input_embedding", "logit_scale",
+__all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "embed_scale", "head_transform", "input_embedding",
+           "logit_scale",
            "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "table_rows"]
 
 PROBE_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
@@ -167,17 +170,58 @@ def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[
             "by sqrt(d), nor plus an absolute position table)")
 
 
-def logit_scale(model, base, mt) -> float:
+def head_transform(model, base) -> str | None:
+    """The child of the causal LM (not its decoder stack, not its LM head) that its forward runs on the stack's output
+    to give what the LM head reads (ModernBERT-decoder's ``lm_head``, a prediction head: dense, GELU, LayerNorm, before
+    the unembedding ``decoder``), by one forward of the probe's tokens; None where the LM head reads the stack's output
+    itself, no one child does it, or the model is a bare stack."""
+    head = model.get_output_embeddings() if model is not base and hasattr(model, "get_output_embeddings") else None
+    outer = {n: m for n, m in model.named_children() if m is not base and m is not head
+             and any(True for _ in m.parameters())} if head is not None else {}
+    if not outer:
+        return None
+    seen, handles = {}, []
+
+    def hook(name):
+        def fn(mod, args, kwargs, out):
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+            y = getattr(out, "last_hidden_state", None)
+            seen.setdefault(name, (x, y if y is not None else out[0] if isinstance(out, (tuple, list)) else out))
+        return fn
+
+    for n, m in {"<head>": head, "<base>": base, **outer}.items():
+        handles.append(m.register_forward_hook(hook(n), with_kwargs=True))
+    vocab = int(getattr(model.config, "vocab_size", 3) or 3)
+    try:
+        with torch.no_grad():
+            model((PROBE_IDS % vocab)[None].to(head.weight.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+    def same(a, b):  # one tensor, or a slice of its positions (the logits of the kept positions)
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+
+    if "<head>" not in seen or "<base>" not in seen or same(seen["<head>"][0], seen["<base>"][1]):
+        return None
+    found = [n for n in outer if n in seen and same(seen[n][0], seen["<base>"][1])
+             and seen[n][1] is seen["<head>"][0]]
+    return found[0] if len(found) == 1 else None
+
+
+def logit_scale(model, base, mt, transform: str | None = None) -> float:
     """The factor the causal LM's logits are the LM head's output times (Cohere's ``logit_scale``, Granite's
     ``1 / logits_scaling``; 1 for most), from one forward of the probe's tokens; 1 where the model is a bare
-    decoder stack or has a soft-cap (whose transform the structure applies itself)."""
+    decoder stack or has a soft-cap (whose transform the structure applies itself). ``transform``: the child the LM
+    head reads through (:func:`head_transform`)."""
     head = model.get_output_embeddings() if model is not base and hasattr(model, "get_output_embeddings") else None
     if head is None or getattr(model.config, "final_logit_softcapping", None):
         return 1.0
     vocab = int(getattr(model.config, "vocab_size", 3) or 3)
+    through = getattr(model, transform) if transform else nn.Identity()
     with torch.no_grad():
         out = model((PROBE_IDS % vocab)[None].to(head.weight.device), use_cache=False, output_hidden_states=True)
-        lm, logits = head(out.hidden_states[-1]).double(), out.logits.double()
+        lm, logits = head(through(out.hidden_states[-1])).double(), out.logits.double()
     if logits.shape != lm.shape or torch.allclose(logits, lm, rtol=1e-4, atol=1e-5):
         return 1.0
     c = float((logits * lm).sum() / (lm * lm).sum().clamp_min(1e-30))

@@ -44,13 +44,15 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
-                                          side_mixer, unstacked, wrapped_attention)
+                                          idle_attentions, nested_embedding, placing_block, side_mixer, unstacked,
+                                          wrapped_attention)
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
 from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
-from mfpipe.models.adapters.residual import input_embedding, logit_scale, position_tables, returned_bias
+from mfpipe.models.adapters.residual import (head_transform, input_embedding, logit_scale, position_tables,
+                                             returned_bias)
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
@@ -65,7 +67,7 @@ __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_m
 #              which tries every such layout against the reads
 VALUE_LAYOUTS = ("split", "qkv", "neox", "chunked")
 _VALUE_SOURCES = {"v_proj": "split", "qkv_proj": "qkv", "c_attn": "qkv", "query_key_value": "neox"}
-_OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj")
+_OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "Wo")  # Wo: ModernBERT-decoder's
 @dataclass(frozen=True)
 class Structure:
     """A decoder's layout (see the module docstring). Paths are dotted attribute names."""
@@ -119,12 +121,14 @@ class Structure:
     # "gated_delta_net", "linear_attention", "recurrent", "convolution", "mlp"...); the paths above are those of the
     # attention blocks, a block of another kind is run as the model runs it. () where every block is attention
     layer_kinds: tuple[str, ...] = ()
-    # an output gate (Qwen3-Next, LFM-3: mfpipe.models.adapters.gate): the reads enter the output projection times the
-    # sigmoid of the slice gate_layout (n, chunks, offset) of output_gate's output (a path from the block), a
-    # projection of the attention's input that runs before the value source where gate_first
+    # an output gate (Qwen3-Next, LFM-3, Laguna: mfpipe.models.adapters.gate): the reads enter the output projection
+    # times the activation gate_act (sigmoid; Laguna's softplus) of the slice gate_layout (n, chunks, offset) of
+    # output_gate's output (a path from the block), a projection of the attention's input that runs before the value
+    # source where gate_first
     output_gate: str | None = None
     gate_layout: tuple[int, int, int] = (0, 1, 0)
     gate_first: bool = False
+    gate_act: str = "sigmoid"
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
@@ -135,6 +139,7 @@ class Structure:
     # the reads are the returned weights' times sigmoid(logsumexp(scores) - this (H,) parameter) (a path from the
     # block; Granite-SWA's sinks): the probabilities behind the reads are the weights times it (adapters.sinks)
     attn_sink: str | None = None
+    head_transform: str | None = None  # a module (path from the causal LM) between the final norm and the LM head
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -173,18 +178,20 @@ def describe(model: nn.Module) -> Structure:
     layers = stack + _layers(children, shape.L, mt)
     emb = input_embedding(model, base) if hasattr(base, "get_input_embeddings") else None
     embeds = [n for n, m in children.items() if m is emb]
+    nested = None if embeds or emb is None else nested_embedding(children, emb)  # ModernBERT-decoder's, with its norm
+    embeds = [nested[0]] if nested else embeds
     if not embeds and emb is not None:  # an encoder's embedding sits in a module of its own (BERT's embeddings)
         where = next((n for n, m in base.named_modules() if m is emb), None)
         raise UnsupportedArchitectureError(mt, f"cannot place the token embedding beside its blocks (it sits in "
                                                f"{where})")
     embed = stack + _one(embeds, "the token embedding", mt)
-    outer_norms = [n for n, m in children.items() if is_norm(m) and m is not emb]  # none: no final norm
+    outer_norms = [n for n, m in children.items() if is_norm(m) and m is not emb] + (nested[1] if nested else [])
     n_pos = getattr(cfg, "max_position_embeddings", None)
     tables = position_tables(stack_mod, emb, shape.d, n_pos)
     blocks = submodule(base, layers)
-    attn, kinds = _attention_blocks(blocks, mt)
+    attn, kinds = _attention_blocks(blocks, mt, idle_attentions(base, blocks))  # TrOCR's encoder_attn left out
     check_skipped(base, blocks, kinds, mt)  # the blocks the forward skips on text-only input (Mllama's cross-attention)
-    first = kinds.index("attention")  # a hybrid is placed on its first attention block
+    first = placing_block(blocks, kinds)  # a hybrid's first attention block; one with every norm the others have
     block = blocks[first]
     attn_mod = submodule(block, attn)
     out_proj, dv = _out_projection(attn_mod, shape, mt)
@@ -208,6 +215,7 @@ def describe(model: nn.Module) -> Structure:
         rms_offset, centred = _norm_kind(norm, mt)
     check_source_forms(blocks, attn, [l for l, k in enumerate(kinds) if k == "attention"], mt)
     forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj, first, found, shape, mt, formed_sources)
+    head = head_transform(model, base)  # ModernBERT-decoder's prediction head
     return Structure(
         layers=layers, embed=embed, final_norm=stack + final_norm if final_norm else None, attn=attn,
         value_source=f"{attn}.{found['value_source']}", value_layout=found["value_layout"],
@@ -221,21 +229,22 @@ def describe(model: nn.Module) -> Structure:
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
         embed_norm=stack + embed_norm if embed_norm else None, position_row_offset=found["position_row_offset"],
-        norm_centred=centred, logit_scale=logit_scale(model, base, mt), value_head_dim=None if dv == dh else dv,
+        norm_centred=centred, logit_scale=logit_scale(model, base, mt, head), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
         attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
         side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
-        value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"),
+        value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"), head_transform=head,
         **_gate_fields(found["gate"], attn),
     )
 
 
 def _gate_fields(gate, attn: str) -> dict:
-    """The structure's output-gate fields of the probe's ``gate`` (source, layout, first) or None."""
-    return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2])
+    """The structure's output-gate fields of the probe's ``gate`` (source, layout, first, activation) or None."""
+    return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2],
+                                        gate_act=gate[3])
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
@@ -295,15 +304,16 @@ def _stack(base: nn.Module, L: int, mt) -> str:
     return _one(found or unstacked(base, L, mt), f"the list of its {L} blocks among the base model's modules", mt) + "."
 
 
-def _attention(block: nn.Module, mt) -> str | None:
+def _attention(block: nn.Module, mt, idle=frozenset()) -> str | None:
     """The block's one ``*Attention`` module (softmax attention: not one of
-    :data:`~mfpipe.models.adapters.hybrid.MIXERS`); where it wraps another (its one ``*Attention`` child that does the
-    attention proper: GPT-Neo), that one's path. None where the block has none (a hybrid's block of another mixer)."""
+    :data:`~mfpipe.models.adapters.hybrid.MIXERS`, nor one of ``idle``, which text-only input does not run); where it
+    wraps another (its one ``*Attention`` child that does the attention proper: GPT-Neo), that one's path. None where
+    the block has none (a hybrid's block of another mixer)."""
     def attentions(m):
         return [n for n, c in m.named_children() if type(c).__name__.endswith("Attention")
                 and not any(t in own_name(c, block) for t, _ in MIXERS)]
 
-    found = attentions(block) or wrapped_attention(block, attentions, mt)  # DBRX's: in a module with its norms
+    found = [n for n in attentions(block) if n not in idle] or wrapped_attention(block, attentions, mt)  # DBRX's
     if not found:
         return None
     path = _one(found, "one attention module in a block", mt)
@@ -314,10 +324,10 @@ def _attention(block: nn.Module, mt) -> str | None:
     return path
 
 
-def _attention_blocks(blocks, mt) -> tuple[str, list[str]]:
+def _attention_blocks(blocks, mt, idle=frozenset()) -> tuple[str, list[str]]:
     """(the attention module's path in the attention blocks, each block's kind: "attention" or its mixer's). A
     hybrid's attention blocks must keep their attention at one path, of one class."""
-    paths = [_attention(b, mt) for b in blocks]
+    paths = [_attention(b, mt, idle) for b in blocks]
     found = {(p, type(submodule(b, p)).__name__) for p, b in zip(paths, blocks) if p is not None}
     if not found:
         kinds = sorted({mixer_kind(b) for b in blocks})

@@ -10,15 +10,16 @@ output projection's input):
 * the reads equal to the probability-weighted values times a constant (MiMo-V2-Flash's ``attention_value_scale``),
   times a factor per position and head in (0, 1) that the returned probabilities leave out (a sink of another
   form than ``sigmoid(logsumexp(scores) - sink)``, which is placed: :mod:`~.sinks`), or times a gate -- a sigmoid
-  or softplus of a projection of the position's input, per head or per channel (AFMoE's ``gate_proj``, Dots3's and
-  Laguna's ``g_proj``, AX-K2's gate half of a fused projection; Qwen3-Next's gated attention output);
+  or softplus of a projection, per head or per channel (AX-K2's gate half of a fused projection of another input;
+  where the projection reads the attention's input, as AFMoE's ``gate_proj``, Dots3's and Laguna's ``g_proj``,
+  Qwen3-Next's gated attention output, :mod:`~.gate` places it and the refusal says what else stands in the way);
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
 * a block that keeps no residual stream of summed branches: several streams (Gemma-3n's AltUp, hyper-connections,
   Reformer's reversible halves), a norm of the residual at its end (post-norm: GIT), a residual scaled by the block
   (Zaya's residual-scaling modules, Beam's depth-scaled sum, Dory's per-channel interpolation), the attention's
   output passed through another module before the residual (Inkling's short convolutions);
-* blocks of different pieces (ModernBERT-decoder's first block without an attention norm) or an LM head that is more
-  than a linear map of the final norm's output.
+* an LM head that reads the final norm's output through more than one module (ModernBERT-decoder's one prediction
+  head is placed: :func:`~mfpipe.models.adapters.residual.head_transform`).
 
 Each test compares tensors of the forward (the probabilities the attention returns, what its projections write, the
 output projection's input, what the block's modules read and write) up to float32 rounding; where none explains
@@ -120,7 +121,7 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
     act, src, where = gate
     said = (f"its reads ({n} weighted by its probabilities) are multiplied {per} by a gate, {act} of {src}{where}, "
             "before the output projection")
-    if act == "sigmoid" and seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places: not the cause
+    if seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places (either activation): not the cause
         scaled = [(m, c) for m, (x, y, *_) in seen.items() if m and x is not y and y.numel() == seen[n][0].numel()
                   and abs((c := float((seen[n][0] * y).sum() / (y * y).sum().clamp_min(1e-30))) - 1) > 1e-4
                   and _close(c * y.reshape(seen[n][0].shape), seen[n][0])]
@@ -129,9 +130,9 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
                     f"{scaled[0][1]:.4g} (a latent rescaled after its norm), where mfpipe's latent attention reads the "
                     "norm's output as is")
         return f"{said}, a gate mfpipe places; but no layout of its values is found with it"
-    form = "a softplus" if act == "softplus" else f"the sigmoid of a projection ({src}) of another input"
-    return (f"{said}: {form}, a gated attention output of a form mfpipe does not place (mfpipe.models.adapters.gate "
-            "places a sigmoid of a projection of the attention's input)")
+    return (f"{said}: the {act} of a projection ({src}) of another input, a gated attention output of a form mfpipe "
+            "does not place (mfpipe.models.adapters.gate places a sigmoid or softplus of a projection of the "
+            "attention's input)")
 
 
 def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) -> str | None:
@@ -244,7 +245,8 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
     residual at its end (post-norm: GIT's BERT layers), a module handed the branch and the residual that scales the
     residual (Zaya's residual scaling), the attention's output passing through another module before the residual
     (Inkling's short convolutions), the MLP reading the block input scaled (Beam's depth-scaled residual) or mixed
-    channel by channel with the branch (Dory's interpolation on the sphere)."""
+    channel by channel with the branch (Dory's interpolation on the sphere), or a norm's output plus the branch
+    (MiniMax's residual: the output of the norm before the attention)."""
     block = next(b for b in blocks(model) if any(m is attn_mod for m in b.modules()))
     attn = next(n for n, m in block.named_modules() if m is attn_mod)
     kids = {n: m for n, m in block.named_modules() if n and (_norm(m) or "." not in n)}
@@ -286,6 +288,10 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
         for per_channel, what, res in ((False, "the block input", x0), (True, "the block input", x0),
                                        *((True, f"its norm {m}'s output", seen[m][1]) for m in norms)):
             c = _fit(x, [res, branches[-1]], per_channel)
+            if c is not None and res is not x0 and torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
+                return (f"its blocks add the attention branch to {what}, not to the block input (what its norm {n} "
+                        "reads is that output + b x the attention branch): a norm on the residual stream itself, "
+                        "which every block renormalises; mfpipe reads a residual stream of summed branches")
             if c is not None and not torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
                 if not per_channel:
                     return (f"its blocks scale the residual stream itself: what its norm {n} reads is "
@@ -299,15 +305,9 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
 
 
 def _pieces(model, base) -> str | None:
-    """Blocks of different pieces where mfpipe reads one form (ModernBERT-decoder's first block without the others'
-    attention norm: an ``nn.Identity``), or an LM head that is more than a linear map of the final norm's output."""
-    bl = list(blocks(model))
-    for b in bl[1:]:
-        for n, m in b.named_children():
-            m0 = getattr(bl[0], n, None)
-            if _norm(m) and isinstance(m0, nn.Identity):
-                return (f"its first block has no {n} ({type(m0).__name__}) where the others have a norm "
-                        f"({type(m).__name__}): mfpipe places every block by one form")
+    """An LM head that reads the final norm's output through more than one module of the causal LM (one is placed:
+    ModernBERT-decoder's prediction head, :func:`~mfpipe.models.adapters.residual.head_transform`; so is a first block
+    whose attention norm is the identity, :func:`~mfpipe.models.adapters.forms.placing_block`)."""
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     if head is None or model is base:
         return None
@@ -316,8 +316,10 @@ def _pieces(model, base) -> str | None:
     seen = _forward(model, base, {"<head>": head, "<base>": base, **outer}, whole=True)
     if "<head>" in seen and "<base>" in seen and not _same(seen["<head>"][0], seen["<base>"][1]):
         on = [n for n in outer if n in seen and _same(seen[n][1], seen["<head>"][0])]
-        return (f"its LM head reads the final residual through {on[0] if on else 'another module'} before the "
-                "unembedding: mfpipe's unembedding is the final norm and one linear map")
+        if len(on) != 1 or not _same(seen[on[0]][0], seen["<base>"][1]):
+            return ("its LM head reads the final residual through modules of the causal LM other than one module "
+                    "of the final norm's output: mfpipe's unembedding is the final norm, at most one such module, and "
+                    "one linear map")
     return None
 
 
