@@ -274,7 +274,7 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         return self.structure.resid_scale is not None and any(
             bool((self._sub(l, self.structure.resid_scale) != 1).any()) for l in self.attention_layers)
 
-    @block_piece
+    @no_grad  # not held: a buffer stays resident where blocks are streamed (adapters.streaming)
     def block_output(self, layer: int, x: Tensor) -> Tensor:
         """The residual block ``layer`` hands on, of the sum ``x`` of its input and its branches: ``x`` times the
         block's own scale where it multiplies its output so (Gemma-4's ``layer_scalar`` buffer, a tensor as the block
