@@ -90,6 +90,10 @@ PATHS: dict[str, dict] = {
     # block 0's attn_norm an nn.Identity (its hook's output the residual itself), the others' a LayerNorm (issue 59)
     "modernbert-decoder": dict(layers="model.layers", final="model.final_norm", v_src="attn.v_proj", o_proj="attn.Wo",
                                attn="attn", attn_norm="attn_norm", attn_out=None, mlp_out="mlp"),
+    # values normed per head (v_norm's output [B, T, KV, dh], of v_proj's or, k_eq_v, of k_proj's), heads of two widths
+    # (issue 59): Gemma-4's; every head-space tensor zero-padded to the widest layer's (:func:`layer_width`)
+    "gemma4_text": dict(_LLAMA, v_src="self_attn.v_norm", attn_out="post_attention_layernorm",
+                        mlp_out="post_feedforward_layernorm"),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",
@@ -174,11 +178,25 @@ def o_proj(model, layer: int):
     return module(blocks(model)[layer], spec(model)["o_proj"])
 
 
+def layer_width(model, layer: int) -> int:
+    """Each head's read width in layer ``layer``: its output projection's input over the query heads."""
+    proj = o_proj(model, layer)  # an nn.Linear's weight [out, in]; GPT-2's Conv1D [in, out]
+    return (proj.weight.shape[0] if type(proj).__name__ == "Conv1D" else proj.in_features) // shape(model)[0]
+
+
+def pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t [..., w]`` with zeros appended to ``width``."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
 def shape(model) -> tuple[int, int, int]:
-    """(H query heads, KV heads, head width)."""
+    """(H query heads, KV heads, head width: the widest layer's where they differ)."""
     cfg = model.config
     if cfg.model_type == "gemma3":  # a composite: its language model's sizes
         cfg = cfg.text_config
+    if cfg.model_type == "gemma4_text":  # per-layer attributes: the global config refuses to say
+        per = [cfg.per_layer_config[l] for l in range(cfg.num_hidden_layers)]
+        return cfg.num_attention_heads, per[0].num_key_value_heads, max(c.head_dim for c in per)
     H = cfg.num_attention_heads
     KV = getattr(cfg, "num_key_value_heads", None) or H
     if cfg.model_type == "falcon":  # grouped (new architecture), multi-query, or one KV head per head
@@ -211,6 +229,8 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
         # full ones'), times the config's attention_value_scale as the attention multiplies them
         kv = out.reshape(B, T, -1, dh) * model.config.attention_value_scale
         v = torch.stack([kv[:, :, h // (H // kv.shape[2])] for h in range(H)], dim=2)
+    elif mt == "gemma4_text":  # v_norm's output [B, T, KV, dh_l]: KV heads expanded, zero-padded to the widest
+        v = pad(torch.stack([out[:, :, h // (H // out.shape[2])] for h in range(H)], dim=2), dh)
     elif mt == "codegen":  # four shards, each [q | v | k] of a quarter of the heads
         local = H * dh // 4
         v = out.reshape(B, T, 4, 3 * local)[..., local : 2 * local].reshape(B, T, H, dh)
@@ -234,11 +254,11 @@ def patched_reads(model, patch: PatchFn):
 
     def hook_for(layer):
         def hook(mod, args):
-            x = args[0]
-            new = patch(layer, x.reshape(*x.shape[:2], H, dh))
+            x, own = args[0], layer_width(model, layer)  # a narrower layer's reads zero-padded, its own coordinates back
+            new = patch(layer, pad(x.reshape(*x.shape[:2], H, own), dh))
             if new is None:
                 return None
-            return (new.to(x.dtype).reshape(x.shape), *args[1:])
+            return (new[..., :own].to(x.dtype).reshape(x.shape), *args[1:])
 
         return hook
 
@@ -305,7 +325,7 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
                 resid_in=resid_in,
                 probs=out.attentions[l] if l not in sink else out.attentions[l] * sink[l][..., None],
                 values=values_from_src(model, rec[("v", l)]),
-                reads=reads.reshape(*reads.shape[:2], H, dh),
+                reads=pad(reads.reshape(*reads.shape[:2], H, layer_width(model, l)), dh),
                 o_out=rec[("o_out", l)],
                 attn_block_out=rec[("attn", l)],
                 attn_out=rec[("attn_out", l)] if sp["attn_out"] else rec[("attn", l)],
@@ -319,8 +339,8 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
 def head_maps(model, layer):
     """O_h [H, dh, d] (float64 numpy) by probing the output projection with basis reads (independent of its weight layout)."""
     H, _, dh = shape(model)
-    proj = o_proj(model, layer)
+    proj, own = o_proj(model, layer), layer_width(model, layer)  # a narrower layer's rows zero-padded to dh
     with torch.no_grad():
-        eye = torch.eye(H * dh, dtype=proj.weight.dtype)
-        out = proj(eye) - proj(torch.zeros(1, H * dh, dtype=proj.weight.dtype))
-    return out.double().numpy().reshape(H, dh, -1)
+        eye = torch.eye(H * own, dtype=proj.weight.dtype)
+        out = (proj(eye) - proj(torch.zeros(1, H * own, dtype=proj.weight.dtype))).reshape(H, own, -1)
+    return pad(out.transpose(1, 2), dh).transpose(1, 2).double().numpy()

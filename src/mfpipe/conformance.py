@@ -219,7 +219,8 @@ def _rebuilt(adapter, att, hid, err) -> float:
         side = side_branch(adapter, l, x)  # a mixer beside the attention (Falcon-H1): the model's own, on the sequence
         a = adapter.post_attn_norm(l, o) if side is None else adapter.post_attn_norm(l, o) + side
         mid = x + a
-        nxt = x + a + adapter.mlp(l, x) if adapter.parallel_residual else mid + adapter.mlp(l, mid)
+        nxt = adapter.block_output(l, x + a + adapter.mlp(l, x) if adapter.parallel_residual
+                                   else mid + adapter.mlp(l, mid))  # times Gemma-4's layer_scalar
         want = hid[l + 1]
         if all(k in IDENTITY_KINDS for k in adapter.layer_kinds[l + 1:]):  # the last block run: transformers' last
             # hidden state is the final norm's output

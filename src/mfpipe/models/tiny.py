@@ -24,9 +24,11 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # logit scale (Cohere), a fused projection in four shards (CodeGen); issue 59: multi-head latent attention (DeepSeek-V3),
 # the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add), values scaled by a constant,
 # with attention layers of two kinds (MiMo-V2-Flash: mfpipe.models.adapters.layers), an attention sink applied as a
-# factor of the reads that the returned probabilities leave out (Granite-SWA's, dense and a mixture of experts)
+# factor of the reads that the returned probabilities leave out (Granite-SWA's, dense and a mixture of experts),
+# block 0's attention norm the identity (ModernBERT-decoder); Gemma-4's values normed per head, its full layers' heads twice as wide, their keys their values (attention_k_eq_v)
 PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
-                                       "mimo_v2_flash", "granite_swa", "granitemoe_swa", "modernbert-decoder")
+                                       "mimo_v2_flash", "granite_swa", "granitemoe_swa", "modernbert-decoder",
+                                       "gemma4_text")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -182,6 +184,12 @@ def _placed_config(model_type: str, common_rope: dict, gqa: dict) -> tuple[type,
             num_attention_heads=N_HEADS, max_position_embeddings=MAX_POS, local_attention=8, initializer_range=0.1,
             bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, pad_token_id=0, cls_token_id=VOCAB - 1,
             sep_token_id=VOCAB - 1)
+    if model_type == "gemma4_text":  # values v_norm (a scale-less RMS norm per head) of v_proj; layer 1 full attention
+        # with heads 32 wide, one KV head and its keys' projection its values' (attention_k_eq_v); no per-layer input
+        return transformers.Gemma4TextConfig, dict(
+            gqa, global_head_dim=2 * gqa["head_dim"], attention_k_eq_v=True, num_global_key_value_heads=1,
+            layer_types=["sliding_attention", "full_attention"], sliding_window=4, hidden_size_per_layer_input=0,
+            intermediate_size=2 * D_MODEL)
     if model_type == "gemma3":  # the composite: a tiny Gemma-3 text model and a one-layer SigLIP tower (never run)
         return transformers.Gemma3Config, dict(
             text_config=make_tiny_config("gemma3_text").to_dict(), mm_tokens_per_image=4,

@@ -174,10 +174,10 @@ def block_update(adapter, layer: int, c: Tensor, reads: Tensor) -> Tensor:
     a = attention_output(adapter, layer, reads, bias=True, post_norm=True, at=c)  # an output gate: the centroid's
     side = side_branch(adapter, layer, c[:, None])  # a mixer beside the attention (Falcon-H1): on each centroid as a
     a = a if side is None else a + side[:, 0]  # sequence of one position, as hybrid.mixer_block runs a mixer block
-    if adapter.parallel_residual:
-        return c + a + adapter.mlp(layer, c).float()
+    if adapter.parallel_residual:  # a block that scales its output (Gemma-4's layer_scalar): Adapter.block_output
+        return adapter.block_output(layer, c + a + adapter.mlp(layer, c).float())
     m = c + a
-    return m + adapter.mlp(layer, m).float()
+    return adapter.block_output(layer, m + adapter.mlp(layer, m).float())
 
 
 def _pin(c: Tensor, dims: Tensor | None, values: Tensor | None, layer: int) -> Tensor:

@@ -78,7 +78,7 @@ def block_stages(adapter, layer: int, kernel_l, bos_l, x: torch.Tensor) -> tuple
     side = side_branch(adapter, layer, x[:, None])  # as block_update: a mixer beside the attention (Falcon-H1)
     mid = x + (a if side is None else a + side[:, 0])
     mlp_in = x if adapter.parallel_residual else mid
-    return mid, mlp_in, mid + adapter.mlp(layer, mlp_in).float()
+    return mid, mlp_in, adapter.block_output(layer, mid + adapter.mlp(layer, mlp_in).float())
 
 
 def trajectories(adapter, setup, kernel, pin: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:

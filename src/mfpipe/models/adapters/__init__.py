@@ -12,6 +12,8 @@
   width, KV heads and value source, where the attention layers are of several kinds: MiMo-V2-Flash's), placed kind by
   kind by a reduced probe, and the zero padding of every head-space tensor to the widest layer's width (an exact
   embedding).
+* ``configs.py`` — what a model's config says of its attention forms: a value of a config whose layers differ
+  (Gemma-4's head_dim) and the forms refused by the config keys that turn them on (Gemma-4's KV sharing, PLE, MoE).
 * ``capture.py`` — what the site hands out and takes: :class:`LayerCapture` (one layer's fields,
   ``CAPTURE_FIELDS``), :class:`RunResult`, :func:`resolve_select` and ``module_at`` (a module by its dotted path).
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it

@@ -25,7 +25,8 @@ Conventions shared by all adapters
   the query's residual (``read_gate(l, resid_in)``: Qwen3-Next's, :mod:`~mfpipe.models.adapters.gate`).
 * ``attn_out`` / ``mlp_out`` are what the attention / MLP branch adds to the residual stream (after a post-norm, times
   a branch scale, where present; ``resid_mid = resid_in + attn_out``). Sequential blocks: ``resid_in[l+1] = resid_mid
-  + mlp_out``; parallel ones (GPT-NeoX): ``resid_in[l+1] = resid_in + attn_out + mlp(l, resid_in)``.
+  + mlp_out``; parallel ones (GPT-NeoX): ``resid_in[l+1] = resid_in + attn_out + mlp(l, resid_in)``; a block that
+  scales its output (Gemma-4's ``layer_scalar``) hands on that sum times its scale (:meth:`Adapter.block_output`).
   :meth:`Adapter.mlp` takes the residual stream the MLP branch reads (``resid_mid`` or ``resid_in``).
 """
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.configs import config_value
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.layers import pad_heads
 from mfpipe.models.adapters.residual import table_rows
@@ -85,9 +87,10 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         self.MLP, self.MLP_NORM, self.POST_MLP_NORM = s.mlp, s.mlp_norm, s.post_mlp_norm
         self.n_layers: int = int(cfg.num_hidden_layers)
         self.n_heads: int = int(cfg.num_attention_heads)
-        self.n_kv_heads: int = int(s.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        # a per-layer attribute (Gemma-4's): layer 0's; the other layers' are their forms' (adapters.layers)
+        self.n_kv_heads: int = int(s.kv_heads or config_value(cfg, "num_key_value_heads") or self.n_heads)
         self.d_model: int = int(cfg.hidden_size)
-        self.d_head: int = int(s.value_head_dim or getattr(cfg, "head_dim", None) or self.d_model // self.n_heads)
+        self.d_head: int = int(s.value_head_dim or config_value(cfg, "head_dim") or self.d_model // self.n_heads)
         self.parallel_residual: bool = bool(s.parallel_residual)
         self.has_post_attn_norm: bool = self.POST_ATTN_NORM is not None
         if self.n_heads % self.n_kv_heads:
@@ -266,7 +269,20 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         convention above; ``resid_in[L]`` is the final residual). The statistics pass then derives its mlp_out sums
         from its residual and attn_out sums and does not read the MLP's output. False for a model that is not float32:
         its residual additions round to the model's dtype (bfloat16: 2^-9 of the residual, not of mlp_out)."""
-        return self.dtype == torch.float32 and not self.hybrid and self.structure.side_mixer is None  # 3 branches
+        return (self.dtype == torch.float32 and not self.hybrid and self.structure.side_mixer is None  # 3 branches
+                and not self._scales_blocks())  # a block that scales its sum (Gemma-4's layer_scalar != 1)
+
+    def _scales_blocks(self) -> bool:
+        return self.structure.resid_scale is not None and any(
+            bool((self._sub(l, self.structure.resid_scale) != 1).any()) for l in self.attention_layers)
+
+    @no_grad  # not held: a buffer stays resident where blocks are streamed (adapters.streaming)
+    def block_output(self, layer: int, x: Tensor) -> Tensor:
+        """The residual block ``layer`` hands on, of the sum ``x`` of its input and its branches: ``x`` times the
+        block's own scale where it multiplies its output so (Gemma-4's ``layer_scalar`` buffer, a tensor as the block
+        multiplies: to the bit in the model's dtype), else ``x``; so ``resid_in[l+1] = s_l (resid_mid + mlp_out)``."""
+        path = self.structure.resid_scale
+        return x if path is None else x * self._sub(layer, path).to(device=x.device, dtype=x.dtype)
 
     @block_piece
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:

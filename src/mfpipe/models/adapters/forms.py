@@ -22,7 +22,10 @@
   the probe places those norms as the block's own), and **queries, keys and values clamped** to +-``clip_qkv``
   (DBRX's): the structure's ``value_clip``; **values scaled** by a constant (MiMo-V2-Flash's ``v_scale``, the
   config's ``attention_value_scale``): the structure's ``value_scale``; both applied, clamp then scale, wherever values
-  are read or computed (:func:`value_form`), found by the attention's own attribute and confirmed by the value search.
+  are read or computed (:func:`value_form`), found by the attention's own attribute and confirmed by the value search;
+  **values normed per head** by a norm of the attention's own (Gemma-4's ``v_norm``): the structure's ``value_norm``,
+  found by name and confirmed by the value search (:func:`formed_sources`); Gemma-4's forms mfpipe does not place are
+  refused by the config keys that turn them on (:func:`check_config_forms`).
 * **a sink's factor on the reads** (Granite-SWA's ``sinks``: :mod:`~mfpipe.models.adapters.sinks`): the probe's
   value search reads the probabilities behind the reads, which the attention does not return.
 * **a norm that is the identity in some blocks** (ModernBERT-decoder's first block: an ``nn.Identity`` at the path of
@@ -47,8 +50,7 @@ from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "idle_attentions",
-           "nested_embedding", "per_layer_hidden", "placing_block",
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "idle_attentions", "nested_embedding", "per_layer_hidden", "placing_block",
            "side_branch", "source_form", "value_form", "check_source_forms",
            "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
@@ -300,22 +302,34 @@ def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
 def source_form(attn_mod: nn.Module) -> dict:
     """The structure's fields of what the attention does to its value source's outputs before the heads read them:
     ``value_clip`` where it clamps them (DBRX's ``clip_qkv``), ``value_scale`` where it multiplies them by a constant
-    other than 1 (MiMo-V2-Flash's ``v_scale``); {} where it reads them as they are."""
+    other than 1 (MiMo-V2-Flash's ``v_scale``), ``value_norm`` (its path from the attention) where a norm of its own
+    normalises each head's values (Gemma-4's ``v_norm``, a scale-less RMS norm over each head's width); {} where it
+    reads them as they are."""
     clip, scale = getattr(attn_mod, "clip_qkv", None), getattr(attn_mod, "v_scale", None)
     out = {"value_clip": float(clip)} if isinstance(clip, (int, float)) and not isinstance(clip, bool) else {}
     if isinstance(scale, (int, float)) and not isinstance(scale, bool) and float(scale) != 1.0:
         out["value_scale"] = float(scale)
+    norm = getattr(attn_mod, "v_norm", None)
+    if isinstance(norm, nn.Module) and is_norm(norm) and isinstance(getattr(attn_mod, "head_dim", None), int):
+        out["value_norm"] = "v_norm"
     return out
 
 
 def formed_sources(attn_mod: nn.Module, seen: dict) -> None:
     """The probe's value-source candidates (``seen["<src>..."]``) rewritten as ``attn_mod`` reads them
-    (:func:`source_form`, as :func:`value_form` applies it), for the value search (the probe's placed block, and each
-    other attention kind's: :mod:`~mfpipe.models.adapters.layers`), which confirms the form against the reads."""
+    (:func:`source_form`, as :func:`value_form` applies it; a value norm of each head's width ``attn_mod.head_dim``, the
+    model's own module: Gemma-4's values, ``v_norm`` of ``v_proj``'s output, or of ``k_proj``'s where its full layers'
+    keys are its values), for the value search (the probe's placed block, and each other attention kind's:
+    :mod:`~mfpipe.models.adapters.layers`), which confirms the form against the reads."""
     form = source_form(attn_mod)
+    norm, dh = getattr(attn_mod, form.get("value_norm", ""), None), getattr(attn_mod, "head_dim", None)
     for k in [k for k in seen if form and k.startswith("<src>")]:
         y = seen[k].y.clamp(min=-form["value_clip"], max=form["value_clip"]) if "value_clip" in form else seen[k].y
-        seen[k] = seen[k]._replace(y=y * form["value_scale"] if "value_scale" in form else y)
+        y = y * form["value_scale"] if "value_scale" in form else y
+        if norm is not None and y.shape[-1] % dh == 0:
+            with torch.no_grad():
+                y = norm(y.to(seen[k].y_obj.dtype).unflatten(-1, (-1, dh))).flatten(-2).float()
+        seen[k] = seen[k]._replace(y=y)
 
 
 def check_source_forms(blocks, attn: str, layers, mt) -> None:
@@ -329,7 +343,8 @@ def check_source_forms(blocks, attn: str, layers, mt) -> None:
 def value_form(structure, t: Tensor) -> Tensor:
     """``t`` (a value source's output, or values) as the heads read it: clamped to +-``structure.value_clip`` where
     the attention clamps its queries, keys and values so (DBRX's ``clip_qkv``), then times ``structure.value_scale``
-    (MiMo-V2-Flash's ``v_scale``: a python float, as the attention multiplies, to the bit); else ``t``."""
+    (MiMo-V2-Flash's ``v_scale``: a python float, as the attention multiplies, to the bit); else ``t``. (A value norm,
+    ``structure.value_norm``, is the layer's own module: :mod:`~mfpipe.models.adapters.values` calls it per head.)"""
     c, s = structure.value_clip, structure.value_scale
     t = t if c is None else t.clamp(min=-c, max=c)
     return t if s == 1.0 else t * s

@@ -247,7 +247,9 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         elif need_resid_in:
             resid_in = layer_env.input.float()
         gate = self.gate_site(layer_env, sel, patch_reads, first=True)  # an output gate (adapters.gate): Qwen3-Next's
-        if "values" in sel:
+        if "values" in sel and self.structure.value_norm is not None:  # the values as the heads read them (Gemma-4's)
+            cap.values = self.values_from_norm(module_at(layer_env, self.structure.value_norm).output, layer).float()
+        elif "values" in sel:
             cap.values = self._values_from_src(module_at(layer_env, self.value_path(layer)).output, layer).float()
         gate = self.gate_site(layer_env, sel, patch_reads, first=False) if gate is None else gate  # forward order
         s = self.structure

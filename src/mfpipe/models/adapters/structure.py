@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
+from mfpipe.models.adapters.configs import check_config_forms, config_value
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
                                           idle_attentions, nested_embedding, placing_block, side_mixer, unstacked,
                                           wrapped_attention)
@@ -133,6 +134,8 @@ class Structure:
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
     value_scale: float = 1.0  # ... and multiplies its values by this (MiMo-V2-Flash's v_scale): forms.value_form
+    value_norm: str | None = None  # ... a norm of each head's values, the layer's own (Gemma-4's v_norm; from the block)
+    resid_scale: str | None = None  # a [1] buffer the block multiplies its output by (Gemma-4's layer_scalar)
     # each layer's head width, KV heads and value source where its attention layers are of several kinds
     # (mfpipe.models.adapters.layers: MiMo-V2-Flash's); () where every attention layer has the placed block's form
     layer_forms: tuple[LayerForm, ...] = ()
@@ -237,8 +240,17 @@ def describe(model: nn.Module) -> Structure:
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
         side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
         value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"), head_transform=head,
+        value_norm=f"{attn}.{found['value_norm']}" if found.get("value_norm") else None,
+        resid_scale="layer_scalar" if _scalar_buffer(block, "layer_scalar") else None,
         **_gate_fields(found["gate"], attn),
     )
+
+
+def _scalar_buffer(block: nn.Module, name: str) -> bool:
+    """Whether ``block`` holds a one-element float buffer ``name`` of its own (Gemma-4's ``layer_scalar``, which its
+    forward multiplies the block's output by: the conformance rebuild checks it where it is not 1)."""
+    t = dict(block.named_buffers(recurse=False)).get(name)
+    return isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point()
 
 
 def _gate_fields(gate, attn: str) -> dict:
@@ -274,22 +286,10 @@ def _shape(cfg, mt) -> Shape:
     if hc > 1:  # DeepSeek-V4's, HY-V4's hc_mult, Qwen-4-Exp's hc_count: [B, T, hc, d] between the blocks
         raise UnsupportedArchitectureError(mt, f"its blocks carry {hc} residual streams mixed by hyper-connections: "
                                                "mfpipe reads one residual stream")
+    check_config_forms(cfg, L, mt)  # Gemma-4's KV sharing, PLE, MoE block refused
     d = int(cfg.hidden_size)
-    return Shape(L=L, H=H, KV=int(_one_value(cfg, "num_key_value_heads", L, mt) or H),
-                 dh=int(_one_value(cfg, "head_dim", L, mt) or d // H), d=d)
-
-
-def _one_value(cfg, key: str, L: int, mt):
-    """``cfg.<key>``; where it is a per-layer attribute of a heterogeneous config that differs between layers
-    (Gemma-4's head_dim: its full-attention layers' heads twice as wide), a refusal naming the values."""
-    try:
-        return getattr(cfg, key, None)
-    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
-        values = sorted({getattr(cfg.per_layer_config[i], key, None) for i in range(L)}, key=str)
-        if len(values) == 1:
-            return values[0]
-        raise UnsupportedArchitectureError(mt, f"its layers differ in {key} ({', '.join(map(str, values))}): mfpipe "
-                                               "reads heads of one width and count in every layer") from None
+    return Shape(L=L, H=H, KV=int(config_value(cfg, "num_key_value_heads") or H),
+                 dh=int(config_value(cfg, "head_dim") or d // H), d=d)
 
 
 def _stack(base: nn.Module, L: int, mt) -> str:

@@ -16,8 +16,9 @@ output projection's input):
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
 * a block that keeps no residual stream of summed branches: several streams (Gemma-3n's AltUp, hyper-connections,
   Reformer's reversible halves), a norm of the residual at its end (post-norm: GIT), a residual scaled by the block
-  (Zaya's residual-scaling modules, Beam's depth-scaled sum, Dory's per-channel interpolation), the attention's
-  output passed through another module before the residual (Inkling's short convolutions);
+  (Zaya's residual-scaling modules, Beam's depth-scaled sum, Dory's per-channel interpolation; not Gemma-4's
+  ``layer_scalar``, one number times the block's whole output, which is placed: ``Adapter.block_output``), the
+  attention's output passed through another module before the residual (Inkling's short convolutions);
 * an LM head that reads the final norm's output through more than one module (ModernBERT-decoder's one prediction
   head is placed: :func:`~mfpipe.models.adapters.residual.head_transform`).
 

@@ -91,8 +91,19 @@ class ValueMaps:
             src_out = src_out[..., self._v_offset : self._v_offset + KV * dh]
         elif self._v_index is not None:
             src_out = src_out.index_select(-1, self._v_index.to(src_out.device))
-        v = src_out.reshape(B, T, KV, dh).transpose(1, 2)  # [B,KV,T,dh]
+        v = src_out.reshape(B, T, KV, dh).transpose(1, 2)  # [B,KV,T,dh] (a value norm's: values_from_norm)
         return pad_heads(self._expand_kv(v, 1, layer), self.d_head)
+
+    def _value_normed(self, layer: int, v: Tensor) -> Tensor:
+        """Values ``[..., KV, dh]`` through the layer's value norm where it has one (Gemma-4's ``v_norm``: the model's
+        own module on the model's own tensor, so to the bit), else ``v``."""
+        path = self.structure.value_norm
+        return v if path is None else self._sub(layer, path)(v)
+
+    def values_from_norm(self, norm_out: Tensor, layer: int) -> Tensor:
+        """[B,T,KV,dh] output of layer ``layer``'s value norm (``structure.value_norm``: what the heads read) -> values
+        [B,H,T,d_head] (GQA expanded, zero-padded to ``d_head``): the site reads them there."""
+        return pad_heads(self._expand_kv(norm_out.transpose(1, 2), 1, layer), self.d_head)
 
     # ------------------------------------------------------------------ block pieces
     @block_piece
@@ -122,7 +133,7 @@ class ValueMaps:
             v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
         else:
             v = src(h)
-        v = self._expand_kv(value_form(self.structure, v).unflatten(-1, (KV, dh)), -2, layer)
+        v = self._expand_kv(self._value_normed(layer, value_form(self.structure, v).unflatten(-1, (KV, dh))), -2, layer)
         return pad_heads(v, self.d_head).to(x.dtype)
 
     @block_piece
@@ -131,9 +142,10 @@ class ValueMaps:
         output ``h = attn_input_norm(layer, x)``, ``values[..., k, :] = h @ W[k] + b[k]`` (GQA KV heads expanded),
         ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
         values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so); values scaled by a constant
-        (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid and
-        clamped values (DBRX's): the pass then sums the values as read."""
-        if self.structure.latent_proj is not None or self.hybrid or self.structure.value_clip is not None:
+        (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid,
+        clamped values (DBRX's) and normed ones (Gemma-4's ``v_norm``): the pass then sums the values as read."""
+        s = self.structure
+        if s.latent_proj is not None or self.hybrid or s.value_clip is not None or s.value_norm is not None:
             return None
         src = self._sub(layer, self.value_path(layer))
         H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
