@@ -139,3 +139,33 @@ def test_the_function_vector_job_peaks_at_a_forward_and_the_mean_field_it_reads(
     c["peak_mb"]["forward"] = 1294.0
     mean_field = 12 * 12 * 1002 * (1000 + 64) * 4 / 2**20
     assert C.job_cost(ctx, "function_vectors", wc)["peak_mb"] == pytest.approx(1294.0 + mean_field)
+
+
+@pytest.mark.parametrize("applies, d, chunk", [(False, 100, 16), (True, 300, 16), (True, 50, 16)])
+def test_the_jlens_position_is_priced_by_its_calls_of_backward_passes(monkeypatch, applies, d, chunk):
+    """A J-lens position costs its prefix and token forwards, then ceil(d / rows) calls of backward passes (rows:
+    jlens.grad_chunk, at least WIDE_ROWS where a 16-bit model runs on a CPU), each call a cost of its own beside its
+    rows': timing_jlens's line through one and two calls gives exactly that on a cost of that form (it timed 16 and
+    64 rows inside one call before, and priced a row's share only)."""
+    import math
+    from types import SimpleNamespace
+
+    from mfpipe.estimate import timing as T
+    from mfpipe.models.adapters import backward16, jacobian
+
+    rows = min(d, max(chunk, backward16.WIDE_ROWS) if applies else chunk)
+    fixed, per_call, per_row = 2.0, 0.5, 0.01
+
+    def cost(n):  # n rows in calls of `rows`
+        return fixed + math.ceil(n / rows) * per_call + n * per_row
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(T.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(jacobian, "position_jacobians",
+                        lambda *a, rows=None, **k: clock.__setitem__("t", clock["t"] + cost(rows or d)))
+    monkeypatch.setattr(backward16, "applies", lambda model: applies)
+    adapter = SimpleNamespace(d_model=d, model=None)
+    got = T.time_jlens(adapter, np.zeros((1, 8), dtype=np.int64), 8, {"jlens": {"grad_chunk": chunk}})
+    calls = math.ceil(d / rows)  # the last call priced whole
+    assert got == pytest.approx(fixed + calls * (per_call + rows * per_row))
+    assert got >= cost(d) and got - cost(d) < rows * per_row
