@@ -193,3 +193,29 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
     for rule in C.RULES:
         cost = C.job_cost(ctx, rule, wcs)
         assert cost["seconds"] > 0 and cost["modelled"], rule
+
+
+def test_a_batch_cut_below_the_jobs_adds_a_windows_share_to_the_batched_stages():
+    """Where the calibration times fewer windows than the jobs' batch (MAX_BATCH_SECONDS: a 16-bit 7B model's on a
+    CPU), the batched stages' peaks get a window's share of a forward's memory (one window more, measured) for each
+    window left out; the rollout's and the J-lens's do not batch windows."""
+    import numpy as np
+    import torch
+
+    from mfpipe.estimate import calibrate as Cal
+
+    class Grows(torch.nn.Module):  # a forward that holds 40 MiB a window at its peak
+        def forward(self, input_ids, use_cache=False):
+            held = np.ones((len(input_ids), 40 << 17))  # 40 MiB of float64 a window, touched
+            return float(held.sum())
+
+    peaks = Cal._Peaks()
+    per_window = Cal._window_mb(Grows(), np.zeros((4, 8), dtype=np.int64), 2, "cpu", peaks)
+    assert 30 < per_window < 50 and "_window" not in peaks.rise
+    peaks.rise = {"forward": 10.0, "pass1": 20.0, "pass2": 30.0, "substitution": 40.0, "rollout": 50.0, "jlens": 60.0}
+    model = torch.nn.Linear(2, 2)
+    adapter = type("A", (), {"n_layers": 1, "block_module": lambda self, l: torch.nn.Linear(1, 1)})()
+    plain = Cal._memory(model, adapter, 0.0, 1.0, peaks)["peak_mb"]
+    more = Cal._memory(model, adapter, 0.0, 1.0, peaks, more_windows_mb=3 * per_window)["peak_mb"]
+    assert {k: round(more[k] - plain[k], 6) for k in plain} == {
+        **{k: round(3 * per_window, 6) for k in Cal.BATCHED}, "rollout": 0.0, "jlens": 0.0}

@@ -199,6 +199,9 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
            "wpos": adapter.position_table() is not None}  # a learned position table: the positional job decodes
     windows, ts = peaks("forward", lambda: _forward(model, adapter, config, batches, device, out))
     B, T = out["batch_size"], out["T"]
+    # a batch cut below the jobs' (MAX_BATCH_SECONDS): a window's share of a forward's memory (one more window
+    # measured), added to the batched stages' peaks for each window the jobs' batch holds beyond the timed one
+    out["window_mb"] = _window_mb(model, windows, B, device, peaks) if B < out["runtime_batch_size"] else 0.0
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))
     out["jlens_s_per_position"] = time_jlens(adapter, windows, T, config) * scale
     # its memory: the sums it holds, at full depth, and beside them a batch of its positions (a chunk of backward
@@ -235,7 +238,8 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     # the kernel and pass 2's sums are held whole, all layers at once: counted at the depth run and at full depth
     arrays = [layer_arrays(n, adapter.n_heads, int(ts.n), adapter.d_head, int(config["deviation"]["top_k"]),
                            adapter.d_model) for n in (adapter.n_layers, layers)]
-    out.update(_memory(model, adapter, base_rss, scale, peaks, width, held, arrays))
+    more = out["window_mb"] * max(out["runtime_batch_size"] - B, 0)
+    out.update(_memory(model, adapter, base_rss, scale, peaks, width, held, arrays, more))
     # its blocks' weights streamed where they would not fit (runtime.stream_weights): one block's memory, a read a batch
     out.update(stream_fields(config, spec, adapter, out, width, scale, rates, device))
     if device.startswith("cuda"):
@@ -312,8 +316,27 @@ def layer_arrays(L: int, H: int, N: int, dh: int, top_k: int, d: int = 0) -> dic
     return {"substitution": kernel, "pass2": kernel + sums, "rollout": ROLLOUT_CENTROID_COPIES * (L + 1) * N * d * 8}
 
 
+def _window_mb(model, windows, B: int, device: str, peaks) -> float:
+    """MiB the model's forward (its logits too) rises by with one window more than ``B`` (the logits, a layer's
+    activations): a window's share of the batched stages' memory, at least."""
+    import torch
+
+    def forward(n):
+        with torch.no_grad():
+            model(input_ids=torch.as_tensor(windows[:n], device=device), use_cache=False)
+
+    rises = []
+    for n in (B, B + 1):
+        peaks("_window", lambda n=n: forward(n))
+        rises.append(peaks.rise.pop("_window"))
+    return max(rises[1] - rises[0], 0.0)
+
+
+BATCHED = ("forward", "pass1", "pass2", "substitution")  # the stages whose memory grows with runtime.batch_size
+
+
 def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float = 1.0, held_bytes: float = 0.0,
-            arrays: list | None = None) -> dict:
+            arrays: list | None = None, more_windows_mb: float = 0.0) -> dict:
     """Each kind of job's peak resident memory at full depth (MiB): the process without the model, the weights
     (the layers' scaled, the embedding and LM head once) and the rise of its stage, scaled where the stage's
     buffers are per layer (training's) and not for the forward (one layer's activations
@@ -321,7 +344,7 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
     larger of its forwards and its partial's write (benchmarks/stats_memory.py measures the same at several depths);
     pass 2's, the substitution's and the rollouts' with the arrays they hold whole (``arrays``: :func:`layer_arrays`
     at the depth run and at full depth) counted at full depth and the rest not (a batch's logits are the LM head's,
-    once)."""
+    once); the :data:`BATCHED` stages' with ``more_windows_mb`` for the windows the timed batch left out."""
     size = lambda params: sum(p.numel() * p.element_size() for p in params)  # noqa: E731
     layer_bytes = sum(size(adapter.block_module(l).parameters()) for l in range(adapter.n_layers))
     other = (size(model.parameters()) - layer_bytes) * width
@@ -340,6 +363,9 @@ def _memory(model, adapter, base_rss: float, scale: float, peaks, width: float =
             rise[k] = max(rise[k] - arrays[0][k] / 2**20, 0.0) + arrays[1][k] / 2**20
     # the forward holds one layer's activations at a time: not per layer
     per_layer = {"train"} | (set() if arrays else {"pass2", "rollout"})
+    for k in BATCHED:
+        if k in rise:
+            rise[k] += more_windows_mb
     peak = {k: base_rss + weights + r * (scale if k in per_layer else 1.0) for k, r in rise.items()}
     return {"peak_mb": peak, "peak_rss_mb": max(peak.values()), "param_bytes": int(other + layer_bytes * scale)}
 

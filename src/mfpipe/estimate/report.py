@@ -356,7 +356,9 @@ def _print(jobs, ctx, devices: tuple, args, took: float) -> list[str]:
               f"{1 / c['substitution_s_per_token']:.0f} tok/s; job start-up {c['startup_s']:.1f} s")
         if c["batch_size"] < c.get("runtime_batch_size", c["batch_size"]):  # a batch too slow to time whole
             print(f"- {name}: timed in batches of {c['batch_size']}, not the jobs' {c['runtime_batch_size']} (a batch's "
-                  f"forward would take over {MAX_BATCH_SECONDS:.0f} s): its model jobs' peaks are a smaller batch's")
+                  f"forward would take over {MAX_BATCH_SECONDS:.0f} s): its batched jobs' peaks are the smaller "
+                  f"batch's plus {c.get('window_mb', 0.0):.0f} MiB for each window more (a bare forward's rise with "
+                  "one window more)")
         if stream_line(name, c):  # its weights streamed one block at a time (mfpipe.estimate.weights)
             print(f"- {stream_line(name, c)}")
     half = [m["name"] for m in ctx.config["models"]
