@@ -238,6 +238,7 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     # the kernel and pass 2's sums are held whole, all layers at once: counted at the depth run and at full depth
     arrays = [layer_arrays(n, adapter.n_heads, int(ts.n), adapter.d_head, int(config["deviation"]["top_k"]),
                            adapter.d_model) for n in (adapter.n_layers, layers)]
+    out["pass2_sums_mb"] = (arrays[1]["pass2"] - arrays[1]["substitution"]) / 2**20  # what only pass 2 holds
     more = out["window_mb"] * max(out["runtime_batch_size"] - B, 0)
     out.update(_memory(model, adapter, base_rss, scale, peaks, width, held, arrays, more))
     # its blocks' weights streamed where they would not fit (runtime.stream_weights): one block's memory, a read a batch

@@ -74,9 +74,10 @@ def _dtype_bytes(ctx, model: str) -> int:
 
 
 def _out_proj_mb(c) -> float:
-    """``O [L, H, dh, d]`` in float64 (both positional jobs hold it): L·d·d·8 bytes where H·dh = d."""
+    """``O [L, H, dh, d]`` in float32 (both positional jobs hold it, widened a head at a time): L·d·d·4 bytes where
+    H·dh = d."""
     d_head = c.get("d_head") or c["d_model"] / c["heads"]
-    return c["layers"] * c["heads"] * d_head * c["d_model"] * 8 / 2**20
+    return c["layers"] * c["heads"] * d_head * c["d_model"] * 4 / 2**20
 
 
 # the offset bins of the cluster's cells: mfpipe.experiments.positional.fits.offset_features's one-hot offsets 0..7
@@ -98,7 +99,9 @@ def positional_peak(ctx, c, wc) -> float:
     position and its scatter (float64), with a position table the decode's five folds' moments; per cluster head
     (at most the top ``top_fraction`` of them: the bound) Δ's sums and count per (position, offset bin) cell, a(p)'s
     per position and the offsets' histogram; a batch's Δ in float32 and three float64 copies; O. Δ of each head and
-    occurrence (``4·dh`` bytes) is never held: only the per-occurrence scalars grow with ``positional.tokens``."""
+    occurrence (``4·dh`` bytes) is never held: only the per-occurrence scalars grow with ``positional.tokens``. Its
+    forwards are pass 2's (its peak stage), its arrays the kernel's, not pass 2's float64 sums (``pass2_sums_mb``, at
+    full depth: 7.9 GB at Qwen3-14B's shape), which are taken off."""
     p = ctx.config["positional"]
     _, T = _primary(ctx)
     _, n = occurrences(ctx, c, wc)
@@ -110,19 +113,19 @@ def positional_peak(ctx, c, wc) -> float:
     moments = LH * 8 * (positions * (dh + 1) + dh * dh + wpos * 5 * (dh * dh + 3 * dh + 5))
     cluster = K * 8 * (positions * bins * (dh + 1) + positions + T + dh + 3)
     batch = int(p["batch_size"] or ctx.config["runtime"]["batch_size"]) * positions * LH * (dh * (4 + 3 * 8) + 20)
-    return (held + moments + cluster + batch) / 2**20 + _out_proj_mb(c)
+    return (held + moments + cluster + batch) / 2**20 + _out_proj_mb(c) - c.get("pass2_sums_mb", 0.0)
 
 
 def ablation_peak(ctx, c, wc) -> float:
     """Every layer's attention pattern ``[B, H, T, T]`` of a batch, unablated and under the carriers' arm, kept on
     the host at the model's width for the consumers' change (one layer's pair of them in float64 as it is taken); O
-    in float64 and float32."""
+    twice in float32 (the job's and the ablation's own)."""
     p = ctx.config["positional"]
     _, T = _primary(ctx)
     B = int(p["batch_size"] or ctx.config["runtime"]["batch_size"])
     pattern = B * c["heads"] * T * T
     patterns = 2 * pattern * (c["layers"] * _dtype_bytes(ctx, wc["model"]) + 8) / 2**20
-    return patterns + 1.5 * _out_proj_mb(c)
+    return patterns + 2 * _out_proj_mb(c)
 
 
 def count_tokens(ctx, c, wc):
