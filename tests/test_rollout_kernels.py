@@ -161,30 +161,39 @@ def test_a_layered_kernel_equals_the_whole_array_bit_for_bit(name):
     assert np.array_equal(got[0], want[0], equal_nan=True)
 
 
-def _rollout_peak(L: int, N: int, d: int) -> tuple[float, object]:
-    """tracemalloc's peak bytes of run_rollouts (every default kernel) on a tiny Llama of ``L`` layers, width ``d``,
-    at ``N`` tracked types, with the stores written before tracing starts."""
+def _halves(model, ad, n: int | None = None) -> dict:
+    """The statistics and evaluation halves' stores of ``model`` (Zipf windows, ``n`` tracked types: the default
+    set where None), written to a temporary folder."""
     import pathlib
     import tempfile
-    import tracemalloc
 
     from stats_reference import tracked_for, zipf_windows
 
-    from mfpipe.experiments.rollout import runs as RO
-    from mfpipe.models.adapters import get_adapter
-    from mfpipe.models.tiny import make_tiny_model
     from mfpipe.stats import accumulate_shard, finalize, write_store
 
-    model = make_tiny_model("llama", seed=7, num_hidden_layers=L, hidden_size=d, intermediate_size=2 * d)
-    ad = get_adapter(model)
     root, paths = pathlib.Path(tempfile.mkdtemp()), {}
-    tracked = tracked_for(zipf_windows(24, seed=1), n=N)
+    tracked = tracked_for(zipf_windows(24, seed=1), **({} if n is None else {"n": n}))
     for half, seed in (("stats", 1), ("eval", 2)):
         sums = accumulate_shard(model, ad, zipf_windows(24, seed=seed), tracked, batch_size=8, device="cpu",
                                 progress=False)
         meta = {"model": "tiny", "revision": "r1", "half": half, "corpus": "z", "corpus_fingerprint": "f",
                 "model_type": ad.model_type}
         paths[half] = write_store(finalize(sums, tracked, meta), root / f"{half}.zarr")
+    return paths
+
+
+def _rollout_peak(L: int, N: int, d: int) -> tuple[float, object]:
+    """tracemalloc's peak bytes of run_rollouts (every default kernel) on a tiny Llama of ``L`` layers, width ``d``,
+    at ``N`` tracked types, with the stores written before tracing starts."""
+    import tracemalloc
+
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.models.adapters import get_adapter
+    from mfpipe.models.tiny import make_tiny_model
+
+    model = make_tiny_model("llama", seed=7, num_hidden_layers=L, hidden_size=d, intermediate_size=2 * d)
+    ad = get_adapter(model)
+    paths = _halves(model, ad, N)
     tracemalloc.start()
     try:
         RO.run_rollouts(model, ad, paths["stats"], paths["eval"], model_name="tiny", revision="r1")
@@ -225,26 +234,14 @@ def test_rows_below_one_are_allowed_only_in_a_sinks_layers():
 def test_the_rollout_of_a_model_with_attention_sinks_runs_every_kernel(model_type):
     """A sink takes a share of each row of P and adds no value (the rows sum below 1 where it does: the adapter's
     sink_layers): every kernel of Table 1 rolls out, the scores finite; the adapter names exactly those layers."""
-    import pathlib
-    import tempfile
-
-    from stats_reference import tracked_for, zipf_windows
-
     from mfpipe.experiments.rollout import runs as RO
     from mfpipe.models.adapters import get_adapter
     from mfpipe.models.tiny import make_tiny_model
-    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+    from mfpipe.stats import open_stats
 
     model = make_tiny_model(model_type, seed=7)
     ad = get_adapter(model)
-    root, paths = pathlib.Path(tempfile.mkdtemp()), {}
-    tracked = tracked_for(zipf_windows(24, seed=1))
-    for half, seed in (("stats", 1), ("eval", 2)):
-        sums = accumulate_shard(model, ad, zipf_windows(24, seed=seed), tracked, batch_size=8, device="cpu",
-                                progress=False)
-        meta = {"model": "tiny", "revision": "r1", "half": half, "corpus": "z", "corpus_fingerprint": "f",
-                "model_type": ad.model_type}
-        paths[half] = write_store(finalize(sums, tracked, meta), root / f"{half}.zarr")
+    paths = _halves(model, ad)
     rows = open_stats(paths["stats"]).P().sum("key").values  # [L, H, N]
     short = tuple(l for l in range(ad.n_layers) if (rows[l] < 1 - 1e-3).all())
     assert short and ad.sink_layers() == short
