@@ -194,43 +194,55 @@ def clone_workflow(dest: Path) -> Path:
     return dest
 
 
-def configfiles(preset: str, workdir: Path, smoke: bool) -> list[str]:
-    """The run's --configfile list, relative to its folder: the preset, the overlay, the preset's own overlay and,
-    with ``smoke``, the smoke overlay written into the folder."""
+def configfiles(preset: str, workdir: Path, smoke: bool, device: str | None = None) -> list[str]:
+    """The run's --configfile list, relative to its folder: the preset, the overlay, the preset's own overlay,
+    with ``smoke`` the smoke overlay written into the folder and with ``device`` one setting ``runtime.device``
+    (the presets' own is ``auto``: the GPU where torch sees one)."""
+    import yaml
+
     files = [f"config/presets/{preset}.yaml", str(OVERLAY.relative_to(REPO))]
     if PRESETS[preset][3] is not None:
         files.append(str(PRESETS[preset][3].relative_to(REPO)))
     if smoke:
-        import yaml
-
         (workdir / "smoke.yaml").write_text(yaml.safe_dump(SMOKE_OVERLAY, sort_keys=False))
         files.append("smoke.yaml")
+    if device:
+        (workdir / "device.yaml").write_text(yaml.safe_dump({"runtime": {"device": device}}))
+        files.append("device.yaml")
     return files
 
 
 def hub_env(cache: Path, workdir: Path) -> dict:
-    """The environment of the run and of its estimate: the offline cache, nothing from the network."""
+    """The environment of the run and of its estimate: the offline cache, nothing from the network; the clone's
+    library first on the path (then what the caller's PYTHONPATH holds: packages installed beside the interpreter's,
+    as on a GPU host that carries them)."""
+    path = os.pathsep.join(p for p in (str(workdir / "src"), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HOME": str(workdir / ".hf-home"), "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(workdir / "src")}
+            "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": path}
 
 
-def run_workflow(workdir: Path, files: list[str], env: dict, cores: int, timeout: float | None) -> float:
+def run_workflow(workdir: Path, files: list[str], env: dict, cores: int, timeout: float | None,
+                 keep_going: bool = False) -> float:
     """``snakemake --cores cores --configfile files`` in ``workdir`` (its console in ``snakemake.log``); its wall
-    seconds. A failed run raises with the log's tail."""
+    seconds. A failed run raises with the log's tail; with ``keep_going`` (snakemake --keep-going: every job that
+    does not depend on the failed one runs) it returns, and ``failed.txt`` in ``workdir`` holds the tail."""
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
-           "--cores", str(cores), "--configfile", *files]
+           "--cores", str(cores), "--configfile", *files] + (["--keep-going"] if keep_going else [])
     t0 = time.perf_counter()
     with open(workdir / "snakemake.log", "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, timeout=timeout)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         tail = "\n".join((workdir / "snakemake.log").read_text().splitlines()[-40:])
+        if keep_going:
+            (workdir / "failed.txt").write_text(tail)
+            return wall
         raise RuntimeError(f"the run in {workdir} failed (exit {done.returncode}); its log's end:\n{tail}")
     return wall
 
 
 def run_estimate(workdir: Path, files: list[str], env: dict, jobs_at_once: int, timeout: float | None,
-                 times: int = 3) -> dict:
+                 times: int = 3, device: str | None = None) -> dict:
     """``mfpipe estimate`` of the run's config beside its benchmark files (the clone's library), in ``workdir``,
     ``times`` times (its calibration is a few seconds of each pass, as noisy as the machine: the median of three): each
     run's console in ``estimate.<i>.md``, its jobs' predictions in ``estimate_jobs.<i>.csv`` and its calibration in
@@ -244,6 +256,7 @@ def run_estimate(workdir: Path, files: list[str], env: dict, jobs_at_once: int, 
         cmd = [sys.executable, "-m", "mfpipe.cli", "estimate", "--snakefile", str(workdir / "Snakefile"),
                "--configfile", *files, "--jobs-at-once", str(jobs_at_once), "--compare", "logs/benchmarks",
                "--jobs", f"estimate_jobs.{i}.csv", "--calibration", f"estimate_calibration.{i}.json"]
+        cmd += ["--device", device] if device else []
         t0 = time.perf_counter()
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir, timeout=timeout)
         (workdir / f"estimate.{i}.md").write_text(done.stdout + f"\n(estimate took {time.perf_counter() - t0:.0f} s)\n")
@@ -269,26 +282,39 @@ def median_estimate(runs: list) -> tuple:
 
 
 def run_preset(preset: str, root: Path, cache: Path, smoke: bool, cores: int, jobs_at_once: int,
-               timeout: float | None, progress=print, estimates: int = 3) -> dict:
-    """One preset's run and its estimate (module docstring, step 2); ``{"wall_s", "calibration", "files"}``. A run
-    folder whose workflow finished (its ``run.json``) is read, not run again; so is its estimate."""
+               timeout: float | None, progress=print, estimates: int = 3, device: str | None = None,
+               keep_going: bool = False) -> dict:
+    """One preset's run and its estimate (module docstring, step 2); ``{"wall_s", "calibration", "files",
+    "device"}``. A run folder whose workflow finished (its ``run.json``) is read, not run again; so is its
+    estimate. ``device``: the jobs' and the calibration's (default: the preset's ``runtime.device``)."""
     workdir = clone_workflow(root / preset)
-    files = configfiles(preset, workdir, smoke)
+    files = configfiles(preset, workdir, smoke, device)
     env = hub_env(cache, workdir)
     done = workdir / "run.json"
     if done.is_file():
         info = json.loads(done.read_text())
     else:
         progress(f"{preset}: snakemake --cores {cores} --configfile {' '.join(files)} (in {workdir}) ...")
-        info = {"wall_s": run_workflow(workdir, files, env, cores, timeout), "cores": cores, "files": files}
+        info = {"wall_s": run_workflow(workdir, files, env, cores, timeout, keep_going), "cores": cores, "files": files,
+                "device": device_name(device), "failed": (workdir / "failed.txt").is_file()}
         done.write_text(json.dumps(info, indent=1))
     calibration = workdir / "estimate_calibration.json"
     if calibration.is_file() and (workdir / "estimate_jobs.csv").is_file():  # made beside this run before
         info["calibration"] = json.loads(calibration.read_text())
         return info
     progress(f"{preset}: ran in {info['wall_s']:.0f} s; mfpipe estimate --jobs-at-once {jobs_at_once}, {estimates}x ...")
-    info["calibration"] = run_estimate(workdir, files, env, jobs_at_once, timeout, times=estimates)
+    info["calibration"] = run_estimate(workdir, files, env, jobs_at_once, timeout, times=estimates, device=device)
     return info
+
+
+def device_name(device: str | None) -> str:
+    """What ran the jobs, for the table: the GPU's name where ``device`` (or ``auto``) takes one, else the CPU's
+    cores."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+    return f"CPU, {os.cpu_count()} cores (torch {torch.__version__})"
 
 
 def main(argv=None) -> int:
@@ -302,6 +328,10 @@ def main(argv=None) -> int:
                          "min(cluster.forward.cpus, cores): 1 on 2 cores)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds a run (and an estimate) may take")
     ap.add_argument("--table-only", action="store_true", help="rebuild the tables from finished runs' files")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="the jobs' runtime.device and the estimate's --device (default: the preset's, auto)")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="a failed job does not stop the rest (snakemake --keep-going); its log's tail in failed.txt")
     ap.add_argument("--estimates", type=int, default=3, metavar="N",
                     help="estimates of each run, each job's median predicted (default 3; the smoke run: 1)")
     args = ap.parse_args(argv)
@@ -322,7 +352,8 @@ def main(argv=None) -> int:
         else:
             k = args.jobs_at_once or max(1, args.cores // min(args.cores, forward_threads(workdir, preset, args)))
             info = run_preset(preset, root, root / "hub", args.smoke, args.cores, k, args.timeout, progress=say,
-                              estimates=1 if args.smoke else args.estimates)
+                              estimates=1 if args.smoke else args.estimates, device=args.device,
+                              keep_going=args.keep_going)
         jobs = job_frame(workdir, info["files"], info["calibration"])
         results[preset] = (info, stage_table(jobs), jobs)
     md, js = write_report(root, results)
@@ -334,7 +365,7 @@ def main(argv=None) -> int:
 def forward_threads(workdir: Path, preset: str, args) -> int:
     """Threads of a forward-pass job of the run (the model's ``threads``, else cluster.forward.cpus)."""
     clone_workflow(workdir)
-    cfg = run_config(workdir, configfiles(preset, workdir, args.smoke))
+    cfg = run_config(workdir, configfiles(preset, workdir, args.smoke, args.device))
     return min(int(m.get("threads") or cfg["cluster"]["forward"]["cpus"]) for m in cfg["models"])
 
 

@@ -146,9 +146,12 @@ def markdown(preset: str, info: dict, table) -> str:
     rates = ", ".join(f"{m} {1 / c['forward_s_per_token']:.0f} tok/s ({c['source']}; L={c['layers']}, "
                       f"d={c['d_model']}, T={c['T']}, batch {c['batch_size']})" for m, c in cal.items())
     unpredicted = int(table.loc[table["stage"] == "total", "unpredicted"].iloc[0])
-    return (f"### {preset}\n\n`snakemake --cores {info['cores']} --configfile {' '.join(info['files'])}`: "
+    on = f" on {info['device']}" if info.get("device") else ""
+    return (f"### {preset}\n\n`snakemake --cores {info['cores']} --configfile {' '.join(info['files'])}`{on}: "
             f"{info['wall_s']:.0f} s wall. Bare forward: the rate of `mfpipe estimate`'s own calibration "
             f"(forward_s_per_token): {rates}."
+            + (" The run had a failed job (snakemake --keep-going; its log's end in failed.txt): the jobs that "
+               "depend on it did not run." if info.get("failed") else "")
             + (f" {unpredicted} job(s) had no prediction (not in the estimate's plan)." if unpredicted else "")
             + "\n\n" + to_markdown(shown))
 
@@ -164,6 +167,7 @@ def write_report(root: Path, results: dict) -> tuple[Path, Path]:
     for preset, (info, table, jobs) in results.items():
         md.append(markdown(preset, info, table))
         out[preset] = {"wall_s": info["wall_s"], "cores": info["cores"], "configfiles": info["files"],
+                       "device": info.get("device"),
                        "calibration": info["calibration"]["models"],
                        "stages": json.loads(table.to_json(orient="records")),
                        "jobs": json.loads(jobs.to_json(orient="records"))}

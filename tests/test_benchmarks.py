@@ -134,6 +134,23 @@ def test_paper_shape_cache_holds_the_published_shapes_offline(tmp_path):
     assert got == {"vocab": 50304, "layers": 2, "width": 64, "types": 300, "bos": 0, "same": False}, got
 
 
+def test_paper_shape_on_a_device_sets_runtime_device_and_keeps_the_callers_packages(tmp_path, monkeypatch):
+    """`paper_shape.py --device cuda` (the GPU table): the run's config files end in an overlay setting
+    runtime.device, and the jobs' PYTHONPATH puts the clone's library first and keeps the caller's entries behind it
+    (a GPU host whose image lacks packages carries them there)."""
+    import yaml
+
+    ps = _paper_shape()
+    files = ps.configfiles("gpt2-small", tmp_path, smoke=False, device="cuda")
+    assert files[-1] == "device.yaml" and files[0] == "config/presets/gpt2-small.yaml"
+    assert yaml.safe_load((tmp_path / "device.yaml").read_text()) == {"runtime": {"device": "cuda"}}
+    assert "device.yaml" not in ps.configfiles("gpt2-small", tmp_path, smoke=False)
+    monkeypatch.setenv("PYTHONPATH", "/opt/carried")
+    env = ps.hub_env(tmp_path / "hub", tmp_path)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "src"), "/opt/carried"]
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HUB_CACHE"] == str(tmp_path / "hub")
+
+
 def _bench(folder: Path, rel: str, seconds: float, rss) -> None:
     path = folder / "logs" / "benchmarks" / rel
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -94,7 +94,7 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
            "store_bytes_per_cell": ds.nbytes / ds["P"].size, "deviation_store_bytes": dev_bytes * scale,
            "deviation_partial_bytes": dev_partial * scale,
            "pass1_held_bytes": held, "partial_write_s": pw * scale}
-    out.update(store_math(stats, ds, windows, ts, B, config))
+    out.update(store_math(stats, ds, windows, ts, B, config, device=adapter.device))
     out.update(analyses(model, adapter, stats, config, scale, peaks))
     return out
 
@@ -139,9 +139,10 @@ def lm_head_s_per_token(model, adapter, B: int, T: int) -> float:
         return timed(lambda: head(x))[0] / (B * T)
 
 
-def store_math(stats, ds, windows, ts, B: int, config: dict) -> dict:
+def store_math(stats, ds, windows, ts, B: int, config: dict, device="cpu") -> dict:
     """The model-free work of the store jobs: a store's write and read per cell of the kernel sums, one head's Gram
-    matrix and eigendecomposition at N (the kernel dynamics), one calibration pass per pair weight."""
+    matrix and eigendecomposition at N (the kernel dynamics), one calibration pass per pair weight on ``device``
+    (the calibrate_kernel job's: runtime.device, the model's)."""
     import tempfile
 
     import numpy as np
@@ -166,12 +167,12 @@ def store_math(stats, ds, windows, ts, B: int, config: dict) -> dict:
     # the calibrated kernel's passes (float32, as calibrate_kernel runs them, in the job's batches): one layer's W
     # through one batch of windows and through two, for the cost per pair weight apart from each pass's own (a batch
     # of one window timed 3x faster per pair than the job's batches of 8 at GPT-2 small's shape: its arrays fit the
-    # caches)
-    W = torch.rand(ds.sizes["head"], N, K, dtype=torch.float32)
+    # caches), on the job's device (timed on the CPU where the job ran on an H200: 264 s priced, 18 s taken)
+    W = torch.rand(ds.sizes["head"], N, K, dtype=torch.float32).to(device)
     W = W / W.sum(-1, keepdim=True)
 
     def one_pass(w):
-        return timed(lambda: corpus_pass(W, window_batches([w], ts, batch_size=B)))[0]
+        return timed(lambda: corpus_pass(W, window_batches([w], ts, batch_size=B, device=device)))[0]
 
     one, two = windows[:B], windows[:2 * B]  # (the calibration's windows: at least two batches)
     one_pass(one)  # warm-up
@@ -180,7 +181,7 @@ def store_math(stats, ds, windows, ts, B: int, config: dict) -> dict:
     per_pair = max(big - small, 0.0) / max((len(two) - len(one)) * ds.sizes["head"] * T * T, 1)
     # an iteration's own work beside its pass (the update of U in float64, the residuals): two iterations and the
     # final residual's pass are three passes
-    t_cal = timed(lambda: calibrate(W, W, window_batches([one], ts, batch_size=B), iterations=2,
+    t_cal = timed(lambda: calibrate(W, W, window_batches([one], ts, batch_size=B, device=device), iterations=2,
                                      dtype=torch.float32))[0]
     return {"store_open_s": to, "store_write_s_per_cell": tw / cells, "store_read_s_per_cell": tr / cells,
             "eigh_s_per_head": te + tg, "flop_s": tg / (2.0 * N * N * K),
