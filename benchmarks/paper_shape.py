@@ -228,6 +228,7 @@ def run_workflow(workdir: Path, files: list[str], env: dict, cores: int, timeout
     does not depend on the failed one runs) it returns, and ``failed.txt`` in ``workdir`` holds the tail."""
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(workdir / "Snakefile"), "--directory", str(workdir),
            "--cores", str(cores), "--configfile", *files] + (["--keep-going"] if keep_going else [])
+    (workdir / "failed.txt").unlink(missing_ok=True)  # a resumed run's own failure only, not an earlier attempt's
     t0 = time.perf_counter()
     with open(workdir / "snakemake.log", "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, timeout=timeout)
