@@ -399,3 +399,23 @@ def test_the_jlens_of_a_streamed_bfloat16_model_equals_its_whole_load(tmp_path):
     ok = np.isfinite(want["J"].values)
     assert np.allclose(narrow[ok], want["J"].values[ok], rtol=1e-5, atol=1e-6)
     assert not np.array_equal(narrow[ok], np.zeros_like(narrow[ok]))
+
+
+def test_an_address_is_read_again_only_while_the_parameter_loaded_there_lives(pair):
+    """mfpipe.models.adapters.streaming.source_of: a parameter gone without its block's release (a dropped model's
+    resident parts) leaves its address to other tensors; one there is not taken for it (a stale entry made the J-lens
+    of one model read another's weights in its backward when the allocator reused a freed address)."""
+    from mfpipe.models.adapters.streaming import source_of
+
+    _, _, _, streamer, _ = pair
+    owner, attr, key, placeholder = streamer.slots[0][0]
+    streamer.acquire(0)
+    try:
+        param = owner._parameters[attr]
+        assert source_of(param)[1] == key  # live: read again from where it was loaded
+        other = param.detach()  # another tensor on the same memory, which outlives the parameter
+        owner._parameters[attr] = placeholder
+        del param
+        assert source_of(other) is None
+    finally:
+        streamer.release(0)

@@ -43,8 +43,10 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 # block module -> (its streamer, its index): what held() looks a block up in (weak: a model dropped is forgotten)
 _STREAMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# the storage of each resident streamed block parameter -> (checkpoint, name, dtype, device): where a graph that saves
-# it for its backward (a linear layer's weight, for its input's gradient) reads it again (saved_from_checkpoint)
+# the storage of each resident streamed block parameter -> ((checkpoint, name, dtype, device), a weak reference to the
+# parameter): where a graph that saves it for its backward (a linear layer's weight, for its input's gradient) reads it
+# again (saved_from_checkpoint). The reference tells a live entry from one whose parameter went away without a release
+# (a dropped model's resident parts): its freed address, reused by another tensor, must not be taken for it.
 _RESIDENT: dict[int, tuple] = {}
 
 
@@ -197,9 +199,9 @@ def _load(slots, checkpoint: Checkpoint, device) -> int:
     for owner, attr, key, placeholder in slots:
         if id(placeholder) not in loaded:
             t = checkpoint.read(key).to(dtype=placeholder.dtype).to(device)
-            loaded[id(placeholder)] = nn.Parameter(t, requires_grad=False)
+            param = loaded[id(placeholder)] = nn.Parameter(t, requires_grad=False)
             total += t.numel() * t.element_size()
-            _RESIDENT[t.untyped_storage().data_ptr()] = (checkpoint, key, t.dtype, t.device)
+            _RESIDENT[t.untyped_storage().data_ptr()] = ((checkpoint, key, t.dtype, t.device), weakref.ref(param))
         owner._parameters[attr] = loaded[id(placeholder)]
     return total
 
@@ -315,8 +317,16 @@ def source_of(t: Tensor) -> tuple | None:
     """Where the resident streamed block parameter whose storage ``t`` shares is read from (None: not one)."""
     if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
         return None
-    found = _RESIDENT.get(t.untyped_storage().data_ptr())
-    return found if found is not None and found[2] == t.dtype else None
+    ptr = t.untyped_storage().data_ptr()
+    found = _RESIDENT.get(ptr)
+    if found is None:
+        return None
+    source, ref = found
+    param = ref()
+    if param is None or param.untyped_storage().data_ptr() != ptr:  # stale: the parameter is gone, its memory reused
+        _RESIDENT.pop(ptr, None)
+        return None
+    return source if source[2] == t.dtype else None
 
 
 def reread(source: tuple) -> Tensor:
