@@ -94,6 +94,17 @@ PATHS: dict[str, dict] = {
     # (issue 59): Gemma-4's; every head-space tensor zero-padded to the widest layer's (:func:`layer_width`)
     "gemma4_text": dict(_LLAMA, v_src="self_attn.v_norm", attn_out="post_attention_layernorm",
                         mlp_out="post_feedforward_layernorm"),
+    # post-norm blocks, ln_2(ln_1(x + a) + mlp) (issue 59): no final norm, the last block's output is the final
+    # residual; GPT-1's c_attn a Conv1D d -> 3d as GPT-2's, TrOCR's decoder one level down
+    # (post_norm: the norm of x + a, which the MLP reads and the stream carries, and the norm of that plus the MLP's)
+    "openai-gpt": dict(layers="transformer.h", final=None, v_src="attn.c_attn", o_proj="attn.c_proj", attn="attn",
+                       attn_norm=None, attn_out=None, mlp_out="mlp", post_norm=("ln_1", "ln_2")),
+    "trocr": dict(layers="model.decoder.layers", final=None, v_src="self_attn.v_proj", o_proj="self_attn.out_proj",
+                  attn="self_attn", attn_norm=None, attn_out=None, mlp_out="fc2",
+                  post_norm=("self_attn_layer_norm", "final_layer_norm")),
+    # the branches joined by learned vectors (issue 59): mid = input_residual ⊙ x + attn, out = post_attention_residual
+    # ⊙ mid + mlp (Doge; scale_joins: the two vectors)
+    "doge": dict(_LLAMA, scale_joins=("input_residual", "post_attention_residual")),
     "gptj": dict(
         layers="transformer.h",
         final="transformer.ln_f",
@@ -170,8 +181,33 @@ def blocks(model):
     return module(model, spec(model)["layers"])
 
 
+def next_residuals(model, resid, attn_out, mlp_out):
+    """``[L, ...]`` the residual each block hands on, of its input ``resid [L, ...]`` and its branches (float64 numpy):
+    their sum, or in a post-norm block (``post_norm``) ``ln_2(ln_1(x + a) + m)`` with the block's own norms, or where
+    the block scales the stream (``scale_joins``) ``b ⊙ (a ⊙ x + attn) + m`` with its own vectors."""
+    import numpy as np
+
+    norms, joins = spec(model).get("post_norm"), spec(model).get("scale_joins")
+    if joins is not None:  # Doge's: each stream term times a vector of the block's own
+        out = []
+        for l, blk in enumerate(blocks(model)):
+            a, b = (module(blk, p).detach().double().numpy() for p in joins)
+            out.append(b * (a * resid[l] + attn_out[l]) + mlp_out[l])
+        return np.stack(out)
+    if norms is None:
+        return resid + attn_out + mlp_out
+    out = []
+    with torch.no_grad():
+        for l, blk in enumerate(blocks(model)):
+            ln1, ln2 = (module(blk, p) for p in norms)
+            mid = ln1(torch.as_tensor(resid[l] + attn_out[l], dtype=torch.float32))
+            out.append(ln2(mid + torch.as_tensor(mlp_out[l], dtype=torch.float32)).double().numpy())
+    return np.stack(out)
+
+
 def final_norm(model):
-    return module(model, spec(model)["final"])
+    """The final norm (None where the model has none: its last block's output is the final residual)."""
+    return None if spec(model)["final"] is None else module(model, spec(model)["final"])
 
 
 def o_proj(model, layer: int):
@@ -215,7 +251,7 @@ def values_from_src(model, out: torch.Tensor) -> torch.Tensor:
     if mt == "deepseek_v3":  # kv_b_proj of the latent [B, 1, T, r]: per head [k_nope (qk_nope_head_dim) | v (dh)]
         nope = model.config.qk_nope_head_dim
         v = out.reshape(B, -1, H, nope + dh)[..., nope:]
-    elif mt == "gpt2":  # Conv1D d -> 3d laid out [q | k | v]
+    elif mt in ("gpt2", "openai-gpt"):  # Conv1D d -> 3d laid out [q | k | v]
         d = model.config.hidden_size
         v = out[..., 2 * d : 3 * d].reshape(B, T, H, dh)
     elif mt in ("gpt_neox", "bloom"):  # fused, per head [q | k | v]
@@ -308,14 +344,17 @@ def reference_run(model, ids: torch.Tensor, patch: PatchFn | None = None) -> dic
             handles.append(module(blk, sp["attn_norm"]).register_forward_hook(out_hook(("ln_in", l))))
         handles.append(module(blk, sp["mlp_out"]).register_forward_hook(out_hook(("mlp_out", l))))
     fin = final_norm(model)
-    handles.append(fin.register_forward_pre_hook(in_hook("final")))
-    handles.append(fin.register_forward_hook(out_hook("final_normed")))
+    if fin is not None:
+        handles.append(fin.register_forward_pre_hook(in_hook("final")))
+        handles.append(fin.register_forward_hook(out_hook("final_normed")))
     try:
         with torch.no_grad(), patched_reads(model, patch or (lambda layer, reads: None)), sink_factors(model) as sink:
             out = model(torch.as_tensor(ids), output_attentions=True, output_hidden_states=True, use_cache=False)
     finally:
         for h in handles:
             h.remove()
+    if fin is None:  # the final residual is the last block's output, the last hidden state
+        rec["final"] = rec["final_normed"] = out.hidden_states[len(layers)]
     per_layer = []
     for l in range(len(layers)):
         reads = rec[("reads", l)]

@@ -34,7 +34,7 @@ def preflight(cfg):
 
 def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatch):
     """Issue 30: a model type the suite does not verify is checked on a tiny copy of its config.json at planning: one
-    that cannot be placed (GPT-1: its blocks end in a norm of the residual), or whose conformance fails (Phi-2 placed
+    that cannot be placed (BitNet: a norm over all its heads' reads before the output projection), or whose conformance fails (Phi-2 placed
     with a sequential residual it does not have: its blocks do not rebuild), stops the run with one line; one that
     passes (StarCoder2) runs, and the verdict is cached."""
     import dataclasses
@@ -49,8 +49,8 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
 
     monkeypatch.setattr(adapters, "describe", misplaced)
     monkeypatch.chdir(tmp_path)
-    cases = {"openai-gpt": ["'mine'", "'openai-gpt'", "no structure mfpipe knows", "end in a norm of the residual",
-                            "mfpipe conformance"],
+    cases = {"bitnet": ["'mine'", "'bitnet'", "no structure mfpipe knows", "a norm of all its heads' reads together",
+                        "mfpipe conformance"],
              "phi": ["'phi'", "conformance check(s) failed", "block: pieces rebuild the next residual"],
              "starcoder2": None}
     for model_type, want in cases.items():
@@ -66,7 +66,7 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
         msg = one_line(e)
         assert all(w in msg for w in want), msg
     cache = json.loads((tmp_path / ".snakemake" / "mfpipe-conformance.json").read_text())
-    assert sorted(v["model_type"] for v in cache.values()) == ["openai-gpt", "phi", "starcoder2"]
+    assert sorted(v["model_type"] for v in cache.values()) == ["bitnet", "phi", "starcoder2"]
 
 
 def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
@@ -171,9 +171,9 @@ def dry_run_last_line(tmp_path, edit, env=None) -> str:
     return lines[-1]
 
 
-def _gpt1(cfg, tmp):
+def _bitnet(cfg, tmp):
     (tmp / "m").mkdir()
-    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "openai-gpt", "vocab_size": 32000}))
+    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "bitnet", "vocab_size": 32000}))
     cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp / "m")})
 
 
@@ -183,7 +183,7 @@ def _offline(cfg, tmp):
 
 
 DAG_CASES = {
-    "unplaceable architecture": (_gpt1, None, ["'mine'", "'openai-gpt'", "no structure mfpipe knows", "mfpipe conformance"]),
+    "unplaceable architecture": (_bitnet, None, ["'mine'", "'bitnet'", "no structure mfpipe knows", "mfpipe conformance"]),
     "missing corpus file": (lambda c, t: c["corpus"].update(source="files", path=str(t / "nope.txt")), None,
                             ["corpus 'shakespeare-ci'", "nope.txt", "point `path`"]),
     "N above the vocabulary": (lambda c, t: c["tracked"].update(n_tracked=600), None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import next_residuals
 from stats_reference import BOS, reference_capture, tracked_for, zipf_windows
 from tiny_models import (COMPOSITE_MODEL_TYPES, NEW_MODEL_TYPES, PLACED_MODEL_TYPES, TINY_MODEL_TYPES, VOCAB,
                          make_tiny_model)
@@ -144,7 +145,7 @@ def test_every_statistic_matches_bruteforce(model_type, windows):
     np.testing.assert_allclose(
         np.einsum("lbhqk,lbhkd->lbqhd", cap["probs"], cap["values"]), cap["reads"], rtol=1e-4, atol=1e-5
     )
-    nxt = cap["resid"][:-1] + cap["attn_out"] + cap["mlp_out"]
+    nxt = next_residuals(model, cap["resid"][:-1], cap["attn_out"], cap["mlp_out"])  # post-norm: a norm of the sum
     np.testing.assert_allclose(nxt, cap["resid"][1:], rtol=1e-4, atol=1e-4)
 
     adapter = get_adapter(model)

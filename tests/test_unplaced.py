@@ -27,13 +27,14 @@ REFUSED = {
     "jetmoe": ("mfpipe", "its heads are routed per token (a mixture of attention heads: experts (JetMoeMoA)"),
     "gemma3n_text": ("mfpipe", "its blocks carry 4 residual streams (altup_num_inputs)"),
     "reformer": ("mfpipe", "2 residual streams side by side (its norm encoder.layer_norm reads 2 x 64"),
-    "git": ("mfpipe", "its blocks end in a norm of the residual (output.LayerNorm: post-norm)"),
-    # its cross-attention (encoder_attn), which text-only input does not run, left out: the post-norm is what remains
-    "trocr": ("mfpipe", "its blocks end in a norm of the residual (final_layer_norm)"),
-    "zaya": ("mfpipe", "post_attention_residual_scale (ZayaResidualScaling), handed the branch and the residual"),
-    "beam": ("mfpipe", "reads is 0.7071 x the block input + 0.7071 x the attention branch"),
-    "dory": ("mfpipe", "a x its norm input_layernorm's output + b x the attention branch with per-channel vectors"),
-    "minimax": ("mfpipe", "its blocks add the attention branch to its norm input_layernorm's output, not to the block"),
+    "git": ("mfpipe", "its blocks end in a norm of the residual inside a module of their own (output.LayerNorm: "
+                      "post-norm, the residual added inside that module)"),
+    # (its residual-scaling modules are run by the block, mfpipe.models.adapters.joins; its embedding, (e + b) ⊙ s, is
+    # what stays)
+    "zaya": ("mfpipe", "its first block reads the token embedding changed in a way mfpipe cannot place"),
+    # (its residual interpolated on the unit sphere would be run by the block: mfpipe.models.adapters.joins; the norm
+    # over its heads' reads is what stays)
+    "dory": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: DoryL2Norm)"),
     "inkling_text": ("mfpipe", "its attention's output passes through attn_sconv (InklingShortConvolution)"),
     "inkling2_text": ("mfpipe", "passes through post_attention_convolution (Inkling2ShortConvolution) before it joins"),
 }

@@ -167,7 +167,8 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
     # a hybrid's forward returns the probabilities of its attention layers only: they go to those layers
     rows.append(Check("site: the forward's attention layers are the placed ones", 0.0 if len(att) in (L, len(A))
                       else float("inf"), 0.0))
-    att = att if len(att) == L else [att[A.index(l)] if l in A else None for l in range(L)]
+    # (MiniMax's linear-attention layers return weights of their own: not probabilities, left out too)
+    att = [(att[l] if len(att) == L else att[A.index(l)]) if l in A else None for l in range(L)]
     caps, finals = [], []
     adapter.capture(ids, caps.append, finals.append)
 
@@ -205,6 +206,7 @@ def _rebuilt(adapter, att, hid, err) -> float:
     import torch
 
     from mfpipe.models.adapters.forms import IDENTITY_KINDS, side_branch
+    from mfpipe.models.adapters.joins import run_block
 
     worst = 0.0
     for l in adapter.attention_layers:
@@ -219,8 +221,8 @@ def _rebuilt(adapter, att, hid, err) -> float:
         side = side_branch(adapter, l, x)  # a mixer beside the attention (Falcon-H1): the model's own, on the sequence
         a = adapter.post_attn_norm(l, o) if side is None else adapter.post_attn_norm(l, o) + side
         mid = x + a
-        nxt = adapter.block_output(l, x + a + adapter.mlp(l, x) if adapter.parallel_residual
-                                   else mid + adapter.mlp(l, mid))  # times Gemma-4's layer_scalar
+        nxt = (adapter.block_join(l, mid, adapter.mlp(l, x if adapter.parallel_residual else mid))  # post-norm, scale
+               if adapter.structure.join == "sum" else run_block(adapter, l, x, o)[1])  # a join of the block's own
         want = hid[l + 1]
         if all(k in IDENTITY_KINDS for k in adapter.layer_kinds[l + 1:]):  # the last block run: transformers' last
             # hidden state is the final norm's output
@@ -285,7 +287,8 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
     handles = [p.register_forward_pre_hook(hook_for(l)) for l, p in proj.items()]
     if s.output_gate is not None:  # the gate as the forward computes it, off its source (mfpipe.models.adapters.gate)
         handles += [module_at(adapter.block_module(l), s.output_gate).register_forward_hook(
-            lambda m, a, out, l=l: gates.__setitem__(l, gate_of(out, s.gate_layout, H, dh, s.gate_act))) for l in proj]
+            lambda m, a, out, l=l: gates.__setitem__(l, gate_of(out, s.gate_layout, H, dh, s.gate_act,
+                                                            adapter.gate_bias(l)))) for l in proj]
     try:
         with torch.no_grad():
             want = model(ids, use_cache=False).logits

@@ -25,10 +25,13 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # the residual added inside the attention and the MLP modules (BLOOM's fused dropout_add), values scaled by a constant,
 # with attention layers of two kinds (MiMo-V2-Flash: mfpipe.models.adapters.layers), an attention sink applied as a
 # factor of the reads that the returned probabilities leave out (Granite-SWA's, dense and a mixture of experts),
-# block 0's attention norm the identity (ModernBERT-decoder); Gemma-4's values normed per head, its full layers' heads twice as wide, their keys their values (attention_k_eq_v)
+# block 0's attention norm the identity (ModernBERT-decoder); Gemma-4's values normed per head, its full layers' heads twice as wide, their keys their values (attention_k_eq_v);
+# post-norm blocks, ln_2(ln_1(x + a) + mlp), with an attention that returns its probabilities only when asked (GPT-1)
+# and with a norm on the embedding plus its position rows (TrOCR's decoder); branches joined in a form of the block's
+# own, learned vectors times the residual (Doge: mfpipe.models.adapters.joins)
 PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
                                        "mimo_v2_flash", "granite_swa", "granitemoe_swa", "modernbert-decoder",
-                                       "gemma4_text")
+                                       "gemma4_text", "openai-gpt", "trocr", "doge")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -117,7 +120,7 @@ def _base_config(model_type: str) -> tuple[type, dict]:
         return transformers.StableLmConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
                                                  partial_rotary_factor=0.25, hidden_dropout=0.0,
                                                  attention_dropout=0.0)
-    placed = _placed_config(model_type, common_rope, gqa)
+    placed = _placed_config(model_type, common_rope, gqa) or _post_norm_config(model_type, gqa)
     if placed is not None:
         return placed
     raise ValueError(f"no tiny model recipe for model_type {model_type!r}; known: {VERIFIED_MODEL_TYPES}")
@@ -265,3 +268,27 @@ def random_ids(batch: int = 2, seq: int = 16, vocab: int = VOCAB, seed: int = 0,
     if bos is not None:
         ids[:, 0] = bos
     return ids
+
+
+def _post_norm_config(model_type: str, gqa: dict) -> tuple[type, dict] | None:
+    """The recipes of the families of :data:`PLACED_MODEL_TYPES` whose blocks join their branches otherwise than by a
+    sum: post-norm (GPT-1, TrOCR's decoder), the block's own form (Doge)."""
+    import transformers
+
+    if model_type == "openai-gpt":  # post-norm blocks; Conv1D c_attn; a learned position table; no final norm
+        return transformers.OpenAIGPTConfig, dict(
+            vocab_size=VOCAB, n_positions=MAX_POS, n_embd=D_MODEL, n_layer=N_LAYERS, n_head=N_HEADS, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.1, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    if model_type == "trocr":  # post-norm blocks; the embedding scaled by sqrt(d), plus position rows from row 2,
+        # through layernorm_embedding; no final norm (the image encoder's cross-attention idle on text alone)
+        return transformers.TrOCRConfig, dict(
+            vocab_size=VOCAB, d_model=D_MODEL, decoder_layers=N_LAYERS, decoder_attention_heads=N_HEADS,
+            decoder_ffn_dim=2 * D_MODEL, max_position_embeddings=MAX_POS, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, decoder_layerdrop=0.0, init_std=0.1, scale_embedding=True,
+            layernorm_embedding=True, use_learned_position_embeddings=True, bos_token_id=VOCAB - 1,
+            eos_token_id=VOCAB - 1, pad_token_id=0, decoder_start_token_id=VOCAB - 1)
+    if model_type == "doge":  # mid = input_residual ⊙ x + attn, out = post_attention_residual ⊙ mid + mlp (their
+        # vectors drawn at random by random_model, not the ones Doge starts from); a dynamic mask keeps 8 keys
+        return transformers.DogeConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
+                                             intermediate_size=2 * D_MODEL, keep_window_size=8, hidden_dropout=0.0)
+    return None

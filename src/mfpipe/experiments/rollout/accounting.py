@@ -88,13 +88,16 @@ def mlp_gap_table(adapter, store: MeanFieldStats, min_count: int = 1) -> pd.Data
     """App. K ``tab:mlp-gap``: per block, the MLP applied once at the mean input (post-attention residual;
     GPT-NeoX parallel: the block input) vs the occurrence mean of the MLP branch, centred metrics over the
     types of ``store`` with ``>= min_count`` occurrences. Columns ``layer, frac_depth, cosine, rsa,
-    rel_error, norm_ratio, n_types``."""
+    rel_error, norm_ratio, n_types``; NaN readings where the blocks join their branches in a form of their own
+    (Doge's, MiniMax's: :mod:`mfpipe.models.adapters.joins`), whose MLP input the store has no mean of."""
     check_model(adapter, store)
     L = adapter.n_layers
     g = store.mlp_gap()
     m_in = D.mlp_input_means(adapter, store.centroids().values, g["m"].values, g["mlp_out"].values)
     types = store_types(store, min_count)
     sc = D.mlp_gap(adapter, _nan0(m_in), _nan0(g["mlp_out"].values), types=types)
+    if adapter.structure.join == "model":  # a join of the block's own (adapters.joins): the MLP's mean input is no
+        sc = {m: np.full(L, np.nan) for m in M.METRICS}  # mean of the store's, so no reading (NaN, not a guess)
     df = pd.DataFrame({"layer": np.arange(L), "frac_depth": (np.arange(L) + 1) / L,
                        **{m: sc[m] for m in M.METRICS}})
     df["n_types"] = types.size

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from mfpipe.models.adapters.forms import side_branch
 from mfpipe.models.adapters.hybrid import mixer_block
+from mfpipe.models.adapters.joins import run_block
 
 __all__ = [
     "bos_residuals",
@@ -124,13 +125,12 @@ def initial_centroids(adapter, type_ids, context_length: int | None = None, posi
     (``adapter.position_offset``: weighted by ``position_count [T]`` when given -- the statistics half's
     tracked-query count per position -- else uniform over positions ``1..context_length-1``)."""
     ids = torch.as_tensor(np.asarray(type_ids), dtype=torch.long).reshape(-1)
-    c = adapter.embed(ids).float()
     off = adapter.position_offset(context_length)  # None: no learned positions (rotary), nothing to weight
     if off is not None and position_count is not None:
         off = adapter.position_offset(context_length, position_count=position_count)
-    if off is not None:
-        c = c + off.float().to(c.device)
-    return _np(c)
+    if off is None or adapter.structure.embed_norm is not None:  # a norm after the positions (TrOCR's): inside embed
+        return _np(adapter.embed(ids, offset=off).float())
+    return _np(adapter.embed(ids).float() + off.float().to(adapter.device))
 
 
 @torch.no_grad()
@@ -171,13 +171,13 @@ def block_update(adapter, layer: int, c: Tensor, reads: Tensor) -> Tensor:
     """One block at the centroids ``c [N, d]`` given the per-head reads ``[N, H, dh]``: output projection +
     bias, post-attention norm (Gemma-2 / OLMo-2), residual add, then the MLP once at the centroid (on the
     post-attention residual, or on the block input for GPT-NeoX parallel residual). Returns ``[N, d]``."""
+    if adapter.structure.join == "model":  # a join of the block's own (Doge's, Beam's...): the block runs it
+        return run_block(adapter, layer, c, attention_output(adapter, layer, reads, bias=True, at=c))[1]
     a = attention_output(adapter, layer, reads, bias=True, post_norm=True, at=c)  # an output gate: the centroid's
     side = side_branch(adapter, layer, c[:, None])  # a mixer beside the attention (Falcon-H1): on each centroid as a
     a = a if side is None else a + side[:, 0]  # sequence of one position, as hybrid.mixer_block runs a mixer block
-    if adapter.parallel_residual:  # a block that scales its output (Gemma-4's layer_scalar): Adapter.block_output
-        return adapter.block_output(layer, c + a + adapter.mlp(layer, c).float())
-    m = c + a
-    return adapter.block_output(layer, m + adapter.mlp(layer, m).float())
+    m = c + a  # a block that scales its output (Gemma-4's layer_scalar) or ends in a norm (GPT-1): block_join
+    return adapter.block_join(layer, m, adapter.mlp(layer, c if adapter.parallel_residual else m).float())
 
 
 def _pin(c: Tensor, dims: Tensor | None, values: Tensor | None, layer: int) -> Tensor:

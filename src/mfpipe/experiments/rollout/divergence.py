@@ -39,6 +39,7 @@ from mfpipe.experiments.rollout import algorithm as R
 from mfpipe.experiments.rollout import metrics as M
 from mfpipe.models.adapters.forms import side_branch
 from mfpipe.models.adapters.hybrid import mixer_block
+from mfpipe.models.adapters.joins import run_block
 from mfpipe.models.adapters.mlp_units import NoUnitDecomposition, mlp_units
 
 __all__ = ["DEFAULT_ALPHAS", "block_stages", "trajectories", "step_table", "curvature_table", "unit_table",
@@ -67,18 +68,22 @@ def _ratio(a: float, b: float, scale: float) -> float:
 @torch.no_grad()
 def block_stages(adapter, layer: int, kernel_l, bos_l, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                                   torch.Tensor]:
-    """The mean-field block at ``x [N, d]``: ``(mid, mlp_in, out)`` with ``mid = x + a(x)`` (the attention update),
+    """The mean-field block at ``x [N, d]``: ``(mid, mlp_in, out)`` with ``mid = x + a(x)`` (the attention update;
+    where the block joins its branches in a form of its own, what its MLP's norm reads: adapters.joins),
     ``mlp_in`` what the MLP reads (``mid``; ``x`` for a parallel-residual block) and ``out = F_l(x)``, equal to
     :func:`~mfpipe.experiments.rollout.algorithm.block_update` bit for bit; a hybrid's block of another mixer is the
     model's own on each row (no attention update: ``mid = mlp_in = x``; ``out`` as the rollout takes it)."""
     if layer not in adapter.attention_layers:
         return x, x, mixer_block(adapter, layer, x)
     reads = R.head_reads(adapter, layer, kernel_l, x, bos_l)
+    if adapter.structure.join == "model":  # a join of the block's own: mid is what the MLP's norm reads
+        mid, out = run_block(adapter, layer, x, R.attention_output(adapter, layer, reads, bias=True, at=x))
+        return mid, mid, out
     a = R.attention_output(adapter, layer, reads, bias=True, post_norm=True, at=x)  # as block_update: x's gate
     side = side_branch(adapter, layer, x[:, None])  # as block_update: a mixer beside the attention (Falcon-H1)
     mid = x + (a if side is None else a + side[:, 0])
     mlp_in = x if adapter.parallel_residual else mid
-    return mid, mlp_in, adapter.block_output(layer, mid + adapter.mlp(layer, mlp_in).float())
+    return mid, mlp_in, adapter.block_join(layer, mid, adapter.mlp(layer, mlp_in).float())
 
 
 def trajectories(adapter, setup, kernel, pin: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -34,6 +34,11 @@
   (:func:`~mfpipe.models.adapters.gate.gated_layout`); the reads stay probabilities x values, the gate is on the path
   from a read to the residual (the site writes a replaced read through the model's own gate; the rollout takes the
   gate of each centroid: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`).
+* ``joins.py`` — blocks whose branches join the residual in a form of their own (Doge's learned vectors, Beam's
+  depth-scaled sums, MiniMax's): the block runs it on residual rows as one-position sequences with its attention's
+  output replaced (:func:`~mfpipe.models.adapters.joins.run_block`), placed where its output is each position's own.
+* ``asked.py`` — attentions that return their probabilities only when asked (GPT-1's ``output_attentions``): a
+  pre-hook asks each, so that it returns them as the modern eager attentions do, without the model keeping any.
 * ``sinks.py`` — an attention sink applied after the softmax as a factor of each head's reads (Granite-SWA's
   ``sigmoid(logsumexp(scores) - sink)``): a tap records the factor where the attention computes it
   (:class:`~mfpipe.models.adapters.sinks.SinkTap`), and the site reads the probabilities behind the reads, the returned

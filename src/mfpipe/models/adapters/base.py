@@ -26,7 +26,8 @@ Conventions shared by all adapters
 * ``attn_out`` / ``mlp_out`` are what the attention / MLP branch adds to the residual stream (after a post-norm, times
   a branch scale, where present; ``resid_mid = resid_in + attn_out``). Sequential blocks: ``resid_in[l+1] = resid_mid
   + mlp_out``; parallel ones (GPT-NeoX): ``resid_in[l+1] = resid_in + attn_out + mlp(l, resid_in)``; a block that
-  scales its output (Gemma-4's ``layer_scalar``) hands on that sum times its scale (:meth:`Adapter.block_output`).
+  scales its output (Gemma-4's ``layer_scalar``) hands on that sum times its scale (:meth:`Adapter.block_output`), a
+  post-norm block (GPT-1, TrOCR) a norm of it (:meth:`Adapter.block_join`, which every consumer composes blocks by).
   :meth:`Adapter.mlp` takes the residual stream the MLP branch reads (``resid_mid`` or ``resid_in``).
 """
 
@@ -140,13 +141,17 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
 
     # ------------------------------------------------------------------ block pieces
     @no_grad
-    def embed(self, ids: Tensor) -> Tensor:
+    def embed(self, ids: Tensor, offset: Tensor | None = None) -> Tensor:
         """Token embedding ``[..., d]`` incl. any embedding scale (the Gemma family: sqrt(d), in the embedding module
-        or, where the forward applies it, here as the forward does: a tensor of the embedding's dtype); no positions."""
+        or, where the forward applies it, here as the forward does: a tensor of the embedding's dtype), plus
+        ``offset [d]`` where given (a position row, or a mean of them: :meth:`position_offset`), then the embedding's
+        norm where block 0 reads one (BLOOM's of the embedding; TrOCR's of the embedding plus its position row)."""
         e = self._embedding()(ids.to(self.device))
         if self.structure.embed_scale != 1.0:
             e = e * torch.tensor(self.structure.embed_scale, dtype=e.dtype)
-        if self.structure.embed_norm is not None:  # BLOOM: block 0 reads the embedding's norm (no position table)
+        if offset is not None:
+            e = e + offset.to(device=e.device, dtype=e.dtype)
+        if self.structure.embed_norm is not None:
             e = module_at(self.base, self.structure.embed_norm)(e)
         return e
 
@@ -270,7 +275,9 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         from its residual and attn_out sums and does not read the MLP's output. False for a model that is not float32:
         its residual additions round to the model's dtype (bfloat16: 2^-9 of the residual, not of mlp_out)."""
         return (self.dtype == torch.float32 and not self.hybrid and self.structure.side_mixer is None  # 3 branches
-                and not self._scales_blocks())  # a block that scales its sum (Gemma-4's layer_scalar != 1)
+                and not self._scales_blocks()  # a block that scales its sum (Gemma-4's layer_scalar != 1)
+                and self.structure.block_norm is None  # post-norm: the block hands on a norm of its sum
+                and self.structure.join == "sum")  # a join of the block's own (adapters.joins)
 
     def _scales_blocks(self) -> bool:
         return self.structure.resid_scale is not None and any(
@@ -283,6 +290,19 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         multiplies: to the bit in the model's dtype), else ``x``; so ``resid_in[l+1] = s_l (resid_mid + mlp_out)``."""
         path = self.structure.resid_scale
         return x if path is None else x * self._sub(layer, path).to(device=x.device, dtype=x.dtype)
+
+    @block_piece
+    def block_join(self, layer: int, mid: Tensor, mlp_out: Tensor) -> Tensor:
+        """The residual block ``layer`` hands on, of ``mid = resid_in + attn_out`` (``resid_mid``; a parallel block's
+        sum of its input and attention branch too) and its MLP branch ``mlp_out``: :meth:`block_output` of their sum;
+        in a post-norm block (``structure.block_norm``) of the block's norm of it, where the MLP branch joins the MLP's
+        norm's output instead of ``mid`` (``norm_carried``: GPT-1's ``ln_2(ln_1(x + a) + mlp_out)``)."""
+        s = self.structure
+        if s.block_norm is None:
+            return self.block_output(layer, mid + mlp_out)
+        carried = self._sub(layer, s.mlp_norm)(self._in(mid)).to(mid.dtype) if s.norm_carried else mid
+        x = carried + mlp_out.to(mid.dtype)
+        return self.block_output(layer, self._sub(layer, s.block_norm)(self._in(x)).to(x.dtype))
 
     @block_piece
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
@@ -308,7 +328,7 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
             h = h.reshape(1, -1, shape[-1])
         for path in s.mlp_chain or (self.MLP,):
             h = self._sub(layer, path)(h, *((torch.zeros_like(h),) if s.mlp_residual else ()))  # BLOOM: its branch
-            h = h[0] if isinstance(h, tuple) else h
+            h = h[0] if isinstance(h, (tuple, list)) else h
         return h.reshape(*shape[:-1], h.shape[-1])  # as its input: DBRX's returns [n, 1, d] of [n, d]
 
     @no_grad

@@ -271,7 +271,7 @@ def side_branch(adapter, layer: int, x: Tensor) -> Tensor | None:
     with held(block):
         h = adapter.attn_input_norm(layer, x.to(device=adapter.device, dtype=adapter.dtype))
         y = submodule(block, s.side_mixer)(h)
-    y = y[0] if isinstance(y, tuple) else y
+    y = y[0] if isinstance(y, (tuple, list)) else y
     return (y if s.side_scale == 1.0 else y * s.side_scale).float()
 
 
@@ -287,7 +287,7 @@ def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
     prev = max(l for l in range(layer) if kinds[l] not in IDENTITY_KINDS)
     env = layers_env[prev]
     out = env.output
-    raw = out[0] if isinstance(out, tuple) else out
+    raw = out[0] if isinstance(out, (tuple, list)) else out
     if patch_resid is not None:
         new = patch_resid(layer, raw.float())
         if new is not None:
@@ -295,7 +295,7 @@ def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
                 raise ValueError(f"patch_resid(layer={layer}) returned {getattr(new, 'shape', type(new).__name__)}; "
                                  f"return the residual as a tensor of shape {list(raw.shape)} (or None)")
             raw = new.to(device=raw.device, dtype=raw.dtype)
-            env.output = (raw, *out[1:]) if isinstance(out, tuple) else raw
+            env.output = (raw, *out[1:]) if isinstance(out, (tuple, list)) else raw
     return make(layer=layer, resid_in=raw.float() if "resid_in" in sel else None)
 
 

@@ -56,12 +56,18 @@ def _index(width: int, n: int, chunks: int, offset: int) -> Tensor:
     return (torch.arange(chunks)[:, None] * cw + offset + torch.arange(nw)[None]).reshape(-1)
 
 
-def gate_of(out: Tensor, layout: tuple[int, int, int], H: int, dh: int, act: str = "sigmoid") -> Tensor:
+def gate_of(out: Tensor, layout: tuple[int, int, int], H: int, dh: int, act: str = "sigmoid",
+            bias: Tensor | None = None) -> Tensor:
     """The gate ``[..., H, dh]`` (float32) of the gate source's output ``out [..., W]`` in ``layout`` (n, chunks,
     offset): n = H x dh, one gate per read entry (Qwen3-Next), or n = H, one per head (LFM-3, Laguna), spread over its
-    read; through the activation ``act`` (:data:`GATE_ACTIVATIONS`)."""
+    read; plus ``bias [H]``, one per head, where the attention adds one before the activation (Beam's ``gate_bias``);
+    through the activation ``act`` (:data:`GATE_ACTIVATIONS`)."""
     n, chunks, offset = layout
-    g = GATE_ACTIVATIONS[act](out[..., _index(out.shape[-1], n, chunks, offset).to(out.device)]).float()
+    pre = out[..., _index(out.shape[-1], n, chunks, offset).to(out.device)]
+    if bias is not None:  # in the source's dtype, as the attention adds it
+        b = bias.detach().to(device=pre.device, dtype=pre.dtype)
+        pre = pre + (b if n == H else b[:, None].expand(H, dh).reshape(-1))
+    g = GATE_ACTIVATIONS[act](pre).float()
     return g[..., None].expand(*g.shape, dh) if n == H and n != H * dh else g.unflatten(-1, (H, dh))
 
 
@@ -84,6 +90,7 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
     except ValueError as e:  # UnsupportedArchitectureError (probe.py imports this module: caught by its base)
         refusal = e
     attn, found = seen["<attn>"], {}
+    biases = [None] + [n for n, p in attn_mod.named_parameters(recurse=False) if tuple(p.shape) == (H,)]  # Beam's
     for name in (n for n, _ in attn_mod.named_children() if n != out_proj and f"<src>{n}" in seen):
         src = seen[f"<src>{name}"]
         if not (src.x_obj is attn.x_obj or torch.equal(src.x, attn.x)):  # the gate is of the attention's input
@@ -91,19 +98,20 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
         W = src.y.shape[-1]
         shapes = [(H * dh, c, o) for c in range(1, H + 1) if H % c == 0 and W % c == 0
                   for o in range(0, W // c - H * dh // c + 1, dh)] + ([(H, 1, 0)] if W == H else [])
-        for lay, act in ((lay, act) for lay in shapes for act in GATE_ACTIVATIONS):
+        for lay, act, bias in ((lay, act, b) for lay in shapes for act in GATE_ACTIVATIONS for b in biases):
             trial = dict(seen)
-            trial["<out_proj>"] = seen["<out_proj>"]._replace(x=seen["<out_proj>"].x / gate_of(src.y, lay, H, dh, act)
-                                                              .flatten(-2))
+            g = gate_of(src.y, lay, H, dh, act, None if bias is None else getattr(attn_mod, bias))
+            trial["<out_proj>"] = seen["<out_proj>"]._replace(x=seen["<out_proj>"].x / g.flatten(-2))
             try:  # one gate in several layouts (an elementwise one, chunked or not) is one candidate
-                found.setdefault((name, tuple(_index(W, *lay).tolist()), act), (name, lay, act, layout(trial)))
+                found.setdefault((name, tuple(_index(W, *lay).tolist()), act, bias), (name, lay, act, bias,
+                                                                                      layout(trial)))
             except ValueError:
                 continue
     if len(found) != 1:
         raise refusal
-    name, lay, act, out = next(iter(found.values()))
+    name, lay, act, bias, out = next(iter(found.values()))
     first = order.index(f"<src>{name}") < order.index(f"<src>{out['value_source']}")
-    return dict(out, gate=(name, lay, first, act))
+    return dict(out, gate=(name, lay, first, act, bias))
 
 
 def has_gate(adapter) -> bool:
@@ -139,9 +147,15 @@ class OutputGate:
             return None
         h = self.attn_input_norm(layer, x.to(device=self.device))
         return gate_of(self._sub(layer, s.output_gate)(self._in(h)), s.gate_layout, self.n_heads, self.d_head,
-                       s.gate_act)
+                       s.gate_act, self.gate_bias(layer))
 
-    def gate_site(self, layer_env, sel: frozenset[str], patch_reads, first: bool) -> Tensor | None:
+    def gate_bias(self, layer: int) -> Tensor | None:
+        """The per-head bias the attention of block ``layer`` adds to its gate before the activation (Beam's), or
+        None."""
+        path = self.structure.gate_bias
+        return None if path is None else functools.reduce(getattr, path.split("."), self.block_module(layer))
+
+    def gate_site(self, layer_env, sel: frozenset[str], patch_reads, first: bool, layer: int = 0) -> Tensor | None:
         """Inside the site's trace: the forward's own gate ``[B,T,H,dh]`` (float32) of the block ``layer_env``, read
         off its source where the reads are read or patched and the source runs at this point of the block (``first``:
         before the value source; nnsight reads in forward order), else None."""
@@ -149,4 +163,4 @@ class OutputGate:
         if s.output_gate is None or s.gate_first != first or ("reads" not in sel and patch_reads is None):
             return None
         src = functools.reduce(getattr, s.output_gate.split("."), layer_env)  # its envoy, as site.module_at
-        return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head, s.gate_act)
+        return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head, s.gate_act, self.gate_bias(layer))

@@ -5,7 +5,8 @@ functions of residual rows, for the open-loop rollout (:mod:`mfpipe.experiments.
 :func:`mixer_block` runs such a block as the model runs it, on each row as a sequence of one position: the mixer with
 no history before the row (a Mamba or recurrent state starting from zero, a delta-net's from its initial state), then
 the block's own MLP. The block is called with the arguments the model's forward hands it on a one-token input
-(position ids, masks), captured once per adapter by a plain torch pre-hook (:func:`one_token_call`): a block's
+(position ids, masks), captured once per adapter by a plain torch pre-hook
+(:func:`~mfpipe.models.adapters.joins.one_token_call`): a block's
 signature differs by family (Recurrent-Gemma's needs its position ids and mask), and so the call is the model's own.
 
 It also names a block's kind for :func:`~mfpipe.models.adapters.structure.describe`: a mixer's by its class name
@@ -15,16 +16,16 @@ It also names a block's kind for :func:`~mfpipe.models.adapters.structure.descri
 from __future__ import annotations
 
 import re
-import weakref
 
 import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.forms import IDENTITY_KINDS
+from mfpipe.models.adapters.joins import one_token_call
 from mfpipe.models.adapters.probe import is_norm
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["MIXERS", "check_attention", "layer_kinds", "mixer_block", "mixer_kind", "one_token_call", "own_name"]
+__all__ = ["MIXERS", "check_attention", "layer_kinds", "mixer_block", "mixer_kind", "own_name"]
 
 
 # a module whose class name says it is no softmax attention over the text (a hybrid's other blocks: Kimi-Linear's
@@ -80,33 +81,6 @@ def check_attention(adapter, layer: int, what: str) -> None:
         raise ValueError(f"{adapter.model_type}: layer {layer} is a {kind} layer, not attention: it has no {what} (the "
                          f"attention layers: {list(adapter.attention_layers)})")
 
-_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> {layer: (args, kwargs)}
-
-
-@torch.no_grad()
-def one_token_call(adapter, layer: int) -> tuple[tuple, dict]:
-    """(the positional arguments after the hidden states, the keyword arguments) the model's forward calls block
-    ``layer`` with on a one-token input ``[[0]]``, without its hidden states and cache (no cache is kept)."""
-    calls = _CALLS.get(adapter)
-    if calls is None:
-        calls = {}
-
-        def hook(l):
-            def pre(mod, args, kwargs):
-                calls[l] = (tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "hidden_states"})
-            return pre
-
-        handles = [adapter.block_module(l).register_forward_pre_hook(hook(l), with_kwargs=True)
-                   for l in range(adapter.n_layers)]
-        try:
-            adapter.base(torch.zeros(1, 1, dtype=torch.long, device=adapter.device), use_cache=False)
-        finally:
-            for h in handles:
-                h.remove()
-        _CALLS[adapter] = calls
-    return calls[layer]
-
-
 @torch.no_grad()
 def mixer_block(adapter, layer: int, x: Tensor) -> Tensor:
     """Block ``layer`` of a hybrid (any kind) on the rows ``x [..., d]``, each a sequence of one position: the block's
@@ -120,5 +94,5 @@ def mixer_block(adapter, layer: int, x: Tensor) -> Tensor:
     rows = x.reshape(-1, 1, x.shape[-1]).to(device=adapter.device, dtype=adapter.dtype)
     with held(adapter.block_module(layer)):
         y = adapter.block_module(layer)(rows, *args, **kwargs)
-    y = y[0] if isinstance(y, tuple) else y
+    y = y[0] if isinstance(y, (tuple, list)) else y
     return y.reshape(x.shape).float()

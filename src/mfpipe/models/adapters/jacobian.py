@@ -260,7 +260,7 @@ def final_residual_hook(adapter, fn):
     s = adapter.structure
     if s.final_norm is None or s.embed_norm == s.final_norm:
         return adapter.block_module(adapter.n_layers - 1).register_forward_hook(
-            lambda module, args, out: fn(out[0] if isinstance(out, tuple) else out))
+            lambda module, args, out: fn(out[0] if isinstance(out, (tuple, list)) else out))
     return adapter.final_norm_module().register_forward_pre_hook(
         lambda module, args, kwargs: fn(_hidden(args, kwargs)), with_kwargs=True)
 
@@ -324,7 +324,7 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None, gr
 
     def attn_hook(layer):
         def hook(module, args, out):
-            attn_out[layer] = out[0] if isinstance(out, tuple) else out
+            attn_out[layer] = out[0] if isinstance(out, (tuple, list)) else out
 
         return hook
 

@@ -238,7 +238,7 @@ def _products(adapter, run, key: tuple[str, int], V: Tensor) -> Tensor:
             return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
         def post(module, args, output):
-            if isinstance(output, tuple):
+            if isinstance(output, (tuple, list)):
                 return (insert(output[0], u), *output[1:])
             return insert(output, u)
 

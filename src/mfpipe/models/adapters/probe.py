@@ -196,6 +196,8 @@ def _mlp_chain(seen: dict, order: list[str], block: nn.Module, attn_top: str, mt
     at either end (dropouts): one module, or a chain in which each reads what the one before wrote (OPT)."""
     kids = dict(block.named_children())
     ran = [n for n in order if n in kids and n != attn_top and not is_norm(kids[n])]
+    joins = [n for n in ran if _joins(seen[n])]  # handed a branch and the residual (Zaya's residual scaling)
+    ran = [n for n in ran if n not in joins] if 0 < len(joins) < len(ran) else ran  # joins: run by the block
     while ran and not any(True for _ in kids[ran[0]].parameters()):
         ran.pop(0)
     while ran and not any(True for _ in kids[ran[-1]].parameters()):
@@ -209,6 +211,12 @@ def _mlp_chain(seen: dict, order: list[str], block: nn.Module, attn_top: str, mt
     return ran
 
 
+def _joins(seen_one) -> bool:
+    """Whether a module was called with two tensors of the residual's shape (a branch and the residual it joins)."""
+    r = seen_one.args[0] if seen_one.args else None
+    return isinstance(r, Tensor) and tuple(r.shape) == tuple(seen_one.x.shape) and r is not seen_one.x_obj
+
+
 def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
     """(the final norm, a norm on the embedding or None) among the norms outside the blocks: with one, it is the
     final norm; with more, the final norm reads the last block's output, an embedding norm the embedding's."""
@@ -216,7 +224,12 @@ def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
         return None, None
     if len(outer) == 1:  # NanoChat's one norm also reads the embedding, first: the final norm and the embedding's
         seen_one = seen.get(f"<outer>{outer[0]}")
-        return outer[0], outer[0] if seen_one is not None and seen_one.x_obj is seen["<embed>"].y_obj else None
+        if seen_one is not None and seen_one.x_obj is seen["<embed>"].y_obj:
+            return outer[0], outer[0]
+        first = seen.get("<first>")
+        if seen_one is not None and first is not None and seen_one.y_obj is first.x_obj:
+            return None, outer[0]  # block 0 reads it (TrOCR's of the embedding plus positions), no final norm
+        return outer[0], None
     last_out, emb_out = seen["<last>"].y_obj, seen["<embed>"].y_obj
     final = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"].x_obj is last_out]
     embn = [n for n in outer if f"<outer>{n}" in seen and seen[f"<outer>{n}"].x_obj is emb_out]
@@ -258,7 +271,7 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
         mlp_norm, mlp_reads = attn_norm, block_in  # the MLP shares the attention's norm: it reads the block input
     else:
         mlp_reads = seen[mlp_norm].x if mlp_norm else mlp_in
-    scale = 1.0
+    scale, join = 1.0, "sum"
     if same(mlp_reads, block_in):
         parallel = True
     elif same(mlp_reads, block_in + attn_branch):
@@ -266,16 +279,36 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
     else:
         parallel, scale = False, branch_scale(mlp_reads - block_in, attn_branch, scales)
         if scale is None or not same(mlp_reads, block_in + scale * attn_branch):
-            raise UnsupportedArchitectureError(mt, "its MLP reads neither the block input nor the block input plus "
-                                                   "the attention branch (times a scale)")
+            # a join of its own (Doge's a ⊙ x + attn, Beam's depth-scaled sums...): the block's code runs it
+            # (mfpipe.models.adapters.joins; describe checks that it is one of each position's own tensors)
+            scale, join = 1.0, "model"
     unplaced = [n for n in norms if n not in (attn_norm, post_attn_norm, mlp_norm, post_mlp_norm)]
-    if any(seen[n].y_obj is seen["<block>"].y_obj for n in unplaced):  # GPT-1's post-norm blocks
-        raise UnsupportedArchitectureError(mt, f"its blocks end in a norm of the residual ({', '.join(unplaced)}): "
-                                               "no residual stream of summed branches, as mfpipe reads it")
-    if unplaced:
+    block_norm, carried = post_norm(seen, unplaced, mlp_norm, mlp_reads, parallel, same) if join == "sum" \
+        else (None, False)
+    join = "model" if block_norm is False else join  # a closing norm of another form: the block runs it too
+    unplaced = [n for n in unplaced if n != block_norm]
+    if unplaced and join == "sum":
         raise UnsupportedArchitectureError(mt, f"its norm(s) {', '.join(unplaced)} sit where mfpipe has no place")
     return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
-                parallel=parallel, branch_scale=scale)
+                parallel=parallel, branch_scale=scale, block_norm=block_norm or None, norm_carried=carried, join=join)
+
+
+def post_norm(seen: dict, unplaced: list[str], mlp_norm: str | None, mlp_reads, parallel: bool,
+              same) -> tuple[str | None | bool, bool]:
+    """``(block_norm, norm_carried)``: the norm a block's output is (post-norm: GPT-1's ``ln_2``, TrOCR's
+    ``final_layer_norm``; None where the block hands on a plain sum; False where it reads neither form below) and
+    whether the residual its MLP branch joins is the MLP's norm's output (GPT-1: ``ln_2(ln_1(x + a) + mlp(ln_1(x +
+    a)))``, the stream carries ``ln_1``'s output) rather than ``resid_mid`` (a norm of the plain sum)."""
+    ends = [n for n in unplaced if seen[n].y_obj is seen["<block>"].y_obj]
+    if not ends:
+        return None, False
+    into, mlp_branch = seen[ends[0]].x, seen["<mlp>"].y
+    if not parallel and mlp_norm is not None and same(into, seen[mlp_norm].y + mlp_branch):
+        return ends[0], True
+    if same(into, mlp_reads + mlp_branch) or (parallel and same(into, seen["<block>"].x + seen["<attn>"].y
+                                                                 + mlp_branch)):
+        return ends[0], False
+    return False, False
 
 
 def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, shape: Shape, mt,
@@ -287,7 +320,7 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     A layout that is one of the named ones keeps its name (a latent source's stays chunked)."""
     latents = latents or {}
     attn_out = seen["<attn>"].out
-    probs = attn_out[1] if isinstance(attn_out, tuple) and len(attn_out) > 1 else None
+    probs = attn_out[1] if isinstance(attn_out, (tuple, list)) and len(attn_out) > 1 else None
     if not isinstance(probs, Tensor) or "<out_proj>" not in seen:
         raise UnsupportedArchitectureError(mt, "its attention returns no probabilities under eager attention")
     probs, reads = probs.detach().double(), seen["<out_proj>"].x.double()

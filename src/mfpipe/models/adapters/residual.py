@@ -84,7 +84,7 @@ def mlp_residual(block, chain: list[str], last, same) -> Tensor | None:
             y = getattr(block, chain[0])(last.x_obj, torch.zeros_like(r))
     except Exception:  # a second argument of another meaning
         return None
-    y = (y[0] if isinstance(y, tuple) else y).float()
+    y = (y[0] if isinstance(y, (tuple, list)) else y).float()
     return r if same(y + r.float(), last.y) and not same(y, last.y) else None
 
 
@@ -132,7 +132,7 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
     def run(y):
         for name in chain:
             y = getattr(block, name)(y, *([torch.zeros_like(y)] if residual else []))
-            y = y[0] if isinstance(y, tuple) else y
+            y = y[0] if isinstance(y, (tuple, list)) else y
         return y
 
     try:

@@ -147,7 +147,7 @@ def probe_sink(module: nn.Module, path: str):
         tap.remove()  # where the probe forward never ran the attention
         attn = seen.get("<attn>")
         out = None if attn is None else attn.out
-        if tap.factor is None or not isinstance(out, tuple) or len(out) < 2 or not isinstance(out[1], Tensor):
+        if tap.factor is None or not isinstance(out, (tuple, list)) or len(out) < 2 or not isinstance(out[1], Tensor):
             return {}
         weights = out[1]
         if tap.scores.shape != weights.shape or not same(torch.softmax(tap.scores.float(), -1), weights.float()):

@@ -209,7 +209,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
             # (or none: the last block's output is the final residual)
             out = layers_env[-1].output if s.embed_norm == s.final_norm or s.final_norm is None else module_at(
                 base_env, self.FINAL_NORM).input
-            on_final((out[0] if isinstance(out, tuple) else out).float())
+            on_final((out[0] if isinstance(out, (tuple, list)) else out).float())
         if logits or loss:
             out = root.output
             lg = (out.logits if hasattr(out, "logits") else out[0]).float()
@@ -246,12 +246,12 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
             resid_in = raw.float() if need_resid_in else None
         elif need_resid_in:
             resid_in = layer_env.input.float()
-        gate = self.gate_site(layer_env, sel, patch_reads, first=True)  # an output gate (adapters.gate): Qwen3-Next's
+        gate = self.gate_site(layer_env, sel, patch_reads, True, layer)  # an output gate (adapters.gate): Qwen3-Next's
         if "values" in sel and self.structure.value_norm is not None:  # the values as the heads read them (Gemma-4's)
             cap.values = self.values_from_norm(module_at(layer_env, self.structure.value_norm).output, layer).float()
         elif "values" in sel:
             cap.values = self._values_from_src(module_at(layer_env, self.value_path(layer)).output, layer).float()
-        gate = self.gate_site(layer_env, sel, patch_reads, first=False) if gate is None else gate  # forward order
+        gate = self.gate_site(layer_env, sel, patch_reads, False, layer) if gate is None else gate  # forward order
         s = self.structure
         # the attention adds the residual itself (BLOOM): its branch is the output projection's output
         proj_out = need_attn_out and s.attn_residual

@@ -43,11 +43,13 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
+from mfpipe.models.adapters.asked import ask_for_probabilities
 from mfpipe.models.adapters.configs import check_config_forms, config_value
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
                                           idle_attentions, nested_embedding, placing_block, side_mixer, unstacked,
                                           wrapped_attention)
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
+from mfpipe.models.adapters.joins import check_per_position
 from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
@@ -130,6 +132,7 @@ class Structure:
     gate_layout: tuple[int, int, int] = (0, 1, 0)
     gate_first: bool = False
     gate_act: str = "sigmoid"
+    gate_bias: str | None = None  # a per-head bias (path from the block) the attention adds to the gate (Beam's)
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
@@ -143,6 +146,13 @@ class Structure:
     # block; Granite-SWA's sinks): the probabilities behind the reads are the weights times it (adapters.sinks)
     attn_sink: str | None = None
     head_transform: str | None = None  # a module (path from the causal LM) between the final norm and the LM head
+    # post-norm (GPT-1, TrOCR): the norm (from the block) that the block's sum passes before the block hands it on,
+    # and whether the residual the MLP branch joins is the MLP's norm's output (GPT-1's ln_1 of x + a) not resid_mid
+    block_norm: str | None = None
+    norm_carried: bool = False
+    # "sum": the branches join the residual as the fields above say; "model": in a form of the block's own (Doge's
+    # a ⊙ x + attn, Beam's depth-scaled sums, Zaya's scaling modules), run by the block (mfpipe.models.adapters.joins)
+    join: str = "sum"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -194,6 +204,7 @@ def describe(model: nn.Module) -> Structure:
     blocks = submodule(base, layers)
     attn, kinds = _attention_blocks(blocks, mt, idle_attentions(base, blocks))  # TrOCR's encoder_attn left out
     check_skipped(base, blocks, kinds, mt)  # the blocks the forward skips on text-only input (Mllama's cross-attention)
+    ask_for_probabilities(submodule(b, attn) for b, k in zip(blocks, kinds) if k == "attention")  # GPT-1's: asked
     first = placing_block(blocks, kinds)  # a hybrid's first attention block; one with every norm the others have
     block = blocks[first]
     attn_mod = submodule(block, attn)
@@ -209,9 +220,9 @@ def describe(model: nn.Module) -> Structure:
                         submodule(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
                         mlp, named_value, latent_sources, first, block_forms(block, attn, side, mlp == NO_MLP, mlp, mt))
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
-    if embed_norm and len(tables) == 1:
-        raise UnsupportedArchitectureError(mt, "it has a norm on the embedding and a learned position table")
     roles, latent = found["roles"], found["latent"]
+    if roles["join"] == "model":  # a join of the block's own: run by the block, so it must be of each position alone
+        check_per_position(base, blocks, first, attn, mt)
     norm = (submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
@@ -242,6 +253,7 @@ def describe(model: nn.Module) -> Structure:
         value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"), head_transform=head,
         value_norm=f"{attn}.{found['value_norm']}" if found.get("value_norm") else None,
         resid_scale="layer_scalar" if _scalar_buffer(block, "layer_scalar") else None,
+        block_norm=roles["block_norm"], norm_carried=roles["norm_carried"], join=roles["join"],
         **_gate_fields(found["gate"], attn),
     )
 
@@ -256,7 +268,7 @@ def _scalar_buffer(block: nn.Module, name: str) -> bool:
 def _gate_fields(gate, attn: str) -> dict:
     """The structure's output-gate fields of the probe's ``gate`` (source, layout, first, activation) or None."""
     return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2],
-                                        gate_act=gate[3])
+                                        gate_act=gate[3], gate_bias=f"{attn}.{gate[4]}" if gate[4] else None)
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:

@@ -14,11 +14,11 @@ output projection's input):
   where the projection reads the attention's input, as AFMoE's ``gate_proj``, Dots3's and Laguna's ``g_proj``,
   Qwen3-Next's gated attention output, :mod:`~.gate` places it and the refusal says what else stands in the way);
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
-* a block that keeps no residual stream of summed branches: several streams (Gemma-3n's AltUp, hyper-connections,
-  Reformer's reversible halves), a norm of the residual at its end (post-norm: GIT), a residual scaled by the block
-  (Zaya's residual-scaling modules, Beam's depth-scaled sum, Dory's per-channel interpolation; not Gemma-4's
-  ``layer_scalar``, one number times the block's whole output, which is placed: ``Adapter.block_output``), the
-  attention's output passed through another module before the residual (Inkling's short convolutions);
+* a block that keeps no residual stream mfpipe reads: several streams (Gemma-3n's AltUp, hyper-connections,
+  Reformer's reversible halves), a norm of the residual at its end inside a module that adds the residual itself
+  (post-norm: GIT; GPT-1's and TrOCR's are placed), the attention's output passed through another module before the
+  residual (Inkling's short convolutions) (a residual scaled or renormalised by the block is run by the block's own
+  code: :mod:`~mfpipe.models.adapters.joins`);
 * an LM head that reads the final norm's output through more than one module (ModernBERT-decoder's one prediction
   head is placed: :func:`~mfpipe.models.adapters.residual.head_transform`).
 
@@ -145,7 +145,7 @@ def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) ->
                     "sits between the attention and its output projection: each head's share of the branch is "
                     "divided by a root mean square over every head's reads")
     out = seen[""][2]
-    probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+    probs = out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else None
     if not isinstance(probs, Tensor):
         return None
     probs, R = probs.detach().double()[0], reads.detach().double().reshape(-1, H, dh)
@@ -227,27 +227,12 @@ def _streams(model, base, d: int) -> str | None:
     return None
 
 
-def _fit(target: Tensor, parts: list[Tensor], per_channel: bool) -> Tensor | None:
-    """The coefficients ``c`` (``[len(parts)]``, or ``[len(parts), d]`` per channel) with ``target = sum c_i parts_i``
-    within float32 rounding, or None."""
-    A = torch.stack([p.reshape(-1, p.shape[-1]) for p in parts], -1).double()  # [N, d, k]
-    y = target.reshape(-1, target.shape[-1]).double()
-    if per_channel:
-        c = torch.linalg.lstsq(A.transpose(0, 1), y.T[..., None]).solution[..., 0].T  # [k, d]
-        got = (A * c.T[None]).sum(-1)
-    else:
-        c = torch.linalg.lstsq(A.reshape(-1, A.shape[-1]), y.reshape(-1, 1)).solution[:, 0]
-        got = A @ c
-    return c if _close(got, y) else None
-
-
 def _block_form(model, base, attn_mod: nn.Module) -> str | None:
-    """What in the first attention block's forward keeps it from a residual stream of summed branches: a norm of the
-    residual at its end (post-norm: GIT's BERT layers), a module handed the branch and the residual that scales the
-    residual (Zaya's residual scaling), the attention's output passing through another module before the residual
-    (Inkling's short convolutions), the MLP reading the block input scaled (Beam's depth-scaled residual) or mixed
-    channel by channel with the branch (Dory's interpolation on the sphere), or a norm's output plus the branch
-    (MiniMax's residual: the output of the norm before the attention)."""
+    """What in the first attention block's forward keeps it from a residual stream mfpipe reads: a norm of the residual
+    at its end inside a module of the block's (post-norm whose residual is added inside that module: GIT's BERT
+    layers; a post-norm whose norm is a module of the block is placed, GPT-1's: ``Structure.block_norm``), the
+    attention's output passing through another module before the residual (Inkling's short convolutions). (A join of
+    another form, scaled or renormalised, is run by the block's own code: :mod:`~mfpipe.models.adapters.joins`.)"""
     block = next(b for b in blocks(model) if any(m is attn_mod for m in b.modules()))
     attn = next(n for n, m in block.named_modules() if m is attn_mod)
     kids = {n: m for n, m in block.named_modules() if n and (_norm(m) or "." not in n)}
@@ -258,22 +243,8 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
     norms = [n for n in seen if n in kids and _norm(kids[n]) and seen[n][0].shape == x0.shape]  # of the residual
     ends = [n for n in norms if seen[n][1] is y0]
     if ends:
-        return (f"its blocks end in a norm of the residual ({ends[0]}: post-norm): no residual stream of summed "
-                "branches, as mfpipe reads it")
-    for n, (x, y, _, args) in seen.items():
-        r = args[0] if args else None
-        if n in kids and "." not in n and isinstance(r, Tensor) and r.shape == x.shape and r is not x:
-            try:
-                with torch.no_grad():
-                    f0, fr = (kids[n](x, torch.zeros_like(r)), kids[n](x, r))
-            except Exception:  # a second argument of another meaning (a mask, a position)
-                continue
-            f0, fr = (o[0] if isinstance(o, tuple) else o for o in (f0, fr))
-            s = _fit(fr - f0, [r], per_channel=True)
-            if s is not None and not torch.allclose(s, torch.ones_like(s)):
-                return (f"its blocks scale the residual stream itself: {n} ({type(kids[n]).__name__}), handed the "
-                        "branch and the residual, returns the residual times a vector (not 1) plus the branch: "
-                        "mfpipe reads a residual stream of summed branches")
+        return (f"its blocks end in a norm of the residual inside a module of their own ({ends[0]}: post-norm, the "
+                "residual added inside that module): mfpipe places a post-norm whose norm is a module of the block")
     a_out = seen[attn][1]
     after = [n for n in seen if n in kids and "." not in n and n != attn and seen[n][0] is a_out and not _norm(kids[n])
              and any(True for _ in kids[n].parameters())]  # not a dropout
@@ -281,27 +252,6 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
         return (f"its attention's output passes through {after[0]} ({type(kids[after[0]]).__name__}) before it joins "
                 "the residual: mfpipe reads the attention branch as the attention returns it (a norm after it at "
                 "most)")
-    branches = [a_out] + [seen[n][1] for n in norms if seen[n][0] is a_out]
-    for n in norms:
-        x = seen[n][0]
-        if x is x0 or any(x is b for b in branches):
-            continue
-        for per_channel, what, res in ((False, "the block input", x0), (True, "the block input", x0),
-                                       *((True, f"its norm {m}'s output", seen[m][1]) for m in norms)):
-            c = _fit(x, [res, branches[-1]], per_channel)
-            if c is not None and res is not x0 and torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
-                return (f"its blocks add the attention branch to {what}, not to the block input (what its norm {n} "
-                        "reads is that output + b x the attention branch): a norm on the residual stream itself, "
-                        "which every block renormalises; mfpipe reads a residual stream of summed branches")
-            if c is not None and not torch.allclose(c[0], torch.ones_like(c[0]), atol=1e-4):
-                if not per_channel:
-                    return (f"its blocks scale the residual stream itself: what its norm {n} reads is "
-                            f"{float(c[0]):.4g} x the block input + {float(c[1]):.4g} x the attention branch: "
-                            "mfpipe reads a residual stream of summed branches, a branch maybe scaled, the stream "
-                            "never")
-                return (f"its blocks scale the residual stream channel by channel: what its norm {n} reads is a x "
-                        f"{what} + b x the attention branch with per-channel vectors a (not 1) and b: mfpipe reads a "
-                        "residual stream of summed branches, a branch maybe scaled, the stream never")
     return None
 
 

@@ -1,0 +1,138 @@
+"""Blocks whose branches join the residual in a form of their own (``Structure.join == "model"``), run by the block's
+own code: Doge's ``a ⊙ x + attn`` and ``b ⊙ mid + mlp`` with learned vectors, Beam's depth-scaled sums, Zaya's
+``ResidualScaling`` modules, Dory's interpolation on the unit sphere, MiniMax's branches added to a norm of the
+residual. Each is a function of a position's own residual and attention branch; the model computes it, so mfpipe does
+not write it out again.
+
+:func:`run_block` runs block ``layer`` on residual rows, each a sequence of one position (the arguments the model's
+forward hands the block on a one-token input: :func:`one_token_calls`), with its attention module's output replaced by
+the given attention branch (the output projection's output, before any post-norm: what the attention returns): the
+rollout's block step at the mean-field branch, and the residual the MLP branch reads (its norm's input). The placement
+accepts such a join only where the block's output at every position of the probe forward is what
+:func:`check_per_position` gets from that position alone: an attention branch mixed over positions after the attention
+(Inkling's convolutions) stays refused."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from mfpipe.models.adapters.probe import PROBE_IDS, UnsupportedArchitectureError, submodule
+from mfpipe.models.adapters.streaming import held
+
+__all__ = ["check_per_position", "one_token_call", "one_token_calls", "run_block"]
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _hidden(args: tuple, kwargs: dict) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@torch.no_grad()
+def one_token_calls(base: nn.Module, blocks, device) -> dict[int, tuple[tuple, dict]]:
+    """Per block: (the positional arguments after the hidden states, the keyword arguments) the forward of ``base``
+    calls it with on a one-token input ``[[0]]``, without its hidden states (no cache is kept)."""
+    calls: dict[int, tuple[tuple, dict]] = {}
+
+    def hook(l):
+        def pre(mod, args, kwargs):
+            calls[l] = (tuple(args[1:]), {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        return pre
+
+    handles = [b.register_forward_pre_hook(hook(l), with_kwargs=True) for l, b in enumerate(blocks)]
+    try:
+        base(torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> {layer: (args, kwargs)}
+
+
+def one_token_call(adapter, layer: int) -> tuple[tuple, dict]:
+    """:func:`one_token_calls` of ``adapter``'s model for block ``layer``, captured once per adapter."""
+    calls = _CALLS.get(adapter)
+    if calls is None:
+        calls = _CALLS[adapter] = one_token_calls(
+            adapter.base, [adapter.block_module(l) for l in range(adapter.n_layers)], adapter.device)
+    return calls[layer]
+
+
+def _replaced(attn: nn.Module, branch: Tensor):
+    """A forward hook on ``attn`` that returns ``branch`` as its output ``[0]`` (its other outputs kept)."""
+    def hook(mod, args, out):
+        if isinstance(out, tuple):
+            return (branch.to(_first(out).dtype), *out[1:])
+        if isinstance(out, list):  # GPT-1's attentions return lists
+            return [branch.to(out[0].dtype), *out[1:]]
+        return branch.to(out.dtype)
+    return attn.register_forward_hook(hook)
+
+
+def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch: Tensor, grab: nn.Module | None):
+    seen: list[Tensor] = []
+    handles = [_replaced(attn, branch)]
+    if grab is not None:
+        handles.append(grab.register_forward_pre_hook(
+            lambda mod, args, kwargs: seen.append(_hidden(args, kwargs)) if not seen else None, with_kwargs=True))
+    try:
+        with held(block):
+            y = _first(block(rows, *call[0], **call[1]))
+    finally:
+        for h in handles:
+            h.remove()
+    return y, (seen[0] if seen else None)
+
+
+@torch.no_grad()
+def run_block(adapter, layer: int, x: Tensor, branch: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mlp_in, out)``, float32 ``[N, d]``: block ``layer`` on the rows ``x [N, d]`` with its attention's output
+    replaced by ``branch [N, d]`` (what the attention module returns: the output projection's output plus its bias),
+    each row a sequence of one position; ``mlp_in`` is what the MLP's norm (or the MLP, without one) reads, ``out``
+    the residual the block hands on."""
+    s = adapter.structure
+    block = adapter.block_module(layer)
+    d = x.shape[-1]
+    rows = x.reshape(-1, 1, d).to(device=adapter.device, dtype=adapter.dtype)
+    first = s.mlp_norm or (s.mlp_chain[0] if s.mlp_chain else s.mlp)
+    y, mlp_in = _call(block, rows, one_token_call(adapter, layer), submodule(block, s.attn),
+                      branch.reshape(-1, 1, d).to(device=adapter.device), submodule(block, first) if first else None)
+    mlp_in = rows if mlp_in is None else mlp_in
+    return mlp_in.reshape(x.shape).float(), y.reshape(x.shape).float()
+
+
+@torch.no_grad()
+def check_per_position(base: nn.Module, blocks, at: int, attn_path: str, mt) -> None:
+    """Refuses a block whose output at some position of a probe forward is not what the block gives that position
+    alone, as one-position sequence with the attention's output it had (:func:`run_block`'s premise)."""
+    block, attn = blocks[at], submodule(blocks[at], attn_path)
+    rec: dict[str, Tensor] = {}
+
+    def keep(key, t):  # a hook that returns None: the forward unchanged
+        rec.setdefault(key, t)
+
+    handles = [block.register_forward_pre_hook(lambda m, a, k: keep("x", _hidden(a, k)), with_kwargs=True),
+               block.register_forward_hook(lambda m, a, o: keep("y", _first(o))),
+               attn.register_forward_hook(lambda m, a, o: keep("a", _first(o)))]
+    device = next(base.parameters()).device
+    vocab = int(getattr(base.config, "vocab_size", 3) or 3)
+    try:
+        base((PROBE_IDS % vocab)[None].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    x, a = rec["x"][0][:, None], rec["a"][0][:, None]  # [T, 1, d]: each position a sequence of its own
+    y, _ = _call(block, x, one_token_calls(base, blocks, device)[at], attn, a, None)
+    want, got = rec["y"][0].float(), y[:, 0].float()
+    eps = max(1e-6, 4 * torch.finfo(want.dtype if y.dtype == torch.float32 else y.dtype).eps)  # the model's rounding
+    if not torch.allclose(got, want, rtol=10 * eps, atol=eps * float(want.abs().max().clamp_min(1))):
+        raise UnsupportedArchitectureError(mt, "its blocks join the attention branch to the residual in a form of "
+                                               "their own, and a block's output at a position depends on more than "
+                                               "that position's residual and attention branch")
