@@ -1,6 +1,6 @@
 """Issue 58 item 2: `mfpipe estimate` prices every job it plans. Every rule of the DAG that the default config, the
-ci config and every preset plan (Snakemake's own dry run, the presets against an offline cache of their models'
-`config.json`, benchmarks/preset_shapes.py; no calibration) has a cost formula, and each planned job is priced with
+ci config and every preset plan (Snakemake's own dry run, the presets' models in one config against an offline cache
+of their models' `config.json`, benchmarks/preset_shapes.py; no calibration) has a cost formula, and each planned job is priced with
 it; a Hugging Face corpus gets a tokenizing rate or a plain "not priced" line; WILL NOT FIT names the knobs of the
 job over; pass-2 partials count toward disk where kept; the GPU line says where the rates were measured."""
 
@@ -30,7 +30,21 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "config" / "config.yaml"
 CI = REPO / "config" / "ci.yaml"
 PRESETS = sorted((REPO / "config" / "presets").glob("*.yaml"))
-CONFIGS = {"default": [], "ci": [CI], **{p.stem: [p] for p in PRESETS}}
+# the presets agree on everything but their models, runtime and kernel sums' placement (tests/test_presets.py): one
+# dry run of every preset's models in one config plans what thirteen would (CI time: a dry run is ~6 s)
+CONFIGS = {"default": [], "ci": [CI], "presets": None}
+
+
+def every_presets_models(dest: Path) -> Path:
+    """A config file of the first preset with every preset's models (names are unique across presets)."""
+    import yaml
+
+    cfgs = [yaml.safe_load(p.read_text()) for p in PRESETS]
+    models = [m for c in cfgs for m in c["models"]]
+    assert len({m["name"] for m in models}) == len(models)
+    path = dest / "presets.yaml"
+    path.write_text(yaml.safe_dump({**cfgs[0], "models": models}))
+    return path
 # rules whose work may price at 0 with these stand-ins: start-up-only by declaration, the merge of pass 2 (its
 # partials' few arrays), the corpus stage without a tokenizer to time (its own line says so)
 ZERO_WORK = S.STARTUP_ONLY | {"deviation_merge", "deviation_merge_recompute", "corpus_shards"}
@@ -80,14 +94,15 @@ def context(cfg: dict, corpus: dict, **cal) -> C.Context:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_every_planned_rule_has_a_price(name, shapes, monkeypatch):
+def test_every_planned_rule_has_a_price(name, shapes, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(shapes))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    files = CONFIGS[name]
+    files = CONFIGS[name] if CONFIGS[name] is not None else [every_presets_models(tmp_path)]
     cfg = J.load_config(files, base=BASE)
     corpus = J.predict_corpus(cfg, {}, results="/nonexistent")
     jobs = J.planned_jobs(corpus, files, snakefile=REPO / "Snakefile")
     rules = {j["rule"] for j in jobs}
+    assert {m["name"] for m in cfg["models"]} <= {j["wildcards"].get("model") for j in jobs}  # every preset's too
     assert not sorted(r for r in rules if not C.priced(r)), "planned rules without a price (mfpipe.estimate.costs)"
     ctx = context(cfg, corpus)
     for j in jobs:  # each planned job, with its own wildcards, through its formula
