@@ -145,3 +145,15 @@ def test_a_join_that_reads_other_positions_is_refused():
         block.mlp.register_forward_hook(lambda m, args, out: out + torch.roll(args[0], 1, dims=1))
     with pytest.raises(UnsupportedArchitectureError, match="depends on more than that position's residual"):
         describe(model)
+
+
+def test_an_adapter_of_a_given_structure_asks_gpt1s_attention_for_its_probabilities():
+    """An adapter built from a structure given (not placed on this model object: conformance's deliberate
+    misplacements, a structure kept) still reads GPT-1's probabilities: the adapter asks the attention itself."""
+    from mfpipe.models.adapters import Adapter
+
+    structure = describe(make_tiny_model("openai-gpt", seed=3))  # placed on another copy: its hooks are that copy's
+    adapter = Adapter(make_tiny_model("openai-gpt", seed=3), structure)
+    caps = []
+    adapter.capture(torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1)), caps.append)
+    assert all(torch.allclose(c.attn_probs.sum(-1), torch.ones(())) for c in caps)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.asked import ask_for_probabilities
 from mfpipe.models.adapters.configs import config_value
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.layers import pad_heads
@@ -102,6 +103,9 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         self.layer_kinds, self.attention_layers, self.hybrid = layer_kinds(s, self.n_layers)  # pieces: attention only
         self._place_values()  # the value source's layout (adapters.values)
         self._install_sinks()  # the taps of an attention sink's factor (adapters.sinks: Granite-SWA's)
+        # GPT-1's attention returns its probabilities only when asked (adapters.asked; describe asks too, for its
+        # probe: here for an adapter built from a structure given)
+        ask_for_probabilities(self._sub(l, self.ATTN) for l in self.attention_layers)
 
     # ------------------------------------------------------------------ basic properties
     def __repr__(self) -> str:
