@@ -120,7 +120,7 @@ def _base_config(model_type: str) -> tuple[type, dict]:
         return transformers.StableLmConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},
                                                  partial_rotary_factor=0.25, hidden_dropout=0.0,
                                                  attention_dropout=0.0)
-    placed = _placed_config(model_type, common_rope, gqa) or _post_norm_config(model_type, gqa)
+    placed = _placed_config(model_type, common_rope, gqa) or _join_config(model_type, gqa)
     if placed is not None:
         return placed
     raise ValueError(f"no tiny model recipe for model_type {model_type!r}; known: {VERIFIED_MODEL_TYPES}")
@@ -270,7 +270,7 @@ def random_ids(batch: int = 2, seq: int = 16, vocab: int = VOCAB, seed: int = 0,
     return ids
 
 
-def _post_norm_config(model_type: str, gqa: dict) -> tuple[type, dict] | None:
+def _join_config(model_type: str, gqa: dict) -> tuple[type, dict] | None:
     """The recipes of the families of :data:`PLACED_MODEL_TYPES` whose blocks join their branches otherwise than by a
     sum: post-norm (GPT-1, TrOCR's decoder), the block's own form (Doge)."""
     import transformers

@@ -155,7 +155,7 @@ class OutputGate:
         path = self.structure.gate_bias
         return None if path is None else functools.reduce(getattr, path.split("."), self.block_module(layer))
 
-    def gate_site(self, layer_env, sel: frozenset[str], patch_reads, first: bool, layer: int = 0) -> Tensor | None:
+    def gate_site(self, layer_env, sel: frozenset[str], patch_reads, first: bool, layer: int) -> Tensor | None:
         """Inside the site's trace: the forward's own gate ``[B,T,H,dh]`` (float32) of the block ``layer_env``, read
         off its source where the reads are read or patched and the source runs at this point of the block (``first``:
         before the value source; nnsight reads in forward order), else None."""

@@ -1,7 +1,7 @@
 """Blocks whose branches join the residual in a form of their own (``Structure.join == "model"``), run by the block's
-own code: Doge's ``a ⊙ x + attn`` and ``b ⊙ mid + mlp`` with learned vectors, Beam's depth-scaled sums, Zaya's
-``ResidualScaling`` modules, Dory's interpolation on the unit sphere, MiniMax's branches added to a norm of the
-residual. Each is a function of a position's own residual and attention branch; the model computes it, so mfpipe does
+own code: Doge's ``a ⊙ x + attn`` and ``b ⊙ mid + mlp`` with learned vectors, Beam's depth-scaled sums, MiniMax's
+branches added to a norm of the residual (Zaya's residual-scaling modules and Dory's interpolation on the unit sphere
+would be too; other parts of those models keep them refused). Each is a function of a position's own residual and attention branch; the model computes it, so mfpipe does
 not write it out again.
 
 :func:`run_block` runs block ``layer`` on residual rows, each a sequence of one position (the arguments the model's
@@ -131,7 +131,7 @@ def check_per_position(base: nn.Module, blocks, at: int, attn_path: str, mt) -> 
     x, a = rec["x"][0][:, None], rec["a"][0][:, None]  # [T, 1, d]: each position a sequence of its own
     y, _ = _call(block, x, one_token_calls(base, blocks, device)[at], attn, a, None)
     want, got = rec["y"][0].float(), y[:, 0].float()
-    eps = max(1e-6, 4 * torch.finfo(want.dtype if y.dtype == torch.float32 else y.dtype).eps)  # the model's rounding
+    eps = max(1e-6, 4 * torch.finfo(y.dtype).eps)  # the model's rounding (y: the block's output, in its dtype)
     if not torch.allclose(got, want, rtol=10 * eps, atol=eps * float(want.abs().max().clamp_min(1))):
         raise UnsupportedArchitectureError(mt, "its blocks join the attention branch to the residual in a form of "
                                                "their own, and a block's output at a position depends on more than "

@@ -151,7 +151,7 @@ class Structure:
     block_norm: str | None = None
     norm_carried: bool = False
     # "sum": the branches join the residual as the fields above say; "model": in a form of the block's own (Doge's
-    # a ⊙ x + attn, Beam's depth-scaled sums, Zaya's scaling modules), run by the block (mfpipe.models.adapters.joins)
+    # a ⊙ x + attn, Beam's depth-scaled sums, MiniMax's), run by the block (mfpipe.models.adapters.joins)
     join: str = "sum"
 
     def as_dict(self) -> dict:
