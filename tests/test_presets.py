@@ -540,3 +540,50 @@ def test_the_new_families_presets_run_end_to_end(hub, tmp_path):
     table = pd.read_csv(wd / "results" / "tables" / "crossmodel.csv")
     assert sorted(table["model"]) == sorted(names)
     assert table[["rollout_cosine", "delta_L", "D_MF"]].notna().all().all(), table
+
+
+def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revision(tmp_path):
+    """Issue 10: the Pythia-160m preset's 19 revisions are each a statistics (stats half), a substitution and a
+    kernel job; the rollout stage (with its eval-half statistics) runs at the last revision only; one more revision
+    inserted adds its own. A dry run: no weights or corpus needed."""
+    import collections
+
+    preset = PRESETS / "pythia-160m.yaml"
+    revs = yaml.safe_load(preset.read_text())["models"][0]["revisions"]
+    assert len(revs) == 19 and revs[0] == "step0" and revs[-1] == "step143000"
+
+    # the DAG resolves every revision to its commit: an offline cache holding each revision's config and tokenizer
+    # (one snapshot, every ref on it; tests/hub_cache.py) is all a dry run needs
+    from hub_cache import add_snapshot, small_tokenizer, tokenizer_files
+
+    hub = tmp_path / "hub"
+    spec = PRESET_MODELS["pythia-160m"]
+    files, _ = tokenizer_files(spec, small_tokenizer(spec, ["to be or not to be"] * 20))
+    files["config.json"] = json.dumps({"model_type": "gpt_neox", "vocab_size": 50304}).encode()
+    commit = add_snapshot(hub, spec.repo_id, files, "main")
+    for rev in revs + ["step100000"]:
+        set_ref(hub, spec.repo_id, rev, commit)
+
+    def plan(*extra):
+        cmd = [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--directory",
+               str(tmp_path), "--configfile", str(preset), *extra]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "hf")}
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        return planned_jobs(out.stdout + out.stderr)
+
+    # one dry run, with one more revision inserted (that it adds only its own jobs to a built DAG is checked on
+    # the ci config above)
+    cfg = yaml.safe_load(preset.read_text())
+    revs = revs[:-1] + ["step100000", revs[-1]]
+    cfg["models"][0]["revisions"] = revs
+    more = tmp_path / "more.yaml"
+    more.write_text(yaml.safe_dump(cfg))
+    jobs = plan("--configfile", str(more))
+    per_rev = collections.Counter((r, w.split("revision=")[1].split(",")[0]) for r, w in jobs if "revision=" in w)
+    for rev in revs:
+        assert per_rev[("substitution", rev)] == 1 and per_rev[("kernel_revision", rev)] == 1
+        # + the eval half for the rollout, and the exclusion arm's two halves (App. llama)
+        assert per_rev[("stats_merge", rev)] == (4 if rev == revs[-1] else 1)
+    assert {w for r, w in jobs if r == "rollout_scores"} == {"model=pythia-160m, revision=step143000"}
+    assert sum(r == "substitution" for r, _ in jobs) == 20

@@ -18,6 +18,8 @@ from workflow_runs import (
     clone,
     planned_jobs,
     result_files,
+    run_got,
+    run_settings,
     snakemake,
     without_timings,
 )
@@ -370,18 +372,21 @@ def test_training_option_change_retrains_only_that_model(built, tmp_path):
     assert not [w for r, w in jobs if "mini-gpt2" in w], jobs
 
 
-@pytest.mark.parametrize("figure, rule", [("icl_classes", "figure_icl_classes"), ("fv", "figure_fv")])
-def test_deleting_a_figure_reruns_only_its_plotting_job(built, figure, rule):
+def test_deleting_a_figure_reruns_only_its_plotting_job(built):
     """A figure is drawn by its own rule from a table (never inside the forward-pass job that wrote the table); the
-    rollout figures are made the same way (one loop in workflow/rules/rollout.smk), the prompt figures were not."""
-    figs = sorted((built / "results" / "figures").glob(f"{figure}_mini-gpt2_*.png"))
-    assert figs, f"the ci DAG builds the {figure} figure"
-    png = figs[0]
-    png.unlink()
-    jobs = [(r, w) for r, w in planned_jobs(snakemake(built, "-n")) if r != "all"]
-    assert [r for r, _ in jobs] == [rule] and "model=mini-gpt2" in jobs[0][1], jobs
-    snakemake(built, "--cores", "1", str(png.relative_to(built)))
-    assert png.is_file() and png.stat().st_size > 0
+    rollout figures are made the same way (one loop in workflow/rules/rollout.smk), the prompt figures were not.
+    Two prompt figures deleted together: exactly their two plotting jobs are planned, and run."""
+    pngs = {}
+    for figure, rule in (("icl_classes", "figure_icl_classes"), ("fv", "figure_fv")):
+        figs = sorted((built / "results" / "figures").glob(f"{figure}_mini-gpt2_*.png"))
+        assert figs, f"the ci DAG builds the {figure} figure"
+        pngs[rule] = figs[0]
+    for png in pngs.values():
+        png.unlink()
+    jobs = sorted((r, w) for r, w in planned_jobs(snakemake(built, "-n")) if r != "all")
+    assert [r for r, _ in jobs] == sorted(pngs) and all("model=mini-gpt2" in w for _, w in jobs), jobs
+    snakemake(built, "--cores", "1", *(str(png.relative_to(built)) for png in pngs.values()))
+    assert all(png.is_file() and png.stat().st_size > 0 for png in pngs.values())
     assert planned_jobs(snakemake(built, "-n")) == []
 
 
@@ -562,86 +567,6 @@ def slurm_test_profile(dest: Path) -> Path:
     return dest
 
 
-PROFILES = REPO / "profiles"
-
-
-def profile_settings(name: str) -> dict:
-    """The keys a profile of profiles/ sets, as its YAML says."""
-    path = next(p for p in (PROFILES / name).glob("*.yaml"))  # config.yaml or config.v8+.yaml
-    return yaml.safe_load(path.read_text())
-
-
-def cli_args(*argv: str) -> tuple[dict, str]:
-    """The arguments Snakemake's own command-line parsing (snakemake.cli.parse_args: --profile files, then the
-    workflow profile profiles/default it finds by itself, then the command line) gives `snakemake ARGV` started
-    in the checkout, and what it printed."""
-    import json
-
-    code = """if True:
-        import json, sys
-        from snakemake.cli import parse_args
-
-        def plain(v):  # sets in a fixed order; objects by type, not by their address
-            if isinstance(v, (set, frozenset)):
-                return sorted(map(str, v))
-            return type(v).__name__ if " at 0x" in repr(v) else str(v)
-
-        print(json.dumps(vars(parse_args(sys.argv[1:])[1]), default=plain, sort_keys=True))
-    """
-    out = subprocess.run([sys.executable, "-c", code, "--snakefile", str(REPO / "Snakefile"), *argv], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    return json.loads(out.stdout.splitlines()[-1]), out.stderr
-
-
-def run_settings(workdir: Path) -> dict:
-    """What the latest run in ``workdir`` ran with: logs/run_settings.json, written by the workflow's onstart
-    handler (workflow/rules/common.smk) from Snakemake's own settings objects."""
-    import json
-
-    return json.loads((workdir / "logs" / "run_settings.json").read_text())
-
-
-def run_got(settings: dict, profile: dict) -> dict:
-    """For each key of ``profile``, the value the run recorded in ``settings`` (run_settings): an executor
-    plugin's option `slurm-x-y` under executor_settings.x_y, any other key under its own name."""
-    got = {}
-    for key in profile:
-        name = key.replace("-", "_")
-        got[key] = (settings["executor_settings"][name.removeprefix("slurm_")] if key.startswith("slurm-")
-                    else settings[name])
-    return got
-
-
-def test_workflow_profile_leaves_the_slurm_profile_its_settings(tmp_path):
-    """Issue 27, item 4, without a cluster: Snakemake applies profiles/default (the workflow profile) to a
-    `--profile profiles/slurm` run too, its keys over the cluster profile's. It sets only keys profiles/slurm also
-    states, with the same values, and neither sets --cores (it would cap every submitted job's threads), so the
-    run's arguments are exactly the cluster profile's, the same as with `--workflow-profile none`. And a real run
-    (on this machine: --executor local --cores 1, the one cheap job) records in logs/run_settings.json the
-    execution settings the cluster profile states."""
-    pytest.importorskip("snakemake_executor_plugin_slurm")
-    default, slurm = profile_settings("default"), profile_settings("slurm")
-    assert {k: slurm.get(k) for k in default} == default, "the workflow profile would override profiles/slurm"
-    assert "cores" not in default and "cores" not in slurm and "local-cores" not in slurm
-
-    args, printed = cli_args("--profile", "profiles/slurm")
-    assert "workflow specific profile profiles/default" in printed, printed  # the merge under test did happen
-    assert {k: args[k.replace("-", "_")] for k in slurm} == slurm
-    assert args["cores"] is None, "--cores would cap the threads of every job submitted to SLURM"
-    alone, _ = cli_args("--profile", "profiles/slurm", "--workflow-profile", "none")
-    assert {k: v for k, v in alone.items() if k != "workflow_profile"} == {
-        k: v for k, v in args.items() if k != "workflow_profile"}, "the workflow profile changes a cluster run"
-
-    wd = clone(tmp_path)
-    snakemake(wd, "--profile", str(PROFILES / "slurm"), "--executor", "local", "--cores", "1",
-              "results/minisuite/tokenizer")
-    got = run_settings(wd)
-    assert got["executor"] == "local" and got["cores"] == 1, got  # the command line's
-    stated = {k: v for k, v in slurm.items() if k != "executor"}
-    assert run_got(got, stated) == stated, got
-
-
 def same_result(a: Path, b: Path) -> bool:
     """Equal results: Zarr folders (statistics stores and per-shard partials) and .npz files by their arrays and
     attributes (their containers carry write times), JSON without its timings, figures by existence (a PDF carries
@@ -672,16 +597,28 @@ def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):
     """Issue 12: the ci config through `--profile profiles/slurm` on a real (single-node) SLURM completes,
     submits its forward-pass jobs to SLURM, and gives the same results as the local run of `built`. Issue 27,
     item 4: the run got every setting the profile states (the workflow profile profiles/default overrode none, and
-    no --cores caps the submitted jobs' threads), as Snakemake held them when it started (logs/run_settings.json)."""
+    no --cores caps the submitted jobs' threads), as Snakemake held them when it started (logs/run_settings.json).
+
+    CI time: the run is a copy of `built` (`cp -a`: its records kept, nothing to do there) with one model's outputs
+    from its statistics onward deleted, and asked for them again: statistics, pass 2, the rollout and the
+    substitution rerun through SLURM; training and the corpus, the same kind of submitted job, stay the local run's
+    (they cost a third of the run in start-ups and SLURM's polls)."""
     reason = slurm_available()
     if reason:
         pytest.skip(reason)
-    wd = clone(tmp_path_factory.mktemp("slurm"))
+    wd = tmp_path_factory.mktemp("slurm") / "project"
+    subprocess.run(["cp", "-a", str(built), str(wd)], check=True)
     profile = slurm_test_profile(tmp_path_factory.mktemp("profile") / "slurm")
-    # one model's path through every submitted stage (training, corpus, statistics, pass 2, rollout, substitution):
-    # the whole ci DAG twice cost too much CI time, and the other jobs are the same rules
     targets = [f"results/tables/{t}_mini-neox_step20.csv" for t in ("rollout", "error_decomposition")]
-    targets += ["results/substitution/mini-neox/step20/substitution.zarr", "results/tables/coverage_positions.csv"]
+    targets += ["results/substitution/mini-neox/step20/substitution.zarr"]
+    r = wd / "results"
+    for gone in ("stats/mini-neox/step20/stats.zarr", "stats/mini-neox/step20/eval.zarr", "stats/mini-neox/step20/partials",
+                 "deviation/mini-neox/step20", "substitution/mini-neox/step20"):
+        shutil.rmtree(r / gone)
+    for gone in (r / "rollout" / "mini-neox" / "step20" / "scores.csv", *(wd / t for t in targets[:2]),
+                 r / "tables" / "teacher_forced_mini-neox_step20.csv"):
+        gone.unlink()
+    before = {k: p.stat().st_mtime_ns for k, p in result_files(r).items()}
     text = snakemake(wd, "--profile", str(profile), *targets)
     ids = re.findall(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: .*/rule_(\w+)/", text)
     settings = run_settings(wd)
@@ -698,14 +635,15 @@ def test_slurm_profile_run_equals_local_run(built, tmp_path_factory):
     # what runs on the submitting host (the localrules) runs in the local executor's pool (profiles/slurm says 5)
     assert settings["login_node_job_slots"] == 5, settings
     rules = {r for _, r in ids}
-    assert {"minisuite_train", "corpus_shards", "stats_shard", "deviation_shard", "rollout_scores", "error_accounting",
-            "substitution"} <= rules, ids
-    assert not rules & {"stats_merge", "rollout_table", "coverage_table", "substitution_table"} and not any(
+    assert {"stats_shard", "deviation_shard", "rollout_scores", "error_accounting", "substitution"} <= rules, ids
+    assert not rules & {"stats_merge", "rollout_table", "substitution_table"} and not any(
         r.startswith("figure_") for r in rules), f"cheap rules stay local: {sorted(rules)}"
     local, remote = result_files(built / "results"), result_files(wd / "results")
-    assert remote and set(remote) <= set(local), sorted(set(remote) - set(local))
-    assert any("deviation" in k for k in remote) and any("rollout_mini-neox" in k for k in remote), sorted(remote)
-    differ = [k for k in remote if not same_result(local[k], remote[k])]
+    rerun = {k for k, p in remote.items() if p.stat().st_mtime_ns != before.get(k)}  # what the SLURM run wrote
+    assert rerun and set(rerun) <= set(local), sorted(set(rerun) - set(local))
+    assert any(k.startswith("stats/mini-neox/step20/") for k in rerun) and any("deviation" in k for k in rerun) and any(
+        "rollout_mini-neox" in k for k in rerun) and any(k.startswith("substitution/mini-neox/") for k in rerun), sorted(rerun)
+    differ = [k for k in sorted(rerun) if not same_result(local[k], remote[k])]
     assert not differ, f"the SLURM run differs from the local run in {differ}"
 
 
@@ -978,51 +916,3 @@ def test_a_store_of_another_model_is_refused_with_one_line_in_the_rule_log_and_o
             os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     snakemake(built, "--cores", "1", "--touch")
     assert planned_jobs(snakemake(built, "-n")) == []
-
-
-def test_pythia_preset_plans_one_statistics_substitution_and_kernel_job_per_revision(tmp_path):
-    """Issue 10: the Pythia-160m preset's 19 revisions are each a statistics (stats half), a substitution and a
-    kernel job; the rollout stage (with its eval-half statistics) runs at the last revision only; one more revision
-    inserted adds its own. A dry run: no weights or corpus needed."""
-    import collections
-    import json
-
-    preset = REPO / "config" / "presets" / "pythia-160m.yaml"
-    revs = yaml.safe_load(preset.read_text())["models"][0]["revisions"]
-    assert len(revs) == 19 and revs[0] == "step0" and revs[-1] == "step143000"
-
-    # the DAG resolves every revision to its commit: an offline cache holding each revision's config and tokenizer
-    # (one snapshot, every ref on it; tests/hub_cache.py) is all a dry run needs
-    from hub_cache import PRESET_MODELS, add_snapshot, set_ref, small_tokenizer, tokenizer_files
-
-    hub = tmp_path / "hub"
-    spec = PRESET_MODELS["pythia-160m"]
-    files, _ = tokenizer_files(spec, small_tokenizer(spec, ["to be or not to be"] * 20))
-    files["config.json"] = json.dumps({"model_type": "gpt_neox", "vocab_size": 50304}).encode()
-    commit = add_snapshot(hub, spec.repo_id, files, "main")
-    for rev in revs + ["step100000"]:
-        set_ref(hub, spec.repo_id, rev, commit)
-
-    def plan(*extra):
-        cmd = [sys.executable, "-m", "snakemake", "-n", "--snakefile", str(REPO / "Snakefile"), "--directory",
-               str(tmp_path), "--configfile", str(preset), *extra]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub), "HF_HOME": str(tmp_path / "hf")}
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-        return planned_jobs(out.stdout + out.stderr)
-
-    # one dry run, with one more revision inserted (that it adds only its own jobs to a built DAG is checked on
-    # the ci config above)
-    cfg = yaml.safe_load(preset.read_text())
-    revs = revs[:-1] + ["step100000", revs[-1]]
-    cfg["models"][0]["revisions"] = revs
-    more = tmp_path / "more.yaml"
-    more.write_text(yaml.safe_dump(cfg))
-    jobs = plan("--configfile", str(more))
-    per_rev = collections.Counter((r, w.split("revision=")[1].split(",")[0]) for r, w in jobs if "revision=" in w)
-    for rev in revs:
-        assert per_rev[("substitution", rev)] == 1 and per_rev[("kernel_revision", rev)] == 1
-        # + the eval half for the rollout, and the exclusion arm's two halves (App. llama)
-        assert per_rev[("stats_merge", rev)] == (4 if rev == revs[-1] else 1)
-    assert {w for r, w in jobs if r == "rollout_scores"} == {"model=pythia-160m, revision=step143000"}
-    assert sum(r == "substitution" for r, _ in jobs) == 20

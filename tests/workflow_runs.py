@@ -1,7 +1,8 @@
 """Driving the workflow in a scratch clone, for the tests that run it (tests/test_workflow.py, tests/test_presets.py,
 tests/test_cuda.py): a copy of the checkout's workflow and library (:func:`clone`), a Snakemake run of it
-(:func:`snakemake`, the ci config by default), the jobs a dry run plans (:func:`planned_jobs`), and a run's result
-files (:func:`result_files`) with JSON compared without its timings (:func:`without_timings`)."""
+(:func:`snakemake`, the ci config by default), the jobs a dry run plans (:func:`planned_jobs`), a run's result
+files (:func:`result_files`) with JSON compared without its timings (:func:`without_timings`), and what a profile
+states and a run recorded it ran with (:func:`profile_settings`, :func:`run_settings`, :func:`run_got`)."""
 
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CI_CONFIG = REPO / "config" / "ci.yaml"
+PROFILES = REPO / "profiles"
 
 
 def snakemake(workdir: Path, *args: str, configfiles=(CI_CONFIG,), timeout=1800, env: dict | None = None) -> str:
@@ -78,3 +80,31 @@ def without_timings(value):
     if isinstance(value, list):
         return [without_timings(v) for v in value]
     return value
+
+
+# ------------------------------------------------------------------------------------ profiles (issues 12, 27)
+def profile_settings(name: str) -> dict:
+    """The keys a profile of profiles/ sets, as its YAML says."""
+    import yaml
+
+    path = next(p for p in (PROFILES / name).glob("*.yaml"))  # config.yaml or config.v8+.yaml
+    return yaml.safe_load(path.read_text())
+
+
+def run_settings(workdir: Path) -> dict:
+    """What the latest run in ``workdir`` ran with: logs/run_settings.json, written by the workflow's onstart
+    handler (workflow/rules/common.smk) from Snakemake's own settings objects."""
+    import json
+
+    return json.loads((workdir / "logs" / "run_settings.json").read_text())
+
+
+def run_got(settings: dict, profile: dict) -> dict:
+    """For each key of ``profile``, the value the run recorded in ``settings`` (run_settings): an executor
+    plugin's option `slurm-x-y` under executor_settings.x_y, any other key under its own name."""
+    got = {}
+    for key in profile:
+        name = key.replace("-", "_")
+        got[key] = (settings["executor_settings"][name.removeprefix("slurm_")] if key.startswith("slurm-")
+                    else settings[name])
+    return got
