@@ -10,7 +10,11 @@ A join of the block's own (``Structure.join == "model"``: Doge's ``b ⊙ (a ⊙ 
 MiniMax's, a closing norm of another form): the block runs it on each row as a one-position sequence with its
 attention's output replaced (:func:`mfpipe.models.adapters.joins.run_block`), placed only where its output is each
 position's own. Their statistics and substitution against the per-position loops and the torch-hook reference:
-tests/test_stats_reference.py, tests/test_substitution.py (all three in ``PLACED_MODEL_TYPES``)."""
+tests/test_stats_reference.py, tests/test_substitution.py (all three in ``PLACED_MODEL_TYPES``).
+
+A block handed an input of each token beside the residual (Gemma-4's per-layer inputs, PLE, on in its default
+config) is such a join, its rows run with their own tokens' inputs (``ids``, or a rollout setup's types:
+``R.on_types``); its census row passes every conformance check (tests/test_gemma4.py)."""
 
 from __future__ import annotations
 
@@ -157,3 +161,59 @@ def test_an_adapter_of_a_given_structure_asks_gpt1s_attention_for_its_probabilit
     caps = []
     adapter.capture(torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(1)), caps.append)
     assert all(torch.allclose(c.attn_probs.sum(-1), torch.ones(())) for c in caps)
+
+
+# ------------------------------------------------------------------ an input of each token (Gemma-4's per-layer inputs)
+@pytest.fixture(scope="module")
+def ple():
+    """A tiny Gemma-4 text model of its default config, shrunk as the census shrinks it: its blocks add a per-layer
+    input of each token after the MLP (PLE, ``hidden_size_per_layer_input``), with a norm of its own, then scale."""
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import random_model, shrink_config
+
+    config = shrink_config(default_config("gemma4_text"))
+    assert config.hidden_size_per_layer_input and not config.num_kv_shared_layers
+    return _captured(random_model(config, seed=3))
+
+
+def test_a_per_token_input_is_placed_as_a_join_the_block_runs_with_each_rows_token(ple):
+    """The placement finds the per-layer input's norm outside the two branches' places and lets the block run its
+    join; each block, run on every position alone with its token (run_block's ids), is the model's next residual, and
+    with another token's input it is not; without ids it is refused with a line that says why."""
+    from mfpipe.models.adapters.joins import reads_tokens
+
+    adapter, ids, caps, final = ple
+    assert adapter.structure.join == "model" and adapter.structure.final_norm == "norm"
+    blocks = [adapter.block_module(l) for l in range(adapter.n_layers)]
+    assert reads_tokens(adapter.base, blocks, adapter.device)
+    flat = ids.reshape(-1)
+    for layer, cap in enumerate(caps):
+        x = cap.resid_in.reshape(-1, adapter.d_model)
+        # what the attention returns: its output projection's (cap.attn_out is past the post-attention norm)
+        a = R.attention_output(adapter, layer, cap.reads.reshape(x.shape[0], adapter.n_heads, adapter.d_head))
+        want = _next(caps, final, layer).reshape(x.shape)
+        torch.testing.assert_close(run_block(adapter, layer, x, a, ids=flat)[1], want, rtol=1e-5, atol=1e-5)
+        other = run_block(adapter, layer, x, a, ids=(flat + 1) % adapter.config.vocab_size)[1]
+        assert float((other - want).abs().max()) > 1e-3
+    with pytest.raises(ValueError, match="needs the rows' token ids"):
+        run_block(adapter, 0, x, a)
+
+
+def test_the_rollouts_block_step_takes_each_centroids_token_from_its_setup(ple):
+    """Alg. 1's block step inside R.on_types (what every rollout over a setup runs under): each row run with its
+    type's token, the model's next residual at the model's own reads; the divergence stages end where it does."""
+    from types import SimpleNamespace
+
+    adapter, ids, caps, final = ple
+    setup = SimpleNamespace(type_ids=ids.reshape(-1).numpy())
+    for layer, cap in enumerate(caps):
+        c = cap.resid_in.reshape(-1, adapter.d_model)
+        reads = cap.reads.reshape(c.shape[0], adapter.n_heads, adapter.d_head)
+        got = R.on_types(lambda a, s: R.block_update(a, layer, c, reads))(adapter, setup)
+        torch.testing.assert_close(got, _next(caps, final, layer).reshape(c.shape), rtol=1e-5, atol=1e-5)
+    kernel = torch.softmax(torch.randn(adapter.n_heads, c.shape[0], c.shape[0] + 2,
+                                       generator=torch.Generator().manual_seed(5)), -1).numpy()
+    x, b = caps[0].resid_in.reshape(-1, adapter.d_model), caps[0].resid_in[0, 0]
+    stages = R.on_types(lambda a, s: block_stages(a, 0, kernel, b, x))(adapter, setup)
+    want = R.on_types(lambda a, s: R.block_update(a, 0, x, R.head_reads(a, 0, kernel, x, b)))(adapter, setup)
+    assert torch.equal(stages[2], want)

@@ -189,7 +189,7 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
         rows.append(Check("block: value weights of the attention-input norm", max(
             err(torch.einsum("btd,hde->bhte", adapter.attn_input_norm(l, hid[l].float()), W_v[l][0])
                 + (0 if W_v[l][1] is None else W_v[l][1][None, :, None, :]), caps[l].values) for l in A), 1e-4))
-    rows.append(Check("block: pieces rebuild the next residual (relative)", _rebuilt(adapter, att, hid, err), 1e-4))
+    rows.append(Check("block: pieces rebuild the next residual (relative)", _rebuilt(adapter, att, hid, err, ids), 1e-4))
     rows.append(Check("unembed: final norm and LM head give the logits",
                       err(adapter.unembed(finals[0]), logits) / max(1.0, float(logits.abs().max())), 1e-5))
     own = adapter.run(ids, patch_reads=lambda layer, r: r, logits=True)
@@ -200,9 +200,9 @@ def check_model(model, structure=None, seed: int = 0) -> list[Check]:
     return rows
 
 
-def _rebuilt(adapter, att, hid, err) -> float:
+def _rebuilt(adapter, att, hid, err, ids) -> float:
     """The worst relative error of an attention block rebuilt from the forward's probabilities and the adapter's pieces
-    against the forward's next residual (a hybrid's blocks of another mixer are the model's own: not rebuilt)."""
+    against the forward's next residual (a hybrid's other blocks are the model's own; a join of its own: ids' rows)."""
     import torch
 
     from mfpipe.models.adapters.forms import IDENTITY_KINDS, side_branch
@@ -222,7 +222,7 @@ def _rebuilt(adapter, att, hid, err) -> float:
         a = adapter.post_attn_norm(l, o) if side is None else adapter.post_attn_norm(l, o) + side
         mid = x + a
         nxt = (adapter.block_join(l, mid, adapter.mlp(l, x if adapter.parallel_residual else mid))  # post-norm, scale
-               if adapter.structure.join == "sum" else run_block(adapter, l, x, o)[1])  # a join of the block's own
+               if adapter.structure.join == "sum" else run_block(adapter, l, x, o, ids)[1])  # a join of the block's own
         want = hid[l + 1]
         if all(k in IDENTITY_KINDS for k in adapter.layer_kinds[l + 1:]):  # the last block run: transformers' last
             # hidden state is the final norm's output

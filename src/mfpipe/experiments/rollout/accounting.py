@@ -56,6 +56,7 @@ def pass2_value_terms(setup: RolloutSetup, deviation) -> tuple[np.ndarray, np.nd
     return _nan0(deviation["vbar_tracked"].transpose("layer", "head", "query", "head_dim").values), support
 
 
+@R.on_types
 def error_decomposition_predictions(adapter, setup: RolloutSetup, deviation=None) -> dict[str, np.ndarray]:
     """The nested estimators (a)(b)(c) of Sec. 4.3 (:func:`mfpipe.experiments.rollout.algorithm.error_decomposition`), ``{"a", "b",
     "c"} -> [L, N, d]`` (entry ``l`` predicts ``c^{l+1}``). Every input comes from the STATISTICS half: the kernel

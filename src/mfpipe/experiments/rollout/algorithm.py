@@ -29,6 +29,7 @@ residual before the last norm. Arrays come back as float32 numpy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,9 +38,10 @@ from torch import Tensor
 
 from mfpipe.models.adapters.forms import side_branch
 from mfpipe.models.adapters.hybrid import mixer_block
-from mfpipe.models.adapters.joins import run_block
+from mfpipe.models.adapters.joins import row_tokens, run_block
 
 __all__ = [
+    "on_types",
     "bos_residuals",
     "context_free_residuals",
     "initial_centroids",
@@ -143,6 +145,20 @@ def head_reads(adapter, layer: int, kernel_l, c: Tensor, b: Tensor) -> Tensor:
     keys = torch.cat([c, b[None], c.mean(0, keepdim=True)], dim=0)  # [N+2, d]
     V = adapter.value_map(layer, keys).float()  # [N+2, H, dh]
     return torch.einsum("hst,thd->shd", K, V)
+
+
+def on_types(fn):
+    """``fn(adapter, setup, ...)`` run with the residual rows of ``adapter``'s blocks taken as ``setup``'s tracked types
+    (:func:`~mfpipe.models.adapters.joins.row_tokens`): a block that reads an input of each token beside the residual
+    (Gemma-4's per-layer inputs) runs on a type's centroid with its type's token, as the model runs it on that token."""
+    @functools.wraps(fn)
+    def wrapped(adapter, setup, *args, **kwargs):
+        ids = getattr(setup, "type_ids", None)  # a setup without types: rows of no token (such a block then refuses)
+        if ids is None:
+            return fn(adapter, setup, *args, **kwargs)
+        with row_tokens(adapter, ids):
+            return fn(adapter, setup, *args, **kwargs)
+    return wrapped
 
 
 @torch.no_grad()

@@ -86,6 +86,7 @@ def block_stages(adapter, layer: int, kernel_l, bos_l, x: torch.Tensor) -> tuple
     return mid, mlp_in, adapter.block_join(layer, mid, adapter.mlp(layer, mlp_in).float())
 
 
+@R.on_types
 def trajectories(adapter, setup, kernel, pin: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(rolled, true)``, both ``[L+1, N, d]`` float32: the rollout of ``kernel`` from ``setup``'s start (``pin``:
     ``(dims, values)`` of App. I) and the evaluation half's centroids (rows of types it lacks: the statistics half's)."""
@@ -285,6 +286,7 @@ def _pairs_table(strings, types, amp_peak, tf_mean) -> pd.DataFrame:
 
 
 @torch.no_grad()
+@R.on_types
 def run(adapter, setup, kernel, *, alphas=DEFAULT_ALPHAS, top_k: int = 25, n_random: int = 8, seed: int = 0,
         pin: tuple | None = None, n_top: int = 20) -> dict[str, pd.DataFrame]:
     """Every diagnostic of the module for the rollout of ``kernel`` on ``setup``

@@ -58,10 +58,12 @@ def arm_summary(adapter, setup, divergence: Callable | None = None) -> dict:
     from mfpipe.experiments.rollout import algorithm as R
     from mfpipe.experiments.rollout import kernels as K
     from mfpipe.experiments.rollout import metrics as M
+    from mfpipe.models.adapters.joins import row_tokens
 
     L, types = adapter.n_layers, setup.types
     kernel = K.mean_field(setup.P)
-    pred = R.rollout(adapter, kernel, setup.bos, init=setup.init)
+    with row_tokens(adapter, setup.type_ids):  # the rows are the arm's types (R.on_types)
+        pred = R.rollout(adapter, kernel, setup.bos, init=setup.init)
     cos = M.score_layers(pred[1:, types], setup.truth[1:, types], ("cosine",))["cosine"]
     ratio = centred_rms(pred[1:, types]) / centred_rms(setup.truth[1:, types])
     tf = AC.teacher_forced_table(adapter, setup)

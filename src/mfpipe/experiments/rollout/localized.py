@@ -43,6 +43,7 @@ def _bad_layer(i, L: int) -> int:
     raise ValueError(f"rollout.localized.layers: layer {i} is not a layer of this model (0..{L - 1})")
 
 
+@R.on_types
 def localized_rollouts(adapter, setup, substitute: np.ndarray, sets, pin: tuple | None = None) -> dict:
     """``label -> [L+1, N, d]``: Alg. 1 with ``substitute`` on each set's layers and ``setup.P`` elsewhere."""
     kw = {} if pin is None else {"pin_dims": pin[0], "pin_values": pin[1]}

@@ -145,6 +145,7 @@ def score_rows(pred: np.ndarray, truth: np.ndarray, types: np.ndarray, depths: S
     return rows
 
 
+@R.on_types
 def _rollout_one(adapter, setup: RolloutSetup, kernel: np.ndarray, pin: tuple | None = None) -> np.ndarray:
     kw = {}
     if pin is not None:

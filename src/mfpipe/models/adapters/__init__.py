@@ -13,7 +13,7 @@
   kind by a reduced probe, and the zero padding of every head-space tensor to the widest layer's width (an exact
   embedding).
 * ``configs.py`` — what a model's config says of its attention forms: a value of a config whose layers differ
-  (Gemma-4's head_dim) and the forms refused by the config keys that turn them on (Gemma-4's KV sharing, PLE, MoE).
+  (Gemma-4's head_dim) and the forms refused by the config keys that turn them on (Gemma-4's KV sharing, MoE).
 * ``capture.py`` — what the site hands out and takes: :class:`LayerCapture` (one layer's fields,
   ``CAPTURE_FIELDS``), :class:`RunResult`, :func:`resolve_select` and ``module_at`` (a module by its dotted path).
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it
@@ -36,7 +36,9 @@
   gate of each centroid: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`).
 * ``joins.py`` — blocks whose branches join the residual in a form of their own (Doge's learned vectors, Beam's
   depth-scaled sums, MiniMax's): the block runs it on residual rows as one-position sequences with its attention's
-  output replaced (:func:`~mfpipe.models.adapters.joins.run_block`), placed where its output is each position's own.
+  output replaced (:func:`~mfpipe.models.adapters.joins.run_block`), placed where its output is each position's own;
+  a block handed an input of each token beside the residual (Gemma-4's per-layer inputs) runs each row with its
+  token's (:func:`~mfpipe.models.adapters.joins.row_tokens`: a rollout's rows are its types').
 * ``asked.py`` — attentions that return their probabilities only when asked (GPT-1's ``output_attentions``): a
   pre-hook asks each, so that it returns them as the modern eager attentions do, without the model keeping any.
 * ``sinks.py`` — an attention sink applied after the softmax as a factor of each head's reads (Granite-SWA's

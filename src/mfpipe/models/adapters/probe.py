@@ -219,7 +219,10 @@ def _joins(seen_one) -> bool:
 
 def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
     """(the final norm, a norm on the embedding or None) among the norms outside the blocks: with one, it is the
-    final norm; with more, the final norm reads the last block's output, an embedding norm the embedding's."""
+    final norm; with more, the final norm reads the last block's output, an embedding norm the embedding's. A norm of
+    another width is of neither (Gemma-4's of its per-layer token inputs, ``per_layer_projection_norm``)."""
+    d = seen["<last>"].y.shape[-1]
+    outer = [n for n in outer if f"<outer>{n}" not in seen or seen[f"<outer>{n}"].x.shape[-1] == d]
     if not outer:  # no final norm: the LM head reads the last block's output
         return None, None
     if len(outer) == 1:  # NanoChat's one norm also reads the embedding, first: the final norm and the embedding's
@@ -287,8 +290,8 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
         else (None, False)
     join = "model" if block_norm is False else join  # a closing norm of another form: the block runs it too
     unplaced = [n for n in unplaced if n != block_norm]
-    if unplaced and join == "sum":
-        raise UnsupportedArchitectureError(mt, f"its norm(s) {', '.join(unplaced)} sit where mfpipe has no place")
+    if unplaced and join == "sum":  # a piece of the block's own beside its branches (Gemma-4's per-layer input of
+        join = "model"  # each token, with its norm post_per_layer_input_norm): the block runs it too
     return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
                 parallel=parallel, branch_scale=scale, block_norm=block_norm or None, norm_carried=carried, join=join)
 

@@ -298,7 +298,7 @@ def _shape(cfg, mt) -> Shape:
     if hc > 1:  # DeepSeek-V4's, HY-V4's hc_mult, Qwen-4-Exp's hc_count: [B, T, hc, d] between the blocks
         raise UnsupportedArchitectureError(mt, f"its blocks carry {hc} residual streams mixed by hyper-connections: "
                                                "mfpipe reads one residual stream")
-    check_config_forms(cfg, L, mt)  # Gemma-4's KV sharing, PLE, MoE block refused
+    check_config_forms(cfg, L, mt)  # Gemma-4's KV sharing and MoE block refused
     d = int(cfg.hidden_size)
     return Shape(L=L, H=H, KV=int(config_value(cfg, "num_key_value_heads") or H),
                  dh=int(config_value(cfg, "head_dim") or d // H), d=d)
