@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.asked import ask_for_probabilities
+from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.configs import config_value
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.layers import pad_heads
@@ -332,7 +333,7 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
             h = h.reshape(1, -1, shape[-1])
         for path in s.mlp_chain or (self.MLP,):
             h = self._sub(layer, path)(h, *((torch.zeros_like(h),) if s.mlp_residual else ()))  # BLOOM: its branch
-            h = h[0] if isinstance(h, (tuple, list)) else h
+            h = first_output(h)
         return h.reshape(*shape[:-1], h.shape[-1])  # as its input: DBRX's returns [n, 1, d] of [n, d]
 
     @no_grad

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from torch import Tensor
 
-__all__ = ["CAPTURE_FIELDS", "LayerCapture", "PatchOut", "PatchReads", "PatchResid", "RunResult", "Select",
+__all__ = ["CAPTURE_FIELDS", "LayerCapture", "first_output", "PatchOut", "PatchReads", "PatchResid", "RunResult", "Select",
            "module_at", "resolve_select"]
 
 
@@ -80,3 +80,9 @@ def module_at(root, path: str):
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def first_output(out):
+    """A module's main output: the first of a tuple or list (attention modules return ``(output, probabilities)``;
+    GPT-1's return lists, most blocks a tuple) or the tensor itself."""
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_norm, submodule
 from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.sinks import probe_sink
@@ -271,7 +272,7 @@ def side_branch(adapter, layer: int, x: Tensor) -> Tensor | None:
     with held(block):
         h = adapter.attn_input_norm(layer, x.to(device=adapter.device, dtype=adapter.dtype))
         y = submodule(block, s.side_mixer)(h)
-    y = y[0] if isinstance(y, (tuple, list)) else y
+    y = first_output(y)
     return (y if s.side_scale == 1.0 else y * s.side_scale).float()
 
 
@@ -287,7 +288,7 @@ def skipped_capture(layers_env, kinds, layer: int, sel, patch_resid, make):
     prev = max(l for l in range(layer) if kinds[l] not in IDENTITY_KINDS)
     env = layers_env[prev]
     out = env.output
-    raw = out[0] if isinstance(out, (tuple, list)) else out
+    raw = first_output(out)
     if patch_resid is not None:
         new = patch_resid(layer, raw.float())
         if new is not None:

@@ -20,6 +20,7 @@ import re
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.forms import IDENTITY_KINDS
 from mfpipe.models.adapters.joins import one_token_call
 from mfpipe.models.adapters.probe import is_norm
@@ -94,5 +95,5 @@ def mixer_block(adapter, layer: int, x: Tensor) -> Tensor:
     rows = x.reshape(-1, 1, x.shape[-1]).to(device=adapter.device, dtype=adapter.dtype)
     with held(adapter.block_module(layer)):
         y = adapter.block_module(layer)(rows, *args, **kwargs)
-    y = y[0] if isinstance(y, (tuple, list)) else y
+    y = first_output(y)
     return y.reshape(x.shape).float()

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from mfpipe.models.adapters.backward16 import WIDE_ROWS, applies, fast_input_grads
+from mfpipe.models.adapters.capture import first_output
 
 __all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "cache_keyword", "returned_cache",
            "final_residual", "NoCache", "final_residual_hook"]
@@ -227,8 +228,7 @@ def _cached_prefix(adapter, ids: Tensor, pos: Tensor, grad_chunk: int, rows_out:
 
 def cache_tolerance(dtype) -> float:
     """The relative difference above which the token after its cached prefix is refused as another final residual
-    than the whole window's: 1e-3, or eight units of rounding of a coarser ``dtype`` (bfloat16: 0.0625, float16:
-    7.8e-3)."""
+    than the whole window's: 1e-3, or eight units of rounding of a coarser ``dtype`` (bf16: 0.0625, fp16: 7.8e-3)."""
     return max(1e-3, 8 * float(torch.finfo(dtype).eps))
 
 
@@ -260,7 +260,7 @@ def final_residual_hook(adapter, fn):
     s = adapter.structure
     if s.final_norm is None or s.embed_norm == s.final_norm:
         return adapter.block_module(adapter.n_layers - 1).register_forward_hook(
-            lambda module, args, out: fn(out[0] if isinstance(out, (tuple, list)) else out))
+            lambda module, args, out: fn(first_output(out)))
     return adapter.final_norm_module().register_forward_pre_hook(
         lambda module, args, kwargs: fn(_hidden(args, kwargs)), with_kwargs=True)
 
@@ -324,7 +324,7 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None, gr
 
     def attn_hook(layer):
         def hook(module, args, out):
-            attn_out[layer] = out[0] if isinstance(out, (tuple, list)) else out
+            attn_out[layer] = first_output(out)
 
         return hook
 

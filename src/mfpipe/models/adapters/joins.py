@@ -26,15 +26,12 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.probe import PROBE_IDS, UnsupportedArchitectureError, submodule
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["check_per_position", "one_token_call", "one_token_calls", "reads_tokens", "row_tokens", "run_block",
            "token_call"]
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _hidden(args: tuple, kwargs: dict) -> Tensor:
@@ -138,7 +135,7 @@ def _replaced(attn: nn.Module, branch: Tensor):
     """A forward hook on ``attn`` that returns ``branch`` as its output ``[0]`` (its other outputs kept)."""
     def hook(mod, args, out):
         if isinstance(out, tuple):
-            return (branch.to(_first(out).dtype), *out[1:])
+            return (branch.to(first_output(out).dtype), *out[1:])
         if isinstance(out, list):  # GPT-1's attentions return lists
             return [branch.to(out[0].dtype), *out[1:]]
         return branch.to(out.dtype)
@@ -153,7 +150,7 @@ def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch
             lambda mod, args, kwargs: seen.append(_hidden(args, kwargs)) if not seen else None, with_kwargs=True))
     try:
         with held(block):
-            y = _first(block(rows, *call[0], **call[1]))
+            y = first_output(block(rows, *call[0], **call[1]))
     finally:
         for h in handles:
             h.remove()
@@ -189,8 +186,8 @@ def check_per_position(base: nn.Module, blocks, at: int, attn_path: str, mt) -> 
         rec.setdefault(key, t)
 
     handles = [block.register_forward_pre_hook(lambda m, a, k: keep("x", _hidden(a, k)), with_kwargs=True),
-               block.register_forward_hook(lambda m, a, o: keep("y", _first(o))),
-               attn.register_forward_hook(lambda m, a, o: keep("a", _first(o)))]
+               block.register_forward_hook(lambda m, a, o: keep("y", first_output(o))),
+               attn.register_forward_hook(lambda m, a, o: keep("a", first_output(o)))]
     device = next(base.parameters()).device
     vocab = int(getattr(base.config, "vocab_size", 3) or 3)
     try:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears
 from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, embed_scale, input_embedding,
@@ -157,7 +158,7 @@ def probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, S
     def hook(name):
         def fn(mod, args, kwargs, out):
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
-            y = out[0] if isinstance(out, (tuple, list)) else out  # GPT-1's blocks return a list
+            y = first_output(out)  # GPT-1's blocks return a list
             if name not in seen and isinstance(x, Tensor) and isinstance(y, Tensor):
                 seen[name] = Seen(x.detach().float().clone(), y.detach().float().clone(), x, y, out, tuple(args[1:]))
                 order.append(name)

@@ -25,6 +25,7 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "embed_scale", "head_transform", "input_embedding",
@@ -84,7 +85,7 @@ def mlp_residual(block, chain: list[str], last, same) -> Tensor | None:
             y = getattr(block, chain[0])(last.x_obj, torch.zeros_like(r))
     except Exception:  # a second argument of another meaning
         return None
-    y = (y[0] if isinstance(y, (tuple, list)) else y).float()
+    y = first_output(y).float()
     return r if same(y + r.float(), last.y) and not same(y, last.y) else None
 
 
@@ -132,7 +133,7 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
     def run(y):
         for name in chain:
             y = getattr(block, name)(y, *([torch.zeros_like(y)] if residual else []))
-            y = y[0] if isinstance(y, (tuple, list)) else y
+            y = first_output(y)
         return y
 
     try:
@@ -186,7 +187,7 @@ def head_transform(model, base) -> str | None:
         def fn(mod, args, kwargs, out):
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
             y = getattr(out, "last_hidden_state", None)
-            seen.setdefault(name, (x, y if y is not None else out[0] if isinstance(out, (tuple, list)) else out))
+            seen.setdefault(name, (x, y if y is not None else first_output(out)))
         return fn
 
     for n, m in {"<head>": head, "<base>": base, **outer}.items():

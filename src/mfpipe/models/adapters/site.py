@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from mfpipe.models.adapters.capture import (CAPTURE_FIELDS, LayerCapture, PatchOut, PatchReads, PatchResid, RunResult,
-                                            Select, module_at, resolve_select)
+                                            Select, first_output, module_at, resolve_select)
 from mfpipe.models.adapters.forms import skipped_capture
 from mfpipe.models.adapters.gate import OutputGate, gated_input
 from mfpipe.models.adapters.layers import pad_heads, unpadded
@@ -209,7 +209,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
             # (or none: the last block's output is the final residual)
             out = layers_env[-1].output if s.embed_norm == s.final_norm or s.final_norm is None else module_at(
                 base_env, self.FINAL_NORM).input
-            on_final((out[0] if isinstance(out, (tuple, list)) else out).float())
+            on_final(first_output(out).float())
         if logits or loss:
             out = root.output
             lg = (out.logits if hasattr(out, "logits") else out[0]).float()
