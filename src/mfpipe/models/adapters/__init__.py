@@ -15,8 +15,9 @@
 * ``configs.py`` — what a model's config says of its attention forms: a value of a config whose layers differ
   (Gemma-4's head_dim) and the forms refused by the config keys that turn them on (Gemma-4's KV sharing, MoE).
 * ``capture.py`` — what the site hands out and takes: :class:`LayerCapture` (one layer's fields,
-  ``CAPTURE_FIELDS``), :class:`RunResult`, :func:`resolve_select`, ``module_at`` (a module by its dotted path) and
-  ``first_output`` (a module's main output: the first of a tuple or list).
+  ``CAPTURE_FIELDS``), :class:`RunResult`, :func:`resolve_select`, ``module_at`` (a module by its dotted path),
+  ``first_output`` (a module's main output: the first of a tuple or list) and ``hidden_input`` (the hidden states a
+  hooked module was called with).
 * ``structure.py`` — :class:`Structure`, where a decoder keeps its pieces, and :func:`describe`, which finds it
   by what the modules are and do (not by ``model_type``); a model it cannot place raises
   :class:`UnsupportedArchitectureError` naming what did not match.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from torch import Tensor
 
-__all__ = ["CAPTURE_FIELDS", "LayerCapture", "first_output", "PatchOut", "PatchReads", "PatchResid", "RunResult", "Select",
+__all__ = ["CAPTURE_FIELDS", "LayerCapture", "first_output", "hidden_input", "PatchOut", "PatchReads", "PatchResid", "RunResult", "Select",
            "module_at", "resolve_select"]
 
 
@@ -86,3 +86,14 @@ def first_output(out):
     """A module's main output: the first of a tuple or list (attention modules return ``(output, probabilities)``;
     GPT-1's return lists, most blocks a tuple) or the tensor itself."""
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def hidden_input(args: tuple, kwargs: dict) -> Tensor:
+    """The hidden states a block or norm was called with (a forward pre-hook's ``args``, ``kwargs``): the first
+    positional argument, else the ``hidden_states`` keyword."""
+    if args:
+        return args[0]
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"]
+    raise RuntimeError("a hooked module was called without its hidden-states input (no positional argument and no "
+                       "hidden_states keyword)")

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from mfpipe.models.adapters.backward16 import WIDE_ROWS, applies, fast_input_grads
-from mfpipe.models.adapters.capture import first_output
+from mfpipe.models.adapters.capture import first_output, hidden_input
 
 __all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "cache_keyword", "returned_cache",
            "final_residual", "NoCache", "final_residual_hook"]
@@ -44,15 +44,6 @@ __all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "
 POINTS = ("block", "attn")
 
 log = logging.getLogger(__name__)
-
-
-def _hidden(args: tuple, kwargs: dict) -> Tensor:
-    if args:
-        return args[0]
-    if "hidden_states" in kwargs:
-        return kwargs["hidden_states"]
-    raise RuntimeError("a hooked module was called without its hidden-states input (no positional argument and no "
-                       "hidden_states keyword)")
 
 
 def _replace_hidden(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
@@ -262,7 +253,7 @@ def final_residual_hook(adapter, fn):
         return adapter.block_module(adapter.n_layers - 1).register_forward_hook(
             lambda module, args, out: fn(first_output(out)))
     return adapter.final_norm_module().register_forward_pre_hook(
-        lambda module, args, kwargs: fn(_hidden(args, kwargs)), with_kwargs=True)
+        lambda module, args, kwargs: fn(hidden_input(args, kwargs)), with_kwargs=True)
 
 
 def final_residual(adapter, ids: Tensor) -> Tensor:
@@ -312,7 +303,7 @@ def _blocks(adapter, run, pos: Tensor, grad_chunk: int, rows_out: int | None, gr
 
     def block_hook(layer):
         def hook(module, args, kwargs):
-            x = _hidden(args, kwargs)
+            x = hidden_input(args, kwargs)
             if layer == 0:  # the leaf every later residual is a function of
                 x = x.detach().requires_grad_(True)
                 block_in[0] = x

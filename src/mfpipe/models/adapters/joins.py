@@ -26,16 +26,12 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from mfpipe.models.adapters.capture import first_output
+from mfpipe.models.adapters.capture import first_output, hidden_input
 from mfpipe.models.adapters.probe import PROBE_IDS, UnsupportedArchitectureError, submodule
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["check_per_position", "one_token_call", "one_token_calls", "reads_tokens", "row_tokens", "run_block",
            "token_call"]
-
-
-def _hidden(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
 
 
 @torch.no_grad()
@@ -147,7 +143,7 @@ def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch
     handles = [_replaced(attn, branch)]
     if grab is not None:
         handles.append(grab.register_forward_pre_hook(
-            lambda mod, args, kwargs: seen.append(_hidden(args, kwargs)) if not seen else None, with_kwargs=True))
+            lambda mod, args, kwargs: seen.append(hidden_input(args, kwargs)) if not seen else None, with_kwargs=True))
     try:
         with held(block):
             y = first_output(block(rows, *call[0], **call[1]))
@@ -185,7 +181,7 @@ def check_per_position(base: nn.Module, blocks, at: int, attn_path: str, mt) -> 
     def keep(key, t):  # a hook that returns None: the forward unchanged
         rec.setdefault(key, t)
 
-    handles = [block.register_forward_pre_hook(lambda m, a, k: keep("x", _hidden(a, k)), with_kwargs=True),
+    handles = [block.register_forward_pre_hook(lambda m, a, k: keep("x", hidden_input(a, k)), with_kwargs=True),
                block.register_forward_hook(lambda m, a, o: keep("y", first_output(o))),
                attn.register_forward_hook(lambda m, a, o: keep("a", first_output(o)))]
     device = next(base.parameters()).device

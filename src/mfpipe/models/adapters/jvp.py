@@ -27,16 +27,13 @@ import logging
 import torch
 from torch import Tensor
 
+from mfpipe.models.adapters.capture import hidden_input
 from mfpipe.models.adapters.jacobian import (NoCache, cache_keyword, cache_tolerance, final_residual,
                                              final_residual_hook, returned_cache)
 
 __all__ = ["position_jvps"]
 
 log = logging.getLogger(__name__)
-
-
-def _hidden(args: tuple, kwargs: dict) -> Tensor:
-    return args[0] if args else kwargs["hidden_states"]
 
 
 def _keys(adapter, layers, points, n: int) -> list[tuple[str, int]]:
@@ -234,7 +231,7 @@ def _products(adapter, run, key: tuple[str, int], V: Tensor) -> Tensor:
         seen: list[Tensor] = []
 
         def pre(module, args, kwargs):
-            x = insert(_hidden(args, kwargs), u)
+            x = insert(hidden_input(args, kwargs), u)
             return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
 
         def post(module, args, output):
