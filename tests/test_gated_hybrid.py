@@ -225,9 +225,41 @@ def test_the_rollout_gates_each_centroids_read_by_its_own_residual(gated):
 # Qwen3.5's text model and its composites are Qwen3-Next's attention; Ling's (bailing_hybrid) is latent attention with
 # one gate per head; LARA-mini's attention has no gate (placed as a hybrid of gated delta-nets)
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "qwen3_5_moe", "lfm3", "bailing_hybrid",
-                                    "lara_mini", "laguna"])
+                                    "lara_mini", "laguna", "axk2"])
 def test_gated_families_pass_every_conformance_check(family):
     from mfpipe.models.census import census_row
 
     row = census_row(family)
     assert row.accepted, row
+
+
+def test_a_gate_of_a_latent_of_the_input_is_the_forwards_own_at_every_position():
+    """AXK-2's gate is a slice of q_gate_proj, which reads the query latent (q_a_layernorm(q_a_proj(x)) beside
+    q_a_proj(x)), not the attention's input: the placement finds it there (the gates at offset 48 of each head's 80
+    outputs), and the gate the rollout takes of a residual row (read_gate: the block's own code on the row, read off
+    q_gate_proj) is the forward's own at every position of a sequence, to float32 rounding."""
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import shrink_config
+
+    model = random_model(shrink_config(default_config("axk2")), seed=3)
+    ad = get_adapter(model)
+    s = ad.structure
+    assert s.output_gate.endswith("q_gate_proj") and s.gate_act == "sigmoid", s
+    n, chunks, offset = s.gate_layout
+    assert n == ad.n_heads * ad.d_head and chunks == ad.n_heads and offset > 0, s.gate_layout
+    got = {}
+    handles = []
+    for l in ad.attention_layers:
+        src = ad.block_module(l).get_submodule(s.output_gate)
+        handles.append(src.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(("g", l), o)))
+    caps = []
+    ids = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    try:
+        ad.capture(ids, caps.append)
+    finally:
+        for h in handles:
+            h.remove()
+    for l in ad.attention_layers:
+        out = got[("g", l)]  # [B, T, H x (qk + dv)]: each head's query, then its gate
+        want = torch.sigmoid(out.view(*out.shape[:-1], ad.n_heads, -1)[..., offset:offset + ad.d_head].float())
+        torch.testing.assert_close(ad.read_gate(l, caps[l].resid_in), want, rtol=1e-5, atol=1e-6)

@@ -180,7 +180,7 @@ def test_a_per_token_input_is_placed_as_a_join_the_block_runs_with_each_rows_tok
     """The placement finds the per-layer input's norm outside the two branches' places and lets the block run its
     join; each block, run on every position alone with its token (run_block's ids), is the model's next residual, and
     with another token's input it is not; without ids it is refused with a line that says why."""
-    from mfpipe.models.adapters.joins import reads_tokens
+    from mfpipe.models.adapters.calls import reads_tokens
 
     adapter, ids, caps, final = ple
     assert adapter.structure.join == "model" and adapter.structure.final_norm == "norm"

@@ -38,7 +38,8 @@ from torch import Tensor
 
 from mfpipe.models.adapters.forms import side_branch
 from mfpipe.models.adapters.hybrid import mixer_block
-from mfpipe.models.adapters.joins import row_tokens, run_block
+from mfpipe.models.adapters.calls import row_tokens
+from mfpipe.models.adapters.joins import run_block
 
 __all__ = [
     "on_types",
@@ -149,7 +150,7 @@ def head_reads(adapter, layer: int, kernel_l, c: Tensor, b: Tensor) -> Tensor:
 
 def on_types(fn):
     """``fn(adapter, setup, ...)`` run with the residual rows of ``adapter``'s blocks taken as ``setup``'s tracked types
-    (:func:`~mfpipe.models.adapters.joins.row_tokens`): a block that reads an input of each token beside the residual
+    (:func:`~mfpipe.models.adapters.calls.row_tokens`): a block that reads an input of each token beside the residual
     (Gemma-4's per-layer inputs) runs on a type's centroid with its type's token, as the model runs it on that token."""
     @functools.wraps(fn)
     def wrapped(adapter, setup, *args, **kwargs):

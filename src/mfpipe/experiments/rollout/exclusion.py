@@ -58,7 +58,7 @@ def arm_summary(adapter, setup, divergence: Callable | None = None) -> dict:
     from mfpipe.experiments.rollout import algorithm as R
     from mfpipe.experiments.rollout import kernels as K
     from mfpipe.experiments.rollout import metrics as M
-    from mfpipe.models.adapters.joins import row_tokens
+    from mfpipe.models.adapters.calls import row_tokens
 
     L, types = adapter.n_layers, setup.types
     kernel = K.mean_field(setup.P)

@@ -36,11 +36,14 @@
   (:func:`~mfpipe.models.adapters.gate.gated_layout`); the reads stay probabilities x values, the gate is on the path
   from a read to the residual (the site writes a replaced read through the model's own gate; the rollout takes the
   gate of each centroid: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`).
+* ``calls.py`` — the arguments a model's forward hands its blocks on one-token inputs, for running a block on residual
+  rows (a join of the block's own, a hybrid's other mixer, a gate of a latent); per row's token where the blocks read
+  an input of each token (Gemma-4's per-layer inputs: ``token_call``, ``row_tokens``).
 * ``joins.py`` — blocks whose branches join the residual in a form of their own (Doge's learned vectors, Beam's
   depth-scaled sums, MiniMax's): the block runs it on residual rows as one-position sequences with its attention's
   output replaced (:func:`~mfpipe.models.adapters.joins.run_block`), placed where its output is each position's own;
   a block handed an input of each token beside the residual (Gemma-4's per-layer inputs) runs each row with its
-  token's (:func:`~mfpipe.models.adapters.joins.row_tokens`: a rollout's rows are its types').
+  token's (``calls.py``: a rollout's rows are its types').
 * ``asked.py`` — attentions that return their probabilities only when asked (GPT-1's ``output_attentions``): a
   pre-hook asks each, so that it returns them as the modern eager attentions do, without the model keeping any.
 * ``sinks.py`` — an attention sink applied after the softmax as a factor of each head's reads (Granite-SWA's

@@ -14,7 +14,7 @@ def check_config_forms(cfg, L: int, mt) -> None:
     layer's keys and values (``num_kv_shared_layers``; all of them: an assistant, a drafter fed its target's) and a
     mixture of experts beside the MLP with norms of its own (``enable_moe_block``). (Its per-layer input of each token
     after the MLP, ``hidden_size_per_layer_input``, PLE, is placed: the block runs it with each row's token,
-    :func:`~mfpipe.models.adapters.joins.token_call`.)"""
+    :func:`~mfpipe.models.adapters.calls.token_call`.)"""
     streams = config_value(cfg, "altup_num_inputs")  # Gemma-3n's several residual streams (AltUp) come first: its
     if isinstance(streams, int) and streams > 1:  # refusal is the placement's (mfpipe.models.adapters.unplaced)
         return

@@ -1,6 +1,7 @@
 """An output gate between the heads' reads and the output projection: Qwen3-Next's and Qwen3.5's full-attention
 layers (the query projection's second half of each head), LFM-3's and Ling's ``bailing_hybrid`` (a projection to one
-gate per head), Laguna's (``g_proj``, one gate per head, through a softplus). The attention multiplies each head's
+gate per head), Laguna's (``g_proj``, one gate per head, through a softplus), AXK-2's (``q_gate_proj`` of its query
+latent). The attention multiplies each head's
 read by an activation (:data:`GATE_ACTIVATIONS`: a sigmoid; Laguna's softplus) of a slice of a projection of its own
 input before the output projection::
 
@@ -16,9 +17,12 @@ the read to the residual, as the output projection is:
   which is the model's own input, bit for bit, wherever the read written back is its own;
 * the rollout (:mod:`mfpipe.experiments.rollout.algorithm`) computes the gate of each row it rolls out as the model
   computes it of a position's residual (:meth:`OutputGate.read_gate`: the attention-input norm, the source, the
-  activation), so a centroid's mean-field read enters the output projection times the centroid's own gate;
+  activation; where the source reads a latent of that input, AXK-2's ``q_gate_proj`` of its query latent, the block's
+  own code on the row, read off the source), so a centroid's mean-field read enters the output projection times the
+  centroid's own gate;
 * the probe (:mod:`~mfpipe.models.adapters.probe`) finds the gate (:func:`gated_layout`) where no value layout gives
-  the reads: the one slice of one of the attention's projections of its input and the one activation whose gate,
+  the reads: the one slice of one of the attention's projections (of its input, or of a latent of it: AXK-2's, its
+  gates at offset 48 of each head's 80 outputs) and the one activation whose gate,
   dividing the output projection's input, lets one do. Nothing is named by family: a gate of another slice or source is found alike;
 * a head's write to the residual is its read times the gate of its query, then O_h (:func:`gate_reads`): the J-lens
   agreement, the function vectors, the context lens and ``context_deviation(reads="resid")`` take the gate of each
@@ -33,11 +37,15 @@ float32 model the gate is the forward's to the bit.
 from __future__ import annotations
 
 import functools
+import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mfpipe.models.adapters.calls import one_token_call
+from mfpipe.models.adapters.capture import hidden_input, module_at
 from mfpipe.models.adapters.streaming import holds_block
 
 __all__ = ["GATE_ACTIVATIONS", "OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
@@ -89,15 +97,15 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
         return dict(layout(seen), gate=None)
     except ValueError as e:  # UnsupportedArchitectureError (probe.py imports this module: caught by its base)
         refusal = e
-    attn, found = seen["<attn>"], {}
+    found = {}
     biases = [None] + [n for n, p in attn_mod.named_parameters(recurse=False) if tuple(p.shape) == (H,)]  # Beam's
     for name in (n for n, _ in attn_mod.named_children() if n != out_proj and f"<src>{n}" in seen):
-        src = seen[f"<src>{name}"]
-        if not (src.x_obj is attn.x_obj or torch.equal(src.x, attn.x)):  # the gate is of the attention's input
-            continue
+        src = seen[f"<src>{name}"]  # a projection of the attention's input, or of a latent of it (AXK-2's q_gate_proj)
         W = src.y.shape[-1]
-        shapes = [(H * dh, c, o) for c in range(1, H + 1) if H % c == 0 and W % c == 0
-                  for o in range(0, W // c - H * dh // c + 1, dh)] + ([(H, 1, 0)] if W == H else [])
+        # the gates at any offset of a chunk in steps that fit its other outputs (AXK-2: 48 query, then 32 gate)
+        shapes = [(H * dh, c, o) for c in range(1, H + 1) if H % c == 0 and W % c == 0 and W // c >= H * dh // c
+                  for o in range(0, W // c - H * dh // c + 1, math.gcd(dh, W // c - H * dh // c) or dh)] + (
+            [(H, 1, 0)] if W == H else [])
         for lay, act, bias in ((lay, act, b) for lay in shapes for act in GATE_ACTIVATIONS for b in biases):
             trial = dict(seen)
             g = gate_of(src.y, lay, H, dh, act, None if bias is None else getattr(attn_mod, bias))
@@ -132,6 +140,54 @@ def gate_reads(adapter, layer: int, reads: Tensor, resid: Tensor | None) -> Tens
                          "mapping a read to the residual needs the residual entering the block (select 'resid_in')")
     return reads * adapter.read_gate(layer, resid).to(device=reads.device, dtype=reads.dtype)
 
+class _Read(Exception):
+    """Ends a block's forward once the gate's source has run (its output is all :func:`_source_output` needs)."""
+
+
+def _source_output(adapter, layer: int, x: Tensor, keep_input: bool = False):
+    """The output of block ``layer``'s gate source (or with ``keep_input``: (its input, the attention's input)) when
+    the block runs on the rows ``x [..., d]``, each a sequence of one position (the arguments the model's forward gives
+    it on one token: :func:`~mfpipe.models.adapters.calls.one_token_call`); the forward stops there."""
+    block = adapter.block_module(layer)
+    src, attn = module_at(block, adapter.structure.output_gate), module_at(block, adapter.structure.attn)
+    seen: dict = {}
+
+    def grab(mod, args, out):
+        seen["out"], seen["in"] = out, args[0]
+        raise _Read
+
+    def attn_in(mod, args, kwargs):
+        seen.setdefault("attn_in", hidden_input(args, kwargs))
+
+    args, kwargs = one_token_call(adapter, layer)  # (a forward of the model: before the hooks)
+    handles = [src.register_forward_hook(grab), attn.register_forward_pre_hook(attn_in, with_kwargs=True)]
+    d = x.shape[-1]
+    try:
+        block(adapter._in(x).reshape(-1, 1, d), *args, **kwargs)
+    except _Read:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if keep_input:
+        return seen["in"], seen["attn_in"]
+    return seen["out"].reshape(*x.shape[:-1], seen["out"].shape[-1])
+
+
+_DIRECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> whether its gate reads the input
+
+
+def _source_reads_input(adapter, layer: int) -> bool:
+    """Whether the gate's source reads the attention's input itself (Qwen3-Next's q_proj; AXK-2's q_gate_proj reads
+    a latent of it), seen once per adapter on a row of its first attention layer's own."""
+    if adapter not in _DIRECT:
+        first = adapter.attention_layers[0]
+        row = torch.randn(1, adapter.d_model, generator=torch.Generator().manual_seed(0))
+        src_in, attn_in = _source_output(adapter, first, row, keep_input=True)
+        _DIRECT[adapter] = src_in.shape == attn_in.shape and bool(torch.equal(src_in, attn_in))
+    return _DIRECT[adapter]
+
+
 class OutputGate:
     """Mixin of :class:`~mfpipe.models.adapters.base.Adapter`: the output gate's pieces (the structure's
     ``output_gate``: its source's path from a block, ``gate_layout``, ``gate_first``; none where it has no gate)."""
@@ -145,9 +201,12 @@ class OutputGate:
         s = self.structure
         if s.output_gate is None:
             return None
-        h = self.attn_input_norm(layer, x.to(device=self.device))
-        return gate_of(self._sub(layer, s.output_gate)(self._in(h)), s.gate_layout, self.n_heads, self.d_head,
-                       s.gate_act, self.gate_bias(layer))
+        if _source_reads_input(self, layer):
+            h = self.attn_input_norm(layer, x.to(device=self.device))
+            out = self._sub(layer, s.output_gate)(self._in(h))
+        else:  # a projection of a latent of the input (AXK-2's): the block's own code on each row, read off the source
+            out = _source_output(self, layer, x)
+        return gate_of(out, s.gate_layout, self.n_heads, self.d_head, s.gate_act, self.gate_bias(layer))
 
     def gate_bias(self, layer: int) -> Tensor | None:
         """The per-head bias the attention of block ``layer`` adds to its gate before the activation (Beam's), or

@@ -6,7 +6,7 @@ functions of residual rows, for the open-loop rollout (:mod:`mfpipe.experiments.
 no history before the row (a Mamba or recurrent state starting from zero, a delta-net's from its initial state), then
 the block's own MLP. The block is called with the arguments the model's forward hands it on a one-token input
 (position ids, masks), captured once per adapter by a plain torch pre-hook
-(:func:`~mfpipe.models.adapters.joins.one_token_call`): a block's
+(:func:`~mfpipe.models.adapters.calls.one_token_call`): a block's
 signature differs by family (Recurrent-Gemma's needs its position ids and mask), and so the call is the model's own.
 
 It also names a block's kind for :func:`~mfpipe.models.adapters.structure.describe`: a mixer's by its class name
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.forms import IDENTITY_KINDS
-from mfpipe.models.adapters.joins import one_token_call
+from mfpipe.models.adapters.calls import one_token_call
 from mfpipe.models.adapters.probe import is_norm
 from mfpipe.models.adapters.streaming import held
 

@@ -131,9 +131,9 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
                     f"{scaled[0][1]:.4g} (a latent rescaled after its norm), where mfpipe's latent attention reads the "
                     "norm's output as is")
         return f"{said}, a gate mfpipe places; but no layout of its values is found with it"
-    return (f"{said}: the {act} of a projection ({src}) of another input, a gated attention output of a form mfpipe "
-            "does not place (mfpipe.models.adapters.gate places a sigmoid or softplus of a projection of the "
-            "attention's input)")
+    return (f"{said}: the {act} of a projection ({src}) of another input, in a layout mfpipe.models.adapters.gate "
+            "does not find (it places a sigmoid or softplus of a slice of a projection of the attention's input or of "
+            "a latent of it)")
 
 
 def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) -> str | None:
