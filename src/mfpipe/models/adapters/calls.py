@@ -1,6 +1,7 @@
 """The arguments a model's forward hands its blocks, for running a block on residual rows as sequences of one position
-(:func:`~mfpipe.models.adapters.joins.run_block`, a hybrid's other blocks: :func:`~mfpipe.models.adapters.hybrid.mixer_block`,
-an output gate of a latent of the attention's input: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`):
+(:func:`~mfpipe.models.adapters.joins.run_block`, a hybrid's other blocks:
+:func:`~mfpipe.models.adapters.hybrid.mixer_block`, an output gate of a latent of the attention's input:
+:meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`):
 those of a one-token input (:func:`one_token_call`, captured once per adapter), or where the model hands its blocks an
 input of each token beside the residual (Gemma-4's per-layer inputs, PLE: :func:`reads_tokens`), those of each row's
 own token (:func:`token_call`: the ids given, or those of the enclosing :func:`row_tokens`)."""

@@ -179,11 +179,11 @@ _DIRECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> w
 
 def _source_reads_input(adapter, layer: int) -> bool:
     """Whether the gate's source reads the attention's input itself (Qwen3-Next's q_proj; AXK-2's q_gate_proj reads
-    a latent of it), seen once per adapter on a row of its first attention layer's own."""
+    a latent of it), seen once per adapter on a row through the block ``layer`` that asks first (the one whose
+    weights read_gate holds, where they are streamed)."""
     if adapter not in _DIRECT:
-        first = adapter.attention_layers[0]
         row = torch.randn(1, adapter.d_model, generator=torch.Generator().manual_seed(0))
-        src_in, attn_in = _source_output(adapter, first, row, keep_input=True)
+        src_in, attn_in = _source_output(adapter, layer, row, keep_input=True)
         _DIRECT[adapter] = src_in.shape == attn_in.shape and bool(torch.equal(src_in, attn_in))
     return _DIRECT[adapter]
 
