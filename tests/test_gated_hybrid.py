@@ -237,14 +237,19 @@ def test_a_gate_of_a_latent_of_the_input_is_the_forwards_own_at_every_position()
     """AXK-2's gate is a slice of q_gate_proj, which reads the query latent (q_a_layernorm(q_a_proj(x)) beside
     q_a_proj(x)), not the attention's input: the placement finds it there (the gates at offset 48 of each head's 80
     outputs), and the gate the rollout takes of a residual row (read_gate: the block's own code on the row, read off
-    q_gate_proj) is the forward's own at every position of a sequence, to float32 rounding."""
+    q_gate_proj) is the forward's own at every position of a sequence, to float32 rounding; so is the gate read_gate
+    takes from inside a traced forward (the function vectors' cue gates, the J-lens agreement's head writes), where
+    the block's code runs as plain torch calls (calls.untraced: nnsight's trace failed on it, stop 72's CI)."""
+    from mfpipe.experiments.fv.heads import cue_reads
+    from mfpipe.experiments.fv.prompts import FVPrompt
+    from mfpipe.jlens.agreement import decode_vectors
     from mfpipe.models.defaults import default_config
     from mfpipe.models.tiny import shrink_config
 
     model = random_model(shrink_config(default_config("axk2")), seed=3)
     ad = get_adapter(model)
     s = ad.structure
-    assert s.output_gate.endswith("q_gate_proj") and s.gate_act == "sigmoid", s
+    assert s.output_gate.endswith("q_gate_proj") and s.gate_act == "sigmoid" and not s.gate_direct, s
     n, chunks, offset = s.gate_layout
     assert n == ad.n_heads * ad.d_head and chunks == ad.n_heads and offset > 0, s.gate_layout
     got = {}
@@ -259,7 +264,12 @@ def test_a_gate_of_a_latent_of_the_input_is_the_forwards_own_at_every_position()
     finally:
         for h in handles:
             h.remove()
+    # first from inside a trace, on a fresh adapter (nothing of its one-token calls kept from a call outside one)
+    reads = cue_reads(ad, [FVPrompt(tokens=w.numpy(), answer=1, pair=i) for i, w in enumerate(ids)], batch_size=2)
     for l in ad.attention_layers:
         out = got[("g", l)]  # [B, T, H x (qk + dv)]: each head's query, then its gate
         want = torch.sigmoid(out.view(*out.shape[:-1], ad.n_heads, -1)[..., offset:offset + ad.d_head].float())
+        torch.testing.assert_close(reads.g[:, l], want[:, -1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ad.read_gate(l, caps[l].resid_in), want, rtol=1e-5, atol=1e-6)
+    decoded = decode_vectors(ad, ids.numpy(), n_decode=4, seed=0, batch_size=2)
+    assert all(torch.isfinite(v).all() for v in decoded.values())

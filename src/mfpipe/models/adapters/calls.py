@@ -4,7 +4,9 @@
 :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`):
 those of a one-token input (:func:`one_token_call`, captured once per adapter), or where the model hands its blocks an
 input of each token beside the residual (Gemma-4's per-layer inputs, PLE: :func:`reads_tokens`), those of each row's
-own token (:func:`token_call`: the ids given, or those of the enclosing :func:`row_tokens`)."""
+own token (:func:`token_call`: the ids given, or those of the enclosing :func:`row_tokens`). Such calls made from
+inside a traced forward (a callback of :meth:`~mfpipe.models.adapters.site.TracedSite.run`) run under
+:func:`untraced`."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["one_token_call", "one_token_calls", "reads_tokens", "row_tokens", "token_call"]
+__all__ = ["one_token_call", "one_token_calls", "reads_tokens", "row_tokens", "token_call", "untraced"]
 
 
 @torch.no_grad()
@@ -55,6 +57,26 @@ def reads_tokens(base: nn.Module, blocks, device) -> bool:
     PLE): the arguments of a one-token call differ between two tokens."""
     a, b = (one_token_calls(base, blocks, device, torch.tensor([t])) for t in (0, 1))
     return any(_differ(a[l], b[l]) for l in a)
+
+
+@contextmanager
+def untraced(adapter):
+    """Within the block, calls of ``adapter``'s modules run as plain torch calls, where they are made from inside one
+    of its nnsight traces (a callback of ``run``: the gate of a residual row, AXK-2's through its block's own code).
+    nnsight hands every module call of a running trace to the trace's workers: a call made by a worker would be served
+    to the workers parked at that module (the values of another input) or fail (``cyclic parent chain``), and it
+    would count as an occurrence of the module. The trace's model forward is paused while its worker runs this."""
+    paused = []
+    for envoy in (getattr(adapter, "_envoy", None), getattr(adapter, "_lm_envoy", None)):
+        interleaver = None if envoy is None else envoy.interleaver
+        if interleaver is not None and interleaver.interleaving:  # nnsight: "hooks pass values straight through"
+            interleaver.interleaving = False
+            paused.append(interleaver)
+    try:
+        yield
+    finally:
+        for interleaver in paused:
+            interleaver.interleaving = True
 
 
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> {layer: (args, kwargs)}

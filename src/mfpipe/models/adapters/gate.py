@@ -22,8 +22,9 @@ the read to the residual, as the output projection is:
   centroid's own gate;
 * the probe (:mod:`~mfpipe.models.adapters.probe`) finds the gate (:func:`gated_layout`) where no value layout gives
   the reads: the one slice of one of the attention's projections (of its input, or of a latent of it: AXK-2's, its
-  gates at offset 48 of each head's 80 outputs) and the one activation whose gate,
-  dividing the output projection's input, lets one do. Nothing is named by family: a gate of another slice or source is found alike;
+  gates at offset 48 of each head's 80 outputs) and the one activation whose gate, dividing the output projection's
+  input, lets one do; and whether the source reads the attention's input itself (``gate_direct``). Nothing is named by
+  family: a gate of another slice or source is found alike;
 * a head's write to the residual is its read times the gate of its query, then O_h (:func:`gate_reads`): the J-lens
   agreement, the function vectors, the context lens and ``context_deviation(reads="resid")`` take the gate of each
   query position they run over; the statistics' ``zhat`` / ``zbar`` mapped through O_h take the gate of the query
@@ -38,14 +39,13 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mfpipe.models.adapters.calls import one_token_call
-from mfpipe.models.adapters.capture import hidden_input, module_at
+from mfpipe.models.adapters.calls import one_token_call, untraced
+from mfpipe.models.adapters.capture import module_at
 from mfpipe.models.adapters.streaming import holds_block
 
 __all__ = ["GATE_ACTIVATIONS", "OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
@@ -119,7 +119,9 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
         raise refusal
     name, lay, act, bias, out = next(iter(found.values()))
     first = order.index(f"<src>{name}") < order.index(f"<src>{out['value_source']}")
-    return dict(out, gate=(name, lay, first, act, bias))
+    src_in, attn_in = seen[f"<src>{name}"].x, seen["<attn>"].x  # AXK-2's q_gate_proj reads a latent of the input
+    direct = src_in.shape == attn_in.shape and bool(torch.equal(src_in, attn_in))
+    return dict(out, gate=(name, lay, first, act, bias, direct))
 
 
 def has_gate(adapter) -> bool:
@@ -144,48 +146,28 @@ class _Read(Exception):
     """Ends a block's forward once the gate's source has run (its output is all :func:`_source_output` needs)."""
 
 
-def _source_output(adapter, layer: int, x: Tensor, keep_input: bool = False):
-    """The output of block ``layer``'s gate source (or with ``keep_input``: (its input, the attention's input)) when
-    the block runs on the rows ``x [..., d]``, each a sequence of one position (the arguments the model's forward gives
-    it on one token: :func:`~mfpipe.models.adapters.calls.one_token_call`); the forward stops there."""
+def _source_output(adapter, layer: int, x: Tensor):
+    """The output of block ``layer``'s gate source when the block runs on the rows ``x [..., d]``, each a sequence of
+    one position (the arguments the model's forward gives it on one token:
+    :func:`~mfpipe.models.adapters.calls.one_token_call`); the forward stops there. Not inside a trace: the model's
+    own forward runs here (the probe sees whether a gate needs it: the structure's ``gate_direct``)."""
     block = adapter.block_module(layer)
-    src, attn = module_at(block, adapter.structure.output_gate), module_at(block, adapter.structure.attn)
     seen: dict = {}
 
     def grab(mod, args, out):
-        seen["out"], seen["in"] = out, args[0]
+        seen["out"] = out
         raise _Read
 
-    def attn_in(mod, args, kwargs):
-        seen.setdefault("attn_in", hidden_input(args, kwargs))
-
-    args, kwargs = one_token_call(adapter, layer)  # (a forward of the model: before the hooks)
-    handles = [src.register_forward_hook(grab), attn.register_forward_pre_hook(attn_in, with_kwargs=True)]
+    args, kwargs = one_token_call(adapter, layer)  # (a forward of the model: before the hook)
+    handle = module_at(block, adapter.structure.output_gate).register_forward_hook(grab)
     d = x.shape[-1]
     try:
         block(adapter._in(x).reshape(-1, 1, d), *args, **kwargs)
     except _Read:
         pass
     finally:
-        for h in handles:
-            h.remove()
-    if keep_input:
-        return seen["in"], seen["attn_in"]
+        handle.remove()
     return seen["out"].reshape(*x.shape[:-1], seen["out"].shape[-1])
-
-
-_DIRECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> whether its gate reads the input
-
-
-def _source_reads_input(adapter, layer: int) -> bool:
-    """Whether the gate's source reads the attention's input itself (Qwen3-Next's q_proj; AXK-2's q_gate_proj reads
-    a latent of it), seen once per adapter on a row through the block ``layer`` that asks first (the one whose
-    weights read_gate holds, where they are streamed)."""
-    if adapter not in _DIRECT:
-        row = torch.randn(1, adapter.d_model, generator=torch.Generator().manual_seed(0))
-        src_in, attn_in = _source_output(adapter, layer, row, keep_input=True)
-        _DIRECT[adapter] = src_in.shape == attn_in.shape and bool(torch.equal(src_in, attn_in))
-    return _DIRECT[adapter]
 
 
 class OutputGate:
@@ -201,11 +183,12 @@ class OutputGate:
         s = self.structure
         if s.output_gate is None:
             return None
-        if _source_reads_input(self, layer):
-            h = self.attn_input_norm(layer, x.to(device=self.device))
-            out = self._sub(layer, s.output_gate)(self._in(h))
-        else:  # a projection of a latent of the input (AXK-2's): the block's own code on each row, read off the source
-            out = _source_output(self, layer, x)
+        with untraced(self):  # (called from inside a trace: a query row's gate, the J-lens agreement's...)
+            if s.gate_direct:
+                h = self.attn_input_norm(layer, x.to(device=self.device))
+                out = self._sub(layer, s.output_gate)(self._in(h))
+            else:  # a projection of a latent of the input (AXK-2's): the block's own code on each row, off the source
+                out = _source_output(self, layer, x)
         return gate_of(out, s.gate_layout, self.n_heads, self.d_head, s.gate_act, self.gate_bias(layer))
 
     def gate_bias(self, layer: int) -> Tensor | None:

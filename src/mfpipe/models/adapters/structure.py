@@ -125,14 +125,14 @@ class Structure:
     # attention blocks, a block of another kind is run as the model runs it. () where every block is attention
     layer_kinds: tuple[str, ...] = ()
     # an output gate (Qwen3-Next, LFM-3, Laguna: mfpipe.models.adapters.gate): the reads enter the output projection
-    # times the activation gate_act (sigmoid; Laguna's softplus) of the slice gate_layout (n, chunks, offset) of
-    # output_gate's output (a path from the block), a projection of the attention's input that runs before the value
-    # source where gate_first
+    # times gate_act (sigmoid; Laguna's softplus) of the slice gate_layout (n, chunks, offset) of output_gate's output
+    # (a path from the block), a projection of the attention's input running before the value source where gate_first
     output_gate: str | None = None
     gate_layout: tuple[int, int, int] = (0, 1, 0)
     gate_first: bool = False
     gate_act: str = "sigmoid"
     gate_bias: str | None = None  # a per-head bias (path from the block) the attention adds to the gate (Beam's)
+    gate_direct: bool = True  # the source reads the attention's input (False: a latent of it, AXK-2's q_gate_proj)
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
@@ -268,7 +268,8 @@ def _scalar_buffer(block: nn.Module, name: str) -> bool:
 def _gate_fields(gate, attn: str) -> dict:
     """The structure's output-gate fields of the probe's ``gate`` (source, layout, first, activation) or None."""
     return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2],
-                                        gate_act=gate[3], gate_bias=f"{attn}.{gate[4]}" if gate[4] else None)
+                                        gate_act=gate[3], gate_bias=gate[4] and f"{attn}.{gate[4]}",
+                                        gate_direct=gate[5])
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
