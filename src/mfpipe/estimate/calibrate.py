@@ -24,8 +24,8 @@ import math
 import sys
 import time
 
-from mfpipe.estimate.timing import (jlens_batch, jlens_cache_bytes, jlens_held_bytes, jlens_rows, jlens_sums,
-                                   time_fv, time_jlens, time_jvp, time_passes, time_training, timed)
+from mfpipe.estimate.timing import (jlens_batch, jlens_cache_bytes, jlens_decode_batch, jlens_held_bytes, jlens_rows,
+                                   jlens_sums, time_fv, time_jlens, time_jvp, time_passes, time_training, timed)
 from mfpipe.estimate.weights import stream_fields
 
 __all__ = ["calibrate", "MAX_CALIBRATION_BYTES"]
@@ -203,20 +203,7 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     # measured), added to the batched stages' peaks for each window the jobs' batch holds beyond the timed one
     out["window_mb"] = _window_mb(model, windows, B, device, peaks) if B < out["runtime_batch_size"] else 0.0
     out.update(time_passes(model, adapter, windows, ts, B, scale, config, peaks))
-    out["jlens_s_per_position"] = time_jlens(adapter, windows, T, config) * scale
-    # its memory: the sums it holds, at full depth, and beside them a batch of its positions (a chunk of backward
-    # passes, the graph through their tokens: one layer's work at a time, not scaled by the depth) and their prefixes'
-    # caches (per layer: the layers not run added)
-    sums = jlens_sums(adapter, config)
-    peaks("jlens", lambda: jlens_batch(adapter, windows, T, config, sums))
-    sums = None  # handed back before the next measure
-    # (a chunk's gradients, one [rows, d] per input: 2 per layer, the layers not run added too)
-    rows = jlens_rows(adapter, config)
-    peaks.rise["jlens"] += (jlens_held_bytes(layers, adapter.d_model, config)
-                            + (jlens_cache_bytes(adapter, T, config) + 2 * 4 * rows * adapter.d_model)
-                            * (layers - adapter.n_layers)) / 2**20
-    # a streamed model's J-lens reads its blocks per position: the prefix's forward, the token's, each backward call
-    out["jlens_reads_per_position"] = 2 + math.ceil(adapter.d_model / rows)
+    out.update(_jlens(adapter, windows, T, config, layers, scale, peaks))
     # the J-lens decode through Jacobian-vector products (jlens.decode: the lenses'): a position's own work, a vector
     out["jvp_position_s"], out["jvp_s_per_vector"] = (
         x * scale for x in peaks("jvp", lambda: time_jvp(adapter, windows, T, config)))
@@ -246,6 +233,31 @@ def calibrate(spec: dict, config: dict, *, batches: int = 1, device: str = "cpu"
     if device.startswith("cuda"):
         out["device_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     out["n_tracked"] = int(ts.n)
+    return out
+
+
+def _jlens(adapter, windows, T: int, config: dict, layers: int, scale: float, peaks) -> dict:
+    """The J-lens job's rates (a position's seconds, a streamed model's block reads per position) and its memory's rise
+    (``peaks.rise["jlens"]``), at full depth ``layers``."""
+    out = {"jlens_s_per_position": time_jlens(adapter, windows, T, config) * scale}
+    # its memory: the sums it holds, at full depth, and beside them a batch of its positions (a chunk of backward
+    # passes, the graph through their tokens: one layer's work at a time, not scaled by the depth) and their prefixes'
+    # caches (per layer: the layers not run added)
+    sums = jlens_sums(adapter, config)
+    peaks("jlens", lambda: jlens_batch(adapter, windows, T, config, sums))
+    sums = None  # handed back before the next measure
+    # (a chunk's gradients, one [rows, d] per input: 2 per layer, the layers not run added too)
+    rows = jlens_rows(adapter, config)
+    peaks.rise["jlens"] += (jlens_held_bytes(layers, adapter.d_model, config)
+                            + (jlens_cache_bytes(adapter, T, config) + 2 * 4 * rows * adapter.d_model)
+                            * (layers - adapter.n_layers)) / 2**20
+    # its second phase, the decode agreement: a traced forward of a batch beside J (float32, at full depth); the job
+    # hands the first phase's freed memory back between them (mfpipe.jlens.jobs), so its peak is the larger phase's
+    peaks("jlens_decode", lambda: jlens_decode_batch(adapter, windows, T, config))
+    decode = peaks.rise.pop("jlens_decode") + 2 * (layers + 1) * adapter.d_model ** 2 * 4 / 2**20
+    peaks.rise["jlens"] = max(peaks.rise["jlens"], decode)
+    # a streamed model's J-lens reads its blocks per position: the prefix's forward, the token's, each backward call
+    out["jlens_reads_per_position"] = 2 + math.ceil(adapter.d_model / rows)
     return out
 
 

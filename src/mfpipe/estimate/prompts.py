@@ -50,9 +50,17 @@ def head_scores(ctx, c, wc):
 def jlens(ctx, c, wc):
     from mfpipe.estimate.weights import streamed
 
+    j = ctx.config["jlens"]
     # a streamed model's blocks read again per position: its prefix's and token's forwards, each backward call
     reads = c.get("jlens_reads_per_position", 0) * c["blocks_read_s"] if streamed(c, "jlens") else 0.0
-    return int(ctx.config["jlens"]["n_positions"]) * (c["jlens_s_per_position"] + reads), 0.0
+    # then its checks' decode agreement (mfpipe.jlens.agreement): a traced forward of each decoded position's window
+    # (the reads selected: a pass-2 forward, priced so), and each of its vectors through the LM head twice (raw and
+    # J-lens): the residual at every layer and the final one, each head's write at every layer (GPT-2 small's
+    # paper-shape job: 168 s of its 348, unpriced before)
+    n = int(j["n_decode"])
+    vectors = n * (c["layers"] + 1 + c["heads"] * c["layers"])
+    decode = n * ctx.T(ctx.config["corpus"]["name"]) * c["pass2_s_per_token"] + 2 * vectors * c["lm_head_s_per_token"]
+    return int(j["n_positions"]) * (c["jlens_s_per_position"] + reads) + decode, 0.0
 
 
 def jvp_decode(ctx, c, n: int) -> float:

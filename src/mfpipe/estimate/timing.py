@@ -11,10 +11,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_sums", "jlens_rows",
-           "jlens_cache_bytes",
-           "jlens_held_bytes", "time_jvp", "time_fv", "time_training", "store_math", "lm_head_s_per_token",
-           "count_s_per_token"]
+__all__ = ["timed", "warm_and_timed", "time_passes", "time_jlens", "jlens_batch", "jlens_decode_batch", "jlens_sums",
+           "jlens_rows", "jlens_cache_bytes", "jlens_held_bytes", "time_jvp", "time_fv", "time_training", "store_math",
+           "lm_head_s_per_token", "count_s_per_token"]
 
 
 def _sync() -> None:
@@ -231,6 +230,19 @@ def jlens_batch(adapter, windows, T: int, config: dict, sums=None) -> None:
     position_jacobians(adapter, windows[:bs], [T // 2] * bs, grad_chunk=chunk, rows=min(chunk, d),
                        groups=torch.arange(bs) % N_GROUPS, group_rows=keep, n_groups=N_GROUPS, into=total,
                        into_groups=by)
+
+
+def jlens_decode_batch(adapter, windows, T: int, config: dict) -> None:
+    """One batch of the J-lens job's second phase, its decode agreement (:func:`mfpipe.jlens.agreement.decode_vectors`):
+    a traced forward of ``jlens.batch_size`` windows (else ``runtime.batch_size``; the calibration's repeated where it
+    has fewer) of T tokens (a batch is cut after its last sampled position: the largest near T) with the heads' reads
+    and the residuals selected: that phase's memory, which the Jacobians' batch (:func:`jlens_batch`) does not hold."""
+    import numpy as np
+    import torch
+
+    bs = int(config["jlens"].get("batch_size") or config["runtime"]["batch_size"])
+    ids = torch.as_tensor(np.resize(np.asarray(windows)[:, :T], (bs, T)).astype(np.int64), device=adapter.device)
+    adapter.run(ids, select=("reads", "resid_in"), on_layer=lambda cap: None, on_final=lambda h: None)
 
 
 def jlens_sums(adapter, config: dict) -> tuple:

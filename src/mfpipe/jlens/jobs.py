@@ -22,6 +22,7 @@ def jlens(job) -> None:
     from mfpipe.jlens import checks as JC
     from mfpipe.jlens import lens as JL
     from mfpipe.stats.halves import corpus_info
+    from mfpipe.workflow.heap import release_free_memory
     from mfpipe.workflow.io import atomic_write_text
     from mfpipe.workflow.tables import write_table
 
@@ -46,6 +47,9 @@ def jlens(job) -> None:
     off = float(np.abs(ds["J"].sel(point="block", layer=L).values - np.eye(adapter.d_model)).max())
     log.info("estimated in %.1f s; max |J_L - I| = %.2e (the final point's Jacobian is the identity)",
              time.perf_counter() - t0, off)
+    # the decode's traced forwards on top of the heap the backward passes grew (the job keeps freed memory: heap):
+    # handed back first, GPT-2 small's paper-shape job peaked 3.0 GiB, not 3.4
+    release_free_memory()
     t0 = time.perf_counter()
     agree = JA.decode_agreement(adapter, ds, windows, n_decode=int(p.n_decode), batch_size=int(p.batch_size),
                                 seed=int(p.seed) + 1)
