@@ -180,7 +180,7 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
     assert out["forward_s_per_token"] > 0 and out["startup_s"] > 0 and out["peak_rss_mb"] > 0
     assert out["jvp_s_per_vector"] > 0 and math.isfinite(out["jvp_position_s"]) and out["jvp_position_s"] >= 0
     assert set(out["peak_mb"]) == {"forward", "pass1", "pass2", "substitution", "jlens", "jvp", "train", "rollout"}
-    assert out["rollout_s"] is not None and "rollout_error" not in out, out.get("rollout_error")  # (from its stores)
+    assert out["rollout_s"] is not None and "rollout_error" not in out, out.get("rollout_error")
     # the rollout jobs' peak counts the centroids they hold at every depth (their kernel is read a layer at a time)
     centroids = layer_arrays(out["layers"], out["heads"], out["n_tracked"], out["d_head"], 1, out["d_model"])
     assert out["peak_mb"]["rollout"] > centroids["rollout"] / 2**20 > 0

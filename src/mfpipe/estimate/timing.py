@@ -101,14 +101,13 @@ def time_passes(model, adapter, windows, ts, B: int, scale: float, config: dict,
 def analyses(model, adapter, stats, config: dict, scale: float, peaks=None) -> dict:
     """The store-bound analyses of a revision, on the calibration's statistics (as both halves), at full depth: the
     kernel dynamics' work for one layer (``kernel_dataset``'s loop body) times the layers, and Alg. 1 with the
-    config's rollout kernels (``run_rollouts``, from the two halves written as stores; None where the calibration's
-    store is not one it accepts) and its memory's rise (``peaks("rollout")``: the store read one layer of its kernel at
-    a time, the centroids whole)."""
+    config's rollout kernels (``run_rollouts``; None where the calibration's store is not one it accepts) and its
+    memory's rise (``peaks("rollout")``: the store read one layer of its kernel at a time, the centroids whole)."""
     import numpy as np
 
     from mfpipe.experiments.rollout.runs import run_rollouts
     from mfpipe.experiments.substitution import kernel_dynamics as KD
-    from mfpipe.stats.store import write_store
+    from mfpipe.stats.api import MeanFieldStats
 
     def one_layer():  # kernel_dataset's work for layer 0
         mask = KD.support_mask(np.asarray(stats.context_count().values), stats.n, 1)
@@ -120,13 +119,10 @@ def analyses(model, adapter, stats, config: dict, scale: float, peaks=None) -> d
     out = {"kernel_revision_s": timed(one_layer)[0] * stats.n_layers * scale}
     r = config["rollout"]
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            # both halves read from stores on disk, as the jobs read them: what their reads copy counts (GPT-2 small's
-            # paper shape: a rollout job's rise 1.2 GiB from its stores, 0.86 from the same statistics in memory)
-            halves = [write_store(stats.ds.assign_attrs(half=h), Path(tmp) / f"{h}.zarr") for h in ("stats", "eval")]
-            run = lambda: run_rollouts(model, adapter, *halves, kernels=r["kernels"],  # noqa: E731
-                                       pin=bool(r["pin_rogue"]), min_count=1)
-            out["rollout_s"] = timed(lambda: peaks("rollout", run) if peaks is not None else run())[0] * scale
+        ev = MeanFieldStats(stats.ds.assign_attrs(half="eval"))  # the same sums as the evaluation half
+        run = lambda: run_rollouts(model, adapter, stats, ev, kernels=r["kernels"],  # noqa: E731
+                                   pin=bool(r["pin_rogue"]), min_count=1)
+        out["rollout_s"] = timed(lambda: peaks("rollout", run) if peaks is not None else run())[0] * scale
     except Exception as e:  # noqa: BLE001 -- priced by its flops instead
         out["rollout_s"], out["rollout_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     return out
