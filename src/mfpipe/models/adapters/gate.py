@@ -142,6 +142,7 @@ def gate_reads(adapter, layer: int, reads: Tensor, resid: Tensor | None) -> Tens
                          "mapping a read to the residual needs the residual entering the block (select 'resid_in')")
     return reads * adapter.read_gate(layer, resid).to(device=reads.device, dtype=reads.dtype)
 
+
 class _Read(Exception):
     """Ends a block's forward once the gate's source has run (its output is all :func:`_source_output` needs)."""
 
@@ -149,8 +150,9 @@ class _Read(Exception):
 def _source_output(adapter, layer: int, x: Tensor):
     """The output of block ``layer``'s gate source when the block runs on the rows ``x [..., d]``, each a sequence of
     one position (the arguments the model's forward gives it on one token:
-    :func:`~mfpipe.models.adapters.calls.one_token_call`); the forward stops there. Not inside a trace: the model's
-    own forward runs here (the probe sees whether a gate needs it: the structure's ``gate_direct``)."""
+    :func:`~mfpipe.models.adapters.calls.one_token_call`); the forward stops there. Only for a gate whose source does
+    not read the attention's input (the structure's ``gate_direct``, the probe's); from inside a trace its caller,
+    ``read_gate``, runs it under :func:`~mfpipe.models.adapters.calls.untraced`."""
     block = adapter.block_module(layer)
     seen: dict = {}
 
