@@ -17,6 +17,7 @@ from mfpipe.jlens import checks as C
 from mfpipe.jlens import lens as JL
 from mfpipe.models.adapters import get_adapter
 from mfpipe.models.adapters.jacobian import position_jacobians
+from mfpipe.models.adapters.streaming import saved_from_checkpoint
 
 T = 10
 
@@ -177,6 +178,33 @@ def test_the_cached_prefix_gives_the_whole_window_jacobian(mt):
                 part = position_jacobians(ad, ids, pos, grad_chunk=8, prefix_cache=form, rows=5)
                 torch.testing.assert_close(part[0, :, :5], whole[0, :, :5], rtol=0, atol=1e-10 * scale)
                 assert torch.isnan(part[:, :, 5:]).all()
+
+
+def _saved_as_is():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def _graph_tensors() -> int:
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if torch.is_tensor(o) and o.grad_fn is not None)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])  # a row a call, several calls, one batched call holding every row
+def test_no_graph_outlives_the_jacobians(chunk):
+    """The backward passes free the graph of each position when they are done: under saved-tensor hooks that save a
+    tensor as itself (the streamed backward's, which the lens installed for every model) a retained graph is a
+    reference cycle the collector cannot free, and the J-lens job held every position's graph to its end (~1 GiB by
+    GPT-2 small's paper-shape job)."""
+    ad = get_adapter(make_tiny_model(TINY_MODEL_TYPES[0], seed=4))
+    ids, pos = torch.as_tensor(_windows(4, seed=3)), torch.tensor([6, 2, 6, 9])
+    before = _graph_tensors()
+    for form, hooks in ((True, saved_from_checkpoint), (False, saved_from_checkpoint), (True, _saved_as_is)):
+        with hooks():  # (the lens's, where no model is streamed; hooks that save tensors as themselves)
+            J = position_jacobians(ad, ids, pos, grad_chunk=chunk, prefix_cache=form)
+        assert torch.isfinite(J[0]).all()
+        assert _graph_tensors() == before, (chunk, form, hooks.__name__)
 
 
 def test_a_model_without_a_usable_cache_runs_whole_windows(caplog):

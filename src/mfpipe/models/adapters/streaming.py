@@ -357,6 +357,11 @@ def saved_from_checkpoint() -> Iterator[None]:
     """A graph recorded in the ``with`` body saves, in place of a streamed block's parameter (or a view of it), where
     to read it again, and its backward reads it when it needs it: a backward through a streamed model holds one
     block's weights at a time, as its forward does, at the price of a read of every block per backward call (the
-    J-lens's, :mod:`mfpipe.jlens.lens`). Without it the graph would keep every block it passed through resident."""
+    J-lens's, :mod:`mfpipe.jlens.lens`). Without it the graph would keep every block it passed through resident.
+    No hooks where no model is streamed: a hook that saves a tensor as itself makes a tensor its own node saves (an
+    output) a reference cycle the collector cannot see, freed only by the graph's last backward."""
+    if not len(_STREAMED):
+        yield
+        return
     with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         yield
