@@ -169,3 +169,18 @@ def test_the_jlens_position_is_priced_by_its_calls_of_backward_passes(monkeypatc
     calls = math.ceil(d / rows)  # the last call priced whole
     assert got == pytest.approx(fixed + calls * (per_call + rows * per_row))
     assert got >= cost(d) and got - cost(d) < rows * per_row
+
+
+def test_each_rollout_job_holds_its_own_arrays_beyond_the_calibrated_rollout():
+    """The rollout family was priced at the calibrated rollout alone (Alg. 1 on statistics in memory: 1,848 MiB at
+    GPT-2 small's paper shape) where its jobs peaked at 2,015-2,681 MiB (their stores' reads, the error accounting's
+    per-head reads and estimators, the exclusion's two arms): each rule is priced with the [L+1, N, d] arrays it holds
+    beyond it, and every rule the rollout's peak prices has its count."""
+    ctx, c, wc = gpt2()
+    family = {r for r, stage in C.PEAK_STAGE.items() if stage == "rollout"}
+    assert family == set(C.ROLLOUT_COPIES)
+    unit = 13 * 1000 * 768 * 8 / 2**20  # one float64 [L+1, N, d] array at GPT-2 small's shape
+    peak = {r: C.job_cost(ctx, r, wc)["peak_mb"] for r in family}
+    for rule in family:
+        assert peak[rule] == pytest.approx(2000.0 + C.ROLLOUT_COPIES[rule] * unit), rule
+    assert max(peak, key=peak.get) == "exclusion_rollout"  # two arms, each a rollout and its divergence

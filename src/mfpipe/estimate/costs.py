@@ -282,6 +282,20 @@ PEAK_STAGE = {"stats_shard": "pass1", "deviation_shard": "pass2", "lenses": "pas
               "positional": "pass2",  # (the positional job's batches are deviation forwards, pass 2's)
               **dict.fromkeys(("rollout_scores", "error_accounting", "cross_corpus", "exclusion_rollout",
                                "rollout_divergence", "rollout_localized"), "rollout")}  # a store read whole
+# float64 [L+1, N, d] arrays (centroids and their like: per-head mean reads, predictions, per-token amplifications) a
+# job of the rollout family holds beyond the calibrated rollout (``peak_mb["rollout"]``: Alg. 1 on statistics in
+# memory), with its stores' reads: each job's peak RSS sampled every 0.25 s at GPT-2 small's paper shape (2,015-2,681
+# MiB against 1,848 for the calibrated rollout; benchmarks/README.md, "A paper-shape run")
+ROLLOUT_COPIES = {"rollout_scores": 6, "error_accounting": 10, "cross_corpus": 2, "exclusion_rollout": 11,
+                  "rollout_divergence": 9, "rollout_localized": 6}
+
+
+def rollout_copies_mb(ctx: Context, c: dict, rule: str) -> float:
+    """MiB a rollout-family job holds beyond the calibrated rollout (:data:`ROLLOUT_COPIES`), at the config's N."""
+    n = int(ctx.config["tracked"]["n_tracked"])
+    return ROLLOUT_COPIES.get(rule, 0) * (c["layers"] + 1) * n * c["d_model"] * 8 / 2**20
+
+
 # App. B's recomputation (workflow/rules/substitution.smk) reruns these jobs with the other kernel: their costs; its
 # table job opens the two arms' stores
 RECOMPUTE_RULES = {"deviation_shard_recompute": "deviation_shard", "deviation_merge_recompute": "deviation_merge",
@@ -341,6 +355,7 @@ def job_cost(ctx: Context, rule: str, wildcards: dict) -> dict:
             peak -= kernel_sums_mb(c)  # mapped from a file: the page cache's, not the job's own memory
         if reads_calibrated(ctx.config, rule):  # a layer of U in float32
             peak += _cells(c, ctx) / c["layers"] * 4 / 2**20
+        peak += rollout_copies_mb(ctx, c, rule)
         extra = EXTRA_PEAK.get(rule) or PROMPT_PEAK.get(rule)
         if extra is not None:  # what the job holds beyond its calibrated stage (estimate.slices, estimate.prompts)
             peak += extra(ctx, c, wildcards)

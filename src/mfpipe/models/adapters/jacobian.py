@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -43,6 +44,7 @@ __all__ = ["POINTS", "position_jacobians", "jacobian_sums", "cache_tolerance", "
 POINTS = ("block", "attn")
 
 log = logging.getLogger(__name__)
+_BATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models whose batched backward has worked
 
 
 def _replace_hidden(args: tuple, kwargs: dict, x: Tensor) -> tuple[tuple, dict]:
@@ -352,14 +354,13 @@ def _backward_rows(adapter, y: Tensor, inputs: list[Tensor], slots: list[tuple[i
     ``total [2, L+1, d, d]``; with ``groups``, the kept rows ``groups.keep`` summed per group, added to
     ``by [G, 2, L+1, r, d]``. One backward per output dimension, ``grad_chunk`` of them batched at a time.
 
-    The last backward frees the graph: one retained outlived the call, every position's (a reference cycle through
-    autograd's saved tensors, which Python's collector cannot see; 52 MiB of key/value tensors after 16 positions of a
-    4-layer, 384-wide GPT-2). A failed batched call falls back to single rows on the same graph, so only a call after
-    one that worked frees it (a single call holding every row: one more row's backward)."""
+    The last backward frees the graph: one retained outlived the call under saved-tensor hooks (a cycle through saved
+    tensors the collector cannot see). A failed batched call falls back to single rows on the same graph, so a batched
+    call frees it only once one has worked on the model (:data:`_BATCHED`; before that, one more row's backward)."""
     d, dev = adapter.d_model, adapter.device
     B = pos.numel()
     chunk = max(1, int(grad_chunk))
-    i0, batched, held = 0, False, True
+    i0, batched, held = 0, _BATCHED.get(adapter.model, False), True
     while i0 < d_out:
         k = min(chunk, d_out - i0)
         last = i0 + k >= d_out
@@ -369,7 +370,7 @@ def _backward_rows(adapter, y: Tensor, inputs: list[Tensor], slots: list[tuple[i
             try:
                 held = not (last and batched)
                 gs = torch.autograd.grad([y], inputs, grad_outputs=[go], retain_graph=held, is_grads_batched=True)
-                batched = True
+                batched = _BATCHED[adapter.model] = True
             except (RuntimeError, NotImplementedError) as e:
                 log.warning("%s: batched backward failed (%s); one backward per output dimension",
                             adapter.model_type, str(e).splitlines()[0][:200])
