@@ -198,7 +198,7 @@ def test_the_calibration_measures_every_rate_a_job_is_priced_by():
 
 def test_a_batch_cut_below_the_jobs_adds_a_windows_share_to_the_batched_stages():
     """Where the calibration times fewer windows than the jobs' batch (MAX_BATCH_SECONDS: a 16-bit 7B model's on a
-    CPU), the batched stages' peaks get a window's share of a forward's memory (one window more, measured) for each
+    CPU), the batched stages' peaks get a window's share of a forward's memory (B + 1 windows against one) for each
     window left out; the rollout's and the J-lens's do not batch windows."""
     import numpy as np
     import torch

@@ -330,8 +330,9 @@ def layer_arrays(L: int, H: int, N: int, dh: int, top_k: int, d: int = 0) -> dic
 
 
 def _window_mb(model, windows, B: int, device: str, peaks) -> float:
-    """MiB the model's forward (its logits too) rises by with one window more than ``B`` (the logits, a layer's
-    activations): a window's share of the batched stages' memory, at least."""
+    """MiB the model's forward (its logits too) rises by per window (the logits, a layer's activations): a window's
+    share of the batched stages' memory, at least; the rise of ``B + 1`` windows over one's, per window (one window
+    more than ``B`` read 0-203 MiB at GPT-2 small's shape, where a window's logits alone are 98)."""
     import torch
 
     def forward(n):
@@ -339,10 +340,10 @@ def _window_mb(model, windows, B: int, device: str, peaks) -> float:
             model(input_ids=torch.as_tensor(windows[:n], device=device), use_cache=False)
 
     rises = []
-    for n in (B, B + 1):
+    for n in (1, B + 1):
         peaks("_window", lambda n=n: forward(n))
         rises.append(peaks.rise.pop("_window"))
-    return max(rises[1] - rises[0], 0.0)
+    return max(rises[1] - rises[0], 0.0) / B
 
 
 BATCHED = ("forward", "pass1", "pass2", "substitution")  # the stages whose memory grows with runtime.batch_size
