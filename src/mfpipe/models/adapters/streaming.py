@@ -358,8 +358,8 @@ def saved_from_checkpoint() -> Iterator[None]:
     to read it again, and its backward reads it when it needs it: a backward through a streamed model holds one
     block's weights at a time, as its forward does, at the price of a read of every block per backward call (the
     J-lens's, :mod:`mfpipe.jlens.lens`). Without it the graph would keep every block it passed through resident.
-    No hooks where no model is streamed: a hook that saves a tensor as itself makes a tensor its own node saves (an
-    output) a reference cycle the collector cannot see, freed only by the graph's last backward."""
+    No hooks where no model is streamed: a hook that saves a tensor as itself turns an output its own node saves into
+    a reference cycle the collector cannot see, freed only by the graph's last backward."""
     if not len(_STREAMED):
         yield
         return
