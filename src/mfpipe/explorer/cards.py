@@ -61,8 +61,9 @@ class KernelCards:
 
     def head(self, layer: int, head: int) -> dict:
         if self._layer != layer:
-            self._W = np.asarray(self.stats.W(layer=layer).transpose("head", "query", "key").values, np.float64)
-            self._P = np.asarray(self.stats.P(layer=layer).transpose("head", "query", "key").values, np.float64)
+            P = self.stats.P(layer=layer)  # read once: W is P / nbar of it
+            self._W = np.asarray(self.stats.W(layer=layer, P=P).transpose("head", "query", "key").values, np.float64)
+            self._P = np.asarray(P.transpose("head", "query", "key").values, np.float64)
             self._layer = layer
         out = kernel_block(self._W[head], self._P[head], self.nbar, self.C, self.qc, self.stats.query_labels,
                            self.stats.key_labels, self.k)

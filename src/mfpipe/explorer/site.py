@@ -60,15 +60,30 @@ def _linked(files: Mapping, revisions) -> dict[tuple[str, str], tuple[str, pd.Da
     return out
 
 
-def _card_rows(linked, rev, layer, head) -> list[dict]:
+def _first_rows(linked) -> dict:
+    """``{(table, revision): {(layer, head): position of the head's first row}}``: found once per table, not filtered
+    again for each of the L x H cards."""
+    out = {}
+    for key, (_, df, _, _) in linked.items():
+        first = out[key] = {}
+        if len(df):
+            for i, lh in enumerate(zip(df["layer"].tolist(), df["head"].tolist())):
+                first.setdefault(lh, i)
+    return out
+
+
+def _by_head(df: pd.DataFrame | None) -> dict:
+    """A table's rows split by (layer, head), in the table's order."""
+    return {} if df is None or not len(df) else {lh: g for lh, g in df.groupby(["layer", "head"], sort=False)}
+
+
+def _card_rows(linked, row_at, rev, layer, head) -> list[dict]:
     rows = []
     for (name, r), (page, df, long, _) in linked.items():
-        if r != rev or not len(df):
+        at = row_at[(name, r)].get((layer, head)) if r == rev else None
+        if at is None:
             continue
-        mine = df[(df["layer"] == layer) & (df["head"] == head)]
-        if not len(mine):
-            continue
-        row = mine.iloc[0].to_dict()
+        row = df.iloc[at].to_dict()
         vals = {str(k): (float(v) if isinstance(v, (float, np.floating)) and np.isfinite(v) else
                          (None if isinstance(v, (float, np.floating)) else (v.item() if hasattr(v, "item") else v)))
                 for k, v in row.items() if k not in ("layer", "head", "model", "revision", "head_label")}
@@ -93,6 +108,7 @@ def build_model(out_dir, files: Mapping, *, model: str, revisions: list[str], st
         if not long or rev is None:
             (out_dir / "tables" / f"{page}.html").write_text(table_html(df, page, src, long))
     lens = {rev: pd.read_csv(p) for rev, p in files.get("lenses", {}).items()}
+    row_at, lens_by_head = _first_rows(linked), {rev: _by_head(df) for rev, df in lens.items()}
     n_cards = 0
     for rev in revisions:
         kc = first if rev == revisions[-1] else KernelCards(stats[rev], {"model": model, "revision": rev}, top_types)
@@ -105,8 +121,8 @@ def build_model(out_dir, files: Mapping, *, model: str, revisions: list[str], st
                 card = {"head": f"L{l}H{h}", "layer": l, "index": h, "revision": rev,
                         "scores": {k: {"value": values[k][l][h], "rank": int(ranks[k][l, h])}
                                    for k in ranks},
-                        "rows": _card_rows(linked, rev, l, h), "roles": roles.get(rev, {}).get(f"L{l}H{h}", []),
-                        "kernel": kc.head(l, h), "contexts": context_cards(lens.get(rev), l, h),
+                        "rows": _card_rows(linked, row_at, rev, l, h), "roles": roles.get(rev, {}).get(f"L{l}H{h}", []),
+                        "kernel": kc.head(l, h), "contexts": context_cards(lens_by_head.get(rev, {}).get((l, h)), l, h),
                         "contexts_mined": rev in lens}
                 (folder / f"L{l}H{h}.js").write_text(script("card", card))
                 n_cards += 1

@@ -147,11 +147,12 @@ class MeanFieldStats:
         store merged from partials rounded to k mantissa bits: attribute ``partial_mantissa_bits``)."""
         return self._sel(self.ds["P"], "layer", layer)
 
-    def W(self, min_count: int | None = None, layer: int | None = None) -> xr.DataArray:
+    def W(self, min_count: int | None = None, layer: int | None = None, P: xr.DataArray | None = None) -> xr.DataArray:
         """Per-key kernel ``W = P / nbar`` (App. A), 0 where ``C_st < min_count`` (App. E; default: the
-        store's ``min_count``, 20) or where bucket t never occurs; NaN rows for types with no query."""
+        store's ``min_count``, 20) or where bucket t never occurs; NaN rows for types with no query. ``P``: this
+        store's ``P(layer)`` where the caller holds it already (not read again)."""
         mc = int(self.attrs.get("min_count", DEFAULT_MIN_COUNT) if min_count is None else min_count)
-        P = self.P(layer)
+        P = self.P(layer) if P is None else P
         nbar = self.nbar()
         keep = self.context_count() >= max(mc, 1)
         with np.errstate(divide="ignore", invalid="ignore"):
