@@ -1,7 +1,8 @@
 """The census of decoder families (``mfpipe census``): for every causal-LM family the installed ``transformers``
 ships (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; encoder-decoder families and remote code left out), a tiny random copy
 of its default config (:func:`mfpipe.models.tiny.shrink_config`; a multimodal composite's sub-configs each shrunk, the
-composite then read as its language model: :mod:`mfpipe.models.adapters.composite`) is placed by structure
+composite then read as its language model: :mod:`mfpipe.models.adapters.composite`; built as that language model
+alone where a tower needs a library not installed, Gemma-3n's vision tower ``timm``) is placed by structure
 (:func:`mfpipe.models.adapters.describe`) and run through ``mfpipe conformance``'s checks
 (:func:`mfpipe.conformance.check_model`). Each family gets one row: placed or not, the checks passed, and for a
 refusal the one-line reason (the placement's, the failing checks', or why no tiny copy could be built). A family that
@@ -26,6 +27,7 @@ from __future__ import annotations
 import signal
 import traceback
 from collections.abc import Iterable
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["CensusRow", "causal_lm_families", "census_row", "census", "census_markdown", "write_section",
@@ -161,6 +163,22 @@ def _refused(family: str, model, reason: str, error=None) -> CensusRow:
     return CensusRow(family, False, 0, 0, reason)
 
 
+def _buildable(tiny) -> tuple[object, int, str]:
+    """(the config to build of the shrunk config ``tiny``, its parameter count, "" or what is built instead): a
+    composite whose tower needs a library not installed here (Gemma-3n's vision tower: ``timm``) is built as its
+    language model alone, the decoder mfpipe places of any composite (:mod:`mfpipe.models.adapters.composite`), so the
+    row says what the decoder computes, not what the environment lacks."""
+    from mfpipe.models.adapters.composite import is_composite, text_config
+
+    try:
+        return tiny, _size(tiny), ""
+    except ImportError as e:
+        if not is_composite(tiny):
+            raise
+        why = " ".join(str(e).split()).split(". ")[0].rstrip(".")  # "TimmWrapperModel requires the timm library..."
+        return text_config(tiny), _size(text_config(tiny)), f"its language model built alone, its composite not: {why}"
+
+
 def census_row(family: str, seed: int = 0) -> CensusRow:
     """The census row of one family (see the module docstring)."""
     import torch
@@ -187,7 +205,7 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
                                                       "state-space or recurrent model as configured", "modelling")
             # a composite is placed through its language model (mfpipe.models.adapters.composite), as the loader does
             tiny = shrink_composite(config, shrink_config) if is_composite(config) else shrink_config(config)
-            size = _size(tiny)
+            tiny, size, alone = _buildable(tiny)
             if size > MAX_TINY_PARAMETERS:
                 return CensusRow(family, False, 0, 0, f"its shrunk config still has {size / 1e6:.0f} M parameters: "
                                                       "mfpipe.models.tiny.shrink_config does not know its size fields")
@@ -198,7 +216,8 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
             model = language_model(model)
             structure = describe(model)
         except UnsupportedArchitectureError as e:
-            return _refused(family, model, e.reason, e)
+            row = _refused(family, model, e.reason, e)
+            return dataclasses.replace(row, reason=f"{row.reason} ({alone})") if alone else row
         except Exception as e:
             return _refused(family, model, f"the placement's probe forward fails: {_one_line(e)}")
         try:

@@ -1,7 +1,8 @@
 """Latent attention (MLA: DeepSeek-V2/V3, MiniCPM-3, GLM-4-MoE-Lite, Youtu...): each head has its own probability row
 and its own value vector, ``v_head_dim`` wide, decompressed by a projection (``kv_b_proj``) from a latent that is a
 norm (``kv_a_layernorm``) of a slice of a projection of the attention's input (``kv_a_proj_with_mqa``, whose output
-is ``[latent | shared rotary key]``); one output projection reads the ``H x v_head_dim`` reads.
+is ``[latent | shared rotary key]``, the norm's output times a constant where the attention rescales it: dots.3-note's
+``kv_lora_scale``); one output projection reads the ``H x v_head_dim`` reads.
 
 The values are then no affine map of the attention-input norm's output (a norm sits between), so
 
@@ -27,12 +28,26 @@ __all__ = ["Latent", "latent_input", "latent_sources"]
 
 @dataclass(frozen=True)
 class Latent:
-    """Where a latent value source reads: ``norm(proj(h)[..., offset : offset + width])`` (names in the attention)."""
+    """Where a latent value source reads: ``norm(proj(h)[..., offset : offset + width]) * scale`` (names in the
+    attention)."""
 
     proj: str
     offset: int
     width: int
     norm: str
+    scale: float = 1.0
+
+
+def _rescaled(ny: Tensor, reads: Tensor, attn_mod: nn.Module, same) -> float | None:
+    """The constant ``c`` with ``ny * c == reads`` (a latent rescaled after its norm), or None where none is: the
+    attention's own number where one of its float attributes is ``c`` (dots.3-note's ``kv_lora_scale``), so the value
+    map multiplies by what the attention multiplies by."""
+    if ny.shape != reads.shape:
+        return None
+    c = float((ny.double() * reads.double()).sum() / (ny.double() ** 2).sum().clamp_min(1e-300))
+    own = [v for v in vars(attn_mod).values() if type(v) is float and abs(v - c) <= 1e-4 * abs(c)]
+    c = own[0] if own else c
+    return c if abs(c - 1) > 1e-6 and same(ny * c, reads) else None
 
 
 def latent_sources(seen: dict, attn_mod: nn.Module, out_proj: str, d: int, same) -> dict[str, Latent]:
@@ -52,7 +67,11 @@ def latent_sources(seen: dict, attn_mod: nn.Module, out_proj: str, d: int, same)
         chains = []
         for norm in norms:
             nx, ny = seen[f"<anorm>{norm}"].x, seen[f"<anorm>{norm}"].y
-            if nx.shape[-1] != r or ny.shape[-1] != r or not same(ny.reshape(-1, r), reads):
+            if nx.shape[-1] != r or ny.shape[-1] != r:
+                continue
+            ny = ny.reshape(-1, r)
+            scale = 1.0 if same(ny, reads) else _rescaled(ny, reads, attn_mod, same)
+            if scale is None:
                 continue
             nx = nx.reshape(-1, r)
             for p, (p_in, p_out) in shapes.items():
@@ -61,7 +80,7 @@ def latent_sources(seen: dict, attn_mod: nn.Module, out_proj: str, d: int, same)
                 y = seen[f"<src>{p}"].y.reshape(-1, p_out)
                 if y.shape[0] != nx.shape[0]:
                     continue
-                chains += [Latent(p, o, r, norm) for o in range(p_out - r + 1) if same(y[:, o : o + r], nx)]
+                chains += [Latent(p, o, r, norm, scale) for o in range(p_out - r + 1) if same(y[:, o : o + r], nx)]
         if len(chains) == 1:
             found[n] = chains[0]
     return found
@@ -69,9 +88,11 @@ def latent_sources(seen: dict, attn_mod: nn.Module, out_proj: str, d: int, same)
 
 def latent_input(block: nn.Module, structure, h: Tensor) -> Tensor:
     """What the value source of ``structure`` reads, of the attention-input norm's output ``h [..., d]``: ``h`` itself,
-    or for latent attention the latent norm of the slice of the latent projection (as the attention computes it)."""
+    or for latent attention the latent norm of the slice of the latent projection, times its scale (as the attention
+    computes it)."""
     if structure.latent_proj is None:
         return h
     lo = structure.latent_offset
     lat = submodule(block, structure.latent_proj)(h)[..., lo : lo + structure.latent_width]
-    return submodule(block, structure.latent_norm)(lat)
+    out = submodule(block, structure.latent_norm)(lat)
+    return out if structure.latent_scale == 1.0 else out * structure.latent_scale

@@ -105,21 +105,19 @@ class Structure:
     # each head's value and read width where the output projection's input is H x another width than the config's
     # head width (latent attention's v_head_dim; the query/key width plays no part: probabilities are read)
     value_head_dim: int | None = None
-    # latent attention (mfpipe.models.adapters.latent): the value source reads latent_norm of the slice
-    # [latent_offset, latent_offset + latent_width) of latent_proj's output (paths from the block), not the norm's
+    # latent attention (mfpipe.models.adapters.latent): the value source reads latent_norm of the slice [latent_offset,
+    # latent_offset + latent_width) of latent_proj's output (paths from the block), times latent_scale (dots.3-note's)
     latent_proj: str | None = None
     latent_offset: int = 0
     latent_width: int = 0
     latent_norm: str | None = None
-    # the attention module returns its branch plus the residual it is handed (BLOOM's fused dropout_add): its branch
-    # is the output projection's output; the MLP takes (input, residual) and returns its branch plus the residual
-    # (BLOOM, MPT): its branch is its output with a zero residual
+    latent_scale: float = 1.0
+    # the attention returns its branch plus the residual it is handed (BLOOM's dropout_add): its branch is the output
+    # projection's output; the MLP takes (input, residual), returns branch + residual (BLOOM, MPT): zero residual
     attn_residual: bool = False
     mlp_residual: bool = False
     branch_scale: float = 1.0  # each branch enters the residual times this (MiniCPM-3's scale_depth / sqrt(L))
-    # a bias the attention returns beside its output for the block to add to the branch (path from the block; None in
-    # the blocks that have none: GPT-NeoX-Japanese's last block's dense_bias)
-    attn_bias: str | None = None
+    attn_bias: str | None = None  # a bias the attention returns for the block to add (GPT-NeoX-Japanese's dense_bias)
     # a hybrid (Jamba, Qwen3-Next, Nemotron-H...): each block's kind, "attention" or its mixer's ("mamba",
     # "gated_delta_net", "linear_attention", "recurrent", "convolution", "mlp"...); the paths above are those of the
     # attention blocks, a block of another kind is run as the model runs it. () where every block is attention
@@ -246,6 +244,7 @@ def describe(model: nn.Module) -> Structure:
         norm_centred=centred, logit_scale=logit_scale(model, base, mt, head), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
+        latent_scale=latent.scale if latent else 1.0,
         attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),

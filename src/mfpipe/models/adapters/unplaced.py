@@ -123,13 +123,6 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
     said = (f"its reads ({n} weighted by its probabilities) are multiplied {per} by a gate, {act} of {src}{where}, "
             "before the output projection")
     if seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places (either activation): not the cause
-        scaled = [(m, c) for m, (x, y, *_) in seen.items() if m and x is not y and y.numel() == seen[n][0].numel()
-                  and abs((c := float((seen[n][0] * y).sum() / (y * y).sum().clamp_min(1e-30))) - 1) > 1e-4
-                  and _close(c * y.reshape(seen[n][0].shape), seen[n][0])]
-        if scaled:
-            return (f"{said}, a gate mfpipe places; but {n} reads its norm {scaled[0][0]}'s output times "
-                    f"{scaled[0][1]:.4g} (a latent rescaled after its norm), where mfpipe's latent attention reads the "
-                    "norm's output as is")
         return f"{said}, a gate mfpipe places; but no layout of its values is found with it"
     return (f"{said}: the {act} of a projection ({src}) of another input, in a layout mfpipe.models.adapters.gate "
             "does not find (it places a sigmoid or softplus of a slice of a projection of the attention's input or of "
