@@ -27,8 +27,7 @@ from __future__ import annotations
 import signal
 import traceback
 from collections.abc import Iterable
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["CensusRow", "causal_lm_families", "census_row", "census", "census_markdown", "write_section",
            "attends_ahead", "main", "BEGIN", "END"]
@@ -176,7 +175,8 @@ def _buildable(tiny) -> tuple[object, int, str]:
         if not is_composite(tiny):
             raise
         why = " ".join(str(e).split()).split(". ")[0].rstrip(".")  # "TimmWrapperModel requires the timm library..."
-        return text_config(tiny), _size(text_config(tiny)), f"its language model built alone, its composite not: {why}"
+        text = text_config(tiny)
+        return text, _size(text), f"its language model built alone, its composite not: {why}"
 
 
 def census_row(family: str, seed: int = 0) -> CensusRow:
@@ -217,7 +217,7 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
             structure = describe(model)
         except UnsupportedArchitectureError as e:
             row = _refused(family, model, e.reason, e)
-            return dataclasses.replace(row, reason=f"{row.reason} ({alone})") if alone else row
+            return replace(row, reason=f"{row.reason} ({alone})") if alone else row
         except Exception as e:
             return _refused(family, model, f"the placement's probe forward fails: {_one_line(e)}")
         try:
