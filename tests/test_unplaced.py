@@ -24,8 +24,6 @@ REFUSED = {
     "diffllama": ("modelling", "differential attention: each head reads (softmax_1 - λ softmax_2) V"),
     "bitnet": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm)"),
     "jetmoe": ("mfpipe", "its heads are routed per token (a mixture of attention heads: experts (JetMoeMoA)"),
-    # (its latent rescaled after its norm is placed: test_a_latent_rescaled_after_its_norm_is_placed_and_passes)
-    "dots3_note_text": ("mfpipe", "its attention layers are of 2 kinds, and its values are laid out chunked"),
     "gemma3n_text": ("mfpipe", "its blocks carry 4 residual streams (altup_num_inputs)"),
     # the composite: its vision tower needs timm, not installed; its language model, built alone, is what is refused
     "gemma3n": ("mfpipe", "4 residual streams (altup_num_inputs), mixed in every block: mfpipe reads one residual "
@@ -94,25 +92,42 @@ def test_values_scaled_by_a_constant_in_layers_of_two_kinds_are_placed_and_pass(
     assert row.accepted and row.passed == row.checks >= 10, row
 
 
-def test_a_latent_rescaled_after_its_norm_is_placed_and_passes():
-    """dots.3-note's kv_b_proj reads kv_a_layernorm's output times kv_lora_scale (2 at the shrunk width; refused for it
-    before): on its attention of one kind (every layer indexed, the default config's per-layer key widths dropped) the
-    latent's scale is found by the tensors, is the attention's own number, and every conformance check passes (the
-    value map of the residual, the values summed as read, the substitution against a torch hook). Its default config
-    stays refused for its layers of two kinds (REFUSED above)."""
+def test_latent_layers_of_two_kinds_are_placed_each_by_its_own_form_and_pass():
+    """dots.3-note (refused for its latent rescaled after its norm, then for its layers of two kinds): kv_b_proj reads
+    kv_a_layernorm's output times kv_lora_scale, found by the tensors as the attention's own number; its sliding layers'
+    keys are wider per head (qk_nope 12 against 8), so their values sit at offset 12 of each head's chunk of kv_b_proj,
+    not 8: each kind's form (mfpipe.models.adapters.layers) holds its own offset and latent, and every conformance
+    check passes (the value map of the residual, the values summed as read vs a per-position loop, own reads written
+    back exact, the mean-field write-back vs a torch hook), also where the kinds' latents differ in width and scale.
+    One offset for every layer fails the checks."""
+    import dataclasses
+
     from mfpipe.conformance import check_model
     from mfpipe.models.adapters.structure import base_model
     from mfpipe.models.defaults import default_config
     from mfpipe.models.tiny import random_model, shrink_config
 
-    tiny = shrink_config(default_config("dots3_note_text")).to_dict()
-    for k in ("architectures", "transformers_version", "_name_or_path"):
-        tiny.pop(k, None)
-    config = type(default_config("dots3_note_text"))(**{**tiny, "per_layer_config": {},
-                                                        "layer_types": ["indexed_attention"] * tiny["num_hidden_layers"]})
+    row = census_row("dots3_note")  # the composite, placed through its language model
+    assert row.accepted and row.passed == row.checks >= 10, row
+    config = shrink_config(default_config("dots3_note_text"))
     model = random_model(config)
     s = describe(model)
     attn = base_model(model).get_submodule(f"{s.layers}.0.{s.attn}")
     assert s.latent_norm and s.output_gate and s.latent_scale == attn.kv_lora_scale != 1.0
+    assert [f.value_offset for f in s.layer_forms] == [8, 8, 12, 12], s.layer_forms
     rows = check_model(model, s)
     assert len(rows) >= 10 and all(r.ok for r in rows), [r.name for r in rows if not r.ok]
+    one_offset = dataclasses.replace(s, layer_forms=tuple(dataclasses.replace(f, value_offset=8)
+                                                          for f in s.layer_forms))
+    assert {"site: reads = probabilities x values"} <= {r.name for r in check_model(model, one_offset) if not r.ok}
+
+    wider = config.to_dict()  # the sliding layers' latent 24 wide, as the released config's is wider than the others'
+    for k in ("architectures", "transformers_version", "_name_or_path"):
+        wider.pop(k, None)
+    wider["per_layer_config"] = {i: {"qk_nope_head_dim": 12, "kv_lora_rank": 24} for i in ("2", "3")}
+    model = random_model(type(config)(**wider))
+    s = describe(model)
+    assert [(f.latent.width, f.value_offset) for f in s.layer_forms] == [(16, 8), (16, 8), (24, 12), (24, 12)]
+    assert s.layer_forms[2].latent.scale == base_model(model).get_submodule(f"{s.layers}.2.{s.attn}").kv_lora_scale
+    rows = check_model(model, s)
+    assert all(r.ok for r in rows), [r.name for r in rows if not r.ok]

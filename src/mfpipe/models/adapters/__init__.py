@@ -9,9 +9,9 @@
   each head's values sit among the value source's outputs, as the site reads them and as the block pieces
   ``value_map`` / ``value_weights``.
 * ``layers.py`` — per-layer attention forms (:class:`~mfpipe.models.adapters.layers.LayerForm`: each layer's head
-  width, KV heads and value source, where the attention layers are of several kinds: MiMo-V2-Flash's), placed kind by
-  kind by a reduced probe, and the zero padding of every head-space tensor to the widest layer's width (an exact
-  embedding).
+  width, KV heads, value source and layout, where the attention layers are of several kinds: MiMo-V2-Flash's,
+  dots.3-note's latent ones), placed kind by kind by a reduced probe, and the zero padding of every head-space tensor
+  to the widest layer's width (an exact embedding).
 * ``configs.py`` — what a model's config says of its attention forms: a value of a config whose layers differ
   (Gemma-4's head_dim) and the forms refused by the config keys that turn them on (Gemma-4's KV sharing, MoE).
 * ``capture.py`` — what the site hands out and takes: :class:`LayerCapture` (one layer's fields,

@@ -86,13 +86,12 @@ def latent_sources(seen: dict, attn_mod: nn.Module, out_proj: str, d: int, same)
     return found
 
 
-def latent_input(block: nn.Module, structure, h: Tensor) -> Tensor:
-    """What the value source of ``structure`` reads, of the attention-input norm's output ``h [..., d]``: ``h`` itself,
-    or for latent attention the latent norm of the slice of the latent projection, times its scale (as the attention
-    computes it)."""
-    if structure.latent_proj is None:
+def latent_input(block: nn.Module, latent: Latent | None, h: Tensor) -> Tensor:
+    """What a value source reads, of the attention-input norm's output ``h [..., d]``: ``h`` itself where ``latent`` is
+    None, else for latent attention the latent norm of the slice of the latent projection, times its scale, as the
+    attention computes it (``latent``'s paths from the block: a layer's own, :mod:`~mfpipe.models.adapters.layers`)."""
+    if latent is None:
         return h
-    lo = structure.latent_offset
-    lat = submodule(block, structure.latent_proj)(h)[..., lo : lo + structure.latent_width]
-    out = submodule(block, structure.latent_norm)(lat)
-    return out if structure.latent_scale == 1.0 else out * structure.latent_scale
+    lat = submodule(block, latent.proj)(h)[..., latent.offset : latent.offset + latent.width]
+    out = submodule(block, latent.norm)(lat)
+    return out if latent.scale == 1.0 else out * latent.scale

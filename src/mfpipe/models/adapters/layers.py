@@ -20,8 +20,10 @@ paths and shapes of its projections). Where there is more than one kind, the blo
 (:func:`~mfpipe.models.adapters.probe.probe_forward` on that block's attention, output projection and projections):
 its width is its output projection's input over ``H``, and the value search
 (:func:`~mfpipe.models.adapters.probe.value_layout`) finds its value source and KV heads against its own reads. Norm
-roles and the MLP are the placed block's (the conformance check rebuilds every layer). A kind is placed for a value
-projection of its own (the ``split`` layout) only.
+roles, the MLP and an output gate are the placed block's (the conformance check rebuilds every layer). A kind is
+placed for a value projection of its own (the ``split`` layout) or a chunked one, latent attention's among them: each
+kind's latent and its values' offset in the decompressing projection are its own (dots.3-note's sliding layers: wider
+keys per head, so the values sit at another offset of each head's ``[k_nope | v]`` chunk).
 """
 
 from __future__ import annotations
@@ -31,21 +33,48 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.gate import gated_layout
+from mfpipe.models.adapters.latent import Latent, latent_sources
 from mfpipe.models.adapters.linears import attention_linears, linear_paths
-from mfpipe.models.adapters.probe import (Shape, UnsupportedArchitectureError, linear_shape, probe_forward, submodule,
-                                          value_layout)
+from mfpipe.models.adapters.probe import (Shape, UnsupportedArchitectureError, is_norm, linear_shape, probe_forward,
+                                          same_within, submodule, value_layout)
 
-__all__ = ["LayerForm", "attention_signature", "pad_heads", "place_layer_forms", "unpadded"]
+__all__ = ["FORM_LAYOUTS", "LayerForm", "attention_signature", "pad_heads", "place_layer_forms", "unpadded"]
+
+
+FORM_LAYOUTS = ("split", "chunked")  # the value layouts a layer of another kind may have
 
 
 @dataclass(frozen=True)
 class LayerForm:
     """One layer's attention form: each head's value and read width, its KV heads (query head ``h`` reads KV head
-    ``h // (H // kv_heads)``) and its value source (a path from the block, laid out ``split``: ``[KV * head_dim]``)."""
+    ``h // (H // kv_heads)``) and its value source (a path from the block), laid out ``split`` (``[KV * head_dim]``) or
+    ``chunked`` (``value_chunks`` equal chunks, the values at ``value_offset`` of each:
+    :func:`~mfpipe.models.adapters.probe.chunk_index`), reading ``latent`` where it is latent attention's (its paths
+    from the block: :func:`~mfpipe.models.adapters.latent.latent_input`)."""
 
     head_dim: int
     kv_heads: int
     value_source: str
+    value_layout: str = "split"
+    value_chunks: int = 1
+    value_offset: int = 0
+    latent: Latent | None = None
+
+
+def _in_block(latent: Latent | None, attn: str) -> Latent | None:
+    """``latent`` (names in the attention) with its paths from the block."""
+    return None if latent is None else Latent(f"{attn}.{latent.proj}", latent.offset, latent.width,
+                                              f"{attn}.{latent.norm}", latent.scale)
+
+
+def _form(found: dict, head_dim: int, kv: int, attn: str) -> LayerForm:
+    """The :class:`LayerForm` of a value search's result ``found`` (:func:`~mfpipe.models.adapters.probe.value_layout`)
+    with heads ``head_dim`` wide reading ``kv`` KV heads."""
+    chunked = found["value_layout"] == "chunked"
+    return LayerForm(head_dim, kv, f"{attn}.{found['value_source']}", found["value_layout"],
+                     found["value_chunks"] if chunked else 1, found["value_offset"] if chunked else 0,
+                     _in_block(found.get("latent"), attn))
 
 
 def attention_signature(attn_mod: nn.Module) -> tuple:
@@ -83,23 +112,23 @@ def place_layer_forms(model, base, blocks, kinds: list[str], attn: str, out_proj
     signature = {l: attention_signature(submodule(blocks[l], attn)) for l in attention}
     if len(set(signature.values())) < 2:
         return ()
-    if found["value_layout"] != "split" or found.get("latent") is not None:
+    if found["value_layout"] not in FORM_LAYOUTS:
         raise UnsupportedArchitectureError(mt, f"its attention layers are of {len(set(signature.values()))} kinds, "
                                                f"and its values are laid out {found['value_layout']}: mfpipe places "
-                                               "layers of several kinds for a value projection of their own only")
-    forms = {signature[first]: LayerForm(shape.dh, int(found["kv_heads"] or shape.KV),
-                                         f"{attn}.{found['value_source']}")}
+                                               "layers of several kinds for a value projection of their own or a "
+                                               "chunked one only")
+    forms = {signature[first]: _form(found, shape.dh, int(found["kv_heads"] or shape.KV), attn)}
     for l in attention:
         if signature[l] not in forms:
-            forms[signature[l]] = _kind_form(model, base, blocks[l], l, attn, out_proj, shape, mt, source_form,
-                                             found["value_source"])
+            forms[signature[l]] = _kind_form(model, base, blocks[l], l, attn, out_proj, shape, mt, source_form, found)
     return tuple(forms[signature[l]] if l in signature else forms[signature[first]] for l in range(len(kinds)))
 
 
 def _kind_form(model, base, block, layer: int, attn: str, out_proj: str, shape: Shape, mt, source_form,
-               source: str) -> LayerForm:
-    """The form of one block of another kind: its read width from its output projection, its value source and KV
-    heads from the value search against its own reads (a reduced probe forward)."""
+               placed: dict) -> LayerForm:
+    """The form of one block of another kind: its read width from its output projection, its value source, layout,
+    latent and KV heads from the value search against its own reads (a reduced probe forward; reads gated as the
+    placed block's ``placed`` are, whose gate this kind must have too)."""
     attn_mod = submodule(block, attn)
     o = submodule(attn_mod, out_proj)
     io = linear_shape(o)
@@ -107,25 +136,38 @@ def _kind_form(model, base, block, layer: int, attn: str, out_proj: str, shape: 
         raise UnsupportedArchitectureError(mt, f"layer {layer}'s output projection ({out_proj}: {io}) is no "
                                                f"{shape.H} heads' reads to the width {shape.d}")
     dh = io[0] // shape.H
-    _, sources = attention_linears(attn_mod, out_proj, shape.d)
-    watch = {"<attn>": attn_mod, "<out_proj>": o} | {f"<src>{n}": submodule(attn_mod, n) for n in sources}
-    seen, _ = probe_forward(model, base, watch)
+    linears, sources = attention_linears(attn_mod, out_proj, shape.d)
+    watch = {"<attn>": attn_mod, "<out_proj>": o} | {f"<src>{n}": submodule(attn_mod, n) for n in linears}
+    watch |= {f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)}  # a latent's norm
+    seen, order = probe_forward(model, base, watch)
     source_form(attn_mod, seen)
     dtype = next(attn_mod.parameters()).dtype
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    latents = latent_sources(seen, attn_mod, out_proj, shape.d, same_within(dtype)) if placed.get("latent") else {}
     # the placed block's value source first, as wide as this kind's heads make it (a layer whose KV heads repeat
     # would fit other layouts too); the value search then confirms it against the reads, or searches every layout
+    source = placed["value_source"]
     width = linear_shape(submodule(attn_mod, source))[1] if source in sources else 0
     named = width and width % dh == 0 and shape.H % (width // dh) == 0
     kv = width // dh if named else shape.KV
+    kind = Shape(L=shape.L, H=shape.H, KV=kv, dh=dh, d=shape.d)
     try:
-        got = value_layout(seen, sources, (source, "split") if named else None,
-                           Shape(L=shape.L, H=shape.H, KV=kv, dh=dh, d=shape.d), mt,
-                           dtype if dtype.is_floating_point else torch.float32)
+        got = gated_layout(seen, attn_mod, out_proj, shape.H, dh, order, lambda s: value_layout(
+            s, sources, (source, "split") if named else None, kind, mt, dtype, latents))
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block: "
                                                f"{e.reason}") from None
-    if got["value_layout"] != "split" or got["latent"] is not None:
-        raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block, lays "
-                                               f"its values out {got['value_layout']}: mfpipe places layers of several "
-                                               "kinds for a value projection of their own only")
-    return LayerForm(dh, int(got["kv_heads"] or kv), f"{attn}.{got['value_source']}")
+    gate, placed_gate = _gate_kind(got["gate"]), _gate_kind(placed.get("gate"))
+    if got["value_layout"] not in FORM_LAYOUTS or gate != placed_gate:
+        why = (f"lays its values out {got['value_layout']}" if got["value_layout"] not in FORM_LAYOUTS else
+               f"gates its reads otherwise ({gate}, the placed block's {placed_gate})")
+        raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block, "
+                                               f"{why}: mfpipe places layers of several kinds for a value projection "
+                                               "of their own or a chunked one, gated as the placed block's")
+    return _form(got, dh, int(got["kv_heads"] or kv), attn)
+
+
+def _gate_kind(gate) -> tuple | None:
+    """What of an output gate (:func:`~mfpipe.models.adapters.gate.gated_layout`'s ``gate``) every layer must share:
+    its source, whether it runs first, its activation and its bias (its slice is the same in a layer of the width)."""
+    return None if gate is None else (gate[0], gate[2], gate[3], gate[4])

@@ -35,7 +35,8 @@ from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, bran
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout", "chunk_index",
-           "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "submodule"]
+           "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "same_within",
+           "submodule"]
 
 CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
 
@@ -115,7 +116,7 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     seen, order = probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
-    same = _same_within(emb.weight.dtype)
+    same = same_within(emb.weight.dtype)
     extra = forms(seen, same) if forms else {}  # no MLP, a mixer beside the attention (mfpipe.models.adapters.forms)
     chain = [named_mlp] if named_mlp else _mlp_chain(seen, order, block, attn.split(".")[0], mt)
     if chain[0] not in seen or chain[-1] not in seen:
@@ -177,7 +178,7 @@ def probe_forward(model, base, watch: dict[str, nn.Module]) -> tuple[dict[str, S
     return seen, order
 
 
-def _same_within(dtype: torch.dtype):
+def same_within(dtype: torch.dtype):
     """``same(a, b)``: equal up to the rounding of the model's dtype (a bfloat16 block adds its branches in
     bfloat16)."""
     eps = max(1e-6, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-6

@@ -137,8 +137,9 @@ class Structure:
     value_scale: float = 1.0  # ... and multiplies its values by this (MiMo-V2-Flash's v_scale): forms.value_form
     value_norm: str | None = None  # ... a norm of each head's values, the layer's own (Gemma-4's v_norm; from the block)
     resid_scale: str | None = None  # a [1] buffer the block multiplies its output by (Gemma-4's layer_scalar)
-    # each layer's head width, KV heads and value source where its attention layers are of several kinds
-    # (mfpipe.models.adapters.layers: MiMo-V2-Flash's); () where every attention layer has the placed block's form
+    # each layer's head width, KV heads, value source and layout (and latent) where its attention layers are of several
+    # kinds (mfpipe.models.adapters.layers: MiMo-V2-Flash's, dots.3-note's); () where every attention layer has the
+    # placed block's form
     layer_forms: tuple[LayerForm, ...] = ()
     # the reads are the returned weights' times sigmoid(logsumexp(scores) - this (H,) parameter) (a path from the
     # block; Granite-SWA's sinks): the probabilities behind the reads are the weights times it (adapters.sinks)

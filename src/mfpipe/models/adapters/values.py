@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.forms import value_form
-from mfpipe.models.adapters.latent import latent_input
-from mfpipe.models.adapters.layers import LayerForm, pad_heads
+from mfpipe.models.adapters.latent import Latent, latent_input
+from mfpipe.models.adapters.layers import FORM_LAYOUTS, LayerForm, pad_heads
 from mfpipe.models.adapters.probe import chunk_index
 from mfpipe.models.adapters.streaming import holds_block
 
@@ -40,11 +40,14 @@ class ValueMaps:
         s = self.structure
         forms = tuple(s.layer_forms)
         ragged_gate = s.output_gate is not None and len({f.head_dim for f in forms}) > 1  # one gate width (gate.py)
-        if forms and (len(forms) != self.n_layers or s.value_layout != "split" or ragged_gate):
+        if forms and (len(forms) != self.n_layers or s.value_layout not in FORM_LAYOUTS or ragged_gate):
             raise ValueError(f"{self.model_type}: per-layer attention forms need one per layer ({len(forms)} for "
-                             f"{self.n_layers}), a value projection of their own (split, not {s.value_layout}) and, "
-                             "with an output gate, heads of one width")
-        self._forms = forms or (LayerForm(self.d_head, self.n_kv_heads, self.V_SRC),) * self.n_layers
+                             f"{self.n_layers}), a value projection of their own or a chunked one ({FORM_LAYOUTS}, "
+                             f"not {s.value_layout}) and, with an output gate, heads of one width")
+        latent = None if s.latent_proj is None else Latent(s.latent_proj, s.latent_offset, s.latent_width,
+                                                           s.latent_norm, s.latent_scale)
+        self._forms = forms or (LayerForm(self.d_head, self.n_kv_heads, self.V_SRC, s.value_layout, s.value_chunks,
+                                          s.value_offset, latent),) * self.n_layers
         bad = sorted({f.kv_heads for f in self._forms if self.n_heads % f.kv_heads})
         if bad:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of the KV heads {bad} of a layer")
@@ -52,11 +55,16 @@ class ValueMaps:
         self.n_kv_heads = max(f.kv_heads for f in self._forms)
         # where the values sit among the value source's outputs: [q | k | v] fused, after H + KV heads of q and k
         self._v_offset = (self.n_heads + self.n_kv_heads) * self.d_head if s.value_layout == "qkv" else 0
-        self._v_index = None  # "chunked": the values' positions among the source's outputs
-        if s.value_layout == "chunked":
-            src = self._sub(self.attention_layers[0], self.V_SRC)
-            width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
-            self._v_index = chunk_index(int(width), self.n_kv_heads * self.d_head, s.value_chunks, s.value_offset)
+        # "chunked": each layer's values' positions among its source's outputs (one per form: each kind's own)
+        at = {}
+        for l in self.attention_layers:
+            f = self._forms[l]
+            if f.value_layout == "chunked" and f not in at:
+                src = self._sub(l, f.value_source)
+                width = src.weight.shape[1] if self._conv1d(src) else src.weight.shape[0]
+                at[f] = chunk_index(int(width), f.kv_heads * f.head_dim, f.value_chunks, f.value_offset)
+        self._v_index = [at.get(f) for f in self._forms]
+        self._latents = any(f.latent is not None for f in self._forms)
 
     def head_dim(self, layer: int) -> int:
         """Each head's value and read width in layer ``layer`` (``d_head`` but where the layers differ: the site and
@@ -89,8 +97,8 @@ class ValueMaps:
         KV, dh = self.kv_heads(layer), self.head_dim(layer)
         if self._v_offset:
             src_out = src_out[..., self._v_offset : self._v_offset + KV * dh]
-        elif self._v_index is not None:
-            src_out = src_out.index_select(-1, self._v_index.to(src_out.device))
+        elif self._v_index[layer] is not None:
+            src_out = src_out.index_select(-1, self._v_index[layer].to(src_out.device))
         v = src_out.reshape(B, T, KV, dh).transpose(1, 2)  # [B,KV,T,dh] (a value norm's: values_from_norm)
         return pad_heads(self._expand_kv(v, 1, layer), self.d_head)
 
@@ -111,15 +119,16 @@ class ValueMaps:
         """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, d_head]`` (incl. the pre-attention
         norm and the value bias; GQA KV heads expanded to query heads; latent attention's latent norm on the way;
         zero-padded where the layer's heads are narrower, :mod:`~mfpipe.models.adapters.layers`)."""
-        h = latent_input(self._block(layer), self.structure, self._opt_module(layer, self.ATTN_NORM)(self._in(x)))
+        h = latent_input(self._block(layer), self._forms[layer].latent,
+                         self._opt_module(layer, self.ATTN_NORM)(self._in(x)))
         src = self._sub(layer, self.value_path(layer))
         H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
         if self.structure.value_layout == "neox":  # rows laid out per head [H, (q|k|v), dh]
             w = src.weight.view(H, 3, dh, d)[:, 2].reshape(H * dh, d)
             b = None if src.bias is None else src.bias.view(H, 3, dh)[:, 2].reshape(H * dh)
             return nn.functional.linear(h, w, b).unflatten(-1, (H, dh)).to(x.dtype)
-        if self._v_index is not None:  # chunked (Falcon, CodeGen): the value rows gathered
-            idx = self._v_index.to(src.weight.device)
+        if self._v_index[layer] is not None:  # chunked (Falcon, CodeGen): the value rows gathered
+            idx = self._v_index[layer].to(src.weight.device)
             if self._conv1d(src):
                 v = h @ src.weight[:, idx] + (0 if src.bias is None else src.bias[idx])
             else:
@@ -145,7 +154,7 @@ class ValueMaps:
         (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid,
         clamped values (DBRX's) and normed ones (Gemma-4's ``v_norm``): the pass then sums the values as read."""
         s = self.structure
-        if s.latent_proj is not None or self.hybrid or s.value_clip is not None or s.value_norm is not None:
+        if self._latents or self.hybrid or s.value_clip is not None or s.value_norm is not None:
             return None
         src = self._sub(layer, self.value_path(layer))
         H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
@@ -154,8 +163,8 @@ class ValueMaps:
             w = wt.view(H, 3, dh, d)[:, 2].transpose(1, 2)
             return w, None if bias is None else bias.view(H, 3, dh)[:, 2]
         o, n = self._v_offset, KV * dh
-        if self._v_index is not None:  # chunked: the value rows gathered, as a split projection
-            idx = self._v_index.to(wt.device)
+        if self._v_index[layer] is not None:  # chunked: the value rows gathered, as a split projection
+            idx = self._v_index[layer].to(wt.device)
             wt = wt[:, idx] if self._conv1d(src) else wt[idx]
             bias = None if bias is None else bias[idx]
             o = 0
