@@ -21,10 +21,10 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 # issue 59 item 3: a hybrid (Recurrent-Gemma: recurrent blocks beside local attention; Jamba's census row takes ~15
 # times as long: it runs through the ci DAG instead, tests/test_moe_workflow.py), so that the subset holds one family
 # of each class the issue placed; stop 71: Doge (its residual scaled by learned vectors) is placed, its branches joined
-# by the block's own code (mfpipe.models.adapters.joins), and BitNet (a norm over all heads' reads) is the refusal of
-# the mfpipe kind
+# by the block's own code (mfpipe.models.adapters.joins); stop 76: BitNet (a norm of all heads' reads together before
+# the output projection) is placed, and JetMoE (heads routed per token) is the refusal of the mfpipe kind
 SUBSET = ["gpt2", "llama", "codegen", "opt", "mixtral", "gpt_neox_japanese", "mamba", "xglm", "nemotron", "bert",
-          "deepseek_v3", "gemma3", "doge", "bitnet", "bloom", "recurrent_gemma"]
+          "deepseek_v3", "gemma3", "doge", "bitnet", "jetmoe", "bloom", "recurrent_gemma"]
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +45,10 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
     assert rows["gpt2"].accepted and rows["llama"].accepted and rows["gpt2"].passed == rows["gpt2"].checks >= 10
     assert all(rows[f].accepted and rows[f].passed == rows[f].checks for f in ("codegen", "opt", "mixtral"))
     assert all(rows[f].accepted and rows[f].passed == rows[f].checks >= 10 for f in ("gpt_neox_japanese", "xglm",
-                                                                                     "bloom", "doge"))
+                                                                                     "bloom", "doge", "bitnet"))
     # (said by what its forward computes: mfpipe.models.adapters.unplaced, tests/test_unplaced.py)
-    assert not rows["bitnet"].placed and rows["bitnet"].reason.startswith(
-        "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm) sits between the attention and its "
-        "output projection")
+    assert not rows["jetmoe"].placed and rows["jetmoe"].reason.startswith(
+        "its heads are routed per token (a mixture of attention heads")
     assert not rows["mamba"].placed and "no attention heads" in rows["mamba"].reason
     # issue 59: a refusal has a kind -- modelling (no attention heads, an encoder: BERT attends to later tokens) or
     # mfpipe (the tool's); an accepted row none. Nemotron's default config (head_dim and KV heads None) had no tiny
@@ -57,14 +56,14 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
     assert {f: rows[f].kind for f in SUBSET} == {
         "gpt2": "", "llama": "", "codegen": "", "opt": "", "mixtral": "", "nemotron": "", "gpt_neox_japanese": "",
         "xglm": "", "mamba": "modelling", "bert": "modelling", "deepseek_v3": "", "gemma3": "", "doge": "",
-        "bitnet": "mfpipe", "bloom": "", "recurrent_gemma": ""}
+        "bitnet": "", "jetmoe": "mfpipe", "bloom": "", "recurrent_gemma": ""}
     assert all(rows[f].accepted and rows[f].passed == rows[f].checks >= 10 for f in ("deepseek_v3", "gemma3",
                                                                                      "recurrent_gemma"))
     assert rows["bert"].reason.startswith("an encoder: its outputs read later tokens (cannot place the token")
     assert rows["nemotron"].accepted and rows["nemotron"].passed == rows["nemotron"].checks >= 10
     # accepted by the census exactly where the workflow's planning accepts the type (placed-but-failing: refused)
     cache = tmp_path / "conformance.json"
-    for family in ("gpt2", "gpt_neox_japanese", "bitnet"):
+    for family in ("gpt2", "gpt_neox_japanese", "bitnet", "jetmoe"):
         failure = conformance_cached({"model_type": family}, cache)
         assert (failure is None) == rows[family].accepted, (family, failure)
     # what the census met: a check that raises (before issue 48, gpt_oss's MLP returned a tuple the site could not
@@ -79,14 +78,15 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
 
 def test_the_table_counts_and_replaces_its_section(rows, tmp_path):
     text = census_markdown(list(rows.values()), "9.9")
-    assert text.startswith("transformers 9.9: 16 decoder-only causal-LM families; **13 placed and passing**, 0 placed "
+    assert text.startswith("transformers 9.9: 17 decoder-only causal-LM families; **14 placed and passing**, 0 placed "
                            "but failing a check (refused at DAG time), 3 not placed. Of the refusals, 2 of the "
                            "modelling kind (no attention heads, an encoder) and **1 of the mfpipe kind** (the tool's "
                            "to mend).")
     assert "| family | placed | checks passed | refusal kind | refused because |" in text
     n = rows["codegen"].checks
     assert f"| `codegen` | yes | {n} / {n} |  |  |" in text
-    assert "| `bitnet` | no | - | mfpipe | a norm of all its heads' reads together" in text
+    assert "| `jetmoe` | no | - | mfpipe | its heads are routed per token" in text
+    assert f"| `bitnet` | yes | {rows['bitnet'].checks} / {rows['bitnet'].checks} |  |  |" in text
     assert "| `mamba` | no | - | modelling | no attention heads" in text
     doc = tmp_path / "a.md"
     doc.write_text(f"# t\n\n{BEGIN}\nold\n{END}\n\nafter\n")

@@ -104,14 +104,16 @@ def test_a_mis_described_model_fails_naming_the_check(monkeypatch, capsys):
 def test_the_command_passes_and_refuses(capsys, tmp_path):
     assert cli.main(["conformance", "phi3"]) == 0
     assert "15 of 15 checks pass" in capsys.readouterr().out
-    # a decoder with a norm over all its heads' reads before the output projection (BitNet) is not placed: one line,
-    # exit 2 (GPT-1's post-norm blocks, refused so before, are placed: tests/test_joins.py)
-    transformers.BitNetConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=4, intermediate_size=128, bos_token_id=1,
-                              eos_token_id=2).save_pretrained(tmp_path)
+    # a decoder whose heads are routed per token (JetMoE's mixture of attention heads) is not placed: one line, exit 2
+    # (GPT-1's post-norm blocks and BitNet's norm of the reads, refused so before, are placed: tests/test_joins.py,
+    # tests/test_reads_norm.py)
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import shrink_config
+
+    shrink_config(default_config("jetmoe")).save_pretrained(tmp_path)
     assert cli.main(["conformance", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "a norm of all its heads' reads together" in err[0] and "mfpipe conformance" in err[0]
+    assert len(err) == 1 and "its heads are routed per token" in err[0] and "mfpipe conformance" in err[0]
     assert cli.main([]) == 2
 
 

@@ -4,7 +4,12 @@ writes, the function vectors' cue reads (their gates, the scores' and the per-pr
 lens's deviation vector Δ_resid, the notebook's ``context_deviation(reads="resid")`` and the statistics' ``zhat`` /
 ``zbar`` mapped through ``out_proj_slices``. Each is compared with the model's own gated read: the output projection's
 input under a plain torch forward pre-hook (the gate: the query projection's per-head second half, sigmoid, under a
-forward hook). Each test also checks that the read through O_h alone is far off, so it fails without the gate."""
+forward hook). Each test also checks that the read through O_h alone is far off, so it fails without the gate.
+
+The same paths on a tiny BitNet, whose attention norms every head's reads together before the output projection
+(``attn_sub_norm``, mfpipe.models.adapters.normed): its factor of a position's reads, ``weight / rms(reads)`` written
+here by hand from the norm's input under a pre-hook, is the gate of that position; a mean-field read mapped through
+O_h (the statistics' ``zhat`` / ``zbar``) takes the factor of those reads, every head's."""
 
 from __future__ import annotations
 
@@ -21,21 +26,36 @@ pytestmark = pytest.mark.filterwarnings("ignore:LanguageModel is deprecated")
 H, KV, DH, D = 4, 2, 16, 64
 
 
-@pytest.fixture(scope="module")
-def qwen():
-    """tests/test_gated_hybrid.py's tiny Qwen3-Next: gated delta-nets at layers 0 and 2, gated attention at 1 and 3."""
-    from transformers import Qwen3NextConfig
+@pytest.fixture(scope="module", params=["qwen3_next", "bitnet"])
+def qwen(request):
+    """tests/test_gated_hybrid.py's tiny Qwen3-Next: gated delta-nets at layers 0 and 2, gated attention at 1 and 3;
+    or a tiny BitNet of four attention layers, each norming its heads' reads together."""
+    from transformers import BitNetConfig, Qwen3NextConfig
 
-    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=H, num_key_value_heads=KV, head_dim=DH, max_position_embeddings=128,
-                          bos_token_id=BOS, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
-                          layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
-                          linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-                          linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                          shared_expert_intermediate_size=32)
+    common = dict(vocab_size=VOCAB, hidden_size=D, intermediate_size=128, num_hidden_layers=4, num_attention_heads=H,
+                  num_key_value_heads=KV, head_dim=DH, max_position_embeddings=128, bos_token_id=BOS,
+                  eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    if request.param == "bitnet":
+        cfg = BitNetConfig(**common)
+    else:
+        cfg = Qwen3NextConfig(layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+                              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                              linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, **common)
     cfg._attn_implementation = "eager"
     model = random_model(cfg, seed=3)
+    if request.param == "bitnet":  # weights away from 1, so that the factor is no plain 1 / rms
+        with torch.no_grad():
+            for block in model.model.layers:
+                block.self_attn.attn_sub_norm.weight.uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(9))
     return model, get_adapter(model)
+
+
+def _sub_norm(norm, z):
+    """BitNet's attn_sub_norm's factor of reads ``z [..., H, dh]``, by hand: weight / rms over every head's reads."""
+    flat = z.flatten(-2).float()
+    g = norm.weight.float() * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return g.unflatten(-1, (H, DH)).double()
 
 
 def _hooked(model, ids) -> dict:
@@ -46,10 +66,14 @@ def _hooked(model, ids) -> dict:
         if not hasattr(block, "self_attn"):
             continue
         a = block.self_attn
-        handles += [a.o_proj.register_forward_pre_hook(
-                        lambda m, i, l=l: got.__setitem__(("w", l), i[0].view(*i[0].shape[:2], H, DH).double())),
-                    a.q_proj.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(
-                        ("g", l), torch.sigmoid(o.view(*o.shape[:-1], H, 2 * DH)[..., DH:]).double()))]
+        handles.append(a.o_proj.register_forward_pre_hook(
+            lambda m, i, l=l: got.__setitem__(("w", l), i[0].view(*i[0].shape[:2], H, DH).double())))
+        if hasattr(a, "attn_sub_norm"):  # BitNet: the factor of the reads the norm reads
+            handles.append(a.attn_sub_norm.register_forward_pre_hook(lambda m, i, l=l: got.__setitem__(
+                ("g", l), _sub_norm(m, i[0].view(*i[0].shape[:2], H, DH)))))
+        else:
+            handles.append(a.q_proj.register_forward_hook(lambda m, i, o, l=l: got.__setitem__(
+                ("g", l), torch.sigmoid(o.view(*o.shape[:-1], H, 2 * DH)[..., DH:]).double())))
     try:
         with torch.no_grad():
             model(torch.as_tensor(np.asarray(ids, dtype=np.int64)), use_cache=False)
@@ -194,6 +218,8 @@ def test_statistics_map_a_query_types_read_through_its_centroids_gate(qwen, qwen
         g = torch.sigmoid(q.view(-1, H, 2 * DH)[..., DH:]).double()  # [query, H, dh]
         for name in ("zhat", "zbar"):
             z = torch.as_tensor(getattr(st, name)(layer=l).transpose("query", "head", "head_dim").values).double()
+            if hasattr(block.self_attn, "attn_sub_norm"):  # BitNet: the factor of these reads, every head's
+                g = _sub_norm(block.self_attn.attn_sub_norm, z)
             want = torch.einsum("qhe,hed->hqd", z * g, _O(ad, l))
             for given in (ad, ad.out_proj_slices):
                 got = getattr(st, name)(layer=l, out_proj_slices=given).transpose("head", "query", "dim").values

@@ -49,7 +49,7 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
 
     monkeypatch.setattr(adapters, "describe", misplaced)
     monkeypatch.chdir(tmp_path)
-    cases = {"bitnet": ["'mine'", "'bitnet'", "no structure mfpipe knows", "a norm of all its heads' reads together",
+    cases = {"jetmoe": ["'mine'", "'jetmoe'", "no structure mfpipe knows", "its heads are routed per token",
                         "mfpipe conformance"],
              "phi": ["'phi'", "conformance check(s) failed", "block: pieces rebuild the next residual"],
              "starcoder2": None}
@@ -66,7 +66,7 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
         msg = one_line(e)
         assert all(w in msg for w in want), msg
     cache = json.loads((tmp_path / ".snakemake" / "mfpipe-conformance.json").read_text())
-    assert sorted(v["model_type"] for v in cache.values()) == ["bitnet", "phi", "starcoder2"]
+    assert sorted(v["model_type"] for v in cache.values()) == ["jetmoe", "phi", "starcoder2"]
 
 
 def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
@@ -171,9 +171,9 @@ def dry_run_last_line(tmp_path, edit, env=None) -> str:
     return lines[-1]
 
 
-def _bitnet(cfg, tmp):
+def _jetmoe(cfg, tmp):
     (tmp / "m").mkdir()
-    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "bitnet", "vocab_size": 32000}))
+    (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "jetmoe", "vocab_size": 32000}))
     cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp / "m")})
 
 
@@ -183,7 +183,7 @@ def _offline(cfg, tmp):
 
 
 DAG_CASES = {
-    "unplaceable architecture": (_bitnet, None, ["'mine'", "'bitnet'", "no structure mfpipe knows", "mfpipe conformance"]),
+    "unplaceable architecture": (_jetmoe, None, ["'mine'", "'jetmoe'", "no structure mfpipe knows", "mfpipe conformance"]),
     "missing corpus file": (lambda c, t: c["corpus"].update(source="files", path=str(t / "nope.txt")), None,
                             ["corpus 'shakespeare-ci'", "nope.txt", "point `path`"]),
     "N above the vocabulary": (lambda c, t: c["tracked"].update(n_tracked=600), None,

@@ -22,7 +22,6 @@ def _one_thread(one_thread):
 # mfpipe.models.adapters.unplaced), not only what the placement did not find
 REFUSED = {
     "diffllama": ("modelling", "differential attention: each head reads (softmax_1 - λ softmax_2) V"),
-    "bitnet": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: BitNetRMSNorm)"),
     "jetmoe": ("mfpipe", "its heads are routed per token (a mixture of attention heads: experts (JetMoeMoA)"),
     "gemma3n_text": ("mfpipe", "its blocks carry 4 residual streams (altup_num_inputs)"),
     # the composite: its vision tower needs timm, not installed; its language model, built alone, is what is refused
@@ -34,9 +33,11 @@ REFUSED = {
     # (its residual-scaling modules are run by the block, mfpipe.models.adapters.joins; its embedding, (e + b) ⊙ s, is
     # what stays)
     "zaya": ("mfpipe", "its first block reads the token embedding changed in a way mfpipe cannot place"),
-    # (its residual interpolated on the unit sphere would be run by the block: mfpipe.models.adapters.joins; the norm
-    # over its heads' reads is what stays)
-    "dory": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: DoryL2Norm)"),
+    # (its residual interpolated on the unit sphere would be run by the block: mfpipe.models.adapters.joins; a norm of
+    # its heads' reads is placed where it norms the reads themselves, BitNet's: tests/test_reads_norm.py; Dory's norms
+    # them times a gate)
+    "dory": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: DoryL2Norm) sits between the attention "
+                       "and its output projection, and what it norms is no probability-weighted values"),
     "inkling_text": ("mfpipe", "its attention's output passes through attn_sconv (InklingShortConvolution)"),
     "inkling2_text": ("mfpipe", "passes through post_attention_convolution (Inkling2ShortConvolution) before it joins"),
 }

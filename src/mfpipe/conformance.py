@@ -213,7 +213,7 @@ def _rebuilt(adapter, att, hid, err, ids) -> float:
         x = hid[l].float()
         v = adapter.value_map(l, x)  # [B,T,H,dh]
         reads = torch.einsum("bhqk,bkhd->bqhd", att[l].float(), v)
-        g = adapter.read_gate(l, x)  # an output gate (Qwen3-Next): of each position's own residual, else None
+        g = adapter.read_gate(l, x, reads)  # an output gate: of each position's residual; a reads norm: of the reads
         reads = reads if g is None else reads * g
         o = torch.einsum("bthk,hkd->btd", reads, adapter.out_proj_slices(l))
         if adapter.out_proj_bias(l) is not None:
@@ -271,7 +271,7 @@ def _stats_and_substitution(model, adapter, tokens, att, hid, seed, values=None)
         return torch.where(sub[..., None, None], zhat[layer].to(reads.dtype), reads)
 
     got = adapter.run(ids, patch_reads=replace, logits=True).logits
-    proj = {l: adapter.out_proj_module(l) for l in adapter.attention_layers}  # a hybrid's other layers: not patched
+    proj = {l: adapter.reads_module(l) for l in adapter.attention_layers}  # a hybrid's other layers: not patched
     H, dh, s, gates = adapter.n_heads, adapter.d_head, adapter.structure, {}
 
     def hook_for(layer):

@@ -56,7 +56,8 @@ def context_meters(adapter, kernel, tokens: np.ndarray, *, batch_size: int = 8, 
                 return
             t = query_terms(plan, cap.attn_probs.float(), cap.values.float(), k.W[l].to(dev, torch.float32),
                             k.mu[l], reads=cap.reads)
-            g = adapter.read_gate(l, cap.resid_in[plan.b, plan.j]) if gated else None  # [rows, H, dh]: each query's
+            g = adapter.read_gate(l, cap.resid_in[plan.b, plan.j], None if cap.reads is None else  # [rows, H, dh]: each
+                                  cap.reads[plan.b, plan.j]) if gated else None  # query's
             m = meters_head_major(gate_head_major(stack_head_major(t), g), grams[l])  # [H, rows]
             v = t.valid.cpu().numpy()
             w, j = rows_w[v], rows_j[v]

@@ -187,7 +187,8 @@ class DeviationAccumulator:
 
     def _gates(self, cap) -> Tensor | None:
         """The output gates ``[n, H, dh]`` of the batch's query rows at layer ``cap.layer`` (None: no gate)."""
-        return None if self.gate is None else self.gate(cap.layer, cap.resid_in[self.plan.b, self.plan.j])
+        rows = (self.plan.b, self.plan.j)  # (a norm of every head's reads: the factor of each row's own reads)
+        return None if self.gate is None else self.gate(cap.layer, cap.resid_in[rows], cap.reads[rows])
 
     def _add_counts(self, l: int, valid: Tensor) -> None:
         plan = self.plan

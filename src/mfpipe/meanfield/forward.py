@@ -66,7 +66,7 @@ def deviation_forward(adapter, kernel: MeanFieldKernel, ids: torch.Tensor, kb: t
         terms = occurrence_terms(cap.attn_probs.float(), cap.values.float(), a.transpose(0, 1), kernel.mu[l], kb,
                                  reads=cap.reads)
         # a gated attention: the meters of the gated reads, each query's own gate (meanfield.deviation.gate_head_major)
-        m = meters(terms, grams[l], None if cap.resid_in is None else adapter.read_gate(l, cap.resid_in))
+        m = meters(terms, grams[l], None if cap.resid_in is None else adapter.read_gate(l, cap.resid_in, cap.reads))
         for key in out:
             out[key][:, :, l] = m[key].to(dev)
         valid.logical_and_(v.to(dev))

@@ -231,16 +231,20 @@ class MeanFieldStats:
         gate of its query's residual, which the statistics do not hold per occurrence: a query type's read is gated
         with the gate of the type's centroid (the residual entering the block), as the rollout gates a centroid's
         mean-field read (:mod:`mfpipe.models.adapters.gate`); so ``zhat`` mapped is the rollout's write of type s, and
-        ``zbar`` goes through the same gate to stay comparable with it (E_s[z * g] itself is no statistic)."""
+        ``zbar`` goes through the same gate to stay comparable with it (E_s[z * g] itself is no statistic). Where the
+        attention norms every head's reads together (BitNet's, :mod:`mfpipe.models.adapters.normed`), the reads mapped
+        enter times the factor the norm gives those reads, every head's of the query type together, as the rollout's
+        mean-field reads do."""
         if out_proj_slices is None:
             return x
         fn = getattr(out_proj_slices, "out_proj_slices", out_proj_slices)
         ad = out_proj_slices if fn is not out_proj_slices else getattr(out_proj_slices, "__self__", None)
-        gated = getattr(getattr(ad, "structure", None), "output_gate", None) is not None
+        s = getattr(ad, "structure", None)  # an output gate, a norm of the reads (mfpipe.models.adapters.gate)
+        gated = getattr(s, "output_gate", None) is not None or getattr(s, "reads_norm", None) is not None
         if gated and not per_query:
-            raise ValueError("this model's attention gates each head's read by its query position's residual "
-                             "(an output gate), so a key type's value has no write of its own: map zhat or zbar "
-                             "(gated with the query type's centroid), or take mu in head space")
+            raise ValueError("this model's attention gates each head's read by its query position (an output gate of "
+                             "its residual, or a norm of every head's reads there), so a key type's value has no "
+                             "write of its own: map zhat or zbar (gated as a query type's), or take mu in head space")
         layers = [layer] if layer is not None else list(range(self.n_layers))
         outs = []
         for l in layers:  # a hybrid's layers of another mixer have no output projection: NaN
@@ -252,16 +256,22 @@ class MeanFieldStats:
                 )
             xl = x if layer is not None else x.isel(layer=l)
             if gated and self.layer_kinds[int(l)] == "attention":
-                xl = xl.astype(np.float64) * self._centroid_gate(ad, int(l))
+                xl = xl.astype(np.float64) * self._centroid_gate(ad, int(l), xl)
             wda = xr.DataArray(w, dims=("head", "head_dim", "dim"), coords={"dim": np.arange(self.d_model)})
             outs.append(xr.dot(xl.astype(np.float64), wda, dim="head_dim").astype(x.dtype))
         if layer is not None:
             return outs[0]
         return xr.concat(outs, dim="layer").assign_coords(layer=x["layer"])
 
-    def _centroid_gate(self, adapter, layer: int) -> xr.DataArray:
-        """The output gate (query, head, head_dim) of each tracked type's centroid entering block ``layer``."""
+    def _centroid_gate(self, adapter, layer: int, reads: xr.DataArray) -> xr.DataArray:
+        """The output gate (query, head, head_dim) of each tracked type's centroid entering block ``layer``; where the
+        attention norms its reads together, the factor of ``reads`` (``[..., head, head_dim]``) themselves."""
         import torch
+
+        if adapter.structure.reads_norm is not None:
+            r = reads.transpose(..., "head", "head_dim")
+            z = torch.from_numpy(np.asarray(r.values, np.float32))
+            return xr.DataArray(adapter.read_gate(layer, None, z).double().cpu().numpy(), dims=r.dims)
 
         c = torch.from_numpy(np.asarray(self.centroids(depth=layer).transpose("query", "dim").values, np.float32))
         g = adapter.read_gate(layer, c).double().cpu().numpy()

@@ -77,7 +77,8 @@ def cue_reads(adapter, prompts: list[FVPrompt], *, batch_size: int = 16, progres
                 got[cap.layer] = (torch.full((len(ch), H, dh), float("nan")) if cap.reads is None
                                   else cap.reads[:, -1].detach().cpu())
                 if gated and cap.reads is not None:
-                    got["g", cap.layer] = adapter.read_gate(cap.layer, cap.resid_in[:, -1]).float().cpu()
+                    got["g", cap.layer] = adapter.read_gate(cap.layer, cap.resid_in[:, -1],
+                                                              cap.reads[:, -1]).float().cpu()
 
             def on_final(x, got=got):
                 got["final"] = x

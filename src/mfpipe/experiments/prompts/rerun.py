@@ -103,7 +103,7 @@ class ContextRerun:
                                  kernel.mu[l][hs].to(dev, torch.float32), kb, reads=cap.reads[:, :, hsel],
                                  ranks=ranks)
         # a gated attention: the rows' heads' gates of every position (the meters are the gated reads', as pass 2's)
-        gate = self.adapter.read_gate(l, cap.resid_in)[:, :, hsel] if has_gate(self.adapter) else None
+        gate = self.adapter.read_gate(l, cap.resid_in, cap.reads)[:, :, hsel] if has_gate(self.adapter) else None
         m = meters(terms, self.grams[l][hs].to(dev), gate)
         for k in ("D", "M_cov", "M_ctx"):
             out["D_recomputed" if k == "D" else k][r] = m[k][bi, j, hi].cpu().numpy()

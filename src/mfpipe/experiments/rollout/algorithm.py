@@ -170,7 +170,7 @@ def attention_output(adapter, layer: int, reads: Tensor, bias: bool = True, post
     (Qwen3-Next: :mod:`mfpipe.models.adapters.gate`), each row's read enters times the gate of its query's residual
     ``at [N, d]`` (the centroid the read is of), as the model gates a position's read by its own residual."""
     gate = getattr(adapter, "read_gate", None)
-    g = None if gate is None or at is None else gate(layer, at)
+    g = None if gate is None or at is None else gate(layer, at, reads)  # a norm of the reads: of these reads
     reads = reads if g is None else reads.float() * g.to(reads.device)
     W = adapter.out_proj_slices(layer).float().to(reads.device)  # [H, dh, d]
     a = torch.einsum("shd,hdD->sD", reads.float(), W)

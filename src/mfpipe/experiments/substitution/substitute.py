@@ -102,7 +102,7 @@ def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Re
             return
         z, zh = cap.reads, zhat[cap.layer]
         if cap.resid_in is not None:  # a gated attention: D of the gated reads (meanfield.deviation.gate_head_major)
-            g = adapter.read_gate(cap.layer, cap.resid_in)
+            g = adapter.read_gate(cap.layer, cap.resid_in, cap.reads)
             z, zh = z * g, zh * g
         d = deviation_cosine(z, zh, grams[cap.layer]) * sub_d[:, :, None]  # [B,T,H]
         head_dev[cap.layer] = d.sum((0, 1)).cpu()

@@ -36,6 +36,10 @@
   (:func:`~mfpipe.models.adapters.gate.gated_layout`); the reads stay probabilities x values, the gate is on the path
   from a read to the residual (the site writes a replaced read through the model's own gate; the rollout takes the
   gate of each centroid: :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`).
+* ``normed.py`` — a norm of all heads' reads together before the output projection (BitNet's ``attn_sub_norm``), found
+  by the probe (:func:`~mfpipe.models.adapters.normed.normed_layout`); the site reads and replaces the reads at its
+  input, and a read's write to the residual is the read times the factor the norm gives its position's reads
+  (:func:`~mfpipe.models.adapters.normed.reads_factor`, by ``read_gate`` handed the reads).
 * ``calls.py`` — the arguments a model's forward hands its blocks on one-token inputs, for running a block on residual
   rows (a join of the block's own, a hybrid's other mixer, a gate of a latent); per row's token where the blocks read
   an input of each token (Gemma-4's per-layer inputs: ``token_call``, ``row_tokens``).

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.asked import ask_for_probabilities
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.configs import config_value
+from mfpipe.models.adapters.gate import has_gate
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.layers import pad_heads
 from mfpipe.models.adapters.residual import table_rows
@@ -239,9 +240,15 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         return w if self.head_dim(layer) == self.d_head else pad_heads(w.transpose(1, 2), self.d_head).transpose(1, 2)
 
     def out_proj_module(self, layer: int) -> nn.Module:
-        """The output projection of block ``layer`` (its input is the per-head reads): where a plain torch hook that
-        replaces the reads goes (the conformance check's reference for the site's write-back)."""
+        """The output projection of block ``layer`` (its input is the per-head reads, but where :meth:`reads_module`
+        is another module)."""
         return self._sub(layer, self.O_PROJ)
+
+    def reads_module(self, layer: int) -> nn.Module:
+        """The module of block ``layer`` whose input is the per-head reads: the output projection, or the norm of every
+        head's reads before it (BitNet's, :mod:`~mfpipe.models.adapters.normed`): where a plain torch hook that
+        replaces the reads goes (the conformance check's reference for the site's write-back)."""
+        return self._sub(layer, self.structure.reads_norm or self.O_PROJ)
 
     def block_module(self, layer: int) -> nn.Module:
         """Block ``layer`` of the decoder stack; its hidden-states input (first positional argument or the
@@ -265,9 +272,9 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         """``(W [H, dh, d], b [d] or None)`` where ``attn_out`` is that affine map of the per-head reads,
         ``attn_out = sum_h reads[..., h, :] @ W[h] + b`` (the output projection, :meth:`out_proj_slices` /
         :meth:`out_proj_bias`): the statistics pass then derives its attn_out sums from its read sums. None where
-        it is not: a norm after the projection (Gemma-2, OLMo-2), an output gate, or a model that is not float32 (its
-        attn_out is rounded to the model's dtype)."""
-        if self.POST_ATTN_NORM is not None or self.dtype != torch.float32 or self.hybrid or self.structure.output_gate:
+        it is not: a norm after the projection (Gemma-2, OLMo-2), an output gate or a norm of the reads before it, or a
+        model that is not float32 (its attn_out is rounded to the model's dtype)."""
+        if self.POST_ATTN_NORM is not None or self.dtype != torch.float32 or self.hybrid or has_gate(self):
             return None
         c, w, b = self.structure.branch_scale, self.out_proj_slices(layer), self.out_proj_bias(layer)
         return (w, b) if c == 1.0 else (w * c, None if b is None else b * c)

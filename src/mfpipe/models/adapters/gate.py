@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mfpipe.models.adapters.calls import one_token_call, untraced
 from mfpipe.models.adapters.capture import module_at
+from mfpipe.models.adapters.normed import reads_factor
 from mfpipe.models.adapters.streaming import holds_block
 
 __all__ = ["GATE_ACTIVATIONS", "OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
@@ -125,22 +126,24 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
 
 
 def has_gate(adapter) -> bool:
-    """Whether the attention of ``adapter``'s model gates its heads' reads (the structure's ``output_gate``)."""
+    """Whether the attention of ``adapter``'s model gates its heads' reads (the structure's ``output_gate``) or norms
+    them all together (``reads_norm``: a factor of each position's reads, :mod:`~mfpipe.models.adapters.normed`)."""
     s = getattr(adapter, "structure", None)
-    return getattr(s, "output_gate", None) is not None
+    return getattr(s, "output_gate", None) is not None or getattr(s, "reads_norm", None) is not None
 
 
 def gate_reads(adapter, layer: int, reads: Tensor, resid: Tensor | None) -> Tensor:
     """A head's read as it enters the output projection: ``reads [..., H, dh]`` times the model's own gate of the query
     rows ``resid [..., d]`` (the residual entering block ``layer`` at those positions; :meth:`OutputGate.read_gate`),
-    so ``gate_reads(...)[..., h, :] @ out_proj_slices(layer)[h]`` is head h's write to the residual. ``reads`` itself
+    so ``gate_reads(...)[..., h, :] @ out_proj_slices(layer)[h]`` is head h's write to the residual (a norm of all
+    the reads: times the factor of these reads, every head's, :mod:`~mfpipe.models.adapters.normed`). ``reads`` itself
     where the attention has no gate (``resid`` may then be None)."""
     if not has_gate(adapter):
         return reads
-    if resid is None:
+    if resid is None and adapter.structure.output_gate is not None:
         raise ValueError(f"layer {layer}: the model's attention gates its reads by the query position's residual, so "
                          "mapping a read to the residual needs the residual entering the block (select 'resid_in')")
-    return reads * adapter.read_gate(layer, resid).to(device=reads.device, dtype=reads.dtype)
+    return reads * adapter.read_gate(layer, resid, reads).to(device=reads.device, dtype=reads.dtype)
 
 
 class _Read(Exception):
@@ -178,11 +181,21 @@ class OutputGate:
 
     @holds_block
     @torch.no_grad()
-    def read_gate(self, layer: int, x: Tensor) -> Tensor | None:
+    def read_gate(self, layer: int, x: Tensor | None, reads: Tensor | None = None) -> Tensor | None:
         """The output gate ``[..., H, dh]`` (float32) of residual rows ``x [..., d]`` entering block ``layer`` (the
         attention-input norm, the gate's source, the activation: as the attention computes it of a position's residual),
-        or None where the attention has no gate. A read of a row enters the output projection times it."""
+        or None where the attention has no gate. A read of a row enters the output projection times it. Where the
+        attention norms every head's reads together (``reads_norm``), the factor of the rows' reads ``reads [..., H,
+        dh]`` (every head's: :func:`~mfpipe.models.adapters.normed.reads_factor`; ``x`` is not read)."""
         s = self.structure
+        if s.reads_norm is not None:
+            if reads is None:
+                raise ValueError(f"layer {layer}: the model's attention norms every head's reads together before its "
+                                 "output projection, so a read's write to the residual needs the reads of its position, "
+                                 "every head's (select 'reads')")
+            with untraced(self):  # (called from inside a trace: the norm is the traced model's module)
+                z = reads.to(self.device).flatten(-2)
+                return reads_factor(self._sub(layer, s.reads_norm), z).unflatten(-1, reads.shape[-2:])
         if s.output_gate is None:
             return None
         with untraced(self):  # (called from inside a trace: a query row's gate, the J-lens agreement's...)

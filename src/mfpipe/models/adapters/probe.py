@@ -8,7 +8,8 @@ names and shapes cannot:
   ``activation_fn``, ``fc2``), and how it is called (a mixture of experts takes ``[B, T, d]`` only);
 * the value layout: the one (source, KV heads, chunks, offset) whose values, weighted by the forward's attention
   probabilities, give the output projection's input, the reads (:func:`value_layout`); the source may be a latent
-  attention's decompressing projection (:mod:`~mfpipe.models.adapters.latent`), the reads gated (:mod:`~.gate`);
+  attention's decompressing projection (:mod:`~mfpipe.models.adapters.latent`), the reads gated (:mod:`~.gate`) or
+  normed all heads together (:mod:`~.normed`);
 * the final norm among several norms outside the blocks (the one that reads the last block's output) and a norm on
   the embedding (BLOOM's), the embedding's scale and a learned position table's row offset
   (:func:`~mfpipe.models.adapters.residual.embed_scale`); the final logits' scale against the LM head's output is
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears
+from mfpipe.models.adapters.normed import normed_layout
 from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, embed_scale, input_embedding,
                                              mlp_needs_sequences, mlp_residual)
 from mfpipe.models.adapters.streaming import held
@@ -142,8 +144,9 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
         raise UnsupportedArchitectureError(mt, scaled)
     out["embed_scale"], out["position_row_offset"] = scaled
     latents = find_latents(seen, attn_mod, out_proj, shape.d, same) if find_latents else {}
-    out.update(gated_layout(seen, attn_mod, out_proj, shape.H, shape.dh, order, lambda s: value_layout(
-        s, sources, named_value, shape, mt, emb.weight.dtype, latents)))  # an output gate: found where one is
+    out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
+        t, attn_mod, out_proj, shape.H, shape.dh, order,
+        lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents))))
     out["mlp_tuple"] = isinstance(last.out, tuple)
     out["mlp_sequences"] = mlp_needs_sequences(blocks, block, chain, first.x, branch, same, residual is not None)
     return out | extra

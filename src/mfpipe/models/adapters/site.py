@@ -299,7 +299,10 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         and patch it, then patch its output. Returns (the unpatched reads [B,T,H,dh] float32 where ``sel`` asks for
         them, else None; its output, patched, where ``want_out``, else None)."""
         o_env = module_at(layer_env, self.O_PROJ)
-        flat = o_env.input  # [B,T,H*dh]
+        # a norm of every head's reads before the projection (BitNet's, adapters.normed): the reads are its input, and
+        # a replaced read passes through it as the model computes it
+        r_env = o_env if self.structure.reads_norm is None else module_at(layer_env, self.structure.reads_norm)
+        flat = r_env.input  # [B,T,H*dh]
         heads = (*flat.shape[:2], self.n_heads, self.head_dim(layer))  # zero-padded to d_head below: adapters.layers
         reads = flat.view(heads).float() if gate is None else flat.view(heads).float() / gate
         reads = pad_heads(reads, self.d_head)
@@ -307,9 +310,10 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
             new = patch_reads(layer, reads)
             if new is not None:
                 flat = self._patched_input(new, flat, layer, None if gate is None else (reads, gate))  # now read
-                o_env.input = flat
+                r_env.input = flat
         out = None
         if patch_out is not None:
+            flat = flat if r_env is o_env else o_env.input  # what each head's slice of the projection reads
             out = raw = o_env.output  # [B,T,d]: after its input (forward order), before the attention module's output
             new = patch_out(layer, raw.float(), pad_heads(flat.view(heads).float(), self.d_head))
             if new is not None:

@@ -66,8 +66,7 @@ __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_m
 #   "neox":   one projection, outputs per head [H, (q | k | v), dh] (GPT-NeoX / Pythia's query_key_value)
 #   "chunked": one projection of `value_chunks` equal chunks, each holding KV * dh / value_chunks values at
 #              `value_offset` (Falcon's multi-query [q.. | k | v] and grouped [(q.. | k | v) per KV head], CodeGen's
-#              four shards [q | v | k]; latent attention's kv_b_proj, per head [k_nope | v]); found by the probe,
-#              which tries every such layout against the reads
+#              four shards [q | v | k]; latent attention's kv_b_proj, per head [k_nope | v]); the probe's search
 VALUE_LAYOUTS = ("split", "qkv", "neox", "chunked")
 _VALUE_SOURCES = {"v_proj": "split", "qkv_proj": "qkv", "c_attn": "qkv", "query_key_value": "neox"}
 _OUT_PROJ_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "Wo")  # Wo: ModernBERT-decoder's
@@ -131,6 +130,7 @@ class Structure:
     gate_act: str = "sigmoid"
     gate_bias: str | None = None  # a per-head bias (path from the block) the attention adds to the gate (Beam's)
     gate_direct: bool = True  # the source reads the attention's input (False: a latent of it, AXK-2's q_gate_proj)
+    reads_norm: str | None = None  # a norm of every head's reads together before it (BitNet's: adapters.normed)
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
@@ -138,8 +138,7 @@ class Structure:
     value_norm: str | None = None  # ... a norm of each head's values, the layer's own (Gemma-4's v_norm; from the block)
     resid_scale: str | None = None  # a [1] buffer the block multiplies its output by (Gemma-4's layer_scalar)
     # each layer's head width, KV heads, value source and layout (and latent) where its attention layers are of several
-    # kinds (mfpipe.models.adapters.layers: MiMo-V2-Flash's, dots.3-note's); () where every attention layer has the
-    # placed block's form
+    # kinds (adapters.layers: MiMo-V2-Flash's, dots.3-note's); () where every layer has the placed block's form
     layer_forms: tuple[LayerForm, ...] = ()
     # the reads are the returned weights' times sigmoid(logsumexp(scores) - this (H,) parameter) (a path from the
     # block; Granite-SWA's sinks): the probabilities behind the reads are the weights times it (adapters.sinks)
@@ -254,7 +253,7 @@ def describe(model: nn.Module) -> Structure:
         value_norm=f"{attn}.{found['value_norm']}" if found.get("value_norm") else None,
         resid_scale="layer_scalar" if _scalar_buffer(block, "layer_scalar") else None,
         block_norm=roles["block_norm"], norm_carried=roles["norm_carried"], join=roles["join"],
-        **_gate_fields(found["gate"], attn),
+        **_gate_fields(found["gate"], attn, found.get("reads_norm")),
     )
 
 
@@ -265,11 +264,12 @@ def _scalar_buffer(block: nn.Module, name: str) -> bool:
     return isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point()
 
 
-def _gate_fields(gate, attn: str) -> dict:
-    """The structure's output-gate fields of the probe's ``gate`` (source, layout, first, activation) or None."""
-    return {} if gate is None else dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1], gate_first=gate[2],
-                                        gate_act=gate[3], gate_bias=gate[4] and f"{attn}.{gate[4]}",
-                                        gate_direct=gate[5])
+def _gate_fields(gate, attn: str, norm: str | None) -> dict:
+    """The structure's fields of the probe's ``gate`` (source, layout, first, activation, bias, direct) and ``norm``."""
+    fields = {} if norm is None else {"reads_norm": f"{attn}.{norm}"}
+    return fields if gate is None else fields | dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1],
+                                                     gate_first=gate[2], gate_act=gate[3], gate_direct=gate[5],
+                                                     gate_bias=gate[4] and f"{attn}.{gate[4]}")
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:

@@ -117,11 +117,15 @@ def _gate(want: Tensor, seen: dict, srcs: list[str], H: int) -> tuple[str, str, 
     return None
 
 
-def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> str:
-    """The refusal of reads gated by ``gate`` (:func:`_gate`), ``per`` head or channel, values from ``n``."""
+def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict, norm: str | None = None) -> str:
+    """The refusal of reads gated by ``gate`` (:func:`_gate`), ``per`` head or channel, values from ``n``; ``norm``: a
+    norm of all the heads' reads together the gated reads pass before the output projection (Dory's)."""
     act, src, where = gate
     said = (f"its reads ({n} weighted by its probabilities) are multiplied {per} by a gate, {act} of {src}{where}, "
-            "before the output projection")
+            f"before {norm or 'the output projection'}")
+    if seen[src][0] is seen[""][0] and norm:  # a gate mfpipe places, and a norm of the gated reads after it
+        return (f"{said}, a norm of all its heads' reads together: mfpipe places a gate of the reads "
+                "(mfpipe.models.adapters.gate) or a norm of them (BitNet's: mfpipe.models.adapters.normed), not both")
     if seen[src][0] is seen[""][0]:  # a gate mfpipe.models.adapters.gate places (either activation): not the cause
         return f"{said}, a gate mfpipe places; but no layout of its values is found with it"
     return (f"{said}: the {act} of a projection ({src}) of another input, in a layout mfpipe.models.adapters.gate "
@@ -129,14 +133,18 @@ def _gate_reason(gate: tuple[str, str, str], per: str, n: str, seen: dict) -> st
             "a latent of it)")
 
 
-def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) -> str | None:
-    """What the reads are, where the probability-weighted values of no layout are (see the module docstring)."""
+def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg, norm: str | None = None) -> str | None:
+    """What the reads are, where the probability-weighted values of no layout are (see the module docstring);
+    ``norm``: what the output projection reads is a norm of all the heads' reads together, ``seen[out_proj]`` its
+    input (a norm of the reads themselves is placed: BitNet's, mfpipe.models.adapters.normed)."""
     reads = seen[out_proj][0]
     for n, (x, y, *_) in seen.items():
-        if n and n != out_proj and y is reads and _norm(attn_mod.get_submodule(n)):
-            return (f"a norm of all its heads' reads together ({n}: {type(attn_mod.get_submodule(n)).__name__}) "
-                    "sits between the attention and its output projection: each head's share of the branch is "
-                    "divided by a root mean square over every head's reads")
+        if n and n != out_proj and y is reads and _norm(attn_mod.get_submodule(n)) and norm is None:
+            said = (f"a norm of all its heads' reads together ({n}: {type(attn_mod.get_submodule(n)).__name__}) "
+                    "sits between the attention and its output projection")
+            inner = _values_reason(attn_mod, {**seen, out_proj: (x, *seen[out_proj][1:])}, out_proj, H, dh, cfg, n)
+            return inner or (f"{said}, and what it norms is no probability-weighted values of a layout mfpipe finds "
+                             "(it places a norm of the reads themselves, BitNet's: mfpipe.models.adapters.normed)")
     out = seen[""][2]
     probs = out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else None
     if not isinstance(probs, Tensor):
@@ -160,12 +168,12 @@ def _values_reason(attn_mod, seen: dict, out_proj: str, H: int, dh: int, cfg) ->
                         "the attention computes, the form mfpipe reads: Granite-SWA's)")
             gate = _gate(s, seen, srcs, H) if bool((s > 0).all()) else None  # a gate is positive
             if gate:
-                return _gate_reason(gate, "head by head", n, seen)
+                return _gate_reason(gate, "head by head", n, seen, norm)
         ok = pv.abs() > 1e-6 * float(pv.abs().max())
         g = torch.where(ok, R / torch.where(ok, pv, torch.ones_like(pv)), torch.zeros_like(pv))
         gate = _gate(g.flatten(1), seen, srcs, H) if bool(ok.all() and (g > 0).all()) else None
         if gate:
-            return _gate_reason(gate, "channel by channel", n, seen)
+            return _gate_reason(gate, "channel by channel", n, seen, norm)
     return None
 
 

@@ -39,7 +39,7 @@ class ValueMaps:
         the layers differ, ``d_head`` is the widest layer's width and ``n_kv_heads`` the most KV heads of a layer."""
         s = self.structure
         forms = tuple(s.layer_forms)
-        ragged_gate = s.output_gate is not None and len({f.head_dim for f in forms}) > 1  # one gate width (gate.py)
+        ragged_gate = (s.output_gate or s.reads_norm) and len({f.head_dim for f in forms}) > 1  # one gate width
         if forms and (len(forms) != self.n_layers or s.value_layout not in FORM_LAYOUTS or ragged_gate):
             raise ValueError(f"{self.model_type}: per-layer attention forms need one per layer ({len(forms)} for "
                              f"{self.n_layers}), a value projection of their own or a chunked one ({FORM_LAYOUTS}, "
