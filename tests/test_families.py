@@ -107,10 +107,10 @@ def test_the_command_passes_and_refuses(capsys, tmp_path):
     # a decoder whose heads are routed per token (JetMoE's mixture of attention heads) is not placed: one line, exit 2
     # (GPT-1's post-norm blocks and BitNet's norm of the reads, refused so before, are placed: tests/test_joins.py,
     # tests/test_reads_norm.py)
-    from mfpipe.models.defaults import default_config
-    from mfpipe.models.tiny import shrink_config
-
-    shrink_config(default_config("jetmoe")).save_pretrained(tmp_path)
+    # (a config whose keys' and values' projection kv_proj maps the width d to d: no output projection for it)
+    transformers.JetMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                              kv_channels=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                              bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path)
     assert cli.main(["conformance", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "its heads are routed per token" in err[0] and "mfpipe conformance" in err[0]

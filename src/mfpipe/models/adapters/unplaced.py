@@ -312,7 +312,7 @@ def _why(reason: str, model, attn_mod, out_proj, H: int, dv: int) -> str | None:
         return kinds
     experts = [n for n, m in attn_mod.named_children() if callable(getattr(m, "reduce", None))
                and callable(getattr(m, "map", None))] if attn_mod is not None else []
-    if out_proj is None and experts:
+    if experts:  # (a projection of the width d inside, its keys' and values' kv_proj, is no output projection)
         return (f"its heads are routed per token (a mixture of attention heads: {experts[0]} "
                 f"({type(attn_mod.get_submodule(experts[0])).__name__}) picks each token's query experts, each with "
                 "its own output projection): mfpipe reads a fixed set of heads per layer")
