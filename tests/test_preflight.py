@@ -69,6 +69,29 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
     assert sorted(v["model_type"] for v in cache.values()) == ["jetmoe", "phi", "starcoder2"]
 
 
+def test_a_quantized_checkpoint_is_refused_before_any_job(tmp_path):
+    """A checkpoint whose config carries a quantization_config (BitNet's released ones: AutoBitLinear, which quantizes
+    its input to 8 bits) is refused at planning, of a verified type too: a tiny copy of its config is not quantized and
+    would pass for it. Without it, the same config (a BitNet, placed since stop 76) plans."""
+    config = {"model_type": "bitnet", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    for model_type in ("bitnet", "llama"):
+        (tmp_path / model_type).mkdir()
+        quant = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"}
+        (tmp_path / model_type / "config.json").write_text(json.dumps(
+            {**config, "model_type": model_type, "quantization_config": quant}))
+        cfg = ci_config()
+        cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / model_type)})
+        with pytest.raises(ConfigError) as e:
+            preflight(cfg)
+        msg = one_line(e)
+        assert "'mine' is a quantized checkpoint" in msg and "'bitnet'" in msg and "full-precision" in msg, msg
+    (tmp_path / "bitnet" / "config.json").write_text(json.dumps(config))
+    cfg = ci_config()
+    cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / "bitnet")})
+    preflight(cfg)
+
+
 def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
     cfg = ci_config()
     cfg["corpus"].update(source="files", path=str(tmp_path / "nope.txt"))

@@ -5,7 +5,9 @@ probabilities x values (the norm's input), not the projection's input; the stati
 the model's own forward; own reads written back leave the logits bit-identical, and mean-field reads written back equal
 a torch pre-hook that puts them at the norm's input (the model's own norm then computed of them); the rollout with each
 type reading only itself is the model's own forward of each type as a sequence of one token (the factor taken of the
-rollout's reads). The other paths from a read to the residual: tests/test_gated_paths.py (its BitNet case)."""
+rollout's reads). Its quantized form (the released checkpoints' AutoBitLinear, which quantizes its input to 8 bits) is
+refused, naming its layers (and at planning: tests/test_preflight.py). The other paths from a read to the residual:
+tests/test_gated_paths.py (its BitNet case)."""
 
 from __future__ import annotations
 
@@ -139,3 +141,27 @@ def test_the_rollout_takes_the_factor_of_its_own_reads(bitnet):
         assert float((got[l] - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max())), l
     final = ad.final_norm(got[L])
     assert float((final - hidden[L][:, 0]).abs().max()) <= 1e-5 * max(1.0, float(hidden[L].abs().max()))
+
+
+def test_quantized_projections_are_refused_naming_them(bitnet):
+    """AutoBitLinear subclasses nn.Linear with a forward of its own (its input quantized to 8 bits): its output in the
+    probe forward is no linear map of its weight, so the placement refuses it, naming it."""
+    import copy
+
+    from transformers.integrations.bitnet import AutoBitLinear
+
+    from mfpipe.models.adapters import UnsupportedArchitectureError
+
+    model = copy.deepcopy(bitnet)
+    for block in model.model.layers:
+        a = block.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(a, name)
+            q = AutoBitLinear(lin.in_features, lin.out_features, bias=lin.bias is not None, online_quant=True)
+            q.weight.data.copy_(lin.weight.data)
+            setattr(a, name, q)
+    x, o = torch.randn(3, D), model.model.layers[0].self_attn.o_proj
+    assert not torch.allclose(o(x), x @ o.weight.T)  # (the test's premise: no linear map of its weight)
+    with pytest.raises(UnsupportedArchitectureError, match=r"its projection o_proj \(AutoBitLinear\) is not the linear "
+                       r"map of its weight \(a quantized layer\); use a full-precision"):
+        describe(model)

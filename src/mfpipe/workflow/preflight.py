@@ -36,6 +36,18 @@ def _check_unverified(spec: dict, cfg: dict, where: str) -> None:
                           f"cannot read right: {failure}; run `mfpipe conformance {what}` for every check")
 
 
+def _check_quantized(spec: dict, cfg: dict, where: str) -> None:
+    """A quantized checkpoint (its config's ``quantization_config``) is refused, whatever its type: its projections are
+    no linear maps of their weights (BitNet's quantize their input to 8 bits; others pack their weights), which mfpipe's
+    value and output maps read them as; and a tiny copy built from the config, unquantized, would pass for it."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ConfigError(f"models: {spec['name']!r} is a quantized checkpoint ({where}: quantization_config, "
+                          f"quant_method {method!r}): mfpipe reads projections that are linear maps of their weights, "
+                          "which a quantized layer is not; use a full-precision (dequantized) checkpoint")
+
+
 def _offline() -> bool:
     from mfpipe.models.loader import hub_offline
 
@@ -137,6 +149,7 @@ def check_inputs(config: dict) -> None:
                 if cfg is None:
                     continue
                 model_type = cfg.get("model_type")
+                _check_quantized(spec, cfg, where)
                 if model_type not in verified:
                     _check_unverified(spec, cfg, where)
                 # a multimodal composite keeps its language model's vocabulary in its text_config

@@ -2,13 +2,15 @@
 and :mod:`~mfpipe.models.adapters.unplaced`: its linear children (``nn.Linear``, transformers' ``Conv1D``), and a
 child that only wraps one linear and calls it (Moshi's ``MoshiLinear``, which holds ``linear`` and passes a codebook
 index the text model leaves None: path ``o_proj.linear``). A wrapper is one where the forward confirms it: the probe
-checks every projection it places against the attention's reads and output."""
+checks every projection it places against the attention's reads and output, and that what the value source and the
+output projection returned in its forward is the linear map of their weights (:func:`off_linear`: a quantized layer,
+BitNet's ``AutoBitLinear``, which quantizes its input to 8 bits, is an ``nn.Linear`` that is not)."""
 
 from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["attention_linears", "linear_paths"]
+__all__ = ["attention_linears", "linear_paths", "off_linear"]
 
 
 def _is_linear(m: nn.Module) -> bool:
@@ -35,3 +37,19 @@ def attention_linears(attn_mod: nn.Module, out_proj: str, d: int) -> tuple[list[
     linears = {n: m for n, m in linear_paths(attn_mod).items() if n != out_proj}
     reads_d = [n for n, m in linears.items() if int(m.weight.shape[1 if isinstance(m, nn.Linear) else 0]) == d]
     return list(linears), reads_d  # a Conv1D's weight is [in, out]
+
+
+def off_linear(seen: dict, attn_mod: nn.Module, keys: dict[str, str], same) -> str | None:
+    """The first of the attention's projections (path in it -> its probe key in ``seen``: ``<out_proj>``,
+    ``<src>NAME``) whose output in the probe forward is not the linear map of its weight of its input, to the model's
+    rounding (``same``), as ``"path (Class)"``; None where every one is."""
+    for name, key in keys.items():
+        m, got = attn_mod.get_submodule(name), seen.get(key)
+        if got is None or not isinstance(getattr(m, "weight", None), Tensor):
+            continue
+        w = m.weight.t() if type(m).__name__ == "Conv1D" else m.weight  # Conv1D's weight is [in, out]
+        want = nn.functional.linear(got.x_obj.to(w.dtype), w, getattr(m, "bias", None))
+        y = got.y_obj  # what the module returned (the probe's y may be rewritten as the heads read it: Gemma-4's v_norm)
+        if not same(want.float().reshape(y.shape), y.float()):
+            return f"{name} ({type(m).__name__})"
+    return None

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.gate import gated_layout
-from mfpipe.models.adapters.linears import attention_linears
+from mfpipe.models.adapters.linears import attention_linears, off_linear
 from mfpipe.models.adapters.normed import normed_layout
 from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, embed_scale, input_embedding,
                                              mlp_needs_sequences, mlp_residual)
@@ -147,6 +147,12 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
         t, attn_mod, out_proj, shape.H, shape.dh, order,
         lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents))))
+    with held(block):  # the maps mfpipe takes them for: not a quantized layer's (BitNet's AutoBitLinear: 8-bit input)
+        odd = off_linear(seen, attn_mod, {out_proj: "<out_proj>", out["value_source"]: f"<src>{out['value_source']}"},
+                         same)
+    if odd:
+        raise UnsupportedArchitectureError(mt, f"its projection {odd} is not the linear map of its weight (a quantized "
+                                               "layer); use a full-precision (dequantized) checkpoint")
     out["mlp_tuple"] = isinstance(last.out, tuple)
     out["mlp_sequences"] = mlp_needs_sequences(blocks, block, chain, first.x, branch, same, residual is not None)
     return out | extra
