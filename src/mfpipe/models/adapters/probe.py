@@ -144,10 +144,11 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
         raise UnsupportedArchitectureError(mt, scaled)
     out["embed_scale"], out["position_row_offset"] = scaled
     latents = find_latents(seen, attn_mod, out_proj, shape.d, same) if find_latents else {}
-    out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
-        t, attn_mod, out_proj, shape.H, shape.dh, order,
-        lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents))))
-    with held(block):  # the maps mfpipe takes them for: not a quantized layer's (BitNet's AutoBitLinear: 8-bit input)
+    with held(block):  # (a norm of the reads is run on the probe's reads: a streamed block's weights read for it)
+        out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
+            t, attn_mod, out_proj, shape.H, shape.dh, order,
+            lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents))))
+        # the maps mfpipe takes them for: not a quantized layer's (BitNet's AutoBitLinear: its input quantized)
         odd = off_linear(seen, attn_mod, {out_proj: "<out_proj>", out["value_source"]: f"<src>{out['value_source']}"},
                          same)
     if odd:
