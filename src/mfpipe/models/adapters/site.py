@@ -6,9 +6,9 @@ forward, which this site runs under ``no_grad``, so that module hooks the module
 
 * **read** the :class:`LayerCapture` fields named by ``select`` (like TransformerLens' ``names_filter``): a field
   that is not selected is never read from the forward, converted or copied;
-* **replace** every head's read at the output projection's input (``patch_reads``), written back in the model's
-  dtype *before* the output projection runs, so on post-attention-norm blocks (Gemma-2, OLMo-2) the replacement
-  also passes through that norm;
+* **replace** every head's read at the output projection's input (``patch_reads``; at the input of a norm of every
+  head's reads before it: BitNet's, adapters.normed), written back in the model's dtype *before* the output
+  projection runs, so on post-attention-norm blocks (Gemma-2, OLMo-2) the replacement also passes through that norm;
 * **replace** the output projection's output (``patch_out``), seeing the per-head reads that went into it: the
   paper's positional-transport ablation (App. positional, "Dereferencing") projects a residual-space subspace S out
   of the summed write of a set of heads C mid-forward, ``out - P_S(sum_{h in C} O_h z_h)`` (``O_h`` from
@@ -295,8 +295,8 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
     def _out_proj_site(self, layer_env, layer: int, sel: frozenset[str], patch_reads: PatchReads | None,
                        patch_out: PatchOut | None, want_out: bool = False,
                        gate: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
-        """The output projection: read its input (the per-head reads; times the forward's own ``gate``: adapters.gate)
-        and patch it, then patch its output. Returns (the unpatched reads [B,T,H,dh] float32 where ``sel`` asks for
+        """The output projection: read its input (the per-head reads; times the forward's own ``gate``: adapters.gate;
+        a norm of the reads before it: that norm's input) and patch it, then patch its output. Returns (the unpatched reads [B,T,H,dh] float32 where ``sel`` asks for
         them, else None; its output, patched, where ``want_out``, else None)."""
         o_env = module_at(layer_env, self.O_PROJ)
         # a norm of every head's reads before the projection (BitNet's, adapters.normed): the reads are its input, and
