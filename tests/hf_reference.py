@@ -102,6 +102,11 @@ PATHS: dict[str, dict] = {
     "trocr": dict(layers="model.decoder.layers", final=None, v_src="self_attn.v_proj", o_proj="self_attn.out_proj",
                   attn="self_attn", attn_norm=None, attn_out=None, mlp_out="fc2",
                   post_norm=("self_attn_layer_norm", "final_layer_norm")),
+    # BERT's post-norm (issue 59): GIT's norms inside the attention's and the MLP's output modules, each adding the
+    # residual; the projection (attention.output.dense, the branch) beside the attention proper (attention.self)
+    "git": dict(layers="git.encoder.layer", final=None, v_src="attention.self.value", o_proj="attention.output.dense",
+                attn="attention.self", attn_norm=None, attn_out="attention.output.dense", mlp_out="output.dense",
+                post_norm=("attention.output.LayerNorm", "output.LayerNorm")),
     # the branches joined by learned vectors (issue 59): mid = input_residual ⊙ x + attn, out = post_attention_residual
     # ⊙ mid + mlp (Doge; scale_joins: the two vectors)
     "doge": dict(_LLAMA, scale_joins=("input_residual", "post_attention_residual")),

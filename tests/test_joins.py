@@ -1,10 +1,12 @@
 """Blocks whose branches do not join the residual as a plain sum (issue 59 item 5).
 
-Post-norm blocks: GPT-1 and TrOCR's decoder hand on ``ln_2(ln_1(x + a) + mlp(ln_1(x + a)))``, a norm of their sum
+Post-norm blocks: GPT-1, TrOCR's decoder and GIT's hand on ``ln_2(ln_1(x + a) + mlp(ln_1(x + a)))``, a norm of their sum
 (``Structure.block_norm``, ``norm_carried``), composed by :meth:`mfpipe.models.adapters.base.Adapter.block_join` for
 every piece that composes blocks by hand (the rollout's block update, the divergence sweeps, the conformance check).
 GPT-1's attention returns its probabilities only when asked (:mod:`mfpipe.models.adapters.asked`); TrOCR's block 0
-reads a norm of its scaled embedding plus a position row (from row 2).
+reads a norm of its scaled embedding plus a position row (from row 2); GIT's norms sit in its attention's and MLP's
+output modules (BERT's: each adds the residual to its projection's output and norms the sum), its output projection
+beside the attention proper, its embedding with its table and norm beside the module of its blocks.
 
 A join of the block's own (``Structure.join == "model"``: Doge's ``b ⊙ (a ⊙ x + attn) + mlp`` with learned vectors,
 MiniMax's, a closing norm of another form): the block runs it on each row as a one-position sequence with its
@@ -27,7 +29,7 @@ from mfpipe.experiments.rollout.divergence import block_stages
 from mfpipe.models.adapters import UnsupportedArchitectureError, describe, get_adapter
 from mfpipe.models.adapters.joins import run_block
 
-POST_NORM = ("openai-gpt", "trocr")
+POST_NORM = ("openai-gpt", "trocr", "git")
 FAMILIES = (*POST_NORM, "doge")
 
 
@@ -57,10 +59,17 @@ def test_the_joins_are_placed_by_what_the_blocks_compute(captured):
     if mt == "doge":
         assert s.join == "model" and s.block_norm is None and s.mlp_norm == "post_attention_layernorm"
         return
-    want = {"openai-gpt": ("ln_2", "ln_1"), "trocr": ("final_layer_norm", "self_attn_layer_norm")}[mt]
+    want = {"openai-gpt": ("ln_2", "ln_1"), "trocr": ("final_layer_norm", "self_attn_layer_norm"),
+            "git": ("output.LayerNorm", "attention.output.LayerNorm")}[mt]
     assert s.join == "sum" and (s.block_norm, s.mlp_norm) == want and s.norm_carried and s.final_norm is None
     if mt == "trocr":
         assert s.embed_norm == "decoder.layernorm_embedding" and s.position_row_offset == 2
+    if mt == "git":  # the projection beside the attention proper, the MLP's last module its output module's projection;
+        # the embedding, its position table and norm in the base model's embeddings, beside the blocks' encoder
+        assert (s.attn, s.out_proj, s.mlp_chain) == ("attention.self", "attention.output.dense",
+                                                     ("intermediate", "output.dense")) and s.branch_at_projection
+        assert (s.embed, s.position_table, s.embed_norm, s.layers) == (
+            "embeddings.word_embeddings", "embeddings.position_embeddings", "embeddings.LayerNorm", "encoder.layer")
 
 
 def _next(caps, final, layer):

@@ -162,6 +162,6 @@ def test_quantized_projections_are_refused_naming_them(bitnet):
             setattr(a, name, q)
     x, o = torch.randn(3, D), model.model.layers[0].self_attn.o_proj
     assert not torch.allclose(o(x), x @ o.weight.T)  # (the test's premise: no linear map of its weight)
-    with pytest.raises(UnsupportedArchitectureError, match=r"its projection o_proj \(AutoBitLinear\) is not the linear "
+    with pytest.raises(UnsupportedArchitectureError, match=r"its projection self_attn.o_proj \(AutoBitLinear\) is not the linear "
                        r"map of its weight \(a quantized layer\); use a full-precision"):
         describe(model)

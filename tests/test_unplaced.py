@@ -28,8 +28,6 @@ REFUSED = {
     "gemma3n": ("mfpipe", "4 residual streams (altup_num_inputs), mixed in every block: mfpipe reads one residual "
                           "stream of summed branches (its language model built alone, its composite not: "),
     "reformer": ("mfpipe", "2 residual streams side by side (its norm encoder.layer_norm reads 2 x 64"),
-    "git": ("mfpipe", "its blocks end in a norm of the residual inside a module of their own (output.LayerNorm: "
-                      "post-norm, the residual added inside that module)"),
     # (its residual-scaling modules are run by the block, mfpipe.models.adapters.joins; its embedding, (e + b) ⊙ s, is
     # what stays)
     "zaya": ("mfpipe", "its first block reads the token embedding changed in a way mfpipe cannot place"),
@@ -65,6 +63,28 @@ def test_the_explanation_is_read_off_the_tensors_not_assumed():
     describe(model)
     other = UnsupportedArchitectureError("llama", "cannot place the value projection (...): none")
     assert explain(other, model) is other  # the reads are the values weighted by the probabilities: nothing to say
+
+
+def test_an_attention_that_reads_later_positions_is_refused_and_the_same_model_as_a_decoder_is_placed():
+    """BERT-generation's default config leaves ``is_decoder`` off: its causal LM's attention reads later positions,
+    which the probe sees in its probabilities above the diagonal, and the refusal is of the modelling kind (an
+    encoder). With ``is_decoder=True``, as a checkpoint trained as a decoder has, the same layout (BERT's, GIT's: the
+    norms in the output modules, the embedding beside the encoder) is placed and passes every conformance check."""
+    from mfpipe.conformance import check_model
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import random_model, shrink_config
+
+    config = shrink_config(default_config("bert-generation"))
+    with pytest.raises(UnsupportedArchitectureError, match="its attention reads later positions") as e:
+        describe(random_model(config))
+    assert e.value.kind == "modelling"
+    config.is_decoder = True
+    model = random_model(config)
+    s = describe(model)
+    assert (s.out_proj, s.block_norm, s.embed, s.final_norm) == ("attention.output.dense", "output.LayerNorm",
+                                                                  "embeddings.word_embeddings", None)
+    rows = check_model(model, s)
+    assert all(r.ok for r in rows) and len(rows) >= 15, [(r.name, r.error) for r in rows if not r.ok]
 
 
 def test_a_projection_in_a_wrapper_of_its_own_is_placed_and_passes():

@@ -28,10 +28,11 @@ NEW_MODEL_TYPES: tuple[str, ...] = ("mistral", "qwen2", "phi3", "gptj", "gemma",
 # block 0's attention norm the identity (ModernBERT-decoder); Gemma-4's values normed per head, its full layers' heads twice as wide, their keys their values (attention_k_eq_v);
 # post-norm blocks, ln_2(ln_1(x + a) + mlp), with an attention that returns its probabilities only when asked (GPT-1)
 # and with a norm on the embedding plus its position rows (TrOCR's decoder); branches joined in a form of the block's
-# own, learned vectors times the residual (Doge: mfpipe.models.adapters.joins)
+# own, learned vectors times the residual (Doge: mfpipe.models.adapters.joins); BERT's post-norm, each norm inside the
+# branch's output module with the residual it adds, the embedding beside the blocks' module (GIT's text decoder)
 PLACED_MODEL_TYPES: tuple[str, ...] = ("opt", "falcon", "mixtral", "cohere", "codegen", "deepseek_v3", "bloom",
                                        "mimo_v2_flash", "granite_swa", "granitemoe_swa", "modernbert-decoder",
-                                       "gemma4_text", "openai-gpt", "trocr", "doge")
+                                       "gemma4_text", "openai-gpt", "trocr", "doge", "git")
 # issue 59: a multimodal composite placed through its language model (Gemma-3: the text model beside a SigLIP tower)
 COMPOSITE_MODEL_TYPES: tuple[str, ...] = ("gemma3",)
 VERIFIED_MODEL_TYPES: tuple[str, ...] = PAPER_MODEL_TYPES + NEW_MODEL_TYPES + PLACED_MODEL_TYPES + COMPOSITE_MODEL_TYPES
@@ -272,7 +273,7 @@ def random_ids(batch: int = 2, seq: int = 16, vocab: int = VOCAB, seed: int = 0,
 
 def _join_config(model_type: str, gqa: dict) -> tuple[type, dict] | None:
     """The recipes of the families of :data:`PLACED_MODEL_TYPES` whose blocks join their branches otherwise than by a
-    sum: post-norm (GPT-1, TrOCR's decoder), the block's own form (Doge)."""
+    sum: post-norm (GPT-1, TrOCR's decoder, GIT's), the block's own form (Doge)."""
     import transformers
 
     if model_type == "openai-gpt":  # post-norm blocks; Conv1D c_attn; a learned position table; no final norm
@@ -287,6 +288,15 @@ def _join_config(model_type: str, gqa: dict) -> tuple[type, dict] | None:
             activation_dropout=0.0, decoder_layerdrop=0.0, init_std=0.1, scale_embedding=True,
             layernorm_embedding=True, use_learned_position_embeddings=True, bos_token_id=VOCAB - 1,
             eos_token_id=VOCAB - 1, pad_token_id=0, decoder_start_token_id=VOCAB - 1)
+    if model_type == "git":  # BERT's post-norm: the residual added and normed inside the attention's and the MLP's
+        # output modules, the projection beside the attention proper; the embedding with its position table and norm
+        # beside the blocks' module (a tiny image tower, idle on text alone); no final norm
+        return transformers.GitConfig, dict(
+            vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS,
+            intermediate_size=2 * D_MODEL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            max_position_embeddings=MAX_POS, initializer_range=0.1, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+            pad_token_id=0, vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=16, patch_size=8))
     if model_type == "doge":  # mid = input_residual ⊙ x + attn, out = post_attention_residual ⊙ mid + mlp (their
         # vectors drawn at random by random_model, not the ones Doge starts from); a dynamic mask keeps 8 keys
         return transformers.DogeConfig, dict({k: v for k, v in gqa.items() if k != "head_dim"},

@@ -24,6 +24,9 @@
 * ``probe.py`` — the probe forward of :func:`describe`: one forward of three tokens whose tensors decide what names and
   shapes cannot (the norms' roles, the residual form, the MLP chain and how it is called, the value layout among every
   chunked one, the final norm among several, the embedding's scale and position rows, the logits' scale).
+* ``embedding.py`` — where the token embedding, the norms outside the blocks and a position table sit, as paths from
+  the base model: beside the blocks, one level down with its norm (ModernBERT-decoder's), or in a module beside the
+  one holding the blocks (GIT's ``embeddings`` beside ``encoder``).
 * ``residual.py`` — how a block's branches join the residual where not as the modules return them (the residual added
   inside the attention and the MLP: BLOOM, MPT; a branch scale: MiniCPM-3), an absolute position table as a tensor
   (a learned or a sinusoidal one), the embedding's and the logits' scales, and how the MLP is called (on

@@ -75,10 +75,12 @@ def resolve_select(select: Select) -> frozenset[str]:
 
 
 def module_at(root, path: str):
-    """``root.a.b.c`` for ``path="a.b.c"`` (works on modules and on nnsight envoys)."""
+    """``root.a.b.c`` for ``path="a.b.c"`` (works on modules and on nnsight envoys: an envoy's child by its name, where
+    the name is one of the envoy's own attributes: GIT's ``attention.output``, not the envoy's ``.output``)."""
     obj = root
     for part in path.split("."):
-        obj = getattr(obj, part)
+        kids = vars(obj).get("_child_map") if hasattr(obj, "__dict__") else None
+        obj = kids[part] if isinstance(kids, dict) and part in kids else getattr(obj, part)
     return obj
 
 

@@ -30,9 +30,8 @@
   value search reads the probabilities behind the reads, which the attention does not return.
 * **a norm that is the identity in some blocks** (ModernBERT-decoder's first block: an ``nn.Identity`` at the path of
   the others' attention norm): the structure is placed by a block with the norm (:func:`placing_block`), and the
-  identity, read at the same path, is that block's norm; **the token embedding one level down** in a module with its
-  norm (ModernBERT-decoder's ``embeddings``: ``tok_embeddings``, ``norm``, a dropout): :func:`nested_embedding`, its
-  norm the embedding's.
+  identity, read at the same path, is that block's norm (its embedding one level down, with its norm:
+  :mod:`~mfpipe.models.adapters.embedding`).
 
 Forms that are no attention block writing a residual stream of blocks of their own are refused with the reason:
 a whole decoder block nested in a layer, whose output feeds another mixer's input (Zamba's shared block:
@@ -51,7 +50,7 @@ from mfpipe.models.adapters.residual import branch_scale
 from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "idle_attentions", "nested_embedding", "per_layer_hidden", "placing_block",
+__all__ = ["IDENTITY_KINDS", "NO_MLP", "block_forms", "check_skipped", "formed_sources", "idle_attentions", "per_layer_hidden", "placing_block",
            "side_branch", "source_form", "value_form", "check_source_forms",
            "has_side_mixer", "side_mixer", "skipped_capture", "unstacked", "wrapped_attention"]
 
@@ -126,20 +125,6 @@ def placing_block(blocks, kinds: list[str]) -> int:
                    for n, c in blocks[l].named_children())
 
     return next((l for l in attention if not thin(l)), attention[0])
-
-
-def nested_embedding(children: dict, emb: nn.Module) -> tuple[str, list[str]] | None:
-    """Where the token embedding ``emb`` sits one level down, in a child of the stack (``children``) that holds it and
-    norms and parameter-free modules only (ModernBERT-decoder's ``embeddings``: ``tok_embeddings``, ``norm``, ``drop``):
-    (its path, the paths of those norms, for the probe to place as the embedding's); None elsewhere (BERT's embeddings
-    hold position and token-type tables besides: an encoder's)."""
-    for n, c in children.items():
-        kids = dict(c.named_children())
-        inner = [k for k, m in kids.items() if m is emb]
-        if len(inner) == 1 and all(m is emb or is_norm(m) or not any(True for _ in m.parameters())
-                                   for m in kids.values()):
-            return f"{n}.{inner[0]}", [f"{n}.{k}" for k, m in kids.items() if m is not emb and is_norm(m)]
-    return None
 
 
 def unstacked(base: nn.Module, L: int, mt) -> list:

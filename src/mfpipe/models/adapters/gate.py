@@ -49,7 +49,8 @@ from mfpipe.models.adapters.capture import module_at
 from mfpipe.models.adapters.normed import reads_factor
 from mfpipe.models.adapters.streaming import holds_block
 
-__all__ = ["GATE_ACTIVATIONS", "OutputGate", "gate_of", "gated_input", "gated_layout", "has_gate", "gate_reads"]
+__all__ = ["GATE_ACTIVATIONS", "OutputGate", "gate_fields", "gate_of", "gated_input", "gated_layout", "has_gate",
+           "gate_reads"]
 
 # the activations an output gate is found with, by the structure's gate_act: each as its family's attention takes it
 GATE_ACTIVATIONS = {
@@ -221,3 +222,11 @@ class OutputGate:
             return None
         src = functools.reduce(getattr, s.output_gate.split("."), layer_env)  # its envoy, as site.module_at
         return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head, s.gate_act, self.gate_bias(layer))
+
+
+def gate_fields(gate, attn: str, norm: str | None) -> dict:
+    """The :class:`~mfpipe.models.adapters.structure.Structure`'s fields of the probe's ``gate`` (source, layout, first, activation, bias, direct) and ``norm``."""
+    fields = {} if norm is None else {"reads_norm": f"{attn}.{norm}"}
+    return fields if gate is None else fields | dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1],
+                                                     gate_first=gate[2], gate_act=gate[3], gate_direct=gate[5],
+                                                     gate_bias=gate[4] and f"{attn}.{gate[4]}")

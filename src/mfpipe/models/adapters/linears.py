@@ -4,13 +4,15 @@ child that only wraps one linear and calls it (Moshi's ``MoshiLinear``, which ho
 index the text model leaves None: path ``o_proj.linear``). A wrapper is one where the forward confirms it: the probe
 checks every projection it places against the attention's reads and output, and that what the value source and the
 output projection returned in its forward is the linear map of their weights (:func:`off_linear`: a quantized layer,
-BitNet's ``AutoBitLinear``, which quantizes its input to 8 bits, is an ``nn.Linear`` that is not)."""
+BitNet's ``AutoBitLinear``, which quantizes its input to 8 bits, is an ``nn.Linear`` that is not); where a fused
+projection's chunks hold the values (:func:`chunk_index`)."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["attention_linears", "linear_paths", "off_linear"]
+__all__ = ["attention_linears", "canonical_layout", "chunk_index", "linear_paths", "off_linear"]
 
 
 def _is_linear(m: nn.Module) -> bool:
@@ -53,3 +55,22 @@ def off_linear(seen: dict, attn_mod: nn.Module, keys: dict[str, str], same) -> s
         if not same(want.float().reshape(y.shape), y.float()):
             return f"{name} ({type(m).__name__})"
     return None
+
+
+def chunk_index(width: int, n_values: int, chunks: int, offset: int) -> Tensor:
+    """The positions of the ``n_values`` values among a fused projection's ``width`` outputs laid out as ``chunks``
+    equal chunks holding ``n_values / chunks`` values each at ``offset``."""
+    cw, vw = width // chunks, n_values // chunks
+    return (torch.arange(chunks)[:, None] * cw + offset + torch.arange(vw)[None]).reshape(-1)
+
+
+def canonical_layout(W: int, kv: int, chunks: int, offset: int, H: int, dh: int) -> str:
+    """The name of a value layout found among the chunked ones where it is one of the named ones (``split``, ``qkv``,
+    ``neox``: :data:`~mfpipe.models.adapters.structure.VALUE_LAYOUTS`), else ``chunked``."""
+    if W == kv * dh and offset == 0:
+        return "split"
+    if chunks == 1 and W == (H + 2 * kv) * dh and offset == (H + kv) * dh:
+        return "qkv"
+    if kv == H and chunks == H and W == 3 * H * dh and offset == 2 * dh:
+        return "neox"
+    return "chunked"

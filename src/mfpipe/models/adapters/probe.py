@@ -30,13 +30,13 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.gate import gated_layout
-from mfpipe.models.adapters.linears import attention_linears, off_linear
+from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
 from mfpipe.models.adapters.normed import normed_layout
-from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, embed_scale, input_embedding,
-                                             mlp_needs_sequences, mlp_residual)
+from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, closed_chain, closing_modules,
+                                             embed_scale, input_embedding, mlp_needs_sequences, mlp_residual)
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout", "chunk_index",
+__all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout",
            "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "same_within",
            "submodule"]
 
@@ -100,27 +100,32 @@ class Seen(NamedTuple):
     args: tuple = ()
 
 
-def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: list[str], table, shape: Shape, mt,
+def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str], table, shape: Shape, mt,
           named_mlp: str | None, named_value: tuple[str, str] | None, find_latents=None, at=0, forms=None) -> dict:
     """Everything :func:`describe` decides by the probe forward (see the module docstring), as a dict. ``find_latents``:
     :func:`mfpipe.models.adapters.latent.latent_sources`; ``at``: the block placed by (a hybrid's first attention
     block; the embedding is read where block 0 reads it); ``forms``: :func:`~.forms.block_forms`."""
     block = blocks[at]
     attn_mod = submodule(block, attn)
-    linears, sources = attention_linears(attn_mod, out_proj, shape.d)  # a wrapped one too (Moshi's o_proj.linear)
+    inside = out_proj[len(attn) + 1:] if out_proj.startswith(attn + ".") else None  # None: beside it (GIT's)
+    linears, sources = attention_linears(attn_mod, inside, shape.d)  # a wrapped one too (Moshi's o_proj.linear)
     watch = {n: m for n, m in block.named_children()} | getattr(forms, "watch", {})  # DBRX's wrapped norms (forms)
+    closing = closing_modules(block, attn, is_norm)  # BERT's output modules: residual added, the sum normed (GIT's)
+    watch.update({p: submodule(block, p) for pair in closing.values() for p in pair})
+    watch.update({f"<close>{n}": submodule(block, n) for n in closing})
     emb = input_embedding(model, base)
-    watch.update({"<attn>": attn_mod, "<out_proj>": submodule(attn_mod, out_proj), "<block>": block,
+    watch.update({"<attn>": attn_mod, "<out_proj>": submodule(block, out_proj), "<block>": block,
                   "<first>": blocks[0], "<last>": blocks[-1], "<embed>": emb})
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
-    watch.update({f"<outer>{n}": submodule(stack, n) for n in outer_norms})  # one level down: an embedding's norm
+    watch.update({f"<outer>{n}": submodule(base, n) for n in outer_norms})  # paths from the base model
     seen, order = probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
     same = same_within(emb.weight.dtype)
     extra = forms(seen, same) if forms else {}  # no MLP, a mixer beside the attention (mfpipe.models.adapters.forms)
     chain = [named_mlp] if named_mlp else _mlp_chain(seen, order, block, attn.split(".")[0], mt)
+    chain = closed_chain(seen, closing, chain)  # an MLP whose last module adds the residual and norms the sum (GIT's)
     if chain[0] not in seen or chain[-1] not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's MLP")
     first, last = seen[chain[0]], seen[chain[-1]]
@@ -130,27 +135,29 @@ def probe(model, base, stack, blocks, attn: str, out_proj: str, outer_norms: lis
     branch = last.y if residual is None else last.y - residual.float()
     seen["<mlp>"] = Seen(first.x, branch, first.x_obj, last.y_obj if residual is None else branch, last.out)
     attn_residual = attn_adds_residual(seen, same)
-    if attn_residual:  # BLOOM: the attention returns block input + branch; its branch is the output projection's
+    if attn_residual or inside is None:  # BLOOM: the attention returns block input + branch; GIT's projection sits
+        # beside the attention proper, which returns the reads: the branch is the output projection's output
         seen["<attn>"] = seen["<attn>"]._replace(y=seen["<out_proj>"].y, y_obj=seen["<out_proj>"].y_obj)
     final_norm, embed_norm = _outer_norms(seen, outer_norms, mt)
     norms = [n for n, m in watch.items() if n[:1] != "<" and n != attn.split(".")[0] and is_norm(m) and n in seen]
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]  # a block's own branch scale
     out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain, attn_residual=attn_residual,
                mlp_residual=residual is not None, roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt, scales))
-    if attn_residual and out["roles"]["post_attn_norm"]:
-        raise UnsupportedArchitectureError(mt, "its attention adds the residual itself and a norm follows it")
+    if (attn_residual or inside is None) and out["roles"]["post_attn_norm"]:
+        raise UnsupportedArchitectureError(mt, "its attention's branch is its output projection's output, and a norm "
+                                               "of the branch alone follows it")
     scaled = embed_scale(base, seen, table, embed_norm, same)
     if isinstance(scaled, str):
         raise UnsupportedArchitectureError(mt, scaled)
     out["embed_scale"], out["position_row_offset"] = scaled
-    latents = find_latents(seen, attn_mod, out_proj, shape.d, same) if find_latents else {}
+    latents = find_latents(seen, attn_mod, inside, shape.d, same) if find_latents else {}
     with held(block):  # (a norm of the reads is run on the probe's reads: a streamed block's weights read for it)
         out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
-            t, attn_mod, out_proj, shape.H, shape.dh, order,
+            t, attn_mod, inside, shape.H, shape.dh, order,
             lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents))))
         # the maps mfpipe takes them for: not a quantized layer's (BitNet's AutoBitLinear: its input quantized)
-        odd = off_linear(seen, attn_mod, {out_proj: "<out_proj>", out["value_source"]: f"<src>{out['value_source']}"},
-                         same)
+        odd = off_linear(seen, block, {out_proj: "<out_proj>", f"{attn}.{out['value_source']}":
+                                       f"<src>{out['value_source']}"}, same)
     if odd:
         raise UnsupportedArchitectureError(mt, f"its projection {odd} is not the linear map of its weight (a quantized "
                                                "layer); use a full-precision (dequantized) checkpoint")
@@ -238,8 +245,9 @@ def _outer_norms(seen: dict, outer: list[str], mt) -> tuple[str, str | None]:
     if not outer:  # no final norm: the LM head reads the last block's output
         return None, None
     if len(outer) == 1:  # NanoChat's one norm also reads the embedding, first: the final norm and the embedding's
-        seen_one = seen.get(f"<outer>{outer[0]}")
-        if seen_one is not None and seen_one.x_obj is seen["<embed>"].y_obj:
+        seen_one = seen.get(f"<outer>{outer[0]}")  # (GIT's reads it plus positions, added in place: not as it was)
+        if seen_one is not None and seen_one.x_obj is seen["<embed>"].y_obj and torch.equal(seen_one.x, seen[
+                "<embed>"].y):
             return outer[0], outer[0]
         first = seen.get("<first>")
         if seen_one is not None and first is not None and seen_one.y_obj is first.x_obj:
@@ -339,6 +347,9 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     if not isinstance(probs, Tensor) or "<out_proj>" not in seen:
         raise UnsupportedArchitectureError(mt, "its attention returns no probabilities under eager attention")
     probs, reads = probs.detach().double(), seen["<out_proj>"].x.double()
+    if probs.shape[-1] == probs.shape[-2] and bool(torch.triu(probs.abs(), 1).amax() > 0):
+        raise UnsupportedArchitectureError(mt, "its attention reads later positions (an encoder; a BERT-style decoder "
+                                               "without is_decoder=True): mfpipe reads causal decoders", "modelling")
     H, dh = shape.H, shape.dh
     # a wrong layout misses by the size of the reads themselves; the right one by the model dtype's rounding
     tol = max(1e-4, 20 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4
@@ -375,25 +386,8 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
                                                f"chunked layout, give the attention's reads): {why}")
     (n, kv, _), (chunks, offset) = next(iter(found.items()))
     W = seen[f"<src>{n}"].y.shape[-1]
-    lay = "chunked" if n in latents else _canonical(W, kv, chunks, offset, shape)
+    lay = "chunked" if n in latents else canonical_layout(W, kv, chunks, offset, shape.H, shape.dh)
     return dict(value_source=n, value_layout=lay, kv_heads=None if kv == shape.KV else kv,
                 value_chunks=chunks if lay == "chunked" else 1, value_offset=offset if lay == "chunked" else 0,
                 latent=latents.get(n))
 
-
-def chunk_index(width: int, n_values: int, chunks: int, offset: int) -> Tensor:
-    """The positions of the ``n_values`` values among a fused projection's ``width`` outputs laid out as ``chunks``
-    equal chunks holding ``n_values / chunks`` values each at ``offset``."""
-    cw, vw = width // chunks, n_values // chunks
-    return (torch.arange(chunks)[:, None] * cw + offset + torch.arange(vw)[None]).reshape(-1)
-
-
-def _canonical(W: int, kv: int, chunks: int, offset: int, shape: Shape) -> str:
-    H, dh = shape.H, shape.dh
-    if W == kv * dh and offset == 0:
-        return "split"
-    if chunks == 1 and W == (H + 2 * kv) * dh and offset == (H + kv) * dh:
-        return "qkv"
-    if kv == H and chunks == H and W == 3 * H * dh and offset == 2 * dh:
-        return "neox"
-    return "chunked"

@@ -4,7 +4,9 @@ positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.a
 * the residual added inside a module (BLOOM's fused ``dropout_add``): the attention returns the block input plus its
   output projection's output (:func:`attn_adds_residual`: its branch is the projection's output), the MLP takes
   ``(input, residual)`` and returns its branch plus the residual (:func:`mlp_residual`, BLOOM and MPT: its branch is its
-  output with a zero residual);
+  output with a zero residual); a module that adds the residual to its one projection's output and norms the sum
+  (BERT's layout, GIT's ``attention.output`` and ``output``: :func:`closing_modules`), its projection's output the
+  branch, its norm the next one's (a post-norm's, whose roles the probe decides);
 * a branch scale (MiniCPM-3 multiplies each branch by ``scale_depth / sqrt(L)``: :func:`branch_scale`), and a bias the
   attention returns for the block to add (:func:`returned_bias`: GPT-NeoX-Japanese's);
 * an absolute position table as a tensor (:func:`table_rows`: a learned one, or a sinusoidal buffer; the candidates:
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "embed_scale", "head_transform", "input_embedding",
+__all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "closed_chain", "closing_modules", "embed_scale", "head_transform", "input_embedding",
            "logit_scale",
            "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "table_rows"]
 
@@ -97,6 +99,38 @@ def attn_adds_residual(seen: dict, same) -> bool:
     return a.shape == o.shape and not same(a, o) and same(a, seen["<block>"].x + o)
 
 
+def closing_modules(block: nn.Module, attn: str, is_norm) -> dict[str, tuple[str, str]]:
+    """The block's modules outside the attention proper ``attn`` that hold one projection, one norm (``is_norm``) and
+    parameter-free modules only, by path: (its projection's path, its norm's path). BERT's output modules (GIT's
+    ``attention.output`` and ``output``: ``LayerNorm(dropout(dense(h)) + residual)``) are of this form; the probe keeps
+    those its forward called with the residual beside their input."""
+    found = {}
+    for n, m in block.named_modules():
+        if not n or n == attn or n.startswith(attn + ".") or attn.startswith(n + "."):
+            continue
+        kids = dict(m.named_children())
+        lin = [k for k, c in kids.items() if isinstance(c, nn.Linear)]
+        norms = [k for k, c in kids.items() if is_norm(c)]
+        if len(lin) == 1 and len(norms) == 1 and all(k in lin or k in norms or not any(True for _ in c.parameters())
+                                                     for k, c in kids.items()):
+            found[n] = (f"{n}.{lin[0]}", f"{n}.{norms[0]}")
+    return found
+
+
+def closed_chain(seen: dict, closing: dict[str, tuple[str, str]], chain: list[str]) -> list[str]:
+    """The MLP's chain ending at its last module's projection where that module is one of ``closing``
+    (:func:`closing_modules`) and was handed the residual (its second argument, of its output's shape) in the probe
+    forward (``seen``); the projections and norms of those it was not are dropped from ``seen`` (no block's norms)."""
+    def closes(one) -> bool:
+        r = one.args[0] if one is not None and one.args else None
+        return isinstance(r, Tensor) and tuple(r.shape) == tuple(one.y.shape)
+
+    for n in [n for n in closing if not closes(seen.get(f"<close>{n}"))]:
+        for p in closing.pop(n):
+            seen.pop(p, None)
+    return [*chain[:-1], closing[chain[-1]][0]] if chain[-1] in closing else chain
+
+
 def branch_scale(delta: Tensor, branch: Tensor, scales) -> float | None:
     """The factor ``c`` with ``delta = c * branch`` (least squares), replaced by the one of ``scales`` it is to 1e-4
     (the block's own number: the adapter then scales as the block does, to the bit); None where ``branch`` is 0."""
@@ -112,10 +146,16 @@ def mlp_needs_sequences(blocks, block, chain: list[str], x3: Tensor, want: Tenso
     other MLP class (against its own call on ``[B, T, d]``): a mixture of experts after a dense first block (DeepSeek,
     Qwen-MoE's ``mlp_only_layers``) is called as the mixture needs. One block per class: a streamed model's weights
     are read for each."""
-    kinds = {type(getattr(block, chain[-1], None))}  # none: a block without an MLP (mfpipe...forms.NO_MLP)
+    def at(b, path):  # a path in the block (GIT's MLP ends at output.dense), None where it has none
+        try:
+            return b.get_submodule(path)
+        except AttributeError:
+            return None
+
+    kinds = {type(at(block, chain[-1]))}  # none: a block without an MLP (mfpipe...forms.NO_MLP)
     others = []
     for b in blocks:
-        mlp = getattr(b, chain[-1], None) if all(hasattr(b, n) for n in chain) else None
+        mlp = at(b, chain[-1]) if all(at(b, n) is not None for n in chain) else None
         if isinstance(mlp, nn.Module) and type(mlp) not in kinds:
             kinds.add(type(mlp))
             others.append(b)
@@ -132,7 +172,7 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
     input's shape); ``residual``: with a zero residual (:func:`~mfpipe.models.adapters.residual.mlp_residual`)."""
     def run(y):
         for name in chain:
-            y = getattr(block, name)(y, *([torch.zeros_like(y)] if residual else []))
+            y = block.get_submodule(name)(y, *([torch.zeros_like(y)] if residual else []))
             y = first_output(y)
         return y
 

@@ -41,6 +41,7 @@ nnsight 0.8 notes (checked with nnsight 0.8.1, transformers 5.23; see ``shared/d
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -89,7 +90,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
 
         if not with_lm_head:
             if self._envoy is None:
-                self._envoy = NNsight(self.base)
+                self._envoy = _envoy(NNsight, self.base)
             return self._envoy, self._envoy
         if not self.has_lm_head:
             raise ValueError(
@@ -97,7 +98,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
                 "build it with get_adapter(model) on the *ForCausalLM / *LMHeadModel"
             )
         if self._lm_envoy is None:
-            self._lm_envoy = NNsight(self.model)
+            self._lm_envoy = _envoy(NNsight, self.model)
             # the decoder stack's path in the causal LM ("transformer", "model", ...; not always base_model_prefix)
             path = next(n for n, m in self.model.named_modules() if m is self.base)
             self._lm_base = module_at(self._lm_envoy, path)
@@ -253,14 +254,18 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
             cap.values = self._values_from_src(module_at(layer_env, self.value_path(layer)).output, layer).float()
         gate = self.gate_site(layer_env, sel, patch_reads, False, layer) if gate is None else gate  # forward order
         s = self.structure
-        # the attention adds the residual itself (BLOOM): its branch is the output projection's output
-        proj_out = need_attn_out and s.attn_residual
+        # the attention adds the residual itself (BLOOM), or its projection sits beside it (GIT): its branch is the
+        # output projection's output
+        proj_out = need_attn_out and s.branch_at_projection
         attn_out = None
+        # forward order: an attention proper that returns before its projection runs (GIT's) is read first
+        early = module_at(layer_env, self.ATTN).output if "attn_probs" in sel and not s.out_proj.startswith(
+            s.attn + ".") else None
         if "reads" in sel or patch_reads is not None or patch_out is not None or proj_out:
             cap.reads, proj = self._out_proj_site(layer_env, layer, sel, patch_reads, patch_out, proj_out, gate)
             attn_out = proj if proj_out else None
         if "attn_probs" in sel or (need_attn_out and self.POST_ATTN_NORM is None and not proj_out):
-            attn_res = module_at(layer_env, self.ATTN).output
+            attn_res = module_at(layer_env, self.ATTN).output if early is None else early
             if "attn_probs" in sel:
                 cap.attn_probs = self.effective_probs(layer, attn_res[1])  # times a sink's factor (adapters.sinks)
             if need_attn_out and self.POST_ATTN_NORM is None and not proj_out:
@@ -335,6 +340,14 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         new = unpadded(new, self.head_dim(layer), f"patch_reads(layer={layer})")  # the layer's own coordinates
         new = new if gated is None else gated_input(flat, new, *gated)
         return new.to(device=flat.device, dtype=flat.dtype).reshape(flat.shape)
+
+
+def _envoy(NNsight, module):
+    """nnsight's envoy of ``module``, without its warning of a submodule named as one of an envoy's own attributes
+    (GIT's ``output``): :func:`~mfpipe.models.adapters.capture.module_at` reaches it by its name."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*which nnsight already serves on every module")
+        return NNsight(module)
 
 
 def _like(new, raw: Tensor, who: str, what: str) -> Tensor:

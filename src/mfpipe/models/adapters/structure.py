@@ -46,16 +46,17 @@ from mfpipe.models.adapters import probe
 from mfpipe.models.adapters.asked import ask_for_probabilities
 from mfpipe.models.adapters.configs import check_config_forms, config_value
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
-                                          idle_attentions, nested_embedding, placing_block, side_mixer, unstacked,
+                                          idle_attentions, placing_block, side_mixer, unstacked,
                                           wrapped_attention)
+from mfpipe.models.adapters.embedding import embedding_places
+from mfpipe.models.adapters.gate import gate_fields
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
 from mfpipe.models.adapters.joins import check_per_position
 from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
-from mfpipe.models.adapters.residual import (head_transform, input_embedding, logit_scale, position_tables,
-                                             returned_bias)
+from mfpipe.models.adapters.residual import head_transform, input_embedding, logit_scale, returned_bias
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
@@ -152,6 +153,12 @@ class Structure:
     # a ⊙ x + attn, Beam's depth-scaled sums, MiniMax's), run by the block (mfpipe.models.adapters.joins)
     join: str = "sum"
 
+    @property
+    def branch_at_projection(self) -> bool:
+        """Whether the attention branch is the output projection's output, not the attention module's ``[0]``: the
+        attention adds the residual itself (BLOOM), or the projection sits beside it (GIT's, in its wrapper)."""
+        return self.attn_residual or not self.out_proj.startswith(self.attn + ".")
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -185,20 +192,11 @@ def describe(model: nn.Module) -> Structure:
     shape = _shape(cfg, mt)
     stack = _stack(base, shape.L, mt)  # "" or the path of the module holding the blocks ("decoder.")
     stack_mod = submodule(base, stack)
-    children = dict(stack_mod.named_children())
-    layers = stack + _layers(children, shape.L, mt)
+    layers = stack + _layers(dict(stack_mod.named_children()), shape.L, mt)
     emb = input_embedding(model, base) if hasattr(base, "get_input_embeddings") else None
-    embeds = [n for n, m in children.items() if m is emb]
-    nested = None if embeds or emb is None else nested_embedding(children, emb)  # ModernBERT-decoder's, with its norm
-    embeds = [nested[0]] if nested else embeds
-    if not embeds and emb is not None:  # an encoder's embedding sits in a module of its own (BERT's embeddings)
-        where = next((n for n, m in base.named_modules() if m is emb), None)
-        raise UnsupportedArchitectureError(mt, f"cannot place the token embedding beside its blocks (it sits in "
-                                               f"{where})")
-    embed = stack + _one(embeds, "the token embedding", mt)
-    outer_norms = [n for n, m in children.items() if is_norm(m) and m is not emb] + (nested[1] if nested else [])
-    n_pos = getattr(cfg, "max_position_embeddings", None)
-    tables = position_tables(stack_mod, emb, shape.d, n_pos)
+    # paths from the base model: the embedding beside the blocks, one level down, or beside their module (GIT's)
+    embed, outer_norms, tables = embedding_places(base, stack, emb, shape.d, getattr(cfg, "max_position_embeddings",
+                                                                                      None), mt)
     blocks = submodule(base, layers)
     attn, kinds = _attention_blocks(blocks, mt, idle_attentions(base, blocks))  # TrOCR's encoder_attn left out
     check_skipped(base, blocks, kinds, mt)  # the blocks the forward skips on text-only input (Mllama's cross-attention)
@@ -206,7 +204,7 @@ def describe(model: nn.Module) -> Structure:
     first = placing_block(blocks, kinds)  # a hybrid's first attention block; one with every norm the others have
     block = blocks[first]
     attn_mod = submodule(block, attn)
-    out_proj, dv = _out_projection(attn_mod, shape, mt)
+    out_proj, dv = _out_projection(block, attn, shape, mt)  # a path from the block
     dh, shape.dh = shape.dh, dv  # the values and reads are dv wide from here on
     named_value = _value_by_name(attn_mod, shape)
     mlp_parts = [n for n, m in block.named_children()
@@ -214,33 +212,34 @@ def describe(model: nn.Module) -> Structure:
     named_mlp = [n for n in mlp_parts if type(getattr(block, n)).__name__.lower().endswith("mlp")]
     side = side_mixer(block, attn, lambda m: any(t in own_name(m, block) for t, _ in MIXERS))  # Falcon-H1's
     mlp = named_mlp[0] if len(named_mlp) == 1 else None if mlp_parts else NO_MLP  # none: Nemotron-H's attention
-    found = probe.probe(model, base, stack_mod, blocks, attn, out_proj, outer_norms,
-                        submodule(stack_mod, tables[0]) if len(tables) == 1 else None, shape, mt,
+    found = probe.probe(model, base, blocks, attn, out_proj, outer_norms,
+                        submodule(base, tables[0]) if len(tables) == 1 else None, shape, mt,
                         mlp, named_value, latent_sources, first, block_forms(block, attn, side, mlp == NO_MLP, mlp, mt))
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
     roles, latent = found["roles"], found["latent"]
     if roles["join"] == "model":  # a join of the block's own: run by the block, so it must be of each position alone
         check_per_position(base, blocks, first, attn, mt)
-    norm = (submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(stack_mod, final_norm)
+    norm = (submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(base, final_norm)
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
     check_source_forms(blocks, attn, [l for l, k in enumerate(kinds) if k == "attention"], mt)
-    forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj, first, found, shape, mt, formed_sources)
+    forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj[len(attn) + 1:] if out_proj.startswith(
+        attn + ".") else None, first, found, shape, mt, formed_sources)
     head = head_transform(model, base)  # ModernBERT-decoder's prediction head
     return Structure(
-        layers=layers, embed=embed, final_norm=stack + final_norm if final_norm else None, attn=attn,
+        layers=layers, embed=embed, final_norm=final_norm, attn=attn,
         value_source=f"{attn}.{found['value_source']}", value_layout=found["value_layout"],
-        out_proj=f"{attn}.{out_proj}", attn_norm=roles["attn_norm"], post_attn_norm=roles["post_attn_norm"],
+        out_proj=out_proj, attn_norm=roles["attn_norm"], post_attn_norm=roles["post_attn_norm"],
         mlp=(found["mlp_chain"] or [None])[-1], mlp_norm=roles["mlp_norm"], post_mlp_norm=roles["post_mlp_norm"],
         parallel_residual=roles["parallel"], rms_offset=rms_offset, embed_scale=found["embed_scale"],
-        position_table=stack + tables[0] if len(tables) == 1 else None,
+        position_table=tables[0] if len(tables) == 1 else None,
         logit_softcap=(getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_soft_cap", None)
                        or None),  # Gemma-2's, Recurrent-Gemma's
         kv_heads=found["kv_heads"], value_chunks=found["value_chunks"], value_offset=found["value_offset"],
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
-        embed_norm=stack + embed_norm if embed_norm else None, position_row_offset=found["position_row_offset"],
+        embed_norm=embed_norm, position_row_offset=found["position_row_offset"],
         norm_centred=centred, logit_scale=logit_scale(model, base, mt, head), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
@@ -253,7 +252,7 @@ def describe(model: nn.Module) -> Structure:
         value_norm=f"{attn}.{found['value_norm']}" if found.get("value_norm") else None,
         resid_scale="layer_scalar" if _scalar_buffer(block, "layer_scalar") else None,
         block_norm=roles["block_norm"], norm_carried=roles["norm_carried"], join=roles["join"],
-        **_gate_fields(found["gate"], attn, found.get("reads_norm")),
+        **gate_fields(found["gate"], attn, found.get("reads_norm")),
     )
 
 
@@ -262,14 +261,6 @@ def _scalar_buffer(block: nn.Module, name: str) -> bool:
     forward multiplies the block's output by: the conformance rebuild checks it where it is not 1)."""
     t = dict(block.named_buffers(recurse=False)).get(name)
     return isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point()
-
-
-def _gate_fields(gate, attn: str, norm: str | None) -> dict:
-    """The structure's fields of the probe's ``gate`` (source, layout, first, activation, bias, direct) and ``norm``."""
-    fields = {} if norm is None else {"reads_norm": f"{attn}.{norm}"}
-    return fields if gate is None else fields | dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1],
-                                                     gate_first=gate[2], gate_act=gate[3], gate_direct=gate[5],
-                                                     gate_bias=gate[4] and f"{attn}.{gate[4]}")
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
@@ -350,11 +341,19 @@ def _attention_blocks(blocks, mt, idle=frozenset()) -> tuple[str, list[str]]:
     return next(iter(found))[0], ["attention" if p else mixer_kind(b) for p, b in zip(paths, blocks)]
 
 
-def _out_projection(attn_mod: nn.Module, shape: Shape, mt) -> tuple[str, int]:
-    """(the attention's output projection, the width of each head's read): the one of the known names from
-    ``H x dh`` to ``d``; where there is none, the one from ``H x dv`` to ``d`` for another ``dv`` (latent attention,
-    whose heads read values ``v_head_dim`` wide; the probe's value search then confirms the heads)."""
-    named = {n: linear_shape(m) for n, m in linear_paths(attn_mod).items() if n.split(".")[0] in _OUT_PROJ_NAMES}
+def _out_projection(block: nn.Module, attn: str, shape: Shape, mt) -> tuple[str, int]:
+    """(the attention's output projection, as a path from the block, the width of each head's read): the one of the
+    known names from ``H x dh`` to ``d``; where there is none, the one from ``H x dv`` to ``d`` for another ``dv``
+    (latent attention, whose heads read values ``v_head_dim`` wide; the probe's value search then confirms the heads).
+    Where the attention proper holds none, the one its wrapper holds beside it (GIT's ``attention.output.dense`` beside
+    ``attention.self``, in a module that adds the residual and norms the sum: BERT's layout)."""
+    named = {f"{attn}.{n}": linear_shape(m) for n, m in linear_paths(submodule(block, attn)).items()
+             if n.split(".")[0] in _OUT_PROJ_NAMES}
+    if not named and "." in attn:
+        wrapper = attn.rsplit(".", 1)[0]
+        named = {f"{wrapper}.{n}": linear_shape(m) for n, m in submodule(block, wrapper).named_modules()
+                 if n and not f"{wrapper}.{n}".startswith(attn + ".") and n.rsplit(".", 1)[-1] in _OUT_PROJ_NAMES
+                 and n.count(".") == 1}
     what = f"the attention's output projection ({shape.H} x {shape.dh} -> {shape.d})"
     exact = [n for n, s in named.items() if s == (shape.H * shape.dh, shape.d)]
     if exact:

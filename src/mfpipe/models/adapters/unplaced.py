@@ -230,8 +230,9 @@ def _streams(model, base, d: int) -> str | None:
 
 def _block_form(model, base, attn_mod: nn.Module) -> str | None:
     """What in the first attention block's forward keeps it from a residual stream mfpipe reads: a norm of the residual
-    at its end inside a module of the block's (post-norm whose residual is added inside that module: GIT's BERT
-    layers; a post-norm whose norm is a module of the block is placed, GPT-1's: ``Structure.block_norm``), the
+    at its end inside a module of the block's that the placement did not place (a post-norm whose norm is a module of
+    the block is placed, GPT-1's: ``Structure.block_norm``, and one whose norm sits in a module that adds the residual
+    to its one projection's output, BERT's output modules: GIT's), the
     attention's output passing through another module before the residual (Inkling's short convolutions). (A join of
     another form, scaled or renormalised, is run by the block's own code: :mod:`~mfpipe.models.adapters.joins`.)"""
     block = next(b for b in blocks(model) if any(m is attn_mod for m in b.modules()))
@@ -245,7 +246,8 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
     ends = [n for n in norms if seen[n][1] is y0]
     if ends:
         return (f"its blocks end in a norm of the residual inside a module of their own ({ends[0]}: post-norm, the "
-                "residual added inside that module): mfpipe places a post-norm whose norm is a module of the block")
+                "residual added inside that module): mfpipe places a post-norm whose norm is a module of the block or of a "
+                "module that adds the residual to its one projection's output (BERT's output modules)")
     a_out = seen[attn][1]
     after = [n for n in seen if n in kids and "." not in n and n != attn and seen[n][0] is a_out and not _norm(kids[n])
              and any(True for _ in kids[n].parameters())]  # not a dropout

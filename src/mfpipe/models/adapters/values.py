@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.forms import value_form
 from mfpipe.models.adapters.latent import Latent, latent_input
 from mfpipe.models.adapters.layers import FORM_LAYOUTS, LayerForm, pad_heads
-from mfpipe.models.adapters.probe import chunk_index
+from mfpipe.models.adapters.linears import chunk_index
 from mfpipe.models.adapters.streaming import holds_block
 
 __all__ = ["ValueMaps", "block_piece", "no_grad"]
