@@ -22,9 +22,10 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 # times as long: it runs through the ci DAG instead, tests/test_moe_workflow.py), so that the subset holds one family
 # of each class the issue placed; stop 71: Doge (its residual scaled by learned vectors) is placed, its branches joined
 # by the block's own code (mfpipe.models.adapters.joins); stop 76: BitNet (a norm of all heads' reads together before
-# the output projection) is placed, and JetMoE (heads routed per token) is the refusal of the mfpipe kind
+# the output projection) is placed, and JetMoE (heads routed per token) is the refusal of the mfpipe kind; stop 77: GIT
+# (BERT's layout: the norms in the output modules, the embedding beside the encoder) is placed
 SUBSET = ["gpt2", "llama", "codegen", "opt", "mixtral", "gpt_neox_japanese", "mamba", "xglm", "nemotron", "bert",
-          "deepseek_v3", "gemma3", "doge", "bitnet", "jetmoe", "bloom", "recurrent_gemma"]
+          "deepseek_v3", "gemma3", "doge", "bitnet", "jetmoe", "bloom", "recurrent_gemma", "git"]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
     assert rows["gpt2"].accepted and rows["llama"].accepted and rows["gpt2"].passed == rows["gpt2"].checks >= 10
     assert all(rows[f].accepted and rows[f].passed == rows[f].checks for f in ("codegen", "opt", "mixtral"))
     assert all(rows[f].accepted and rows[f].passed == rows[f].checks >= 10 for f in ("gpt_neox_japanese", "xglm",
-                                                                                     "bloom", "doge", "bitnet"))
+                                                                                     "bloom", "doge", "bitnet", "git"))
     # (said by what its forward computes: mfpipe.models.adapters.unplaced, tests/test_unplaced.py)
     assert not rows["jetmoe"].placed and rows["jetmoe"].reason.startswith(
         "its heads are routed per token (a mixture of attention heads")
@@ -56,7 +57,7 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
     assert {f: rows[f].kind for f in SUBSET} == {
         "gpt2": "", "llama": "", "codegen": "", "opt": "", "mixtral": "", "nemotron": "", "gpt_neox_japanese": "",
         "xglm": "", "mamba": "modelling", "bert": "modelling", "deepseek_v3": "", "gemma3": "", "doge": "",
-        "bitnet": "", "jetmoe": "mfpipe", "bloom": "", "recurrent_gemma": ""}
+        "bitnet": "", "jetmoe": "mfpipe", "bloom": "", "recurrent_gemma": "", "git": ""}
     assert all(rows[f].accepted and rows[f].passed == rows[f].checks >= 10 for f in ("deepseek_v3", "gemma3",
                                                                                      "recurrent_gemma"))
     assert rows["bert"].reason.startswith("an encoder: its outputs read later tokens (cannot place the token")
@@ -78,7 +79,7 @@ def test_each_row_says_what_a_run_would_do(rows, tmp_path, monkeypatch):
 
 def test_the_table_counts_and_replaces_its_section(rows, tmp_path):
     text = census_markdown(list(rows.values()), "9.9")
-    assert text.startswith("transformers 9.9: 17 decoder-only causal-LM families; **14 placed and passing**, 0 placed "
+    assert text.startswith("transformers 9.9: 18 decoder-only causal-LM families; **15 placed and passing**, 0 placed "
                            "but failing a check (refused at DAG time), 3 not placed. Of the refusals, 2 of the "
                            "modelling kind (no attention heads, an encoder) and **1 of the mfpipe kind** (the tool's "
                            "to mend).")
