@@ -149,6 +149,17 @@ def test_a_closing_norm_of_another_form_is_run_by_the_block():
         torch.testing.assert_close(got, _next(caps, final, layer).reshape(c.shape), rtol=1e-5, atol=1e-5)
 
 
+def test_a_join_of_the_blocks_own_is_refused_where_the_attentions_output_is_not_its_branch():
+    """GIT's blocks with each output.LayerNorm handed half its input (a closing norm of another form, a join the block
+    would run): run_block replaces the attention's output by the branch, but GIT's attention proper returns the reads
+    (its projection sits beside it), so the placement refuses it, saying why, rather than run the projection twice."""
+    model = make_tiny_model("git", seed=3)
+    for block in model.git.encoder.layer:
+        block.output.LayerNorm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5 + 0.25,))
+    with pytest.raises(UnsupportedArchitectureError, match="its attention's output is not its branch"):
+        describe(model)
+
+
 def test_a_join_that_reads_other_positions_is_refused():
     """A Doge whose MLP branch also adds the previous position's MLP input (a mixing over positions outside the
     attention, as Inkling's convolutions are) is refused: run one position at a time, its blocks would not be the

@@ -22,7 +22,8 @@ from mfpipe.models.adapters.residual import position_tables, table_rows
 __all__ = ["embedding_places", "nested_embedding"]
 
 
-def nested_embedding(children: dict, emb: nn.Module, d: int = 0, n_pos=None) -> tuple[str, list[str], list[str]] | None:
+def nested_embedding(children: dict, emb: nn.Module, d: int = 0,
+                     n_pos=None) -> tuple[str, list[str], list[str]] | None:
     """Where the token embedding ``emb`` sits one level down, in one of ``children`` that holds it, norms,
     parameter-free modules and at most an absolute position table (``d`` wide rows, as many as the ``n_pos``
     positions) only: (its path, the paths of those norms, for the probe to place as the embedding's, the table's);

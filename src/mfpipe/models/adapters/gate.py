@@ -220,12 +220,13 @@ class OutputGate:
         s = self.structure
         if s.output_gate is None or s.gate_first != first or ("reads" not in sel and patch_reads is None):
             return None
-        src = functools.reduce(getattr, s.output_gate.split("."), layer_env)  # its envoy, as site.module_at
+        src = module_at(layer_env, s.output_gate)  # its envoy
         return gate_of(src.output, s.gate_layout, self.n_heads, self.d_head, s.gate_act, self.gate_bias(layer))
 
 
 def gate_fields(gate, attn: str, norm: str | None) -> dict:
-    """The :class:`~mfpipe.models.adapters.structure.Structure`'s fields of the probe's ``gate`` (source, layout, first, activation, bias, direct) and ``norm``."""
+    """The :class:`~mfpipe.models.adapters.structure.Structure`'s fields of the probe's ``gate`` (source, layout,
+    first, activation, bias, direct) and ``norm``."""
     fields = {} if norm is None else {"reads_norm": f"{attn}.{norm}"}
     return fields if gate is None else fields | dict(output_gate=f"{attn}.{gate[0]}", gate_layout=gate[1],
                                                      gate_first=gate[2], gate_act=gate[3], gate_direct=gate[5],

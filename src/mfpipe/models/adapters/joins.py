@@ -79,9 +79,17 @@ def run_block(adapter, layer: int, x: Tensor, branch: Tensor, ids: Tensor | None
 
 
 @torch.no_grad()
-def check_per_position(base: nn.Module, blocks, at: int, attn_path: str, mt) -> None:
+def check_per_position(base: nn.Module, blocks, at: int, attn_path: str, mt,
+                       branch_at_projection: bool = False) -> None:
     """Refuses a block whose output at some position of a probe forward is not what the block gives that position
-    alone, as one-position sequence with the attention's output it had (:func:`run_block`'s premise)."""
+    alone, as one-position sequence with the attention's output it had (:func:`run_block`'s premise), or whose
+    attention's output is not its branch (``branch_at_projection``: BLOOM's adds the residual, GIT's projection sits
+    beside it): :func:`run_block` replaces that output by the branch."""
+    if branch_at_projection:
+        raise UnsupportedArchitectureError(mt, "its branches join the residual in a form of the block's own, and its "
+                                               "attention's output is not its branch (the residual added in it, or "
+                                               "the output projection beside it): mfpipe runs such a join by "
+                                               "replacing the attention's output with the branch")
     block, attn = blocks[at], submodule(blocks[at], attn_path)
     rec: dict[str, Tensor] = {}
 

@@ -113,8 +113,9 @@ def place_layer_forms(model, base, blocks, kinds: list[str], attn: str, out_proj
     if len(set(signature.values())) < 2:
         return ()
     if out_proj is None:
-        raise UnsupportedArchitectureError(mt, "its attention layers are of several kinds, its output projection beside "
-                                               "the attention: mfpipe places layers of several kinds in the attention")
+        raise UnsupportedArchitectureError(mt, "its attention layers are of several kinds, its output projection "
+                                               "beside the attention: mfpipe places layers of several kinds whose "
+                                               "projection is the attention's")
     if found["value_layout"] not in FORM_LAYOUTS:
         raise UnsupportedArchitectureError(mt, f"its attention layers are of {len(set(signature.values()))} kinds, "
                                                f"and its values are laid out {found['value_layout']}: mfpipe places "

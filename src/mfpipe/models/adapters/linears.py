@@ -41,12 +41,12 @@ def attention_linears(attn_mod: nn.Module, out_proj: str, d: int) -> tuple[list[
     return list(linears), reads_d  # a Conv1D's weight is [in, out]
 
 
-def off_linear(seen: dict, attn_mod: nn.Module, keys: dict[str, str], same) -> str | None:
-    """The first of the attention's projections (path in it -> its probe key in ``seen``: ``<out_proj>``,
-    ``<src>NAME``) whose output in the probe forward is not the linear map of its weight of its input, to the model's
-    rounding (``same``), as ``"path (Class)"``; None where every one is."""
+def off_linear(seen: dict, root: nn.Module, keys: dict[str, str], same) -> str | None:
+    """The first of the attention's projections (path from ``root``, the block -> its probe key in ``seen``:
+    ``<out_proj>``, ``<src>NAME``) whose output in the probe forward is not the linear map of its weight of its input,
+    to the model's rounding (``same``), as ``"path (Class)"``; None where every one is."""
     for name, key in keys.items():
-        m, got = attn_mod.get_submodule(name), seen.get(key)
+        m, got = root.get_submodule(name), seen.get(key)
         if got is None or not isinstance(getattr(m, "weight", None), Tensor):
             continue
         w = m.weight.t() if type(m).__name__ == "Conv1D" else m.weight  # Conv1D's weight is [in, out]

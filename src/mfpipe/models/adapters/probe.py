@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.asked import reads_ahead
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
@@ -122,6 +123,9 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     seen, order = probe_forward(model, base, watch)
     if "<attn>" not in seen or "<block>" not in seen:
         raise UnsupportedArchitectureError(mt, "a probe forward did not run its first block's attention")
+    if reads_ahead(seen["<attn>"].out):
+        raise UnsupportedArchitectureError(mt, "its attention reads later positions (an encoder; a BERT-style decoder "
+                                               "without is_decoder=True): mfpipe reads causal decoders", "modelling")
     same = same_within(emb.weight.dtype)
     extra = forms(seen, same) if forms else {}  # no MLP, a mixer beside the attention (mfpipe.models.adapters.forms)
     chain = [named_mlp] if named_mlp else _mlp_chain(seen, order, block, attn.split(".")[0], mt)
@@ -347,9 +351,6 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     if not isinstance(probs, Tensor) or "<out_proj>" not in seen:
         raise UnsupportedArchitectureError(mt, "its attention returns no probabilities under eager attention")
     probs, reads = probs.detach().double(), seen["<out_proj>"].x.double()
-    if probs.shape[-1] == probs.shape[-2] and bool(torch.triu(probs.abs(), 1).amax() > 0):
-        raise UnsupportedArchitectureError(mt, "its attention reads later positions (an encoder; a BERT-style decoder "
-                                               "without is_decoder=True): mfpipe reads causal decoders", "modelling")
     H, dh = shape.H, shape.dh
     # a wrong layout misses by the size of the reads themselves; the right one by the model dtype's rounding
     tol = max(1e-4, 20 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-4

@@ -218,7 +218,7 @@ def describe(model: nn.Module) -> Structure:
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
     roles, latent = found["roles"], found["latent"]
     if roles["join"] == "model":  # a join of the block's own: run by the block, so it must be of each position alone
-        check_per_position(base, blocks, first, attn, mt)
+        check_per_position(base, blocks, first, attn, mt, found["attn_residual"] or not out_proj.startswith(attn + "."))
     norm = (submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(base, final_norm)
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
