@@ -14,7 +14,9 @@ tests/test_stats_reference.py, tests/test_substitution.py, tests/test_rollout.py
 The default run (CI) runs the Jamba alone (a hybrid whose attention blocks are experts), at the cost the Mixtral's
 whole DAG had alone; ``MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py`` runs all three in the one run,
 and a fourth since stop 76: a BitNet, whose attention norms every head's reads together before its output projection
-(mfpipe.models.adapters.normed)."""
+(mfpipe.models.adapters.normed); a fifth since stop 77: a GIT (BERT's post-norm layout, and a learned position table,
+so the rollout's error enters at block 0 and its MLP's units apply there). ``MFPIPE_LOCAL_MODELS=tiny-git pytest
+tests/test_moe_workflow.py`` runs the ones it names alone."""
 
 from __future__ import annotations
 
@@ -39,13 +41,20 @@ MODELS = {
     "tiny-deepseek": ("deepseek_v3", ("attention",) * 2, (None, MOE)),  # block 0 dense (first_k_dense_replace)
     # stop 76: a norm of every head's reads before the output projection (mfpipe.models.adapters.normed)
     "tiny-bitnet": ("bitnet", ("attention",) * 2, (None, None)),
+    # stop 77: BERT's post-norm layout (GIT's text decoder: the norms in the output modules, the projection beside the
+    # attention proper, the embedding with its position table beside the encoder)
+    "tiny-git": ("git", ("attention",) * 2, (None, None)),
 }
 # What the default run (CI) runs: the Jamba alone, a hybrid whose attention blocks are a mixture of experts (the
 # Mamba and the experts' not-applicable reasons, the layer kinds, the loops); its whole DAG costs what the Mixtral's
 # alone did. MFPIPE_LOCAL_MODELS_E2E=1 runs all three in the one run (about 3x the jobs: over CI's 15 minutes).
 RUN_ALL = os.environ.get("MFPIPE_LOCAL_MODELS_E2E") == "1"
-RUN = tuple(MODELS) if RUN_ALL else ("tiny-jamba",)
-ALL_THREE = "the Mixtral and the DeepSeek-V3 run with `MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py`"
+POSITION_TABLES = ("tiny-git",)  # a learned absolute position table: the rollout's error enters at block 0
+# MFPIPE_LOCAL_MODELS=tiny-git,tiny-bitnet runs those alone (a family added since: its run without the others')
+CHOSEN = tuple(n for n in os.environ.get("MFPIPE_LOCAL_MODELS", "").split(",") if n)
+RUN = CHOSEN or (tuple(MODELS) if RUN_ALL else ("tiny-jamba",))
+ALL_THREE = ("the Mixtral, the DeepSeek-V3, the BitNet and the GIT run with `MFPIPE_LOCAL_MODELS_E2E=1 pytest "
+             "tests/test_moe_workflow.py`")
 
 
 def ran(name: str) -> None:
@@ -161,10 +170,12 @@ def _divergence_says_what_does_not_apply(results, name):
         row = units.iloc[layer]
         if reason is None:  # the decomposition applies: the MLP's hidden units counted, no reason
             assert pd.isna(row.get("not_applicable")) and row.n_units > 0 and row.top_k == 4, row
-            if layer == 0:  # (DeepSeek-V3's dense block, BitNet's first) no error enters it (no position table):
-                # nothing to decompose, NaN readings
+            if layer == 0 and name not in POSITION_TABLES:  # (DeepSeek-V3's dense block, BitNet's first) no error
+                # enters it (no position table): nothing to decompose, NaN readings
                 assert steps.err_in_rel.iloc[layer] < 1e-6 and row[readings[1:]].isna().all(), (steps, row)
-            else:  # BitNet's second block: its MLP's excess over its hidden units, the units summing to it
+            else:  # BitNet's second block, GIT's both (its position rows: the error of block 0's input, the centroid
+                # of each type over positions): its MLP's excess over its hidden units, the units summing to it
+                assert layer > 0 or steps.err_in_rel.iloc[layer] > 1e-3, steps
                 assert np.isfinite(row[readings].astype(float)).all() and row.decomposition_residual < 1e-4, row
         else:
             assert row.not_applicable == reason and row[readings].isna().all(), row
@@ -184,6 +195,7 @@ def test_the_hybrid_labels_its_mamba_layers(run):
     coordinate, NaN rows of P, μ and the deviation at its Mamba layers and numbers at its attention layers; its
     residual centroids are numbers at every depth (the Mamba blocks run as the model computes them); the tables of
     per-layer rows name the kind."""
+    ran("tiny-jamba")
     import xarray as xr
 
     results = run[1]
