@@ -15,10 +15,10 @@ output projection's input):
   Qwen3-Next's gated attention output, :mod:`~.gate` places it and the refusal says what else stands in the way);
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
 * a block that keeps no residual stream mfpipe reads: several streams (Gemma-3n's AltUp, hyper-connections,
-  Reformer's reversible halves), a norm of the residual at its end inside a module that adds the residual itself
-  (post-norm: GIT; GPT-1's and TrOCR's are placed), the attention's output passed through another module before the
-  residual (Inkling's short convolutions) (a residual scaled or renormalised by the block is run by the block's own
-  code: :mod:`~mfpipe.models.adapters.joins`);
+  Reformer's reversible halves), a norm of the residual at its end inside a module that adds the residual itself,
+  of a form the placement does not find (post-norm: GPT-1's, TrOCR's and GIT's are placed), the attention's output
+  passed through another module before the residual (Inkling's short convolutions) (a residual scaled or
+  renormalised by the block is run by the block's own code: :mod:`~mfpipe.models.adapters.joins`);
 * an LM head that reads the final norm's output through more than one module (ModernBERT-decoder's one prediction
   head is placed: :func:`~mfpipe.models.adapters.residual.head_transform`).
 
