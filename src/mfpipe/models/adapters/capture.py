@@ -1,7 +1,7 @@
 """What the read/patch site (:mod:`~mfpipe.models.adapters.site`) hands out and takes: one layer's activations
 (:class:`LayerCapture`, its fields :data:`CAPTURE_FIELDS`), a run's logits and loss (:class:`RunResult`), the choice of
 fields to read (:func:`resolve_select`) and the callbacks' types, and :func:`module_at`, a module (or an nnsight envoy)
-by its dotted path.
+by its dotted path (:func:`path_within`: such a path from a module below it).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from torch import Tensor
 
 __all__ = ["CAPTURE_FIELDS", "LayerCapture", "first_output", "hidden_input", "PatchOut", "PatchReads", "PatchResid", "RunResult", "Select",
-           "module_at", "resolve_select"]
+           "module_at", "path_within", "resolve_select"]
 
 
 @dataclass
@@ -82,6 +82,13 @@ def module_at(root, path: str):
         kids = vars(obj).get("_child_map") if hasattr(obj, "__dict__") else None
         obj = kids[part] if isinstance(kids, dict) and part in kids else getattr(obj, part)
     return obj
+
+
+def path_within(path: str, prefix: str) -> str | None:
+    """``path`` from the module at ``prefix`` (paths from one root), or None where it lies outside it: an output
+    projection in the attention (``self_attn.o_proj`` -> ``o_proj``) or beside it (GIT's ``attention.output.dense``
+    beside ``attention.self``)."""
+    return path[len(prefix) + 1:] if path.startswith(prefix + ".") else None
 
 
 def first_output(out):

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from mfpipe.models.adapters.asked import reads_ahead
-from mfpipe.models.adapters.capture import first_output
+from mfpipe.models.adapters.capture import first_output, path_within
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
 from mfpipe.models.adapters.normed import normed_layout
@@ -108,7 +108,7 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     block; the embedding is read where block 0 reads it); ``forms``: :func:`~.forms.block_forms`."""
     block = blocks[at]
     attn_mod = submodule(block, attn)
-    inside = out_proj[len(attn) + 1:] if out_proj.startswith(attn + ".") else None  # None: beside it (GIT's)
+    inside = path_within(out_proj, attn)  # None: beside it (GIT's)
     linears, sources = attention_linears(attn_mod, inside, shape.d)  # a wrapped one too (Moshi's o_proj.linear)
     watch = {n: m for n, m in block.named_children()} | getattr(forms, "watch", {})  # DBRX's wrapped norms (forms)
     closing = closing_modules(block, attn, is_norm)  # BERT's output modules: residual added, the sum normed (GIT's)

@@ -7,8 +7,9 @@ positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.a
   output with a zero residual); a module that adds the residual to its one projection's output and norms the sum
   (BERT's layout, GIT's ``attention.output`` and ``output``: :func:`closing_modules`), its projection's output the
   branch, its norm the next one's (a post-norm's, whose roles the probe decides);
-* a branch scale (MiniCPM-3 multiplies each branch by ``scale_depth / sqrt(L)``: :func:`branch_scale`), and a bias the
-  attention returns for the block to add (:func:`returned_bias`: GPT-NeoX-Japanese's);
+* a branch scale (MiniCPM-3 multiplies each branch by ``scale_depth / sqrt(L)``: :func:`branch_scale`), a bias the
+  attention returns for the block to add (:func:`returned_bias`: GPT-NeoX-Japanese's), and a scalar the block
+  multiplies its output by (:func:`scalar_buffer`: Gemma-4's ``layer_scalar``);
 * an absolute position table as a tensor (:func:`table_rows`: a learned one, or a sinusoidal buffer; the candidates:
   :func:`position_tables`), and the input embedding a base model leaves to its causal LM (:func:`input_embedding`:
   TrOCR's wrapper);
@@ -32,7 +33,7 @@ from mfpipe.models.adapters.streaming import held
 
 __all__ = ["PROBE_IDS", "attn_adds_residual", "branch_scale", "closed_chain", "closing_modules", "embed_scale", "head_transform", "input_embedding",
            "logit_scale",
-           "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "table_rows"]
+           "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "scalar_buffer", "table_rows"]
 
 PROBE_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
 
@@ -74,6 +75,13 @@ def returned_bias(blocks, attn: str, d: int) -> str | None:
     names = {n for m in mods for n, p in m.named_parameters(recurse=False)
              if tuple(p.shape) == (d,) and any(n in vars(o) and getattr(o, n) is None for o in mods)}
     return f"{attn}.{names.pop()}" if len(names) == 1 else None
+
+
+def scalar_buffer(block: nn.Module, name: str) -> bool:
+    """Whether ``block`` holds a one-element float buffer ``name`` of its own (Gemma-4's ``layer_scalar``, which its
+    forward multiplies the block's output by: the conformance rebuild checks it where it is not 1)."""
+    t = dict(block.named_buffers(recurse=False)).get(name)
+    return isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point()
 
 
 def mlp_residual(block, chain: list[str], last, same) -> Tensor | None:

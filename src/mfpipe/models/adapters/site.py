@@ -259,8 +259,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         proj_out = need_attn_out and s.branch_at_projection
         attn_out = None
         # forward order: an attention proper that returns before its projection runs (GIT's) is read first
-        early = module_at(layer_env, self.ATTN).output if "attn_probs" in sel and not s.out_proj.startswith(
-            s.attn + ".") else None
+        early = module_at(layer_env, self.ATTN).output if "attn_probs" in sel and s.projection_beside else None
         if "reads" in sel or patch_reads is not None or patch_out is not None or proj_out:
             cap.reads, proj = self._out_proj_site(layer_env, layer, sel, patch_reads, patch_out, proj_out, gate)
             attn_out = proj if proj_out else None

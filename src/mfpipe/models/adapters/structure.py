@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters import probe
 from mfpipe.models.adapters.asked import ask_for_probabilities
+from mfpipe.models.adapters.capture import path_within
 from mfpipe.models.adapters.configs import check_config_forms, config_value
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
                                           idle_attentions, placing_block, side_mixer, unstacked,
@@ -56,7 +57,8 @@ from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
-from mfpipe.models.adapters.residual import head_transform, input_embedding, logit_scale, returned_bias
+from mfpipe.models.adapters.residual import (head_transform, input_embedding, logit_scale, returned_bias,
+                                             scalar_buffer)
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
@@ -154,10 +156,16 @@ class Structure:
     join: str = "sum"
 
     @property
+    def projection_beside(self) -> bool:
+        """Whether the output projection sits beside the attention module, not in it (GIT's, in its wrapper: the
+        attention returns the reads, before the projection runs)."""
+        return path_within(self.out_proj, self.attn) is None
+
+    @property
     def branch_at_projection(self) -> bool:
         """Whether the attention branch is the output projection's output, not the attention module's ``[0]``: the
-        attention adds the residual itself (BLOOM), or the projection sits beside it (GIT's, in its wrapper)."""
-        return self.attn_residual or not self.out_proj.startswith(self.attn + ".")
+        attention adds the residual itself (BLOOM), or the projection sits beside it (GIT's)."""
+        return self.attn_residual or self.projection_beside
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -217,15 +225,15 @@ def describe(model: nn.Module) -> Structure:
                         mlp, named_value, latent_sources, first, block_forms(block, attn, side, mlp == NO_MLP, mlp, mt))
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
     roles, latent = found["roles"], found["latent"]
+    inside = path_within(out_proj, attn)  # None: the projection beside the attention (GIT's)
     if roles["join"] == "model":  # a join of the block's own: run by the block, so it must be of each position alone
-        check_per_position(base, blocks, first, attn, mt, found["attn_residual"] or not out_proj.startswith(attn + "."))
+        check_per_position(base, blocks, first, attn, mt, found["attn_residual"] or inside is None)
     norm = (submodule(block, roles["attn_norm"]) if roles["attn_norm"] else submodule(base, final_norm)
             if final_norm else nn.Identity())
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         rms_offset, centred = _norm_kind(norm, mt)
     check_source_forms(blocks, attn, [l for l, k in enumerate(kinds) if k == "attention"], mt)
-    forms = place_layer_forms(model, base, blocks, kinds, attn, out_proj[len(attn) + 1:] if out_proj.startswith(
-        attn + ".") else None, first, found, shape, mt, formed_sources)
+    forms = place_layer_forms(model, base, blocks, kinds, attn, inside, first, found, shape, mt, formed_sources)
     head = head_transform(model, base)  # ModernBERT-decoder's prediction head
     return Structure(
         layers=layers, embed=embed, final_norm=final_norm, attn=attn,
@@ -250,17 +258,10 @@ def describe(model: nn.Module) -> Structure:
         side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
         value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"), head_transform=head,
         value_norm=f"{attn}.{found['value_norm']}" if found.get("value_norm") else None,
-        resid_scale="layer_scalar" if _scalar_buffer(block, "layer_scalar") else None,
+        resid_scale="layer_scalar" if scalar_buffer(block, "layer_scalar") else None,
         block_norm=roles["block_norm"], norm_carried=roles["norm_carried"], join=roles["join"],
         **gate_fields(found["gate"], attn, found.get("reads_norm")),
     )
-
-
-def _scalar_buffer(block: nn.Module, name: str) -> bool:
-    """Whether ``block`` holds a one-element float buffer ``name`` of its own (Gemma-4's ``layer_scalar``, which its
-    forward multiplies the block's output by: the conformance rebuild checks it where it is not 1)."""
-    t = dict(block.named_buffers(recurse=False)).get(name)
-    return isinstance(t, Tensor) and t.numel() == 1 and t.is_floating_point()
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
