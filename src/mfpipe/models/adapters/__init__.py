@@ -43,6 +43,10 @@
   by the probe (:func:`~mfpipe.models.adapters.normed.normed_layout`); the site reads and replaces the reads at its
   input, and a read's write to the residual is the read times the factor the norm gives its position's reads
   (:func:`~mfpipe.models.adapters.normed.reads_factor`, by ``read_gate`` handed the reads).
+* ``convolved.py`` — short convolutions over positions on a head's path (Inkling's): of the values (the site reads them
+  at the convolution's output, the value map runs the projection and then it) and of each branch before it joins the
+  residual (in the post-norm's role); found by what the modules are and read
+  (:func:`~mfpipe.models.adapters.convolved.position_conv`); the rollout's rows each a sequence of one position.
 * ``calls.py`` — the arguments a model's forward hands its blocks on one-token inputs, for running a block on residual
   rows (a join of the block's own, a hybrid's other mixer, a gate of a latent); per row's token where the blocks read
   an input of each token (Gemma-4's per-layer inputs: ``token_call``, ``row_tokens``).

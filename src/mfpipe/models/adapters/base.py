@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.asked import ask_for_probabilities
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.configs import config_value
+from mfpipe.models.adapters.convolved import on_rows, position_conv
 from mfpipe.models.adapters.gate import has_gate
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.layers import pad_heads
@@ -122,6 +123,15 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
     @property
     def device(self) -> torch.device:
         return self._embedding().weight.device
+
+    @property
+    def state_in_cache(self) -> bool:
+        """Whether the model's cache holds a state its next token updates in place: a hybrid's state-space or recurrent
+        state, Inkling's convolution states (:mod:`~mfpipe.models.adapters.convolved`); the Jacobians and the J-lens
+        products then run each window whole, not the token after a kept prefix."""
+        l, s = self.attention_layers[0], self.structure
+        return self.hybrid or s.value_conv is not None or any(
+            position_conv(self._sub(l, p)) for p in (s.post_attn_norm, s.post_mlp_norm) if p is not None)
 
     @property
     def n_rep(self) -> int:
@@ -318,8 +328,9 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
 
     @block_piece
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
-        """The attention branch's post-norm (identity where absent), times the branch scale (MiniCPM-3's)."""
-        return self._scaled(self._opt_module(layer, self.POST_ATTN_NORM)(self._in(x))).to(x.dtype)
+        """The attention branch's post-norm (identity where absent; Inkling's convolution over positions, on rows ``[N,
+        d]`` each a sequence of one position: :mod:`~mfpipe.models.adapters.convolved`), times the branch scale."""
+        return self._scaled(on_rows(self._opt_module(layer, self.POST_ATTN_NORM), self._in(x))).to(x.dtype)
 
     def _scaled(self, x: Tensor) -> Tensor:  # times a python float, as the block multiplies: to the bit
         return x if self.structure.branch_scale == 1.0 else x * self.structure.branch_scale
@@ -328,7 +339,7 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
     def mlp(self, layer: int, x_resid: Tensor) -> Tensor:
         """The MLP branch of the residual it reads (``resid_mid``; parallel: ``resid_in``): norms, MLP, scale."""
         h = self._mlp_proper(layer, self._opt_module(layer, self.MLP_NORM)(self._in(x_resid)))
-        return self._scaled(self._opt_module(layer, self.POST_MLP_NORM)(h)).to(x_resid.dtype)
+        return self._scaled(on_rows(self._opt_module(layer, self.POST_MLP_NORM), h)).to(x_resid.dtype)
 
     def _mlp_proper(self, layer: int, h: Tensor) -> Tensor:
         """The MLP module (or chain of modules: OPT) on its input ``h [..., d]``; a mixture of experts is called on

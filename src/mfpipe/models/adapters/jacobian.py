@@ -125,8 +125,8 @@ def position_jacobians(adapter, ids, positions, *, grad_chunk: int = 16, prefix_
             p.requires_grad_(False)
         model.eval()
         with fast_input_grads(model):  # a 16-bit model on a CPU: its linear layers' backward in float32 (backward16)
-            # a hybrid's cache holds a state-space or recurrent state its next token updates in place: no backward
-            if prefix_cache and not getattr(adapter, "hybrid", False):
+            # a cache holding a state the next token updates in place (a hybrid's, Inkling's): no backward through it
+            if prefix_cache and not getattr(adapter, "state_in_cache", False):
                 try:
                     _cached_prefix(adapter, ids, pos, grad_chunk, rows, grp, total, by)
                     return total if grp is None else (total, by)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.asked import reads_ahead
 from mfpipe.models.adapters.capture import first_output, path_within
+from mfpipe.models.adapters.convolved import position_conv, value_convs
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
 from mfpipe.models.adapters.normed import normed_layout
@@ -118,6 +119,7 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     watch.update({"<attn>": attn_mod, "<out_proj>": submodule(block, out_proj), "<block>": block,
                   "<first>": blocks[0], "<last>": blocks[-1], "<embed>": emb})
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
+    watch.update({f"<src>{n}": m for n, m in attn_mod.named_children() if position_conv(m)})  # Inkling's v_sconv
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": submodule(base, n) for n in outer_norms})  # paths from the base model
     seen, order = probe_forward(model, base, watch)
@@ -143,7 +145,8 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
         # beside the attention proper, which returns the reads: the branch is the output projection's output
         seen["<attn>"] = seen["<attn>"]._replace(y=seen["<out_proj>"].y, y_obj=seen["<out_proj>"].y_obj)
     final_norm, embed_norm = _outer_norms(seen, outer_norms, mt)
-    norms = [n for n, m in watch.items() if n[:1] != "<" and n != attn.split(".")[0] and is_norm(m) and n in seen]
+    norms = [n for n, m in watch.items() if n[:1] != "<" and n != attn.split(".")[0] and n in seen
+             and (is_norm(m) or position_conv(m))]  # a branch's convolution over positions: its post-norm's role
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]  # a block's own branch scale
     out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain, attn_residual=attn_residual,
                mlp_residual=residual is not None, roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt, scales))
@@ -158,7 +161,8 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     with held(block):  # (a norm of the reads is run on the probe's reads: a streamed block's weights read for it)
         out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
             t, attn_mod, inside, shape.H, shape.dh, order,
-            lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents))))
+            lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents,
+                                   value_convs(s, attn_mod, sources)))))
         # the maps mfpipe takes them for: not a quantized layer's (BitNet's AutoBitLinear: its input quantized)
         odd = off_linear(seen, block, {out_proj: "<out_proj>", f"{attn}.{out['value_source']}":
                                        f"<src>{out['value_source']}"}, same)
@@ -218,7 +222,7 @@ def _mlp_chain(seen: dict, order: list[str], block: nn.Module, attn_top: str, mt
     """The block children (not the attention, not a norm) the forward ran, in call order, less parameter-free ones
     at either end (dropouts): one module, or a chain in which each reads what the one before wrote (OPT)."""
     kids = dict(block.named_children())
-    ran = [n for n in order if n in kids and n != attn_top and not is_norm(kids[n])]
+    ran = [n for n in order if n in kids and n != attn_top and not is_norm(kids[n]) and not position_conv(kids[n])]
     joins = [n for n in ran if _joins(seen[n])]  # handed a branch and the residual (Zaya's residual scaling)
     ran = [n for n in ran if n not in joins] if 0 < len(joins) < len(ran) else ran  # joins: run by the block
     while ran and not any(True for _ in kids[ran[0]].parameters()):
@@ -339,13 +343,14 @@ def post_norm(seen: dict, unplaced: list[str], mlp_norm: str | None, mlp_reads, 
 
 
 def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, shape: Shape, mt,
-                 dtype: torch.dtype = torch.float32, latents: dict | None = None) -> dict:
+                 dtype: torch.dtype = torch.float32, latents: dict | None = None, convs: dict | None = None) -> dict:
     """The value source and layout: the one named (:func:`~mfpipe.models.adapters.structure._value_by_name`) where
     its values reproduce the reads, else the one (source, KV heads, chunks, offset) among all chunked layouts of the
     attention's projections from the width d, and of the latent ones (``latents``: name -> where it reads,
     :mod:`~mfpipe.models.adapters.latent`), that does; ``latent`` says where the source reads (None: the norm's output).
-    A layout that is one of the named ones keeps its name (a latent source's stays chunked)."""
-    latents = latents or {}
+    A layout that is one of the named ones keeps its name (a latent source's stays chunked). ``convs``: a position
+    convolution of the attention -> the projection it reads (:func:`~.convolved.value_convs`), tried as a source."""
+    latents, convs = latents or {}, convs or {}
     attn_out = seen["<attn>"].out
     probs = attn_out[1] if isinstance(attn_out, (tuple, list)) and len(attn_out) > 1 else None
     if not isinstance(probs, Tensor) or "<out_proj>" not in seen:
@@ -369,7 +374,7 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
         if f"<src>{n}" in seen and fits(n, kv, chunk_index(seen[f"<src>{n}"].y.shape[-1], kv * dh, chunks, offset)):
             return dict(value_source=n, value_layout=lay, kv_heads=None, value_chunks=1, value_offset=0, latent=None)
     found = {}
-    for n in [*sources, *latents]:
+    for n in [*sources, *latents, *convs]:
         if f"<src>{n}" not in seen:
             continue
         W = seen[f"<src>{n}"].y.shape[-1]
@@ -388,7 +393,7 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     (n, kv, _), (chunks, offset) = next(iter(found.items()))
     W = seen[f"<src>{n}"].y.shape[-1]
     lay = "chunked" if n in latents else canonical_layout(W, kv, chunks, offset, shape.H, shape.dh)
-    return dict(value_source=n, value_layout=lay, kv_heads=None if kv == shape.KV else kv,
+    return dict(value_source=convs.get(n, n), value_layout=lay, kv_heads=None if kv == shape.KV else kv,
                 value_chunks=chunks if lay == "chunked" else 1, value_offset=offset if lay == "chunked" else 0,
-                latent=latents.get(n))
+                latent=latents.get(n), value_conv=n if n in convs else None)
 

@@ -251,7 +251,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         if "values" in sel and self.structure.value_norm is not None:  # the values as the heads read them (Gemma-4's)
             cap.values = self.values_from_norm(module_at(layer_env, self.structure.value_norm).output, layer).float()
         elif "values" in sel:
-            cap.values = self._values_from_src(module_at(layer_env, self.value_path(layer)).output, layer).float()
+            cap.values = self._values_from_src(module_at(layer_env, self.values_read_at(layer)).output, layer).float()
         gate = self.gate_site(layer_env, sel, patch_reads, False, layer) if gate is None else gate  # forward order
         s = self.structure
         # the attention adds the residual itself (BLOOM), or its projection sits beside it (GIT): its branch is the

@@ -14,7 +14,8 @@ block for the rest):
   projection, which reads a norm of a slice of another projection (DeepSeek-V2/V3's ``kv_b_proj`` of
   ``kv_a_layernorm`` of ``kv_a_proj_with_mqa``: :mod:`~mfpipe.models.adapters.latent`);
 * the norms by role: before attention, after attention (Gemma-2/3, OLMo-2), before the MLP (or the attention's
-  own norm, shared: GPT-J, parallel StableLM), after the MLP; ``None`` where a block has none;
+  own norm, shared: GPT-J, parallel StableLM), after the MLP (or a short convolution over positions there, Inkling's,
+  as on its values, ``value_conv``: :mod:`~mfpipe.models.adapters.convolved`); ``None`` where a block has none;
 * the MLP: one module (a mixture of experts included: Mixtral's router and experts, called on ``[B, T, d]`` as the
   block calls it), or a chain of the block's own modules (OPT's ``fc1``, ``activation_fn``, ``fc2``); whether it
   reads the block input (parallel residual: GPT-J, GPT-NeoX / Pythia, parallel StableLM, Falcon, Cohere) or the
@@ -47,8 +48,7 @@ from mfpipe.models.adapters.asked import ask_for_probabilities
 from mfpipe.models.adapters.capture import path_within
 from mfpipe.models.adapters.configs import check_config_forms, config_value
 from mfpipe.models.adapters.forms import (NO_MLP, block_forms, check_skipped, check_source_forms, formed_sources,
-                                          idle_attentions, placing_block, side_mixer, unstacked,
-                                          wrapped_attention)
+                                          idle_attentions, placing_block, side_mixer, unstacked, wrapped_attention)
 from mfpipe.models.adapters.embedding import embedding_places
 from mfpipe.models.adapters.gate import gate_fields
 from mfpipe.models.adapters.hybrid import MIXERS, mixer_kind, own_name
@@ -139,6 +139,7 @@ class Structure:
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
     value_scale: float = 1.0  # ... and multiplies its values by this (MiMo-V2-Flash's v_scale): forms.value_form
     value_norm: str | None = None  # ... a norm of each head's values, the layer's own (Gemma-4's v_norm; from the block)
+    value_conv: str | None = None  # ... a convolution over positions of the source's output (Inkling's)
     resid_scale: str | None = None  # a [1] buffer the block multiplies its output by (Gemma-4's layer_scalar)
     # each layer's head width, KV heads, value source and layout (and latent) where its attention layers are of several
     # kinds (adapters.layers: MiMo-V2-Flash's, dots.3-note's); () where every layer has the placed block's form
@@ -224,7 +225,7 @@ def describe(model: nn.Module) -> Structure:
                         submodule(base, tables[0]) if len(tables) == 1 else None, shape, mt,
                         mlp, named_value, latent_sources, first, block_forms(block, attn, side, mlp == NO_MLP, mlp, mt))
     final_norm, embed_norm = found["final_norm"], found["embed_norm"]
-    roles, latent = found["roles"], found["latent"]
+    roles, latent, vconv = found["roles"], found["latent"], found.get("value_conv")
     inside = path_within(out_proj, attn)  # None: the projection beside the attention (GIT's)
     if roles["join"] == "model":  # a join of the block's own: run by the block, so it must be of each position alone
         check_per_position(base, blocks, first, attn, mt, found["attn_residual"] or inside is None)
@@ -242,8 +243,7 @@ def describe(model: nn.Module) -> Structure:
         mlp=(found["mlp_chain"] or [None])[-1], mlp_norm=roles["mlp_norm"], post_mlp_norm=roles["post_mlp_norm"],
         parallel_residual=roles["parallel"], rms_offset=rms_offset, embed_scale=found["embed_scale"],
         position_table=tables[0] if len(tables) == 1 else None,
-        logit_softcap=(getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_soft_cap", None)
-                       or None),  # Gemma-2's, Recurrent-Gemma's
+        logit_softcap=getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_soft_cap", None) or None,
         kv_heads=found["kv_heads"], value_chunks=found["value_chunks"], value_offset=found["value_offset"],
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
@@ -251,7 +251,7 @@ def describe(model: nn.Module) -> Structure:
         norm_centred=centred, logit_scale=logit_scale(model, base, mt, head), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
-        latent_scale=latent.scale if latent else 1.0,
+        latent_scale=latent.scale if latent else 1.0, value_conv=vconv and f"{attn}.{vconv}",
         attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
         attn_bias=returned_bias(blocks, attn, shape.d),
         layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),

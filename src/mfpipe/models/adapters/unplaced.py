@@ -15,9 +15,10 @@ output projection's input):
   Qwen3-Next's gated attention output, :mod:`~.gate` places it and the refusal says what else stands in the way);
 * heads routed per token (JetMoE's mixture of attention heads: no projection from ``H x dh`` to ``d`` of its own);
 * a block that keeps no residual stream mfpipe reads: several streams (Gemma-3n's AltUp, hyper-connections,
-  Reformer's reversible halves), a norm of the residual at its end inside a module that adds the residual itself,
-  of a form the placement does not find (post-norm: GPT-1's, TrOCR's and GIT's are placed), the attention's output
-  passed through another module before the residual (Inkling's short convolutions) (a residual scaled or
+  Reformer's reversible halves, Inkling-2's attention residuals over earlier blocks' residuals), a norm of the residual
+  at its end inside a module that adds the residual itself, of a form the placement does not find (post-norm: GPT-1's,
+  TrOCR's and GIT's are placed), the attention's output passed through another module before the residual (Inkling's
+  short convolutions over positions are placed: :mod:`~mfpipe.models.adapters.convolved`) (a residual scaled or
   renormalised by the block is run by the block's own code: :mod:`~mfpipe.models.adapters.joins`);
 * an LM head that reads the final norm's output through more than one module (ModernBERT-decoder's one prediction
   head is placed: :func:`~mfpipe.models.adapters.residual.head_transform`).
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.convolved import position_conv
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.structure import base_model, blocks
 
@@ -210,13 +212,21 @@ _STREAM_KEYS = ("altup_num_inputs", "hc_count", "hc_mult")
 
 def _streams(model, base, d: int) -> str | None:
     """Several residual streams: a count of them in the config (Gemma-3n's AltUp ``altup_num_inputs``,
-    hyper-connections' ``hc_count`` / ``hc_mult``), or a norm outside the blocks ``k x d`` wide (Reformer's reversible
-    residual: its final norm reads ``[x1 | x2]``)."""
+    hyper-connections' ``hc_count`` / ``hc_mult``), a stack of earlier residual states ``[B, T, n, d]`` handed to the
+    last block beside its input (Inkling-2's ``block_states``), or a norm outside the blocks ``k x d`` wide
+    (Reformer's reversible residual: its final norm reads ``[x1 | x2]``)."""
     for key in _STREAM_KEYS:
         n = getattr(model.config, key, None)
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             return (f"its blocks carry {n} residual streams ({key}), mixed in every block: mfpipe reads one residual "
                     "stream of summed branches")
+    stacks = _forward(model, base, {"": blocks(model)[-1]})  # the last block: the stack grows from none at block 0
+    held = [a for a in stacks.get("", (None, None, None, ()))[3] if isinstance(a, Tensor) and a.ndim == 4
+            and a.shape[-1] == d and a.shape[-2] > 0]
+    if held:  # Inkling-2's block_states: the residuals at earlier block boundaries, [B, T, n, d]
+        return (f"its blocks mix the residuals of earlier blocks by an attention over them (attention residuals: a "
+                f"stack of earlier residual states handed beside the residual, {held[0].shape[-2]} at its last "
+                "block): mfpipe reads one residual stream of summed branches")
     inside = {id(m) for b in blocks(model) for m in b.modules()}
     for n, m in base.named_modules():
         w = getattr(m, "weight", None)
@@ -250,7 +260,8 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
                 "module that adds the residual to its one projection's output (BERT's output modules)")
     a_out = seen[attn][1]
     after = [n for n in seen if n in kids and "." not in n and n != attn and seen[n][0] is a_out and not _norm(kids[n])
-             and any(True for _ in kids[n].parameters())]  # not a dropout
+             and any(True for _ in kids[n].parameters()) and not position_conv(kids[n])]  # not a dropout; a short
+    # convolution over positions is placed (Inkling's: mfpipe.models.adapters.convolved)
     if after:
         return (f"its attention's output passes through {after[0]} ({type(kids[after[0]]).__name__}) before it joins "
                 "the residual: mfpipe reads the attention branch as the attention returns it (a norm after it at "

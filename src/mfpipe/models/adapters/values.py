@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.convolved import on_rows
 from mfpipe.models.adapters.forms import value_form
 from mfpipe.models.adapters.latent import Latent, latent_input
 from mfpipe.models.adapters.layers import FORM_LAYOUTS, LayerForm, pad_heads
@@ -79,6 +80,11 @@ class ValueMaps:
         """The value source of block ``layer`` (a path from the block)."""
         return self._forms[layer].value_source
 
+    def values_read_at(self, layer: int) -> str:
+        """Where the site reads block ``layer``'s values: its value source, or the convolution over positions of the
+        source's output that the heads read (Inkling's ``v_sconv``: :mod:`~mfpipe.models.adapters.convolved`)."""
+        return self.structure.value_conv or self.value_path(layer)
+
     # ------------------------------------------------------------------ layouts
     def _conv1d(self, m: nn.Module) -> bool:
         return type(m).__name__ == "Conv1D"  # transformers' GPT-2 projection: weight [d_in, d_out]
@@ -142,6 +148,8 @@ class ValueMaps:
             v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
         else:
             v = src(h)
+        if self.structure.value_conv is not None:  # over a sequence's positions; a row: a sequence of one position
+            v = on_rows(self._sub(layer, self.structure.value_conv), v)
         v = self._expand_kv(self._value_normed(layer, value_form(self.structure, v).unflatten(-1, (KV, dh))), -2, layer)
         return pad_heads(v, self.d_head).to(x.dtype)
 
@@ -152,9 +160,10 @@ class ValueMaps:
         ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
         values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so); values scaled by a constant
         (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid,
-        clamped values (DBRX's) and normed ones (Gemma-4's ``v_norm``): the pass then sums the values as read."""
+        clamped values (DBRX's), normed ones (Gemma-4's ``v_norm``) and convolved ones (Inkling's, over positions): the
+        pass then sums the values as read."""
         s = self.structure
-        if self._latents or self.hybrid or s.value_clip is not None or s.value_norm is not None:
+        if self._latents or self.hybrid or s.value_clip is not None or s.value_norm is not None or s.value_conv:
             return None
         src = self._sub(layer, self.value_path(layer))
         H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
