@@ -29,6 +29,9 @@ Conventions shared by all adapters
   scales its output (Gemma-4's ``layer_scalar``) hands on that sum times its scale (:meth:`Adapter.block_output`), a
   post-norm block (GPT-1, TrOCR) a norm of it (:meth:`Adapter.block_join`, which every consumer composes blocks by).
   :meth:`Adapter.mlp` takes the residual stream the MLP branch reads (``resid_mid`` or ``resid_in``).
+* Shapes: a piece maps ``[..., d]``; where a model mixes positions in a piece (Inkling's short convolutions:
+  :mod:`~mfpipe.models.adapters.convolved`) a 3-D ``[B, T, d]`` is a batch of sequences and a 2-D ``[N, d]`` rows,
+  each a sequence of one position (the rollout's type centroids).
 """
 
 from __future__ import annotations
@@ -129,9 +132,8 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         """Whether the model's cache holds a state its next token updates in place: a hybrid's state-space or recurrent
         state, Inkling's convolution states (:mod:`~mfpipe.models.adapters.convolved`); the Jacobians and the J-lens
         products then run each window whole, not the token after a kept prefix."""
-        l, s = self.attention_layers[0], self.structure
-        return self.hybrid or s.value_conv is not None or any(
-            position_conv(self._sub(l, p)) for p in (s.post_attn_norm, s.post_mlp_norm) if p is not None)
+        block = self.block_module(self.attention_layers[0])
+        return self.hybrid or any(isinstance(m, nn.Conv1d) and position_conv(m) for m in block.modules())
 
     @property
     def n_rep(self) -> int:

@@ -11,8 +11,11 @@ what joins the residual (the statistics' ``attn_out`` and ``mlp_out``) is read a
 
 A block piece applied to a sequence (``[B, T, d]``) runs the convolutions over its positions, as the model does; the
 rollout's rows (type centroids, ``[N, d]``) are each a sequence of one position (:func:`on_rows`), as a hybrid's mixer
-block is run on them (:func:`~mfpipe.models.adapters.hybrid.mixer_block`): a convolution then adds its last tap only,
-the positions before a type not being in the mean field's state.
+block is run on them (:func:`~mfpipe.models.adapters.hybrid.mixer_block`): a convolution then weighs its input by its
+tap of the current position only, the positions before a type not being in the mean field's state. (So the rollout's
+diagnostics that compare a piece on the centroid with the mean of its values over positions, the Jensen gaps of μ and
+of the MLP, hold the convolutions' terms of earlier positions too: the statistics read the values and branches as the
+model computes them on sequences.)
 
 The placement finds them by what the modules are and do (:func:`position_conv`: a module whose weights are all those
 of depthwise ``nn.Conv1d``; :func:`value_convs`: one of the attention's that reads what a projection from the model
@@ -51,6 +54,10 @@ def value_convs(seen: dict, attn_mod: nn.Module, sources: list[str]) -> dict[str
 
 
 def on_rows(module, x: Tensor) -> Tensor:
-    """``module`` (a position convolution, or a norm: per row) on ``x``: a sequence ``[..., T, d]`` as is; rows ``[N,
-    d]`` each a sequence of one position (a convolution on a 2-D tensor would take its rows for positions)."""
-    return module(x) if x.dim() >= 3 else module(x.reshape(-1, 1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+    """``module`` (a position convolution, or a norm: per row) on ``x``: sequences ``[B, T, d]`` as they are (more
+    leading dimensions folded into ``B``); rows ``[N, d]`` each a sequence of one position (a convolution on a 2-D
+    tensor would take its rows for positions)."""
+    if x.dim() == 3:
+        return module(x)
+    T = x.shape[-2] if x.dim() > 3 else 1
+    return module(x.reshape(-1, T, x.shape[-1])).reshape(*x.shape[:-1], -1)

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mfpipe.models.adapters.calls import one_token_call, untraced
 from mfpipe.models.adapters.capture import module_at
+from mfpipe.models.adapters.convolved import position_conv
 from mfpipe.models.adapters.normed import reads_factor
 from mfpipe.models.adapters.streaming import holds_block
 
@@ -101,7 +102,8 @@ def gated_layout(seen: dict, attn_mod, out_proj: str, H: int, dh: int, order: li
         refusal = e
     found = {}
     biases = [None] + [n for n, p in attn_mod.named_parameters(recurse=False) if tuple(p.shape) == (H,)]  # Beam's
-    for name in (n for n, _ in attn_mod.named_children() if n != out_proj and f"<src>{n}" in seen):
+    for name in (n for n, m in attn_mod.named_children() if n != out_proj and f"<src>{n}" in seen
+                 and not position_conv(m)):  # (a convolution of a projection, Inkling's, is no gate's source)
         src = seen[f"<src>{name}"]  # a projection of the attention's input, or of a latent of it (AXK-2's q_gate_proj)
         W = src.y.shape[-1]
         # the gates at any offset of a chunk in steps that fit its other outputs (AXK-2: 48 query, then 32 gate)

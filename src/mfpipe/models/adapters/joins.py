@@ -10,8 +10,8 @@ attention module's output replaced by the given attention branch (the output pro
 post-norm: what the attention returns): the
 rollout's block step at the mean-field branch, and the residual the MLP branch reads (its norm's input). The placement
 accepts such a join only where the block's output at every position of the probe forward is what
-:func:`check_per_position` gets from that position alone: an attention branch mixed over positions after the attention
-(Inkling's convolutions) stays refused.
+:func:`check_per_position` gets from that position alone (Inkling's convolutions over positions after its branches
+are no such join: they take the post-norm's role, :mod:`~mfpipe.models.adapters.convolved`).
 
 A block the model hands an input of each token beside the residual (Gemma-4's per-layer inputs, PLE: after the MLP
 ``h + norm(W_p(act(W_g h) ⊙ e_l(token)))``, ``e_l`` a function of the token alone) is such a join too: its rows run

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mfpipe.models.adapters.convolved import position_conv, value_convs
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.latent import Latent, latent_sources
 from mfpipe.models.adapters.linears import attention_linears, linear_paths
@@ -143,6 +144,7 @@ def _kind_form(model, base, block, layer: int, attn: str, out_proj: str, shape: 
     linears, sources = attention_linears(attn_mod, out_proj, shape.d)
     watch = {"<attn>": attn_mod, "<out_proj>": o} | {f"<src>{n}": submodule(attn_mod, n) for n in linears}
     watch |= {f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)}  # a latent's norm
+    watch |= {f"<src>{n}": m for n, m in attn_mod.named_children() if position_conv(m)}  # Inkling's v_sconv
     seen, order = probe_forward(model, base, watch)
     source_form(attn_mod, seen)
     dtype = next(attn_mod.parameters()).dtype
@@ -157,17 +159,21 @@ def _kind_form(model, base, block, layer: int, attn: str, out_proj: str, shape: 
     kind = Shape(L=shape.L, H=shape.H, KV=kv, dh=dh, d=shape.d)
     try:
         got = gated_layout(seen, attn_mod, out_proj, shape.H, dh, order, lambda s: value_layout(
-            s, sources, (source, "split") if named else None, kind, mt, dtype, latents))
+            s, sources, (source, "split") if named else None, kind, mt, dtype, latents,
+            value_convs(s, attn_mod, sources)))
     except UnsupportedArchitectureError as e:
         raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block: "
                                                f"{e.reason}") from None
     gate, placed_gate = _gate_kind(got["gate"]), _gate_kind(placed.get("gate"))
-    if got["value_layout"] not in FORM_LAYOUTS or gate != placed_gate:
+    conv, placed_conv = got.get("value_conv"), placed.get("value_conv")
+    if got["value_layout"] not in FORM_LAYOUTS or gate != placed_gate or conv != placed_conv:
         why = (f"lays its values out {got['value_layout']}" if got["value_layout"] not in FORM_LAYOUTS else
-               f"gates its reads otherwise ({gate}, the placed block's {placed_gate})")
+               f"gates its reads otherwise ({gate}, the placed block's {placed_gate})" if gate != placed_gate else
+               f"convolves its values otherwise ({conv}, the placed block's {placed_conv})")
         raise UnsupportedArchitectureError(mt, f"layer {layer}, of another attention kind than the placed block, "
                                                f"{why}: mfpipe places layers of several kinds for a value projection "
-                                               "of their own or a chunked one, gated as the placed block's")
+                                               "of their own or a chunked one, gated and convolved as the placed "
+                                               "block's")
     return _form(got, dh, int(got["kv_heads"] or kv), attn)
 
 

@@ -44,13 +44,15 @@ class NoUnitDecomposition(ValueError):
 class MlpUnits(NamedTuple):
     """One MLP evaluation split over its hidden units (float64: the model's numbers, widened exactly)."""
 
-    out: Tensor  # [N, d] the MLP's output, before any post-MLP norm: hidden @ weight + bias
+    out: Tensor  # [N, d] the output projection's output, before any module after the MLP: hidden @ weight + bias
     hidden: Tensor  # [N, F] the post-activation (the output projection's input)
     hidden_tangent: Tensor | None  # [N, F] J_h(x) tangent, when a tangent was given
     out_tangent: Tensor | None  # [N, d] J_out(x) tangent = hidden_tangent @ weight
     weight: Tensor  # [F, d]
     bias: Tensor | None  # [d]
-    post_norm: bool  # whether a norm follows the MLP inside the branch (the branch is then not linear in hidden)
+    # whether a module follows the MLP inside the branch (a norm, Gemma-2's: the branch is then not linear in hidden;
+    # Inkling's convolution over positions): the decomposition is of the MLP itself
+    post_norm: bool
 
 
 def _projection_weight(mod) -> Tensor:

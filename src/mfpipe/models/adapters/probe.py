@@ -349,7 +349,8 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
     attention's projections from the width d, and of the latent ones (``latents``: name -> where it reads,
     :mod:`~mfpipe.models.adapters.latent`), that does; ``latent`` says where the source reads (None: the norm's output).
     A layout that is one of the named ones keeps its name (a latent source's stays chunked). ``convs``: a position
-    convolution of the attention -> the projection it reads (:func:`~.convolved.value_convs`), tried as a source."""
+    convolution of the attention -> the projection it reads (:func:`~.convolved.value_convs`), tried as a source of
+    values only (a split layout: the value map convolves all of its outputs)."""
     latents, convs = latents or {}, convs or {}
     attn_out = seen["<attn>"].out
     probs = attn_out[1] if isinstance(attn_out, (tuple, list)) and len(attn_out) > 1 else None
@@ -378,7 +379,7 @@ def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, 
         if f"<src>{n}" not in seen:
             continue
         W = seen[f"<src>{n}"].y.shape[-1]
-        for kv in (k for k in range(1, H + 1) if H % k == 0):
+        for kv in (k for k in range(1, H + 1) if H % k == 0 and (n not in convs or W == k * dh)):  # convolved: split
             for chunks in (c for c in range(1, kv + 1) if kv % c == 0 and W % c == 0):
                 # a latent source's values sit after each head's key part, whose width need not be a multiple of dh
                 rest = W // chunks - kv * dh // chunks

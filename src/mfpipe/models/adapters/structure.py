@@ -14,8 +14,8 @@ block for the rest):
   projection, which reads a norm of a slice of another projection (DeepSeek-V2/V3's ``kv_b_proj`` of
   ``kv_a_layernorm`` of ``kv_a_proj_with_mqa``: :mod:`~mfpipe.models.adapters.latent`);
 * the norms by role: before attention, after attention (Gemma-2/3, OLMo-2), before the MLP (or the attention's
-  own norm, shared: GPT-J, parallel StableLM), after the MLP (or a short convolution over positions there, Inkling's,
-  as on its values, ``value_conv``: :mod:`~mfpipe.models.adapters.convolved`); ``None`` where a block has none;
+  own norm, shared: GPT-J, parallel StableLM), after the MLP (after a branch: or a short convolution over positions,
+  Inkling's, as on its values, ``value_conv``: :mod:`~mfpipe.models.adapters.convolved`); ``None`` where none is;
 * the MLP: one module (a mixture of experts included: Mixtral's router and experts, called on ``[B, T, d]`` as the
   block calls it), or a chain of the block's own modules (OPT's ``fc1``, ``activation_fn``, ``fc2``); whether it
   reads the block input (parallel residual: GPT-J, GPT-NeoX / Pythia, parallel StableLM, Falcon, Cohere) or the

@@ -243,8 +243,9 @@ def _block_form(model, base, attn_mod: nn.Module) -> str | None:
     at its end inside a module of the block's that the placement did not place (a post-norm whose norm is a module of
     the block is placed, GPT-1's: ``Structure.block_norm``, and one whose norm sits in a module that adds the residual
     to its one projection's output, BERT's output modules: GIT's), the
-    attention's output passing through another module before the residual (Inkling's short convolutions). (A join of
-    another form, scaled or renormalised, is run by the block's own code: :mod:`~mfpipe.models.adapters.joins`.)"""
+    attention's output passing through another module before the residual (a short convolution over positions is
+    placed: Inkling's, :mod:`~mfpipe.models.adapters.convolved`). (A join of another form, scaled or renormalised, is
+    run by the block's own code: :mod:`~mfpipe.models.adapters.joins`.)"""
     block = next(b for b in blocks(model) if any(m is attn_mod for m in b.modules()))
     attn = next(n for n, m in block.named_modules() if m is attn_mod)
     kids = {n: m for n, m in block.named_modules() if n and (_norm(m) or "." not in n)}
