@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_models import tiny_inkling
 
 from mfpipe.conformance import check_model
 from mfpipe.models.adapters import Adapter, describe
@@ -24,13 +25,7 @@ def _one_thread(one_thread):
 
 @pytest.fixture(scope="module")
 def inkling():
-    from mfpipe.models.defaults import default_config
-    from mfpipe.models.tiny import random_model, shrink_config
-
-    cfg = shrink_config(default_config("inkling_text"))
-    cfg.num_hidden_layers, cfg.layer_types, cfg.mlp_layer_types = 2, ["hybrid_sliding", "hybrid"], ["dense", "sparse"]
-    cfg.swa_num_key_value_heads = 2 * cfg.num_key_value_heads  # as its released config's: 16 against 8
-    return random_model(cfg, seed=3)
+    return tiny_inkling(seed=3)
 
 
 def test_placed_by_what_its_convolutions_read_and_every_check_passes(inkling):

@@ -29,6 +29,7 @@ import pandas as pd
 import pytest
 import yaml
 from hub_cache import HubModel, small_tokenizer
+from tiny_models import tiny_inkling
 from workflow_runs import CI_CONFIG, clone, snakemake
 
 pytestmark = pytest.mark.slow
@@ -102,17 +103,9 @@ def _bitnet(vocab: int, **ids):
 
 
 def _inkling(vocab: int, **ids):
-    """A tiny Inkling: its default config shrunk (mfpipe.models.tiny.shrink_config), two blocks (a sliding-window
-    and a full one), the first with a dense MLP, the second with experts."""
-    from mfpipe.models.defaults import default_config
-    from mfpipe.models.tiny import random_model, shrink_config
-
-    cfg = shrink_config(default_config("inkling_text"))
-    cfg.num_hidden_layers, cfg.layer_types, cfg.mlp_layer_types = 2, ["hybrid_sliding", "hybrid"], ["dense", "sparse"]
-    cfg.vocab_size, cfg.tie_word_embeddings = vocab, False
-    for k, v in ids.items():
-        setattr(cfg, k, v)
-    return random_model(cfg, seed=5)
+    """A tiny Inkling as tests/test_convolved.py builds it (tiny_models.tiny_inkling: a sliding-window block with a
+    dense MLP and twice the KV heads, a full one with experts)."""
+    return tiny_inkling(seed=5, vocab_size=vocab, tie_word_embeddings=False, **ids)
 
 
 def _local_models(root):

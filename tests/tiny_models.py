@@ -1,5 +1,6 @@
 """Tiny random models of the verified architectures, for tests: the recipes live in :mod:`mfpipe.models.tiny` (the
-conformance command builds the same kind of model)."""
+conformance command builds the same kind of model); and a tiny Inkling (:func:`tiny_inkling`), its default config
+shrunk, for the tests of its short convolutions."""
 
 from mfpipe.models.tiny import (  # noqa: F401
     COMPOSITE_MODEL_TYPES,
@@ -16,3 +17,18 @@ from mfpipe.models.tiny import (  # noqa: F401
     make_tiny_model,
     random_ids,
 )
+
+
+def tiny_inkling(seed: int = 3, **overrides):
+    """A tiny Inkling (issue 59: short convolutions over positions, mfpipe.models.adapters.convolved): its default
+    config shrunk (mfpipe.models.tiny.shrink_config) to two blocks, a sliding-window one with a dense MLP and twice the
+    KV heads (as its released config's: 16 against 8), a full one with experts; ``overrides`` set on the config."""
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import random_model, shrink_config
+
+    cfg = shrink_config(default_config("inkling_text"))
+    cfg.num_hidden_layers, cfg.layer_types, cfg.mlp_layer_types = 2, ["hybrid_sliding", "hybrid"], ["dense", "sparse"]
+    cfg.swa_num_key_value_heads = 2 * cfg.num_key_value_heads
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return random_model(cfg, seed=seed)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["on_rows", "position_conv", "value_convs"]
+__all__ = ["conv_watch", "on_rows", "position_conv", "value_convs"]
 
 
 def position_conv(m: nn.Module) -> bool:
@@ -36,6 +36,12 @@ def position_conv(m: nn.Module) -> bool:
     owned = {id(p) for c in convs for p in c.parameters()}
     return bool(convs) and all(c.groups == c.in_channels == c.out_channels for c in convs) and \
         all(id(p) in owned for p in m.parameters())
+
+
+def conv_watch(attn_mod: nn.Module) -> dict[str, nn.Module]:
+    """The probe forward's watch of the attention's position convolutions, as value-source candidates (``<src>NAME``,
+    what :func:`value_convs` reads)."""
+    return {f"<src>{n}": m for n, m in attn_mod.named_children() if position_conv(m)}
 
 
 def value_convs(seen: dict, attn_mod: nn.Module, sources: list[str]) -> dict[str, str]:

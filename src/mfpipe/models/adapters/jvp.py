@@ -84,8 +84,7 @@ def position_jvps(adapter, ids, positions, vectors, layers, points, *, chunk: in
             p.requires_grad_(False)
         model.eval()
         with torch.no_grad(), _forward_mode_experts(model):  # forward mode needs no graph
-            # a hybrid's cache holds a state-space or recurrent state the token updates in place (Inkling's its
-            # convolution states): not kept (whole)
+            # a cache holding a state the token updates in place (a hybrid's, Inkling's convolution states): whole
             if prefix_cache and not getattr(adapter, "state_in_cache", False):
                 try:
                     return _sum(adapter, ids, pos, V, groups, chunk, out, cached=True)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mfpipe.models.adapters.convolved import position_conv, value_convs
+from mfpipe.models.adapters.convolved import conv_watch, value_convs
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.latent import Latent, latent_sources
 from mfpipe.models.adapters.linears import attention_linears, linear_paths
@@ -144,7 +144,7 @@ def _kind_form(model, base, block, layer: int, attn: str, out_proj: str, shape: 
     linears, sources = attention_linears(attn_mod, out_proj, shape.d)
     watch = {"<attn>": attn_mod, "<out_proj>": o} | {f"<src>{n}": submodule(attn_mod, n) for n in linears}
     watch |= {f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)}  # a latent's norm
-    watch |= {f"<src>{n}": m for n, m in attn_mod.named_children() if position_conv(m)}  # Inkling's v_sconv
+    watch |= conv_watch(attn_mod)  # Inkling's v_sconv
     seen, order = probe_forward(model, base, watch)
     source_form(attn_mod, seen)
     dtype = next(attn_mod.parameters()).dtype

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.asked import reads_ahead
 from mfpipe.models.adapters.capture import first_output, path_within
-from mfpipe.models.adapters.convolved import position_conv, value_convs
+from mfpipe.models.adapters.convolved import conv_watch, position_conv, value_convs
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
 from mfpipe.models.adapters.normed import normed_layout
@@ -119,7 +119,7 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     watch.update({"<attn>": attn_mod, "<out_proj>": submodule(block, out_proj), "<block>": block,
                   "<first>": blocks[0], "<last>": blocks[-1], "<embed>": emb})
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
-    watch.update({f"<src>{n}": m for n, m in attn_mod.named_children() if position_conv(m)})  # Inkling's v_sconv
+    watch.update(conv_watch(attn_mod))  # Inkling's v_sconv
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": submodule(base, n) for n in outer_norms})  # paths from the base model
     seen, order = probe_forward(model, base, watch)
