@@ -19,7 +19,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 # issue 59 item 5: the one placed but failing (GPT-NeoX-Japanese: the bias its last attention returns) and the one
 # refused for its sinusoidal positions (XGLM) now pass, and so does BLOOM (the residual added inside its modules);
 # issue 59 item 3: a hybrid (Recurrent-Gemma: recurrent blocks beside local attention; Jamba's census row takes ~15
-# times as long: it runs through the ci DAG instead, tests/test_moe_workflow.py), so that the subset holds one family
+# times as long: it is checked in tests/test_hybrid.py, and through the ci DAG on demand, tests/test_moe_workflow.py),
+# so that the subset holds one family
 # of each class the issue placed; stop 71: Doge (its residual scaled by learned vectors) is placed, its branches joined
 # by the block's own code (mfpipe.models.adapters.joins); stop 76: BitNet (a norm of all heads' reads together before
 # the output projection) is placed, and JetMoE (heads routed per token) is the refusal of the mfpipe kind; stop 77: GIT

@@ -4,7 +4,7 @@ statistics equal per-position loops over the model's own forward (HF's ``output_
 ``output_hidden_states`` and plain torch hooks on modules named here by hand) on the attention layers, with NaN rows
 and the layer's kind at the others; writing the model's own reads back leaves its loss unchanged, and the mean-field
 write-back equals a torch pre-hook on the attention layers' output projections; the rollout runs a Mamba block as
-the model's own one-position forward. Recurrent-Gemma (a recurrent block beside attention in blocks of one class)
+the model's own one-position forward; its per-layer tables name each layer's kind. Recurrent-Gemma (a recurrent block beside attention in blocks of one class)
 passes every conformance check."""
 
 from __future__ import annotations
@@ -188,3 +188,47 @@ def test_hybrid_families_pass_every_conformance_check(family):
 
     row = census_row(family)
     assert row.accepted, row
+
+
+def test_the_per_layer_tables_of_a_hybrid_name_each_layers_kind(jamba):
+    """In-process, what the Jamba's ci-DAG run checked in the default run until stop 79 (tests/test_moe_workflow.py,
+    now on demand): the rollout accounting's per-block tables (teacher-forced attention, the nested estimators) name
+    each layer's kind, with no reading at a Mamba block (NaN: before, its empty clouds scored a cosine of 0) and
+    finite ones at the attention blocks, and their Markdown keeps and labels those rows; the head ranking names every
+    head's layer kind, a Mamba layer's heads without S̄, ranked after every attention head."""
+    import pandas as pd
+    import xarray as xr
+
+    from mfpipe.experiments.ranking.heads import heads_table
+    from mfpipe.experiments.rollout import accounting as AC
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.experiments.rollout import tables as RT
+    from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
+
+    ad = get_adapter(jamba)
+    tokens = zipf_windows(6, seed=1)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "layer_kinds": list(ad.layer_kinds)}
+    st = MeanFieldStats(finalize(sums, tracked, meta, dtype=np.float64))
+    setup = RO.prepare(ad, st, st)
+    mamba, attention = [0, 2], [1, 3]
+    for df in (AC.teacher_forced_table(ad, setup), AC.error_decomposition_table(ad, setup)):
+        assert df.groupby("layer").layer_kind.first().tolist() == list(KINDS)
+        assert df[df.layer.isin(mamba)].value.isna().all()
+        assert np.isfinite(df[df.layer.isin(attention) & (df.metric == "cosine")].value).all()
+    wide = RT.long_to_wide(AC.teacher_forced_table(ad, setup), "layer")
+    md = RT.wide_markdown(wide, "layer", ["frac_depth", "cosine", "rsa", "rel_error", "norm_ratio"])
+    rows = [line for line in md.splitlines() if " | mamba | " in line]
+    assert len(rows) == 2 and all(line.endswith("| – | – | – | – |") for line in rows), md
+    # the ranking of a deviation store whose Mamba layers have no S̄ (pass 2 writes NaN there)
+    rng = np.random.default_rng(0)
+    s_bar = rng.random((4, 4))
+    s_bar[mamba] = np.nan
+    dev = xr.Dataset({k: (("layer", "head"), s_bar * (i + 1)) for i, k in enumerate(("S_bar", "M_cov", "M_ctx", "D"))}
+                     | {"S_bar_half": (("half", "layer", "head"), np.stack([s_bar, s_bar]))},
+                     coords={"layer_kind": ("layer", list(KINDS))}, attrs={"model": "tiny-jamba", "revision": "r"})
+    ranked = heads_table(dev)
+    assert ranked.groupby("layer").layer_kind.first().tolist() == list(KINDS)
+    assert ranked.head(8).layer.isin(attention).all() and ranked.tail(8).S_bar.isna().all()
+    assert isinstance(ranked, pd.DataFrame) and ranked["rank"].tolist() == list(range(1, 17))
