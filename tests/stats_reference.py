@@ -18,6 +18,15 @@ BOS = VOCAB - 1
 
 
 # ---------------------------------------------------------------------------------------------- data
+def finite_scale(want, floor: float = 0.0) -> float:
+    """The largest magnitude among ``want``'s finite entries (1 where it has none), at least ``floor``: the scale of an
+    absolute tolerance. Over the finite entries only: pass 2's top-k slots left empty are -inf (``top_D``), and an
+    infinite scale made the tolerance infinite, checking nothing but where the infinities sit."""
+    a = np.abs(np.asarray(want, dtype=np.float64))
+    a = a[np.isfinite(a)]
+    return max(float(a.max()) if a.size else 1.0, floor)
+
+
 def zipf_windows(n_windows: int, T: int = T, seed: int = 0, bos: int = BOS, vocab: int = VOCAB) -> np.ndarray:
     """[BOS, t1 … t(T-1)] windows with Zipfian tokens (some types repeat within a window, many are untracked).
     The BOS id also appears at positions >= 1 now and then (it must land in `<other>`)."""

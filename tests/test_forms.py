@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from layer_loops import loop_means, mean_field_patch
-from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
+from stats_reference import BOS, VOCAB, finite_scale, tracked_for, zipf_windows
 
 from mfpipe.models.adapters import describe, get_adapter
 from mfpipe.models.adapters.probe import submodule
@@ -161,8 +161,7 @@ def test_statistics_equal_the_per_position_loops(family):
                        ("mlp_out_mean", ref["mlp_out"]), ("centroid", ref["centroid"])):
         got = np.asarray(ds[stat].values, dtype=np.float64)[:L]
         assert np.array_equal(np.isnan(got), np.isnan(want)), stat
-        scale = np.nanmax(np.abs(want)) if np.isfinite(want).any() else 1.0
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * max(scale, 1e-3), equal_nan=True,
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * finite_scale(want, 1e-3), equal_nan=True,
                                    err_msg=f"{name}: {stat}")
     A = list(ad.attention_layers)
     np.testing.assert_allclose(ds["P"].values[A].sum(-1), 1.0, atol=1e-5)

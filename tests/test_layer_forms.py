@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from stats_reference import tracked_for, zipf_windows
+from stats_reference import finite_scale, tracked_for, zipf_windows
 from tiny_models import make_tiny_model
 from transformers.models.llama import modeling_llama as ML
 
@@ -96,8 +96,8 @@ def same_padded(name, got, want, pad_axes=(), rtol=1e-5):
         assert np.all(rest[~np.isnan(rest)] == 0), f"{name}: a padded coordinate is not 0"
         got = np.take(got, np.arange(n), axis=axis)
     assert got.shape == want.shape, f"{name}: {got.shape} != {want.shape}"
-    scale = np.nanmax(np.abs(want)) if np.isfinite(want).any() else 1.0
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(scale, 1e-12), equal_nan=True, err_msg=name)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * finite_scale(want, 1e-12), equal_nan=True,
+                               err_msg=name)
 
 
 def same_dataset(got, want, what):

@@ -15,7 +15,6 @@ from stats_reference import tiny_stats_half, zipf_windows
 from mfpipe.experiments.positional import ablation as Ab
 from mfpipe.experiments.positional import analysis as An
 from mfpipe.experiments.positional import collect as C
-from mfpipe.experiments.positional import fits as F
 from mfpipe.experiments.positional import readings as Rd
 from mfpipe.experiments.positional import tables as Tb
 from mfpipe.meanfield.kernel import kernel_from_store
