@@ -4,6 +4,7 @@ tiny random models of every architecture, shard merging, and the deviation store
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +267,10 @@ def test_deviation_store_and_corpus_deviation(setup, tmp_path):
     from mfpipe.stats.store import write_store as ws
 
     ws(ds, path)
+    # every array in a data type Zarr v3 specifies: the token strings variable-length UTF-8 (`string`), as the
+    # statistics store's, never numpy's fixed-width unicode (`fixed_length_utf32`: no specification; zarr warns)
+    types = {json.loads(p.read_text()).get("data_type") for p in path.rglob("zarr.json")} - {None}
+    assert types <= {"float32", "float64", "int64", "bool", "string"}, types
     back = DP.open_deviation(path, {"model": "tiny", "revision": "r1"})
     np.testing.assert_allclose(back["S_bar"], ds["S_bar"])
     with pytest.raises(Exception, match="revision"):

@@ -248,7 +248,9 @@ def deviation_dataset(sums: Mapping[str, Any], meta: Mapping[str, Any], tracked,
     for k, x in (("top_D", sums["top_D"]), ("top_window", sums["top_window"]), ("top_position", sums["top_position"]),
                  ("top_shard", top_shard)):
         data[k] = (("layer", "head", "rank"), np.asarray(x))
-    labels = list(getattr(tracked, "strings", [str(i) for i in range(N)]))[:N]
+    # as the statistics store's (stats.store): variable-length UTF-8, Zarr v3's `string`; numpy's fixed-width unicode
+    # would be written as `fixed_length_utf32`, a data type with no Zarr v3 specification (other readers may refuse it)
+    labels = np.asarray(list(getattr(tracked, "strings", [str(i) for i in range(N)]))[:N], dtype=object)
     ids = np.asarray(getattr(tracked, "type_ids", np.arange(N)))[:N]
     ds = xr.Dataset(data, coords={"layer": np.arange(L), "head": np.arange(H), "query": np.arange(N),
                                   "query_str": ("query", labels), "query_token_id": ("query", ids),
