@@ -4,8 +4,8 @@ statistics equal per-position loops over the model's own forward (HF's ``output_
 ``output_hidden_states`` and plain torch hooks on modules named here by hand) on the attention layers, with NaN rows
 and the layer's kind at the others; writing the model's own reads back leaves its loss unchanged, and the mean-field
 write-back equals a torch pre-hook on the attention layers' output projections; the rollout runs a Mamba block as
-the model's own one-position forward; its per-layer tables name each layer's kind. Recurrent-Gemma (a recurrent block beside attention in blocks of one class)
-passes every conformance check."""
+the model's own one-position forward; its per-layer tables name each layer's kind. Recurrent-Gemma (a recurrent
+block beside attention in blocks of one class) passes every conformance check."""
 
 from __future__ import annotations
 
@@ -213,11 +213,12 @@ def test_the_per_layer_tables_of_a_hybrid_name_each_layers_kind(jamba):
     st = MeanFieldStats(finalize(sums, tracked, meta, dtype=np.float64))
     setup = RO.prepare(ad, st, st)
     mamba, attention = [0, 2], [1, 3]
-    for df in (AC.teacher_forced_table(ad, setup), AC.error_decomposition_table(ad, setup)):
+    teacher_forced = AC.teacher_forced_table(ad, setup)
+    for df in (teacher_forced, AC.error_decomposition_table(ad, setup)):
         assert df.groupby("layer").layer_kind.first().tolist() == list(KINDS)
         assert df[df.layer.isin(mamba)].value.isna().all()
         assert np.isfinite(df[df.layer.isin(attention) & (df.metric == "cosine")].value).all()
-    wide = RT.long_to_wide(AC.teacher_forced_table(ad, setup), "layer")
+    wide = RT.long_to_wide(teacher_forced, "layer")
     md = RT.wide_markdown(wide, "layer", ["frac_depth", "cosine", "rsa", "rel_error", "norm_ratio"])
     rows = [line for line in md.splitlines() if " | mamba | " in line]
     assert len(rows) == 2 and all(line.endswith("| – | – | – | – |") for line in rows), md
