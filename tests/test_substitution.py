@@ -149,15 +149,17 @@ def test_substitution_equals_torch_hook_reference(setup):
                     new[b, j] = torch.as_tensor(zref[layer, b, j], dtype=new.dtype)
         return new
 
-    def loss_of(logits):
+    def token_loss(logits):
         lp = torch.log_softmax(logits.double(), -1)
-        tl = -lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-        return tl.mean().item()
+        return (-lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]).numpy()
 
     with torch.no_grad():
-        L_model = loss_of(model(ids, use_cache=False).logits)
+        tl_model = token_loss(model(ids, use_cache=False).logits)
         with patched_reads(model, patch):
-            L_mf = loss_of(model(ids, use_cache=False).logits)
+            tl_mf = token_loss(model(ids, use_cache=False).logits)
+    L_model, L_mf = tl_model.mean(), tl_mf.mean()
+    # the predictions made at substituted positions (position j predicts token j+1: the last position predicts none)
+    at = np.array([[bool(sub[b, j]) for j in range(T - 1)] for b in range(B)])
     clean = reference_run(model, ids)
     L, H = kernel.n_layers, ad.n_heads
     # D in residual-stream units (App. P): through each head's slice of the output projection, probed with basis reads
@@ -183,6 +185,10 @@ def test_substitution_equals_torch_hook_reference(setup):
     assert summ["L_MF"] == pytest.approx(L_mf, abs=1e-5)
     assert summ["delta_L"] == pytest.approx(L_mf - L_model, abs=1e-5)
     assert summ["n_substituted"] == int(sub.sum())
+    assert summ["n_substituted_predictions"] == int(at.sum()) > 0
+    assert summ["substituted_share"] == pytest.approx(at.sum() / at.size)
+    assert summ["L_model_substituted"] == pytest.approx(tl_model[at].mean(), abs=1e-5)
+    assert summ["L_MF_substituted"] == pytest.approx(tl_mf[at].mean(), abs=1e-5)
     assert summ["D_MF"] == pytest.approx(float(np.mean(pos_dev)), abs=1e-5)
     np.testing.assert_allclose(got.head_deviation / sub.sum(), head_dev / sub.sum(), atol=1e-5)
 

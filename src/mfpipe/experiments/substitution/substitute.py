@@ -3,7 +3,7 @@ head's read is replaced by its context-conditional mean field ẑ_sX, and how fa
 
 Per batch of held-out windows (the ``eval`` half, disjoint from the statistics half that gives W and μ):
 
-1. ẑ for every layer from the window's token types alone (:func:`mfpipe.meanfield.ccmf.ccmf_reads`);
+1. ẑ for every layer from the window's token types alone (:meth:`mfpipe.meanfield.kernel.MeanFieldKernel.zhat`);
 2. the clean forward (:meth:`Adapter.run`, reads selected, loss): ``L_model`` per prediction, and per
    substituted position and head ``1 - cos(z, ẑ)`` (D of eq:dmf / eq:deviation, on the model's own reads, in
    residual-stream units: :func:`mfpipe.meanfield.deviation.deviation_cosine`, the one definition pass 2 uses too;
@@ -16,7 +16,9 @@ Per batch of held-out windows (the ``eval`` half, disjoint from the statistics h
 Both losses are next-token cross entropies averaged over every prediction of the evaluation windows
 (``B (T-1)`` per batch), so ``ΔL = L_MF - L_model`` is a paired difference on the same predictions.
 ``D_MF`` averages ``D_sX = mean_{l,h} (1 - cos)`` over the substituted positions; the per-head deviation
-averages over the same positions. Sums are float64 and additive over batches.
+averages over the same positions. ``L_model_substituted`` / ``L_MF_substituted`` average the predictions made at
+substituted positions (a window's last position predicts nothing), and ``substituted_share`` is their share of all
+predictions. Sums are float64 and additive over batches.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class SubstitutionSums:
     n_predictions: int = 0
     n_query_positions: int = 0  # positions >= 1 whose type is tracked
     n_substituted: int = 0  # of which substituted (valid Â row in every layer)
+    n_substituted_predictions: int = 0  # predictions made at substituted positions (a window's last makes none)
     loss_model: float = 0.0  # sums over predictions
     loss_mf: float = 0.0
     loss_model_sub: float = 0.0  # sums over the predictions made at substituted positions
@@ -54,14 +57,16 @@ class SubstitutionSums:
             self.head_deviation = np.zeros((self.n_layers, self.n_heads))
 
     def add(self, other: "SubstitutionSums") -> "SubstitutionSums":
-        for k in ("n_windows", "n_predictions", "n_query_positions", "n_substituted", "loss_model", "loss_mf",
-                  "loss_model_sub", "loss_mf_sub", "deviation"):
+        for k in ("n_windows", "n_predictions", "n_query_positions", "n_substituted", "n_substituted_predictions",
+                  "loss_model", "loss_mf", "loss_model_sub", "loss_mf_sub", "deviation"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.head_deviation = self.head_deviation + other.head_deviation
         return self
 
     def summary(self) -> dict:
-        npred, nsub = max(self.n_predictions, 1), max(self.n_substituted, 1)
+        # D_MF is a mean over substituted positions; the losses over the predictions made at them (a window's last
+        # position is substituted or not but predicts nothing), and the share is of predictions too
+        npred, nsub, nsp = max(self.n_predictions, 1), max(self.n_substituted, 1), self.n_substituted_predictions
         out = {
             "L_model": self.loss_model / npred,
             "L_MF": self.loss_mf / npred,
@@ -70,9 +75,10 @@ class SubstitutionSums:
             "n_predictions": self.n_predictions,
             "n_query_positions": self.n_query_positions,
             "n_substituted": self.n_substituted,
-            "substituted_share": self.n_substituted / npred,
-            "L_model_substituted": self.loss_model_sub / nsub if self.n_substituted else float("nan"),
-            "L_MF_substituted": self.loss_mf_sub / nsub if self.n_substituted else float("nan"),
+            "n_substituted_predictions": nsp,
+            "substituted_share": nsp / npred,
+            "L_model_substituted": self.loss_model_sub / nsp if nsp else float("nan"),
+            "L_MF_substituted": self.loss_mf_sub / nsp if nsp else float("nan"),
         }
         out["delta_L"] = (self.loss_mf - self.loss_model) / npred
         out["delta_L_substituted"] = out["L_MF_substituted"] - out["L_model_substituted"]
@@ -125,6 +131,7 @@ def substitution_batch(adapter, kernel: MeanFieldKernel, tokens, replacement: Re
     s.n_predictions = B * (T - 1)
     s.n_query_positions = int((qt >= 0).sum())
     s.n_substituted = int(sub.sum())
+    s.n_substituted_predictions = int(sub_pred.sum())
     s.loss_model = float(tl_model.sum())
     s.loss_mf = float(tl_mf.sum())
     s.loss_model_sub = float(tl_model[sub_pred].sum())
