@@ -233,3 +233,46 @@ def test_the_per_layer_tables_of_a_hybrid_name_each_layers_kind(jamba):
     assert ranked.groupby("layer").layer_kind.first().tolist() == list(KINDS)
     assert ranked.head(8).layer.isin(attention).all() and ranked.tail(8).S_bar.isna().all()
     assert isinstance(ranked, pd.DataFrame) and ranked["rank"].tolist() == list(range(1, 17))
+
+
+def test_the_prompt_meters_and_the_deviation_store_of_a_hybrid_count_its_attention_layers(jamba, tmp_path):
+    """A hybrid's other layers have no heads (their meters NaN): Exp. 1's instance meter and the prompt classes average
+    D_MF, M_cov and M_ctx over the attention layers' heads (over every layer they were NaN, and the meter's summary
+    then read 0), and pass 2's store counts its contexts and scored types at an attention layer (at layer 0, a Mamba
+    block, they read 0)."""
+    from mfpipe.deviation import shards as DP
+    from mfpipe.experiments.prompts import classes as PC
+    from mfpipe.experiments.prompts import meter as PM
+    from mfpipe.experiments.prompts import sets as PS
+    from mfpipe.meanfield.kernel import kernel_from_store
+    from mfpipe.stats import accumulate_shard, finalize, open_stats, write_store
+
+    ad = get_adapter(jamba)
+    tokens = zipf_windows(8, seed=1)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "corpus_fingerprint": "-",
+            "layer_kinds": list(ad.layer_kinds)}
+    st = open_stats(write_store(finalize(sums, tracked, meta), tmp_path / "s.zarr"))
+    kernel = kernel_from_store(st, tracked, min_count=1)
+    ev = zipf_windows(4, seed=2)
+    seqs, _ = PS.meter_sequences(ev, np.repeat(np.arange(4)[:, None], ev.shape[1], axis=1), 3, bos_id=tracked.bos_id,
+                                 seed=0)
+    t = PM.meter_tables(PM.instance_meter(ad, kernel, seqs, batch_size=2), n_bins=3)
+    heads, summary = t["heads"], t["summary"].iloc[0]
+    att = heads[heads.layer.isin([1, 3])]
+    assert heads[heads.layer.isin([0, 2])].D_copy1.isna().all() and np.isfinite(att.D_copy1).all()
+    # D_MF of a copy: the mean over the attention layers' heads of each head's mean D there
+    for c in ("copy1", "copy2"):
+        assert summary[f"D_MF_{c}"] > 0 and summary[f"D_MF_{c}"] == pytest.approx(att[f"D_{c}"].mean(), rel=1e-9)
+    ind, rnd = PS.induction_and_random_prompts(PC.queryable_types(kernel), tracked.bos_id, ev.shape[1], 3, n_random=4,
+                                               seed=0)
+    df, _ = PC.measure_prompts(ad, kernel, ind + rnd)
+    assert np.isfinite(df[["D_MF", "M_cov", "M_ctx"]].to_numpy()).all() and (df.D_MF > 0).all()
+    np.testing.assert_allclose(df.M_cov + df.M_ctx, df.D_MF, atol=1e-6)
+    doc = np.repeat(np.arange(8)[:, None] // 2, tokens.shape[1], axis=1)
+    s, m = DP.deviation_shard(jamba, ad, tokens, doc, tracked, st, min_count=1, batch_size=4, progress=False)
+    ds = DP.deviation_dataset(s, m, tracked, min_occurrences=3)
+    count = ds["count"].sum("half").values  # [layer, query]
+    assert count[[0, 2]].sum() == 0 and ds.attrs["n_contexts"] == count[1].sum() == count[3].sum() > 0
+    assert ds.attrs["n_types_scored"] == int((count[1] >= 3).sum()) > 0

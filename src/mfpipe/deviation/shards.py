@@ -257,8 +257,13 @@ def deviation_dataset(sums: Mapping[str, Any], meta: Mapping[str, Any], tracked,
                                   "half": [0, 1], "layer_kind": ("layer", np.asarray(
                                       meta.get("layer_kinds") or ["attention"] * L, dtype=object))})
     attrs = {k: v for k, v in meta.items() if v is not None}
+    # counted over one attention layer (each counts the same contexts): a hybrid's other layers count none
+    kinds = list(meta.get("layer_kinds") or ["attention"] * L)
+    first = next((l for l, k in enumerate(kinds) if k == "attention"), None)
     attrs.update({"min_occurrences": int(min_occurrences), "n_tokens_pass2": int(sums["n_tokens"]),
-                  "n_contexts": int(count.sum() // max(L, 1)), "mfpipe_version": __version__,
-                  "n_types_scored": int((count.sum(0)[0] >= int(min_occurrences)).sum()) if L else 0})
+                  "n_contexts": int(count.sum(0)[first].sum()) if first is not None else 0,
+                  "mfpipe_version": __version__,
+                  "n_types_scored": int((count.sum(0)[first] >= int(min_occurrences)).sum()) if first is not None
+                  else 0})
     ds.attrs.update(attrs)
     return ds

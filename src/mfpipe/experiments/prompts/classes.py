@@ -91,6 +91,7 @@ def measure_prompts(adapter, kernel: MeanFieldKernel, prompts: list[Prompt], *, 
     k = kernel_for(kernel, adapter)
     grams = k.grams(adapter)
     dev = k.device
+    attention = list(k.attention_layers or range(k.n_layers))  # a hybrid's other layers: no heads, NaN meters
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         if len(p) < 2:
@@ -135,7 +136,7 @@ def measure_prompts(adapter, kernel: MeanFieldKernel, prompts: list[Prompt], *, 
         num = torch.einsum("blhd,lhde,blhe->blh", zq2 - zq, G, zq2 - zq)
         den = torch.einsum("blhd,lhde,blhe->blh", zq, G, zq)
         dz = (num.clamp_min(0).sqrt() / den.clamp_min(1e-30).sqrt()).amax((1, 2)).cpu().numpy()
-        q = {key: m[key][:, -1].mean((1, 2)).cpu().numpy() for key in METERS}
+        q = {key: m[key][:, -1][:, attention].mean((1, 2)).cpu().numpy() for key in METERS}  # attention layers
         deg = m["degenerate"][:, -1].sum((1, 2)).cpu().numpy()
         for b, i in enumerate(chunk):
             p = prompts[i]

@@ -58,6 +58,7 @@ def instance_meter(adapter, kernel: MeanFieldKernel, sequences: np.ndarray, *, b
         raise ValueError("meter sequences must repeat their chunk: [BOS; c; c]")
     k = kernel_for(kernel, adapter)
     L, H = adapter.n_layers, adapter.n_heads
+    attention = list(k.attention_layers or range(L))
     r = MeterResult(kk, 0, np.zeros(T - 1), np.zeros(T - 1), np.zeros(T), np.zeros(T), np.zeros((T, L, H)))
     i1 = torch.arange(1, kk)  # copy-1 positions whose next token is in copy 1; copy-2 match: + k
     for b0 in tqdm(range(0, n, int(batch_size)), desc=desc, disable=not progress, mininterval=2.0,
@@ -68,13 +69,13 @@ def instance_meter(adapter, kernel: MeanFieldKernel, sequences: np.ndarray, *, b
         tl = res.token_loss.double().cpu()  # [B, T-1]
         valid, D = valid.cpu(), m["D"].cpu()  # [B, T], [B, T, L, H]
         vf = valid.double()
-        dmf = D.mean((2, 3))
+        dmf = D[:, :, attention].mean((2, 3))  # over the attention layers' heads (a hybrid's others: NaN, no heads)
         r.n_sequences += ids.shape[0]
         r.loss_sum += (tl * vf[:, :-1]).sum(0).numpy()
         r.loss_all_sum += tl.sum(0).numpy()
         r.n_valid += vf.sum(0).numpy()
-        r.D_sum += (dmf * vf).sum(0).numpy()
-        r.head_sum += (D * vf[:, :, None, None]).sum(0).numpy()
+        r.D_sum += torch.where(valid, dmf, 0.0).sum(0).numpy()
+        r.head_sum += torch.where(valid[:, :, None, None], D, 0.0).sum(0).numpy()  # other layers' heads stay NaN
         both = valid[:, i1] & valid[:, i1 + kk]
         r.pairs.append(((tl[:, i1] - tl[:, i1 + kk])[both].numpy(), (dmf[:, i1 + kk] - dmf[:, i1])[both].numpy()))
     return r
@@ -125,8 +126,8 @@ def meter_tables(r: MeterResult, n_bins: int = 10) -> dict[str, pd.DataFrame]:
     dr = np.concatenate([p[1] for p in r.pairs]) if r.pairs else np.zeros(0)
     bins = _binned(dr, red, n_bins)
     rho, p = spearmanr(dr, red) if len(dr) > 2 else (float("nan"), float("nan"))
-    w = lambda s: float(np.nansum(r.D_sum[s]) / nv[s].sum()) if nv[s].sum() else float("nan")  # noqa: E731
-    wl = lambda s: float(np.nansum(r.loss_sum[s]) / nv[s].sum()) if nv[s].sum() else float("nan")  # noqa: E731
+    w = lambda s: float(r.D_sum[s].sum() / nv[s].sum()) if nv[s].sum() else float("nan")  # noqa: E731
+    wl = lambda s: float(r.loss_sum[s].sum() / nv[s].sum()) if nv[s].sum() else float("nan")  # noqa: E731
     summary = pd.DataFrame([{"n_sequences": r.n_sequences, "k": kk, "top_layer": int(top[0]), "top_head": int(top[1]),
                              "top_head_rise": float(rise[top]), "top_head_D_copy1": float(d1[top]),
                              "top_head_D_copy2": float(d2[top]), "D_MF_copy1": w(slice(1, 1 + kk)),
