@@ -236,6 +236,11 @@ def test_markdown_and_html_escape_token_text(setup):
         assert len(re.findall(r"(?<!\\)\|", line)) == 9, line
     dmd = LE.decode_markdown(df, "tiny", "r1")
     assert "\\*q\\_" in dmd and dmd.count("\n## L") == heads
+    # the filter the preamble names is the one pass 2 mined with (its store's other_share_max), not a fixed 10%
+    assert "more than 10% of its attention" in md
+    for page in (LE.contexts_markdown(df, "tiny", "r1", 0.25), LE.decode_markdown(df, "tiny", "r1", 0.25),
+                 LE.contexts_html(df, "tiny", "r1", 0.25)):
+        assert "more than 25% of its attention" in page and "10%" not in page
     for line in (x for x in dmd.splitlines() if x.startswith("|")):
         assert len(re.findall(r"(?<!\\)\|", line)) == 6, line
     page = LE.contexts_html(df, "tiny", "r1")

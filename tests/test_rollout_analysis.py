@@ -280,6 +280,10 @@ def test_error_accounting_tables(stores):
         assert set(sub["label"]) == {RT.ESTIMATORS[k]}
         check(sub, "layer", want[k], truth[1:], k)
     assert "unconditional value means" in RT.error_decomposition_markdown(ed, "t")
+    # with pass 2's value means (the pipeline's: its deviation store) the note says so, and not the other
+    ed2 = ed.assign(label=ed["label"].where(ed["estimator"] != "b", RT.ESTIMATORS["b_pass2"]))
+    md2 = RT.error_decomposition_markdown(ed2, "t")
+    assert RT.ESTIMATORS["b_pass2"] in md2 and "E_s[vbar_t] of pass 2" in md2 and "unconditional" not in md2
 
     # teacher-forced: sum_h (sum_t P_st v_h(c_t)) W_O^h from the stats half vs sum_h zbar^h W_O^h of the eval half,
     # both without the output-projection bias (o_proj(reads) - o_proj(0))
@@ -332,7 +336,9 @@ def test_figures_write_pdf_and_png_of_what_the_tables_hold(stores, scores, tmp_p
     tables = {
         "rollout": scores,
         "teacher_forced": AC.teacher_forced_table(ad, setup),
-        "error_decomposition": AC.error_decomposition_table(ad, setup),
+        # (b) labelled as the pipeline's run labels it (pass 2's value means): the legend reads the table's label
+        "error_decomposition": AC.error_decomposition_table(ad, setup).pipe(
+            lambda t: t.assign(label=t["label"].where(t["estimator"] != "b", RT.ESTIMATORS["b_pass2"]))),
         "clustering": AC.clustering_table(ad, ev),
         "cross_corpus": RT.cross_corpus_summary(RO.cross_corpus(model, ad, corpora, "zipf", context_free=False)),
     }
@@ -359,8 +365,11 @@ def test_figures_write_pdf_and_png_of_what_the_tables_hold(stores, scores, tmp_p
             np.testing.assert_allclose(y, g["value"], rtol=1e-6)
         assert np.array_equal(tick_values(ax), np.round(tick_values(ax)))
     for name, key, labels in (("teacher_forced", None, {"mean field": None}),
-                              ("error_decomposition", "estimator", {v: k for k, v in F.ESTIMATOR_LABELS.items()})):
+                              ("error_decomposition", "estimator", dict(zip(tables["error_decomposition"].label,
+                                                                            tables["error_decomposition"].estimator)))):
         t = tables[name]
+        if key:
+            assert {lab for ax in drawn[name] for lab in lines(ax)} == set(labels), labels
         for ax, metric in zip(drawn[name], ("cosine", "norm_ratio" if name == "teacher_forced" else "rel_error")):
             for label, (x, y) in lines(ax).items():
                 sel = (t["metric"] == metric) & ((t[key] == labels[label]) if key else True)

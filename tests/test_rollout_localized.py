@@ -42,6 +42,10 @@ def test_localized_table_damage_and_user_sets():
     df = LZ.localized_table(a, s, substitute="meanq", user_sets=[[-1]]).set_index("layers")
     assert df.loc["none (measured kernel)", "damage"] == 0.0
     total = df.loc[f"all {a.n_layers} layers", "damage"]
+    # damage: the cosine given up against the measured kernel (the truth here is its rollout plus noise: substituting
+    # every layer gives some up)
+    np.testing.assert_allclose(df["damage"], df.loc["none (measured kernel)", "cosine"] - df["cosine"], rtol=0, atol=0)
+    assert total > 0
     assert df.loc["layer 0 only", "damage_share"] == pytest.approx(df.loc["layer 0 only", "damage"] / total)
     assert df.loc[f"layers {a.n_layers - 1}", "substituted"] == str(a.n_layers - 1)
     with pytest.raises(ValueError, match="not a layer"):

@@ -84,7 +84,8 @@ def type_kernel(W: Tensor, counts: Tensor, qt: Tensor) -> tuple[Tensor, Tensor]:
 
     ``counts [B, T, K]`` are the prefix counts n_t(X_j) (:func:`mfpipe.stats.buckets.prefix_counts`).
     Rows of invalid positions are 0. Memory ``B T H K``: for tests and per-type analyses; the substitution
-    uses :func:`pair_kernel`.
+    uses the type-space plan (:meth:`mfpipe.meanfield.kernel.MeanFieldKernel.zhat`), the calibration and the
+    deviation forward :func:`pair_kernel`.
     """
     rows, q = _kernel_rows(W, qt)  # [H, B, T, K]
     num = rows * counts.to(W.dtype)[None]

@@ -84,7 +84,8 @@ class MeanFieldKernel:
 
     def zhat(self, kb: Tensor, qt: Tensor) -> tuple[list[Tensor], Tensor]:
         """ẑ per layer ``[B,T,H,dh]`` and the substituted positions ``[B,T]`` (valid in every layer), on
-        :attr:`device`; ẑ is 0 where not substituted. The type-space form (:func:`mfpipe.meanfield.plan.ccmf_rows`,
+        :attr:`device`; each layer's ẑ is 0 where that layer's Â row is empty, and may be non-zero at a position another
+        layer leaves unsubstituted (callers mask with the substituted positions). The type-space form (:func:`mfpipe.meanfield.plan.ccmf_rows`,
         at the query rows only, one plan for every layer): the pair form over key positions
         (:func:`~mfpipe.meanfield.ccmf.ccmf_reads`) computes the same ẑ with T / U times the work."""
         dev = self.device

@@ -53,9 +53,10 @@ def lenses(job) -> None:
         log.warning("%d of %d contexts: recomputed D differs from the stored top_D by more than %g (max %.2e); they "
                     "are marked ⚠ (model dtype %s)", len(bad), len(df), LE.D_ATOL,
                     float((bad["D_recomputed"] - bad["D"]).abs().max()), p.dtype)
-    atomic_write_text(out.contexts_md, LE.contexts_markdown(df, name, revision))
-    atomic_write_text(out.contexts_html, LE.contexts_html(df, name, revision))
-    atomic_write_text(out.decode_md, LE.decode_markdown(df, name, revision))
+    share = float(ds.attrs.get("other_share_max", LE.OTHER_SHARE_MAX))  # what pass 2 left out, as it mined
+    atomic_write_text(out.contexts_md, LE.contexts_markdown(df, name, revision, share))
+    atomic_write_text(out.contexts_html, LE.contexts_html(df, name, revision, share))
+    atomic_write_text(out.decode_md, LE.decode_markdown(df, name, revision, share))
     atomic_write_text(out.csv, LE.contexts_csv(df))
     log.info("lenses written in %.1f s", time.perf_counter() - t0)
 

@@ -29,6 +29,7 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
+from mfpipe.deviation.pass2 import OTHER_SHARE_MAX
 from mfpipe.experiments.prompts.rerun import ContextRerun
 
 __all__ = ["mine_contexts", "context_details", "contexts_markdown", "contexts_html", "decode_markdown",
@@ -254,7 +255,8 @@ def _heads(df: pd.DataFrame):
     return df.groupby(["layer", "head"], sort=False)
 
 
-def _preamble(model: str, revision: str, what: str, md: bool = False, jlens: bool = False) -> list[str]:
+def _preamble(model: str, revision: str, what: str, md: bool = False, jlens: bool = False,
+              other_share_max: float = OTHER_SHARE_MAX) -> list[str]:
     lt, gt = ("&lt;", "&gt;") if md else ("<", ">")
     decode = ("Decodes of Δ = z − ẑ: the raw logit lens softmax(W_U · final_norm(Δ O_h)) and the J-lens "
               "softmax(W_U · final_norm(J_ℓ Δ O_h)), J_ℓ the model's average same-position Jacobian of the final "
@@ -265,15 +267,16 @@ def _preamble(model: str, revision: str, what: str, md: bool = False, jlens: boo
     return [f"# {what} — {model} @ {revision}", "",
             "Per head, the highest-deviation contexts (D = 1 − cos(z, ẑ) against the context-conditional mean "
             "field, residual-stream units) mined by pass 2 over the statistics half, without the contexts where the "
-            f"head puts more than 10% of its attention on out-of-vocabulary ({lt}other{gt}) keys or whose text is "
+            f"head puts more than {100 * other_share_max:g}% of its attention on out-of-vocabulary ({lt}other{gt}) "
+            "keys (pass 2's other_share_max) or whose text is "
             "garbled (App. P). " + decode, ""]
 
 
-def contexts_markdown(df: pd.DataFrame, model: str, revision: str) -> str:
+def contexts_markdown(df: pd.DataFrame, model: str, revision: str, other_share_max: float = OTHER_SHARE_MAX) -> str:
     """The context lens as Markdown: per head a heading "L{l}H{h} — S̄=…, M_cov=…, M_ctx=…" and a table of its
     contexts (query in «…»), top keys with their attention shares, next token, the decode, and the meters."""
     J = _has_jlens(df)
-    lines = _preamble(model, revision, "Top-deviation contexts", md=True, jlens=J)
+    lines = _preamble(model, revision, "Top-deviation contexts", md=True, jlens=J, other_share_max=other_share_max)
     for _, g in _heads(df):
         lines += [f"## {_title(g)}", "", _note(g), "", "| # | D | context (query in «») | top keys (share) | next "
                   "| logit-lens decode of Δ |" + (" J-lens decode of Δ |" if J else "") + " M_cov | M_ctx |",
@@ -288,13 +291,13 @@ def contexts_markdown(df: pd.DataFrame, model: str, revision: str) -> str:
     return "\n".join(lines)
 
 
-def decode_markdown(df: pd.DataFrame, model: str, revision: str) -> str:
+def decode_markdown(df: pd.DataFrame, model: str, revision: str, other_share_max: float = OTHER_SHARE_MAX) -> str:
     """The decode lens as Markdown: per head the logit-lens decode of each context's deviation vector (decoded one
     by one, never averaged: App. P) with probabilities, and the tokens recurring across the head's decodes; with
     the J-lens columns of :func:`context_details` the J-lens decode beside it."""
     J = _has_jlens(df)
     lines = _preamble(model, revision, "Logit-lens and J-lens decodes of the deviation vectors" if J else
-                      "Logit-lens decodes of the deviation vectors", md=True, jlens=J)
+                      "Logit-lens decodes of the deviation vectors", md=True, jlens=J, other_share_max=other_share_max)
 
     def recurring(g, lens):
         text = {i: t for ids, ts in zip(g[f"{lens}_ids"], g[f"{lens}_tokens"]) for i, t in zip(ids, ts)}
@@ -321,10 +324,10 @@ def _h(s: str) -> str:
     return html.escape(_visible(str(s)))
 
 
-def contexts_html(df: pd.DataFrame, model: str, revision: str) -> str:
+def contexts_html(df: pd.DataFrame, model: str, revision: str, other_share_max: float = OTHER_SHARE_MAX) -> str:
     """The context lens as a standalone HTML page (the same tables as :func:`contexts_markdown`, query marked)."""
     J = _has_jlens(df)
-    pre = _preamble(model, revision, "Top-deviation contexts", jlens=J)
+    pre = _preamble(model, revision, "Top-deviation contexts", jlens=J, other_share_max=other_share_max)
     body = [f"<h1>{_h(pre[0][2:])}</h1>", f"<p>{_h(pre[2])}</p>"]
     for _, g in _heads(df):
         body += [f"<h2>{_h(_title(g))}</h2>", f"<p>{_h(_note(g).replace('**', ''))}</p>", "<table>",

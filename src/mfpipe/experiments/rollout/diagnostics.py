@@ -10,8 +10,7 @@ float32 when a cloud sits far from the origin)::
     clustering_metrics   counts   [N]          n_t, occurrences of type t        (stats: query_count)
                          sums     [L', N, d]   sum_i x_{t,i}                     (stats: resid_sum[:, :N])
                          sumsq    [L', N, d]   sum_i x_{t,i,d}^2 per dim         (stats: resid_sq_sum[:, :N])
-    value_jensen_gap     norm_mean [L, N, d]   mean_i attn_input_norm_l(x_{t,i}) (NOT yet stored: needs a
-                                               per-type sum of the pre-attention norm's output)
+    value_jensen_gap     norm_mean [L, N, d]   mean_i attn_input_norm_l(x_{t,i})  (stats: ln_in_mean)
                          centroids [L, N, d]   c_t
     value_jensen_gap_mu  mu       [L, H, N(+2), dh]  mean per-head value of type-t keys (value_sum / key_count)
                          centroids [L, N, d]

@@ -150,8 +150,11 @@ def error_decomposition_figure(table, out, png=None, title: str | None = None, f
             d = df[(df["estimator"] == est) & (df["metric"] == metric)].sort_values("layer")
             if d.empty:
                 continue
+            # the table says which value means its (b) used (pass 2's or the unconditional ones)
+            own = d["label"].iloc[0] if "label" in d else None
+            label = own if isinstance(own, str) else ESTIMATOR_LABELS[est]
             ax.plot(_x(d, "layer", frac), d["value"], marker="os^"["abc".index(est)], color=colors[est],
-                    linewidth=1.6, label=ESTIMATOR_LABELS[est])
+                    linewidth=1.6, label=label)
         ax.axhline(1.0 if metric == "cosine" else 0.0, color="gray", linestyle=":", linewidth=1)
         _style_axis(ax, metric, "layer", df["layer"], frac, ylabel_suffix=r" vs $c^{\ell+1}$")
     handles, labels = axes[0, 0].get_legend_handles_labels()

@@ -174,13 +174,14 @@ def rollout_localized(job) -> None:
     model, adapter = job.model()
     setup = RO.prepare(adapter, st, ev, init=str(p.init), min_count=int(p.min_count))
     pin = pinning(setup, float(p.rogue_factor)) if cfg["pin"] else None
-    lz = LZ.localized_table(adapter, setup, cfg["substitute"], cfg["layers"],
-                            pin=pin if pin is not None and pin[0].size else None, seed=int(p.seed), model=model)
+    pin = pin if pin is not None and pin[0].size else None  # asked, but no dimension above the factor: unpinned
+    lz = LZ.localized_table(adapter, setup, cfg["substitute"], cfg["layers"], pin=pin, seed=int(p.seed), model=model)
     rg = LZ.rogue_table(setup.stats_centroids[:, st.query_count().values > 0], float(p.rogue_factor))
     pt = LZ.pinning_table(model, adapter, setup, list(p.kernels), float(p.rogue_factor), seed=int(p.seed))
+    pinned = ", pinned" if pin is not None else "; pinning asked, no dimension above the factor" if cfg["pin"] else ""
     for key, df, title in (
             ("localized", lz, f"Layer-localized substitution ({cfg['substitute']} on the listed layers, P elsewhere"
-                              f"{', pinned' if cfg['pin'] else ''}): {tag}"),
+                              f"{pinned}): {tag}"),
             ("rogue", rg, f"Rogue dimensions (RMS over the type centroids / the depth's median; pinned above "
                           f"{p.rogue_factor:g}x): {tag}"),
             ("pinning", pt, f"Every kernel's rollout unpinned vs pinned (factor {p.rogue_factor:g}): {tag}")):

@@ -32,7 +32,8 @@ ROLLOUT_NAMES: tuple[str, ...] = (*DEFAULT_KERNELS, *(k for k in K.KERNEL_NAMES 
 
 
 def _fill_rows(x: np.ndarray, ok: np.ndarray, axis: int) -> np.ndarray:
-    """Rows (along ``axis``) not in ``ok`` replaced by the mean of the ``ok`` rows; NaN -> 0 elsewhere."""
+    """Rows (along ``axis``) not in ``ok`` replaced by the (NaN-skipping) mean of the ``ok`` rows; NaN elsewhere is
+    kept."""
     x = np.array(x, dtype=np.float64)
     if ok.all():
         return x

@@ -187,9 +187,11 @@ def error_decomposition_markdown(ed: pd.DataFrame, tag: str) -> str:
     summ["estimator"] = summ["estimator"].map(labels)
     md += "\n" + wide_markdown(summ, "estimator", ["cosine", "cosine_se", "rel_error", "rel_error_se"],
                                title="Cross-layer mean (SE over layers)")
-    md += ("\nInputs (P, c^l, zbar, mu) from the statistics half; truth c^(l+1) from the evaluation half. (b) uses "
-           "the unconditional value means mu_t in place of E_s[vbar_t] (the paper's (b)), so it also assumes "
-           "value-query independence.\n")
+    b = ("(b) uses the type-conditional value means E_s[vbar_t] of pass 2 (the paper's (b)): the value-query "
+         "covariance is kept." if labels.get("b") == ESTIMATORS["b_pass2"] else
+         "(b) uses the unconditional value means mu_t in place of the paper's E_s[vbar_t] (no pass-2 store), so it "
+         "also assumes value-query independence.")
+    md += f"\nInputs (P, c^l, zbar, mu) from the statistics half; truth c^(l+1) from the evaluation half. {b}\n"
     return md
 
 
