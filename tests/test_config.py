@@ -92,6 +92,32 @@ def test_bad_value_is_named():
         validate_schema(cfg)
 
 
+def test_every_seed_is_refused_below_zero_by_its_key():
+    """numpy's generators take no negative seed: the schema refuses one by its key, before any job starts."""
+    def seeds(node, path=()):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from ([path + (k,)] if k == "seed" else seeds(v, path + (k,)))
+
+    from mfpipe.workflow.config import apply_defaults
+
+    def full():
+        cfg = default_config()
+        apply_defaults(cfg)
+        return cfg
+
+    found = list(seeds(full()))
+    assert len(found) >= 8, found
+    for path in found:
+        cfg = full()
+        node = cfg
+        for k in path[:-1]:
+            node = node[k]
+        node["seed"] = -1
+        with pytest.raises(ConfigError, match=r"\.".join(path)):
+            validate_schema(cfg)
+
+
 def test_cross_checks():
     cfg = default_config()
     cfg["corpus"]["context_length"] = 512

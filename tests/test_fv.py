@@ -473,6 +473,35 @@ def test_the_presets_run_the_papers_six_tasks_on_the_papers_models():
     assert blocks[0]["models"] == ["gpt2-small", "gemma-2-2b", "gpt-j-6b"]
 
 
+def test_the_task_files_a_job_reads_are_its_inputs_relative_to_the_working_directory(monkeypatch):
+    """The vendored datasets a preset names and the unrelated-word list the decode populations draw from are inputs
+    of the function-vector job, and the ICL datasets of the prompt-class job, as paths relative to the working
+    directory: an absolute one would make a project moved elsewhere rerun them (Snakemake compares the recorded set
+    of inputs), as the code inputs'."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import yaml
+    from snakemake.utils import update_config
+
+    from mfpipe.experiments.fv.rules import task_inputs
+    from mfpipe.experiments.prompts.rules import icl_task_data
+    from mfpipe.workflow.config import apply_defaults
+    from mfpipe.workflow.plan import Plan
+
+    repo = Path(__file__).resolve().parents[1]
+    full = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    update_config(full, yaml.safe_load((repo / "config" / "presets" / "gpt2-small.yaml").read_text()))
+    apply_defaults(full)
+    plan = Plan(full, repo / "src")
+    for cwd, prefix in ((repo, "src/mfpipe/tasks/data/"), (repo / "config", "../src/mfpipe/tasks/data/")):
+        monkeypatch.chdir(cwd)
+        files = task_inputs(plan, SimpleNamespace(model="gpt2-small"))
+        assert files == [f"{prefix}{t}.json" for t in full["fv"]["tasks"]] + [f"{prefix}unrelated-words.txt"]
+        icl = icl_task_data(plan)
+        assert icl and all(f.startswith(prefix) and Path(f).is_file() for f in icl), icl
+
+
 @pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "qwen3", "gemma2", "olmo2"])
 def test_the_residual_add_goes_through_the_site_on_every_architecture(model_type):
     """Issue 29 item 5: the residual-stream add at a layer and position (patch_resid) through the adapters' one

@@ -297,6 +297,17 @@ def test_adding_a_revision_plans_only_that_revisions_jobs(built, tmp_path):
         "model=mini-neox, revision=step20, n=32"], jobs
 
 
+def test_a_models_threads_rerun_nothing_and_its_tokens_per_step_only_what_reads_it(built, tmp_path):
+    """How a job runs is no param of what it computes: a model's `threads` (its jobs' `threads:`; a forward's bits do
+    not depend on it) plans nothing, not its corpus shards again; its `tokens_per_step` only the cross-model jobs,
+    whose axis it sets (and the explorer's index, which shows their table)."""
+    cfg = variant(tmp_path, "threads", lambda c: c["models"][0].update(threads=2))
+    assert planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg))) == []
+    cfg = variant(tmp_path, "tps", lambda c: c["models"][0].update(tokens_per_step=4096))
+    rules = {r for r, _ in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))} - {"all"}
+    assert rules and rules <= {"crossmodel_table", "figure_crossmodel", "explorer_index"}, rules
+
+
 def test_second_run_does_nothing(built):
     text = snakemake(built, "-n")
     assert planned_jobs(text) == [], text[-3000:]

@@ -214,13 +214,16 @@ def datasets(corpus=None):
 # what selects revisions (and App. M's arms) is not part of what a job loads: listing another revision must not change
 # the params of the jobs of the revisions already built (nor re-tokenize the corpus)
 SWEEP_KEYS = ("revisions", "rollout_revisions", "induction_window", "top_n")
+# nor is how a job runs or what a figure's axis reads: a model's threads set its jobs' `threads:` (a forward's bits do
+# not depend on them: mfpipe.workflow.numerics), its tokens_per_step the cross-model jobs' own params
+RUN_KEYS = ("threads", "tokens_per_step")
 
 
 def model_spec(wildcards):
     """The model entry as a job sees it (name, source, hub_id/path, dtype, bos_token, tokenizer_revision; for a hub
     model the commit its tokenizer_revision resolved to, `tokenizer_commit`: every job depends on the tokenizer
     through the corpus shards)."""
-    spec = {k: v for k, v in MODELS[wildcards.model].items() if k not in SWEEP_KEYS}
+    spec = {k: v for k, v in MODELS[wildcards.model].items() if k not in SWEEP_KEYS + RUN_KEYS}
     if (wildcards.model, TOKENIZER) in HUB_COMMITS:
         spec["tokenizer_commit"] = HUB_COMMITS[(wildcards.model, TOKENIZER)]
     return spec

@@ -67,6 +67,15 @@ class Plan:
             return lambda wc: self.store("calibrated", model=wc.model, revision=wc.revision)
         return []
 
+    def task_data(self, file: str) -> str | None:
+        """A file of the vendored task data (``mfpipe/tasks/data``: a dataset ``<task>.json``, the unrelated-word
+        list) as a job input, relative to the working directory (a project moved elsewhere reruns nothing, as the
+        code inputs: :func:`mfpipe.workflow.codedeps.code_inputs`); None where there is no such file."""
+        import os
+
+        path = Path(self.src) / "mfpipe" / "tasks" / "data" / file
+        return os.path.relpath(path, Path.cwd()) if path.is_file() else None
+
     def is_mini(self, model: str) -> bool:
         return self.models[model]["source"] == "minisuite"
 

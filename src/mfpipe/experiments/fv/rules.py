@@ -3,8 +3,6 @@ plan (:class:`mfpipe.workflow.plan.Plan`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def fv_tasks(plan, model: str) -> list[str]:
     """The function-vector tasks of ``model``: ``minisuite`` (the tasks the mini suite trained on) only for mini-suite
@@ -47,18 +45,19 @@ def decoded_vectors(plan, model: str):
 
 
 def task_inputs(plan, wildcards) -> list[str]:
-    """The task files a job reads: the mini suite's tasks, the user's files and the vendored datasets it names
-    (mfpipe.tasks): editing one reruns the job."""
+    """The task files a job reads: the mini suite's tasks, the user's files, the vendored datasets it names and the
+    unrelated-word list its unrelated population is drawn from (mfpipe.tasks): editing one reruns the job."""
     out = []
     for t in fv_tasks(plan, wildcards.model):
-        vendored = Path(plan.src) / "mfpipe" / "tasks" / "data" / f"{t}.json"
+        vendored = plan.task_data(f"{t}.json")
         if t == "minisuite":
             out.append(f"{plan.results}/minisuite/tasks.json")
         elif t.endswith(".json"):
             out.append(t)
-        elif vendored.is_file():
-            out.append(str(vendored))
-    return out
+        elif vendored:
+            out.append(vendored)
+    words = plan.task_data("unrelated-words.txt")
+    return out + [words] if out and words else out
 
 
 def targets(plan) -> list[str]:

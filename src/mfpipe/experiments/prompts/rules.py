@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 
 def icl_task_data(plan) -> list[str]:
     """The vendored datasets named in `prompts.icl.tasks` (mfpipe.tasks): editing one reruns the prompt-class jobs."""
-    data = Path(plan.src) / "mfpipe" / "tasks" / "data"
-    return [str(data / f"{t}.json") for t in plan.config["prompts"]["icl"]["tasks"] if (data / f"{t}.json").is_file()]
+    return [f for f in (plan.task_data(f"{t}.json") for t in plan.config["prompts"]["icl"]["tasks"]) if f]
 
 
 def lens_vectors(plan) -> int:
