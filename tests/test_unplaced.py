@@ -28,10 +28,6 @@ REFUSED = {
     "gemma3n": ("mfpipe", "4 residual streams (altup_num_inputs), mixed in every block: mfpipe reads one residual "
                           "stream of summed branches (its language model built alone, its composite not: "),
     "reformer": ("mfpipe", "2 residual streams side by side (its norm encoder.layer_norm reads 2 x 64"),
-    # (its residual-scaling modules are run by the block, mfpipe.models.adapters.joins; the first refusal its probe
-    # meets is its embedding, (e + b) ⊙ s; behind it, half of its value channels are the previous token's (CCA's
-    # v_proj_delayed), and its router adds the previous layer's router states)
-    "zaya": ("mfpipe", "its first block reads the token embedding changed in a way mfpipe cannot place"),
     # (its residual interpolated on the unit sphere would be run by the block: mfpipe.models.adapters.joins; a norm of
     # its heads' reads is placed where it norms the reads themselves, BitNet's: tests/test_reads_norm.py; Dory's norms
     # them times a gate)

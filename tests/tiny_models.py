@@ -19,6 +19,22 @@ from mfpipe.models.tiny import (  # noqa: F401
 )
 
 
+def tiny_zaya(seed: int = 3, **overrides):
+    """A tiny Zaya (issue 59): its default config shrunk (mfpipe.models.tiny.shrink_config) to two blocks, its router
+    state 32 wide: the embedding enters as ``(e + b) * s`` (mfpipe.models.adapters.residual.embed_affine), its CCA
+    projection returns the values, half of its KV heads the previous position's (adapters.returned), its blocks scale
+    both terms of each residual sum (a join of their own: adapters.joins) and hand the next block their router state
+    (adapters.calls.with_carried); ``overrides`` set on the config."""
+    from mfpipe.models.defaults import default_config
+    from mfpipe.models.tiny import random_model, shrink_config
+
+    cfg = shrink_config(default_config("zaya"))
+    cfg.router_hidden_size = 32
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return random_model(cfg, seed=seed)
+
+
 def tiny_inkling(seed: int = 3, **overrides):
     """A tiny Inkling (issue 59: short convolutions over positions, mfpipe.models.adapters.convolved): its default
     config shrunk (mfpipe.models.tiny.shrink_config) to two blocks, a sliding-window one with a dense MLP and twice the

@@ -208,7 +208,7 @@ def _rebuilt(adapter, att, hid, err, ids) -> float:
     from mfpipe.models.adapters.forms import IDENTITY_KINDS, side_branch
     from mfpipe.models.adapters.joins import run_block
 
-    worst = 0.0
+    worst, carry = 0.0, {}  # a state the blocks hand each other beside the residual (Zaya's), along the layers
     for l in adapter.attention_layers:
         x = hid[l].float()
         v = adapter.value_map(l, x)  # [B,T,H,dh]
@@ -222,7 +222,7 @@ def _rebuilt(adapter, att, hid, err, ids) -> float:
         a = adapter.post_attn_norm(l, o) if side is None else adapter.post_attn_norm(l, o) + side
         mid = x + a
         nxt = (adapter.block_join(l, mid, adapter.mlp(l, x if adapter.parallel_residual else mid))  # post-norm, scale
-               if adapter.structure.join == "sum" else run_block(adapter, l, x, o, ids)[1])  # a join of the block's own
+               if adapter.structure.join == "sum" else run_block(adapter, l, x, o, ids, carry)[1])  # a join of its own
         want = hid[l + 1]
         if all(k in IDENTITY_KINDS for k in adapter.layer_kinds[l + 1:]):  # the last block run: transformers' last
             # hidden state is the final norm's output

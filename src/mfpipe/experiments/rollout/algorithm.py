@@ -184,12 +184,13 @@ def attention_output(adapter, layer: int, reads: Tensor, bias: bool = True, post
 
 
 @torch.no_grad()
-def block_update(adapter, layer: int, c: Tensor, reads: Tensor) -> Tensor:
+def block_update(adapter, layer: int, c: Tensor, reads: Tensor, carry: dict | None = None) -> Tensor:
     """One block at the centroids ``c [N, d]`` given the per-head reads ``[N, H, dh]``: output projection +
     bias, post-attention norm (Gemma-2 / OLMo-2), residual add, then the MLP once at the centroid (on the
-    post-attention residual, or on the block input for GPT-NeoX parallel residual). Returns ``[N, d]``."""
+    post-attention residual, or on the block input for GPT-NeoX parallel residual). Returns ``[N, d]``. ``carry``: the
+    state the blocks hand each other beside the residual, kept along a run's layers (Zaya's: joins.run_block)."""
     if adapter.structure.join == "model":  # a join of the block's own (Doge's, Beam's...): the block runs it
-        return run_block(adapter, layer, c, attention_output(adapter, layer, reads, bias=True, at=c))[1]
+        return run_block(adapter, layer, c, attention_output(adapter, layer, reads, bias=True, at=c), carry=carry)[1]
     a = attention_output(adapter, layer, reads, bias=True, post_norm=True, at=c)  # an output gate: the centroid's
     side = side_branch(adapter, layer, c[:, None])  # a mixer beside the attention (Falcon-H1): on each centroid as a
     a = a if side is None else a + side[:, 0]  # sequence of one position, as hybrid.mixer_block runs a mixer block
@@ -251,11 +252,11 @@ def rollout(
         if vals.shape[0] < L + 1 or vals.shape[-1] != adapter.d_model or vals.ndim not in (2, 3):
             raise ValueError(f"pin_values must be [L+1, d] or [L+1, N, d]; got {tuple(vals.shape)}")
     c = _pin(c, dims, vals, 0)
-    out = [c]
+    out, carry = [c], {}  # carry: a state the blocks hand each other beside the residual (Zaya's), along the run
     for layer in range(L):
         if layer in adapter.attention_layers:
             reads = head_reads(adapter, layer, np.asarray(kernel[layer]), c, b_all[layer])
-            c = block_update(adapter, layer, c, reads)
+            c = block_update(adapter, layer, c, reads, carry)
         else:  # a hybrid's block of another mixer: the model's own block on each centroid (mixer_block says why)
             c = mixer_block(adapter, layer, c)
         c = _pin(c, dims, vals, layer + 1)
@@ -330,6 +331,7 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu, vbar=None, s
     _check_kernel(adapter, P, n)
     b_all = _t(adapter, _bos_for(adapter, bos_resid))
     out: dict[str, list[Tensor]] = {"a": [], "b": [], "c": []}
+    carry = {k: {} for k in out}  # each estimator's own state between blocks, where the blocks hand one on (Zaya's)
     for layer in range(L):
         if layer not in adapter.attention_layers:  # a hybrid's other mixer: no attention estimator (NaN rows)
             for v in out.values():
@@ -352,7 +354,7 @@ def error_decomposition(adapter, P, centroids, bos_resid, zbar, mu, vbar=None, s
             "c": torch.einsum("hst,thd->shd", K, V),
         }
         for k, r in reads.items():
-            out[k].append(block_update(adapter, layer, c, r))
+            out[k].append(block_update(adapter, layer, c, r, carry[k]))
     return {k: _np(torch.stack(v)) for k, v in out.items()}
 
 

@@ -66,18 +66,19 @@ def _ratio(a: float, b: float, scale: float) -> float:
 
 
 @torch.no_grad()
-def block_stages(adapter, layer: int, kernel_l, bos_l, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor]:
+def block_stages(adapter, layer: int, kernel_l, bos_l, x: torch.Tensor,
+                 carry: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean-field block at ``x [N, d]``: ``(mid, mlp_in, out)`` with ``mid = x + a(x)`` (the attention update;
     where the block joins its branches in a form of its own, what its MLP's norm reads: adapters.joins),
     ``mlp_in`` what the MLP reads (``mid``; ``x`` for a parallel-residual block) and ``out = F_l(x)``, equal to
     :func:`~mfpipe.experiments.rollout.algorithm.block_update` bit for bit; a hybrid's block of another mixer is the
-    model's own on each row (no attention update: ``mid = mlp_in = x``; ``out`` as the rollout takes it)."""
+    model's own on each row (no attention update: ``mid = mlp_in = x``; ``out`` as the rollout takes it). ``carry``:
+    a state the blocks hand each other beside the residual (Zaya's), kept along the rows' layers (joins.run_block)."""
     if layer not in adapter.attention_layers:
         return x, x, mixer_block(adapter, layer, x)
     reads = R.head_reads(adapter, layer, kernel_l, x, bos_l)
     if adapter.structure.join == "model":  # a join of the block's own: mid is what the MLP's norm reads
-        mid, out = run_block(adapter, layer, x, R.attention_output(adapter, layer, reads, bias=True, at=x))
+        mid, out = run_block(adapter, layer, x, R.attention_output(adapter, layer, reads, bias=True, at=x), carry=carry)
         return mid, mid, out
     a = R.attention_output(adapter, layer, reads, bias=True, post_norm=True, at=x)  # as block_update: x's gate
     side = side_branch(adapter, layer, x[:, None])  # as block_update: a mixer beside the attention (Falcon-H1)
@@ -98,12 +99,19 @@ def trajectories(adapter, setup, kernel, pin: tuple | None = None) -> tuple[np.n
     return rolled, true.astype(np.float32)
 
 
-def _steps(adapter, kernel, bos, rolled, true):
-    """Per layer: the block's stages at the rolled and at the true centroids."""
+def _steps(adapter, kernel, bos, rolled, true, before: dict | None = None):
+    """Per layer: the block's stages at the rolled and at the true centroids, each along its own trajectory (a state
+    the blocks hand each other: carried along each); ``before``, where given, holds the true trajectory's state as
+    it enters the layer (for a block run at other rows there: copy it)."""
+    carry_h, carry = {}, {}
     for layer in range(adapter.n_layers):
         Kl, b = np.asarray(kernel[layer]), _t(adapter, bos[layer])
         xh, x = _t(adapter, rolled[layer]), _t(adapter, true[layer])
-        yield layer, xh, x, block_stages(adapter, layer, Kl, b, xh), block_stages(adapter, layer, Kl, b, x)
+        if before is not None:
+            before.clear()
+            before.update(carry)
+        yield (layer, xh, x, block_stages(adapter, layer, Kl, b, xh, carry_h),
+               block_stages(adapter, layer, Kl, b, x, carry))
 
 
 def step_table(adapter, kernel, bos, rolled, true, types) -> pd.DataFrame:
@@ -129,7 +137,8 @@ def curvature_table(adapter, kernel, bos, rolled, true, types, alphas=DEFAULT_AL
     a random error with each type's norm of ``alpha e`` (one seeded draw per block)."""
     rows, S = [], torch.as_tensor(types)
     gen = torch.Generator().manual_seed(int(seed))
-    for layer, xh, x, _, (_, _, o) in _steps(adapter, kernel, bos, rolled, true):
+    before: dict = {}
+    for layer, xh, x, _, (_, _, o) in _steps(adapter, kernel, bos, rolled, true, before):
         e = xh - x
         r = torch.randn(e.shape, generator=gen, dtype=torch.float32).to(e.device)
         r = r * (e.norm(dim=1, keepdim=True) / r.norm(dim=1, keepdim=True).clamp_min(1e-30))
@@ -137,7 +146,7 @@ def curvature_table(adapter, kernel, bos, rolled, true, types, alphas=DEFAULT_AL
         for alpha in alphas:
             row = {"layer": layer, "alpha": float(alpha), "err_in_rel": float(alpha) * _norm(e, S) / scale}
             for name, d in (("real", e), ("random", r)):
-                out = block_stages(adapter, layer, Kl, b, x + float(alpha) * d)[2]
+                out = block_stages(adapter, layer, Kl, b, x + float(alpha) * d, dict(before))[2]
                 row[f"amp_{name}"] = _ratio(_norm(out - o, S), float(alpha) * _norm(d, S), scale)
             rows.append(row)
     return pd.DataFrame(rows)

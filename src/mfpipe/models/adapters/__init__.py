@@ -29,7 +29,8 @@
   one holding the blocks (GIT's ``embeddings`` beside ``encoder``).
 * ``residual.py`` — how a block's branches join the residual where not as the modules return them (the residual added
   inside the attention and the MLP: BLOOM, MPT; a branch scale: MiniCPM-3), an absolute position table as a tensor
-  (a learned or a sinusoidal one), the embedding's and the logits' scales, and how the MLP is called (on
+  (a learned or a sinusoidal one), the embedding's and the logits' scales (an affine map of the embedding by the base
+  model's own vectors: Zaya's ``embed_affine``), and how the MLP is called (on
   ``[B, T, d]`` where a mixture of experts needs it), for the probe.
 * ``latent.py`` — latent attention (DeepSeek-V2/V3's MLA): the value source that reads a norm of a slice of another
   projection, found in the probe forward (:func:`~mfpipe.models.adapters.latent.latent_sources`) and run as the
@@ -49,7 +50,12 @@
   (:func:`~mfpipe.models.adapters.convolved.position_conv`); the rollout's rows each a sequence of one position.
 * ``calls.py`` — the arguments a model's forward hands its blocks on one-token inputs, for running a block on residual
   rows (a join of the block's own, a hybrid's other mixer, a gate of a latent); per row's token where the blocks read
-  an input of each token (Gemma-4's per-layer inputs: ``token_call``, ``row_tokens``).
+  an input of each token (Gemma-4's per-layer inputs: ``token_call``, ``row_tokens``); a state each block hands the
+  next beside the residual, carried along the rows a caller runs layer by layer (Zaya's router state:
+  ``with_carried``).
+* ``returned.py`` — values a module of the attention returns among several outputs (Zaya's CCA projection: half of
+  its KV heads the previous position's), offered to the value search as ``NAME#i`` and read there by the site, run
+  by the value map (:func:`~mfpipe.models.adapters.returned.run_source`).
 * ``joins.py`` — blocks whose branches join the residual in a form of their own (Doge's learned vectors, Beam's
   depth-scaled sums, MiniMax's): the block runs it on residual rows as one-position sequences with its attention's
   output replaced (:func:`~mfpipe.models.adapters.joins.run_block`), placed where its output is each position's own;

@@ -49,7 +49,7 @@ from mfpipe.models.adapters.convolved import on_rows, position_conv
 from mfpipe.models.adapters.gate import has_gate
 from mfpipe.models.adapters.hybrid import check_attention, layer_kinds
 from mfpipe.models.adapters.layers import pad_heads
-from mfpipe.models.adapters.residual import table_rows
+from mfpipe.models.adapters.residual import affine_embedding, table_rows
 from mfpipe.models.adapters.site import LayerCapture, TracedSite, module_at
 from mfpipe.models.adapters.streaming import holds_block
 from mfpipe.models.adapters.structure import Structure, base_model
@@ -167,6 +167,8 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         e = self._embedding()(ids.to(self.device))
         if self.structure.embed_scale != 1.0:
             e = e * torch.tensor(self.structure.embed_scale, dtype=e.dtype)
+        if self.structure.embed_affine is not None:  # (e + b) * s by the base model's own vectors (Zaya's)
+            e = affine_embedding(self.base, e, self.structure.embed_affine).to(e.dtype)
         if offset is not None:
             e = e + offset.to(device=e.device, dtype=e.dtype)
         if self.structure.embed_norm is not None:

@@ -4,9 +4,11 @@
 :meth:`~mfpipe.models.adapters.gate.OutputGate.read_gate`):
 those of a one-token input (:func:`one_token_call`, captured once per adapter), or where the model hands its blocks an
 input of each token beside the residual (Gemma-4's per-layer inputs, PLE: :func:`reads_tokens`), those of each row's
-own token (:func:`token_call`: the ids given, or those of the enclosing :func:`row_tokens`). Such calls made from
-inside a traced forward (a callback of :meth:`~mfpipe.models.adapters.site.TracedSite.run`) run under
-:func:`untraced`."""
+own token (:func:`token_call`: the ids given, or those of the enclosing :func:`row_tokens`); where each block hands
+the next a state of each position beside the residual (Zaya's router state: :func:`find_carried`), that of the same
+rows from the block before, which the caller carries along the blocks it runs in order (:func:`with_carried`). Such
+calls made from inside a traced forward (a callback of :meth:`~mfpipe.models.adapters.site.TracedSite.run`) run
+under :func:`untraced`."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-__all__ = ["one_token_call", "one_token_calls", "reads_tokens", "row_tokens", "token_call", "untraced"]
+__all__ = ["carried_state", "find_carried", "one_token_call", "one_token_calls", "reads_tokens", "row_tokens",
+           "token_call", "untraced", "with_carried"]
 
 
 @torch.no_grad()
@@ -52,11 +55,65 @@ def _differ(a, b) -> bool:
     return False
 
 
-def reads_tokens(base: nn.Module, blocks, device) -> bool:
+def reads_tokens(base: nn.Module, blocks, device, carried: tuple[int, int] | None = None) -> bool:
     """Whether the model hands its blocks an input of each token beside the residual (Gemma-4's per-layer inputs,
-    PLE): the arguments of a one-token call differ between two tokens."""
+    PLE): the arguments of a one-token call differ between two tokens (but for a state the previous block returns,
+    ``carried``: :func:`carried_state`)."""
+    def drop(call):
+        args = list(call[0])
+        if carried is not None and carried[0] < len(args):
+            args[carried[0]] = None
+        return tuple(args), call[1]
+
     a, b = (one_token_calls(base, blocks, device, torch.tensor([t])) for t in (0, 1))
-    return any(_differ(a[l], b[l]) for l in a)
+    return any(_differ(drop(a[l]), drop(b[l])) for l in a)
+
+
+@torch.no_grad()
+def find_carried(base: nn.Module, blocks, device) -> tuple[int, int] | None:
+    """``(k, j)`` where each block after the first is handed, as its positional argument ``k`` after the hidden states,
+    the very tensor the block before it returned as its output ``j`` beside the residual (Zaya's router state: the
+    next block's router adds it to its own), by one forward of one token; None where no block is (every other model).
+    Such a state is each position's own, carried along the blocks: :func:`with_carried`."""
+    outs: dict[int, tuple] = {}
+    calls = {}
+    handles = [b.register_forward_hook(lambda m, a, o, l=l: outs.__setitem__(l, o if isinstance(o, tuple) else ()))
+               for l, b in enumerate(blocks)]
+    handles += [b.register_forward_pre_hook(lambda m, a, l=l: calls.__setitem__(l, a[1:]))
+                for l, b in enumerate(blocks)]
+    try:
+        base(torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    found = {(k, j) for l in range(1, len(blocks)) for k, a in enumerate(calls.get(l, ()))
+             for j, o in enumerate(outs.get(l - 1, ())) if j >= 1 and isinstance(a, Tensor) and a is o}
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def carried_state(adapter) -> tuple[int, int] | None:
+    """:func:`find_carried` of ``adapter``'s model, found once per adapter."""
+    if adapter not in _CARRIED:
+        _CARRIED[adapter] = find_carried(adapter.base, [adapter.block_module(l) for l in range(adapter.n_layers)],
+                                         adapter.device)
+    return _CARRIED[adapter]
+
+
+def with_carried(adapter, layer: int, call: tuple[tuple, dict], carry: dict | None) -> tuple[tuple, dict]:
+    """``call`` with the state the block before ``layer`` returned for the same rows (``carry["state"]``, kept by the
+    caller along the blocks it runs in order: :func:`~mfpipe.models.adapters.joins.run_block` writes it) in place of
+    the one-token forward's, where the model carries such a state (:func:`carried_state`) and hands block ``layer``
+    one (the first block: none)."""
+    carried = carried_state(adapter)
+    if carried is None or carried[0] >= len(call[0]) or call[0][carried[0]] is None:
+        return call
+    if carry is None or carry.get("state") is None:
+        raise ValueError(f"block {layer} of {getattr(adapter, 'name', 'the model')} reads a state the block before "
+                         "it returns beside the residual (Zaya's router state): run the blocks in order on the same "
+                         "rows with one carry={} dict (it holds the state between them)")
+    args = list(call[0])
+    args[carried[0]] = carry["state"]
+    return tuple(args), call[1]
 
 
 @contextmanager
@@ -82,6 +139,7 @@ def untraced(adapter):
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> {layer: (args, kwargs)}
 _TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> (reads tokens, (ids, calls) or None)
 _ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> the token ids of the rows run now
+_CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapter -> find_carried's answer
 
 
 @contextmanager
@@ -115,7 +173,7 @@ def token_call(adapter, layer: int, ids: Tensor | None, rows: int) -> tuple[tupl
     same rows layer after layer)."""
     blocks = [adapter.block_module(l) for l in range(adapter.n_layers)]
     if adapter not in _TOKENS:
-        _TOKENS[adapter] = (reads_tokens(adapter.base, blocks, adapter.device), None)
+        _TOKENS[adapter] = (reads_tokens(adapter.base, blocks, adapter.device, carried_state(adapter)), None)
     reads, kept = _TOKENS[adapter]
     if not reads:
         return one_token_call(adapter, layer)

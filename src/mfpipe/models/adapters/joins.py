@@ -1,8 +1,9 @@
 """Blocks whose branches join the residual in a form of their own (``Structure.join == "model"``), run by the block's
 own code: Doge's ``a ⊙ x + attn`` and ``b ⊙ mid + mlp`` with learned vectors, Beam's depth-scaled sums, MiniMax's
-branches added to a norm of the residual (Zaya's residual-scaling modules and Dory's interpolation on the unit sphere
-would be too; other parts of those models keep them refused). Each is a function of a position's own residual and attention branch; the model computes it, so mfpipe does
-not write it out again.
+branches added to a norm of the residual, Zaya's residual-scaling modules (``(a + b1) ⊙ s1 + (x + b2) ⊙ s2``; its
+blocks also hand the next one their router state: ``carry`` below); Dory's interpolation on the unit sphere would be
+too (other parts of it keep it refused). Each is a function of a position's own residual and attention branch (and
+of a state the block before handed on); the model computes it, so mfpipe does not write it out again.
 
 :func:`run_block` runs block ``layer`` on residual rows, each a sequence of one position (the arguments the model's
 forward hands the block on a one-token input: :func:`~mfpipe.models.adapters.calls.one_token_calls`), with its
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mfpipe.models.adapters.calls import one_token_calls, token_call
+from mfpipe.models.adapters.calls import carried_state, one_token_calls, token_call, with_carried
 from mfpipe.models.adapters.capture import first_output, hidden_input
 from mfpipe.models.adapters.probe import PROBE_IDS, UnsupportedArchitectureError, submodule
 from mfpipe.models.adapters.streaming import held
@@ -44,7 +45,8 @@ def _replaced(attn: nn.Module, branch: Tensor):
     return attn.register_forward_hook(hook)
 
 
-def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch: Tensor, grab: nn.Module | None):
+def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch: Tensor, grab: nn.Module | None,
+          out: list | None = None):
     seen: list[Tensor] = []
     handles = [_replaced(attn, branch)]
     if grab is not None:
@@ -52,7 +54,10 @@ def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch
             lambda mod, args, kwargs: seen.append(hidden_input(args, kwargs)) if not seen else None, with_kwargs=True))
     try:
         with held(block):
-            y = first_output(block(rows, *call[0], **call[1]))
+            raw = block(rows, *call[0], **call[1])
+            y = first_output(raw)
+            if out is not None:  # the block's whole output (a state it returns beside the residual: calls.with_carried)
+                out.append(raw)
     finally:
         for h in handles:
             h.remove()
@@ -60,20 +65,27 @@ def _call(block, rows: Tensor, call: tuple[tuple, dict], attn: nn.Module, branch
 
 
 @torch.no_grad()
-def run_block(adapter, layer: int, x: Tensor, branch: Tensor, ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def run_block(adapter, layer: int, x: Tensor, branch: Tensor, ids: Tensor | None = None,
+              carry: dict | None = None) -> tuple[Tensor, Tensor]:
     """``(mlp_in, out)``, float32 ``[N, d]``: block ``layer`` on the rows ``x [N, d]`` with its attention's output
     replaced by ``branch [N, d]`` (what the attention module returns: the output projection's output plus its bias),
     each row a sequence of one position; ``mlp_in`` is what the MLP's norm (or the MLP, without one) reads, ``out``
     the residual the block hands on. ``ids [N]``: each row's token, which a block reading an input of each token
     (Gemma-4's per-layer inputs) needs (:func:`~mfpipe.models.adapters.calls.token_call`): a type centroid's is
-    its type's."""
+    its type's. ``carry``: where the blocks hand each other a state of each position beside the residual (Zaya's router
+    state: :func:`~mfpipe.models.adapters.calls.with_carried`), the dict that keeps it between the blocks a caller
+    runs in order on the same rows (``{}`` before the first; this block's state is left in it)."""
     s = adapter.structure
     block = adapter.block_module(layer)
     d = x.shape[-1]
     rows = x.reshape(-1, 1, d).to(device=adapter.device, dtype=adapter.dtype)
     first = s.mlp_norm or (s.mlp_chain[0] if s.mlp_chain else s.mlp)
-    y, mlp_in = _call(block, rows, token_call(adapter, layer, ids, rows.shape[0]), submodule(block, s.attn),
-                      branch.reshape(-1, 1, d).to(device=adapter.device), submodule(block, first) if first else None)
+    call = with_carried(adapter, layer, token_call(adapter, layer, ids, rows.shape[0]), carry)
+    raw: list = []
+    y, mlp_in = _call(block, rows, call, submodule(block, s.attn), branch.reshape(-1, 1, d).to(device=adapter.device),
+                      submodule(block, first) if first else None, raw)
+    if carry is not None and (carried := carried_state(adapter)) is not None:
+        carry["state"] = raw[0][carried[1]]
     mlp_in = rows if mlp_in is None else mlp_in
     return mlp_in.reshape(x.shape).float(), y.reshape(x.shape).float()
 

@@ -46,6 +46,8 @@ def off_linear(seen: dict, root: nn.Module, keys: dict[str, str], same) -> str |
     ``<out_proj>``, ``<src>NAME``) whose output in the probe forward is not the linear map of its weight of its input,
     to the model's rounding (``same``), as ``"path (Class)"``; None where every one is."""
     for name, key in keys.items():
+        if "#" in name:  # values among a module's several outputs (adapters.returned): no projection
+            continue
         m, got = root.get_submodule(name), seen.get(key)
         if got is None or not isinstance(getattr(m, "weight", None), Tensor):
             continue

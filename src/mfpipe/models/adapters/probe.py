@@ -36,11 +36,11 @@ from mfpipe.models.adapters.linears import attention_linears, canonical_layout, 
 from mfpipe.models.adapters.normed import normed_layout
 from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, closed_chain, closing_modules,
                                              embed_scale, input_embedding, mlp_needs_sequences, mlp_residual)
+from mfpipe.models.adapters.returned import returned_sources, returning_children
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout",
-           "Shape", "UnsupportedArchitectureError", "CONFORMANCE_HINT", "is_norm", "linear_shape", "same_within",
-           "submodule"]
+__all__ = ["probe", "probe_forward", "Seen", "norm_roles", "value_layout", "Shape", "UnsupportedArchitectureError",
+           "CONFORMANCE_HINT", "is_norm", "linear_shape", "same_within", "submodule"]
 
 CONFORMANCE_HINT = "check a model with `mfpipe conformance MODEL` (docs/architectures.md)"
 
@@ -119,7 +119,7 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     watch.update({"<attn>": attn_mod, "<out_proj>": submodule(block, out_proj), "<block>": block,
                   "<first>": blocks[0], "<last>": blocks[-1], "<embed>": emb})
     watch.update({f"<src>{n}": submodule(attn_mod, n) for n in linears})  # latent attention's too (mfpipe...latent)
-    watch.update(conv_watch(attn_mod))  # Inkling's v_sconv
+    watch.update(conv_watch(attn_mod) | returning_children(attn_mod, linears))  # Inkling's v_sconv, Zaya's qkv_proj
     watch.update({f"<anorm>{n}": m for n, m in attn_mod.named_children() if is_norm(m)})
     watch.update({f"<outer>{n}": submodule(base, n) for n in outer_norms})  # paths from the base model
     seen, order = probe_forward(model, base, watch)
@@ -156,13 +156,13 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     scaled = embed_scale(base, seen, table, embed_norm, same)
     if isinstance(scaled, str):
         raise UnsupportedArchitectureError(mt, scaled)
-    out["embed_scale"], out["position_row_offset"] = scaled
+    out["embed_scale"], out["position_row_offset"], out["embed_affine"] = scaled
     latents = find_latents(seen, attn_mod, inside, shape.d, same) if find_latents else {}
     with held(block):  # (a norm of the reads is run on the probe's reads: a streamed block's weights read for it)
         out.update(normed_layout(seen, attn_mod, same, lambda t: gated_layout(  # an output gate, a norm of the reads
             t, attn_mod, inside, shape.H, shape.dh, order,
-            lambda s: value_layout(s, sources, named_value, shape, mt, emb.weight.dtype, latents,
-                                   value_convs(s, attn_mod, sources)))))
+            lambda s: value_layout(s, [*sources, *returned_sources(s, shape.dh)], named_value, shape, mt,
+                                   emb.weight.dtype, latents, value_convs(s, attn_mod, sources)))))
         # the maps mfpipe takes them for: not a quantized layer's (BitNet's AutoBitLinear: its input quantized)
         odd = off_linear(seen, block, {out_proj: "<out_proj>", f"{attn}.{out['value_source']}":
                                        f"<src>{out['value_source']}"}, same)

@@ -92,6 +92,7 @@ class Structure:
     parallel_residual: bool
     rms_offset: float = 0.0  # RMS norms scale by (rms_offset + weight): 1.0 in the Gemma family
     embed_scale: float = 1.0  # what the forward multiplies the embedding module's output by before block 0
+    embed_affine: tuple | None = None  # (bias, scale) of the base model: block 0 reads (e + bias) * scale (Zaya's)
     position_table: str | None = None  # a learned absolute position embedding of the base model (GPT-2's wpe)
     logit_softcap: float | None = None  # final logits -> tanh(logits / cap) * cap (Gemma-2)
     kv_heads: int | None = None  # KV heads where the config's num_key_value_heads does not say (Falcon: the probe's)
@@ -104,11 +105,9 @@ class Structure:
     position_row_offset: int = 0  # position p reads row p + offset of the position table (OPT: 2)
     norm_centred: bool = False  # the norms subtract the mean and have no bias (Cohere's LayerNorm)
     logit_scale: float = 1.0  # the logits are the LM head's output times this (Cohere), before any soft-cap
-    # each head's value and read width where the output projection's input is H x another width than the config's
-    # head width (latent attention's v_head_dim; the query/key width plays no part: probabilities are read)
+    # each head's value and read width where the projection's input is H x another than the config's (MLA's v_head_dim)
     value_head_dim: int | None = None
-    # latent attention (mfpipe.models.adapters.latent): the value source reads latent_norm of the slice [latent_offset,
-    # latent_offset + latent_width) of latent_proj's output (paths from the block), times latent_scale (dots.3-note's)
+    # latent attention (adapters.latent): values read latent_norm(latent_proj's output[offset:offset+width]) x scale
     latent_proj: str | None = None
     latent_offset: int = 0
     latent_width: int = 0
@@ -242,12 +241,13 @@ def describe(model: nn.Module) -> Structure:
         out_proj=out_proj, attn_norm=roles["attn_norm"], post_attn_norm=roles["post_attn_norm"],
         mlp=(found["mlp_chain"] or [None])[-1], mlp_norm=roles["mlp_norm"], post_mlp_norm=roles["post_mlp_norm"],
         parallel_residual=roles["parallel"], rms_offset=rms_offset, embed_scale=found["embed_scale"],
+        embed_affine=found["embed_affine"],
         position_table=tables[0] if len(tables) == 1 else None,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_soft_cap", None) or None,
         kv_heads=found["kv_heads"], value_chunks=found["value_chunks"], value_offset=found["value_offset"],
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
-        mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"],
-        embed_norm=embed_norm, position_row_offset=found["position_row_offset"],
+        mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"], embed_norm=embed_norm,
+        position_row_offset=found["position_row_offset"],
         norm_centred=centred, logit_scale=logit_scale(model, base, mt, head), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,

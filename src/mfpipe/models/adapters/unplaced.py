@@ -318,7 +318,7 @@ def _why(reason: str, model, attn_mod, out_proj, H: int, dv: int) -> str | None:
         return _values_reason(attn_mod, seen, out_proj, H, dv, model.config) if "" in seen and out_proj in seen \
             else None
     if reason.startswith("its first block reads the token embedding changed"):  # Gemma-3n's: one of its AltUp
-        return _streams(model, base, d)  # streams (Zaya's (e + b) ⊙ s: as it says)
+        return _streams(model, base, d)  # streams (an embedding changed otherwise: as it says)
     if not reason.startswith(_VAGUE):
         return None
     kinds = _attention_kinds(model) if reason.startswith("cannot place one attention module at one path") else None

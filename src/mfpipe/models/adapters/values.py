@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.convolved import on_rows
 from mfpipe.models.adapters.forms import value_form
 from mfpipe.models.adapters.latent import Latent, latent_input
+from mfpipe.models.adapters.returned import returned_values, run_source, split_source
 from mfpipe.models.adapters.layers import FORM_LAYOUTS, LayerForm, pad_heads
 from mfpipe.models.adapters.linears import chunk_index
 from mfpipe.models.adapters.streaming import holds_block
@@ -76,9 +77,14 @@ class ValueMaps:
         """The KV heads of layer ``layer`` (``n_kv_heads`` but where the layers differ)."""
         return self._forms[layer].kv_heads
 
+    def _returned(self, layer: int) -> int | None:
+        """Which of its value source's outputs holds the values (Zaya's ``qkv_proj#2``: adapters.returned); None
+        where the output is them."""
+        return split_source(self._forms[layer].value_source)[1]
+
     def value_path(self, layer: int) -> str:
         """The value source of block ``layer`` (a path from the block)."""
-        return self._forms[layer].value_source
+        return split_source(self._forms[layer].value_source)[0]
 
     def values_read_at(self, layer: int) -> str:
         """Where the site reads block ``layer``'s values: its value source, or the convolution over positions of the
@@ -96,6 +102,8 @@ class ValueMaps:
     def _values_from_src(self, src_out: Tensor, layer: int) -> Tensor:
         """[B,T,*] output of layer ``layer``'s value source (latent attention's: [B,1,T,*]) -> values [B,H,T,d_head]
         (GQA expanded, zero-padded to ``d_head``)."""
+        if self._returned(layer) is not None:  # one of the module's outputs, [B, T, KV, dh] (adapters.returned)
+            src_out = returned_values(src_out, self._returned(layer))
         B, T, src_out = src_out.shape[0], src_out.shape[-2], value_form(self.structure, src_out)  # clip, scale
         if self.structure.value_layout == "neox":  # per head [q | k | v], as HF: [B,H,T,3dh]
             qkv = src_out.view(B, T, self.n_heads, 3 * self.d_head).transpose(1, 2)
@@ -146,6 +154,8 @@ class ValueMaps:
         elif self._v_offset:  # one nn.Linear [(q|k|v), d] (Phi-3)
             o, n = self._v_offset, KV * dh
             v = nn.functional.linear(h, src.weight[o : o + n], None if src.bias is None else src.bias[o : o + n])
+        elif self._returned(layer) is not None:  # the module that returns them runs (adapters.returned)
+            v = run_source(src, h, self._returned(layer))
         else:
             v = src(h)
         if self.structure.value_conv is not None:  # over a sequence's positions; a row: a sequence of one position
@@ -160,10 +170,12 @@ class ValueMaps:
         ``value_map(layer, x)`` as that map of the norm; it maps a sum of ``h`` over n positions to the sum of their
         values, ``(sum h) @ W + n b`` (the statistics pass derives its value sums so); values scaled by a constant
         (MiMo-V2-Flash's) have ``W`` and ``b`` scaled. None for latent attention (a norm sits between), a hybrid,
-        clamped values (DBRX's), normed ones (Gemma-4's ``v_norm``) and convolved ones (Inkling's, over positions): the
-        pass then sums the values as read."""
+        clamped values (DBRX's), normed ones (Gemma-4's ``v_norm``), convolved ones (Inkling's, over positions) and
+        those a module returns (Zaya's, half of them the previous position's: adapters.returned): the pass then sums
+        the values as read."""
         s = self.structure
-        if self._latents or self.hybrid or s.value_clip is not None or s.value_norm is not None or s.value_conv:
+        if (self._latents or self.hybrid or s.value_clip is not None or s.value_norm is not None or s.value_conv
+                or self._returned(layer) is not None):
             return None
         src = self._sub(layer, self.value_path(layer))
         H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
