@@ -420,3 +420,27 @@ def test_the_corpus_jobs_memory_is_measured_by_its_own_code():
     hub["corpus"]["tokens_per_half"] = 1 << 14  # one probe
     (entry,) = CM.corpus_memory(hub, {m["name"]: tok for m in hub["models"]}).values()
     assert entry["text"].startswith("the embedded Shakespeare standing in for Skylion007/openwebtext")
+
+
+def test_the_disk_a_job_keeps_is_what_it_writes_and_a_hub_model_runs_no_mini_suite_task():
+    """The corpus shards hold each window's tokens and document ids, int32 each (8 bytes a token; priced 2 before);
+    the J-lens job keeps its J, ``[2, L+1, d, d]`` float32 (priced 0 before, though kept to the run's end); the
+    function-vector job of a model outside the mini suite runs no mini-suite task (mfpipe.experiments.fv.rules.fv_tasks;
+    priced with them before)."""
+    cfg, corpus = ci()
+    ctx = context(cfg, corpus, layers=4, d_model=32)
+    name = cfg["corpus"]["name"]
+    tokens = sum(ctx.windows("mini-gpt2", name, h) for h in ("stats", "eval")) * ctx.T(name)
+    assert tokens > 0
+    assert C.job_cost(ctx, "corpus_shards", {"model": "mini-gpt2", "corpus": name})["disk_bytes"] == 8 * tokens
+    assert C.job_cost(ctx, "jlens", {"model": "mini-gpt2", "revision": "final"})["disk_bytes"] == 2 * 5 * 32 ** 2 * 4
+    cfg["fv"]["tasks"] = ["minisuite", "antonym"]
+    hub = copy.deepcopy(cfg["models"][0]) | {"name": "hub-model", "source": "hub", "hub_id": "org/hub-model"}
+    cfg["models"].append(hub)
+    ctx = context(cfg, corpus)
+    wc = {"revision": "final"}
+    mini, other = (C.job_cost(ctx, "function_vectors", {"model": m, **wc}) for m in (cfg["models"][0]["name"],
+                                                                                     "hub-model"))
+    n_mini = int(cfg["minisuite"]["tasks"]["n_tasks"])
+    work = [c["seconds"] - c["startup_s"] for c in (mini, other)]  # proportional to the tasks: n_mini + 1 against 1
+    assert n_mini >= 1 and work[0] == pytest.approx((n_mini + 1) * work[1], rel=1e-9)

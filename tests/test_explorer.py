@@ -20,6 +20,8 @@ from mfpipe.explorer.site import build_model, model_page
 L, H = 2, 3
 REVS, STEPS = ["step0", "step8"], [0, 8]
 XSS = ['<img src=x onerror="window.__xss=1">', "<script>window.__xss=2</script>", "&amp; </div>"]
+# next tokens pandas would read as missing: none after a window's last position (the lenses write ""), a token "null"
+NEXT = {(0, 0): "", (0, 1): "null", (1, 0): "NA"}
 
 
 def test_kernel_block_shows_the_most_frequent_queries_and_the_keys_they_attend_most():
@@ -69,7 +71,7 @@ def _lens(path):
             rows.append(dict(layer=l, head=h, rank=0, D=0.5 + l, shard=0, window=l, position=3, S_bar=0.1, S_bar_rank=1,
                              head_D=0.2, head_M_cov=0.1, head_M_ctx=0.1, n_garbled=0, D_recomputed=0.5 + l, D_ok=True,
                              M_cov=0.3, M_ctx=0.2 + l, other_share=0.0, valid=True, left="The cat", query=XSS[0],
-                             right=XSS[1], next_token=XSS[2], key_positions=json.dumps([1, 2]),
+                             right=XSS[1], next_token=NEXT.get((l, h), XSS[2]), key_positions=json.dumps([1, 2]),
                              key_tokens=json.dumps(XSS[:2]), key_shares=json.dumps([0.6, 0.3]),
                              decode_ids=json.dumps([1, 2]), decode_tokens=json.dumps(XSS[1:3]),
                              decode_probs=json.dumps([0.2, 0.1]), query_index=2, excerpt_tokens=json.dumps(toks),
@@ -127,6 +129,9 @@ def test_cards_hold_the_stores_and_tables_values(synthetic_site):
             assert k["W"][i][j] == pytest.approx(W[q, c]) and k["P"][i][j] == pytest.approx(P[q, c])
     assert XSS[0] in k["query"]  # the markup type string is in the card, as a string
     assert card["contexts"] == [] and not card["contexts_mined"]  # contexts only where the lenses ran
+    for (l, h), tok in {**NEXT, (1, 2): XSS[2]}.items():  # the token strings as the lenses wrote them, none "nan"
+        mined = json.loads((site / f"synth/data/cards/step8/L{l}H{h}.js").read_text()[len("MFX.card("):-3])
+        assert [c["next_token"] for c in mined["contexts"]] == [tok]
 
 
 def test_the_site_in_a_browser_shows_markup_from_the_corpus_as_text_and_runs_none(synthetic_site, tmp_path):

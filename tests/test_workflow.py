@@ -201,6 +201,13 @@ def test_explorer_opens_from_disk_offline_and_shows_the_tables_values(built, tmp
         for tab in ("rollout", "fv", "divergence"):
             d.find_element("id", f"tab-{tab}").click()
             wait_for(d, f"document.querySelector('#page-{tab} .js-plotly-plot, #page-{tab} .note')")
+        # the divergence page draws every diagnostic any block has a number of (a ratio is NaN at block 0 of a rotary
+        # model: drawn from block 1), not the depth coordinate
+        steps = pd.read_csv(tables / "divergence_mini-gpt2_step20.csv")
+        want = {k for k in steps.columns if k not in ("layer", "frac_depth") and steps[k].notna().any()
+                and pd.api.types.is_numeric_dtype(steps[k]) and not pd.api.types.is_bool_dtype(steps[k])}
+        drawn = d.execute_script("return document.getElementById('divergence-step20').data.map(t => t.name);")
+        assert set(drawn) == want and "amp_block" in want, (drawn, want)
         assert console_errors(d) == []
     finally:
         d.quit()

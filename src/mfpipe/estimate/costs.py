@@ -248,7 +248,7 @@ def minisuite_train(ctx, c, wc):
 def corpus_shards(ctx, c, wc):
     tok = sum(ctx.windows(wc["model"], wc["corpus"], h) for h in ("stats", "eval")) * ctx.T(wc["corpus"])
     rate = ctx.corpus[f"{wc['corpus']}/{wc['model']}/stats"].get("tokenize_s_per_token") or 0.0
-    return tok * rate, tok * 2
+    return tok * rate, tok * 8  # a shard holds its windows' tokens and document ids, int32 each (np.savez)
 
 
 def minisuite_tokenizer(ctx, c, wc):

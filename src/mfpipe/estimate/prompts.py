@@ -60,7 +60,8 @@ def jlens(ctx, c, wc):
     n = int(j["n_decode"])
     vectors = n * (c["layers"] + 1 + c["heads"] * c["layers"])
     decode = n * ctx.T(ctx.config["corpus"]["name"]) * c["pass2_s_per_token"] + 2 * vectors * c["lm_head_s_per_token"]
-    return int(j["n_positions"]) * (c["jlens_s_per_position"] + reads) + decode, 0.0
+    store = 2 * (c["layers"] + 1) * c["d_model"] ** 2 * 4  # what it keeps: J [2, L+1, d, d] float32
+    return int(j["n_positions"]) * (c["jlens_s_per_position"] + reads) + decode, store
 
 
 def jvp_decode(ctx, c, n: int) -> float:
@@ -138,7 +139,8 @@ def function_vectors(ctx, c, wc):
     over the grid, the evaluation of every selection and construction, the clean-prompt sweep, each on the held-out
     pairs; the decodes through the J-lens. GPT-2 small's paper-shape run: AIE 56 % of the job, the two sweeps 33 %."""
     f = ctx.config["fv"]
-    tasks = f["tasks"] or []
+    mini = ctx.models[wc["model"]]["source"] == "minisuite"  # the tasks the mini suite trained on: its models' only
+    tasks = [t for t in f["tasks"] or [] if t != "minisuite" or mini]  # (as mfpipe.experiments.fv.rules.fv_tasks)
     n_tasks = sum(int(ctx.config["minisuite"]["tasks"]["n_tasks"]) if t == "minisuite" else 1 for t in tasks)
     B = int(f.get("batch_size") or ctx.config["runtime"]["batch_size"])
     ex = c.get("fv_exemplar_tokens") or DEFAULT_EXEMPLAR_TOKENS
@@ -153,7 +155,8 @@ def function_vectors(ctx, c, wc):
     rows = extract * grid * 4 + held * (grid * 2 + 1 + 2 * selections * 2 + 2 * cleans)
     per_token = c.get("fv_s_per_token") or 2 * c["forward_s_per_token"]  # (a calibration from before it was timed)
     runs = int(f["n_seeds"]) * n_tasks * int(f["n_splits"])
-    decodes = int(f["n_seeds"]) * n_tasks * (4 + c["layers"] * c["heads"] * (1 + int(f["n_clean"])))
+    # as mfpipe.experiments.fv.rules.decoded_vectors: per selection (AIE, MFA, each head list) and construction
+    decodes = int(f["n_seeds"]) * n_tasks * (2 * (2 + lists) + c["layers"] * c["heads"] * (1 + int(f["n_clean"])))
     return (runs * (few_shot * prompt * per_token + rows / B * c["short_forward_s"])
             + jvp_decode(ctx, c, decodes)), 0.0
 

@@ -91,6 +91,17 @@ def _card_rows(linked, row_at, rev, layer, head) -> list[dict]:
     return rows
 
 
+def _contexts(path) -> pd.DataFrame:
+    """A lenses ``contexts.csv``, its text columns as written: an empty next token (the window's last position) or a
+    token spelt ``null`` / ``NA`` is no missing value (pandas' default reads each as NaN, which a card showed as
+    "nan"); its numbers as numbers, NaN where empty."""
+    df = pd.read_csv(path)
+    text = [c for c in ("left", "query", "right", "next_token") if c in df.columns]
+    if text:
+        df[text] = pd.read_csv(path, usecols=text, dtype=str, keep_default_na=False)[text]
+    return df
+
+
 def build_model(out_dir, files: Mapping, *, model: str, revisions: list[str], steps: list, rollout_revisions,
                 induction_window=None, top_types: int = TOP_TYPES, progress=None) -> dict:
     """Write one model's explorer data under ``out_dir`` (``model.js``, ``cards/``, ``tables/``) from the run's files
@@ -107,7 +118,7 @@ def build_model(out_dir, files: Mapping, *, model: str, revisions: list[str], st
     for (name, rev), (page, df, long, src) in linked.items():
         if not long or rev is None:
             (out_dir / "tables" / f"{page}.html").write_text(table_html(df, page, src, long))
-    lens = {rev: pd.read_csv(p) for rev, p in files.get("lenses", {}).items()}
+    lens = {rev: _contexts(p) for rev, p in files.get("lenses", {}).items()}
     row_at, lens_by_head = _first_rows(linked), {rev: _by_head(df) for rev, df in lens.items()}
     n_cards = 0
     for rev in revisions:

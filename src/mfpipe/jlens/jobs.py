@@ -58,7 +58,7 @@ def jlens(job) -> None:
              len(ds.attrs["check_rows"]), adapter.d_model, int(p.n_decode), time.perf_counter() - t0)
     for line in JC.summary_lines(table):
         log.info("%s", line)
-    prov = {"model": name, "revision": revision, "commit": getattr(p, "commit", None), "half": "stats",
+    prov = {"model": name, "revision": revision, "revision_commit": getattr(p, "commit", None), "half": "stats",
             "corpus": info.get("corpus"), "corpus_fingerprint": info["fingerprint"]}
     JL.write_jlens(job.output[0], ds, prov)
     write_table(table, csv=job.output.table)

@@ -265,7 +265,8 @@ def _decode_attrs(hf, ident, lens, layer, point, k, n, J, origin) -> dict:
     if layer is not None:
         attrs["layer"] = int(layer)
     if isinstance(J, xr.Dataset):
-        attrs.update({f"jlens_{key}": J.attrs[key] for key in ("model", "revision", "commit", "corpus_fingerprint")
+        attrs.update({f"jlens_{key}": J.attrs[key] for key in ("model", "revision", "revision_commit",
+                                                                 "corpus_fingerprint")
                       if J.attrs.get(key) is not None})
     elif J is not None:  # a JLensSample: Jacobian-vector products on its positions
         attrs.update({"jlens_decode": "jvp", "jlens_n_positions": int(J.n_positions), "jlens_seed": int(J.seed),

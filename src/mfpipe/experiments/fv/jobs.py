@@ -44,7 +44,8 @@ def function_vectors(job) -> None:
     name, revision = fj.name, fj.revision
     jd = dict(p.jlens)  # how the lens analysis decodes through the J-lens (mfpipe.jlens.rules.decode_params)
     if jd["decode"] == "matrix":
-        jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision})
+        jl = open_jlens(job.input.jlens, expect={"model": name, "revision": revision, "half": "stats",
+                                                 "corpus_fingerprint": fj.corpus["fingerprint"]})  # as the lenses
     else:  # Jacobian-vector products on the store's sample of the statistics half
         jl = JLensSample.from_shards(fj.shards, n_positions=jd["n_positions"], seed=jd["seed"],
                                      batch_size=jd["batch_size"], chunk=jd["chunk"])

@@ -302,7 +302,9 @@
     const page = document.getElementById("page-divergence"), D = MFX.data.pages.divergence;
     if (!Object.keys(D).length) return empty(page, "No divergence diagnostics in this run.");
     for (const [rev, rows] of Object.entries(D)) {
-      const keys = Object.keys(rows[0] || {}).filter((k) => k !== "layer" && typeof rows[0][k] === "number");
+      // a column plotted where any block has a number (a ratio is NaN, null here, at block 0 of a rotary model)
+      const keys = Object.keys(rows[0] || {}).filter((k) => k !== "layer" && k !== "frac_depth"
+        && rows.some((r) => typeof r[k] === "number"));
       plotIn(page, "divergence-" + rev, "Rollout divergence by layer — " + rev, keys.map((k) => ({ type: "scatter",
         mode: "lines+markers", name: esc(k), x: rows.map((r) => r.layer), y: rows.map((r) => r[k]) })),
         { xaxis: { title: { text: "layer" }, dtick: 1 } });
