@@ -1,6 +1,6 @@
 """Issue 59: Zaya, placed since stop 80 (its refusal named its embedding, its delayed values and its router state).
 A tiny Zaya (tests/tiny_models.tiny_zaya): the embedding enters as ``(e + b) * s`` by the base model's own vectors
-(mfpipe.models.adapters.residual.embed_affine); its CCA projection returns the values, the first half of its KV heads
+(mfpipe.models.adapters.residual.affine_candidates); its CCA projection returns the values, the first half of its KV heads
 the current position's and the second half the previous position's (adapters.returned); its blocks scale both terms
 of each residual sum (a join of their own, run by the block: adapters.joins) and hand the next block their router
 state, which the next router adds to its own (adapters.calls.with_carried: carried along the rows a run visits layer
@@ -42,6 +42,23 @@ def test_zaya_is_placed_by_what_its_modules_do_and_passes_every_conformance_chec
         h0 = zaya(ids, output_hidden_states=True, use_cache=False).hidden_states[0]
     torch.testing.assert_close(ad.embed(ids).float(), h0.float(), rtol=0, atol=1e-6)
     assert not torch.allclose(zaya.model.embed_tokens(ids), h0)  # the affine map is live (random b and s)
+
+
+def test_a_16_bit_zaya_reads_its_embedding_map_too():
+    """In bfloat16 the model's rounding would let ``e`` alone, or ``e * s``, pass for ``(e + b) * s`` with ``s`` near
+    1 and ``b`` small: the probe takes the closest form that fits, the pair, exact in the model's dtype."""
+    import copy
+
+    model = copy.deepcopy(tiny_zaya(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=None, pad_token_id=None))
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        model.model.input_hidden_states_bias.normal_(0, 0.01, generator=torch.Generator().manual_seed(0))
+    ad = get_adapter(model)
+    assert ad.structure.embed_affine == ("input_hidden_states_bias", "input_hidden_states_scale")
+    ids = torch.tensor([[BOS, 3, 5, 7, 9]])
+    with torch.no_grad():
+        h0 = model(ids, output_hidden_states=True, use_cache=False).hidden_states[0]
+    assert torch.equal(ad.embed(ids).float(), h0.float())
 
 
 def test_the_delayed_values_and_the_router_state(zaya):

@@ -21,7 +21,7 @@ from mfpipe.models.tiny import (  # noqa: F401
 
 def tiny_zaya(seed: int = 3, **overrides):
     """A tiny Zaya (issue 59): its default config shrunk (mfpipe.models.tiny.shrink_config) to two blocks, its router
-    state 32 wide: the embedding enters as ``(e + b) * s`` (mfpipe.models.adapters.residual.embed_affine), its CCA
+    state 32 wide: the embedding enters as ``(e + b) * s`` (mfpipe.models.adapters.residual.affine_candidates), its CCA
     projection returns the values, half of its KV heads the previous position's (adapters.returned), its blocks scale
     both terms of each residual sum (a join of their own: adapters.joins) and hand the next block their router state
     (adapters.calls.with_carried); ``overrides`` set on the config."""

@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["PROBE_IDS", "affine_embedding", "attn_adds_residual", "branch_scale", "closed_chain", "closing_modules",
-           "embed_affine", "embed_scale", "head_transform", "input_embedding", "logit_scale",
+__all__ = ["PROBE_IDS", "affine_candidates", "affine_embedding", "attn_adds_residual", "branch_scale", "closed_chain",
+           "closing_modules", "embed_scale", "head_transform", "input_embedding", "logit_scale",
            "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "scalar_buffer", "table_rows"]
 
 PROBE_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
@@ -195,9 +195,10 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
 
 def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[float, int, tuple | None] | str:
     """(the scale the token embedding reaches block 0 with: 1 or sqrt(d); the row offset of the position table
-    ``table`` added where there is one; an affine map of the base model's own vectors, :func:`embed_affine`, where
+    ``table`` added where there is one; an affine map of the base model's own vectors, :func:`affine_candidates`, where
     it applies one), through the embedding norm ``embed_norm`` where there is one; where none fits, why (the probe
-    refuses the model so)."""
+    refuses the model so). Of the forms that fit to the model's rounding (``same``), the closest: a 16-bit model's
+    rounding would also let ``e`` stand for ``(e + b) * s`` with ``s`` near 1 (an equally close simpler form wins)."""
     block_in = seen["<first>" if "<first>" in seen else "<block>"].x  # block 0's input (of any kind in a hybrid)
     if embed_norm is not None:  # block 0 reads the norm's output; the norm reads the (scaled) embedding
         if not same(seen[f"<outer>{embed_norm}"].y, block_in):
@@ -207,6 +208,13 @@ def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[
     T = e.shape[-2]
     rows = None if table is None else table_rows(table)
     offsets = [0] if rows is None else range(rows.shape[0] - T + 1)
+    fits: list[tuple[float, tuple]] = []
+
+    def consider(y: Tensor, found: tuple) -> None:
+        y = y.to(block_in.dtype)
+        if same(y, block_in):
+            fits.append((float((y.float() - block_in.float()).abs().max()), found))
+
     for offset in offsets[:3]:
         # an absolute position table (GPT-2's learned one; OPT's starts at row 2; XGLM's and CTRL's sinusoidal ones):
         # block 0 reads token + position rows
@@ -214,36 +222,33 @@ def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[
         # the forward may scale the token embedding by sqrt(d) in the model's dtype, before the positions are added
         # (the Gemma family, CTRL: where the embedding module does not do it itself)
         for scale in (1.0, float(base.config.hidden_size) ** 0.5):
-            if same((e if scale == 1.0 else e * torch.tensor(scale, dtype=block_in.dtype)) + pos, block_in):
-                return scale, offset, None
-    if rows is None and (affine := embed_affine(base, e, block_in, same)) is not None:
-        return 1.0, 0, affine
+            consider((e if scale == 1.0 else e * torch.tensor(scale, dtype=block_in.dtype)) + pos, (scale, offset, None))
+    if rows is None:
+        for pair, y in affine_candidates(base, seen["<embed>"].y_obj):  # in the embedding's dtype, as the forward
+            consider(y, (1.0, 0, pair))
+    if fits:
+        return min(fits, key=lambda f: f[0])[1]  # the first of equally close ones: the simplest
     return ("its first block reads the token embedding changed in a way mfpipe cannot place (neither as is, nor scaled "
             "by sqrt(d), nor plus an absolute position table, nor by an affine map of the base model's own vectors)")
 
 
-def embed_affine(base, e: Tensor, block_in: Tensor, same) -> tuple[str | None, str | None] | None:
-    """``(bias, scale)``, names of the base model's own ``[d]`` parameters (not its modules'), where block 0 reads the
-    token embedding ``e`` as ``(e + bias) * scale`` (Zaya's ``input_hidden_states_bias`` / ``_scale``; either may be
-    None); None where no pair of them gives ``block_in``."""
-    d = e.shape[-1]
-    own = {n: p for n, p in base.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == d}
-    for b in (None, *own):
-        for s in (None, *own):
-            if b == s or (b is None and s is None):
-                continue
-            y = affine_embedding(base, e, (b, s))
-            if same(y.to(block_in.dtype), block_in):
-                return b, s
-    return None
+def affine_candidates(base, e: Tensor):
+    """``((bias, scale), (e + bias) * scale)`` for each pair of the base model's own ``[d]`` parameters (not its
+    modules'; either may be None, not both), the embedding module's output ``e`` as block 0 would read it so (Zaya's
+    ``input_hidden_states_bias`` / ``_scale``), the pairs before the single ones."""
+    own = [n for n, p in base.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == e.shape[-1]]
+    pairs = [(b, s) for b in own for s in own if b != s] + [(b, None) for b in own] + [(None, s) for s in own]
+    with torch.no_grad():
+        for pair in pairs:
+            yield pair, affine_embedding(base, e, pair)
 
 
 def affine_embedding(base, e: Tensor, affine: tuple[str | None, str | None]) -> Tensor:
-    """``(e + bias) * scale`` with :func:`embed_affine`'s parameter names ``affine`` of ``base`` (either None: left
-    out), as the forward computes it in the parameters' dtype."""
+    """``(e + bias) * scale`` with the parameter names ``affine`` of ``base`` (:func:`affine_candidates`; either None:
+    left out), in ``e``'s dtype, as the forward computes it."""
     b, s = (None if n is None else base.get_parameter(n).detach() for n in affine)
-    y = e if b is None else e + b.to(e.device)
-    return y if s is None else y * s.to(e.device)
+    y = e if b is None else e + b.to(device=e.device, dtype=e.dtype)
+    return y if s is None else y * s.to(device=e.device, dtype=e.dtype)
 
 
 def head_transform(model, base) -> str | None:
