@@ -99,6 +99,34 @@ def test_local_files_sources(tmp_path):
         list(iter_documents({"source": "files", "path": str(tmp_path / "nope")}))
 
 
+def test_bad_corpus_files_are_refused_by_file_and_line_and_a_null_text_is_no_document(tmp_path):
+    """A binary file, a line that is no JSON or no object: one line naming the file (and line), not a
+    UnicodeDecodeError / JSONDecodeError / TypeError; a null text (a .jsonl null, a parquet None) is no document
+    (it was the word "None"); a single .txt file is one document, which the eval half then lacks: the error says so."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def docs(path):
+        return list(iter_documents({"source": "files", "path": str(path)}))
+
+    (tmp_path / "bin.txt").write_bytes(b"ok" * 64 + b"\x80\x81")
+    with pytest.raises(CorpusError, match=r"bin\.txt is not UTF-8"):
+        docs(tmp_path / "bin.txt")
+    for name, line, says in (("bad.jsonl", "{not json", "is no JSON"), ("str.jsonl", json.dumps("a string"),
+                                                                        "is a JSON str, not an object")):
+        (tmp_path / name).write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+        with pytest.raises(CorpusError, match=rf"{name}:2 {says}"):
+            docs(tmp_path / name)
+    (tmp_path / "nulls.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in ("a", None, "b")) + "\n")
+    assert [d.text for d in docs(tmp_path / "nulls.jsonl")] == ["a", "b"]
+    pq.write_table(pa.table({"text": ["p0", None, "p2"]}), tmp_path / "nulls.parquet")
+    assert [d.text for d in docs(tmp_path / "nulls.parquet")] == ["p0", "p2"]
+    cfg = {"name": "one", "source": "files", "context_length": 8, "tokens_per_half": 200, "shard_windows": 10}
+    with pytest.raises(CorpusError, match=r"eval half has no complete window .*0 document\(s\).* a \.txt file is one"):
+        write_corpus(cfg, CharTokenizer(), 0, tmp_path / "out", "char",
+                     documents=[Document("big.txt", "big.txt", "abcdefghij" * 50)])
+
+
 def test_hf_datasets_source_on_a_local_dataset_directory(tmp_path):
     d = tmp_path / "ds"
     d.mkdir()

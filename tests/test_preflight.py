@@ -56,6 +56,7 @@ def test_unplaceable_architecture_is_refused_before_any_job(tmp_path, monkeypatc
     for model_type, want in cases.items():
         (tmp_path / model_type).mkdir()
         (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type, "vocab_size": 512}))
+        (tmp_path / model_type / "tokenizer.json").write_text("{}")  # a tokenizer file (planning reads none)
         cfg = ci_config()
         cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / model_type)})
         if want is None:
@@ -80,6 +81,7 @@ def test_a_quantized_checkpoint_is_refused_before_any_job(tmp_path):
         quant = {"quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"}
         (tmp_path / model_type / "config.json").write_text(json.dumps(
             {**config, "model_type": model_type, "quantization_config": quant}))
+        (tmp_path / model_type / "tokenizer.json").write_text("{}")
         cfg = ci_config()
         cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp_path / model_type)})
         with pytest.raises(ConfigError) as e:
@@ -99,6 +101,41 @@ def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
         preflight(cfg)
     msg = one_line(e)
     assert "shakespeare-ci" in msg and "nope.txt" in msg and "point `path`" in msg
+
+
+def test_a_local_folder_without_a_tokenizer_or_with_a_broken_config_is_refused_by_name(tmp_path):
+    """transformers hands back a one-entry tokenizer for a folder without tokenizer files (every text then encodes to
+    nothing, and the corpus job failed saying the corpus was too small); a config.json that is no JSON raised a
+    JSONDecodeError naming neither: both refused at planning, by the model and the file."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 512}))
+    cfg = ci_config()
+    cfg["models"].append({"name": "mine", "source": "local", "path": str(folder)})
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "'mine'" in msg and "holds no tokenizer" in msg and "tokenizer.save_pretrained" in msg, msg
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert "'mine'" in msg and "config.json" in msg and "no valid JSON" in msg, msg
+
+
+def test_a_top_n_arm_or_a_budget_that_cannot_fit_is_refused_by_its_key():
+    """App. M's tracked-set sizes meet the vocabulary bound tracked.n_tracked meets; a half's token budget below one
+    window meets its key, not a corpus job's 'use a larger corpus'."""
+    cfg = ci_config()
+    cfg["substitution"] = {"top_n": [600]}
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert "substitution.top_n 600" in one_line(e) and "below 512" in one_line(e)
+    cfg = ci_config()
+    cfg["corpus"]["tokens_per_half"] = cfg["corpus"]["context_length"] - 1
+    with pytest.raises(ConfigError, match="tokens_per_half .* less than one window"):
+        preflight(cfg)
 
 
 def test_n_larger_than_the_vocabulary():
@@ -197,6 +234,7 @@ def dry_run_last_line(tmp_path, edit, env=None) -> str:
 def _jetmoe(cfg, tmp):
     (tmp / "m").mkdir()
     (tmp / "m" / "config.json").write_text(json.dumps({"model_type": "jetmoe", "vocab_size": 32000}))
+    (tmp / "m" / "tokenizer.json").write_text("{}")
     cfg["models"].append({"name": "mine", "source": "local", "path": str(tmp / "m")})
 
 
@@ -215,6 +253,8 @@ DAG_CASES = {
                        ["rollout.kernels.1", "'nosuch'"]),
     "zero tokens": (lambda c, t: c["corpus"].update(tokens_per_half=0), None, ["corpus.tokens_per_half"]),
     "negative tokens": (lambda c, t: c["corpus"].update(tokens_per_half=-5), None, ["corpus.tokens_per_half"]),
+    "budget under a window": (lambda c, t: c["corpus"].update(tokens_per_half=8), None,
+                              ["corpus 'shakespeare-ci'", "tokens_per_half 8", "raise tokens_per_half"]),
     "offline uncached hub model": (_offline, "empty-cache", ["'gpt2-small'",
                                                              "hf download openai-community/gpt2 --revision main"]),
     "malformed revision": (lambda c, t: c["models"].append({"name": "p", "source": "hub",

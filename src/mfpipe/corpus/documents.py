@@ -113,27 +113,46 @@ def _iter_files(path: str, text_field: str) -> Iterator[Document]:
     if not files:
         raise CorpusError(f"no .txt, .jsonl or .parquet files under {path!r}")
     for f in files:
-        if f.suffix == ".txt":
-            yield Document(str(f.name), f.name, f.read_text(encoding="utf-8"))
-        elif f.suffix == ".jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for i, line in enumerate(fh):
-                    if not line.strip():
-                        continue
-                    rec = json.loads(line)
-                    if text_field not in rec:
-                        raise CorpusError(f"{f}:{i + 1} has no field {text_field!r} (set corpus.text_field)")
-                    yield Document(f"{f.name}:{i}", f"{f.name}:{i}", str(rec[text_field]))
-        elif f.suffix == ".parquet":
-            import pyarrow.parquet as pq
+        try:
+            yield from _file_documents(f, text_field)
+        except UnicodeDecodeError as e:
+            raise CorpusError(f"corpus file {f} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8 "
+                              "or leave it out of corpus.path") from e
 
-            table = pq.read_table(f)
-            if text_field not in table.column_names:
-                raise CorpusError(f"{f} has no column {text_field!r} (columns: {table.column_names}); set corpus.text_field")
-            for i, text in enumerate(table.column(text_field).to_pylist()):
+
+def _file_documents(f: Path, text_field: str) -> Iterator[Document]:
+    """The documents of one corpus file: a ``.txt`` file is one document (the two halves are split by document:
+    give several files, or ``.jsonl`` records); a ``.jsonl`` line or a ``.parquet`` row each, where its text is
+    not null."""
+    if f.suffix == ".txt":
+        yield Document(str(f.name), f.name, f.read_text(encoding="utf-8"))
+    elif f.suffix == ".jsonl":
+        with open(f, encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    raise CorpusError(f"{f}:{i + 1} is no JSON ({e}); one JSON object per line") from e
+                if not isinstance(rec, dict):
+                    raise CorpusError(f"{f}:{i + 1} is a JSON {type(rec).__name__}, not an object with the field "
+                                      f"{text_field!r}; one JSON object per line")
+                if text_field not in rec:
+                    raise CorpusError(f"{f}:{i + 1} has no field {text_field!r} (set corpus.text_field)")
+                if rec[text_field] is not None:  # a null text is no document (not the word "None")
+                    yield Document(f"{f.name}:{i}", f"{f.name}:{i}", str(rec[text_field]))
+    elif f.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(f)
+        if text_field not in table.column_names:
+            raise CorpusError(f"{f} has no column {text_field!r} (columns: {table.column_names}); set corpus.text_field")
+        for i, text in enumerate(table.column(text_field).to_pylist()):
+            if text is not None:  # a null text is no document (not the word "None")
                 yield Document(f"{f.name}:{i}", f"{f.name}:{i}", str(text))
-        else:  # pragma: no cover
-            raise CorpusError(f"unsupported corpus file {f}")
+    else:  # pragma: no cover
+        raise CorpusError(f"unsupported corpus file {f}")
 
 
 def _iter_hf(cfg: dict) -> Iterator[Document]:
@@ -153,7 +172,8 @@ def _iter_hf(cfg: dict) -> Iterator[Document]:
     for i, rec in enumerate(ds):
         if text_field not in rec:
             raise CorpusError(f"dataset {name!r} has no field {text_field!r} (fields: {list(rec)}); set corpus.text_field")
-        yield Document(f"{name}:{i}", f"{name}:{i}", str(rec[text_field]))
+        if rec[text_field] is not None:  # a null text is no document (not the word "None")
+            yield Document(f"{name}:{i}", f"{name}:{i}", str(rec[text_field]))
 
 
 def iter_documents(cfg: dict) -> Iterator[Document]:

@@ -277,9 +277,11 @@ def write_corpus(
     for h in HALVES:
         w = halves[h]["windows"]
         if w.tokens.shape[0] == 0:
+            n_docs = len(halves[h]["doc_index"])  # the halves take alternate documents: one .txt file is one
             raise CorpusError(
-                f"corpus {cfg.get('name')!r}: the {h} half has no complete window of {cfg['context_length']} tokens; "
-                "use a larger corpus or a smaller context_length"
+                f"corpus {cfg.get('name')!r}: the {h} half has no complete window of {cfg['context_length']} tokens "
+                f"({n_docs} document(s) in it; the halves take alternate documents, and a .txt file is one document): "
+                "use a larger corpus of several documents (files, or .jsonl records), or a smaller context_length"
             )
         paths = write_shards(w, out_dir / h, int(cfg["shard_windows"]))
         for p in paths:

@@ -238,6 +238,9 @@ def check_config(config: dict) -> None:
                 f"cross_corpora: {c['name']!r} has context_length {c['context_length']}, the primary corpus "
                 f"{corpus['context_length']}; statistics are only comparable across corpora at one window length"
             )
+        if int(c["tokens_per_half"]) < int(c["context_length"]):
+            raise ConfigError(f"corpus {c['name']!r}: tokens_per_half {c['tokens_per_half']} is less than one window of "
+                              f"context_length {c['context_length']} tokens; raise tokens_per_half")
         if c["source"] == "files" and not c.get("path"):
             raise ConfigError(f"corpus {c['name']!r}: path is required when source is 'files'")
         if c["source"] == "hf" and not c.get("hf_name"):

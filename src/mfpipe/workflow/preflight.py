@@ -92,6 +92,8 @@ def hub_commits(config: dict, prefer_cache: bool = False) -> dict[tuple[str, str
 
 def model_config(spec: dict, revision: str) -> tuple[dict | None, str]:
     """(config.json contents or None when it cannot be read before the run, where it was looked for)."""
+    from mfpipe.models.loader import TOKENIZER_FILES
+
     if spec["source"] == "local":
         folder = Path(spec["path"])
         if revision not in ("main", None) and (folder / revision).is_dir():
@@ -105,7 +107,11 @@ def model_config(spec: dict, revision: str) -> tuple[dict | None, str]:
         if not cfg.is_file():
             raise ConfigError(f"models: {spec['name']!r}: {str(cfg)!r} does not exist; `path` must hold a "
                               "save_pretrained folder (config.json and model.safetensors)")
-        return json.loads(cfg.read_text()), str(cfg)
+        if not any((folder / f).is_file() for f in TOKENIZER_FILES):  # transformers would hand back an empty one
+            raise ConfigError(f"models: {spec['name']!r}: {str(folder)!r} holds no tokenizer (none of "
+                              f"{', '.join(TOKENIZER_FILES)}); save the model's tokenizer there too "
+                              "(tokenizer.save_pretrained(path))")
+        return _json(cfg, spec), str(cfg)
     if spec["source"] == "hub":
         cfg = _hub_config(spec["hub_id"], revision)
         if cfg is None:
@@ -116,8 +122,17 @@ def model_config(spec: dict, revision: str) -> tuple[dict | None, str]:
                     f"network (`hf download {spec['hub_id']} --revision {revision}`) and copy the cache (HF_HOME) here"
                 )
             return None, "the hub (not cached yet: checked when its job downloads it)"
-        return json.loads(cfg.read_text()), str(cfg)
+        return _json(cfg, spec), str(cfg)
     return None, "the mini suite"
+
+
+def _json(path: Path, spec: dict) -> dict:
+    """A model's config.json, or a one-line refusal naming the model and the file where it is no JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"models: {spec['name']!r}: {str(path)!r} is no valid JSON ({e}); write the model's config "
+                          "with save_pretrained") from e
 
 
 def check_inputs(config: dict) -> None:
@@ -159,3 +174,9 @@ def check_inputs(config: dict) -> None:
                 f"tracked.n_tracked {n_tracked} does not fit the vocabulary of model {spec['name']!r} ({vocab} tokens, "
                 f"{where}; BOS is never tracked): set tracked.n_tracked below {vocab}"
             )
+        arms = [(f"models: {spec['name']!r} top_n", n) for n in ((spec.get("top_n") or {}).get("n") or [])]
+        arms += [("substitution.top_n", n) for n in (config.get("substitution") or {}).get("top_n") or []]
+        for key, n in arms:  # App. M's tracked-set sizes: the same bound
+            if vocab is not None and int(n) >= vocab:
+                raise ConfigError(f"{key} {n} does not fit the vocabulary of model {spec['name']!r} ({vocab} tokens, "
+                                  f"{where}; BOS is never tracked): keep every top-N size below {vocab}")
