@@ -206,8 +206,9 @@ def test_explorer_opens_from_disk_offline_and_shows_the_tables_values(built, tmp
         steps = pd.read_csv(tables / "divergence_mini-gpt2_step20.csv")
         want = {k for k in steps.columns if k not in ("layer", "frac_depth") and steps[k].notna().any()
                 and pd.api.types.is_numeric_dtype(steps[k]) and not pd.api.types.is_bool_dtype(steps[k])}
-        drawn = d.execute_script("return document.getElementById('divergence-step20').data.map(t => t.name);")
-        assert set(drawn) == want and "amp_block" in want, (drawn, want)
+        drawn = wait_for(d, "document.getElementById('divergence-step20') && document.getElementById('divergence-step20')"
+                            ".data && document.getElementById('divergence-step20').data.map(t => t.name)")
+        assert want and set(drawn) == want, (drawn, want)
         assert console_errors(d) == []
     finally:
         d.quit()
