@@ -157,8 +157,8 @@ def error_decomposition_figure(table, out, png=None, title: str | None = None, f
                     linewidth=1.6, label=label)
         ax.axhline(1.0 if metric == "cosine" else 0.0, color="gray", linestyle=":", linewidth=1)
         _style_axis(ax, metric, "layer", df["layer"], frac, ylabel_suffix=r" vs $c^{\ell+1}$")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=3, frameon=False)
+    handles, labels = axes[0, 0].get_legend_handles_labels()  # one a row: the (b) label names its value means
+    fig.legend(handles, labels, loc="outside lower center", ncol=1, frameon=False)
     fig.suptitle(title or "Per-layer error accounting (teacher-forced from the true centroids)")
     pdf, png = figure_paths(out, png)
     save_figure(fig, pdf, png)
