@@ -14,24 +14,12 @@ import pytest
 import torch
 from layer_loops import assert_store_equals_loops, loop_means
 from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
+from tiny_models import tiny_jamba
 
 from mfpipe.models.adapters import describe, get_adapter
 from mfpipe.models.tiny import random_model
 
 KINDS = ("mamba", "attention", "mamba", "attention")
-
-
-def tiny_jamba(seed: int = 3):
-    from transformers import JambaConfig
-
-    cfg = JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
-                      expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
-                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=128,
-                      use_mamba_kernels=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
-                      tie_word_embeddings=False)
-    cfg._attn_implementation = "eager"
-    return random_model(cfg, seed=seed)
 
 
 @pytest.fixture(scope="module")

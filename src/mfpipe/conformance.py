@@ -308,10 +308,9 @@ def _nan_err(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
-    """Run the conformance checks on a tiny copy of ``config`` (a config.json's contents) and return None when all
-    pass, else one line saying what failed (the structure that could not be placed, or the failing checks). Kept in
-    ``cache`` (default :data:`CACHE`) per model type, config and the versions of torch, transformers and mfpipe's
-    adapter code, so the DAG pays for it once."""
+    """Run the conformance checks on a tiny copy of ``config`` (a config.json's contents): None when all pass, else
+    one line saying what failed (the structure not placed, or the failing checks). Kept in ``cache`` (default
+    :data:`CACHE`) per model type, config and the versions of torch, transformers and mfpipe's code: paid once."""
     import hashlib
     import json
 
@@ -321,6 +320,7 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
     from mfpipe.models.adapters import UnsupportedArchitectureError, describe
     from mfpipe.models.adapters.composite import language_model
     from mfpipe.models.adapters.unplaced import explain
+    from mfpipe.models.defaults import special_floats as floats
     from mfpipe.models.tiny import MAX_TINY_PARAMETERS, meta_parameter_count, random_model
 
     code = hashlib.sha256()
@@ -334,7 +334,7 @@ def conformance_cached(config: dict, cache: Path | None = None) -> str | None:
     known = json.loads(path.read_text()) if path.is_file() else {}
     if key in known:
         return known[key]["failure"]
-    cfg = dict(config)
+    cfg = floats(dict(config))
     model_type = cfg.pop("model_type", None)
     # every way this can fail is one line at planning, never a traceback (`mfpipe census` met configs whose
     # validation raises plain Exceptions, and a placed model whose forward the site cannot read)

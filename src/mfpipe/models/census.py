@@ -11,8 +11,10 @@ the test suite does not verify), so "passes" is what a run accepts.
 
 Each refusal has a kind. `modelling`: the family is no decoder with attention heads, by rules read off the family
 itself -- its config (or a composite's text config) has no attention heads at all (a state-space or
-recurrent model: Mamba, RWKV, xLSTM) or its ``layer_types`` name no attention layer (Bamba's default: Mamba
-throughout), or it is an encoder: its tiny copy, built from the default config as transformers builds its causal LM,
+recurrent model: Mamba, RWKV, xLSTM; a config whose heads sit in sub-models none of which is its language model, BLT's,
+is an ``mfpipe`` refusal) or its ``layer_types`` name no attention layer and no key of its config turns
+one on (a hybrid whose default config is Mamba throughout, Bamba's and Granite-4's, is placed with its second layer
+attention, as its checkpoints have attention layers, and its row says so), or it is an encoder: its tiny copy, built from the default config as transformers builds its causal LM,
 reads later tokens (its logits at a token change with a later token, :func:`attends_ahead`: a BERT-style encoder whose
 LM head is causal only with ``is_decoder=True``, XLNet's permutation LM), or its heads have no probability row each
 (differential attention: DiffLlama's heads read the difference of two softmax maps, said by
@@ -98,6 +100,14 @@ def _heads(config):
         return getattr(config.per_layer_config[0], "num_attention_heads", None)
 
 
+def _headed_parts(config) -> list[str]:
+    """The keys of ``config``'s sub-configs that have attention heads (BLT's encoder, decoder, global transformer and
+    patcher), sorted."""
+    from transformers import PretrainedConfig
+
+    return sorted(k for k, v in vars(config).items() if isinstance(v, PretrainedConfig) and _heads(v))
+
+
 def _attention_layers(config) -> bool:
     """Whether ``config``'s layers include attention: False only where its ``layer_types`` name none but
     state-space, recurrent, convolution or linear-attention mixers (Bamba's and Granite-4's default configs: Mamba
@@ -107,6 +117,29 @@ def _attention_layers(config) -> bool:
         return True
     other = ("linear", "mamba", "conv", "recurrent", "ssm", "delta", "rwkv")
     return not all(isinstance(k, str) and any(t in k for t in other) for k in kinds)
+
+
+def _with_attention_layer(config) -> tuple[object, str]:
+    """``(config, note)``: a hybrid's default config whose ``layer_types`` name no attention layer (Bamba's, Granite-4's:
+    Mamba throughout) with its second layer made attention by the key its checkpoints set (Bamba-9B's
+    ``attn_layer_indices``, Granite-4.0-H's ``layer_types``), and the census row's note saying so; ``config`` itself
+    and "" where it has neither key."""
+    import copy
+
+    from mfpipe.models.adapters.composite import text_config
+
+    text = text_config(config)
+    new = copy.deepcopy(config)
+    target = text_config(new)
+    if "attn_layer_indices" in vars(text):
+        target.attn_layer_indices, key = [1], "attn_layer_indices"
+    elif "layer_types" in vars(text) and len(text.layer_types) > 1:
+        target.layer_types = [t if i != 1 else "full_attention" for i, t in enumerate(text.layer_types)]
+        key = "layer_types"
+    else:
+        return config, ""
+    return new, (f"placed with layer 1 attention ({key}), as its checkpoints have attention layers; its default "
+                 "config has none")
 
 
 def _size(tiny) -> int:
@@ -195,14 +228,22 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
         torch.manual_seed(seed)
         try:
             config = default_config(family)  # a default its own validator refuses: mended where it names the value
+            if not _heads(text_config(config)) and (parts := _headed_parts(config)):  # BLT's several transformers
+                return CensusRow(family, False, 0, 0, f"its attention heads sit in {len(parts)} sub-models of its "
+                                                      f"config ({', '.join(parts)}), no one of them its language "
+                                                      "model: mfpipe reads one decoder's residual stream")
             if not _heads(text_config(config)):  # a composite's: its language model's
                 return CensusRow(family, False, 0, 0, "no attention heads in its config (num_attention_heads; a "
                                                       "composite's in its text_config): a state-space or recurrent "
                                                       "model", "modelling")
-            if not _attention_layers(text_config(config)):
-                return CensusRow(family, False, 0, 0, "no attention layer in its default config (layer_types: "
-                                                      f"{sorted(set(text_config(config).layer_types))}): a "
-                                                      "state-space or recurrent model as configured", "modelling")
+            note = ""
+            if not _attention_layers(text_config(config)):  # as its checkpoints are: Bamba-9B's, Granite-4.0-H's
+                kinds = sorted(set(text_config(config).layer_types))
+                config, note = _with_attention_layer(config)
+                if not _attention_layers(text_config(config)):
+                    return CensusRow(family, False, 0, 0, f"no attention layer in its default config (layer_types: "
+                                                          f"{kinds}): a state-space or recurrent model as configured",
+                                                          "modelling")
             # a composite is placed through its language model (mfpipe.models.adapters.composite), as the loader does
             tiny = shrink_composite(config, shrink_config) if is_composite(config) else shrink_config(config)
             tiny, size, alone = _buildable(tiny)
@@ -226,7 +267,8 @@ def census_row(family: str, seed: int = 0) -> CensusRow:
             return CensusRow(family, True, 0, 1, f"a conformance check raises: {_one_line(e)}; "
                                                  f"{traceback.extract_tb(e.__traceback__)[-1].name}")
         bad = [r.name for r in rows if not r.ok]
-        return CensusRow(family, True, len(rows) - len(bad), len(rows), "fails: " + "; ".join(bad) if bad else "")
+        return CensusRow(family, True, len(rows) - len(bad), len(rows), "; ".join(
+            [*(["fails: " + "; ".join(bad)] if bad else []), *([note] if note else [])]))
     except _Timeout as e:
         return CensusRow(family, False, 0, 0, f"building and checking a tiny copy took {e}")
     finally:

@@ -6,7 +6,8 @@ Gemma-4 Assistant's text config, whose default is a plain Gemma-4 text config wi
 message names one such value, it is set -- on the config, or on the sub-configs that hold the field -- and the
 config built again; any other refusal is raised as it is. And the sizes some default configs leave unset though their
 model needs them (:func:`fill_default_gaps`: the default builds no model), with the key names of depth and experts
-:mod:`mfpipe.models.shrink` shares.
+:mod:`mfpipe.models.shrink` shares. And a config.json's contents with the floats transformers writes as tags made
+floats again (:func:`special_floats`), for a config built from a file's contents as the workflow's planning does.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["default_config", "build_validated", "fill_default_gaps", "EXPERT_COUNT", "TOP_K", "LAYER_KEYS",
-           "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["default_config", "build_validated", "fill_default_gaps", "special_floats", "EXPERT_COUNT", "TOP_K",
+           "LAYER_KEYS", "MAX_EXPERTS", "MAX_TOP_K"]
 
 # the names configs give their depth, their expert count and their experts per token; a tiny copy keeps at most
 # MAX_EXPERTS experts and MAX_TOP_K per token
@@ -122,3 +123,15 @@ def fill_default_gaps(model_type: str, out: dict, heads: int, head_dim: int) -> 
     if out.get("rope_parameters") == {} and out.get("layer_types"):  # per-layer-type rope with no entry (Cohere's)
         out["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10_000.0}
                                   for kind in dict.fromkeys(out["layer_types"])}
+
+
+_FLOATS = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def special_floats(obj):
+    """``obj`` (a config.json's contents) with the floats JSON has no number for as transformers writes them,
+    ``{"__float__": "Infinity"}`` (Granite-4.0-H's ``time_step_limit``), made floats again, as its loader does."""
+    if isinstance(obj, dict):
+        tag = obj.get("__float__") if len(obj) == 1 else None
+        return _FLOATS[tag] if tag in _FLOATS else {k: special_floats(v) for k, v in obj.items()}
+    return [special_floats(v) for v in obj] if isinstance(obj, list) else obj

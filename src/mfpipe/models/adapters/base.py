@@ -210,9 +210,13 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         return wpe[1:n].mean(0)
 
     @block_piece
-    def attn_input_norm(self, layer: int, x: Tensor) -> Tensor:
-        """The norm applied to the residual stream before attention (identity where absent: OLMo-2)."""
-        return self._opt_module(layer, self.ATTN_NORM)(self._in(x)).to(x.dtype)
+    def attn_input_norm(self, layer: int, x: Tensor, scaled: bool = True) -> Tensor:
+        """The norm applied to the residual stream before attention (identity where absent: OLMo-2), times the number
+        the block multiplies the attention's input by (Falcon-H1's ``attention_in_multiplier``; not where ``scaled`` is
+        False: what its mixer beside the attention reads)."""
+        h = self._opt_module(layer, self.ATTN_NORM)(self._in(x))
+        m = self.structure.attn_scales[0]
+        return (h if m == 1.0 or not scaled else h * m).to(x.dtype)
 
     @holds_block
     def attn_input_norm_form(self, layer: int) -> NormForm | None:
@@ -221,8 +225,8 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         sums would not). nn.LayerNorm -> ``layer``; an RMS norm with ``variance_epsilon`` (or ``eps``) and a
         ``weight`` it multiplies by, or by ``1 + weight`` (the Gemma family: ``rms_offset``) -> ``rms``; none (OLMo-2)
         -> ``identity``. The statistics pass checks the form against the module on a probe before it uses it."""
-        if self.dtype != torch.float32 or self.hybrid:  # a hybrid's other layers have no attention-input norm
-            return None
+        if self.dtype != torch.float32 or self.hybrid or self.structure.attn_scales[0] != 1.0:  # a hybrid's other
+            return None  # layers have no attention-input norm; an input scale is no norm's form
         if self.ATTN_NORM is None:
             return NormForm("identity")
         m = self._sub(layer, self.ATTN_NORM)
@@ -290,7 +294,7 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         model that is not float32 (its attn_out is rounded to the model's dtype)."""
         if self.POST_ATTN_NORM is not None or self.dtype != torch.float32 or self.hybrid or has_gate(self):
             return None
-        c, w, b = self.structure.branch_scale, self.out_proj_slices(layer), self.out_proj_bias(layer)
+        c, w, b = self._attn_scale(), self.out_proj_slices(layer), self.out_proj_bias(layer)
         return (w, b) if c == 1.0 else (w * c, None if b is None else b * c)
 
     @property
@@ -334,10 +338,17 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
     def post_attn_norm(self, layer: int, x: Tensor) -> Tensor:
         """The attention branch's post-norm (identity where absent; Inkling's convolution over positions, on rows ``[N,
         d]`` each a sequence of one position: :mod:`~mfpipe.models.adapters.convolved`), times the branch scale."""
-        return self._scaled(on_rows(self._opt_module(layer, self.POST_ATTN_NORM), self._in(x))).to(x.dtype)
+        x = on_rows(self._opt_module(layer, self.POST_ATTN_NORM), self._in(x))
+        a = self.structure.attn_scales[1]  # the attention's output alone (Falcon-H1's attention_out_multiplier)
+        return self._scaled(x if a == 1.0 else x * a).to(x.dtype)
 
     def _scaled(self, x: Tensor) -> Tensor:  # times a python float, as the block multiplies: to the bit
         return x if self.structure.branch_scale == 1.0 else x * self.structure.branch_scale
+
+    def _attn_scale(self) -> float:
+        """The attention branch's factor from the output projection's output to the residual: the branch scale
+        (both branches') times the attention output's own (Falcon-H1's)."""
+        return self.structure.branch_scale * self.structure.attn_scales[1]
 
     @block_piece
     def mlp(self, layer: int, x_resid: Tensor) -> Tensor:
@@ -353,6 +364,8 @@ class Adapter(ValueMaps, TracedSite):  # the value maps: adapters.values
         s, shape = self.structure, h.shape
         if s.mlp_sequences:
             h = h.reshape(1, -1, shape[-1])
+        if s.mlp_siblings:  # modules on one input, their outputs added (Granite's experts beside its MLP)
+            return sum(first_output(self._sub(layer, p)(h)).reshape(h.shape) for p in s.mlp_siblings).reshape(shape)
         for path in s.mlp_chain or (self.MLP,):
             h = self._sub(layer, path)(h, *((torch.zeros_like(h),) if s.mlp_residual else ()))  # BLOOM: its branch
             h = first_output(h)

@@ -195,18 +195,21 @@ def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, nam
             raise UnsupportedArchitectureError(mt, f"a probe forward did not run its mixer beside the attention "
                                                    f"({side}) or its MLP")
         mixer = seen[side]
-        if not same(mixer.x, attn.x):
+        m = 1.0 if same(mixer.x, attn.x) else branch_scale(attn.x, mixer.x, scales)  # Falcon-H1's attention_in_...
+        if m is None or not same(m * mixer.x, attn.x):
             raise UnsupportedArchitectureError(mt, f"its mixer beside the attention ({side}) reads another input than "
-                                                   "the attention: mfpipe reads both from one norm of the residual")
-        rest = block_out - seen[named_mlp].y - block_in - attn.y  # what the block adds besides the heads and the MLP
-        c = branch_scale(rest, mixer.y, scales)
-        if c is None or not same(block_in + attn.y + c * mixer.y, block_out - seen[named_mlp].y):
+                                                   "the attention (nor the same times a number): mfpipe reads both "
+                                                   "from one norm of the residual")
+        mid = block_out - seen[named_mlp].y - block_in  # what the block adds besides the MLP: both branches, scaled
+        a, c = _two_scales(mid, attn.y, mixer.y, scales)  # Falcon-H1's attention_out_multiplier, ssm_out_multiplier
+        if c is None or not same(block_in + a * attn.y + c * mixer.y, block_out - seen[named_mlp].y):
             raise UnsupportedArchitectureError(mt, f"its mixer beside the attention ({side}) and the attention join "
                                                    "the residual in a way mfpipe cannot place (not the block input "
-                                                   "plus the attention's output plus the mixer's times a scale)")
-        # what the MLP reads is the block input plus both branches: the norms' roles are placed on their sum
-        seen["<attn>"] = attn._replace(y=attn.y + c * mixer.y)
-        return {"side_scale": c}
+                                                   "plus the attention's and the mixer's outputs, each times a scale)")
+        # what the MLP reads is the block input plus both branches: the norms' roles are placed on their sum, the
+        # attention's norm by what the mixer reads (the attention reads it times m)
+        seen["<attn>"] = attn._replace(y=a * attn.y + c * mixer.y, x=mixer.x, x_obj=mixer.x_obj)
+        return {"side_scale": c, "attn_scales": (m, a)}
 
     wrapper = submodule(block, top)
     forms.watch = {f"{top}.{n}": m for n, m in wrapper.named_children() if is_norm(m)} if top != attn else {}
@@ -239,6 +242,18 @@ def check_skipped(base: nn.Module, blocks, kinds: list[str], mt) -> None:
                                                "a skipped block where the block before it hands it on")
 
 
+def _two_scales(delta: Tensor, a: Tensor, b: Tensor, scales) -> tuple[float, float | None]:
+    """``(x, y)`` with ``delta = x a + y b`` (least squares), each replaced by the one of ``scales`` it is to 1e-4 (the
+    block's own number: then to the bit); ``x`` 1.0 where it is that to 1e-4, ``y`` None where it is undetermined."""
+    A = torch.stack([a.reshape(-1), b.reshape(-1)], 1).double()
+    if torch.linalg.matrix_rank(A) < 2:
+        return 1.0, None
+    x, y = (float(v) for v in torch.linalg.lstsq(A, delta.reshape(-1, 1).double()).solution.flatten())
+    snap = [1.0, *scales]
+    x, y = (next((v for v in snap if abs(v - t) <= 1e-4 * abs(t)), t) for t in (x, y))
+    return x, y
+
+
 def has_side_mixer(adapter) -> bool:
     """Whether the blocks hold a mixer beside the attention (Falcon-H1), whose branch :func:`side_branch` computes."""
     return getattr(getattr(adapter, "structure", None), "side_mixer", None) is not None
@@ -255,7 +270,7 @@ def side_branch(adapter, layer: int, x: Tensor) -> Tensor | None:
         return None
     block = adapter.block_module(layer)
     with held(block):
-        h = adapter.attn_input_norm(layer, x.to(device=adapter.device, dtype=adapter.dtype))
+        h = adapter.attn_input_norm(layer, x.to(device=adapter.device, dtype=adapter.dtype), scaled=False)
         y = submodule(block, s.side_mixer)(h)
     y = first_output(y)
     return (y if s.side_scale == 1.0 else y * s.side_scale).float()

@@ -90,8 +90,11 @@ def mlp_units(adapter, layer: int, x_resid: Tensor, tangent: Tensor | None = Non
     if adapter.structure.mlp is None:
         raise NoUnitDecomposition(adapter, layer, "a block without an MLP (Nemotron-H's attention blocks)")
     mlp = module_at(adapter.block_module(layer), adapter.structure.mlp)
-    if _is_mixture(mlp):
+    beside = [module_at(adapter.block_module(layer), p) for p in adapter.structure.mlp_siblings if p != adapter.MLP]
+    if any(_is_mixture(m) for m in (mlp, *beside)):
         raise NoUnitDecomposition(adapter, layer, MOE_REASON)
+    if beside:  # the excess of one module's units alone would leave the others' out
+        raise NoUnitDecomposition(adapter, layer, "its MLP branch is the sum of several modules: no one set of units")
     calls: list[tuple] = []
     hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0], out)))
              for m in mlp.modules() if getattr(m, "weight", None) is not None and m.weight.ndim == 2]

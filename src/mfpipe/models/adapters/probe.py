@@ -35,7 +35,8 @@ from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
 from mfpipe.models.adapters.normed import normed_layout
 from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, closed_chain, closing_modules,
-                                             embed_scale, input_embedding, mlp_needs_sequences, mlp_residual)
+                                             embed_scale, input_embedding, mlp_needs_sequences, mlp_residual,
+                                             mlp_siblings, post_norm)
 from mfpipe.models.adapters.returned import returned_sources, returning_children
 from mfpipe.models.adapters.streaming import held
 
@@ -137,9 +138,14 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     first, last = seen[chain[0]], seen[chain[-1]]
     with held(block):  # called outside a forward: a streamed block's weights are read for it
         residual = mlp_residual(block, chain, last, same)
-    # the MLP's branch: its output, less the residual it adds itself where it does (BLOOM, MPT)
-    branch = last.y if residual is None else last.y - residual.float()
-    seen["<mlp>"] = Seen(first.x, branch, first.x_obj, last.y_obj if residual is None else branch, last.out)
+    # the MLP's branch: its output, less the residual it adds itself where it does (BLOOM, MPT), plus the outputs of
+    # modules beside it reading its input where the block adds them (Granite's mixture of experts beside its MLP)
+    own = last.y if residual is None else last.y - residual.float()
+    siblings = [] if residual is not None else mlp_siblings(seen, order, block, chain, lambda n, m: n == attn.split(
+        ".")[0] or is_norm(m) or position_conv(m), same)
+    branch = own + sum(seen[n].y for n in siblings)
+    seen["<mlp>"] = Seen(first.x, branch, first.x_obj, last.y_obj if residual is None and not siblings else branch,
+                         last.out)
     attn_residual = attn_adds_residual(seen, same)
     if attn_residual or inside is None:  # BLOOM: the attention returns block input + branch; GIT's projection sits
         # beside the attention proper, which returns the reads: the branch is the output projection's output
@@ -148,8 +154,10 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     norms = [n for n, m in watch.items() if n[:1] != "<" and n != attn.split(".")[0] and n in seen
              and (is_norm(m) or position_conv(m))]  # a branch's convolution over positions: its post-norm's role
     scales = [float(v) for v in vars(block).values() if isinstance(v, float)]  # a block's own branch scale
-    out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain, attn_residual=attn_residual,
-               mlp_residual=residual is not None, roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt, scales))
+    out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain,
+               mlp_siblings=tuple(n for n in order if n in {*chain, *siblings}) if siblings else (),
+               attn_residual=attn_residual, mlp_residual=residual is not None,
+               roles=norm_roles(seen, norms, "<attn>", "<mlp>", same, mt, scales))
     if (attn_residual or inside is None) and out["roles"]["post_attn_norm"]:
         raise UnsupportedArchitectureError(mt, "its attention's branch is its output projection's output, and a norm "
                                                "of the branch alone follows it")
@@ -170,7 +178,8 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
         raise UnsupportedArchitectureError(mt, f"its projection {odd} is not the linear map of its weight (a quantized "
                                                "layer); use a full-precision (dequantized) checkpoint")
     out["mlp_tuple"] = isinstance(last.out, tuple)
-    out["mlp_sequences"] = mlp_needs_sequences(blocks, block, chain, first.x, branch, same, residual is not None)
+    out["mlp_sequences"] = any(mlp_needs_sequences(blocks, block, c, first.x, w, same, residual is not None)
+                               for c, w in [(chain, own), *(([n], seen[n].y) for n in siblings)])
     return out | extra
 
 
@@ -322,24 +331,6 @@ def norm_roles(seen: dict, norms: list[str], attn: str, mlp: str, same, mt, scal
         join = "model"  # each token, with its norm post_per_layer_input_norm): the block runs it too
     return dict(attn_norm=attn_norm, post_attn_norm=post_attn_norm, mlp_norm=mlp_norm, post_mlp_norm=post_mlp_norm,
                 parallel=parallel, branch_scale=scale, block_norm=block_norm or None, norm_carried=carried, join=join)
-
-
-def post_norm(seen: dict, unplaced: list[str], mlp_norm: str | None, mlp_reads, parallel: bool,
-              same) -> tuple[str | None | bool, bool]:
-    """``(block_norm, norm_carried)``: the norm a block's output is (post-norm: GPT-1's ``ln_2``, TrOCR's
-    ``final_layer_norm``; None where the block hands on a plain sum; False where it reads neither form below) and
-    whether the residual its MLP branch joins is the MLP's norm's output (GPT-1: ``ln_2(ln_1(x + a) + mlp(ln_1(x +
-    a)))``, the stream carries ``ln_1``'s output) rather than ``resid_mid`` (a norm of the plain sum)."""
-    ends = [n for n in unplaced if seen[n].y_obj is seen["<block>"].y_obj]
-    if not ends:
-        return None, False
-    into, mlp_branch = seen[ends[0]].x, seen["<mlp>"].y
-    if not parallel and mlp_norm is not None and same(into, seen[mlp_norm].y + mlp_branch):
-        return ends[0], True
-    if same(into, mlp_reads + mlp_branch) or (parallel and same(into, seen["<block>"].x + seen["<attn>"].y
-                                                                 + mlp_branch)):
-        return ends[0], False
-    return False, False
 
 
 def value_layout(seen: dict, sources: list[str], named: tuple[str, str] | None, shape: Shape, mt,

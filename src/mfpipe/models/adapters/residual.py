@@ -13,6 +13,9 @@ positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.a
 * an absolute position table as a tensor (:func:`table_rows`: a learned one, or a sinusoidal buffer; the candidates:
   :func:`position_tables`), and the input embedding a base model leaves to its causal LM (:func:`input_embedding`:
   TrOCR's wrapper);
+* an MLP branch that is the sum of several modules reading the same input (Granite-4.0-H's and GraniteMoeShared's
+  mixture of experts beside a shared MLP: :func:`mlp_siblings`); a block whose output is a norm of its sum
+  (:func:`post_norm`: GPT-1's, TrOCR's);
 * how the MLP is called: on ``[B, T, d]`` only where one block's MLP reads its input's shape (a mixture of experts,
   also after a dense first block: :func:`mlp_needs_sequences`), with a zero residual where it adds its own;
 * how the embedding enters the stream and the logits leave it: the embedding's scale and a position table's row
@@ -33,7 +36,7 @@ from mfpipe.models.adapters.streaming import held
 
 __all__ = ["PROBE_IDS", "affine_candidates", "affine_embedding", "attn_adds_residual", "branch_scale", "closed_chain",
            "closing_modules", "embed_scale", "head_transform", "input_embedding", "logit_scale",
-           "mlp_needs_sequences", "mlp_residual", "position_tables", "returned_bias", "scalar_buffer", "table_rows"]
+           "mlp_needs_sequences", "mlp_residual", "mlp_siblings", "post_norm", "position_tables", "returned_bias", "scalar_buffer", "table_rows"]
 
 PROBE_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
 
@@ -97,6 +100,48 @@ def mlp_residual(block, chain: list[str], last, same) -> Tensor | None:
         return None
     y = first_output(y).float()
     return r if same(y + r.float(), last.y) and not same(y, last.y) else None
+
+
+def mlp_siblings(seen: dict, order: list[str], block: nn.Module, chain: list[str], skip, same) -> list[str]:
+    """The block's other children the probe forward (``seen``, ``order``) ran on the very input of a one-module MLP
+    ``chain`` and whose outputs, of its output's shape, join its output in the block's output: Granite-4.0-H's
+    ``block_sparse_moe(h) + shared_mlp(h)``. ``skip(name, module)``: the attention, norms, convolutions over positions.
+    The sum is checked where the block's output is its input plus its two branches, both times one scale (no
+    post-norms; Granite's ``residual_multiplier``): with them that holds, without them not."""
+    if len(chain) != 1:
+        return []
+    first, kids = seen[chain[0]], dict(block.named_children())
+    found = [n for n in order if n in kids and n != chain[0] and not skip(n, kids[n])
+             and any(True for _ in kids[n].parameters()) and seen[n].x_obj is first.x_obj
+             and seen[n].y.shape == first.y.shape]
+    if not found:
+        return []
+    delta = seen["<block>"].y - seen["<block>"].x
+
+    def joins(mlp_branch: Tensor) -> bool:
+        both = seen["<attn>"].y + mlp_branch
+        c = branch_scale(delta, both, [float(v) for v in vars(block).values() if isinstance(v, float)])
+        return c is not None and same(c * both, delta)
+
+    return found if joins(first.y + sum(seen[n].y for n in found)) and not joins(first.y) else []
+
+
+def post_norm(seen: dict, unplaced: list[str], mlp_norm: str | None, mlp_reads, parallel: bool,
+              same) -> tuple[str | None | bool, bool]:
+    """``(block_norm, norm_carried)``: the norm a block's output is (post-norm: GPT-1's ``ln_2``, TrOCR's
+    ``final_layer_norm``; None where the block hands on a plain sum; False where it reads neither form below) and
+    whether the residual its MLP branch joins is the MLP's norm's output (GPT-1: ``ln_2(ln_1(x + a) + mlp(ln_1(x +
+    a)))``, the stream carries ``ln_1``'s output) rather than ``resid_mid`` (a norm of the plain sum)."""
+    ends = [n for n in unplaced if seen[n].y_obj is seen["<block>"].y_obj]
+    if not ends:
+        return None, False
+    into, mlp_branch = seen[ends[0]].x, seen["<mlp>"].y
+    if not parallel and mlp_norm is not None and same(into, seen[mlp_norm].y + mlp_branch):
+        return ends[0], True
+    if same(into, mlp_reads + mlp_branch) or (parallel and same(into, seen["<block>"].x + seen["<attn>"].y
+                                                                 + mlp_branch)):
+        return ends[0], False
+    return False, False
 
 
 def attn_adds_residual(seen: dict, same) -> bool:
@@ -194,7 +239,7 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
 
 
 def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[float, int, tuple | None] | str:
-    """(the scale the token embedding reaches block 0 with: 1 or sqrt(d); the row offset of the position table
+    """(the scale the token embedding reaches block 0 with: 1, sqrt(d) or a number of its config; the row offset of the position table
     ``table`` added where there is one; an affine map of the base model's own vectors, :func:`affine_candidates`, where
     it applies one), through the embedding norm ``embed_norm`` where there is one; where none fits, why (the probe
     refuses the model so). Of the forms that fit to the model's rounding (``same``), the closest: a 16-bit model's
@@ -221,7 +266,7 @@ def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[
         pos = 0.0 if rows is None else rows[offset: offset + T].detach().float()
         # the forward may scale the token embedding by sqrt(d) in the model's dtype, before the positions are added
         # (the Gemma family, CTRL: where the embedding module does not do it itself)
-        for scale in (1.0, float(base.config.hidden_size) ** 0.5):
+        for scale in (1.0, float(base.config.hidden_size) ** 0.5, *_config_scales(base.config)):
             consider((e if scale == 1.0 else e * torch.tensor(scale, dtype=block_in.dtype)) + pos, (scale, offset, None))
     if rows is None:
         for pair, y in affine_candidates(base, seen["<embed>"].y_obj):  # in the embedding's dtype, as the forward
@@ -229,7 +274,15 @@ def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[
     if fits:
         return min(fits, key=lambda f: f[0])[1]  # the first of equally close ones: the simplest
     return ("its first block reads the token embedding changed in a way mfpipe cannot place (neither as is, nor scaled "
-            "by sqrt(d), nor plus an absolute position table, nor by an affine map of the base model's own vectors)")
+            "by sqrt(d) or a number of its config, nor plus an absolute position table, nor by an affine map of the "
+            "base model's own vectors)")
+
+
+def _config_scales(config) -> list[float]:
+    """The numbers of ``config`` an embedding may be multiplied by, not 0 or 1 and not an epsilon's size (Granite's
+    ``embedding_multiplier``, MiniCPM's ``scale_emb``: 12 in their checkpoints, 1 in their default configs)."""
+    return [float(v) for v in vars(config).values()  # an int too: a config.json may write 12 for 12.0
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and 1e-3 <= abs(v) <= 1e4 and v != 1]
 
 
 def affine_candidates(base, e: Tensor):

@@ -274,7 +274,7 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         if need_attn_out and self.POST_ATTN_NORM is not None:
             attn_out = module_at(layer_env, self.POST_ATTN_NORM).output
         if need_attn_out:
-            attn_out = attn_out.float() if s.branch_scale == 1.0 else attn_out * s.branch_scale  # as the block scales
+            attn_out = attn_out.float() if self._attn_scale() == 1.0 else attn_out * self._attn_scale()  # as the block
             if "attn_out" in sel:
                 cap.attn_out = attn_out.float()
         if "mlp_out" in sel and self.MLP is None:  # no MLP in the block (Nemotron-H's attention blocks): a zero branch
@@ -282,8 +282,12 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         elif "mlp_out" in sel:
             # the residual the MLP adds itself (BLOOM, MPT: its second argument), subtracted from its output
             res = module_at(layer_env, self.MLP).inputs[0][1] if s.mlp_residual else None
-            out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output
-            out = out[0] if self.POST_MLP_NORM is None and s.mlp_tuple else out
+            if s.mlp_siblings:  # modules on one input, their outputs added (Granite's), read in the order they run
+                outs = [first_output(module_at(layer_env, path).output) for path in s.mlp_siblings]
+                out = sum(o.reshape(outs[0].shape) for o in outs)
+            else:
+                out = module_at(layer_env, self.POST_MLP_NORM or self.MLP).output
+                out = out[0] if self.POST_MLP_NORM is None and s.mlp_tuple else out
             out = out if s.branch_scale == 1.0 else out * s.branch_scale
             # a copy where .float() makes none: a block may add to its MLP's output in place (Falcon); [B, T, d] where
             # the MLP ran on [B * T, d] (OPT)

@@ -57,8 +57,7 @@ from mfpipe.models.adapters.layers import LayerForm, place_layer_forms
 from mfpipe.models.adapters.latent import latent_sources
 from mfpipe.models.adapters.linears import linear_paths
 from mfpipe.models.adapters.probe import Shape, UnsupportedArchitectureError, is_norm, linear_shape, submodule
-from mfpipe.models.adapters.residual import (head_transform, input_embedding, logit_scale, returned_bias,
-                                             scalar_buffer)
+from mfpipe.models.adapters.residual import head_transform, input_embedding, logit_scale, returned_bias, scalar_buffer
 from mfpipe.models.adapters.streaming import held
 
 __all__ = ["Structure", "UnsupportedArchitectureError", "VALUE_LAYOUTS", "base_model", "blocks", "describe"]
@@ -99,6 +98,7 @@ class Structure:
     value_chunks: int = 1  # the "chunked" value layout (see VALUE_LAYOUTS)
     value_offset: int = 0
     mlp_chain: tuple[str, ...] = ()  # the MLP as block children run in order (OPT); `mlp` is the last of them
+    mlp_siblings: tuple[str, ...] = ()  # children on one input, outputs summed: the MLP (Granite's), in call order
     mlp_sequences: bool = False  # the MLP takes [B, T, d] only (a mixture of experts reshapes its input so)
     mlp_tuple: bool = False  # the MLP returns a tuple whose [0] is its output
     embed_norm: str | None = None  # a norm on the embedding before block 0 (BLOOM's word_embeddings_layernorm)
@@ -135,6 +135,7 @@ class Structure:
     reads_norm: str | None = None  # a norm of every head's reads together before it (BitNet's: adapters.normed)
     side_mixer: str | None = None  # a mixer beside the attention: its branch joins the heads' (Falcon-H1: forms)
     side_scale: float = 1.0  # ... times this
+    attn_scales: tuple[float, float] = (1.0, 1.0)  # its input, its output times these (Falcon-H1's multipliers: forms)
     value_clip: float | None = None  # the attention clamps its q, k, v to +-this before the heads read (DBRX's)
     value_scale: float = 1.0  # ... and multiplies its values by this (MiMo-V2-Flash's v_scale): forms.value_form
     value_norm: str | None = None  # ... a norm of each head's values, the layer's own (Gemma-4's v_norm; from the block)
@@ -186,8 +187,8 @@ def base_model(model: nn.Module) -> nn.Module:
 
 def _one(found: list[str], what: str, model_type) -> str:
     if len(found) != 1:
-        why = "none" if not found else f"{len(found)} candidates ({', '.join(found)})"
-        raise UnsupportedArchitectureError(model_type, f"cannot place {what}: {why}")
+        raise UnsupportedArchitectureError(model_type, f"cannot place {what}: " + (
+            "none" if not found else f"{len(found)} candidates ({', '.join(found)})"))
     return found[0]
 
 
@@ -241,22 +242,21 @@ def describe(model: nn.Module) -> Structure:
         out_proj=out_proj, attn_norm=roles["attn_norm"], post_attn_norm=roles["post_attn_norm"],
         mlp=(found["mlp_chain"] or [None])[-1], mlp_norm=roles["mlp_norm"], post_mlp_norm=roles["post_mlp_norm"],
         parallel_residual=roles["parallel"], rms_offset=rms_offset, embed_scale=found["embed_scale"],
-        embed_affine=found["embed_affine"],
-        position_table=tables[0] if len(tables) == 1 else None,
+        embed_affine=found["embed_affine"], position_table=tables[0] if len(tables) == 1 else None,
         logit_softcap=getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_soft_cap", None) or None,
         kv_heads=found["kv_heads"], value_chunks=found["value_chunks"], value_offset=found["value_offset"],
         mlp_chain=tuple(found["mlp_chain"]) if len(found["mlp_chain"]) > 1 else (),
         mlp_sequences=found["mlp_sequences"], mlp_tuple=found["mlp_tuple"], embed_norm=embed_norm,
-        position_row_offset=found["position_row_offset"],
+        position_row_offset=found["position_row_offset"], mlp_siblings=found.get("mlp_siblings", ()),
         norm_centred=centred, logit_scale=logit_scale(model, base, mt, head), value_head_dim=None if dv == dh else dv,
         latent_proj=f"{attn}.{latent.proj}" if latent else None, latent_offset=latent.offset if latent else 0,
         latent_width=latent.width if latent else 0, latent_norm=f"{attn}.{latent.norm}" if latent else None,
         latent_scale=latent.scale if latent else 1.0, value_conv=vconv and f"{attn}.{vconv}",
         attn_residual=found["attn_residual"], mlp_residual=found["mlp_residual"], branch_scale=roles["branch_scale"],
-        attn_bias=returned_bias(blocks, attn, shape.d),
-        layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
-        side_mixer=side, side_scale=found.get("side_scale", 1.0), value_clip=found.get("value_clip"), layer_forms=forms,
-        value_scale=found.get("value_scale", 1.0), attn_sink=found.get("attn_sink"), head_transform=head,
+        attn_bias=returned_bias(blocks, attn, shape.d), layer_kinds=() if set(kinds) == {"attention"} else tuple(kinds),
+        side_mixer=side, side_scale=found.get("side_scale", 1.0), attn_scales=found.get("attn_scales", (1.0, 1.0)),
+        value_clip=found.get("value_clip"), layer_forms=forms, head_transform=head, attn_sink=found.get("attn_sink"),
+        value_scale=found.get("value_scale", 1.0),
         value_norm=f"{attn}.{found['value_norm']}" if found.get("value_norm") else None,
         resid_scale="layer_scalar" if scalar_buffer(block, "layer_scalar") else None,
         block_norm=roles["block_norm"], norm_carried=roles["norm_carried"], join=roles["join"],

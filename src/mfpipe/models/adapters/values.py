@@ -133,8 +133,9 @@ class ValueMaps:
         """v(x): residual stream ``[..., d]`` -> per-head values ``[..., H, d_head]`` (incl. the pre-attention
         norm and the value bias; GQA KV heads expanded to query heads; latent attention's latent norm on the way;
         zero-padded where the layer's heads are narrower, :mod:`~mfpipe.models.adapters.layers`)."""
-        h = latent_input(self._block(layer), self._forms[layer].latent,
-                         self._opt_module(layer, self.ATTN_NORM)(self._in(x)))
+        h = self._opt_module(layer, self.ATTN_NORM)(self._in(x))
+        m = self.structure.attn_scales[0]  # the attention reads its norm's output times this (Falcon-H1's)
+        h = latent_input(self._block(layer), self._forms[layer].latent, h if m == 1.0 else h * m)
         src = self._sub(layer, self.value_path(layer))
         H, KV, dh, d = self.n_heads, self.kv_heads(layer), self.head_dim(layer), self.d_model
         if self.structure.value_layout == "neox":  # rows laid out per head [H, (q|k|v), dh]
