@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_reference import blocks, o_proj, patched_reads, shape
 from stats_reference import tracked_for
-from tiny_models import make_tiny_model
+from tiny_models import make_tiny_model, tiny_jamba
 
 from mfpipe.experiments.fv import experiment as E
 from mfpipe.experiments.fv import heads as Hd
@@ -723,3 +723,45 @@ def test_the_lens_analysis_through_products_equals_the_store():
 
     with pytest.raises(RuntimeError, match="same order"):
         Dc.lens_rows(ad, sample, swapped)
+
+
+def test_a_hybrid_selects_and_injects_only_heads_of_its_attention_layers(tok, tmp_path):
+    """A hybrid (a tiny Jamba: Mamba at layers 0 and 2) has no heads at its other layers: their reads are NaN
+    (``cue_reads``). Before stop 81 the random control drew from every (layer, head) slot, so its summed vector was NaN
+    and every logit NaN (a control that "failed" for no measured reason), and the top-k selections could take a
+    Mamba layer's slot; AIE patched reads no head has. Now every selection, the random one included, is of attention
+    layers, AIE is NaN elsewhere, and a vector of a head without finite reads is refused by name."""
+    tk, texts = tok
+    model = tiny_jamba(seed=3)
+    model.resize_token_embeddings(len(tk))
+    model.config.bos_token_id = 0
+    ad = get_adapter(model)
+    att = ad.attention_layers
+    assert tuple(att) == (1, 3)
+    stream = [i for t in texts * 2 for i in tk(t + "\n", add_special_tokens=False)["input_ids"]]
+    n_win = len(stream) // (T_CTX - 1)
+    windows = np.concatenate([np.zeros((n_win, 1), np.int64),
+                              np.asarray(stream[: n_win * (T_CTX - 1)]).reshape(n_win, -1)], axis=1)
+    tracked = tracked_for(windows, n=60, bos=0, vocab=len(tk))
+    sums = accumulate_shard(model, ad, windows, tracked, batch_size=8, device="cpu", progress=False)
+    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "t", "corpus_fingerprint": "fp",
+            "model_type": ad.model_type}
+    st = open_stats(write_store(finalize(sums, tracked, meta), tmp_path / "stats.zarr"))
+    cfg = dict(CFG, n_selected=5, n_splits=1, head_lists={}, clean_sweep=[2])
+    out = E.run_task(ad, _task(), tk, 0, lambda cue: Hd.corpus_null(st, tracked, cue), cfg, context_length=T_CTX)
+    h = out["heads"]
+    for sel in ("MFA", "AIE", "raw-magnitude", "random"):
+        chosen = h[h[f"sel_{sel}"]]
+        assert len(chosen) == 5 and set(chosen["layer"]) <= set(att), (sel, chosen[["layer", "head"]])
+    assert h.loc[~h["layer"].isin(att), "aie"].isna().all() and h.loc[h["layer"].isin(att), "aie"].notna().all()
+    tr = out["transfer"]
+    random_sum = tr[(tr["protocol"] == "sum") & (tr["selection"] == "random")]
+    assert len(random_sum) and random_sum["p_answer"].notna().all(), random_sum
+    # the draw on a model whose every layer has attention is the one it was before the layers were given
+    assert Hd.random_heads(4, 4, 5, [1, 0xAA, 0], range(4)) == Hd.random_heads(4, 4, 5, [1, 0xAA, 0])
+    vectors = torch.full((4, 4, ad.d_head), float("nan"))
+    vectors[1] = 1.0
+    O = torch.ones(4, 4, ad.d_head, ad.d_model)
+    assert torch.isfinite(Inj.summed_vector(vectors, [(1, 0), (1, 3)], O)).all()
+    with pytest.raises(ValueError, match="L0H2 have no finite vector"):
+        Inj.summed_vector(vectors, [(1, 0), (0, 2)], O)

@@ -165,8 +165,9 @@ def _extract_splits(adapter, task, pool, sp, tokenizer, bos_id, null, c, kw, cue
         mfa, raw = Hd.head_norms(r, Ow), Hd.head_norms(zbar, Ow)
         fs = Hd.cue_reads(adapter, Pr.fewshot_eval_prompts(pool, tokenizer, bos_id, ext, held, n_shots=c["n_shots"],
                                                             seed=[seed, s], **kw), batch_size=bs)
-        sel = {"MFA": Hd.top_heads(mfa, k), **lists, "raw-magnitude": Hd.top_heads(raw, k),
-               "random": Hd.random_heads(L, H, k, [seed, 0xAA, s])}
+        att = adapter.attention_layers  # a hybrid's heads: its attention layers'
+        sel = {"MFA": Hd.top_heads(mfa, k, att), **lists, "raw-magnitude": Hd.top_heads(raw, k, att),
+               "random": Hd.random_heads(L, H, k, [seed, 0xAA, s], att)}
         per_split.append(dict(ext=ext, held=held, clean=clean, reads=reads, zbar=zbar, r=r, mfa=mfa, raw=raw,
                               fewshot=fs, sel=sel, O=Ow, O_heads=O, tuning_pairs={p.pair for p in clean}))
     if len(cues) != 1:
@@ -183,7 +184,7 @@ def _tune_split(adapter, task, pool, d, s, tokenizer, bos_id, c, kw, progress) -
     aie, d["p_corrupt"], _ = Hd.aie(adapter, corrupted, d["zbar"], batch_size=int(c["batch_size"]),
                                     progress=progress)
     d["aie"], d["n_corrupted"] = aie, len(corrupted)
-    d["sel"] = {"AIE": Hd.top_heads(aie.float(), int(c["n_selected"])), **d["sel"]}
+    d["sel"] = {"AIE": Hd.top_heads(aie.float(), int(c["n_selected"]), adapter.attention_layers), **d["sel"]}
     d["tuning_pairs"] |= {i for p in corrupted for i in (p.pair, *p.exemplars)}
     d["tuning_pairs"] |= {i for p in d["clean"] for i in p.exemplars}
     d["tuning_pairs"] |= {int(i) for i in d["ext"]}  # the sweep's zero-shot prompts

@@ -141,12 +141,17 @@ def head_norms(v: Tensor, O: Tensor) -> Tensor:
     return torch.einsum("lhe,lhed->lhd", v.float(), O).norm(dim=-1)
 
 
-def top_heads(scores: Tensor, k: int) -> list[tuple[int, int]]:
-    """The ``k`` heads with the largest score, best first (ties: lower layer, then head)."""
+def top_heads(scores: Tensor, k: int, layers=None) -> list[tuple[int, int]]:
+    """The ``k`` heads with the largest score, best first (ties: lower layer, then head), of ``layers`` only where
+    given (a hybrid's attention layers: its other layers have no heads, their scores NaN or 0) and of finite scores
+    only: fewer than ``k`` where fewer heads have one."""
     L, H = scores.shape
-    flat = scores.reshape(-1).double().cpu().numpy()
-    order = np.lexsort((np.arange(L * H), -flat))[: int(k)]
-    return [(int(i // H), int(i % H)) for i in order]
+    flat = scores.reshape(-1).double().cpu().numpy().copy()
+    if layers is not None:
+        flat.reshape(L, H)[np.setdiff1d(np.arange(L), np.asarray(list(layers), dtype=int))] = np.nan
+    keep = np.isfinite(flat)
+    order = np.lexsort((np.arange(L * H), -np.where(keep, flat, -np.inf)))
+    return [(int(i // H), int(i % H)) for i in order if keep[i]][: int(k)]
 
 
 def parse_heads(names, n_layers: int, n_heads: int, what: str = "head list") -> list[tuple[int, int]]:
@@ -172,9 +177,13 @@ def parse_heads(names, n_layers: int, n_heads: int, what: str = "head list") -> 
     return out
 
 
-def random_heads(n_layers: int, n_heads: int, k: int, seed) -> list[tuple[int, int]]:
-    pick = np.random.default_rng(seed).choice(n_layers * n_heads, size=min(int(k), n_layers * n_heads), replace=False)
-    return [(int(i // n_heads), int(i % n_heads)) for i in pick]
+def random_heads(n_layers: int, n_heads: int, k: int, seed, layers=None) -> list[tuple[int, int]]:
+    """``k`` heads drawn without replacement (the random control) from ``layers`` (a hybrid's attention layers; all
+    ``n_layers`` by default: the same draw as before they were given)."""
+    layers = list(range(n_layers)) if layers is None else [int(l) for l in layers]
+    n = len(layers) * n_heads
+    pick = np.random.default_rng(seed).choice(n, size=min(int(k), n), replace=False)
+    return [(layers[int(i // n_heads)], int(i % n_heads)) for i in pick]
 
 
 def aie(adapter, corrupted: list[FVPrompt], clean_mean: Tensor, *, batch_size: int = 64, progress=None
@@ -183,12 +192,13 @@ def aie(adapter, corrupted: list[FVPrompt], clean_mean: Tensor, *, batch_size: i
     the head's read at the final token replaced by its mean over clean prompts (``clean_mean [L,H,dh]``), the rest
     of the forward as is; AIE = mean over prompts of ``P(answer | patched) − P(answer | corrupted)``.
 
-    Returns ``(aie [L, H], mean corrupted-prompt answer probability, per-prompt effects [n, L, H])``. One forward
+    Returns ``(aie [L, H], mean corrupted-prompt answer probability, per-prompt effects [n, L, H])``, NaN at a
+    hybrid's layers without attention. One forward
     per (head, corrupted prompt), batched: row 0 of each prompt unpatched, rows 1.. one head each."""
-    L, H = adapter.n_layers, adapter.n_heads
-    heads = [(l, h) for l in range(L) for h in range(H)]
+    L, H, att = adapter.n_layers, adapter.n_heads, list(adapter.attention_layers)
+    heads = [(l, h) for l in att for h in range(H)]  # a hybrid's other layers have no heads: NaN
     n = len(corrupted)
-    eff = torch.zeros(n, L, H, dtype=torch.float64)
+    eff = torch.full((n, L, H), float("nan"), dtype=torch.float64)
     base = np.zeros(n)
     cm = clean_mean.float()
     for k, p in enumerate(corrupted):
@@ -212,7 +222,7 @@ def aie(adapter, corrupted: list[FVPrompt], clean_mean: Tensor, *, batch_size: i
             probs.append(torch.softmax(last_logits(adapter, got["f"]).float(), -1)[:, p.answer].double().cpu())
         pr = torch.cat(probs)
         base[k] = float(pr[0])
-        eff[k] = (pr[1:] - pr[0]).view(L, H)
+        eff[k, att] = (pr[1:] - pr[0]).view(len(att), H)
         if progress is not None:
             progress.update(1)
     return eff.mean(0), float(base.mean()) if n else float("nan"), eff

@@ -40,6 +40,10 @@ def summed_vector(vectors: Tensor, heads, O: Tensor) -> Tensor:
     out = torch.zeros(O.shape[-1], dtype=torch.float32)
     for l, h in heads:
         out += vectors[l, h].float() @ O[l, h]
+    if not torch.isfinite(out).all():  # (a head of a hybrid's other layers has NaN reads: no head to inject)
+        bad = [f"L{l}H{h}" for l, h in heads if not torch.isfinite(vectors[l, h].float() @ O[l, h]).all()]
+        raise ValueError(f"function vector: the heads {' '.join(bad)} have no finite vector; select heads of the "
+                         "attention layers")
     return out
 
 

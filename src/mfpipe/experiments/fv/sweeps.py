@@ -116,7 +116,7 @@ def clean_sweep(adapter, task, pool, per_split: list, null, c: dict, progress) -
             r = Hd.task_deviation(d["reads"].z[:n].mean(0), null)
             g = None if d["reads"].g is None else d["reads"].g[:n]  # the first n cues' gates, as their reads
             On = Hd.written_slices(d.get("O_heads", d["O"]), g)
-            sel = Hd.top_heads(Hd.head_norms(r, On), k)
+            sel = Hd.top_heads(Hd.head_norms(r, On), k, adapter.attention_layers)
             for prot in ("sum", "per_head"):
                 layer, scale, _ = d["best"][prot]
                 injs.append(Inj.sum_injection(r, sel, On, layer, scale) if prot == "sum"
