@@ -287,3 +287,39 @@ def test_the_deviation_meters_are_those_of_the_gated_writes(qwen, qwen_stats):
         w, g = ref["w", l][sub], ref["g", l][sub]
         want = torch.stack([_D(w[:, h], zh[l][sub][:, h].double() * g[:, h], _O(ad, l)[h]) for h in range(H)], -1)
         _close(sums_sub.head_deviation[l], want.sum(0), f"substitution head deviation {l}")
+
+
+def test_the_positional_deviation_is_the_gated_write_and_nan_without_heads(qwen, qwen_stats):
+    """App. positional's Δ (mfpipe.experiments.positional.collect): the head's write less the mean field's, both
+    through the query's own gate, Δ = g ⊙ (z − z̄_s), so Δ O_h is a write the model makes (before stop 81 the reads
+    with the gate divided out: a vector no head adds). At a hybrid's layers without attention every field is NaN and
+    the head table keeps no occurrence there (it was uninitialised memory: arbitrary counts and posVar fits)."""
+    from mfpipe.experiments.positional import analysis as An
+    from mfpipe.experiments.positional import collect as C
+    from mfpipe.notebook.meanfield import MeanField
+    from mfpipe.stats.api import MeanFieldStats
+
+    model, ad = qwen
+    tokens, ds = qwen_stats
+    st = MeanFieldStats(ds)
+    kernel = MeanField(st).kernel(int(model.config.vocab_size)).to(ad.device)
+    zbar = torch.from_numpy(np.asarray(st.zbar().transpose("query", "layer", "head", "head_dim").values, np.float32))
+    ev = tokens[:3].astype(np.int64)
+    w, p = C.sample_occurrences(len(ev), ev.shape[1], stride=1, min_position=1, budget=10**6, seed=0)
+    occ = C.collect(ad, kernel, zbar, ev, None, w, p, batch_size=2)
+    ref = _hooked(model, ev)
+    for l in range(ad.n_layers):
+        d = torch.as_tensor(occ.delta[:, l]).double()
+        if l not in ad.attention_layers:
+            assert d.isnan().all() and np.isnan(occ.other[:, l]).all()
+            continue
+        z = ref["w", l][occ.window, occ.position]  # the gated read, g ⊙ z
+        g = ref["g", l][occ.window, occ.position]
+        want = z - g * zbar[occ.query_type, l].double()
+        _close(d, want, f"positional Δ {l}")
+        _far(d / g, want, f"positional Δ {l}")
+    O = np.stack([ad.out_proj_slices(l).double().numpy() for l in range(ad.n_layers)])
+    S_bar = np.arange(ad.n_layers * H, dtype=float).reshape(ad.n_layers, H)
+    heads = An.head_table(occ, O, None, S_bar, ev.shape[1], dict(min_position=1, max_other=1.0))
+    gone = heads[~heads["layer"].isin(list(ad.attention_layers))]
+    assert (gone["n"] == 0).all() and (heads.loc[heads["layer"].isin(list(ad.attention_layers)), "n"] > 0).all()

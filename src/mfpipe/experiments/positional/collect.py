@@ -3,7 +3,9 @@
 For a head ``(l, h)`` and a query occurrence at position ``p`` of an eval-half window, of tracked type ``s``:
 
 * ``delta`` = z − z̄_s, the within-type write deviation (App. positional): the head's read at ``p`` (head space,
-  before the output projection) minus the statistics half's mean read of type-``s`` queries (``MeanFieldStats.zbar``);
+  before the output projection) minus the statistics half's mean read of type-``s`` queries (``MeanFieldStats.zbar``),
+  times the query's own gate where the attention gates its reads (Qwen3-Next's: as the head writes it, and as the
+  deviation's meters take it); NaN at a hybrid's layers without attention;
 * ``D`` = 1 − cos(z, ẑ_sX), the per-context deviation against the context-conditional mean field (eq:deviation,
   residual-stream units), exactly the ``D`` of :func:`mfpipe.meanfield.forward.deviation_forward`;
 * ``bos`` = the attention on position 0; ``offset`` = p − the key position with the largest attention (the first
@@ -96,17 +98,23 @@ def _batch(adapter, k: MeanFieldKernel, zbar: torch.Tensor, toks: np.ndarray, qt
     B, T = toks.shape
     L, H, n = adapter.n_layers, adapter.n_heads, len(bi)
     bi_t, pi_t, s_t = (torch.from_numpy(np.asarray(x, dtype=np.int64)).to(dev) for x in (bi, pi, s))
-    out = {"delta": torch.empty(n, L, H, zbar.shape[-1], dtype=torch.float32, device=dev),
-           "bos": torch.empty(n, L, H, dtype=torch.float32, device=dev),
-           "other": torch.empty(n, L, H, dtype=torch.float32, device=dev),
-           "offset": torch.empty(n, L, H, dtype=torch.int64, device=dev)}
+    # NaN (offset -1) where no attention layer writes them: a hybrid's other layers have no heads (the head tables
+    # count none there: an "other" share of NaN passes no threshold)
+    out = {"delta": torch.full((n, L, H, zbar.shape[-1]), float("nan"), dtype=torch.float32, device=dev),
+           "bos": torch.full((n, L, H), float("nan"), dtype=torch.float32, device=dev),
+           "other": torch.full((n, L, H), float("nan"), dtype=torch.float32, device=dev),
+           "offset": torch.full((n, L, H), -1, dtype=torch.int64, device=dev)}
     other_key = (kb == k.n + 1).to(dev, torch.float32)[bi_t][:, None, :]  # [n, 1, T]: <other> keys
     future = (torch.arange(T, device=dev)[None, :] > pi_t[:, None])[:, None, :]  # [n, 1, T]: keys after p
 
     def on_capture(cap, m_layer):
         l = cap.layer
         P = cap.attn_probs[bi_t, :, pi_t].to(dev, torch.float32)  # [n, H, T]: the query rows
-        out["delta"][:, l] = cap.reads[bi_t, pi_t].to(dev, torch.float32) - zbar[s_t, l]
+        delta = cap.reads[bi_t, pi_t].to(dev, torch.float32) - zbar[s_t, l]
+        if cap.resid_in is not None:  # a gated attention: the deviation as the head writes it, times its query's own
+            # gate (as the meters take it: deviation_forward), so Δ O_h is the head's write less the mean field's
+            delta = delta * adapter.read_gate(l, cap.resid_in[bi_t, pi_t], cap.reads[bi_t, pi_t]).to(dev, delta.dtype)
+        out["delta"][:, l] = delta
         out["bos"][:, l] = P[..., 0]
         out["other"][:, l] = (P * other_key).sum(-1)
         out["offset"][:, l] = pi_t[:, None] - P.masked_fill(future, float("-inf")).argmax(-1)
@@ -218,7 +226,7 @@ def repeated_deviation(adapter, kernel: MeanFieldKernel, sequences, query_bucket
         toks = seqs[b0 : b0 + max(int(batch_size), 1)]
         kb, _ = k.buckets(toks)
         other_key = (kb == k.n + 1).to(dev, torch.float32)[:, None, None, :]  # [B, 1, 1, T]
-        other = torch.empty(*toks.shape, L, H, dtype=torch.float32, device=dev)
+        other = torch.full((*toks.shape, L, H), float("nan"), dtype=torch.float32, device=dev)  # NaN: no heads
 
         def on_capture(cap, m_layer, other=other, other_key=other_key):
             other[:, :, cap.layer] = (cap.attn_probs.to(dev, torch.float32) * other_key).sum(-1).transpose(1, 2)
