@@ -401,6 +401,9 @@ BAD_INPUTS = [
      lambda f: mfpipe.collect_stats(f["model"], ["w1 w2 w3"], tokenizer=f["tok"], tracked=["nope"], context_length=3,
                                   progress=False),
      r"tracked= holds 'nope', no token of the tokenizer"),
+    ("tracked type absent from the windows (its mean value undefined: NaN reached every mean field before stop 81)",
+     lambda f: mfpipe.collect_stats(f["model"], f["toks"], tracked=[_absent_id(f)], progress=False),
+     r"tracked= holds 1 types that never occur in these windows \('\d+'\): their mean values are undefined"),
     ("tracked id beyond the vocabulary",
      lambda f: mfpipe.collect_stats(f["model"], f["toks"], tracked=[10**6], progress=False),
      rf"tracked= holds 1000000: give token ids 0..{VOCAB - 1}"),
@@ -441,6 +444,12 @@ BAD_INPUTS = [
     ("decode: unknown point", lambda f: mfpipe.decode(f["model"], np.ones(D), 1, lens="jlens", jlens=f["J_other"],
                                                       point="mlp"), r"point='mlp': give 'attn'"),
 ]
+
+
+def _absent_id(f) -> int:
+    """A token id below the vocabulary that none of the fixture's windows holds."""
+    held = set(np.unique(np.asarray(f["toks"])).tolist())
+    return next(i for i in range(1, VOCAB) if i not in held)
 
 
 @pytest.mark.parametrize("call,match", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])

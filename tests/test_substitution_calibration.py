@@ -321,6 +321,15 @@ def test_calibrate_job_end_to_end(tmp_path):
     assert U.attrs["kind"] == "calibrated"
     with pytest.raises(ProvenanceError, match="revision"):
         load_calibrated(outputs.kernel, expect={"revision": "step128"})
+    # U stands in for this store's W: paired with the statistics of another corpus (or half) it is refused, naming it
+    # (before stop 81 only model, revision and tracked set were checked, by the caller)
+    from mfpipe.meanfield.calibrated import calibrated_dataset, write_calibrated
+    from mfpipe.meanfield.kernel import kernel_from_store
+
+    assert kernel_from_store(st, ts, calibrated=U).W.shape[0] == 2
+    other = write_calibrated(calibrated_dataset(U.values, st, {"corpus_fingerprint": "OTHER"}), tmp_path / "o.zarr")
+    with pytest.raises(ProvenanceError, match="another corpus fingerprint \('OTHER'\)"):
+        kernel_from_store(st, ts, calibrated=load_calibrated(other))
     with pytest.raises(ValueError, match="not a calibrated kernel store"):
         load_calibrated(store)
 

@@ -17,6 +17,10 @@ __all__ = ["CALIBRATED_FORMAT", "calibrated_dataset", "write_calibrated", "load_
 CALIBRATED_FORMAT = 1
 
 
+# the provenance a calibrated U shares with the statistics store whose P it was calibrated against
+PAIRED = ("model", "revision", "half", "corpus_fingerprint", "tracked_fingerprint", "context_length")
+
+
 def calibrated_dataset(U, stats, attrs: Mapping[str, Any] | None = None):
     """The calibrated kernel as a labelled :class:`xarray.Dataset`: ``U`` (layer, head, query, key) float32
     with the coordinates of the statistics store's ``P`` (``query_str``, ``key_str``, token ids), the store's
@@ -61,4 +65,6 @@ def load_calibrated(path: str | Path, expect: Mapping[str, Any] | None = None, l
     check_provenance(ds.attrs, expect, path)
     U = ds["U"] if layer is None else ds["U"].isel(layer=layer).load()
     U.attrs.update({"min_count": ds.attrs.get("min_count"), "kind": "calibrated"})
+    # what it was calibrated on, for the statistics it is paired with (kernel_from_store checks them)
+    U.attrs.update({k: ds.attrs[k] for k in PAIRED if k in ds.attrs})
     return U

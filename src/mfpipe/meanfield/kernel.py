@@ -124,6 +124,15 @@ def kernel_from_store(stats, tracked, *, min_count: int | None = None, calibrate
         raise ProvenanceError(
             f"statistics store {stats.path} was computed with another tracked set "
             f"({stats.attrs.get('tracked_fingerprint')!r}, this one is {fingerprint!r}); rerun the stats stage")
+    if calibrated is not None:  # calibrated against this store's P: of its model, corpus and half
+        from mfpipe.meanfield.calibrated import PAIRED
+        from mfpipe.stats.api import ProvenanceError, same_value
+
+        for k in (k for k in PAIRED if k in calibrated.attrs and k in stats.attrs):
+            if not same_value(calibrated.attrs[k], stats.attrs[k]):
+                raise ProvenanceError(f"the calibrated kernel U was calibrated on another {k.replace('_', ' ')} "
+                                      f"({calibrated.attrs[k]!r}) than statistics store {stats.path} has "
+                                      f"({stats.attrs[k]!r}); rerun its calibrate_kernel job on this store")
     W = None  # filled a layer at a time: never a second copy of the whole kernel (a list of layers, then a stack)
     mc = None
     for l in range(stats.n_layers):

@@ -45,6 +45,11 @@ def select_tracked_types(blocks: list[np.ndarray], tokenizer, bos_id: int, vocab
     if ts is None or ts.n == 0:
         raise NotebookError("the tracked set is empty: give n_tracked >= 1 (and windows holding tokens other than BOS) "
                             "or a non-empty tracked=")
+    absent = [int(i) for i in ts.type_ids if int(i) < len(counts) and counts[int(i)] == 0]
+    if absent:  # no key of the type: its mean value μ_t is undefined, and 0 x NaN would reach every mean field
+        raise NotebookError(f"tracked= holds {len(absent)} types that never occur in these windows "
+                            f"({', '.join(repr(decode(i)) for i in absent[:5])}{', ...' if len(absent) > 5 else ''}): "
+                            "their mean values are undefined; leave them out or give texts holding them")
     if ts.bos_id != bos_id:
         raise NotebookError(f"the tracked set's BOS id is {ts.bos_id}, the windows start with {bos_id}: it belongs to "
                             "another tokenizer")
