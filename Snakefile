@@ -35,3 +35,11 @@ rule all:
         every_target(),
         EXPLORER_TARGETS,
         rules.run_costs.output,
+
+
+# every rule's params by name, as one more param (mfpipe.workflow.settings): Snakemake's rerun check compares the
+# set of a job's param values without their names, so that a value swapped or made equal to another's is no change
+from mfpipe.workflow.settings import add_named
+
+for _rule in workflow.rules:
+    add_named(_rule)

@@ -103,6 +103,39 @@ def test_missing_corpus_file_names_the_corpus_and_path(tmp_path):
     assert "shakespeare-ci" in msg and "nope.txt" in msg and "point `path`" in msg
 
 
+def test_a_missing_task_file_is_refused_by_its_key(tmp_path):
+    """An ICL task file is a job's input: missing, its old tables stood with no word (Snakemake took them for source
+    files), or a fresh run ended in a MissingInputException naming no key. Found at stop 81."""
+    cfg = ci_config()
+    cfg.setdefault("prompts", {}).setdefault("icl", {})["task_files"] = [str(tmp_path / "mytasks.json")]
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert msg.startswith("prompts.icl.task_files: ") and "mytasks.json' does not exist" in msg, msg
+    (tmp_path / "mytasks.json").write_text('{"name": "mine", "pairs": [["a", "b"]]}')
+    preflight(cfg)
+
+
+@pytest.mark.parametrize("key,edit", [
+    ("positional.models", lambda c: c.setdefault("positional", {}).update(models=["mini-gtp2"])),
+    ("fv.models", lambda c: c.setdefault("fv", {}).update(models=["mini-neo"])),
+    ("fv.head_lists", lambda c: c.setdefault("fv", {}).update(head_lists=[{"name": "x", "model": "mini-gpt",
+                                                                             "heads": ["L0H0"]}])),
+])
+def test_a_near_miss_of_a_model_name_is_refused_naming_the_model_meant(key, edit):
+    """A typo in a model name an experiment lists skipped the experiment for that model with no word (found at stop
+    81); names far from every model's stand (the presets share one fv block naming the paper's three models)."""
+    cfg = ci_config()
+    edit(cfg)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    msg = one_line(e)
+    assert msg.startswith(f"{key}: ") and "is no model of this config; did you mean 'mini-" in msg, msg
+    cfg = ci_config()
+    cfg.setdefault("fv", {}).update(models=["gpt2-small", "gemma-2-2b", "gpt-j-6b"])
+    preflight(cfg)
+
+
 def test_a_local_folder_without_a_tokenizer_or_with_a_broken_config_is_refused_by_name(tmp_path):
     """transformers hands back a one-entry tokenizer for a folder without tokenizer files (every text then encodes to
     nothing, and the corpus job failed saying the corpus was too small); a config.json that is no JSON raised a

@@ -316,6 +316,20 @@ def test_a_models_threads_rerun_nothing_and_its_tokens_per_step_only_what_reads_
     assert rules and rules <= {"crossmodel_table", "figure_crossmodel", "explorer_index"}, rules
 
 
+def test_a_value_equal_to_another_params_or_swapped_with_it_reruns_its_jobs(built, tmp_path):
+    """Snakemake compares a job's params as a set of values without their names: before stop 81 a new value equal to
+    another param's (``prompts.icl.natural_length`` 20, where ``substitution.min_count`` is 20) or two values swapped
+    (``ranking.top`` / ``bottom``) planned nothing, and the tables stayed as they were. Each rule's params by name are
+    one more param (mfpipe.workflow.settings), so both plan the jobs that read them."""
+    cfg = variant(tmp_path, "natural", lambda c: c.setdefault("prompts", {}).setdefault("icl", {}).update(
+        natural_length=20))
+    rules = {r for r, _ in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, cfg)))}
+    assert {"icl_classes"} <= rules, rules
+    swap = variant(tmp_path, "swap", lambda c: c.setdefault("ranking", {}).update(top=15, bottom=20))
+    rules = {r for r, _ in planned_jobs(snakemake(built, "-n", configfiles=(CI_CONFIG, swap)))}
+    assert {"ranking"} <= rules, rules
+
+
 def test_second_run_does_nothing(built):
     text = snakemake(built, "-n")
     assert planned_jobs(text) == [], text[-3000:]

@@ -4,6 +4,8 @@
 - :mod:`~mfpipe.workflow.preflight` — the inputs checked when the DAG is built (architectures, files, hub commits).
 - :mod:`~mfpipe.workflow.revisions` — revision names (``step<k>``) and the mini suite's checkpoints.
 - :mod:`~mfpipe.workflow.codedeps` — each job script's library files, from its imports (the rules' code inputs).
+- :mod:`~mfpipe.workflow.settings` — every rule's params by name as one more param (Snakemake compares their values
+  as a set: a value swapped or equal to another's was no change).
 - :mod:`~mfpipe.workflow.scheduling` — Snakemake's scheduler wake-ups, one pending at a time.
 - :mod:`~mfpipe.workflow.runner` — how a rule's job runs: the job function found, handed the
   :class:`~mfpipe.workflow.runner.Job`, a failure reported in one line; a job's model load.

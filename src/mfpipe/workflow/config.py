@@ -261,6 +261,7 @@ def check_config(config: dict) -> None:
             resolve_revisions(config, m)
             resolve_rollout_revisions(config, m)
         check_topn_revisions(config, m)
+    _near_misses(config)
     seen_lists = set()
     for entry in (config.get("fv") or {}).get("head_lists") or []:
         for task in entry.get("tasks") or ["*"]:
@@ -291,3 +292,22 @@ def check_config(config: dict) -> None:
                     "corpus.reserve_train_every and corpus.document_unit must equal minisuite.corpus's when the "
                     "mini suite is analysed on the embedded corpus, so that its training text stays out of both halves"
                 )
+
+
+def _near_misses(config: dict) -> None:
+    """A model name in ``positional.models``, ``fv.models``, ``fv.null`` or ``fv.head_lists`` that is no model of this
+    config but nearly one's (a typo: ``mini-gtp2``) is refused, naming the key and the model meant: the experiment
+    would silently skip the model. Other names stand (the presets share one ``fv`` block naming the paper's three
+    models, of which each runs its own)."""
+    import difflib
+
+    names = [m["name"] for m in config["models"]]
+    fv = config.get("fv") or {}
+    given = [("positional.models", n) for n in (config.get("positional") or {}).get("models") or []]
+    given += [("fv.models", n) for n in fv.get("models") or []] + [("fv.null", n) for n in fv.get("null") or {}]
+    given += [("fv.head_lists", e.get("model")) for e in fv.get("head_lists") or []]
+    for key, name in given:
+        near = difflib.get_close_matches(str(name), names, n=1, cutoff=0.85) if name not in names else []
+        if near:
+            raise ConfigError(f"{key}: {name!r} is no model of this config; did you mean {near[0]!r}? (models: "
+                              f"{', '.join(names)})")

@@ -144,6 +144,10 @@ def check_inputs(config: dict) -> None:
                 f"corpus {c['name']!r}: path {c['path']!r} does not exist (relative paths are from the working "
                 "directory); point `path` at a .txt/.jsonl/.parquet file or a folder of them"
             )
+    for path in ((config.get("prompts") or {}).get("icl") or {}).get("task_files") or []:  # a job's input: missing,
+        if not Path(path).is_file():  # the job never runs and its old tables stand (or, fresh, a MissingInputException)
+            raise ConfigError(f"prompts.icl.task_files: {path!r} does not exist (relative paths are from the working "
+                              "directory); point it at a task file (JSON: docs) or remove it")
     verified = None
     mini = {m["name"]: m for m in (config.get("minisuite") or {}).get("models", [])}
     for spec in config["models"]:
