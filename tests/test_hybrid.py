@@ -10,6 +10,7 @@ block beside attention in blocks of one class) passes every conformance check.""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from layer_loops import assert_store_equals_loops, loop_means
@@ -168,6 +169,49 @@ def test_the_rollout_runs_a_mamba_block_as_the_models_one_position_forward(jamba
     assert got.shape == (5, 3, 64) and np.isfinite(got).all()
     c1 = mixer_block(ad, 0, torch.as_tensor(got[0]))
     np.testing.assert_allclose(got[1], c1.numpy(), rtol=0, atol=0)  # layer 0, Mamba: the block's own forward
+
+
+def test_the_layer_ablations_of_a_hybrid_are_of_its_attention_layers(jamba):
+    """Table 1's ``Pavg`` (P averaged over layers) and ``P0only`` (the first layer's P at every layer) on a hybrid:
+    before stop 81 they averaged or copied the Mamba layers' NaN rows, so both kernels were NaN throughout, passed the
+    row check (NaN fails no comparison), rolled out to NaN after the first attention block, and the table averaged the
+    one depth left -- the Mamba block, the same for every kernel -- over "4 layers", in bold, as the best. Now both are
+    of the attention layers (NaN, unread, at the others), a NaN where the rollout reads a kernel is refused, the
+    context-free ablation runs, and ``n_layers`` counts the depths averaged."""
+    from mfpipe.experiments.rollout import kernels as K
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.experiments.rollout import tables as RT
+    from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
+
+    ad = get_adapter(jamba)
+    tokens = zipf_windows(6, seed=1)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "layer_kinds": list(ad.layer_kinds)}
+    st = MeanFieldStats(finalize(sums, tracked, meta, dtype=np.float64))
+    setup = RO.prepare(ad, st, st)
+    P = np.asarray(st.P().transpose("layer", "head", "query", "key").values)
+    att = list(ad.attention_layers)
+    for name, want in (("Pavg", P[att].mean(0)), ("P0only", P[att[0]])):
+        Kr = np.asarray(RO.build_kernel(name, setup))
+        for l in range(4):
+            if l in att:
+                np.testing.assert_allclose(Kr[l], want, rtol=1e-12, atol=0, err_msg=f"{name} layer {l}")
+            else:
+                assert np.isnan(Kr[l]).all(), (name, l)
+    bad = P.copy()
+    bad[1, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="layer 1: kernel has non-finite entries"):
+        K.check_row_stochastic(bad, atol=1e-4, skip=[0, 2])
+    df = RO.run_rollouts(jamba, ad, None, None, kernels=["mean_field", "Pavg", "P0only", "context_free_kernel"],
+                         setup=setup)
+    assert np.isfinite(df["value"]).all(), df[~np.isfinite(df["value"])]
+    summary = RT.rollout_summary(df)
+    assert (summary["n_layers"] == 4).all(), summary
+    part = df[~((df["kernel"] == "Pavg") & (df["depth"] > 1))]  # a rollout NaN beyond depth 1, as before the fix
+    broken = pd.concat([part, df[(df["kernel"] == "Pavg") & (df["depth"] > 1)].assign(value=np.nan)])
+    s = RT.rollout_summary(broken).set_index("kernel")
+    assert s.loc["Pavg", "n_layers"] == 1 and s.loc["mean_field", "n_layers"] == 4
 
 
 @pytest.mark.parametrize("family", ["jamba", "recurrent_gemma"])

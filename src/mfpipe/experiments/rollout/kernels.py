@@ -86,21 +86,26 @@ def probability_rounding(dtype: str | None) -> float:
     return UNIT_ROUNDOFF.get(str(dtype), UNIT_ROUNDOFF["float32"])
 
 
-def check_row_stochastic(K, atol: float = 1e-6, below: Sequence[int] = (), sub: bool = False) -> None:
+def check_row_stochastic(K, atol: float = 1e-6, below: Sequence[int] = (), sub: bool = False,
+                         skip: Sequence[int] = ()) -> None:
     """Raise ``ValueError`` unless every row of ``K [..., N, N+2]`` is non-negative and sums to 1 (a
     :class:`~mfpipe.experiments.rollout.layered.LayerKernel` checked one layer at a time). ``below``: the layers of a
     ``[L, H, N, N+2]`` kernel whose rows may sum to less (at most 1): an attention sink takes a share of each row and
     adds no value (gpt_oss, MiMo-V2-Flash's sliding layers, Granite-SWA: the adapter's ``sink_layers``); ``sub``: all
-    of ``K``'s rows may."""
+    of ``K``'s rows may. ``skip``: the layers without heads (a hybrid's other mixers: NaN, the rollout reads no kernel
+    there); every other entry must be finite."""
     K = _as_kernel(K)
-    below = set(int(l) for l in below)
-    if isinstance(K, LayerKernel) or below:
-        for l in range(len(K)):
+    below, skip = set(int(l) for l in below), set(int(l) for l in skip)
+    if isinstance(K, LayerKernel) or below or skip:
+        for l in (l for l in range(len(K)) if l not in skip):
             try:
                 check_row_stochastic(K[l], atol, sub=l in below)
             except ValueError as e:
                 raise ValueError(f"layer {l}: {e}") from None
         return
+    if not np.isfinite(K).all():  # (NaN passes every comparison below)
+        idx = np.unravel_index(int(np.argmin(np.isfinite(K))), K.shape)
+        raise ValueError(f"kernel has non-finite entries (the first at {idx})")
     if (K < -atol).any():
         raise ValueError(f"kernel has negative entries (min {K.min():.3g})")
     dev = np.abs(K.sum(-1) - 1.0) if not sub else np.maximum(K.sum(-1) - 1.0, 0.0)
@@ -112,11 +117,9 @@ def check_row_stochastic(K, atol: float = 1e-6, below: Sequence[int] = (), sub: 
 def below_one(name: str, sink_layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
     """The layers of kernel ``name`` whose rows may sum below 1 (:func:`check_row_stochastic`'s ``below``) where the
     layers ``sink_layers`` of ``P`` do (a sink's share): those layers, or every layer for a kernel built from them
-    across layers (``P0only`` from layer 0, ``Pavg`` from all)."""
+    across layers (``P0only`` from the first layer with heads, ``Pavg`` from all: any sink then)."""
     sinks = tuple(int(l) for l in sink_layers)
-    if name == "P0only":
-        return tuple(range(n_layers)) if 0 in sinks else ()
-    if name == "Pavg":
+    if name in ("P0only", "Pavg"):
         return tuple(range(n_layers)) if sinks else ()
     return sinks
 
@@ -131,7 +134,7 @@ def mean_field(P) -> np.ndarray:
 @torch.no_grad()
 def context_free_kernel(model_or_adapter, type_ids, bos_id: int, batch_size: int = 256) -> np.ndarray:
     """``[L, H, N, N+2]``: attention of position 1 on BOS (column ``N``) and on itself (column ``s``) when the
-    model runs on ``[BOS, t_s]`` alone; all other columns 0. The attention is read through the adapter's site
+    model runs on ``[BOS, t_s]`` alone; all other columns 0 (NaN at a hybrid's layers without heads). The attention is read through the adapter's site
     (:meth:`mfpipe.models.adapters.Adapter.run`, probabilities only), one forward per batch of types.
 
     ``model_or_adapter``: an :class:`~mfpipe.models.adapters.Adapter` or the HF causal LM (eager attention, eval
@@ -150,15 +153,20 @@ def context_free_kernel(model_or_adapter, type_ids, bos_id: int, batch_size: int
         t = ids[start : start + batch_size]
         inp = torch.stack([torch.full_like(t, int(bos_id)), t], dim=1)
         per_layer: list[torch.Tensor] = []
-        # each layer's [B, H, 2, 2] -> position-1 row [B, H, 2] (key 0 = BOS, key 1 = self)
-        adapter.run(inp, select=("attn_probs",), on_layer=lambda cap: per_layer.append(cap.attn_probs[:, :, 1, :].clone()))
-        rows.append(torch.stack(per_layer, dim=0).cpu().double().numpy())
+        nan = torch.full((t.numel(), adapter.n_heads, 2), float("nan"))  # a hybrid's other mixers: no heads
+
+        def keep(cap, per_layer=per_layer, nan=nan):  # each layer's [B, H, 2, 2] -> position-1 row [B, H, 2]
+            per_layer.append(nan if cap.attn_probs is None else cap.attn_probs[:, :, 1, :].detach().cpu().clone())
+
+        adapter.run(inp, select=("attn_probs",), on_layer=keep)  # (key 0 = BOS, key 1 = self)
+        rows.append(torch.stack(per_layer, dim=0).double().numpy())
     a = np.concatenate(rows, axis=1)  # [L, N, H, 2]
     L, _, H, _ = a.shape
     K = np.zeros((L, H, n, n + 2))
     s = np.arange(n)
     K[:, :, s, s] = a[..., 1].transpose(0, 2, 1)
     K[:, :, s, n] = a[..., 0].transpose(0, 2, 1)
+    K[np.isnan(a).all(axis=(1, 2, 3))] = np.nan  # a hybrid's layers without heads: NaN throughout, as P's
     return K
 
 
@@ -250,29 +258,45 @@ def rowshuffle(P, seed: int = 0) -> np.ndarray:
     return np.take_along_axis(P, perms[..., None], axis=-2)
 
 
+def _headed(P) -> list[int]:
+    """The layers of ``P`` with heads: all but a hybrid's other mixers, whose rows are NaN throughout."""
+    return [l for l in range(len(P)) if np.isfinite(P[l]).any()]
+
+
+def _at_headed(P, layer: np.ndarray, headed: list[int]):
+    """``layer`` at every layer of ``P`` with heads, NaN at the others (as ``P`` is: the rollout runs a hybrid's
+    other blocks as the model does, reading no kernel there)."""
+    if len(headed) == len(P) and not isinstance(P, LayerKernel):
+        return np.broadcast_to(layer[None], P.shape).copy()
+    nan = np.full(P.shape[1:], np.nan)
+    if isinstance(P, LayerKernel):
+        return LayerKernel(P.shape, lambda l: layer if l in headed else nan)
+    return np.stack([layer if l in headed else nan for l in range(len(P))])
+
+
 def p0only(P) -> np.ndarray:
-    """The layer-0 kernel reused at every layer, head by head: ``K[l,h] = P[0,h]``."""
+    """The first layer's kernel reused at every layer, head by head: ``K[l,h] = P[0,h]`` (a hybrid's: its first
+    attention layer's, at its attention layers)."""
     P = _as_kernel(P)
     if P.ndim != 4:
         raise ValueError(f"P0only needs [L, H, N, N+2]; got {P.shape}")
-    if isinstance(P, LayerKernel):
-        first = P[0]
-        return LayerKernel(P.shape, lambda l: first)
-    return np.broadcast_to(P[:1], P.shape).copy()
+    headed = _headed(P)
+    return _at_headed(P, np.array(P[headed[0]], copy=True), headed)
 
 
 def pavg(P) -> np.ndarray:
-    """The kernel averaged over layers, head by head: ``K[l,h] = mean_l' P[l',h]``."""
+    """The kernel averaged over layers, head by head: ``K[l,h] = mean_l' P[l',h]`` (a hybrid's: over its attention
+    layers, at its attention layers)."""
     P = _as_kernel(P)
     if P.ndim != 4:
         raise ValueError(f"Pavg needs [L, H, N, N+2]; got {P.shape}")
+    headed = _headed(P)
     if isinstance(P, LayerKernel):  # the layers added in order, as numpy's mean over the outer axis adds them
-        total = P[0]
-        for l in range(1, len(P)):
+        total = P[headed[0]]
+        for l in headed[1:]:
             total += P[l]
-        avg = total / len(P)
-        return LayerKernel(P.shape, lambda l: avg)
-    return np.broadcast_to(P.mean(0, keepdims=True), P.shape).copy()
+        return _at_headed(P, total / len(headed), headed)
+    return _at_headed(P, P[headed].mean(0), headed)
 
 
 def self_kernel(n_layers: int, n_heads: int, n: int) -> np.ndarray:

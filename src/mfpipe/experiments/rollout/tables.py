@@ -45,7 +45,7 @@ ESTIMATORS = {"a": "(a) exact attention, MLP at centroid",
 
 # ------------------------------------------------------------------------------------------- summaries
 def layer_summary(df: pd.DataFrame, by: Sequence[str], counts: Sequence[str] = ()) -> pd.DataFrame:
-    """Per group of ``by`` (those present in ``df``): ``n_layers``, the maximum of each ``counts`` column present,
+    """Per group of ``by`` (those present in ``df``): ``n_layers`` (the depths with a finite score, those averaged), the maximum of each ``counts`` column present,
     then the cross-layer mean and standard error over layers of every metric (``<metric>``, ``<metric>_se``:
     SE = std(ddof=1)/sqrt(n_layers), NaN for one layer), from a long table ``metric, value`` by ``depth`` (or
     per-block ``layer``). Groups keep their order of first appearance."""
@@ -55,7 +55,7 @@ def layer_summary(df: pd.DataFrame, by: Sequence[str], counts: Sequence[str] = (
     for name, sub in df.groupby(by, sort=False):
         name = name if isinstance(name, tuple) else (name,)
         row = dict(zip(by, name))
-        row["n_layers"] = int(sub[key].nunique())
+        row["n_layers"] = int(sub.loc[np.isfinite(sub["value"]), key].nunique())  # averaged: the finite ones
         for k in counts:
             if k in sub:
                 row[k] = int(sub[k].max())
