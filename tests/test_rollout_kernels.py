@@ -227,6 +227,7 @@ def test_rows_below_one_are_allowed_only_in_a_sinks_layers():
         K.check_row_stochastic(np.concatenate([P[:1], P[1:2] * 1.3, P[2:]]), below=[1])
     assert K.below_one("mean_field", [1], 3) == (1,) and K.below_one("Pavg", [1], 3) == (0, 1, 2)
     assert K.below_one("P0only", [1], 3) == () and K.below_one("P0only", [0], 3) == (0, 1, 2)
+    assert K.below_one("P0only", [1], 3, first=1) == (0, 1, 2)  # a hybrid's: from its first attention layer
     K.check_row_stochastic(K.pavg(P), below=K.below_one("Pavg", [1], 3))
 
 

@@ -114,12 +114,15 @@ def check_row_stochastic(K, atol: float = 1e-6, below: Sequence[int] = (), sub: 
         raise ValueError(f"kernel rows do not sum to 1: worst row {idx} off by {dev[idx]:.3g}")
 
 
-def below_one(name: str, sink_layers: Sequence[int], n_layers: int) -> tuple[int, ...]:
+def below_one(name: str, sink_layers: Sequence[int], n_layers: int, first: int = 0) -> tuple[int, ...]:
     """The layers of kernel ``name`` whose rows may sum below 1 (:func:`check_row_stochastic`'s ``below``) where the
     layers ``sink_layers`` of ``P`` do (a sink's share): those layers, or every layer for a kernel built from them
-    across layers (``P0only`` from the first layer with heads, ``Pavg`` from all: any sink then)."""
+    across layers (``P0only`` from the first layer with heads, ``first``: a hybrid's first attention layer; ``Pavg``
+    from all)."""
     sinks = tuple(int(l) for l in sink_layers)
-    if name in ("P0only", "Pavg"):
+    if name == "P0only":
+        return tuple(range(n_layers)) if int(first) in sinks else ()
+    if name == "Pavg":
         return tuple(range(n_layers)) if sinks else ()
     return sinks
 

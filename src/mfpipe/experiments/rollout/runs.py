@@ -205,7 +205,8 @@ def run_rollouts(model, adapter, stats_store, eval_store, kernels: Sequence[str]
         # (stats.partial_mantissa_bits)
         K.check_row_stochastic(Kr, atol=1e-4 + rounding_bound(setup.meta.get("partial_mantissa_bits"))
                                + K.probability_rounding(setup.meta.get("dtype")),
-                               below=K.below_one(name, setup.meta.get("sink_layers", ()), L),
+                               below=K.below_one(name, setup.meta.get("sink_layers", ()), L,
+                                                 adapter.attention_layers[0]),
                                skip=[l for l in range(L) if l not in adapter.attention_layers])
         for p in pins:
             pred = _rollout_one(adapter, setup, Kr, p)
