@@ -56,7 +56,13 @@ def setup(request, tok, tmp_path_factory):
     tk, texts = tok
     model = make_tiny_model(request.param, seed=3, vocab_size=len(tk), bos_token_id=0, eos_token_id=0)
     ad = get_adapter(model)
-    stream = [i for t in texts * 3 for i in tk(t + "\n", add_special_tokens=False)["input_ids"]]
+    tracked, st = _stats_store(model, ad, tk, texts * 3, tmp_path_factory.mktemp("fv") / "stats.zarr")
+    return model, ad, tk, tracked, st
+
+
+def _stats_store(model, ad, tk, texts, path):
+    """(the tracked set, the opened statistics store) of ``model`` on ``texts`` packed into BOS-led windows."""
+    stream = [i for t in texts for i in tk(t + "\n", add_special_tokens=False)["input_ids"]]
     n_win = len(stream) // (T_CTX - 1)
     windows = np.concatenate([np.zeros((n_win, 1), np.int64),
                               np.asarray(stream[: n_win * (T_CTX - 1)]).reshape(n_win, -1)], axis=1)
@@ -64,8 +70,7 @@ def setup(request, tok, tmp_path_factory):
     sums = accumulate_shard(model, ad, windows, tracked, batch_size=8, device="cpu", progress=False)
     meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "t", "corpus_fingerprint": "fp",
             "model_type": ad.model_type}
-    st = open_stats(write_store(finalize(sums, tracked, meta), tmp_path_factory.mktemp("fv") / "stats.zarr"))
-    return model, ad, tk, tracked, st
+    return tracked, open_stats(write_store(finalize(sums, tracked, meta), path))
 
 
 CFG = dict(n_pairs=20, n_extract=8, n_splits=2, n_shots=3, n_clean=6, n_corrupted=3, n_selected=3,
@@ -738,15 +743,7 @@ def test_a_hybrid_selects_and_injects_only_heads_of_its_attention_layers(tok, tm
     ad = get_adapter(model)
     att = ad.attention_layers
     assert tuple(att) == (1, 3)
-    stream = [i for t in texts * 2 for i in tk(t + "\n", add_special_tokens=False)["input_ids"]]
-    n_win = len(stream) // (T_CTX - 1)
-    windows = np.concatenate([np.zeros((n_win, 1), np.int64),
-                              np.asarray(stream[: n_win * (T_CTX - 1)]).reshape(n_win, -1)], axis=1)
-    tracked = tracked_for(windows, n=60, bos=0, vocab=len(tk))
-    sums = accumulate_shard(model, ad, windows, tracked, batch_size=8, device="cpu", progress=False)
-    meta = {"model": "tiny", "revision": "r1", "half": "stats", "corpus": "t", "corpus_fingerprint": "fp",
-            "model_type": ad.model_type}
-    st = open_stats(write_store(finalize(sums, tracked, meta), tmp_path / "stats.zarr"))
+    tracked, st = _stats_store(model, ad, tk, texts * 2, tmp_path / "stats.zarr")
     cfg = dict(CFG, n_selected=5, n_splits=1, head_lists={}, clean_sweep=[2])
     out = E.run_task(ad, _task(), tk, 0, lambda cue: Hd.corpus_null(st, tracked, cue), cfg, context_length=T_CTX)
     h = out["heads"]

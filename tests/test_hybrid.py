@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 import torch
 from layer_loops import assert_store_equals_loops, loop_means
-from stats_reference import BOS, VOCAB, tracked_for, zipf_windows
+from stats_reference import BOS, tracked_for, zipf_windows
 from tiny_models import tiny_jamba
 
 from mfpipe.models.adapters import describe, get_adapter
@@ -171,6 +171,20 @@ def test_the_rollout_runs_a_mamba_block_as_the_models_one_position_forward(jamba
     np.testing.assert_allclose(got[1], c1.numpy(), rtol=0, atol=0)  # layer 0, Mamba: the block's own forward
 
 
+def _rollout_setup(jamba):
+    """(the adapter, the statistics of six Zipf windows, the rollout's setup on them) of the tiny Jamba."""
+    from mfpipe.experiments.rollout import runs as RO
+    from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
+
+    ad = get_adapter(jamba)
+    tokens = zipf_windows(6, seed=1)
+    tracked = tracked_for(tokens)
+    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
+    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "layer_kinds": list(ad.layer_kinds)}
+    st = MeanFieldStats(finalize(sums, tracked, meta, dtype=np.float64))
+    return ad, st, RO.prepare(ad, st, st)
+
+
 def test_the_layer_ablations_of_a_hybrid_are_of_its_attention_layers(jamba):
     """Table 1's ``Pavg`` (P averaged over layers) and ``P0only`` (the first layer's P at every layer) on a hybrid:
     before stop 81 they averaged or copied the Mamba layers' NaN rows, so both kernels were NaN throughout, passed the
@@ -181,15 +195,8 @@ def test_the_layer_ablations_of_a_hybrid_are_of_its_attention_layers(jamba):
     from mfpipe.experiments.rollout import kernels as K
     from mfpipe.experiments.rollout import runs as RO
     from mfpipe.experiments.rollout import tables as RT
-    from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
 
-    ad = get_adapter(jamba)
-    tokens = zipf_windows(6, seed=1)
-    tracked = tracked_for(tokens)
-    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
-    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "layer_kinds": list(ad.layer_kinds)}
-    st = MeanFieldStats(finalize(sums, tracked, meta, dtype=np.float64))
-    setup = RO.prepare(ad, st, st)
+    ad, st, setup = _rollout_setup(jamba)
     P = np.asarray(st.P().transpose("layer", "head", "query", "key").values)
     att = list(ad.attention_layers)
     for name, want in (("Pavg", P[att].mean(0)), ("P0only", P[att[0]])):
@@ -233,17 +240,9 @@ def test_the_per_layer_tables_of_a_hybrid_name_each_layers_kind(jamba):
 
     from mfpipe.experiments.ranking.heads import heads_table
     from mfpipe.experiments.rollout import accounting as AC
-    from mfpipe.experiments.rollout import runs as RO
     from mfpipe.experiments.rollout import tables as RT
-    from mfpipe.stats import MeanFieldStats, accumulate_shard, finalize
 
-    ad = get_adapter(jamba)
-    tokens = zipf_windows(6, seed=1)
-    tracked = tracked_for(tokens)
-    sums = accumulate_shard(jamba, ad, tokens, tracked, batch_size=4, device="cpu", progress=False)
-    meta = {"model": "tiny-jamba", "revision": "r", "half": "stats", "layer_kinds": list(ad.layer_kinds)}
-    st = MeanFieldStats(finalize(sums, tracked, meta, dtype=np.float64))
-    setup = RO.prepare(ad, st, st)
+    ad, st, setup = _rollout_setup(jamba)
     mamba, attention = [0, 2], [1, 3]
     teacher_forced = AC.teacher_forced_table(ad, setup)
     for df in (teacher_forced, AC.error_decomposition_table(ad, setup)):
