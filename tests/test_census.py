@@ -157,3 +157,13 @@ def test_an_encoder_attends_ahead_and_a_decoder_does_not():
     assert not attends_ahead(make_tiny_model("llama"))
     assert attends_ahead(random_model(shrink_config(transformers.BertConfig())))
     assert not attends_ahead(random_model(shrink_config(transformers.BertConfig(is_decoder=True))))
+
+
+def test_a_family_name_that_is_none_is_refused(capsys):
+    """``mfpipe census gpt_2`` counted the typo as a family and its KeyError as a refusal of the tool's, exit 0
+    (found at stop 81); it is an argument error naming it, before any family is built."""
+    from mfpipe.models.census import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["gpt_2", "gpt2"])
+    assert e.value.code == 2 and "not a causal-LM family of transformers" in capsys.readouterr().err

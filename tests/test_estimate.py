@@ -220,3 +220,12 @@ def test_a_batch_cut_below_the_jobs_adds_a_windows_share_to_the_batched_stages()
     more = Cal._memory(model, adapter, 0.0, 1.0, peaks, more_windows_mb=3 * per_window)["peak_mb"]
     assert {k: round(more[k] - plain[k], 6) for k in plain} == {
         **{k: round(3 * per_window, 6) for k in Cal.BATCHED}, "rollout": 0.0, "jlens": 0.0}
+
+
+def test_a_bad_config_value_ends_the_estimate_in_one_line(capsys, monkeypatch):
+    """``mfpipe estimate --config runtime.batch_size=abc`` printed the ConfigError's traceback, exit 1 (found at stop
+    81); it is one line naming the key, exit 2, as an estimate error is."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert R.main(["--config", "runtime.batch_size=abc"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mfpipe estimate: ") and "runtime.batch_size" in err[0], err

@@ -227,6 +227,23 @@ def _tokenizer(shift: int = 0):
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="<s>", eos_token="<s>")
 
 
+def test_a_padded_embedding_keeps_the_pipelines_tracked_set():
+    """A model whose embedding has more rows than its tokenizer has tokens (Pythia's 50304 for 50277): the corpus stage
+    sizes the tracked set by the tokenizer, and the notebook did by the embedding, so its tracked fingerprint differed
+    from the run's and the run's own tracked set was refused (found at stop 81)."""
+    from mfpipe.corpus.tracked import count_types, select_tracked
+    from mfpipe.notebook.inputs import text_windows
+
+    model = make_tiny_model("gpt2", vocab_size=VOCAB + 32)
+    model.config.bos_token_id = VOCAB - 1
+    tok = _tokenizer()
+    text = " ".join(f"w{i % 9 + 1}" for i in range(300))
+    ds = mfpipe.collect_stats(model, [text], tokenizer=tok, n_tracked=5, context_length=20, progress=False)
+    windows = text_windows([text], tok, VOCAB - 1, 20)  # the windows the store was measured on, as the corpus stage
+    run = select_tracked(count_types(windows, len(tok)), 5, VOCAB - 1, decode=str)  # selects by them (BOS never)
+    assert len(tok) == VOCAB < model.config.vocab_size and ds.attrs["tracked_fingerprint"] == run.fingerprint
+
+
 def test_texts_are_tokenized_and_bos_led():
     model = make_tiny_model("gpt2")
     model.config.bos_token_id = VOCAB - 1
@@ -404,6 +421,11 @@ BAD_INPUTS = [
     ("tracked type absent from the windows (its mean value undefined: NaN reached every mean field before stop 81)",
      lambda f: mfpipe.collect_stats(f["model"], f["toks"], tracked=[_absent_id(f)], progress=False),
      r"tracked= holds 1 types that never occur in these windows \('\d+'\): their mean values are undefined"),
+    ("n_tracked not whole", lambda f: mfpipe.collect_stats(f["model"], f["toks"], n_tracked=2.7, progress=False),
+     r"n_tracked=2.7: give a whole number"),
+    ("partial_mantissa_bits 0",
+     lambda f: mfpipe.collect_stats(f["model"], f["toks"], partial_mantissa_bits=0, progress=False),
+     r"partial_mantissa_bits=0: give None \(float32 partials\) or a whole number of mantissa bits 1..23"),
     ("tracked id beyond the vocabulary",
      lambda f: mfpipe.collect_stats(f["model"], f["toks"], tracked=[10**6], progress=False),
      rf"tracked= holds 1000000: give token ids 0..{VOCAB - 1}"),
@@ -438,6 +460,10 @@ BAD_INPUTS = [
     ("decode: J-lens store of another model",
      lambda f: mfpipe.decode(f["model"], np.ones(D), 1, lens="jlens", jlens=f["J_other"]),
      r"the J-lens store has layers 0..3, the model 0..2: it belongs to another model"),
+    ("decode: J-lens store of other weights of the same shape (accepted before stop 81)",
+     lambda f: mfpipe.decode(f["model"], np.ones(D), 1, lens="jlens",
+                             jlens=f["J_other"].assign_attrs(weights_fingerprint="0123456789abcdef")),
+     r"the J-lens store was computed on other weights than this model's"),
     ("decode: J-lens store path that does not exist",
      lambda f: mfpipe.decode(f["model"], np.ones(D), 1, lens="jlens", jlens="/nonexistent/jlens.zarr"),
      r"/nonexistent/jlens.zarr"),

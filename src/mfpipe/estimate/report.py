@@ -303,6 +303,7 @@ def main(argv=None) -> int:
     import argparse
 
     from mfpipe.estimate.jobs import EstimateError
+    from mfpipe.workflow.config import ConfigError
 
     ap = argparse.ArgumentParser(prog="mfpipe estimate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,7 +330,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         jobs, ctx = estimate(args.configfile, args.config, device=devices[1], snakefile=args.snakefile,
                              jobs_at_once=args.jobs_at_once, progress=lambda s: print(s, file=sys.stderr))
-    except EstimateError as e:
+    except (EstimateError, ConfigError) as e:  # a bad --config value: one line naming the key, as for the workflow
         print(f"mfpipe estimate: {e}", file=sys.stderr)
         return 2
     return 1 if _print(jobs, ctx, devices, args, time.perf_counter() - t0) else 0

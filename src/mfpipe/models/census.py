@@ -330,6 +330,10 @@ def main(argv=None) -> int:
     ap.add_argument("--write", metavar="MD", help="replace the census section of this Markdown file (e.g. "
                                                   "docs/architectures.md) instead of printing the table")
     args = ap.parse_args(argv)
+    unknown = sorted(set(args.families) - set(causal_lm_families()))
+    if unknown:  # a typo is no family, and no refusal of the tool's to count
+        ap.error(f"not a causal-LM family of transformers {transformers.__version__}: {', '.join(unknown)} "
+                 "(the model_type, e.g. gpt2, llama, qwen3)")
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)  # transformers' notes on odd default configs, one per family
     rows = census(args.families or None, progress=lambda r: print(

@@ -172,6 +172,8 @@ def decode(model, vector, layer: int | None = None, lens: str = "raw", jlens=Non
     if origin.get("weights_fingerprint"):
         check_identity(hf, None, origin, "the vector", weights=ident["weights_fingerprint"])
     J = _jlens_store(jlens) if lens == "jlens" else None
+    if isinstance(J, xr.Dataset):  # of this model's weights and commit, as the statistics are (same shape is not enough)
+        check_identity(hf, None, J.attrs, "the J-lens store", weights=ident["weights_fingerprint"])
     with prepared(hf) as adapter, torch.no_grad():
         if v.shape[1] != adapter.d_model:
             hint = (" (context_deviation's reads='head' are head space: use reads='resid')"

@@ -41,6 +41,8 @@ def select_tracked_types(blocks: list[np.ndarray], tokenizer, bos_id: int, vocab
                         int(counts.sum()), dict(meta or {}))
     else:
         n = DEFAULT_N_TRACKED if n_tracked is None else int(n_tracked)
+        if n_tracked is not None and (isinstance(n_tracked, bool) or n != n_tracked):
+            raise NotebookError(f"n_tracked={n_tracked!r}: give a whole number of tracked types")
         ts = select_tracked(counts, n, bos_id, decode=decode, meta=meta) if n > 0 else None
     if ts is None or ts.n == 0:
         raise NotebookError("the tracked set is empty: give n_tracked >= 1 (and windows holding tokens other than BOS) "
@@ -100,6 +102,10 @@ def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | No
     hf, tok = resolve_model(model, tokenizer)
     bos = bos_id_of(hf, tok)
     batch_size = positive_int("batch_size", batch_size)
+    if partial_mantissa_bits is not None and (isinstance(partial_mantissa_bits, bool) or not isinstance(
+            partial_mantissa_bits, (int, np.integer)) or not 1 <= partial_mantissa_bits <= 23):
+        raise NotebookError(f"partial_mantissa_bits={partial_mantissa_bits!r}: give None (float32 partials) or a whole "
+                            "number of mantissa bits 1..23")
     if context_length is None:
         context_length = min(DEFAULT_CONTEXT_LENGTH, int(getattr(hf.config, "max_position_embeddings", 0) or 1 << 30))
     elif positive_int("context_length", context_length) < 2:
@@ -109,7 +115,10 @@ def collect_stats(model, tokens_or_texts, *, tokenizer=None, n_tracked: int | No
         raise NotebookError(f"statistics need windows of one length, got {sorted({b.shape[1] for b in blocks})}; give "
                             "a [n, T] array or texts with context_length=")
     check_fits(hf, blocks)
-    vocab = max(len(tok) if tok is not None else 0, int(hf.config.vocab_size), int(max(b.max() for b in blocks)) + 1)
+    top = int(max(b.max() for b in blocks)) + 1
+    # the tracked set's vocabulary as the corpus stage sizes it, the tokenizer's (its fingerprint holds it: a padded
+    # embedding, Pythia's 50304 for 50277 tokens, gave another fingerprint than the run's); the config's without one
+    vocab = len(tok) if tok is not None and top <= len(tok) else max(int(hf.config.vocab_size), top)
     ts = select_tracked_types(blocks, tok, bos, vocab, n_tracked=n_tracked, tracked=tracked)
     with prepared(hf, device) as adapter:
         parts = []
