@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.probe import Seen, UnsupportedArchitectureError, is_norm, submodule
-from mfpipe.models.adapters.residual import branch_scale
+from mfpipe.models.adapters.residual import block_scales, branch_scale, snapped
 from mfpipe.models.adapters.sinks import probe_sink
 from mfpipe.models.adapters.streaming import held
 
@@ -170,7 +170,7 @@ def block_forms(block: nn.Module, attn: str, side: str | None, no_mlp: bool, nam
     which the probe places as the block's own."""
     attn_mod = submodule(block, attn)
     form = source_form(attn_mod)  # DBRX's q, k, v clamped to +-clip_qkv; MiMo-V2-Flash's values scaled
-    scales = [float(v) for v in vars(block).values() if isinstance(v, float)]
+    scales = block_scales(block)
     top = attn.split(".")[0]
     sink = probe_sink(attn_mod, attn)  # a sink's factor on the reads (Granite-SWA's): armed for the probe
 
@@ -249,9 +249,7 @@ def _two_scales(delta: Tensor, a: Tensor, b: Tensor, scales) -> tuple[float, flo
     if torch.linalg.matrix_rank(A) < 2:
         return 1.0, None
     x, y = (float(v) for v in torch.linalg.lstsq(A, delta.reshape(-1, 1).double()).solution.flatten())
-    snap = [1.0, *scales]
-    x, y = (next((v for v in snap if abs(v - t) <= 1e-4 * abs(t)), t) for t in (x, y))
-    return x, y
+    return snapped(x, [1.0, *scales]), snapped(y, [1.0, *scales])
 
 
 def has_side_mixer(adapter) -> bool:

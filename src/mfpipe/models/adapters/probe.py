@@ -34,9 +34,9 @@ from mfpipe.models.adapters.convolved import conv_watch, position_conv, value_co
 from mfpipe.models.adapters.gate import gated_layout
 from mfpipe.models.adapters.linears import attention_linears, canonical_layout, chunk_index, off_linear
 from mfpipe.models.adapters.normed import normed_layout
-from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, branch_scale, closed_chain, closing_modules,
-                                             embed_scale, input_embedding, mlp_needs_sequences, mlp_residual,
-                                             mlp_siblings, post_norm)
+from mfpipe.models.adapters.residual import (PROBE_IDS, attn_adds_residual, block_scales, branch_scale, closed_chain,
+                                             closing_modules, embed_scale, input_embedding, mlp_needs_sequences,
+                                             mlp_residual, mlp_siblings, post_norm)
 from mfpipe.models.adapters.returned import returned_sources, returning_children
 from mfpipe.models.adapters.streaming import held
 
@@ -153,7 +153,7 @@ def probe(model, base, blocks, attn: str, out_proj: str, outer_norms: list[str],
     final_norm, embed_norm = _outer_norms(seen, outer_norms, mt)
     norms = [n for n, m in watch.items() if n[:1] != "<" and n != attn.split(".")[0] and n in seen
              and (is_norm(m) or position_conv(m))]  # a branch's convolution over positions: its post-norm's role
-    scales = [float(v) for v in vars(block).values() if isinstance(v, float)]  # a block's own branch scale
+    scales = block_scales(block)  # a block's own branch scale
     out = dict(final_norm=final_norm, embed_norm=embed_norm, mlp_chain=chain,
                mlp_siblings=tuple(n for n in order if n in {*chain, *siblings}) if siblings else (),
                attn_residual=attn_residual, mlp_residual=residual is not None,

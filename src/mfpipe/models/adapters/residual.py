@@ -7,7 +7,8 @@ positions join the embedding: found in the probe forward (:mod:`~mfpipe.models.a
   output with a zero residual); a module that adds the residual to its one projection's output and norms the sum
   (BERT's layout, GIT's ``attention.output`` and ``output``: :func:`closing_modules`), its projection's output the
   branch, its norm the next one's (a post-norm's, whose roles the probe decides);
-* a branch scale (MiniCPM-3 multiplies each branch by ``scale_depth / sqrt(L)``: :func:`branch_scale`), a bias the
+* a branch scale (MiniCPM-3 multiplies each branch by ``scale_depth / sqrt(L)``: :func:`branch_scale`, a block's own
+  number where it is one, :func:`block_scales`), a bias the
   attention returns for the block to add (:func:`returned_bias`: GPT-NeoX-Japanese's), and a scalar the block
   multiplies its output by (:func:`scalar_buffer`: Gemma-4's ``layer_scalar``);
 * an absolute position table as a tensor (:func:`table_rows`: a learned one, or a sinusoidal buffer; the candidates:
@@ -34,9 +35,10 @@ from torch import Tensor, nn
 from mfpipe.models.adapters.capture import first_output
 from mfpipe.models.adapters.streaming import held
 
-__all__ = ["PROBE_IDS", "affine_candidates", "affine_embedding", "attn_adds_residual", "branch_scale", "closed_chain",
-           "closing_modules", "embed_scale", "head_transform", "input_embedding", "logit_scale",
-           "mlp_needs_sequences", "mlp_residual", "mlp_siblings", "post_norm", "position_tables", "returned_bias", "scalar_buffer", "table_rows"]
+__all__ = ["PROBE_IDS", "affine_candidates", "affine_embedding", "attn_adds_residual", "block_scales", "branch_scale",
+           "closed_chain", "closing_modules", "embed_scale", "head_transform", "input_embedding", "logit_scale",
+           "mlp_needs_sequences", "mlp_residual", "mlp_siblings", "post_norm", "position_tables", "returned_bias",
+           "scalar_buffer", "snapped", "table_rows"]
 
 PROBE_IDS = (torch.arange(3) * 7 + 1)  # the probe's three tokens (mod the vocabulary)
 
@@ -120,7 +122,7 @@ def mlp_siblings(seen: dict, order: list[str], block: nn.Module, chain: list[str
 
     def joins(mlp_branch: Tensor) -> bool:
         both = seen["<attn>"].y + mlp_branch
-        c = branch_scale(delta, both, [float(v) for v in vars(block).values() if isinstance(v, float)])
+        c = branch_scale(delta, both, block_scales(block))
         return c is not None and same(c * both, delta)
 
     return found if joins(first.y + sum(seen[n].y for n in found)) and not joins(first.y) else []
@@ -184,14 +186,25 @@ def closed_chain(seen: dict, closing: dict[str, tuple[str, str]], chain: list[st
     return [*chain[:-1], closing[chain[-1]][0]] if chain[-1] in closing else chain
 
 
+def block_scales(block: nn.Module) -> list[float]:
+    """The block's own numbers (its float attributes: Granite's ``residual_multiplier``, Falcon-H1's multipliers), which
+    a fitted scale is replaced by where it is one of them (:func:`snapped`)."""
+    return [float(v) for v in vars(block).values() if isinstance(v, float)]
+
+
+def snapped(c: float, scales) -> float:
+    """``c``, or the one of ``scales`` it is to 1e-4 (the block's own number: the adapter then scales as the block
+    does, to the bit)."""
+    return next((v for v in scales if abs(v - c) <= 1e-4 * abs(c)), c)
+
+
 def branch_scale(delta: Tensor, branch: Tensor, scales) -> float | None:
-    """The factor ``c`` with ``delta = c * branch`` (least squares), replaced by the one of ``scales`` it is to 1e-4
-    (the block's own number: the adapter then scales as the block does, to the bit); None where ``branch`` is 0."""
+    """The factor ``c`` with ``delta = c * branch`` (least squares), :func:`snapped` to ``scales``; None where
+    ``branch`` is 0."""
     nb = float((branch.double() ** 2).sum())
     if nb <= 0:
         return None
-    c = float((delta.double() * branch.double()).sum()) / nb
-    return next((v for v in scales if abs(v - c) <= 1e-4 * abs(c)), c)
+    return snapped(float((delta.double() * branch.double()).sum()) / nb, scales)
 
 
 def mlp_needs_sequences(blocks, block, chain: list[str], x3: Tensor, want: Tensor, same, residual: bool) -> bool:
@@ -239,8 +252,8 @@ def _needs_sequences(block, chain: list[str], x3: Tensor, want: Tensor | None, s
 
 
 def embed_scale(base, seen: dict, table, embed_norm: str | None, same) -> tuple[float, int, tuple | None] | str:
-    """(the scale the token embedding reaches block 0 with: 1, sqrt(d) or a number of its config; the row offset of the position table
-    ``table`` added where there is one; an affine map of the base model's own vectors, :func:`affine_candidates`, where
+    """(the scale the token embedding reaches block 0 with: 1, sqrt(d) or a number of its config; the row offset of
+    the position table ``table`` added where there is one; an affine map of the base model's own vectors, :func:`affine_candidates`, where
     it applies one), through the embedding norm ``embed_norm`` where there is one; where none fits, why (the probe
     refuses the model so). Of the forms that fit to the model's rounding (``same``), the closest: a 16-bit model's
     rounding would also let ``e`` stand for ``(e + b) * s`` with ``s`` near 1 (an equally close simpler form wins)."""

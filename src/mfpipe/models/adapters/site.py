@@ -274,7 +274,8 @@ class TracedSite(OutputGate, AttentionSink):  # an output gate's reads and piece
         if need_attn_out and self.POST_ATTN_NORM is not None:
             attn_out = module_at(layer_env, self.POST_ATTN_NORM).output
         if need_attn_out:
-            attn_out = attn_out.float() if self._attn_scale() == 1.0 else attn_out * self._attn_scale()  # as the block
+            c = self._attn_scale()  # as the block scales it (both branches', and the attention's own: Falcon-H1's)
+            attn_out = attn_out.float() if c == 1.0 else attn_out * c
             if "attn_out" in sel:
                 cap.attn_out = attn_out.float()
         if "mlp_out" in sel and self.MLP is None:  # no MLP in the block (Nemotron-H's attention blocks): a zero branch
