@@ -261,39 +261,35 @@ def rowshuffle(P, seed: int = 0) -> np.ndarray:
     return np.take_along_axis(P, perms[..., None], axis=-2)
 
 
-def _headed(P) -> list[int]:
-    """The layers of ``P`` with heads: all but a hybrid's other mixers, whose rows are NaN throughout."""
-    return [l for l in range(len(P)) if np.isfinite(P[l]).any()]
-
-
 def _at_headed(P, layer: np.ndarray, headed: list[int]):
     """``layer`` at every layer of ``P`` with heads, NaN at the others (as ``P`` is: the rollout runs a hybrid's
     other blocks as the model does, reading no kernel there)."""
-    if len(headed) == len(P) and not isinstance(P, LayerKernel):
-        return np.broadcast_to(layer[None], P.shape).copy()
+    if len(headed) == len(P):  # every layer (no NaN layer allocated)
+        return LayerKernel(P.shape, lambda l: layer) if isinstance(P, LayerKernel) else np.broadcast_to(
+            layer[None], P.shape).copy()
     nan = np.full(P.shape[1:], np.nan)
     if isinstance(P, LayerKernel):
         return LayerKernel(P.shape, lambda l: layer if l in headed else nan)
     return np.stack([layer if l in headed else nan for l in range(len(P))])
 
 
-def p0only(P) -> np.ndarray:
-    """The first layer's kernel reused at every layer, head by head: ``K[l,h] = P[0,h]`` (a hybrid's: its first
-    attention layer's, at its attention layers)."""
+def p0only(P, layers=None) -> np.ndarray:
+    """The first layer's kernel reused at every layer, head by head: ``K[l,h] = P[0,h]``; of ``layers`` only where
+    given (a hybrid's attention layers: its first one's, at those, NaN at the others; all layers by default)."""
     P = _as_kernel(P)
     if P.ndim != 4:
         raise ValueError(f"P0only needs [L, H, N, N+2]; got {P.shape}")
-    headed = _headed(P)
+    headed = list(range(len(P))) if layers is None else [int(l) for l in layers]
     return _at_headed(P, np.array(P[headed[0]], copy=True), headed)
 
 
-def pavg(P) -> np.ndarray:
-    """The kernel averaged over layers, head by head: ``K[l,h] = mean_l' P[l',h]`` (a hybrid's: over its attention
-    layers, at its attention layers)."""
+def pavg(P, layers=None) -> np.ndarray:
+    """The kernel averaged over layers, head by head: ``K[l,h] = mean_l' P[l',h]``; over ``layers`` only where given
+    (a hybrid's attention layers, at those, NaN at the others; all layers by default)."""
     P = _as_kernel(P)
     if P.ndim != 4:
         raise ValueError(f"Pavg needs [L, H, N, N+2]; got {P.shape}")
-    headed = _headed(P)
+    headed = list(range(len(P))) if layers is None else [int(l) for l in layers]
     if isinstance(P, LayerKernel):  # the layers added in order, as numpy's mean over the outer axis adds them
         total = P[headed[0]]
         for l in headed[1:]:
@@ -334,11 +330,13 @@ def build_kernel(
     bos_id: int | None = None,
     seed: int = 0,
     meanq_weights=None,
+    layers=None,
 ) -> np.ndarray:
     """Build kernel ``name`` (one of :data:`KERNEL_NAMES`) from the mean field ``P [L, H, N, N+2]``.
 
     ``cooc`` needs ``cooc_counts [N, N(+2)]``; ``context_free_kernel`` needs ``model``, ``type_ids`` and ``bos_id``;
-    ``rowshuffle`` uses ``seed``; ``meanq`` optional ``meanq_weights``.
+    ``rowshuffle`` uses ``seed``; ``meanq`` optional ``meanq_weights``; ``P0only`` and ``Pavg`` the ``layers`` with
+    heads (a hybrid's attention layers; all by default).
     """
     if name == "mean_field":
         return mean_field(P)
@@ -357,7 +355,7 @@ def build_kernel(
     if name == "rowshuffle":
         return rowshuffle(P, seed)
     if name == "P0only":
-        return p0only(P)
+        return p0only(P, layers)
     if name == "Pavg":
-        return pavg(P)
+        return pavg(P, layers)
     raise ValueError(f"unknown kernel {name!r}; known: {KERNEL_NAMES}")
