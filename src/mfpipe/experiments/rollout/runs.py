@@ -123,7 +123,8 @@ def build_kernel(name: str, setup: RolloutSetup, model=None, seed: int = 0) -> n
             raise ValueError("the context_free_kernel ablation needs the model")
         return K.context_free_kernel(model, setup.type_ids, setup.bos_id)
     cooc = setup.st.cooc().values if name == "cooc" else None
-    return K.build_kernel(name, setup.P, cooc_counts=cooc, seed=seed, layers=setup.st.attention_layers)
+    layers = setup.st.attention_layers if name in ("P0only", "Pavg") else None  # the layers with heads
+    return K.build_kernel(name, setup.P, cooc_counts=cooc, seed=seed, layers=layers)
 
 
 def context_free_prediction(adapter, setup: RolloutSetup) -> np.ndarray:
